@@ -1,0 +1,546 @@
+//! Ring descriptors: plain integers only (no enums, no pointers), so any bit pattern is a valid
+//! value and the daemon can decode hostile input without undefined behaviour.
+//!
+//! Memory is always named by `(mem_id, offset)` of a registration that belongs to the posting
+//! session (DESIGN.md contract 3). Count semantics follow NCCL: `count` is the per-rank element
+//! count of the *smaller* buffer (send for all_gather, recv for reduce_scatter, per-peer block for
+//! all_to_all).
+
+use thiserror::Error;
+
+/// Submission queue entry, client -> daemon. 64 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SubmitDesc {
+    /// Opaque to the daemon; echoed in the completion.
+    pub user_data: u64,
+    /// One of [`opcode`].
+    pub opcode: u16,
+    /// One of [`dtype`].
+    pub dtype: u8,
+    /// One of [`redop`] (ops that reduce), else 0.
+    pub redop: u8,
+    /// Bit set of [`flags`].
+    pub flags: u32,
+    /// Session-local communicator handle from `CreateCommunicator`.
+    pub comm: u32,
+    /// Root rank (broadcast, reduce) or peer rank (send, recv), else 0.
+    pub peer: u32,
+    /// Element count (see module docs).
+    pub count: u64,
+    pub send_mem: u32,
+    pub recv_mem: u32,
+    pub send_off: u64,
+    pub recv_off: u64,
+    /// Must be zero.
+    pub reserved: u64,
+}
+
+/// Completion queue entry, daemon -> client. 32 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CompletionDesc {
+    pub user_data: u64,
+    /// One of [`status`].
+    pub status: u32,
+    pub comm: u32,
+    /// Sequence number of the op on its communicator (collectives), or per-peer index (p2p).
+    pub seq: u64,
+    pub reserved: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<SubmitDesc>() == 64);
+const _: () = assert!(std::mem::size_of::<CompletionDesc>() == 32);
+
+pub mod opcode {
+    pub const ALL_REDUCE: u16 = 1;
+    pub const ALL_GATHER: u16 = 2;
+    pub const REDUCE_SCATTER: u16 = 3;
+    pub const BROADCAST: u16 = 4;
+    pub const REDUCE: u16 = 5;
+    pub const ALL_TO_ALL: u16 = 6;
+    pub const SEND: u16 = 7;
+    pub const RECV: u16 = 8;
+    pub const BARRIER: u16 = 9;
+}
+
+pub mod dtype {
+    pub const F32: u8 = 1;
+    pub const F64: u8 = 2;
+    pub const F16: u8 = 3;
+    pub const BF16: u8 = 4;
+    pub const I8: u8 = 5;
+    pub const U8: u8 = 6;
+    pub const I32: u8 = 7;
+    pub const I64: u8 = 8;
+}
+
+pub mod redop {
+    pub const SUM: u8 = 1;
+    pub const PROD: u8 = 2;
+    pub const MIN: u8 = 3;
+    pub const MAX: u8 = 4;
+    pub const AVG: u8 = 5;
+}
+
+pub mod flags {
+    /// Reserved for later ABI versions; the daemon rejects unknown bits.
+    pub const KNOWN: u32 = 0;
+}
+
+/// Completion status codes. A failed op still completes (DESIGN.md contract 5); its message is
+/// fetched with the `GetOpError` RPC.
+pub mod status {
+    pub const OK: u32 = 0;
+    /// The descriptor failed validation (bad code, bounds, unknown handle).
+    pub const INVALID: u32 = 1;
+    /// Ranks posted different op/dtype/count/root/reduction for the same sequence number.
+    pub const MISMATCH: u32 = 2;
+    /// A rank of the communicator died or left.
+    pub const PEER_LOST: u32 = 3;
+    /// Some ranks never posted this sequence number within the op timeout.
+    pub const TIMEOUT: u32 = 4;
+    /// The daemon is shutting down.
+    pub const SHUTDOWN: u32 = 5;
+    /// The communicator was aborted by an earlier error or destroyed.
+    pub const ABORTED: u32 = 6;
+    pub const INTERNAL: u32 = 7;
+
+    pub fn name(s: u32) -> &'static str {
+        match s {
+            OK => "ok",
+            INVALID => "invalid",
+            MISMATCH => "mismatch",
+            PEER_LOST => "peer_lost",
+            TIMEOUT => "timeout",
+            SHUTDOWN => "shutdown",
+            ABORTED => "aborted",
+            INTERNAL => "internal",
+            _ => "unknown",
+        }
+    }
+}
+
+/// Decoded operation kind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+    Reduce,
+    AllToAll,
+    Send,
+    Recv,
+    Barrier,
+}
+
+impl OpKind {
+    pub fn from_code(c: u16) -> Option<Self> {
+        Some(match c {
+            opcode::ALL_REDUCE => Self::AllReduce,
+            opcode::ALL_GATHER => Self::AllGather,
+            opcode::REDUCE_SCATTER => Self::ReduceScatter,
+            opcode::BROADCAST => Self::Broadcast,
+            opcode::REDUCE => Self::Reduce,
+            opcode::ALL_TO_ALL => Self::AllToAll,
+            opcode::SEND => Self::Send,
+            opcode::RECV => Self::Recv,
+            opcode::BARRIER => Self::Barrier,
+            _ => return None,
+        })
+    }
+    pub fn code(self) -> u16 {
+        match self {
+            Self::AllReduce => opcode::ALL_REDUCE,
+            Self::AllGather => opcode::ALL_GATHER,
+            Self::ReduceScatter => opcode::REDUCE_SCATTER,
+            Self::Broadcast => opcode::BROADCAST,
+            Self::Reduce => opcode::REDUCE,
+            Self::AllToAll => opcode::ALL_TO_ALL,
+            Self::Send => opcode::SEND,
+            Self::Recv => opcode::RECV,
+            Self::Barrier => opcode::BARRIER,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::AllReduce => "all_reduce",
+            Self::AllGather => "all_gather",
+            Self::ReduceScatter => "reduce_scatter",
+            Self::Broadcast => "broadcast",
+            Self::Reduce => "reduce",
+            Self::AllToAll => "all_to_all",
+            Self::Send => "send",
+            Self::Recv => "recv",
+            Self::Barrier => "barrier",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        ALL_OPS.iter().copied().find(|o| o.name() == s)
+    }
+    pub fn reduces(self) -> bool {
+        matches!(self, Self::AllReduce | Self::ReduceScatter | Self::Reduce)
+    }
+    pub fn has_root(self) -> bool {
+        matches!(self, Self::Broadcast | Self::Reduce)
+    }
+    pub fn is_p2p(self) -> bool {
+        matches!(self, Self::Send | Self::Recv)
+    }
+    /// Whether the op reads a send buffer on this rank (`root_is_me` for rooted ops).
+    pub fn uses_send(self, root_is_me: bool) -> bool {
+        match self {
+            Self::Broadcast => root_is_me,
+            Self::Recv | Self::Barrier => false,
+            _ => true,
+        }
+    }
+    /// Whether the op writes a receive buffer on this rank.
+    pub fn uses_recv(self, root_is_me: bool) -> bool {
+        match self {
+            Self::Reduce => root_is_me,
+            Self::Send | Self::Barrier => false,
+            _ => true,
+        }
+    }
+    /// Elements in the send buffer of one rank, for `count` and `nranks`.
+    pub fn send_elems(self, count: u64, nranks: u64) -> Option<u64> {
+        match self {
+            Self::ReduceScatter | Self::AllToAll => count.checked_mul(nranks),
+            Self::Recv | Self::Barrier => Some(0),
+            _ => Some(count),
+        }
+    }
+    /// Elements in the receive buffer of one rank.
+    pub fn recv_elems(self, count: u64, nranks: u64) -> Option<u64> {
+        match self {
+            Self::AllGather | Self::AllToAll => count.checked_mul(nranks),
+            Self::Send | Self::Barrier => Some(0),
+            _ => Some(count),
+        }
+    }
+}
+
+pub const ALL_OPS: [OpKind; 9] = [
+    OpKind::AllReduce,
+    OpKind::AllGather,
+    OpKind::ReduceScatter,
+    OpKind::Broadcast,
+    OpKind::Reduce,
+    OpKind::AllToAll,
+    OpKind::Send,
+    OpKind::Recv,
+    OpKind::Barrier,
+];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32,
+    F64,
+    F16,
+    BF16,
+    I8,
+    U8,
+    I32,
+    I64,
+}
+
+pub const ALL_DTYPES: [DType; 8] = [
+    DType::F32,
+    DType::F64,
+    DType::F16,
+    DType::BF16,
+    DType::I8,
+    DType::U8,
+    DType::I32,
+    DType::I64,
+];
+
+impl DType {
+    pub fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            dtype::F32 => Self::F32,
+            dtype::F64 => Self::F64,
+            dtype::F16 => Self::F16,
+            dtype::BF16 => Self::BF16,
+            dtype::I8 => Self::I8,
+            dtype::U8 => Self::U8,
+            dtype::I32 => Self::I32,
+            dtype::I64 => Self::I64,
+            _ => return None,
+        })
+    }
+    pub fn code(self) -> u8 {
+        match self {
+            Self::F32 => dtype::F32,
+            Self::F64 => dtype::F64,
+            Self::F16 => dtype::F16,
+            Self::BF16 => dtype::BF16,
+            Self::I8 => dtype::I8,
+            Self::U8 => dtype::U8,
+            Self::I32 => dtype::I32,
+            Self::I64 => dtype::I64,
+        }
+    }
+    pub fn size(self) -> u64 {
+        match self {
+            Self::I8 | Self::U8 => 1,
+            Self::F16 | Self::BF16 => 2,
+            Self::F32 | Self::I32 => 4,
+            Self::F64 | Self::I64 => 8,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F64 => "f64",
+            Self::F16 => "f16",
+            Self::BF16 => "bf16",
+            Self::I8 => "i8",
+            Self::U8 => "u8",
+            Self::I32 => "i32",
+            Self::I64 => "i64",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        let s = match s {
+            "float" | "float32" => "f32",
+            "double" | "float64" => "f64",
+            "half" | "float16" => "f16",
+            "bfloat16" => "bf16",
+            "int8" => "i8",
+            "uint8" => "u8",
+            "int" | "int32" => "i32",
+            "int64" => "i64",
+            s => s,
+        };
+        ALL_DTYPES.iter().copied().find(|d| d.name() == s)
+    }
+    pub fn is_float(self) -> bool {
+        matches!(self, Self::F32 | Self::F64 | Self::F16 | Self::BF16)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RedOp {
+    Sum,
+    Prod,
+    Min,
+    Max,
+    Avg,
+}
+
+pub const ALL_REDOPS: [RedOp; 5] = [RedOp::Sum, RedOp::Prod, RedOp::Min, RedOp::Max, RedOp::Avg];
+
+impl RedOp {
+    pub fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            redop::SUM => Self::Sum,
+            redop::PROD => Self::Prod,
+            redop::MIN => Self::Min,
+            redop::MAX => Self::Max,
+            redop::AVG => Self::Avg,
+            _ => return None,
+        })
+    }
+    pub fn code(self) -> u8 {
+        match self {
+            Self::Sum => redop::SUM,
+            Self::Prod => redop::PROD,
+            Self::Min => redop::MIN,
+            Self::Max => redop::MAX,
+            Self::Avg => redop::AVG,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sum => "sum",
+            Self::Prod => "prod",
+            Self::Min => "min",
+            Self::Max => "max",
+            Self::Avg => "avg",
+        }
+    }
+    pub fn parse(s: &str) -> Option<Self> {
+        ALL_REDOPS.iter().copied().find(|d| d.name() == s)
+    }
+}
+
+/// Largest element count accepted in one descriptor (2^40): far above the 2^31 the API promises,
+/// small enough that `count * 8 * nranks` cannot overflow u64 for any `nranks <= 2^16`.
+pub const MAX_COUNT: u64 = 1 << 40;
+/// Largest communicator size accepted.
+pub const MAX_RANKS: u32 = 1 << 16;
+
+/// Why a descriptor was rejected. The message names the field and value.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum DescError {
+    #[error("unknown opcode {0}")]
+    Opcode(u16),
+    #[error("unknown dtype code {0}")]
+    Dtype(u8),
+    #[error("unknown reduction op code {0} for {1}")]
+    Redop(u8, &'static str),
+    #[error("reduction op code {0} given for {1}, which does not reduce (must be 0)")]
+    UnexpectedRedop(u8, &'static str),
+    #[error("unknown flag bits {0:#x}")]
+    Flags(u32),
+    #[error("reserved field is {0:#x}, must be 0")]
+    Reserved(u64),
+    #[error("count {0} exceeds the maximum {MAX_COUNT}")]
+    Count(u64),
+}
+
+/// A descriptor whose codes decoded; memory and rank checks need the session and communicator
+/// and happen in the daemon.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Op {
+    pub user_data: u64,
+    pub kind: OpKind,
+    pub dtype: DType,
+    pub redop: Option<RedOp>,
+    pub comm: u32,
+    pub peer: u32,
+    pub count: u64,
+    pub send_mem: u32,
+    pub recv_mem: u32,
+    pub send_off: u64,
+    pub recv_off: u64,
+}
+
+impl SubmitDesc {
+    /// Decodes and checks everything that needs no context. Never panics, for any bit pattern.
+    pub fn decode(&self) -> Result<Op, DescError> {
+        let kind = OpKind::from_code(self.opcode).ok_or(DescError::Opcode(self.opcode))?;
+        let dtype = DType::from_code(self.dtype).ok_or(DescError::Dtype(self.dtype))?;
+        let redop = if kind.reduces() {
+            Some(RedOp::from_code(self.redop).ok_or(DescError::Redop(self.redop, kind.name()))?)
+        } else if self.redop != 0 {
+            return Err(DescError::UnexpectedRedop(self.redop, kind.name()));
+        } else {
+            None
+        };
+        if self.flags & !flags::KNOWN != 0 {
+            return Err(DescError::Flags(self.flags & !flags::KNOWN));
+        }
+        if self.reserved != 0 {
+            return Err(DescError::Reserved(self.reserved));
+        }
+        if self.count > MAX_COUNT {
+            return Err(DescError::Count(self.count));
+        }
+        Ok(Op {
+            user_data: self.user_data,
+            kind,
+            dtype,
+            redop,
+            comm: self.comm,
+            peer: self.peer,
+            count: if kind == OpKind::Barrier { 0 } else { self.count },
+            send_mem: self.send_mem,
+            recv_mem: self.recv_mem,
+            send_off: self.send_off,
+            recv_off: self.recv_off,
+        })
+    }
+}
+
+/// Checks that `[off, off + bytes)` lies within a region of `len` bytes, without overflow.
+pub fn range_in_bounds(off: u64, bytes: u64, len: u64) -> bool {
+    off.checked_add(bytes).is_some_and(|end| end <= len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn arb_desc() -> impl Strategy<Value = SubmitDesc> {
+        (
+            any::<[u64; 6]>(),
+            any::<(u16, u8, u8, u32, u32, u32, u32, u32)>(),
+        )
+            .prop_map(|(w, (op, dt, ro, fl, cm, pe, sm, rm))| SubmitDesc {
+                user_data: w[0],
+                opcode: op % 12,
+                dtype: dt % 10,
+                redop: ro % 7,
+                flags: if fl % 4 == 0 { fl } else { 0 },
+                comm: cm,
+                peer: pe,
+                count: if w[1] % 3 == 0 { w[1] } else { w[1] % 4096 },
+                send_mem: sm,
+                recv_mem: rm,
+                send_off: w[2],
+                recv_off: w[3],
+                reserved: if w[4] % 4 == 0 { w[5] } else { 0 },
+            })
+    }
+
+    proptest! {
+        #[test]
+        fn decode_never_panics_and_accepts_only_valid(d in arb_desc()) {
+            match d.decode() {
+                Ok(op) => {
+                    prop_assert!(OpKind::from_code(d.opcode).is_some());
+                    prop_assert!(DType::from_code(d.dtype).is_some());
+                    prop_assert!(d.count <= MAX_COUNT);
+                    prop_assert_eq!(d.reserved, 0);
+                    prop_assert_eq!(d.flags, 0);
+                    prop_assert_eq!(op.redop.is_some(), op.kind.reduces());
+                }
+                Err(_) => {}
+            }
+        }
+
+        #[test]
+        fn decode_random_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 64)) {
+            let mut d = SubmitDesc::default();
+            // SAFETY: SubmitDesc is repr(C) made only of integers, so every 64-byte pattern is valid.
+            unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), (&mut d as *mut SubmitDesc).cast::<u8>(), 64) };
+            let _ = d.decode();
+        }
+
+        #[test]
+        fn range_check_matches_wide_arithmetic(off in any::<u64>(), bytes in any::<u64>(), len in any::<u64>()) {
+            let wide = off as u128 + bytes as u128 <= len as u128;
+            prop_assert_eq!(range_in_bounds(off, bytes, len), wide);
+        }
+    }
+
+    #[test]
+    fn codes_round_trip() {
+        for o in ALL_OPS {
+            assert_eq!(OpKind::from_code(o.code()), Some(o));
+            assert_eq!(OpKind::parse(o.name()), Some(o));
+        }
+        for d in ALL_DTYPES {
+            assert_eq!(DType::from_code(d.code()), Some(d));
+            assert_eq!(DType::parse(d.name()), Some(d));
+        }
+        for r in ALL_REDOPS {
+            assert_eq!(RedOp::from_code(r.code()), Some(r));
+        }
+        assert_eq!(OpKind::from_code(0), None);
+        assert_eq!(DType::from_code(9), None);
+    }
+
+    #[test]
+    fn rejects_redop_on_non_reducing_op() {
+        let d = SubmitDesc { opcode: opcode::BROADCAST, dtype: dtype::F32, redop: redop::SUM, ..Default::default() };
+        assert_eq!(d.decode(), Err(DescError::UnexpectedRedop(redop::SUM, "broadcast")));
+        let d = SubmitDesc { opcode: opcode::ALL_REDUCE, dtype: dtype::F32, redop: 0, ..Default::default() };
+        assert!(matches!(d.decode(), Err(DescError::Redop(0, "all_reduce"))));
+    }
+
+    #[test]
+    fn buffer_sizes_follow_nccl() {
+        assert_eq!(OpKind::AllGather.send_elems(5, 3), Some(5));
+        assert_eq!(OpKind::AllGather.recv_elems(5, 3), Some(15));
+        assert_eq!(OpKind::ReduceScatter.send_elems(5, 3), Some(15));
+        assert_eq!(OpKind::ReduceScatter.recv_elems(5, 3), Some(5));
+        assert_eq!(OpKind::AllToAll.recv_elems(5, 3), Some(15));
+        assert_eq!(OpKind::AllToAll.send_elems(u64::MAX, 3), None);
+    }
+}

@@ -1,0 +1,347 @@
+//! The per-session shared-memory ring (DESIGN.md contract 2).
+//!
+//! Layout (offsets from the start of the memfd; every index and offset below is computed from
+//! `(sq_entries, cq_entries)` by [`RingLayout`], never read back from shared memory by the daemon):
+//!
+//! | offset | what |
+//! |---|---|
+//! | 0 | [`RingHeader`] (magic, ABI version, sizes, offsets), one page |
+//! | 4096 | control page: one 128-byte line per word, see `CTRL_*` |
+//! | 8192 | doorbell page: GPU ready/done counters (reserved for the CUDA data path) |
+//! | 12288 | SQ: `sq_entries` x [`SubmitDesc`] |
+//! | page-aligned | CQ: `cq_entries` x [`CompletionDesc`] |
+//!
+//! Indices are free-running `u32`s masked by `entries - 1`. The SQ tail and the CQ head are written
+//! by the client and therefore untrusted: the daemon checks `tail - head <= entries` and reads each
+//! descriptor into a private copy before validating it.
+//!
+//! Wake-up protocol (both directions alike): the producer publishes its tail (release), issues a
+//! SeqCst fence, bumps the futex word and calls `FUTEX_WAKE` only if the consumer announced that
+//! it sleeps. The consumer announces, re-checks the tail, then waits on the futex word's value
+//! read before the re-check, so a wake-up can never be lost.
+
+use std::fs::File;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use memmap2::{MmapOptions, MmapRaw};
+use thiserror::Error;
+
+use crate::desc::{CompletionDesc, SubmitDesc};
+
+pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"commdRNG");
+pub const RING_ABI_VERSION: u32 = 1;
+pub const PAGE: u64 = 4096;
+pub const MAX_ENTRIES: u32 = 1 << 16;
+pub const DEFAULT_ENTRIES: u32 = 1024;
+
+const CTRL_OFF: u64 = PAGE;
+const DOORBELL_OFF: u64 = 2 * PAGE;
+const SQ_OFF: u64 = 3 * PAGE;
+
+/// Byte offsets of the control words inside the control page (one 128-byte line each, so the
+/// words written by different sides never share a cache line or an adjacent-line prefetch pair).
+pub const CTRL_SQ_TAIL: u64 = 0;
+pub const CTRL_SQ_HEAD: u64 = 128;
+pub const CTRL_SQ_BELL: u64 = 256;
+pub const CTRL_SQ_SLEEPING: u64 = 260;
+pub const CTRL_CQ_TAIL: u64 = 384;
+pub const CTRL_CQ_HEAD: u64 = 512;
+pub const CTRL_CQ_BELL: u64 = 640;
+pub const CTRL_CQ_SLEEPERS: u64 = 644;
+/// Non-zero once the daemon closed the session (value: a `desc::status` code).
+pub const CTRL_SESSION_ERROR: u64 = 768;
+/// Heartbeat bumped by the daemon's poller; lets a client tell a live daemon from a stuck one.
+pub const CTRL_DAEMON_BEAT: u64 = 896;
+
+/// The header page, as written by the daemon. Clients check it on attach.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RingHeader {
+    pub magic: u64,
+    pub version: u32,
+    pub sq_entries: u32,
+    pub cq_entries: u32,
+    pub sq_desc_bytes: u32,
+    pub cq_desc_bytes: u32,
+    pub daemon_pid: u32,
+    pub session_id: u64,
+    pub ctrl_off: u64,
+    pub doorbell_off: u64,
+    pub sq_off: u64,
+    pub cq_off: u64,
+    pub total_bytes: u64,
+}
+
+#[derive(Debug, Error)]
+pub enum RingError {
+    #[error("ring entries must be a power of two in 1..={MAX_ENTRIES}, got sq={0} cq={1}")]
+    Entries(u32, u32),
+    #[error("ring memory is {have} bytes, layout needs {need}")]
+    TooSmall { have: u64, need: u64 },
+    #[error("ring magic {0:#x} is not commd's: is this a commd ring?")]
+    Magic(u64),
+    #[error(
+        "ring ABI version {0} is not supported by this client (supports {RING_ABI_VERSION}); upgrade the older side"
+    )]
+    Version(u32),
+    #[error("ring header describes an inconsistent layout")]
+    Layout,
+    #[error("mapping ring memory: {0}")]
+    Map(#[from] std::io::Error),
+}
+
+/// Ring geometry derived from the two entry counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingLayout {
+    pub sq_entries: u32,
+    pub cq_entries: u32,
+    pub cq_off: u64,
+    pub total_bytes: u64,
+}
+
+impl RingLayout {
+    pub fn new(sq_entries: u32, cq_entries: u32) -> Result<Self, RingError> {
+        let ok = |n: u32| n.is_power_of_two() && n <= MAX_ENTRIES;
+        if !ok(sq_entries) || !ok(cq_entries) {
+            return Err(RingError::Entries(sq_entries, cq_entries));
+        }
+        let sq_bytes = u64::from(sq_entries) * std::mem::size_of::<SubmitDesc>() as u64;
+        let cq_off = (SQ_OFF + sq_bytes).div_ceil(PAGE) * PAGE;
+        let cq_bytes = u64::from(cq_entries) * std::mem::size_of::<CompletionDesc>() as u64;
+        let total_bytes = (cq_off + cq_bytes).div_ceil(PAGE) * PAGE;
+        Ok(Self { sq_entries, cq_entries, cq_off, total_bytes })
+    }
+
+    pub fn header(&self, session_id: u64, daemon_pid: u32) -> RingHeader {
+        RingHeader {
+            magic: RING_MAGIC,
+            version: RING_ABI_VERSION,
+            sq_entries: self.sq_entries,
+            cq_entries: self.cq_entries,
+            sq_desc_bytes: std::mem::size_of::<SubmitDesc>() as u32,
+            cq_desc_bytes: std::mem::size_of::<CompletionDesc>() as u32,
+            daemon_pid,
+            session_id,
+            ctrl_off: CTRL_OFF,
+            doorbell_off: DOORBELL_OFF,
+            sq_off: SQ_OFF,
+            cq_off: self.cq_off,
+            total_bytes: self.total_bytes,
+        }
+    }
+}
+
+/// A mapped ring. Both sides use it; which words each side writes is documented above.
+pub struct Ring {
+    map: MmapRaw,
+    layout: RingLayout,
+}
+
+impl std::fmt::Debug for Ring {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ring").field("layout", &self.layout).finish()
+    }
+}
+
+impl Ring {
+    /// Daemon side: maps `file` (already sized to `layout.total_bytes`) and writes the header.
+    pub fn create(file: &File, layout: RingLayout, session_id: u64, daemon_pid: u32) -> Result<Self, RingError> {
+        let have = file.metadata()?.len();
+        if have < layout.total_bytes {
+            return Err(RingError::TooSmall { have, need: layout.total_bytes });
+        }
+        let map = MmapOptions::new().len(layout.total_bytes as usize).map_raw(file)?;
+        let ring = Self { map, layout };
+        let hdr = layout.header(session_id, daemon_pid);
+        // SAFETY: the mapping is at least one page long (checked above), page-aligned, and
+        // RingHeader is repr(C) plain integers smaller than a page.
+        unsafe { std::ptr::write_volatile(ring.map.as_mut_ptr().cast::<RingHeader>(), hdr) };
+        Ok(ring)
+    }
+
+    /// Client side: maps `file` and checks the header (magic, version, layout) against the size.
+    pub fn attach(file: &File) -> Result<Self, RingError> {
+        let have = file.metadata()?.len();
+        if have < PAGE {
+            return Err(RingError::TooSmall { have, need: PAGE });
+        }
+        let map = MmapOptions::new().len(have as usize).map_raw(file)?;
+        // SAFETY: the mapping is at least one page, page-aligned; RingHeader is plain integers.
+        let hdr = unsafe { std::ptr::read_volatile(map.as_ptr().cast::<RingHeader>()) };
+        if hdr.magic != RING_MAGIC {
+            return Err(RingError::Magic(hdr.magic));
+        }
+        if hdr.version != RING_ABI_VERSION {
+            return Err(RingError::Version(hdr.version));
+        }
+        let layout = RingLayout::new(hdr.sq_entries, hdr.cq_entries)?;
+        if layout.header(hdr.session_id, hdr.daemon_pid) != hdr {
+            return Err(RingError::Layout);
+        }
+        if have < layout.total_bytes {
+            return Err(RingError::TooSmall { have, need: layout.total_bytes });
+        }
+        Ok(Self { map, layout })
+    }
+
+    pub fn layout(&self) -> RingLayout {
+        self.layout
+    }
+
+    pub fn header(&self) -> RingHeader {
+        // SAFETY: the mapping holds at least the header page (checked at construction).
+        unsafe { std::ptr::read_volatile(self.map.as_ptr().cast::<RingHeader>()) }
+    }
+
+    fn word32(&self, off: u64) -> &AtomicU32 {
+        debug_assert!(off % 4 == 0 && off < PAGE);
+        // SAFETY: CTRL_OFF + off lies in the control page inside the mapping, is 4-byte aligned,
+        // and the mapping lives as long as `self`. AtomicU32 has the layout of u32 and is the
+        // intended way to share a word with another process.
+        unsafe { &*self.map.as_ptr().add((CTRL_OFF + off) as usize).cast::<AtomicU32>() }
+    }
+
+    fn word64(&self, off: u64) -> &AtomicU64 {
+        debug_assert!(off % 8 == 0 && off < PAGE);
+        // SAFETY: as for `word32`, with 8-byte alignment.
+        unsafe { &*self.map.as_ptr().add((CTRL_OFF + off) as usize).cast::<AtomicU64>() }
+    }
+
+    pub fn sq_tail(&self) -> &AtomicU32 {
+        self.word32(CTRL_SQ_TAIL)
+    }
+    pub fn sq_head(&self) -> &AtomicU32 {
+        self.word32(CTRL_SQ_HEAD)
+    }
+    pub fn sq_bell(&self) -> &AtomicU32 {
+        self.word32(CTRL_SQ_BELL)
+    }
+    pub fn sq_sleeping(&self) -> &AtomicU32 {
+        self.word32(CTRL_SQ_SLEEPING)
+    }
+    pub fn cq_tail(&self) -> &AtomicU32 {
+        self.word32(CTRL_CQ_TAIL)
+    }
+    pub fn cq_head(&self) -> &AtomicU32 {
+        self.word32(CTRL_CQ_HEAD)
+    }
+    pub fn cq_bell(&self) -> &AtomicU32 {
+        self.word32(CTRL_CQ_BELL)
+    }
+    pub fn cq_sleepers(&self) -> &AtomicU32 {
+        self.word32(CTRL_CQ_SLEEPERS)
+    }
+    pub fn session_error(&self) -> &AtomicU32 {
+        self.word32(CTRL_SESSION_ERROR)
+    }
+    pub fn daemon_beat(&self) -> &AtomicU64 {
+        self.word64(CTRL_DAEMON_BEAT)
+    }
+
+    /// Copies SQ slot `idx & mask` out of shared memory.
+    pub fn read_sq(&self, idx: u32) -> SubmitDesc {
+        let slot = u64::from(idx & (self.layout.sq_entries - 1));
+        let off = SQ_OFF + slot * std::mem::size_of::<SubmitDesc>() as u64;
+        // SAFETY: slot < sq_entries, so the 64-byte descriptor lies inside the SQ array, which
+        // lies inside the mapping (layout checked at construction); the offset is 64-aligned.
+        // Any bit pattern is a valid SubmitDesc (plain integers). A concurrent writer can only
+        // make the copy inconsistent, which validation of the copy handles.
+        unsafe { std::ptr::read_volatile(self.map.as_ptr().add(off as usize).cast::<SubmitDesc>()) }
+    }
+
+    pub fn write_sq(&self, idx: u32, d: &SubmitDesc) {
+        let slot = u64::from(idx & (self.layout.sq_entries - 1));
+        let off = SQ_OFF + slot * std::mem::size_of::<SubmitDesc>() as u64;
+        // SAFETY: as in `read_sq`.
+        unsafe { std::ptr::write_volatile(self.map.as_mut_ptr().add(off as usize).cast::<SubmitDesc>(), *d) }
+    }
+
+    pub fn read_cq(&self, idx: u32) -> CompletionDesc {
+        let slot = u64::from(idx & (self.layout.cq_entries - 1));
+        let off = self.layout.cq_off + slot * std::mem::size_of::<CompletionDesc>() as u64;
+        // SAFETY: slot < cq_entries, the CQ array lies inside the mapping, offset 32-aligned.
+        unsafe { std::ptr::read_volatile(self.map.as_ptr().add(off as usize).cast::<CompletionDesc>()) }
+    }
+
+    pub fn write_cq(&self, idx: u32, c: &CompletionDesc) {
+        let slot = u64::from(idx & (self.layout.cq_entries - 1));
+        let off = self.layout.cq_off + slot * std::mem::size_of::<CompletionDesc>() as u64;
+        // SAFETY: as in `read_cq`.
+        unsafe { std::ptr::write_volatile(self.map.as_mut_ptr().add(off as usize).cast::<CompletionDesc>(), *c) }
+    }
+
+    /// Rings a doorbell: bump the futex word and wake only if the other side sleeps.
+    pub fn ring_bell(bell: &AtomicU32, sleeping: &AtomicU32) {
+        std::sync::atomic::fence(Ordering::SeqCst);
+        bell.fetch_add(1, Ordering::SeqCst);
+        if sleeping.load(Ordering::SeqCst) != 0 {
+            crate::futex::wake_all(bell);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn memfd(len: u64) -> File {
+        let fd = rustix::fs::memfd_create("ring-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let f = File::from(fd);
+        f.set_len(len).unwrap();
+        f
+    }
+
+    #[test]
+    fn layout_is_page_aligned_and_disjoint() {
+        for (s, c) in [(1, 1), (2, 64), (1024, 1024), (MAX_ENTRIES, MAX_ENTRIES)] {
+            let l = RingLayout::new(s, c).unwrap();
+            assert_eq!(l.cq_off % PAGE, 0);
+            assert!(l.cq_off >= SQ_OFF + u64::from(s) * 64);
+            assert!(l.total_bytes >= l.cq_off + u64::from(c) * 32);
+            assert_eq!(l.total_bytes % PAGE, 0);
+        }
+        assert!(RingLayout::new(3, 4).is_err());
+        assert!(RingLayout::new(0, 4).is_err());
+        assert!(RingLayout::new(4, MAX_ENTRIES * 2).is_err());
+    }
+
+    #[test]
+    fn create_attach_round_trip() {
+        let l = RingLayout::new(8, 16).unwrap();
+        let f = memfd(l.total_bytes);
+        let d = Ring::create(&f, l, 42, 7).unwrap();
+        let c = Ring::attach(&f).unwrap();
+        assert_eq!(c.header().session_id, 42);
+        assert_eq!(c.layout(), l);
+        for i in 0..20u32 {
+            let desc = SubmitDesc { user_data: u64::from(i), count: 3, ..Default::default() };
+            c.write_sq(i, &desc);
+            assert_eq!(d.read_sq(i), desc);
+            let comp = CompletionDesc { user_data: u64::from(i), status: 1, ..Default::default() };
+            d.write_cq(i, &comp);
+            assert_eq!(c.read_cq(i), comp);
+        }
+        c.sq_tail().store(5, Ordering::Release);
+        assert_eq!(d.sq_tail().load(Ordering::Acquire), 5);
+    }
+
+    #[test]
+    fn attach_rejects_bad_header() {
+        let l = RingLayout::new(8, 8).unwrap();
+        let f = memfd(l.total_bytes);
+        assert!(matches!(Ring::attach(&f), Err(RingError::Magic(0))));
+        let d = Ring::create(&f, l, 1, 1).unwrap();
+        let mut h = d.header();
+        h.version = 99;
+        // SAFETY: test writes a header into its own mapping.
+        unsafe { std::ptr::write_volatile(d.map.as_mut_ptr().cast::<RingHeader>(), h) };
+        assert!(matches!(Ring::attach(&f), Err(RingError::Version(99))));
+        h.version = RING_ABI_VERSION;
+        h.sq_entries = 1 << 20;
+        // SAFETY: as above.
+        unsafe { std::ptr::write_volatile(d.map.as_mut_ptr().cast::<RingHeader>(), h) };
+        assert!(matches!(Ring::attach(&f), Err(RingError::Entries(..))));
+        let small = memfd(100);
+        assert!(matches!(Ring::attach(&small), Err(RingError::TooSmall { .. })));
+    }
+}
