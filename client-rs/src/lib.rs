@@ -1,1 +1,617 @@
+//! commd-client: the Rust client core used by every commd client (Rust, Python, C/C++).
+//!
+//! A [`Client`] is one session with the local daemon: the gRPC control plane over the Unix
+//! socket, plus the session's shared-memory rings and its fd-socket connection (which also tells
+//! the daemon when this process dies). Host buffers are [`Buffer`]s: sealed memfds mapped here and
+//! in the daemon, so data never crosses a socket. Ops are posted to the submission ring and
+//! completed through the completion ring; waiting spins briefly, then sleeps on a futex.
+//!
+//! Ownership rules (as for NCCL and nonblocking MPI): do not read or write a buffer that an
+//! in-flight op writes, and do not write a buffer an in-flight op reads, until that op completes.
+//! [`Pending`] borrows the buffers it names and waits for its op when dropped.
+//!
+//! Blocking calls drive an internal current-thread tokio runtime: call them from plain threads,
+//! not from inside another async runtime.
 
+pub mod check;
+mod error;
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::marker::PhantomData;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use commd_proto::desc::{CompletionDesc, DType, OpKind, RedOp, SubmitDesc, status};
+use commd_proto::fdproto::{self, FdMsg, kind};
+use commd_proto::pb;
+use commd_proto::pb::local_client::LocalClient;
+use commd_proto::ring::Ring;
+use memmap2::{MmapOptions, MmapRaw};
+use tonic::transport::{Channel, Endpoint, Uri};
+
+pub use commd_proto::desc;
+pub use error::{Error, OpErrorKind, Result};
+
+/// The socket a daemon of this user serves by default (no environment consulted):
+/// root: `/run/commd/commd.sock`; others: `$XDG_RUNTIME_DIR/commd/commd.sock`, else
+/// `/tmp/commd-$UID/commd.sock`.
+pub fn default_socket_path() -> PathBuf {
+    let uid = rustix::process::geteuid();
+    if uid.is_root() {
+        return PathBuf::from("/run/commd/commd.sock");
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) if !d.is_empty() => Path::new(&d).join("commd/commd.sock"),
+        _ => PathBuf::from(format!("/tmp/commd-{}/commd.sock", uid.as_raw())),
+    }
+}
+
+/// Where a client looks for the daemon: `$COMMD_SOCKET`, else this user's default socket if it
+/// exists, else the system daemon's `/run/commd/commd.sock`.
+pub fn resolve_socket_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("COMMD_SOCKET").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let mine = default_socket_path();
+    if mine.exists() { mine } else { PathBuf::from("/run/commd/commd.sock") }
+}
+
+/// Client-side tuning.
+#[derive(Clone, Debug)]
+pub struct Options {
+    /// How long a waiter spins before sleeping (default 20 us, `COMMD_CLIENT_SPIN_US`).
+    pub spin: Duration,
+    /// Shown in `commd status`.
+    pub name: String,
+    /// Ring sizes (0: daemon default).
+    pub ring_entries: u32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        let spin_us = std::env::var("COMMD_CLIENT_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+        Self { spin: Duration::from_micros(spin_us), name: format!("pid {}", std::process::id()), ring_entries: 0 }
+    }
+}
+
+struct CqState {
+    head: u32,
+    done: HashMap<u64, CompletionDesc>,
+}
+
+struct Inner {
+    rt: tokio::runtime::Runtime,
+    rpc: LocalClient<Channel>,
+    session_id: u64,
+    socket: PathBuf,
+    fd_sock: Mutex<OwnedFd>,
+    ring: Ring,
+    sq_tail: Mutex<u32>,
+    cq: Mutex<CqState>,
+    next_user_data: AtomicU64,
+    next_token: AtomicU64,
+    inflight: AtomicU32,
+    limit: u32,
+    spin: Duration,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        let mut rpc = self.rpc.clone();
+        let _ = self.rt.block_on(rpc.goodbye(pb::SessionRef { session_id: self.session_id }));
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One session with the local daemon. Cheap to clone; the session ends when the last clone,
+/// communicator and buffer are dropped, or when the process exits.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Client(session {})", self.inner.session_id)
+    }
+}
+
+impl Client {
+    /// Connects to the daemon at `socket` (or [`resolve_socket_path`]).
+    pub fn connect(socket: Option<&Path>) -> Result<Self> {
+        Self::connect_with(socket, Options::default())
+    }
+
+    pub fn connect_with(socket: Option<&Path>, opts: Options) -> Result<Self> {
+        let path = socket.map(Path::to_path_buf).unwrap_or_else(resolve_socket_path);
+        let unavailable = |reason: String| Error::DaemonUnavailable { path: path.clone(), reason };
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let p = path.clone();
+        let channel = rt
+            .block_on(async move {
+                // The URI is required by the API but unused: the connector dials the Unix socket.
+                Endpoint::try_from("http://commd.invalid")?
+                    .connect_with_connector(tower::service_fn(move |_: Uri| {
+                        let p = p.clone();
+                        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
+                    }))
+                    .await
+            })
+            .map_err(|e| unavailable(source_chain(&e)))?;
+        let mut rpc = LocalClient::new(channel).max_decoding_message_size(16 << 20);
+        let hello = pb::HelloRequest {
+            client_version: commd_proto::VERSION.to_string(),
+            name: opts.name.clone(),
+            sq_entries: opts.ring_entries,
+            cq_entries: opts.ring_entries,
+        };
+        let reply = rt.block_on(rpc.hello(hello)).map_err(|s| match s.code() {
+            tonic::Code::Unavailable | tonic::Code::Unknown => unavailable(s.message().to_string()),
+            _ => Error::rpc("hello", s),
+        })?;
+        let reply = reply.into_inner();
+        let fd_sock = fdproto::connect(Path::new(&reply.fd_socket)).map_err(|e| unavailable(format!("fd socket {}: {e}", reply.fd_socket)))?;
+        let mut secret = [0u8; 16];
+        if reply.attach_secret.len() != 16 {
+            return Err(unavailable("daemon sent a malformed attach secret".into()));
+        }
+        secret.copy_from_slice(&reply.attach_secret);
+        let attach = FdMsg { kind: kind::ATTACH, session_id: reply.session_id, secret, ..Default::default() };
+        fdproto::send(fd_sock.as_fd(), &attach, None)?;
+        let ring_fd = match fdproto::recv(fd_sock.as_fd())? {
+            Some((m, Some(fd))) if m.kind == kind::ATTACH_OK => fd,
+            Some((m, _)) if m.kind == kind::ERROR => return Err(unavailable(format!("attach refused: {}", m.text))),
+            Some(_) => return Err(unavailable("unexpected reply to attach".into())),
+            None => return Err(unavailable("daemon closed the fd socket during attach".into())),
+        };
+        let ring = Ring::attach(&File::from(ring_fd))?;
+        let l = ring.layout();
+        let inner = Inner {
+            rt,
+            rpc,
+            session_id: reply.session_id,
+            socket: path,
+            fd_sock: Mutex::new(fd_sock),
+            limit: l.sq_entries.min(l.cq_entries),
+            ring,
+            sq_tail: Mutex::new(0),
+            cq: Mutex::new(CqState { head: 0, done: HashMap::new() }),
+            next_user_data: AtomicU64::new(1),
+            next_token: AtomicU64::new(1),
+            inflight: AtomicU32::new(0),
+            spin: opts.spin,
+        };
+        Ok(Self { inner: Arc::new(inner) })
+    }
+
+    pub fn session_id(&self) -> u64 {
+        self.inner.session_id
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.inner.socket
+    }
+
+    /// A fresh communicator id (128 opaque bytes) to pass to every rank.
+    pub fn unique_id(&self) -> Result<Vec<u8>> {
+        let i = &self.inner;
+        let r = i.rt.block_on(i.rpc.clone().get_unique_id(pb::SessionRef { session_id: i.session_id }));
+        Ok(r.map_err(|s| Error::rpc("get_unique_id", s))?.into_inner().unique_id)
+    }
+
+    /// Joins the communicator `unique_id` as `rank` of `nranks`; returns when all ranks joined.
+    pub fn communicator(&self, unique_id: &[u8], rank: u32, nranks: u32) -> Result<Communicator> {
+        self.communicator_with(unique_id, rank, nranks, CommOptions::default())
+    }
+
+    pub fn communicator_with(&self, unique_id: &[u8], rank: u32, nranks: u32, o: CommOptions) -> Result<Communicator> {
+        let i = &self.inner;
+        let req = pb::CreateCommunicatorRequest {
+            session_id: i.session_id,
+            unique_id: unique_id.to_vec(),
+            rank,
+            nranks,
+            op_timeout_ms: o.op_timeout.map(|d| d.as_millis().max(1) as u64).unwrap_or(0),
+            join_timeout_ms: o.join_timeout.map(|d| d.as_millis().max(1) as u64).unwrap_or(0),
+        };
+        let r = i.rt.block_on(i.rpc.clone().create_communicator(req)).map_err(|s| Error::rpc("create_communicator", s))?;
+        let r = r.into_inner();
+        Ok(Communicator { client: self.inner.clone(), handle: r.comm, comm_id: r.comm_id, rank, nranks })
+    }
+
+    /// Allocates `bytes` of shared host memory registered with the daemon.
+    pub fn alloc(&self, bytes: u64) -> Result<Buffer> {
+        if bytes == 0 {
+            return Err(Error::InvalidArgument("cannot allocate a 0-byte buffer".into()));
+        }
+        use rustix::fs::{MemfdFlags, SealFlags};
+        let fd = rustix::fs::memfd_create("commd-buf", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).map_err(std::io::Error::from)?;
+        rustix::fs::ftruncate(&fd, bytes).map_err(std::io::Error::from)?;
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL).map_err(std::io::Error::from)?;
+        let file = File::from(fd);
+        let map = MmapOptions::new().len(bytes as usize).map_raw(&file)?;
+        let mem_id = self.register_fd(file.as_fd(), bytes)?;
+        Ok(Buffer { client: self.inner.clone(), mem_id, map, len: bytes })
+    }
+
+    /// Passes `fd` to the daemon and registers its first `bytes` bytes. The fd must be a memfd
+    /// sealed against shrinking. Returns the memory handle.
+    pub fn register_fd(&self, fd: std::os::fd::BorrowedFd<'_>, bytes: u64) -> Result<u32> {
+        let i = &self.inner;
+        let token = i.next_token.fetch_add(1, Ordering::Relaxed);
+        {
+            let sock = lock(&i.fd_sock);
+            fdproto::send(sock.as_fd(), &FdMsg { kind: kind::STAGE, session_id: i.session_id, token, ..Default::default() }, Some(fd))?;
+            match fdproto::recv(sock.as_fd())? {
+                Some((m, _)) if m.kind == kind::STAGE_OK && m.token == token => {}
+                Some((m, _)) if m.kind == kind::ERROR => return Err(Error::InvalidArgument(format!("daemon refused the buffer fd: {}", m.text))),
+                Some(_) => return Err(Error::DaemonLost { session: i.session_id, reason: "unexpected fd-socket reply".into() }),
+                None => return Err(Error::DaemonLost { session: i.session_id, reason: "fd socket closed".into() }),
+            }
+        }
+        let req = pb::RegisterMemoryRequest { session_id: i.session_id, fd_token: token, bytes };
+        let r = i.rt.block_on(i.rpc.clone().register_memory(req)).map_err(|s| Error::rpc("register_memory", s))?;
+        Ok(r.into_inner().mem_id)
+    }
+
+    pub fn deregister(&self, mem_id: u32) -> Result<()> {
+        let i = &self.inner;
+        i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef { session_id: i.session_id, mem_id }))
+            .map_err(|s| Error::rpc("deregister_memory", s))?;
+        Ok(())
+    }
+
+    /// Daemon-wide status (counts of sessions, communicators, registrations...).
+    pub fn status(&self) -> Result<pb::StatusReply> {
+        let i = &self.inner;
+        Ok(i.rt.block_on(i.rpc.clone().status(pb::Empty {})).map_err(|s| Error::rpc("status", s))?.into_inner())
+    }
+
+    /// Waits for the op `user_data` posted on this session.
+    pub fn wait(&self, user_data: u64) -> Result<()> {
+        self.inner.wait(user_data, None).map(|_| ())
+    }
+}
+
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+impl Inner {
+    fn lost(&self, reason: &str) -> Error {
+        Error::DaemonLost { session: self.session_id, reason: reason.to_string() }
+    }
+
+    /// Whether the daemon side of the fd socket hung up (daemon exited).
+    fn daemon_gone(&self) -> bool {
+        let sock = lock(&self.fd_sock);
+        let mut fds = [rustix::event::PollFd::new(&*sock, rustix::event::PollFlags::RDHUP | rustix::event::PollFlags::HUP)];
+        let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
+        matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+            && fds[0].revents().intersects(rustix::event::PollFlags::HUP | rustix::event::PollFlags::RDHUP | rustix::event::PollFlags::ERR)
+    }
+
+    /// Moves every available completion into the `done` map.
+    fn reap(&self, cq: &mut CqState) {
+        let tail = self.ring.cq_tail().load(Ordering::Acquire);
+        let avail = tail.wrapping_sub(cq.head);
+        if avail == 0 || avail > self.ring.layout().cq_entries {
+            return;
+        }
+        for _ in 0..avail {
+            let c = self.ring.read_cq(cq.head);
+            cq.head = cq.head.wrapping_add(1);
+            cq.done.insert(c.user_data, c);
+        }
+        self.ring.cq_head().store(cq.head, Ordering::Release);
+    }
+
+    fn post(&self, mut d: SubmitDesc) -> Result<u64> {
+        if self.ring.session_error().load(Ordering::Acquire) != 0 {
+            return Err(self.session_closed_error());
+        }
+        // Never more ops in flight than the completion ring holds.
+        while self.inflight.load(Ordering::Acquire) >= self.limit {
+            self.wait(0, Some(Duration::from_millis(10))).ok();
+        }
+        self.inflight.fetch_add(1, Ordering::AcqRel);
+        d.user_data = self.next_user_data.fetch_add(1, Ordering::Relaxed);
+        let mut tail = lock(&self.sq_tail);
+        let entries = self.ring.layout().sq_entries;
+        while tail.wrapping_sub(self.ring.sq_head().load(Ordering::Acquire)) >= entries {
+            std::thread::yield_now();
+        }
+        self.ring.write_sq(*tail, &d);
+        *tail = tail.wrapping_add(1);
+        self.ring.sq_tail().store(*tail, Ordering::Release);
+        Ring::ring_bell(self.ring.sq_bell(), self.ring.sq_sleeping());
+        Ok(d.user_data)
+    }
+
+    fn session_closed_error(&self) -> Error {
+        match self.ring.session_error().load(Ordering::Acquire) {
+            status::SHUTDOWN => self.lost("the daemon is shutting down"),
+            _ => self.lost("the daemon closed this session"),
+        }
+    }
+
+    /// Waits for `user_data` (0: for any progress, up to `limit`). Returns the completion.
+    fn wait(&self, user_data: u64, limit: Option<Duration>) -> Result<Option<CompletionDesc>> {
+        let t0 = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            {
+                let mut cq = lock(&self.cq);
+                self.reap(&mut cq);
+                if user_data == 0 {
+                    if !cq.done.is_empty() || limit.is_some_and(|l| t0.elapsed() >= l) {
+                        return Ok(None);
+                    }
+                } else if let Some(c) = cq.done.remove(&user_data) {
+                    drop(cq);
+                    self.inflight.fetch_sub(1, Ordering::AcqRel);
+                    return self.finish(c).map(Some);
+                }
+            }
+            if t0.elapsed() < self.spin {
+                spins += 1;
+                if spins % 64 == 0 {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                continue;
+            }
+            // Sleep on the CQ doorbell, announcing ourselves so the daemon wakes us.
+            let r = &self.ring;
+            r.cq_sleepers().fetch_add(1, Ordering::SeqCst);
+            let bell = r.cq_bell().load(Ordering::SeqCst);
+            let head = lock(&self.cq).head;
+            if r.cq_tail().load(Ordering::SeqCst) == head {
+                commd_proto::futex::wait(r.cq_bell(), bell, Duration::from_millis(100));
+            }
+            r.cq_sleepers().fetch_sub(1, Ordering::SeqCst);
+            if r.cq_tail().load(Ordering::Acquire) == lock(&self.cq).head && lock(&self.cq).done.is_empty() {
+                if r.session_error().load(Ordering::Acquire) != 0 && self.daemon_gone() {
+                    return Err(self.session_closed_error());
+                }
+                if self.daemon_gone() {
+                    return Err(self.lost("the daemon exited (its socket closed) with this op in flight"));
+                }
+            }
+        }
+    }
+
+    fn finish(&self, c: CompletionDesc) -> Result<CompletionDesc> {
+        if c.status == status::OK {
+            return Ok(c);
+        }
+        let kind = OpErrorKind::from_status(c.status);
+        let message = match self.rt.block_on(self.rpc.clone().get_op_error(pb::OpRef { session_id: self.session_id, user_data: c.user_data })) {
+            Ok(r) => r.into_inner().message,
+            Err(_) => format!("op failed with status {} (the daemon is gone, so no message is available)", status::name(c.status)),
+        };
+        Err(Error::Op { kind, message })
+    }
+}
+
+/// Communicator options.
+#[derive(Clone, Debug, Default)]
+pub struct CommOptions {
+    /// Per-op timeout (daemon default: `op_timeout_ms`).
+    pub op_timeout: Option<Duration>,
+    /// How long to wait for the other ranks to join (daemon default: `join_timeout_ms`).
+    pub join_timeout: Option<Duration>,
+}
+
+/// A host buffer in shared memory, registered with the daemon. Deregistered on drop.
+pub struct Buffer {
+    client: Arc<Inner>,
+    mem_id: u32,
+    map: MmapRaw,
+    len: u64,
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Buffer(mem {}, {} bytes)", self.mem_id, self.len)
+    }
+}
+
+impl Buffer {
+    pub fn mem_id(&self) -> u32 {
+        self.mem_id
+    }
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+    /// The buffer's bytes. Do not hold this across an op that writes the buffer.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the mapping is `len` bytes, lives as long as self, and is only written by the
+        // daemon during ops that name it, which the module-level ownership rules exclude here.
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr(), self.len as usize) }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only reference from this process.
+        unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr(), self.len as usize) }
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        let i = &self.client;
+        if i.ring.session_error().load(Ordering::Acquire) == 0 {
+            let _ = i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef { session_id: i.session_id, mem_id: self.mem_id }));
+        }
+    }
+}
+
+/// A buffer location: `(buffer, byte offset)`.
+pub type At<'b> = (&'b Buffer, u64);
+
+/// A posted op. Waits for completion when dropped, so buffers outlive the daemon's use of them.
+#[must_use = "an op is only known to be done after wait()"]
+pub struct Pending<'b> {
+    client: Arc<Inner>,
+    user_data: u64,
+    done: bool,
+    _bufs: PhantomData<&'b Buffer>,
+}
+
+impl Pending<'_> {
+    pub fn user_data(&self) -> u64 {
+        self.user_data
+    }
+
+    /// Blocks until the op completes; a failed op becomes an [`Error::Op`].
+    pub fn wait(mut self) -> Result<()> {
+        self.done = true;
+        self.client.wait(self.user_data, None).map(|_| ())
+    }
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.client.wait(self.user_data, None);
+        }
+    }
+}
+
+/// A communicator handle in this session. Destroyed on drop (other ranks' later ops then fail
+/// with "peer lost").
+pub struct Communicator {
+    client: Arc<Inner>,
+    handle: u32,
+    comm_id: u64,
+    rank: u32,
+    nranks: u32,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Communicator(comm {}, rank {}/{})", self.comm_id, self.rank, self.nranks)
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        let i = &self.client;
+        if i.ring.session_error().load(Ordering::Acquire) == 0 {
+            let _ = i.rt.block_on(i.rpc.clone().destroy_communicator(pb::CommRef { session_id: i.session_id, comm: self.handle }));
+        }
+    }
+}
+
+/// Arguments of one op, for [`Communicator::post`].
+#[derive(Clone, Copy, Debug)]
+pub struct OpArgs<'b> {
+    pub kind: OpKind,
+    pub dtype: DType,
+    pub redop: Option<RedOp>,
+    pub count: u64,
+    /// Root (broadcast, reduce) or peer (send, recv).
+    pub peer: u32,
+    pub send: Option<At<'b>>,
+    pub recv: Option<At<'b>>,
+}
+
+impl Communicator {
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+    pub fn nranks(&self) -> u32 {
+        self.nranks
+    }
+    pub fn id(&self) -> u64 {
+        self.comm_id
+    }
+    pub fn handle(&self) -> u32 {
+        self.handle
+    }
+
+    /// Posts an op; every buffer it names must belong to this client.
+    pub fn post<'b>(&self, a: OpArgs<'b>) -> Result<Pending<'b>> {
+        for b in [a.send, a.recv].into_iter().flatten() {
+            if !Arc::ptr_eq(&b.0.client, &self.client) {
+                return Err(Error::InvalidArgument(format!("{:?} belongs to another client session", b.0)));
+            }
+        }
+        let d = SubmitDesc {
+            user_data: 0,
+            opcode: a.kind.code(),
+            dtype: a.dtype.code(),
+            redop: a.redop.map(|r| r.code()).unwrap_or(0),
+            flags: 0,
+            comm: self.handle,
+            peer: a.peer,
+            count: a.count,
+            send_mem: a.send.map(|b| b.0.mem_id).unwrap_or(0),
+            recv_mem: a.recv.map(|b| b.0.mem_id).unwrap_or(0),
+            send_off: a.send.map(|b| b.1).unwrap_or(0),
+            recv_off: a.recv.map(|b| b.1).unwrap_or(0),
+            reserved: 0,
+        };
+        let user_data = self.client.post(d)?;
+        Ok(Pending { client: self.client.clone(), user_data, done: false, _bufs: PhantomData })
+    }
+
+    /// Posts a raw descriptor (its `comm` is set to this communicator, `user_data` assigned).
+    /// Returns the op's `user_data` for [`Client::wait`].
+    ///
+    /// # Safety
+    /// The daemon may write any memory this session registered that the descriptor names until
+    /// the op completes; the caller must not access those bytes meanwhile.
+    pub unsafe fn post_raw(&self, mut d: SubmitDesc) -> Result<u64> {
+        d.comm = self.handle;
+        self.client.post(d)
+    }
+
+    pub fn all_reduce<'b>(&self, send: At<'b>, recv: At<'b>, count: u64, dtype: DType, op: RedOp) -> Result<Pending<'b>> {
+        self.post(OpArgs { kind: OpKind::AllReduce, dtype, redop: Some(op), count, peer: 0, send: Some(send), recv: Some(recv) })
+    }
+    pub fn reduce<'b>(&self, send: At<'b>, recv: Option<At<'b>>, count: u64, dtype: DType, op: RedOp, root: u32) -> Result<Pending<'b>> {
+        self.post(OpArgs { kind: OpKind::Reduce, dtype, redop: Some(op), count, peer: root, send: Some(send), recv })
+    }
+    pub fn reduce_scatter<'b>(&self, send: At<'b>, recv: At<'b>, recv_count: u64, dtype: DType, op: RedOp) -> Result<Pending<'b>> {
+        self.post(OpArgs { kind: OpKind::ReduceScatter, dtype, redop: Some(op), count: recv_count, peer: 0, send: Some(send), recv: Some(recv) })
+    }
+    pub fn all_gather<'b>(&self, send: At<'b>, recv: At<'b>, send_count: u64, dtype: DType) -> Result<Pending<'b>> {
+        self.post(OpArgs { kind: OpKind::AllGather, dtype, redop: None, count: send_count, peer: 0, send: Some(send), recv: Some(recv) })
+    }
+    pub fn broadcast<'b>(&self, send: Option<At<'b>>, recv: At<'b>, count: u64, dtype: DType, root: u32) -> Result<Pending<'b>> {
+        self.post(OpArgs { kind: OpKind::Broadcast, dtype, redop: None, count, peer: root, send, recv: Some(recv) })
+    }
+    pub fn all_to_all<'b>(&self, send: At<'b>, recv: At<'b>, count_per_peer: u64, dtype: DType) -> Result<Pending<'b>> {
+        self.post(OpArgs { kind: OpKind::AllToAll, dtype, redop: None, count: count_per_peer, peer: 0, send: Some(send), recv: Some(recv) })
+    }
+    pub fn send<'b>(&self, buf: At<'b>, count: u64, dtype: DType, peer: u32) -> Result<Pending<'b>> {
+        self.post(OpArgs { kind: OpKind::Send, dtype, redop: None, count, peer, send: Some(buf), recv: None })
+    }
+    pub fn recv<'b>(&self, buf: At<'b>, count: u64, dtype: DType, peer: u32) -> Result<Pending<'b>> {
+        self.post(OpArgs { kind: OpKind::Recv, dtype, redop: None, count, peer, send: None, recv: Some(buf) })
+    }
+    pub fn barrier(&self) -> Result<Pending<'static>> {
+        self.post(OpArgs { kind: OpKind::Barrier, dtype: DType::U8, redop: None, count: 0, peer: 0, send: None, recv: None })
+    }
+}

@@ -1,1 +1,20 @@
+//! The commd daemon library; `main.rs` is wiring over it.
+//!
+//! - [`config`]: the typed settings registry and its precedence rules.
+//! - [`serve`]: start/stop of the daemon (sockets, threads, signals, exit codes).
+//! - [`control`]: the local gRPC service; [`fdsock`]: the fd socket.
+//! - [`daemon`]: daemon-wide state; [`session`]: per-client sessions and ring pollers;
+//!   [`comm`]: communicators, matching and failure reports.
+//! - [`engine`]: plans and their host-memory execution; [`shm`]: registered memory.
+//! - [`bench`]: `commd bench`.
 
+pub mod bench;
+pub mod comm;
+pub mod config;
+pub mod control;
+pub mod daemon;
+pub mod engine;
+pub mod fdsock;
+pub mod serve;
+pub mod session;
+pub mod shm;

@@ -1,1 +1,204 @@
-fn main(){}
+//! `commd`: the per-node communication daemon and its command-line tools. Wiring only.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use commd_daemon::config::{self, Config, Inputs};
+use commd_daemon::serve::exit;
+
+#[derive(Parser)]
+#[command(name = "commd", version, about = "Per-node communication daemon for GPU hosts")]
+struct Cli {
+    /// Config file (default: /etc/commd/commd.toml if present).
+    #[arg(long, global = true, env = "COMMD_CONFIG")]
+    config: Option<PathBuf>,
+    /// gRPC socket path (same as --set socket=PATH).
+    #[arg(long, global = true)]
+    socket: Option<PathBuf>,
+    /// Set any config key, e.g. --set op_timeout_ms=5000 (repeatable). See `commd config`.
+    #[arg(long = "set", global = true, value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the daemon in the foreground.
+    Serve,
+    /// Print every effective setting and where it came from.
+    Config,
+    /// Show the running daemon's sessions, communicators and registrations.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// nccl-tests style benchmark with local client processes (embedded daemon unless --socket).
+    Bench {
+        #[command(flatten)]
+        args: commd_daemon::bench::BenchArgs,
+    },
+    #[command(hide = true)]
+    BenchWorker {
+        #[arg(long)]
+        uid: String,
+        #[arg(long)]
+        rank: u32,
+        #[arg(long)]
+        args: String,
+    },
+}
+
+fn load_config(cli: &Cli) -> Result<Config, String> {
+    let mut flags = Vec::new();
+    if let Some(s) = &cli.socket {
+        flags.push(("socket".to_string(), s.display().to_string()));
+    }
+    for s in &cli.set {
+        flags.push(config::parse_set(s).map_err(|e| e.to_string())?);
+    }
+    Config::load(&Inputs::from_process(cli.config.clone(), flags)).map_err(|e| e.to_string())
+}
+
+fn init_logging(cfg: &Config) {
+    let level = cfg.debug.to_ascii_lowercase();
+    let filter = if cfg.debug_subsys.iter().any(|s| s == "ALL") {
+        format!("warn,commd={level}")
+    } else {
+        let mut f = String::from("warn");
+        for s in &cfg.debug_subsys {
+            f.push_str(&format!(",commd::{}={level}", s.to_ascii_lowercase()));
+        }
+        f
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .with_thread_names(true)
+        .try_init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let code = match &cli.cmd {
+        Cmd::BenchWorker { uid, rank, args } => {
+            let socket = cli.socket.clone().unwrap_or_else(commd_client::resolve_socket_path);
+            match commd_daemon::bench::worker(socket, uid, *rank, args) {
+                Ok(()) => exit::OK,
+                Err(e) => {
+                    eprintln!("commd bench-worker rank {rank}: {e}");
+                    exit::RUNTIME
+                }
+            }
+        }
+        _ => {
+            let cfg = match load_config(&cli) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("commd: {e}");
+                    return ExitCode::from(exit::USAGE as u8);
+                }
+            };
+            init_logging(&cfg);
+            run(&cli, cfg)
+        }
+    };
+    ExitCode::from(code as u8)
+}
+
+fn run(cli: &Cli, cfg: Config) -> i32 {
+    match &cli.cmd {
+        Cmd::Serve => match commd_daemon::serve::run(cfg, None, None) {
+            Ok(()) => exit::OK,
+            Err(e) => {
+                eprintln!("commd: {e}");
+                e.exit_code()
+            }
+        },
+        Cmd::Config => {
+            print!("{}", cfg.render());
+            exit::OK
+        }
+        Cmd::Status { json } => status(&cfg, *json),
+        Cmd::Bench { args } => {
+            // Explicit --socket/COMMD_SOCKET: use that daemon; otherwise embed one on a private socket.
+            let explicit = cli.socket.is_some() || std::env::var_os("COMMD_SOCKET").is_some() || cli.set.iter().any(|s| s.starts_with("socket"));
+            let result = if explicit {
+                commd_daemon::bench::run(args, Some(cfg.socket.clone()), None)
+            } else {
+                let dir = std::env::temp_dir().join(format!("commd-bench-{}", std::process::id()));
+                let mut cfg = cfg;
+                cfg.socket = dir.join("commd.sock");
+                let r = commd_daemon::bench::run(args, None, Some(cfg));
+                let _ = std::fs::remove_dir_all(&dir);
+                r
+            };
+            match result {
+                Ok(true) => exit::OK,
+                Ok(false) => {
+                    eprintln!("commd bench: some results were wrong");
+                    exit::RUNTIME
+                }
+                Err(e) => {
+                    eprintln!("commd bench: {e}");
+                    exit::RUNTIME
+                }
+            }
+        }
+        Cmd::BenchWorker { .. } => exit::USAGE,
+    }
+}
+
+fn status(cfg: &Config, json: bool) -> i32 {
+    let c = match commd_client::Client::connect(Some(&cfg.socket)) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("commd status: {e}");
+            return exit::RUNTIME;
+        }
+    };
+    let s = match c.status() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("commd status: {e}");
+            return exit::RUNTIME;
+        }
+    };
+    // Our own session is counted by the daemon; leave it out so the numbers describe others.
+    let others: Vec<_> = s.session_list.iter().filter(|x| x.session_id != c.session_id()).collect();
+    if json {
+        let sessions: Vec<_> = others
+            .iter()
+            .map(|x| serde_json::json!({"session_id": x.session_id, "uid": x.uid, "pid": x.pid, "name": x.name,
+                "communicators": x.communicators, "registrations": x.registrations, "mapped_bytes": x.mapped_bytes,
+                "ops_completed": x.ops_completed, "ops_failed": x.ops_failed}))
+            .collect();
+        let j = serde_json::json!({"daemon_version": s.daemon_version, "pid": s.pid, "uptime_ms": s.uptime_ms,
+            "sessions": others.len(), "communicators": s.communicators, "registrations": s.registrations,
+            "mapped_bytes": s.mapped_bytes, "ops_completed": s.ops_completed, "ops_failed": s.ops_failed,
+            "pending_joins": s.pending_joins, "workers": s.workers, "session_list": sessions});
+        println!("{j}");
+    } else {
+        println!(
+            "commd {} pid {} up {:.1}s: {} sessions, {} communicators ({} forming), {} registrations ({} bytes), ops {} ok / {} failed",
+            s.daemon_version,
+            s.pid,
+            s.uptime_ms as f64 / 1e3,
+            others.len(),
+            s.communicators,
+            s.pending_joins,
+            s.registrations,
+            s.mapped_bytes,
+            s.ops_completed,
+            s.ops_failed
+        );
+        for x in others {
+            println!(
+                "  session {:>4} pid {:>7} uid {:>5} comms {:>2} regs {:>3} ({} B) ops {}/{} {}",
+                x.session_id, x.pid, x.uid, x.communicators, x.registrations, x.mapped_bytes, x.ops_completed, x.ops_failed, x.name
+            );
+        }
+    }
+    exit::OK
+}

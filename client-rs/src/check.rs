@@ -1,0 +1,190 @@
+//! Deterministic test data and reference results for `commd bench` and the test client.
+//!
+//! Values are small integers (exact in every dtype, bf16 included) generated from
+//! `(seed, rank, index)`; the reference reduces them independently of the daemon's kernels
+//! (f64 / wrapping i128 arithmetic, one element at a time) so a check can fail.
+
+use commd_proto::desc::{DType, OpKind, RedOp};
+use half::{bf16, f16};
+
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The input value of `rank` at element `i`.
+pub fn value(dtype: DType, redop: Option<RedOp>, seed: u64, rank: u32, i: u64) -> f64 {
+    let h = mix(seed ^ (u64::from(rank) << 44) ^ i);
+    let unsigned = dtype == DType::U8;
+    match redop {
+        Some(RedOp::Prod) => [1.0f64, 2.0, 1.0, -1.0][(h % 4) as usize].max(if unsigned { 1.0 } else { -1.0 }),
+        Some(RedOp::Min | RedOp::Max) if !unsigned => (h % 17) as f64 - 8.0,
+        _ if unsigned => (h % 9) as f64,
+        _ => (h % 9) as f64 - 4.0,
+    }
+}
+
+pub fn write_elem(dtype: DType, buf: &mut [u8], i: usize, v: f64) {
+    let s = dtype.size() as usize;
+    let b = &mut buf[i * s..(i + 1) * s];
+    match dtype {
+        DType::F32 => b.copy_from_slice(&(v as f32).to_ne_bytes()),
+        DType::F64 => b.copy_from_slice(&v.to_ne_bytes()),
+        DType::F16 => b.copy_from_slice(&f16::from_f64(v).to_ne_bytes()),
+        DType::BF16 => b.copy_from_slice(&bf16::from_f64(v).to_ne_bytes()),
+        DType::I8 => b.copy_from_slice(&(v as i8).to_ne_bytes()),
+        DType::U8 => b.copy_from_slice(&(v as u8).to_ne_bytes()),
+        DType::I32 => b.copy_from_slice(&(v as i32).to_ne_bytes()),
+        DType::I64 => b.copy_from_slice(&(v as i64).to_ne_bytes()),
+    }
+}
+
+pub fn read_elem(dtype: DType, buf: &[u8], i: usize) -> f64 {
+    let s = dtype.size() as usize;
+    let b = &buf[i * s..(i + 1) * s];
+    match dtype {
+        DType::F32 => f32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as f64,
+        DType::F64 => f64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
+        DType::F16 => f16::from_ne_bytes([b[0], b[1]]).to_f64(),
+        DType::BF16 => bf16::from_ne_bytes([b[0], b[1]]).to_f64(),
+        DType::I8 => i8::from_ne_bytes([b[0]]) as f64,
+        DType::U8 => b[0] as f64,
+        DType::I32 => i32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as f64,
+        DType::I64 => i64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f64,
+    }
+}
+
+/// Fills `buf` (the send buffer of `rank`, `elems` elements) with its deterministic values.
+pub fn fill(dtype: DType, redop: Option<RedOp>, seed: u64, rank: u32, buf: &mut [u8], elems: u64) {
+    for i in 0..elems {
+        write_elem(dtype, buf, i as usize, value(dtype, redop, seed, rank, i));
+    }
+}
+
+fn wrap_int(dtype: DType, x: i128) -> i128 {
+    let bits = dtype.size() * 8;
+    let m = 1i128 << bits;
+    let mut y = x.rem_euclid(m);
+    if dtype != DType::U8 && y >= m / 2 {
+        y -= m;
+    }
+    y
+}
+
+/// Reference reduction of `vals` as the daemon defines it.
+pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u32) -> f64 {
+    if dtype.is_float() {
+        let mut acc: Option<f64> = None;
+        for v in vals {
+            acc = Some(match (acc, op) {
+                (None, _) => v,
+                (Some(a), RedOp::Sum | RedOp::Avg) => a + v,
+                (Some(a), RedOp::Prod) => a * v,
+                (Some(a), RedOp::Min) => a.min(v),
+                (Some(a), RedOp::Max) => a.max(v),
+            });
+        }
+        let a = acc.unwrap_or(0.0);
+        if op == RedOp::Avg { a / f64::from(n) } else { a }
+    } else {
+        let mut acc: Option<i128> = None;
+        for v in vals {
+            let v = v as i128;
+            acc = Some(wrap_int(
+                dtype,
+                match (acc, op) {
+                    (None, _) => v,
+                    (Some(a), RedOp::Sum | RedOp::Avg) => a + v,
+                    (Some(a), RedOp::Prod) => a * v,
+                    (Some(a), RedOp::Min) => a.min(v),
+                    (Some(a), RedOp::Max) => a.max(v),
+                },
+            ));
+        }
+        let a = acc.unwrap_or(0);
+        (if op == RedOp::Avg { a / i128::from(n) } else { a }) as f64
+    }
+}
+
+fn close(dtype: DType, got: f64, want: f64) -> bool {
+    let tol = match dtype {
+        DType::F16 | DType::BF16 => 1e-2,
+        DType::F32 => 1e-6,
+        DType::F64 => 1e-12,
+        _ => 0.0,
+    };
+    got == want || (got - want).abs() <= tol * want.abs().max(1.0)
+}
+
+/// What one rank's op looks like, for checking its receive buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct OpSpec {
+    pub kind: OpKind,
+    pub dtype: DType,
+    pub redop: Option<RedOp>,
+    pub count: u64,
+    /// Root (broadcast, reduce) or peer (send, recv).
+    pub peer: u32,
+    pub nranks: u32,
+    pub rank: u32,
+    pub seed: u64,
+}
+
+impl OpSpec {
+    /// Elements this rank's receive buffer holds after the op (0 if it receives nothing).
+    pub fn recv_elems(&self) -> u64 {
+        if !self.kind.uses_recv(self.peer == self.rank) {
+            return 0;
+        }
+        self.kind.recv_elems(self.count, u64::from(self.nranks)).unwrap_or(0)
+    }
+
+    pub fn send_elems(&self) -> u64 {
+        if !self.kind.uses_send(self.peer == self.rank) {
+            return 0;
+        }
+        self.kind.send_elems(self.count, u64::from(self.nranks)).unwrap_or(0)
+    }
+
+    /// Expected value at element `j` of this rank's receive buffer.
+    pub fn expected(&self, j: u64) -> f64 {
+        let (d, r, s, n, c) = (self.dtype, self.redop, self.seed, self.nranks, self.count);
+        let v = |rank: u32, i: u64| value(d, r, s, rank, i);
+        let red = |i: u64| reduce_ref(d, r.unwrap_or(RedOp::Sum), (0..n).map(|k| v(k, i)), n);
+        match self.kind {
+            OpKind::AllReduce | OpKind::Reduce => red(j),
+            OpKind::ReduceScatter => red(u64::from(self.rank) * c + j),
+            OpKind::AllGather => v((j / c) as u32, j % c),
+            OpKind::Broadcast => v(self.peer, j),
+            OpKind::AllToAll => v((j / c) as u32, u64::from(self.rank) * c + j % c),
+            OpKind::Recv => v(self.peer, j),
+            OpKind::Send | OpKind::Barrier => 0.0,
+        }
+    }
+
+    /// Number of wrong elements in `recv` (the first `recv_elems()` elements are checked).
+    pub fn count_wrong(&self, recv: &[u8]) -> u64 {
+        (0..self.recv_elems()).filter(|&j| !close(self.dtype, read_elem(self.dtype, recv, j as usize), self.expected(j))).count() as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reference_wraps_integers_and_checks_fail_on_wrong_data() {
+        assert_eq!(reduce_ref(DType::I8, RedOp::Sum, [100.0, 100.0].into_iter(), 2), -56.0);
+        assert_eq!(reduce_ref(DType::U8, RedOp::Prod, [16.0, 32.0].into_iter(), 2), 0.0);
+        assert_eq!(reduce_ref(DType::I32, RedOp::Avg, [3.0, 4.0].into_iter(), 2), 3.0);
+        assert_eq!(reduce_ref(DType::F32, RedOp::Avg, [3.0, 4.0].into_iter(), 2), 3.5);
+        let spec = OpSpec { kind: OpKind::Broadcast, dtype: DType::F32, redop: None, count: 10, peer: 0, nranks: 2, rank: 1, seed: 5 };
+        let mut buf = vec![0u8; 40];
+        fill(DType::F32, None, 5, 0, &mut buf, 10);
+        assert_eq!(spec.count_wrong(&buf), 0);
+        write_elem(DType::F32, &mut buf, 3, 1000.0);
+        assert_eq!(spec.count_wrong(&buf), 1);
+    }
+}

@@ -1,0 +1,402 @@
+//! `commd bench`: an nccl-tests style benchmark. It starts N client *processes* (this binary's
+//! hidden `bench-worker` subcommand), so every byte takes the real inter-process path, against a
+//! running daemon (`--socket`) or one embedded in this process. Each worker times its ops,
+//! verifies results on deterministic data, and reports JSON lines that this process aggregates.
+//!
+//! Columns follow nccl-tests: `time` is the mean per op (the slowest rank's), `algbw = size/time`,
+//! `busbw = algbw * factor` (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
+//! others 1). `med` is the median per-op time, `#wrong` the elements that failed verification.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use commd_client::check::{self, OpSpec};
+use commd_client::{Client, OpArgs};
+use commd_proto::desc::{DType, OpKind, RedOp};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, clap::Args, Serialize, Deserialize)]
+pub struct BenchArgs {
+    /// all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, sendrecv
+    #[arg(long, default_value = "all_reduce")]
+    pub op: String,
+    /// Local client processes (ranks).
+    #[arg(long, default_value_t = 4)]
+    pub ranks: u32,
+    /// Smallest size (bytes; K, M, G suffixes).
+    #[arg(long, default_value = "8", value_parser = parse_size)]
+    pub min_bytes: u64,
+    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    pub max_bytes: u64,
+    /// Multiply the size by this factor each step.
+    #[arg(long, default_value_t = 2)]
+    pub step_factor: u64,
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    #[arg(long, default_value = "sum")]
+    pub redop: String,
+    #[arg(long, default_value_t = 0)]
+    pub root: u32,
+    /// Timed iterations per size (0: chosen by size, 5..=1000).
+    #[arg(long, default_value_t = 0)]
+    pub iters: u32,
+    /// Warm-up iterations per size (0: chosen by size).
+    #[arg(long, default_value_t = 0)]
+    pub warmup: u32,
+    /// Skip result verification.
+    #[arg(long)]
+    pub no_check: bool,
+    /// Emit one JSON object per row instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last() {
+        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<u64>().ok().and_then(|n| n.checked_mul(mult)).ok_or_else(|| format!("invalid size '{s}' (use e.g. 8, 64K, 256M, 1G)"))
+}
+
+/// Parsed op selection.
+#[derive(Clone, Copy, Debug)]
+struct Sel {
+    kind: OpKind,
+    dtype: DType,
+    redop: Option<RedOp>,
+}
+
+fn select(a: &BenchArgs) -> Result<Sel, String> {
+    let kind = if a.op == "sendrecv" { OpKind::Send } else { OpKind::parse(&a.op).ok_or_else(|| format!("unknown op '{}'", a.op))? };
+    if kind == OpKind::Recv || kind == OpKind::Barrier {
+        return Err(format!("op '{}' cannot be benchmarked; use sendrecv", a.op));
+    }
+    let dtype = DType::parse(&a.dtype).ok_or_else(|| format!("unknown dtype '{}' (f32, f64, f16, bf16, i8, u8, i32, i64)", a.dtype))?;
+    let redop = if kind.reduces() { Some(RedOp::parse(&a.redop).ok_or_else(|| format!("unknown reduction '{}'", a.redop))?) } else { None };
+    if a.ranks == 0 || a.ranks > 256 {
+        return Err("--ranks must be in 1..=256".into());
+    }
+    if kind == OpKind::Send && a.ranks < 2 {
+        return Err("sendrecv needs at least 2 ranks".into());
+    }
+    if a.root >= a.ranks {
+        return Err(format!("--root {} is out of range for {} ranks", a.root, a.ranks));
+    }
+    if a.step_factor < 2 {
+        return Err("--step-factor must be at least 2".into());
+    }
+    if a.min_bytes == 0 || a.min_bytes > a.max_bytes {
+        return Err("need 0 < --min-bytes <= --max-bytes".into());
+    }
+    Ok(Sel { kind, dtype, redop })
+}
+
+/// (size reported, count per descriptor) for a requested size, as nccl-tests defines them.
+fn geometry(kind: OpKind, dtype: DType, n: u64, bytes: u64) -> (u64, u64) {
+    let es = dtype.size();
+    match kind {
+        OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => {
+            let c = (bytes / es / n).max(1);
+            (c * n * es, c)
+        }
+        _ => {
+            let c = (bytes / es).max(1);
+            (c * es, c)
+        }
+    }
+}
+
+fn bus_factor(kind: OpKind, n: u64) -> f64 {
+    let n = n as f64;
+    match kind {
+        OpKind::AllReduce => 2.0 * (n - 1.0) / n,
+        OpKind::AllGather | OpKind::ReduceScatter | OpKind::AllToAll => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+fn sizes(a: &BenchArgs) -> Vec<u64> {
+    let mut v = Vec::new();
+    let mut s = a.min_bytes;
+    while s <= a.max_bytes {
+        v.push(s);
+        match s.checked_mul(a.step_factor) {
+            Some(n) => s = n,
+            None => break,
+        }
+    }
+    v
+}
+
+fn iters_for(a: &BenchArgs, size: u64) -> (u32, u32) {
+    let iters = if a.iters > 0 { a.iters } else { (2u64 << 30).div_ceil(size.max(1)).clamp(5, 1000) as u32 };
+    let warmup = if a.warmup > 0 { a.warmup } else { (iters / 5).clamp(2, 100) };
+    (iters, warmup)
+}
+
+/// One worker's result for one size and placement.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct WorkerRow {
+    pub rank: u32,
+    pub size: u64,
+    pub inplace: bool,
+    pub mean_us: f64,
+    pub median_us: f64,
+    pub wrong: u64,
+    pub error: Option<String>,
+}
+
+/// Single-thread memcpy bandwidth of this machine (GB/s), best of 5, 64 MiB.
+pub fn memcpy_gbps() -> f64 {
+    let n = 64usize << 20;
+    let src = vec![1u8; n];
+    let mut dst = vec![0u8; n];
+    dst.copy_from_slice(&src);
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    n as f64 / best / 1e9
+}
+
+/// The parent side: starts the daemon if needed, the workers, and prints the table.
+pub fn run(a: &BenchArgs, socket: Option<PathBuf>, embedded_cfg: Option<crate::config::Config>) -> Result<bool, String> {
+    let sel = select(a)?;
+    let _embedded;
+    let socket = match socket {
+        Some(s) => s,
+        None => {
+            let cfg = embedded_cfg.ok_or("no daemon configuration")?;
+            let s = cfg.socket.clone();
+            _embedded = crate::serve::start(cfg).map_err(|e| format!("starting the embedded daemon: {e}"))?;
+            s
+        }
+    };
+    let client = Client::connect(Some(&socket)).map_err(|e| e.to_string())?;
+    let uid = client.unique_id().map_err(|e| e.to_string())?;
+    let uid_hex: String = uid.iter().map(|b| format!("{b:02x}")).collect();
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let args_json = serde_json::to_string(a).map_err(|e| e.to_string())?;
+    let mut children = Vec::new();
+    for r in 0..a.ranks {
+        let c = Command::new(&exe)
+            .arg("bench-worker")
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--uid")
+            .arg(&uid_hex)
+            .arg("--rank")
+            .arg(r.to_string())
+            .arg("--args")
+            .arg(&args_json)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting worker {r}: {e}"))?;
+        children.push(c);
+    }
+    let n = u64::from(a.ranks);
+    let mb = memcpy_gbps();
+    let mut out = std::io::stdout().lock();
+    if !a.json {
+        let _ = writeln!(out, "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {})", a.op, a.ranks, sel.dtype.name(), sel.redop.map(|r| r.name()).unwrap_or("none"), a.ranks);
+        let _ = writeln!(out, "# memcpy reference: {mb:.2} GB/s (single thread, 64 MiB)");
+        let _ = writeln!(out, "#                                         out-of-place                           in-place");
+        let _ = writeln!(
+            out,
+            "# {:>12} {:>12} {:>5} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6}",
+            "size", "count", "type", "redop", "time", "med", "algbw", "busbw", "#wrong", "time", "med", "algbw", "busbw", "#wrong"
+        );
+        let _ = writeln!(
+            out,
+            "# {:>12} {:>12} {:>5} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6}",
+            "(B)", "(elems)", "", "", "(us)", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)", "(GB/s)", "(GB/s)", ""
+        );
+    }
+    // Read every worker's rows; rank 0 paces the output.
+    let readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| BufReader::new(c.stdout.take().expect("stdout is piped")).lines())
+        .collect();
+    let mut readers = readers;
+    let mut ok = true;
+    for size in sizes(a) {
+        let (sz, count) = geometry(sel.kind, sel.dtype, n, size);
+        let mut cols = Vec::new();
+        for inplace in [false, true] {
+            let mut worst_mean = 0f64;
+            let mut worst_med = 0f64;
+            let mut wrong = 0u64;
+            for (r, rd) in readers.iter_mut().enumerate() {
+                let line = rd.next().and_then(|l| l.ok()).ok_or_else(|| format!("worker {r} exited early"))?;
+                let row: WorkerRow = serde_json::from_str(&line).map_err(|e| format!("worker {r}: bad row {line:?}: {e}"))?;
+                if let Some(e) = row.error {
+                    return Err(format!("rank {r}: {e}"));
+                }
+                worst_mean = worst_mean.max(row.mean_us);
+                worst_med = worst_med.max(row.median_us);
+                wrong += row.wrong;
+            }
+            ok &= wrong == 0;
+            let algbw = sz as f64 / (worst_mean * 1e-6) / 1e9;
+            let busbw = algbw * bus_factor(sel.kind, n);
+            cols.push((worst_mean, worst_med, algbw, busbw, wrong, inplace));
+        }
+        if a.json {
+            for (t, m, al, bu, w, ip) in &cols {
+                let j = serde_json::json!({"op": a.op, "ranks": a.ranks, "dtype": sel.dtype.name(), "size": sz, "count": count, "inplace": ip,
+                    "time_us": t, "median_us": m, "algbw": al, "busbw": bu, "wrong": w, "memcpy_gbps": mb});
+                let _ = writeln!(out, "{j}");
+            }
+        } else {
+            let (a0, b0) = (&cols[0], &cols[1]);
+            let _ = writeln!(
+                out,
+                "  {:>12} {:>12} {:>5} {:>6} {:>9.2} {:>9.2} {:>7.2} {:>7.2} {:>6} {:>9.2} {:>9.2} {:>7.2} {:>7.2} {:>6}",
+                sz,
+                count,
+                sel.dtype.name(),
+                sel.redop.map(|r| r.name()).unwrap_or("none"),
+                a0.0,
+                a0.1,
+                a0.2,
+                a0.3,
+                a0.4,
+                b0.0,
+                b0.1,
+                b0.2,
+                b0.3,
+                b0.4
+            );
+        }
+        let _ = out.flush();
+    }
+    for (r, mut c) in children.into_iter().enumerate() {
+        let st = c.wait().map_err(|e| e.to_string())?;
+        if !st.success() {
+            return Err(format!("worker {r} exited with {st}"));
+        }
+    }
+    if !a.json {
+        let _ = writeln!(out, "# verification: {}", if a.no_check { "skipped" } else if ok { "all results correct" } else { "WRONG RESULTS" });
+    }
+    Ok(ok)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
+}
+
+/// The worker side: one client process, one rank.
+pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Result<(), String> {
+    let a: BenchArgs = serde_json::from_str(args_json).map_err(|e| e.to_string())?;
+    let sel = select(&a)?;
+    let uid: Vec<u8> = (0..uid_hex.len() / 2)
+        .map(|i| u8::from_str_radix(&uid_hex[2 * i..2 * i + 2], 16))
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("bad --uid: {e}"))?;
+    let client = Client::connect(Some(&socket)).map_err(|e| e.to_string())?;
+    let comm = client.communicator(&uid, rank, a.ranks).map_err(|e| e.to_string())?;
+    let n = u64::from(a.ranks);
+    let es = sel.dtype.size();
+    let max_count = geometry(sel.kind, sel.dtype, n, a.max_bytes).1;
+    let spec0 = OpSpec { kind: sel.kind, dtype: sel.dtype, redop: sel.redop, count: max_count, peer: a.root, nranks: a.ranks, rank, seed: 1 };
+    let send_bytes = (max_count * n * es).max(spec0.send_elems() * es).max(es);
+    let recv_bytes = send_bytes;
+    let mut sbuf = client.alloc(send_bytes).map_err(|e| e.to_string())?;
+    let mut rbuf = client.alloc(recv_bytes).map_err(|e| e.to_string())?;
+    let stdout = std::io::stdout();
+    for size in sizes(&a) {
+        let (_, count) = geometry(sel.kind, sel.dtype, n, size);
+        let (iters, warmup) = iters_for(&a, size);
+        for inplace in [false, true] {
+            // sendrecv: rank r sends to r+1 and receives from r-1 (a ring), as nccl-tests does.
+            let (next, prev) = ((rank + 1) % a.ranks, (rank + a.ranks - 1) % a.ranks);
+            let spec = OpSpec { count, peer: if sel.kind == OpKind::Send { prev } else { a.root }, seed: size ^ u64::from(inplace), ..spec0 };
+            let fill = |s: &mut commd_client::Buffer, r: &mut commd_client::Buffer| {
+                let sb = if inplace { r } else { s };
+                check::fill(sel.dtype, sel.redop, spec.seed, rank, sb.as_mut_slice(), spec.send_elems().max(if sel.kind == OpKind::Send { count } else { 0 }));
+            };
+            fill(&mut sbuf, &mut rbuf);
+            // In-place layouts as NCCL defines them.
+            let recv_off = 0u64;
+            let send_off = if inplace {
+                match sel.kind {
+                    OpKind::AllGather => u64::from(rank) * count * es,
+                    _ => 0,
+                }
+            } else {
+                0
+            };
+            let run_one = |sbuf: &commd_client::Buffer, rbuf: &commd_client::Buffer| -> Result<(), String> {
+                let sb = if inplace { rbuf } else { sbuf };
+                if sel.kind == OpKind::Send {
+                    let rcv = if inplace { sbuf } else { rbuf };
+                    let s = comm.send((sb, 0), count, sel.dtype, next).map_err(|e| e.to_string())?;
+                    let r = comm.recv((rcv, 0), count, sel.dtype, prev).map_err(|e| e.to_string())?;
+                    s.wait().map_err(|e| e.to_string())?;
+                    return r.wait().map_err(|e| e.to_string());
+                }
+                let (send_off, recv_off) = if inplace && sel.kind == OpKind::ReduceScatter { (0, u64::from(rank) * count * es) } else { (send_off, recv_off) };
+                let args = OpArgs { kind: sel.kind, dtype: sel.dtype, redop: sel.redop, count, peer: a.root, send: Some((sb, send_off)), recv: Some((rbuf, recv_off)) };
+                comm.post(args).map_err(|e| e.to_string())?.wait().map_err(|e| e.to_string())
+            };
+            let mut times = Vec::with_capacity(iters as usize);
+            let mut err = None;
+            for _ in 0..warmup {
+                if let Err(e) = run_one(&sbuf, &rbuf) {
+                    err = Some(e);
+                    break;
+                }
+            }
+            let t_all = Instant::now();
+            if err.is_none() {
+                for _ in 0..iters {
+                    let t = Instant::now();
+                    if let Err(e) = run_one(&sbuf, &rbuf) {
+                        err = Some(e);
+                        break;
+                    }
+                    times.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            let mean = t_all.elapsed().as_secs_f64() * 1e6 / f64::from(iters.max(1));
+            // Verify one fresh op.
+            let mut wrong = 0;
+            if err.is_none() && !a.no_check {
+                fill(&mut sbuf, &mut rbuf);
+                if let Err(e) = run_one(&sbuf, &rbuf) {
+                    err = Some(e);
+                } else if sel.kind == OpKind::Send {
+                    let rcv = if inplace { &sbuf } else { &rbuf };
+                    wrong = OpSpec { kind: OpKind::Recv, ..spec }.count_wrong(rcv.as_slice());
+                } else if inplace && sel.kind == OpKind::ReduceScatter {
+                    wrong = spec.count_wrong(&rbuf.as_slice()[(u64::from(rank) * count * es) as usize..]);
+                } else {
+                    wrong = spec.count_wrong(rbuf.as_slice());
+                }
+            }
+            let row = WorkerRow { rank, size, inplace, mean_us: mean, median_us: median(&mut times), wrong, error: err.clone() };
+            let mut o = stdout.lock();
+            let _ = writeln!(o, "{}", serde_json::to_string(&row).unwrap_or_default());
+            let _ = o.flush();
+            if err.is_some() {
+                return Ok(());
+            }
+        }
+    }
+    // Keep the session open until every rank is done.
+    comm.barrier().map_err(|e| e.to_string())?.wait().map_err(|e| e.to_string())?;
+    std::thread::sleep(Duration::from_millis(10));
+    Ok(())
+}

@@ -1,0 +1,449 @@
+//! Communicators on one node: per-rank op queues, sequencing, cross-rank argument matching, p2p
+//! matching, and failure reporting (mismatch, peer lost, timeout, shutdown).
+//!
+//! Ordering model (like one NCCL stream per rank and communicator): a rank's ops on a
+//! communicator run in the order it posted them. The k-th collective of every rank forms
+//! sequence number k; it runs once every rank has posted it and every earlier op of each rank is
+//! done. Consecutive send/recv ops of a rank form a group (like `ncclGroupStart/End`): any of them
+//! may match its peer's counterpart, in per-pair order, so exchanges cannot deadlock.
+//!
+//! Execution is serialized per communicator: whichever thread makes an op runnable runs it (and
+//! whatever becomes runnable next) outside the lock, while other posters only enqueue.
+//! Every posted op is completed exactly once: by execution, by an error, or by a drain.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use commd_proto::desc::{Op, OpKind, status};
+
+use crate::engine::{self, RankBufs};
+use crate::session::Session;
+
+/// One posted op, validated against its session and the communicator.
+pub struct Posted {
+    pub op: Op,
+    pub rank: u32,
+    pub session: Arc<Session>,
+    pub bufs: RankBufs,
+    pub posted_at: Instant,
+    /// Collective sequence number, or per-pair p2p index; set on enqueue.
+    pub seq: u64,
+    /// Set when validation failed: the op still takes its sequence number so every rank learns
+    /// of the error instead of hanging.
+    pub invalid: Option<String>,
+}
+
+impl Posted {
+    fn describe(&self) -> String {
+        match self.op.kind {
+            OpKind::Send => format!("send to rank {} (#{}, {} x {})", self.op.peer, self.seq, self.op.count, self.op.dtype.name()),
+            OpKind::Recv => format!("recv from rank {} (#{}, {} x {})", self.op.peer, self.seq, self.op.count, self.op.dtype.name()),
+            k => format!("{} seq {}", k.name(), self.seq),
+        }
+    }
+
+    fn signature(&self) -> String {
+        let o = &self.op;
+        let mut s = format!("{}(dtype={}, count={}", o.kind.name(), o.dtype.name(), o.count);
+        if let Some(r) = o.redop {
+            s.push_str(&format!(", op={}", r.name()));
+        }
+        if o.kind.has_root() {
+            s.push_str(&format!(", root={}", o.peer));
+        }
+        s.push(')');
+        s
+    }
+
+    fn complete(&self, comm: u32, st: u32, msg: Option<String>) {
+        self.session.complete(self.op.user_data, comm, self.seq, st, msg);
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub session_id: u64,
+    pub pid: i32,
+}
+
+enum Step {
+    Run { plan: engine::Plan, ops: Vec<Posted> },
+    Fail { ops: Vec<(Posted, u32, String)>, abort: Option<(u32, String)> },
+}
+
+struct Inner {
+    queues: Vec<VecDeque<Posted>>,
+    coll_next: Vec<u64>,
+    send_next: HashMap<(u32, u32), u64>,
+    recv_next: HashMap<(u32, u32), u64>,
+    progressing: bool,
+    broken: Option<(u32, String)>,
+    left: Vec<bool>,
+}
+
+pub struct Comm {
+    pub id: u64,
+    pub uid_short: String,
+    pub nranks: u32,
+    pub op_timeout: Duration,
+    pub members: Vec<Member>,
+    workers: usize,
+    inner: Mutex<Inner>,
+}
+
+impl std::fmt::Debug for Comm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Comm({})", self.label())
+    }
+}
+
+impl Comm {
+    pub fn new(id: u64, uid_short: String, members: Vec<Member>, op_timeout: Duration, workers: usize) -> Self {
+        let n = members.len();
+        Self {
+            id,
+            uid_short,
+            nranks: n as u32,
+            op_timeout,
+            members,
+            workers,
+            inner: Mutex::new(Inner {
+                queues: (0..n).map(|_| VecDeque::new()).collect(),
+                coll_next: vec![0; n],
+                send_next: HashMap::new(),
+                recv_next: HashMap::new(),
+                progressing: false,
+                broken: None,
+                left: vec![false; n],
+            }),
+        }
+    }
+
+    /// "comm 7 (id 3fa2b1c0, 4 ranks)": how errors and logs name a communicator.
+    pub fn label(&self) -> String {
+        format!("comm {} (id {}, {} ranks)", self.id, self.uid_short, self.nranks)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A panic while holding this lock would be a daemon bug; keep serving with the state as is.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Enqueues a validated op and runs whatever becomes runnable.
+    pub fn post(&self, mut p: Posted) {
+        let mut g = self.lock();
+        if let Some((st, msg)) = g.broken.clone() {
+            drop(g);
+            let c = p.op.comm;
+            p.complete(c, st, Some(msg));
+            return;
+        }
+        let r = p.rank;
+        p.seq = match p.op.kind {
+            OpKind::Send => next(&mut g.send_next, (r, p.op.peer)),
+            OpKind::Recv => next(&mut g.recv_next, (p.op.peer, r)),
+            _ => {
+                let s = g.coll_next[r as usize];
+                g.coll_next[r as usize] += 1;
+                s
+            }
+        };
+        g.queues[r as usize].push_back(p);
+        if g.progressing {
+            return;
+        }
+        g.progressing = true;
+        loop {
+            let Some(step) = self.find_ready(&mut g) else {
+                g.progressing = false;
+                return;
+            };
+            drop(g);
+            self.run_step(step);
+            g = self.lock();
+            if let Some((st, msg)) = g.broken.clone() {
+                let ops = drain(&mut g);
+                g.progressing = false;
+                drop(g);
+                for p in ops {
+                    let c = p.op.comm;
+                    p.complete(c, st, Some(msg.clone()));
+                }
+                return;
+            }
+        }
+    }
+
+    fn run_step(&self, step: Step) {
+        match step {
+            Step::Run { plan, ops } => {
+                let t0 = Instant::now();
+                let res = engine::execute(plan, self.workers);
+                tracing::trace!(target: "commd::engine", comm = self.id, op = ops[0].op.kind.name(), seq = ops[0].seq, us = t0.elapsed().as_micros() as u64, "executed");
+                for p in ops {
+                    let c = p.op.comm;
+                    match &res {
+                        Ok(()) => p.complete(c, status::OK, None),
+                        Err(e) => p.complete(c, status::INTERNAL, Some(format!("{}: {} failed: {e}", self.label(), p.describe()))),
+                    }
+                }
+            }
+            Step::Fail { ops, abort } => {
+                if let Some(a) = abort {
+                    let mut g = self.lock();
+                    if g.broken.is_none() {
+                        g.broken = Some(a);
+                    }
+                }
+                for (p, st, msg) in ops {
+                    let c = p.op.comm;
+                    p.complete(c, st, Some(msg));
+                }
+            }
+        }
+    }
+
+    /// Picks the next runnable step and removes its ops from the queues.
+    fn find_ready(&self, g: &mut Inner) -> Option<Step> {
+        let n = self.nranks as usize;
+        let all_heads_collective = g.queues.iter().all(|q| q.front().is_some_and(|p| !p.op.kind.is_p2p()));
+        if all_heads_collective {
+            let ops: Vec<Posted> = g.queues.iter_mut().filter_map(|q| q.pop_front()).collect();
+            return Some(self.collective_step(ops));
+        }
+        // p2p: look for a send in some rank's leading group whose recv is in the peer's group.
+        for a in 0..n {
+            for (i, s) in g.queues[a].iter().enumerate() {
+                if !s.op.kind.is_p2p() {
+                    break;
+                }
+                if s.op.kind != OpKind::Send {
+                    continue;
+                }
+                let b = s.op.peer as usize;
+                let found = g.queues[b].iter().take_while(|p| p.op.kind.is_p2p()).position(|p| {
+                    p.op.kind == OpKind::Recv && p.op.peer as usize == a && p.seq == s.seq
+                });
+                if let Some(j) = found {
+                    let send = g.queues[a].remove(i)?;
+                    // Removing from queue a shifted indices only if a == b (self send/recv).
+                    let j = if a == b && j > i { j - 1 } else { j };
+                    let recv = g.queues[b].remove(j)?;
+                    return Some(self.p2p_step(send, recv));
+                }
+            }
+        }
+        // Deadlock: every rank has a collective queued behind unmatched p2p ops (or at its head)
+        // and nothing can match, now or after any further post.
+        let closed = g.queues.iter().all(|q| q.iter().any(|p| !p.op.kind.is_p2p()));
+        if closed {
+            let heads: Vec<String> = g
+                .queues
+                .iter()
+                .enumerate()
+                .map(|(r, q)| format!("rank {r}: {}", q.front().map(|p| p.describe()).unwrap_or_default()))
+                .collect();
+            let msg = format!(
+                "{}: mismatched op order, no rank can progress: {}. Every rank must post its collectives in the same order, and each send needs the matching recv before the next collective.",
+                self.label(),
+                heads.join("; ")
+            );
+            let ops = drain(g).into_iter().map(|p| (p, status::MISMATCH, msg.clone())).collect();
+            return Some(Step::Fail { ops, abort: Some((status::ABORTED, format!("{} was aborted: {msg}", self.label()))) });
+        }
+        None
+    }
+
+    fn collective_step(&self, ops: Vec<Posted>) -> Step {
+        let seq = ops[0].seq;
+        let kind = ops[0].op.kind;
+        if let Some(bad) = ops.iter().find(|p| p.invalid.is_some()) {
+            let msg = format!(
+                "{}: {} seq {seq}: rank {} posted an invalid op: {}",
+                self.label(),
+                bad.op.kind.name(),
+                bad.rank,
+                bad.invalid.clone().unwrap_or_default()
+            );
+            return Step::Fail { ops: ops.into_iter().map(|p| (p, status::INVALID, msg.clone())).collect(), abort: None };
+        }
+        let sig0 = ops[0].signature();
+        if ops.iter().any(|p| p.signature() != sig0) {
+            return Step::Fail { ops: self.mismatch(ops), abort: None };
+        }
+        let o = &ops[0].op;
+        let bufs: Vec<RankBufs> = ops.iter().map(|p| p.bufs.clone()).collect();
+        match engine::plan_collective(kind, o.dtype, o.redop, o.count, o.peer, &bufs) {
+            Some(plan) => Step::Run { plan, ops },
+            None => {
+                let msg = format!("{}: {} seq {seq}: internal error building the plan", self.label(), kind.name());
+                Step::Fail { ops: ops.into_iter().map(|p| (p, status::INTERNAL, msg.clone())).collect(), abort: None }
+            }
+        }
+    }
+
+    /// The error for a sequence number whose ranks disagree: names the fields and the ranks.
+    fn mismatch(&self, ops: Vec<Posted>) -> Vec<(Posted, u32, String)> {
+        let seq = ops[0].seq;
+        let field = |f: &dyn Fn(&Op) -> String| -> Option<String> {
+            let vals: Vec<String> = ops.iter().map(|p| f(&p.op)).collect();
+            if vals.iter().all(|v| *v == vals[0]) {
+                return None;
+            }
+            let mut groups: Vec<(String, Vec<u32>)> = Vec::new();
+            for (p, v) in ops.iter().zip(vals) {
+                match groups.iter_mut().find(|(g, _)| *g == v) {
+                    Some((_, rs)) => rs.push(p.rank),
+                    None => groups.push((v, vec![p.rank])),
+                }
+            }
+            Some(groups.iter().map(|(v, rs)| format!("{v} on {}", ranks(rs))).collect::<Vec<_>>().join(" vs "))
+        };
+        let mut diffs = Vec::new();
+        let fields: [(&str, &dyn Fn(&Op) -> String); 5] = [
+            ("op", &|o: &Op| o.kind.name().to_string()),
+            ("dtype", &|o: &Op| o.dtype.name().to_string()),
+            ("count", &|o: &Op| o.count.to_string()),
+            ("reduction", &|o: &Op| o.redop.map(|r| r.name()).unwrap_or("none").to_string()),
+            ("root", &|o: &Op| if o.kind.has_root() { o.peer.to_string() } else { "none".into() }),
+        ];
+        for (name, f) in fields {
+            if let Some(d) = field(f) {
+                diffs.push(format!("{name}: {d}"));
+            }
+        }
+        let msg = format!("{}: mismatched collective at seq {seq}: {}", self.label(), diffs.join("; "));
+        tracing::warn!(target: "commd::comm", "{msg}");
+        ops.into_iter().map(|p| (p, status::MISMATCH, msg.clone())).collect()
+    }
+
+    fn p2p_step(&self, send: Posted, recv: Posted) -> Step {
+        let bad = send.invalid.clone().map(|w| (send.rank, w)).or_else(|| recv.invalid.clone().map(|w| (recv.rank, w)));
+        if let Some((r, why)) = bad {
+            let msg = format!("{}: send rank {} -> rank {} #{}: rank {r} posted an invalid op: {why}", self.label(), send.rank, recv.rank, send.seq);
+            return Step::Fail { ops: vec![(send, status::INVALID, msg.clone()), (recv, status::INVALID, msg)], abort: None };
+        }
+        let sb = send.op.count * send.op.dtype.size();
+        let rb = recv.op.count * recv.op.dtype.size();
+        if send.op.dtype != recv.op.dtype || send.op.count != recv.op.count {
+            let msg = format!(
+                "{}: mismatched send/recv #{}: rank {} sends {} x {} ({sb} bytes) to rank {}, which receives {} x {} ({rb} bytes)",
+                self.label(),
+                send.seq,
+                send.rank,
+                send.op.count,
+                send.op.dtype.name(),
+                recv.rank,
+                recv.op.count,
+                recv.op.dtype.name()
+            );
+            return Step::Fail { ops: vec![(send, status::MISMATCH, msg.clone()), (recv, status::MISMATCH, msg)], abort: None };
+        }
+        match (send.bufs.send.clone(), recv.bufs.recv.clone()) {
+            (Some(s), Some(r)) => Step::Run { plan: engine::plan_p2p(send.op.dtype, s, r), ops: vec![send, recv] },
+            _ if sb == 0 => {
+                let plan = engine::Plan { dtype: send.op.dtype, redop: commd_proto::desc::RedOp::Sum, nranks: 2, tasks: vec![] };
+                Step::Run { plan, ops: vec![send, recv] }
+            }
+            _ => {
+                let msg = format!("{}: send/recv #{}: internal error: missing buffer", self.label(), send.seq);
+                Step::Fail { ops: vec![(send, status::INTERNAL, msg.clone()), (recv, status::INTERNAL, msg)], abort: None }
+            }
+        }
+    }
+
+    /// Fails every queued op and later posts with `st`; used for peer loss, destroy, shutdown.
+    /// Returns true once every rank has left.
+    pub fn abort_rank(&self, rank: Option<u32>, st: u32, msg: String) -> bool {
+        let mut g = self.lock();
+        if let Some(r) = rank {
+            g.left[r as usize] = true;
+        }
+        if g.broken.is_none() {
+            tracing::info!(target: "commd::comm", "{msg}");
+            g.broken = Some((st, msg));
+        }
+        let (st, msg) = g.broken.clone().unwrap_or((st, String::new()));
+        let ops = drain(&mut g);
+        let all_left = g.left.iter().all(|l| *l);
+        drop(g);
+        for p in ops {
+            let c = p.op.comm;
+            p.complete(c, st, Some(msg.clone()));
+        }
+        all_left
+    }
+
+    /// If the oldest queued op is older than the op timeout, fails everything naming the ranks
+    /// that never posted, and aborts the communicator.
+    pub fn check_timeout(&self, now: Instant) {
+        let mut g = self.lock();
+        if g.broken.is_some() {
+            return;
+        }
+        let oldest = g.queues.iter().flat_map(|q| q.iter()).min_by_key(|p| p.posted_at);
+        let Some(p) = oldest else { return };
+        let waited = now.saturating_duration_since(p.posted_at);
+        if waited < self.op_timeout {
+            return;
+        }
+        let n = self.nranks as usize;
+        let msg = if p.op.kind.is_p2p() {
+            let (peer, what) = if p.op.kind == OpKind::Send { (p.op.peer, "recv") } else { (p.op.peer, "send") };
+            let blocked = g.queues[peer as usize].front().map(|h| format!(" (its oldest pending op is {})", h.describe())).unwrap_or_default();
+            format!(
+                "{}: {} on rank {} timed out after {:.1} s: rank {peer} never posted the matching {what}{blocked}",
+                self.label(),
+                p.describe(),
+                p.rank,
+                waited.as_secs_f64()
+            )
+        } else {
+            let seq = p.seq;
+            let missing: Vec<u32> = (0..n).filter(|&r| g.coll_next[r] <= seq).map(|r| r as u32).collect();
+            let posted: Vec<u32> = (0..n).filter(|&r| g.coll_next[r] > seq).map(|r| r as u32).collect();
+            let pids: Vec<String> = missing.iter().map(|&r| format!("rank {r} pid {}", self.members[r as usize].pid)).collect();
+            format!(
+                "{}: {} seq {seq} timed out after {:.1} s: {} never posted it ({}); posted by {}",
+                self.label(),
+                p.op.kind.name(),
+                waited.as_secs_f64(),
+                ranks(&missing),
+                pids.join(", "),
+                ranks(&posted)
+            )
+        };
+        tracing::warn!(target: "commd::comm", "{msg}");
+        g.broken = Some((status::ABORTED, format!("{} was aborted after an op timed out: {msg}", self.label())));
+        let ops = drain(&mut g);
+        drop(g);
+        for p in ops {
+            let c = p.op.comm;
+            p.complete(c, status::TIMEOUT, Some(msg.clone()));
+        }
+    }
+
+    pub fn queued(&self) -> usize {
+        self.lock().queues.iter().map(|q| q.len()).sum()
+    }
+}
+
+fn next(m: &mut HashMap<(u32, u32), u64>, k: (u32, u32)) -> u64 {
+    let e = m.entry(k).or_insert(0);
+    let s = *e;
+    *e += 1;
+    s
+}
+
+fn drain(g: &mut Inner) -> Vec<Posted> {
+    g.queues.iter_mut().flat_map(|q| q.drain(..)).collect()
+}
+
+fn ranks(rs: &[u32]) -> String {
+    match rs {
+        [] => "no rank".into(),
+        [r] => format!("rank {r}"),
+        _ => format!("ranks {}", rs.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")),
+    }
+}

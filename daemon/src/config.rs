@@ -1,0 +1,432 @@
+//! Every daemon setting in one typed registry: name, `COMMD_*` variable, TOML key, default,
+//! description. Precedence: flags (`--set key=value` and the dedicated flags) > environment >
+//! TOML file (`--config`, else `/etc/commd/commd.toml` if present) > defaults. Unknown keys and
+//! invalid values are rejected by name. `commd config` prints each value and where it came from.
+//!
+//! This module only reads and validates; it starts nothing.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use thiserror::Error;
+
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/commd/commd.toml";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Path,
+    /// Unsigned integer within `[min, max]`.
+    U64 { min: u64, max: u64 },
+    Str,
+}
+
+#[derive(Debug)]
+pub struct Key {
+    pub name: &'static str,
+    pub env: &'static str,
+    /// `None` means "computed at start" (see `Config::default_for`).
+    pub default: Option<&'static str>,
+    pub help: &'static str,
+    kind: Kind,
+}
+
+/// The registry. Keep it sorted by subsystem; every key documented.
+pub static KEYS: &[Key] = &[
+    Key {
+        name: "socket",
+        env: "COMMD_SOCKET",
+        default: None,
+        help: "gRPC Unix socket path (root: /run/commd/commd.sock, else $XDG_RUNTIME_DIR/commd/commd.sock or /tmp/commd-$UID/commd.sock)",
+        kind: Kind::Path,
+    },
+    Key {
+        name: "op_timeout_ms",
+        env: "COMMD_OP_TIMEOUT_MS",
+        default: Some("600000"),
+        help: "per-op timeout: an op some ranks never posted fails after this long, naming those ranks",
+        kind: Kind::U64 { min: 1, max: 86_400_000 },
+    },
+    Key {
+        name: "join_timeout_ms",
+        env: "COMMD_JOIN_TIMEOUT_MS",
+        default: Some("300000"),
+        help: "how long CreateCommunicator waits for the other ranks to join",
+        kind: Kind::U64 { min: 1, max: 86_400_000 },
+    },
+    Key {
+        name: "attach_timeout_ms",
+        env: "COMMD_ATTACH_TIMEOUT_MS",
+        default: Some("10000"),
+        help: "a session that does not attach to the fd socket within this long after Hello is closed",
+        kind: Kind::U64 { min: 1, max: 3_600_000 },
+    },
+    Key {
+        name: "liveness_interval_ms",
+        env: "COMMD_LIVENESS_INTERVAL_MS",
+        default: Some("500"),
+        help: "how often session processes are checked for liveness (a closed fd socket is seen at once; this catches a dead process whose socket a forked child still holds)",
+        kind: Kind::U64 { min: 10, max: 60_000 },
+    },
+    Key {
+        name: "workers",
+        env: "COMMD_WORKERS",
+        default: None,
+        help: "data-plane threads used to split one large host-memory op (default: CPU count)",
+        kind: Kind::U64 { min: 1, max: 1024 },
+    },
+    Key {
+        name: "poll_spin_us",
+        env: "COMMD_POLL_SPIN_US",
+        default: Some("50"),
+        help: "how long a ring poller spins on an empty ring before sleeping on its futex",
+        kind: Kind::U64 { min: 0, max: 1_000_000 },
+    },
+    Key {
+        name: "ring_entries",
+        env: "COMMD_RING_ENTRIES",
+        default: Some("1024"),
+        help: "default submission/completion ring size per session (power of two)",
+        kind: Kind::U64 { min: 1, max: 65536 },
+    },
+    Key {
+        name: "max_sessions",
+        env: "COMMD_MAX_SESSIONS",
+        default: Some("4096"),
+        help: "sessions (client processes) served at once; Hello beyond this is refused",
+        kind: Kind::U64 { min: 1, max: 1_000_000 },
+    },
+    Key {
+        name: "max_registered_bytes",
+        env: "COMMD_MAX_REGISTERED_BYTES",
+        default: Some("1099511627776"),
+        help: "host memory one session may register in total",
+        kind: Kind::U64 { min: 4096, max: u64::MAX },
+    },
+    Key {
+        name: "debug",
+        env: "COMMD_DEBUG",
+        default: Some("WARN"),
+        help: "log level: ERROR, WARN, INFO, DEBUG or TRACE",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "debug_subsys",
+        env: "COMMD_DEBUG_SUBSYS",
+        default: Some("ALL"),
+        help: "comma-separated subsystems to log: INIT, CTRL, SESSION, COMM, ENGINE, BENCH, or ALL",
+        kind: Kind::Str,
+    },
+];
+
+pub const SUBSYSTEMS: &[&str] = &["INIT", "CTRL", "SESSION", "COMM", "ENGINE", "BENCH"];
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("unknown config key '{0}' (see `commd config` for the list)")]
+    UnknownKey(String),
+    #[error("invalid value '{value}' for {key} (from {origin}): {why}")]
+    Invalid { key: String, value: String, origin: String, why: String },
+    #[error("reading config file {path}: {err}")]
+    Read { path: PathBuf, err: std::io::Error },
+    #[error("parsing config file {path}: {err}")]
+    Parse { path: PathBuf, err: String },
+    #[error("--set expects KEY=VALUE, got '{0}'")]
+    SetSyntax(String),
+}
+
+/// Where a value came from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    Default,
+    File(PathBuf),
+    Env(&'static str),
+    Flag,
+}
+
+impl std::fmt::Display for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Source::Default => write!(f, "default"),
+            Source::File(p) => write!(f, "file {}", p.display()),
+            Source::Env(e) => write!(f, "env {e}"),
+            Source::Flag => write!(f, "flag"),
+        }
+    }
+}
+
+/// The effective, validated configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub socket: PathBuf,
+    pub op_timeout: Duration,
+    pub join_timeout: Duration,
+    pub attach_timeout: Duration,
+    pub liveness_interval: Duration,
+    pub workers: usize,
+    pub poll_spin: Duration,
+    pub ring_entries: u32,
+    pub max_sessions: usize,
+    pub max_registered_bytes: u64,
+    pub debug: String,
+    pub debug_subsys: Vec<String>,
+    /// Every key's effective value (as text) and source, for `commd config`.
+    pub effective: BTreeMap<&'static str, (String, Source)>,
+    pub file: Option<PathBuf>,
+}
+
+/// Inputs to [`Config::load`]: explicit so that tests never touch the real environment.
+#[derive(Debug, Default)]
+pub struct Inputs {
+    pub config_file: Option<PathBuf>,
+    /// `(key, value)` from flags, in order (later wins).
+    pub flags: Vec<(String, String)>,
+    pub env: BTreeMap<String, String>,
+}
+
+impl Inputs {
+    pub fn from_process(config_file: Option<PathBuf>, flags: Vec<(String, String)>) -> Self {
+        let env = std::env::vars().filter(|(k, _)| k.starts_with("COMMD_")).collect();
+        Self { config_file, flags, env }
+    }
+}
+
+/// Parses `KEY=VALUE` as given to `--set`.
+pub fn parse_set(s: &str) -> Result<(String, String), ConfigError> {
+    let (k, v) = s.split_once('=').ok_or_else(|| ConfigError::SetSyntax(s.to_string()))?;
+    Ok((k.trim().to_string(), v.trim().to_string()))
+}
+
+fn key(name: &str) -> Result<&'static Key, ConfigError> {
+    KEYS.iter().find(|k| k.name == name).ok_or_else(|| ConfigError::UnknownKey(name.to_string()))
+}
+
+fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
+    let bad = |why: String| ConfigError::Invalid {
+        key: k.name.to_string(),
+        value: value.to_string(),
+        origin: source.to_string(),
+        why,
+    };
+    match k.kind {
+        Kind::Path if value.is_empty() => Err(bad("empty path".into())),
+        Kind::Path => Ok(()),
+        Kind::U64 { min, max } => {
+            let v: u64 = value.parse().map_err(|_| bad("not an unsigned integer".into()))?;
+            if v < min || v > max {
+                return Err(bad(format!("must be in {min}..={max}")));
+            }
+            if k.name == "ring_entries" && !v.is_power_of_two() {
+                return Err(bad("must be a power of two".into()));
+            }
+            Ok(())
+        }
+        Kind::Str => match k.name {
+            "debug" => match value.to_ascii_uppercase().as_str() {
+                "ERROR" | "WARN" | "INFO" | "DEBUG" | "TRACE" => Ok(()),
+                _ => Err(bad("expected ERROR, WARN, INFO, DEBUG or TRACE".into())),
+            },
+            "debug_subsys" => {
+                for s in value.split(',').map(|s| s.trim().to_ascii_uppercase()) {
+                    if s != "ALL" && !SUBSYSTEMS.contains(&s.as_str()) {
+                        return Err(bad(format!("unknown subsystem '{s}' (known: ALL, {})", SUBSYSTEMS.join(", "))));
+                    }
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        },
+    }
+}
+
+/// The default socket path for the current user (shared with clients).
+pub fn default_socket() -> PathBuf {
+    commd_client::default_socket_path()
+}
+
+fn computed_default(name: &str) -> String {
+    match name {
+        "socket" => default_socket().display().to_string(),
+        "workers" => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).to_string(),
+        _ => String::new(),
+    }
+}
+
+fn toml_value_text(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+impl Config {
+    pub fn load(inputs: &Inputs) -> Result<Self, ConfigError> {
+        let mut eff: BTreeMap<&'static str, (String, Source)> = BTreeMap::new();
+        for k in KEYS {
+            let v = k.default.map(str::to_string).unwrap_or_else(|| computed_default(k.name));
+            eff.insert(k.name, (v, Source::Default));
+        }
+        // File: explicit path must exist; the default path is optional.
+        let file = match &inputs.config_file {
+            Some(p) => Some(p.clone()),
+            None => Path::new(DEFAULT_CONFIG_PATH).exists().then(|| PathBuf::from(DEFAULT_CONFIG_PATH)),
+        };
+        if let Some(path) = &file {
+            let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read { path: path.clone(), err })?;
+            let table: toml::Table =
+                text.parse().map_err(|e: toml::de::Error| ConfigError::Parse { path: path.clone(), err: e.to_string() })?;
+            for (name, value) in &table {
+                let k = key(name)?;
+                let src = Source::File(path.clone());
+                let text = toml_value_text(value);
+                validate(k, &text, &src)?;
+                eff.insert(k.name, (text, src));
+            }
+        }
+        for k in KEYS {
+            if let Some(v) = inputs.env.get(k.env) {
+                let src = Source::Env(k.env);
+                validate(k, v, &src)?;
+                eff.insert(k.name, (v.clone(), src));
+            }
+        }
+        for (name, v) in &inputs.flags {
+            let k = key(name)?;
+            validate(k, v, &Source::Flag)?;
+            eff.insert(k.name, (v.clone(), Source::Flag));
+        }
+        Self::from_effective(eff, file)
+    }
+
+    fn from_effective(eff: BTreeMap<&'static str, (String, Source)>, file: Option<PathBuf>) -> Result<Self, ConfigError> {
+        let s = |n: &str| eff[n].0.clone();
+        // Values were validated above; a parse failure here would be a registry bug, reported as such.
+        let u = |n: &str| -> Result<u64, ConfigError> {
+            s(n).parse().map_err(|_| ConfigError::Invalid {
+                key: n.to_string(),
+                value: s(n),
+                origin: eff[n].1.to_string(),
+                why: "not an unsigned integer".into(),
+            })
+        };
+        let ms = |n: &str| u(n).map(Duration::from_millis);
+        Ok(Self {
+            socket: PathBuf::from(s("socket")),
+            op_timeout: ms("op_timeout_ms")?,
+            join_timeout: ms("join_timeout_ms")?,
+            attach_timeout: ms("attach_timeout_ms")?,
+            liveness_interval: ms("liveness_interval_ms")?,
+            workers: u("workers")? as usize,
+            poll_spin: Duration::from_micros(u("poll_spin_us")?),
+            ring_entries: u("ring_entries")? as u32,
+            max_sessions: u("max_sessions")? as usize,
+            max_registered_bytes: u("max_registered_bytes")?,
+            debug: s("debug").to_ascii_uppercase(),
+            debug_subsys: s("debug_subsys").split(',').map(|x| x.trim().to_ascii_uppercase()).collect(),
+            effective: eff,
+            file,
+        })
+    }
+
+    /// `commd config` output: one line per key with value, source and description.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        out.push_str(&format!(
+            "# commd effective configuration (precedence: flag > env > file > default); file: {}\n",
+            self.file.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none".into())
+        ));
+        for k in KEYS {
+            let (v, src) = &self.effective[k.name];
+            out.push_str(&format!("{:<22} = {:<40} # {} [{}; {}]\n", k.name, v, k.help, src, k.env));
+        }
+        out
+    }
+
+    /// The fd socket lives beside the gRPC socket.
+    pub fn fd_socket(&self) -> PathBuf {
+        fd_socket_for(&self.socket)
+    }
+}
+
+pub fn fd_socket_for(socket: &Path) -> PathBuf {
+    let mut s = socket.as_os_str().to_owned();
+    s.push(".fd");
+    PathBuf::from(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn inputs(file: Option<PathBuf>, env: &[(&str, &str)], flags: &[(&str, &str)]) -> Inputs {
+        Inputs {
+            config_file: file,
+            env: env.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
+            flags: flags.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
+        }
+    }
+
+    fn tmp_toml(text: &str) -> (PathBuf, tempdir::Dir) {
+        let d = tempdir::Dir::new();
+        let p = d.0.join("commd.toml");
+        std::fs::File::create(&p).unwrap().write_all(text.as_bytes()).unwrap();
+        (p, d)
+    }
+
+    mod tempdir {
+        pub struct Dir(pub std::path::PathBuf);
+        impl Dir {
+            pub fn new() -> Self {
+                let p = std::env::temp_dir().join(format!("commd-cfg-{}-{}", std::process::id(), rand::random::<u64>()));
+                std::fs::create_dir_all(&p).unwrap();
+                Self(p)
+            }
+        }
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn precedence_flag_env_file_default() {
+        let (p, _d) = tmp_toml("op_timeout_ms = 1000\nworkers = 3\npoll_spin_us = 7\n");
+        let c = Config::load(&inputs(
+            Some(p.clone()),
+            &[("COMMD_OP_TIMEOUT_MS", "2000"), ("COMMD_WORKERS", "5")],
+            &[("op_timeout_ms", "3000")],
+        ))
+        .unwrap();
+        assert_eq!(c.op_timeout, Duration::from_millis(3000));
+        assert_eq!(c.effective["op_timeout_ms"].1, Source::Flag);
+        assert_eq!(c.workers, 5);
+        assert_eq!(c.effective["workers"].1, Source::Env("COMMD_WORKERS"));
+        assert_eq!(c.poll_spin, Duration::from_micros(7));
+        assert_eq!(c.effective["poll_spin_us"].1, Source::File(p));
+        assert_eq!(c.join_timeout, Duration::from_millis(300_000));
+        assert_eq!(c.effective["join_timeout_ms"].1, Source::Default);
+        assert!(c.render().contains("op_timeout_ms"));
+    }
+
+    #[test]
+    fn rejects_bad_values_by_name() {
+        let e = Config::load(&inputs(None, &[("COMMD_WORKERS", "zero")], &[])).unwrap_err();
+        assert!(e.to_string().contains("workers") && e.to_string().contains("COMMD_WORKERS"), "{e}");
+        let e = Config::load(&inputs(None, &[], &[("ring_entries", "100")])).unwrap_err();
+        assert!(e.to_string().contains("power of two"), "{e}");
+        let e = Config::load(&inputs(None, &[], &[("nope", "1")])).unwrap_err();
+        assert!(matches!(e, ConfigError::UnknownKey(_)));
+        let (p, _d) = tmp_toml("bogus_key = 1\n");
+        assert!(matches!(Config::load(&inputs(Some(p), &[], &[])), Err(ConfigError::UnknownKey(_))));
+        let (p, _d) = tmp_toml("workers = [\n");
+        assert!(matches!(Config::load(&inputs(Some(p), &[], &[])), Err(ConfigError::Parse { .. })));
+        let e = Config::load(&inputs(Some("/nonexistent/commd.toml".into()), &[], &[])).unwrap_err();
+        assert!(matches!(e, ConfigError::Read { .. }));
+        let e = Config::load(&inputs(None, &[("COMMD_DEBUG_SUBSYS", "INIT,BOGUS")], &[])).unwrap_err();
+        assert!(e.to_string().contains("BOGUS"));
+        assert!(parse_set("novalue").is_err());
+        assert_eq!(parse_set("a = b").unwrap(), ("a".into(), "b".into()));
+    }
+}

@@ -1,0 +1,177 @@
+//! The local gRPC service (tonic, over the Unix socket). Thin: authenticate the caller by
+//! SO_PEERCRED, call into [`Daemon`], map errors to gRPC statuses. Nothing on the data path
+//! awaits anything here.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use commd_proto::pb::{self, local_server::Local};
+use tonic::transport::server::UdsConnectInfo;
+use tonic::{Request, Response, Status};
+
+use crate::daemon::{Daemon, DaemonError};
+
+pub struct LocalService {
+    pub daemon: Arc<Daemon>,
+}
+
+impl From<DaemonError> for Status {
+    fn from(e: DaemonError) -> Self {
+        let m = e.to_string();
+        match e {
+            DaemonError::InvalidArgument(_) => Status::invalid_argument(m),
+            DaemonError::NotFound(_) => Status::not_found(m),
+            DaemonError::PermissionDenied(_) => Status::permission_denied(m),
+            DaemonError::AlreadyExists(_) => Status::already_exists(m),
+            DaemonError::ResourceExhausted(_) => Status::resource_exhausted(m),
+            DaemonError::DeadlineExceeded(_) => Status::deadline_exceeded(m),
+            DaemonError::Unavailable(_) => Status::unavailable(m),
+            DaemonError::Internal(_) => Status::internal(m),
+        }
+    }
+}
+
+/// The caller's (uid, pid) from the Unix socket's peer credentials.
+fn caller<T>(req: &Request<T>) -> Result<(u32, i32), Status> {
+    let cred = req
+        .extensions()
+        .get::<UdsConnectInfo>()
+        .and_then(|i| i.peer_cred)
+        .ok_or_else(|| Status::unauthenticated("no peer credentials on this connection"))?;
+    Ok((cred.uid(), cred.pid().unwrap_or(0)))
+}
+
+impl LocalService {
+    fn session<T>(&self, req: &Request<T>, id: u64) -> Result<Arc<crate::session::Session>, Status> {
+        let (uid, pid) = caller(req)?;
+        Ok(self.daemon.session_for(id, uid, pid)?)
+    }
+}
+
+fn check_version(client: &str) -> Result<(), Status> {
+    let major = |v: &str| v.split('.').next().unwrap_or("").to_string();
+    let minor = |v: &str| v.split('.').nth(1).unwrap_or("").to_string();
+    let ours = commd_proto::VERSION;
+    // 0.x: minor versions are breaking, as in semver.
+    let compatible = major(client) == major(ours) && (major(ours) != "0" || minor(client) == minor(ours));
+    if compatible {
+        Ok(())
+    } else {
+        Err(Status::failed_precondition(format!("client version {client} is incompatible with daemon version {ours}")))
+    }
+}
+
+#[tonic::async_trait]
+impl Local for LocalService {
+    async fn hello(&self, req: Request<pb::HelloRequest>) -> Result<Response<pb::HelloReply>, Status> {
+        let (uid, pid) = caller(&req)?;
+        let r = req.into_inner();
+        check_version(&r.client_version)?;
+        let s = self.daemon.hello(uid, pid, r.name, r.sq_entries, r.cq_entries)?;
+        Ok(Response::new(pb::HelloReply {
+            session_id: s.id,
+            attach_secret: s.secret.to_vec(),
+            fd_socket: self.daemon.cfg.fd_socket().display().to_string(),
+            daemon_version: commd_proto::VERSION.to_string(),
+            ring_abi_version: commd_proto::ring::RING_ABI_VERSION,
+            attach_deadline_ms: self.daemon.cfg.attach_timeout.as_millis() as u32,
+        }))
+    }
+
+    async fn goodbye(&self, req: Request<pb::SessionRef>) -> Result<Response<pb::Empty>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        self.daemon.close_session(s.id, commd_proto::desc::status::PEER_LOST, "client said goodbye");
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn get_unique_id(&self, req: Request<pb::SessionRef>) -> Result<Response<pb::UniqueIdReply>, Status> {
+        self.session(&req, req.get_ref().session_id)?;
+        Ok(Response::new(pb::UniqueIdReply { unique_id: self.daemon.unique_id().encode() }))
+    }
+
+    async fn create_communicator(
+        &self,
+        req: Request<pb::CreateCommunicatorRequest>,
+    ) -> Result<Response<pb::CreateCommunicatorReply>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let r = req.into_inner();
+        let op_timeout = (r.op_timeout_ms > 0).then(|| Duration::from_millis(r.op_timeout_ms));
+        let wait = if r.join_timeout_ms > 0 { Duration::from_millis(r.join_timeout_ms) } else { self.daemon.cfg.join_timeout };
+        let t0 = Instant::now();
+        let rx = self.daemon.join(s, &r.unique_id, r.rank, r.nranks, op_timeout)?;
+        match tokio::time::timeout(wait, rx).await {
+            Ok(Ok(Ok((comm, comm_id)))) => Ok(Response::new(pb::CreateCommunicatorReply { comm, comm_id })),
+            Ok(Ok(Err(e))) => Err(e.into()),
+            Ok(Err(_)) => Err(Status::unavailable("daemon is shutting down")),
+            Err(_) => Err(Status::deadline_exceeded(self.daemon.join_timed_out(&r.unique_id, r.rank, t0.elapsed()))),
+        }
+    }
+
+    async fn destroy_communicator(&self, req: Request<pb::CommRef>) -> Result<Response<pb::Empty>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        self.daemon.destroy_comm(&s, req.get_ref().comm)?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn register_memory(&self, req: Request<pb::RegisterMemoryRequest>) -> Result<Response<pb::RegisterMemoryReply>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let r = req.into_inner();
+        let mem_id = self.daemon.register(&s, r.fd_token, r.bytes)?;
+        Ok(Response::new(pb::RegisterMemoryReply { mem_id }))
+    }
+
+    async fn deregister_memory(&self, req: Request<pb::MemRef>) -> Result<Response<pb::Empty>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        self.daemon.deregister(&s, req.get_ref().mem_id)?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn get_op_error(&self, req: Request<pb::OpRef>) -> Result<Response<pb::OpErrorReply>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let (status, message) = s
+            .take_error(req.get_ref().user_data)
+            .ok_or_else(|| Status::not_found(format!("no error recorded for op {}", req.get_ref().user_data)))?;
+        Ok(Response::new(pb::OpErrorReply { status, message }))
+    }
+
+    async fn status(&self, _req: Request<pb::Empty>) -> Result<Response<pb::StatusReply>, Status> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let d = &self.daemon;
+        let c = d.counts();
+        let mut done = d.closed_ops.0.load(Relaxed);
+        let mut failed = d.closed_ops.1.load(Relaxed);
+        let mut list = Vec::new();
+        for s in d.sessions() {
+            let t = s.tables();
+            let (sc, sf) = (s.ops_completed.load(Relaxed), s.ops_failed.load(Relaxed));
+            done += sc;
+            failed += sf;
+            list.push(pb::SessionInfo {
+                session_id: s.id,
+                uid: s.uid,
+                pid: s.pid,
+                name: s.name.clone(),
+                communicators: t.comms.len() as u32,
+                registrations: t.mems.len() as u32,
+                mapped_bytes: t.registered_bytes,
+                ops_completed: sc,
+                ops_failed: sf,
+            });
+        }
+        list.sort_by_key(|s| s.session_id);
+        Ok(Response::new(pb::StatusReply {
+            daemon_version: commd_proto::VERSION.to_string(),
+            pid: std::process::id() as i32,
+            uptime_ms: d.started.elapsed().as_millis() as u64,
+            sessions: c.sessions,
+            communicators: c.communicators,
+            registrations: c.registrations,
+            mapped_bytes: c.mapped_bytes,
+            ops_completed: done,
+            ops_failed: failed,
+            session_list: list,
+            workers: d.cfg.workers as u32,
+            pending_joins: c.pending_joins,
+        }))
+    }
+}

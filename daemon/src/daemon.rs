@@ -1,0 +1,400 @@
+//! Daemon-wide state: sessions, communicators, pending joins, issued unique ids, and the
+//! operations the control plane and the fd socket call. Transport-agnostic: no tonic types here
+//! (errors are [`DaemonError`], mapped to gRPC statuses in `control`).
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use commd_proto::desc::status;
+use commd_proto::ring::RingLayout;
+use commd_proto::uid::UniqueId;
+use thiserror::Error;
+use tokio::sync::oneshot;
+
+use crate::comm::{Comm, Member};
+use crate::config::Config;
+use crate::session::{MAX_STAGED, Session};
+use crate::shm::MemRegion;
+
+#[derive(Debug, Error)]
+pub enum DaemonError {
+    #[error("{0}")]
+    InvalidArgument(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    PermissionDenied(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    ResourceExhausted(String),
+    #[error("{0}")]
+    DeadlineExceeded(String),
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+type JoinResult = Result<(u32, u64), DaemonError>;
+
+struct Joiner {
+    session: Arc<Session>,
+    tx: oneshot::Sender<JoinResult>,
+}
+
+struct PendingJoin {
+    nranks: u32,
+    op_timeout: Duration,
+    members: Vec<Option<Joiner>>,
+}
+
+/// Counters for `Status`.
+#[derive(Debug, Default, Clone)]
+pub struct Counts {
+    pub sessions: u32,
+    pub communicators: u32,
+    pub registrations: u32,
+    pub mapped_bytes: u64,
+    pub pending_joins: u32,
+}
+
+pub struct Daemon {
+    pub cfg: Config,
+    pub started: Instant,
+    sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    comms: Mutex<HashMap<u64, Arc<Comm>>>,
+    issued: Mutex<HashMap<[u8; 16], Instant>>,
+    joins: Mutex<HashMap<[u8; 16], PendingJoin>>,
+    next_id: AtomicU64,
+    shutting_down: AtomicBool,
+    /// Ops completed/failed by sessions that have since closed.
+    pub closed_ops: (AtomicU64, AtomicU64),
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Daemon {
+    pub fn new(cfg: Config) -> Arc<Self> {
+        Arc::new(Self {
+            cfg,
+            started: Instant::now(),
+            sessions: Mutex::new(HashMap::new()),
+            comms: Mutex::new(HashMap::new()),
+            issued: Mutex::new(HashMap::new()),
+            joins: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            shutting_down: AtomicBool::new(false),
+            closed_ops: (AtomicU64::new(0), AtomicU64::new(0)),
+        })
+    }
+
+    fn new_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire)
+    }
+
+    pub fn hello(&self, uid: u32, pid: i32, name: String, sq: u32, cq: u32) -> Result<Arc<Session>, DaemonError> {
+        if self.is_shutting_down() {
+            return Err(DaemonError::Unavailable("daemon is shutting down".into()));
+        }
+        let mut sessions = lock(&self.sessions);
+        if sessions.len() >= self.cfg.max_sessions {
+            return Err(DaemonError::ResourceExhausted(format!("daemon serves its maximum of {} sessions (max_sessions)", self.cfg.max_sessions)));
+        }
+        let pick = |n: u32| if n == 0 { self.cfg.ring_entries } else { n.next_power_of_two().min(commd_proto::ring::MAX_ENTRIES) };
+        let layout = RingLayout::new(pick(sq), pick(cq)).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
+        let mut secret = [0u8; 16];
+        rand::RngCore::fill_bytes(&mut rand::rng(), &mut secret);
+        let id = self.new_id();
+        let s = Session::new(id, uid, pid, name, secret, layout).map_err(|e| DaemonError::Internal(format!("creating session memory: {e}")))?;
+        let s = Arc::new(s);
+        sessions.insert(id, s.clone());
+        tracing::info!(target: "commd::session", session = id, uid, pid, "session opened");
+        Ok(s)
+    }
+
+    /// Looks a session up for a caller; only the process that opened it may use it.
+    pub fn session_for(&self, id: u64, uid: u32, pid: i32) -> Result<Arc<Session>, DaemonError> {
+        let s = lock(&self.sessions).get(&id).cloned().ok_or_else(|| DaemonError::NotFound(format!("no session {id} (closed, or never opened)")))?;
+        if s.uid != uid || s.pid != pid {
+            return Err(DaemonError::PermissionDenied(format!("session {id} belongs to another process")));
+        }
+        Ok(s)
+    }
+
+    pub fn session(&self, id: u64) -> Option<Arc<Session>> {
+        lock(&self.sessions).get(&id).cloned()
+    }
+
+    pub fn sessions(&self) -> Vec<Arc<Session>> {
+        lock(&self.sessions).values().cloned().collect()
+    }
+
+    /// Ends a session: its communicators fail for the other ranks with "peer lost" (or the
+    /// given status), and its memory, rings and registrations are freed.
+    pub fn close_session(&self, id: u64, st: u32, reason: &str) {
+        let Some(s) = lock(&self.sessions).remove(&id) else { return };
+        if !s.mark_closed(st) {
+            return;
+        }
+        tracing::info!(target: "commd::session", session = id, pid = s.pid, "session closed: {reason}");
+        let comms: Vec<(Arc<Comm>, u32)> = {
+            let mut t = s.tables();
+            let c = t.comms.drain().map(|(_, v)| v).collect();
+            t.mems.clear();
+            t.staged.clear();
+            t.registered_bytes = 0;
+            c
+        };
+        for (comm, rank) in comms {
+            let msg = format!("{}: rank {rank} (pid {}) lost: {reason}", comm.label(), s.pid);
+            if comm.abort_rank(Some(rank), status::PEER_LOST, msg) {
+                lock(&self.comms).remove(&comm.id);
+            }
+        }
+        // Pending joins of this session fail for everyone: the communicator can no longer form.
+        let mut joins = lock(&self.joins);
+        let tokens: Vec<[u8; 16]> =
+            joins.iter().filter(|(_, j)| j.members.iter().flatten().any(|m| m.session.id == id)).map(|(t, _)| *t).collect();
+        for t in tokens {
+            if let Some(j) = joins.remove(&t) {
+                let rank = j.members.iter().position(|m| m.as_ref().is_some_and(|m| m.session.id == id)).unwrap_or(0);
+                for m in j.members.into_iter().flatten() {
+                    let _ = m.tx.send(Err(DaemonError::Unavailable(format!(
+                        "rank {rank} (pid {}) exited while the communicator was forming: {reason}",
+                        s.pid
+                    ))));
+                }
+            }
+        }
+        self.closed_ops.0.fetch_add(s.ops_completed.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.closed_ops.1.fetch_add(s.ops_failed.load(Ordering::Relaxed), Ordering::Relaxed);
+    }
+
+    pub fn unique_id(&self) -> UniqueId {
+        let u = UniqueId::random();
+        let mut issued = lock(&self.issued);
+        // Ids never used within a day are forgotten.
+        let now = Instant::now();
+        issued.retain(|_, t| now.duration_since(*t) < Duration::from_secs(86_400));
+        issued.insert(u.token, now);
+        u
+    }
+
+    /// Registers this rank for the communicator and returns a receiver that resolves once every
+    /// rank has joined (or the communicator cannot form).
+    pub fn join(
+        &self,
+        session: Arc<Session>,
+        uid_bytes: &[u8],
+        rank: u32,
+        nranks: u32,
+        op_timeout: Option<Duration>,
+    ) -> Result<oneshot::Receiver<JoinResult>, DaemonError> {
+        if self.is_shutting_down() {
+            return Err(DaemonError::Unavailable("daemon is shutting down".into()));
+        }
+        let uid = UniqueId::decode(uid_bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
+        if nranks == 0 || nranks > commd_proto::desc::MAX_RANKS {
+            return Err(DaemonError::InvalidArgument(format!("nranks {nranks} must be in 1..={}", commd_proto::desc::MAX_RANKS)));
+        }
+        if rank >= nranks {
+            return Err(DaemonError::InvalidArgument(format!("rank {rank} is out of range for nranks {nranks}")));
+        }
+        let mut joins = lock(&self.joins);
+        if !joins.contains_key(&uid.token) {
+            if lock(&self.issued).remove(&uid.token).is_none() {
+                return Err(DaemonError::NotFound(format!(
+                    "unique id {} was not issued by this daemon, or its communicator already formed (ids are single-use; multi-node rendezvous is not available in this build)",
+                    uid.short()
+                )));
+            }
+            let op_timeout = op_timeout.unwrap_or(self.cfg.op_timeout);
+            joins.insert(uid.token, PendingJoin { nranks, op_timeout, members: (0..nranks).map(|_| None).collect() });
+        }
+        let Some(j) = joins.get_mut(&uid.token) else {
+            return Err(DaemonError::Internal("pending join vanished".into()));
+        };
+        if j.nranks != nranks {
+            let first = j.members.iter().position(Option::is_some).unwrap_or(0);
+            return Err(DaemonError::InvalidArgument(format!(
+                "rank {rank} joins communicator {} with nranks={nranks}, but rank {first} joined with nranks={}",
+                uid.short(),
+                j.nranks
+            )));
+        }
+        if let Some(m) = &j.members[rank as usize] {
+            return Err(DaemonError::AlreadyExists(format!("rank {rank} of communicator {} already joined (pid {})", uid.short(), m.session.pid)));
+        }
+        let (tx, rx) = oneshot::channel();
+        j.members[rank as usize] = Some(Joiner { session, tx });
+        if j.members.iter().all(Option::is_some) {
+            if let Some(j) = joins.remove(&uid.token) {
+                drop(joins);
+                self.form(uid, j);
+            }
+        }
+        Ok(rx)
+    }
+
+    fn form(&self, uid: UniqueId, j: PendingJoin) {
+        let id = self.new_id();
+        let members: Vec<Member> =
+            j.members.iter().flatten().map(|m| Member { session_id: m.session.id, pid: m.session.pid }).collect();
+        let comm = Arc::new(Comm::new(id, uid.short(), members, j.op_timeout, self.cfg.workers));
+        lock(&self.comms).insert(id, comm.clone());
+        tracing::info!(target: "commd::comm", "{} formed", comm.label());
+        for (rank, m) in j.members.into_iter().flatten().enumerate() {
+            let handle = {
+                let mut t = m.session.tables();
+                t.next_comm += 1;
+                let h = t.next_comm;
+                t.comms.insert(h, (comm.clone(), rank as u32));
+                h
+            };
+            if m.session.is_closed() {
+                comm.abort_rank(Some(rank as u32), status::PEER_LOST, format!("{}: rank {rank} exited while joining", comm.label()));
+            }
+            let _ = m.tx.send(Ok((handle, id)));
+        }
+    }
+
+    /// Withdraws a rank that gave up waiting; returns the message naming the missing ranks.
+    pub fn join_timed_out(&self, uid_bytes: &[u8], rank: u32, waited: Duration) -> String {
+        let Ok(uid) = UniqueId::decode(uid_bytes) else { return "invalid unique id".into() };
+        let mut joins = lock(&self.joins);
+        let Some(j) = joins.get_mut(&uid.token) else {
+            return format!("communicator {} did not form within {:.1} s", uid.short(), waited.as_secs_f64());
+        };
+        let joined: Vec<String> = j.members.iter().enumerate().filter(|(_, m)| m.is_some()).map(|(r, _)| r.to_string()).collect();
+        let missing: Vec<String> = j.members.iter().enumerate().filter(|(_, m)| m.is_none()).map(|(r, _)| r.to_string()).collect();
+        j.members[rank as usize] = None;
+        if j.members.iter().all(Option::is_none) {
+            joins.remove(&uid.token);
+        }
+        format!(
+            "timed out after {:.1} s waiting for rank(s) [{}] to join communicator {} ({} ranks); joined: [{}]",
+            waited.as_secs_f64(),
+            missing.join(","),
+            uid.short(),
+            j_nranks(&missing, &joined),
+            joined.join(",")
+        )
+    }
+
+    pub fn destroy_comm(&self, s: &Session, handle: u32) -> Result<(), DaemonError> {
+        let Some((comm, rank)) = s.tables().comms.remove(&handle) else {
+            return Err(DaemonError::NotFound(format!("no communicator handle {handle} in session {}", s.id)));
+        };
+        let msg = format!("{}: rank {rank} (pid {}) destroyed the communicator", comm.label(), s.pid);
+        if comm.abort_rank(Some(rank), status::PEER_LOST, msg) {
+            lock(&self.comms).remove(&comm.id);
+        }
+        Ok(())
+    }
+
+    pub fn stage_fd(&self, s: &Session, token: u64, fd: OwnedFd) -> Result<(), DaemonError> {
+        let mut t = s.tables();
+        if t.staged.len() >= MAX_STAGED {
+            return Err(DaemonError::ResourceExhausted(format!("more than {MAX_STAGED} fds staged and not registered")));
+        }
+        t.staged.insert(token, fd);
+        Ok(())
+    }
+
+    pub fn register(&self, s: &Session, token: u64, bytes: u64) -> Result<u32, DaemonError> {
+        let fd = s.tables().staged.remove(&token).ok_or_else(|| {
+            DaemonError::NotFound(format!("no fd staged under token {token}: stage it on the fd socket first"))
+        })?;
+        {
+            let t = s.tables();
+            if t.registered_bytes.saturating_add(bytes) > self.cfg.max_registered_bytes {
+                return Err(DaemonError::ResourceExhausted(format!(
+                    "registering {bytes} bytes would exceed the session limit of {} bytes (max_registered_bytes)",
+                    self.cfg.max_registered_bytes
+                )));
+            }
+        }
+        let region = MemRegion::from_fd(fd, bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
+        let mut t = s.tables();
+        t.next_mem += 1;
+        let id = t.next_mem;
+        t.registered_bytes += bytes;
+        t.mems.insert(id, Arc::new(region));
+        Ok(id)
+    }
+
+    pub fn deregister(&self, s: &Session, mem: u32) -> Result<(), DaemonError> {
+        let mut t = s.tables();
+        let r = t.mems.remove(&mem).ok_or_else(|| DaemonError::NotFound(format!("no memory handle {mem} in session {}", s.id)))?;
+        t.registered_bytes -= r.len();
+        // In-flight ops keep their own reference; the mapping goes when the last one finishes.
+        Ok(())
+    }
+
+    pub fn counts(&self) -> Counts {
+        let sessions = self.sessions();
+        let mut c = Counts { sessions: sessions.len() as u32, ..Default::default() };
+        for s in &sessions {
+            let t = s.tables();
+            c.registrations += t.mems.len() as u32;
+            c.mapped_bytes += t.registered_bytes;
+        }
+        c.communicators = lock(&self.comms).len() as u32;
+        c.pending_joins = lock(&self.joins).len() as u32;
+        c
+    }
+
+    /// Periodic housekeeping: op timeouts, attach deadlines, dead processes.
+    pub fn tick(&self, check_liveness: bool) {
+        let now = Instant::now();
+        let comms: Vec<Arc<Comm>> = lock(&self.comms).values().cloned().collect();
+        for c in comms {
+            c.check_timeout(now);
+        }
+        for s in self.sessions() {
+            if !s.attached.load(Ordering::Acquire) && now.duration_since(s.created) > self.cfg.attach_timeout {
+                self.close_session(s.id, status::PEER_LOST, "client never attached to the fd socket");
+                continue;
+            }
+            if check_liveness && s.pid > 0 {
+                if let Some(pid) = rustix::process::Pid::from_raw(s.pid) {
+                    if rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH) {
+                        self.close_session(s.id, status::PEER_LOST, &format!("process {} exited", s.pid));
+                    }
+                }
+            }
+        }
+    }
+
+    /// SIGTERM: refuse new work, fail everything pending with a clear error.
+    pub fn shutdown(&self, reason: &str) {
+        self.shutting_down.store(true, Ordering::Release);
+        let msg = format!("daemon is shutting down ({reason}); restart it and re-create the communicator");
+        let comms: Vec<Arc<Comm>> = lock(&self.comms).values().cloned().collect();
+        for c in comms {
+            c.abort_rank(None, status::SHUTDOWN, format!("{}: {msg}", c.label()));
+        }
+        for (_, j) in lock(&self.joins).drain() {
+            for m in j.members.into_iter().flatten() {
+                let _ = m.tx.send(Err(DaemonError::Unavailable(msg.clone())));
+            }
+        }
+        for s in self.sessions() {
+            s.ring.session_error().store(status::SHUTDOWN, Ordering::Release);
+        }
+    }
+}
+
+fn j_nranks(a: &[String], b: &[String]) -> usize {
+    a.len() + b.len()
+}

@@ -1,0 +1,360 @@
+//! Element-wise reductions over host memory for every dtype and reduction op.
+//!
+//! f16 and bf16 accumulate in f32; integers wrap on overflow (as NCCL does); `avg` is the sum
+//! divided by the rank count (integer division for integer types). `min`/`max` of floats compare
+//! with `<`/`>`, so a NaN input propagates only from the first operand, as in a sequential loop.
+//!
+//! Inputs are read chunk by chunk into a small accumulator that stays in L1, then the chunk is
+//! written to every output: each input is read once and each output written once, and an output
+//! that is exactly one of the inputs (in-place ops) is safe.
+
+use commd_proto::desc::{DType, RedOp};
+use half::{bf16, f16};
+
+const CHUNK: usize = 2048;
+
+trait Acc: Copy + Default {
+    fn sum(self, o: Self) -> Self;
+    fn prod(self, o: Self) -> Self;
+    fn min(self, o: Self) -> Self;
+    fn max(self, o: Self) -> Self;
+    fn div_n(self, n: u32) -> Self;
+}
+
+macro_rules! float_acc {
+    ($t:ty) => {
+        impl Acc for $t {
+            #[inline(always)]
+            fn sum(self, o: Self) -> Self {
+                self + o
+            }
+            #[inline(always)]
+            fn prod(self, o: Self) -> Self {
+                self * o
+            }
+            #[inline(always)]
+            fn min(self, o: Self) -> Self {
+                if o < self { o } else { self }
+            }
+            #[inline(always)]
+            fn max(self, o: Self) -> Self {
+                if o > self { o } else { self }
+            }
+            #[inline(always)]
+            fn div_n(self, n: u32) -> Self {
+                self / (n as $t)
+            }
+        }
+    };
+}
+float_acc!(f32);
+float_acc!(f64);
+
+macro_rules! int_acc {
+    ($t:ty) => {
+        impl Acc for $t {
+            #[inline(always)]
+            fn sum(self, o: Self) -> Self {
+                self.wrapping_add(o)
+            }
+            #[inline(always)]
+            fn prod(self, o: Self) -> Self {
+                self.wrapping_mul(o)
+            }
+            #[inline(always)]
+            fn min(self, o: Self) -> Self {
+                Ord::min(self, o)
+            }
+            #[inline(always)]
+            fn max(self, o: Self) -> Self {
+                Ord::max(self, o)
+            }
+            #[inline(always)]
+            fn div_n(self, n: u32) -> Self {
+                // n <= MAX_RANKS (2^16); for 8-bit types a quotient by n > 255 is 0 (or -1/0).
+                match <$t>::try_from(n) {
+                    Ok(d) => self.wrapping_div(d),
+                    Err(_) => 0,
+                }
+            }
+        }
+    };
+}
+int_acc!(i8);
+int_acc!(u8);
+int_acc!(i32);
+int_acc!(i64);
+
+trait Elem: Copy {
+    type A: Acc;
+    fn load(self) -> Self::A;
+    fn store(a: Self::A) -> Self;
+}
+
+macro_rules! same_elem {
+    ($t:ty) => {
+        impl Elem for $t {
+            type A = $t;
+            #[inline(always)]
+            fn load(self) -> $t {
+                self
+            }
+            #[inline(always)]
+            fn store(a: $t) -> $t {
+                a
+            }
+        }
+    };
+}
+same_elem!(f32);
+same_elem!(f64);
+same_elem!(i8);
+same_elem!(u8);
+same_elem!(i32);
+same_elem!(i64);
+
+impl Elem for f16 {
+    type A = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(a: f32) -> f16 {
+        f16::from_f32(a)
+    }
+}
+
+impl Elem for bf16 {
+    type A = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(a: f32) -> bf16 {
+        bf16::from_f32(a)
+    }
+}
+
+#[inline(always)]
+unsafe fn fold<T: Elem>(acc: &mut [T::A], p: *const T, f: impl Fn(T::A, T::A) -> T::A) {
+    for (j, a) in acc.iter_mut().enumerate() {
+        // SAFETY: the caller guarantees `p` is valid for `acc.len()` aligned reads.
+        *a = f(*a, unsafe { p.add(j).read() }.load());
+    }
+}
+
+/// # Safety
+/// Every input must be valid for `n` aligned reads of `T` and every output for `n` aligned writes;
+/// an output may be identical to an input but must not partially overlap any input.
+unsafe fn reduce_t<T: Elem>(op: RedOp, nranks: u32, inputs: &[*const u8], outputs: &[*mut u8], n: usize) {
+    let mut buf = [T::A::default(); CHUNK];
+    let mut i = 0;
+    while i < n {
+        let m = CHUNK.min(n - i);
+        let acc = &mut buf[..m];
+        let first = inputs[0].cast::<T>();
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: i + j < n, within the caller's guarantee for inputs[0].
+            *a = unsafe { first.add(i + j).read() }.load();
+        }
+        for inp in &inputs[1..] {
+            // SAFETY: i + m <= n, within the caller's guarantee for this input.
+            let p = unsafe { inp.cast::<T>().add(i) };
+            // SAFETY: p is valid for m reads (above).
+            unsafe {
+                match op {
+                    RedOp::Sum | RedOp::Avg => fold::<T>(acc, p, Acc::sum),
+                    RedOp::Prod => fold::<T>(acc, p, Acc::prod),
+                    RedOp::Min => fold::<T>(acc, p, Acc::min),
+                    RedOp::Max => fold::<T>(acc, p, Acc::max),
+                }
+            }
+        }
+        if op == RedOp::Avg {
+            for a in acc.iter_mut() {
+                *a = a.div_n(nranks);
+            }
+        }
+        for out in outputs {
+            // SAFETY: i + m <= n, within the caller's guarantee for this output.
+            let q = unsafe { out.cast::<T>().add(i) };
+            for (j, a) in acc.iter().enumerate() {
+                // SAFETY: q is valid for m writes.
+                unsafe { q.add(j).write(T::store(*a)) };
+            }
+        }
+        i += m;
+    }
+}
+
+/// Reduces `n` elements of every input into every output.
+///
+/// # Safety
+/// Each pointer must be aligned for `dtype`; inputs valid for `n` element reads and outputs for
+/// `n` element writes for the duration of the call; an output may be identical to an input but
+/// must not partially overlap one. `inputs` must not be empty.
+pub unsafe fn reduce(dtype: DType, op: RedOp, nranks: u32, inputs: &[*const u8], outputs: &[*mut u8], n: usize) {
+    debug_assert!(!inputs.is_empty());
+    // SAFETY: forwarded caller guarantees; T matches dtype.
+    unsafe {
+        match dtype {
+            DType::F32 => reduce_t::<f32>(op, nranks, inputs, outputs, n),
+            DType::F64 => reduce_t::<f64>(op, nranks, inputs, outputs, n),
+            DType::F16 => reduce_t::<f16>(op, nranks, inputs, outputs, n),
+            DType::BF16 => reduce_t::<bf16>(op, nranks, inputs, outputs, n),
+            DType::I8 => reduce_t::<i8>(op, nranks, inputs, outputs, n),
+            DType::U8 => reduce_t::<u8>(op, nranks, inputs, outputs, n),
+            DType::I32 => reduce_t::<i32>(op, nranks, inputs, outputs, n),
+            DType::I64 => reduce_t::<i64>(op, nranks, inputs, outputs, n),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use commd_proto::desc::{ALL_DTYPES, ALL_REDOPS};
+
+    /// Reference: reduce in f64 (or i128) one element at a time, with the same rounding points.
+    fn reference(dtype: DType, op: RedOp, vals: &[f64]) -> f64 {
+        let n = vals.len() as f64;
+        if dtype.is_float() {
+            // Accumulate like the kernel: in f32 for f16/bf16/f32, f64 for f64.
+            let mut a = vals[0];
+            for &v in &vals[1..] {
+                a = match op {
+                    RedOp::Sum | RedOp::Avg => a + v,
+                    RedOp::Prod => a * v,
+                    RedOp::Min => a.min(v),
+                    RedOp::Max => a.max(v),
+                };
+                if dtype != DType::F64 {
+                    a = a as f32 as f64;
+                }
+            }
+            if op == RedOp::Avg {
+                a /= n;
+            }
+            a
+        } else {
+            let bits = dtype.size() * 8;
+            let signed = dtype != DType::U8;
+            let wrap = |x: i128| -> i128 {
+                let m = 1i128 << bits;
+                let mut y = x.rem_euclid(m);
+                if signed && y >= m / 2 {
+                    y -= m;
+                }
+                y
+            };
+            let mut a = vals[0] as i128;
+            for &v in &vals[1..] {
+                let v = v as i128;
+                a = wrap(match op {
+                    RedOp::Sum | RedOp::Avg => a + v,
+                    RedOp::Prod => a * v,
+                    RedOp::Min => a.min(v),
+                    RedOp::Max => a.max(v),
+                });
+            }
+            if op == RedOp::Avg {
+                // Truncating division like Rust's integer `/`.
+                a /= vals.len() as i128;
+            }
+            a as f64
+        }
+    }
+
+    fn to_bytes(dtype: DType, v: &[f64]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for &x in v {
+            match dtype {
+                DType::F32 => out.extend((x as f32).to_ne_bytes()),
+                DType::F64 => out.extend(x.to_ne_bytes()),
+                DType::F16 => out.extend(f16::from_f64(x).to_ne_bytes()),
+                DType::BF16 => out.extend(bf16::from_f64(x).to_ne_bytes()),
+                DType::I8 => out.extend((x as i8).to_ne_bytes()),
+                DType::U8 => out.extend((x as u8).to_ne_bytes()),
+                DType::I32 => out.extend((x as i32).to_ne_bytes()),
+                DType::I64 => out.extend((x as i64).to_ne_bytes()),
+            }
+        }
+        out
+    }
+
+    fn from_bytes(dtype: DType, b: &[u8]) -> Vec<f64> {
+        let s = dtype.size() as usize;
+        b.chunks(s)
+            .map(|c| match dtype {
+                DType::F32 => f32::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::F64 => f64::from_ne_bytes(c.try_into().unwrap()),
+                DType::F16 => f16::from_ne_bytes(c.try_into().unwrap()).to_f64(),
+                DType::BF16 => bf16::from_ne_bytes(c.try_into().unwrap()).to_f64(),
+                DType::I8 => i8::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::U8 => u8::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::I32 => i32::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::I64 => i64::from_ne_bytes(c.try_into().unwrap()) as f64,
+            })
+            .collect()
+    }
+
+    fn value(dtype: DType, r: usize, i: usize) -> f64 {
+        let h = (r * 7919 + i * 104_729) % 23;
+        match dtype {
+            DType::U8 => (h * 11) as f64,            // 0..=242, sums wrap
+            DType::I8 => h as f64 * 11.0 - 120.0,    // -120..=122, sums and products wrap
+            _ => h as f64 - 11.0,                    // -11..=11
+        }
+    }
+
+    #[test]
+    fn every_dtype_and_op_matches_reference() {
+        // Odd n crosses the chunk boundary; 3 ranks exercise avg rounding.
+        let n = CHUNK * 2 + 37;
+        for dtype in ALL_DTYPES {
+            for op in ALL_REDOPS {
+                for nranks in [1usize, 3, 4] {
+                    let inputs: Vec<Vec<u8>> = (0..nranks)
+                        .map(|r| to_bytes(dtype, &(0..n).map(|i| value(dtype, r, i)).collect::<Vec<_>>()))
+                        .collect();
+                    // Out-of-place to two outputs, and in-place into input 0.
+                    let mut out1 = vec![0u8; n * dtype.size() as usize];
+                    let mut out2 = vec![0u8; n * dtype.size() as usize];
+                    let mut inplace = inputs.clone();
+                    let ins: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr()).collect();
+                    // SAFETY: all buffers hold n elements; Vec<u8> of a multiple of the element size
+                    // allocated by the global allocator is aligned enough on x86-64 (checked below).
+                    unsafe { reduce(dtype, op, nranks as u32, &ins, &[out1.as_mut_ptr(), out2.as_mut_ptr()], n) };
+                    let ip_ins: Vec<*const u8> = inplace.iter().map(|v| v.as_ptr()).collect();
+                    let dst = inplace[0].as_mut_ptr();
+                    // SAFETY: as above; the output is identical to input 0.
+                    unsafe { reduce(dtype, op, nranks as u32, &ip_ins, &[dst], n) };
+                    assert_eq!(out1.as_ptr() as usize % 8, 0);
+                    let got = from_bytes(dtype, &out1);
+                    let got_ip = from_bytes(dtype, &inplace[0]);
+                    assert_eq!(out1, out2);
+                    for i in 0..n {
+                        let vals: Vec<f64> = (0..nranks).map(|r| from_bytes(dtype, &to_bytes(dtype, &[value(dtype, r, i)]))[0]).collect();
+                        let want = from_bytes(dtype, &to_bytes(dtype, &[reference(dtype, op, &vals)]))[0];
+                        assert_eq!(got[i], want, "{dtype:?} {op:?} n={nranks} i={i} vals={vals:?}");
+                        assert_eq!(got_ip[i], want, "in-place {dtype:?} {op:?} i={i}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn half_precision_accumulates_in_f32() {
+        // 2048 + 1 + 1 + ... in f16 would stall at 2048; accumulating in f32 gives 2052.
+        let vals = [2048.0f64, 1.0, 1.0, 1.0, 1.0];
+        let ins: Vec<Vec<u8>> = vals.iter().map(|v| to_bytes(DType::F16, &[*v])).collect();
+        let ptrs: Vec<*const u8> = ins.iter().map(|v| v.as_ptr()).collect();
+        let mut out = vec![0u8; 2];
+        // SAFETY: one element in each buffer.
+        unsafe { reduce(DType::F16, RedOp::Sum, 5, &ptrs, &[out.as_mut_ptr()], 1) };
+        assert_eq!(from_bytes(DType::F16, &out)[0], 2052.0);
+    }
+}

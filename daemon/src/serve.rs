@@ -1,0 +1,259 @@
+//! `commd serve`: wiring only. Takes the socket lock, binds the gRPC and fd sockets, starts the
+//! fd-socket and housekeeping threads and the tokio runtime for the control plane, and on
+//! SIGTERM/SIGINT fails in-flight ops with a clear error and exits 0.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+use tokio::sync::oneshot;
+
+use crate::config::Config;
+use crate::control::LocalService;
+use crate::daemon::Daemon;
+
+/// Process exit codes of `commd` (documented in README.md).
+pub mod exit {
+    pub const OK: i32 = 0;
+    pub const RUNTIME: i32 = 1;
+    pub const USAGE: i32 = 2;
+    pub const SOCKET_BUSY: i32 = 3;
+    pub const SOCKET_SETUP: i32 = 4;
+}
+
+#[derive(Debug, Error)]
+pub enum ServeError {
+    #[error("another commd (pid {pid}) already serves {socket}; stop it first or pass a different --socket")]
+    SocketBusy { socket: PathBuf, pid: String },
+    #[error("cannot set up socket {path}: {err}")]
+    Setup { path: PathBuf, err: std::io::Error },
+    #[error("control plane failed: {0}")]
+    Runtime(String),
+}
+
+impl ServeError {
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            ServeError::SocketBusy { .. } => exit::SOCKET_BUSY,
+            ServeError::Setup { .. } => exit::SOCKET_SETUP,
+            ServeError::Runtime(_) => exit::RUNTIME,
+        }
+    }
+}
+
+fn lock_path(socket: &Path) -> PathBuf {
+    let mut s = socket.as_os_str().to_owned();
+    s.push(".lock");
+    PathBuf::from(s)
+}
+
+/// Holds the exclusive lock on `<socket>.lock` for the daemon's life.
+struct SocketLock {
+    _file: File,
+    paths: Vec<PathBuf>,
+}
+
+impl Drop for SocketLock {
+    fn drop(&mut self) {
+        for p in &self.paths {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+fn take_lock(cfg: &Config) -> Result<SocketLock, ServeError> {
+    let socket = &cfg.socket;
+    let setup = |err| ServeError::Setup { path: socket.clone(), err };
+    if let Some(dir) = socket.parent() {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).map_err(setup)?;
+            // Root's /run/commd is reachable by every local user (calls are authorized by peer
+            // credentials); a user daemon's directory is private to that user.
+            let mode = if rustix::process::geteuid().is_root() { 0o755 } else { 0o700 };
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(setup)?;
+        }
+    }
+    let lp = lock_path(socket);
+    let mut f = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lp).map_err(setup)?;
+    if rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
+        let mut pid = String::new();
+        let _ = f.read_to_string(&mut pid);
+        return Err(ServeError::SocketBusy { socket: socket.clone(), pid: pid.trim().to_string() });
+    }
+    f.set_len(0).map_err(setup)?;
+    f.rewind().map_err(setup)?;
+    write!(f, "{}", std::process::id()).map_err(setup)?;
+    Ok(SocketLock { _file: f, paths: vec![socket.clone(), cfg.fd_socket(), lp] })
+}
+
+/// A running daemon: its state and the trigger that stops it.
+pub struct Running {
+    pub daemon: Arc<Daemon>,
+    stop: Option<oneshot::Sender<&'static str>>,
+    thread: Option<std::thread::JoinHandle<Result<(), ServeError>>>,
+}
+
+impl Running {
+    /// Stops the daemon as SIGTERM would, and waits for it.
+    pub fn stop(mut self) -> Result<(), ServeError> {
+        self.stop_inner()
+    }
+
+    fn stop_inner(&mut self) -> Result<(), ServeError> {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send("stopped by its embedding process");
+        }
+        match self.thread.take() {
+            Some(t) => t.join().unwrap_or_else(|_| Err(ServeError::Runtime("control-plane thread panicked".into()))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.stop_inner();
+    }
+}
+
+/// Starts a daemon in background threads of this process (for `commd bench` and tests).
+pub fn start(cfg: Config) -> Result<Running, ServeError> {
+    let (stop_tx, stop_rx) = oneshot::channel();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("commd-control".into())
+        .spawn(move || run(cfg, Some(stop_rx), Some(ready_tx)))
+        .map_err(|e| ServeError::Runtime(e.to_string()))?;
+    match ready_rx.recv() {
+        Ok(daemon) => Ok(Running { daemon, stop: Some(stop_tx), thread: Some(thread) }),
+        Err(_) => Err(thread.join().unwrap_or_else(|_| Err(ServeError::Runtime("panicked".into()))).err().unwrap_or_else(|| ServeError::Runtime("daemon exited during start".into()))),
+    }
+}
+
+/// Serves until SIGTERM/SIGINT (or `stop` fires). Blocks.
+pub fn run(
+    cfg: Config,
+    stop: Option<oneshot::Receiver<&'static str>>,
+    ready: Option<std::sync::mpsc::Sender<Arc<Daemon>>>,
+) -> Result<(), ServeError> {
+    let lock = take_lock(&cfg)?;
+    let setup = |path: &Path| {
+        let path = path.to_path_buf();
+        move |err| ServeError::Setup { path, err }
+    };
+    let _ = std::fs::remove_file(&cfg.socket);
+    let std_listener = std::os::unix::net::UnixListener::bind(&cfg.socket).map_err(setup(&cfg.socket))?;
+    std_listener.set_nonblocking(true).map_err(setup(&cfg.socket))?;
+    let fd_listener = crate::fdsock::bind(&cfg.fd_socket()).map_err(setup(&cfg.fd_socket()))?;
+    let mode = if rustix::process::geteuid().is_root() { 0o666 } else { 0o600 };
+    for p in [&cfg.socket, &cfg.fd_socket()] {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(setup(p))?;
+    }
+
+    let daemon = Daemon::new(cfg.clone());
+    let d = daemon.clone();
+    std::thread::Builder::new()
+        .name("commd-fd-accept".into())
+        .spawn(move || crate::fdsock::serve(d, fd_listener))
+        .map_err(|e| ServeError::Runtime(e.to_string()))?;
+    let d = daemon.clone();
+    std::thread::Builder::new()
+        .name("commd-timer".into())
+        .spawn(move || housekeeping(d))
+        .map_err(|e| ServeError::Runtime(e.to_string()))?;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("commd-ctl")
+        .enable_all()
+        .build()
+        .map_err(|e| ServeError::Runtime(e.to_string()))?;
+    let result = rt.block_on(async {
+        let listener = tokio::net::UnixListener::from_std(std_listener).map_err(|e| ServeError::Runtime(e.to_string()))?;
+        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+        let svc = commd_proto::pb::local_server::LocalServer::new(LocalService { daemon: daemon.clone() });
+        let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
+        let d = daemon.clone();
+        tokio::spawn(async move {
+            let reason = wait_for_stop(stop).await;
+            tracing::warn!(target: "commd::init", "shutting down: {reason}");
+            d.shutdown(reason);
+            let _ = sig_tx.send(reason);
+        });
+        tracing::info!(target: "commd::init", socket = %daemon.cfg.socket.display(), workers = daemon.cfg.workers, "commd {} serving", commd_proto::VERSION);
+        if let Some(r) = ready {
+            let _ = r.send(daemon.clone());
+        }
+        let server = tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(incoming, async {
+            let _ = sig_rx.await;
+            // Let clients read their failed completions before the sockets go away.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        });
+        // Graceful shutdown waits for open RPCs; do not let a stuck one hold the exit.
+        let (done_tx, mut done_rx) = tokio::sync::watch::channel(false);
+        let server = async move {
+            let r = server.await;
+            let _ = done_tx.send(true);
+            r
+        };
+        let srv = tokio::spawn(server);
+        loop {
+            if *done_rx.borrow() {
+                break;
+            }
+            if daemon.is_shutting_down() {
+                let _ = tokio::time::timeout(Duration::from_secs(2), done_rx.changed()).await;
+                break;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(100), done_rx.changed()).await;
+        }
+        if srv.is_finished() {
+            match srv.await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(ServeError::Runtime(e.to_string())),
+                Err(e) => Err(ServeError::Runtime(e.to_string())),
+            }
+        } else {
+            Ok(())
+        }
+    });
+    rt.shutdown_timeout(Duration::from_millis(200));
+    drop(lock);
+    result
+}
+
+async fn wait_for_stop(stop: Option<oneshot::Receiver<&'static str>>) -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate()).ok();
+    let mut int = signal(SignalKind::interrupt()).ok();
+    let embedded = async {
+        match stop {
+            Some(rx) => rx.await.unwrap_or("embedding process dropped the daemon"),
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = async { match term.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => "SIGTERM",
+        _ = async { match int.as_mut() { Some(s) => { s.recv().await; } None => std::future::pending().await } } => "SIGINT",
+        r = embedded => r,
+    }
+}
+
+fn housekeeping(d: Arc<Daemon>) {
+    let mut last_liveness = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(20));
+        if d.is_shutting_down() {
+            return;
+        }
+        let live = last_liveness.elapsed() >= d.cfg.liveness_interval;
+        if live {
+            last_liveness = Instant::now();
+        }
+        d.tick(live);
+    }
+}

@@ -1,0 +1,274 @@
+//! Sessions: one per client process. A session owns its ring (a daemon-created memfd), its
+//! memory registrations and its communicator handles, and runs one ring-poller thread
+//! (`commd-ring-<id>`) that validates each descriptor and posts it to its communicator.
+//!
+//! Everything read from the ring is hostile input: the SQ tail is checked against the capacity,
+//! each descriptor is copied out before it is decoded, and memory is resolved only through this
+//! session's own registration table with bounds and alignment checks.
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use commd_proto::desc::{CompletionDesc, status};
+use commd_proto::ring::{Ring, RingLayout};
+
+use crate::comm::{Comm, Posted};
+use crate::engine::{RankBufs, Span};
+use crate::shm::MemRegion;
+
+/// Error messages kept per session for `GetOpError` (oldest dropped first).
+const MAX_ERRORS: usize = 4096;
+/// Fds staged on the fd socket but not yet registered.
+pub const MAX_STAGED: usize = 256;
+
+#[derive(Default)]
+pub struct Tables {
+    pub mems: HashMap<u32, Arc<MemRegion>>,
+    pub next_mem: u32,
+    pub registered_bytes: u64,
+    pub comms: HashMap<u32, (Arc<Comm>, u32)>,
+    pub next_comm: u32,
+    pub staged: HashMap<u64, OwnedFd>,
+    errors: HashMap<u64, (u32, String)>,
+    error_order: VecDeque<u64>,
+}
+
+pub struct Session {
+    pub id: u64,
+    pub uid: u32,
+    pub pid: i32,
+    pub name: String,
+    pub secret: [u8; 16],
+    pub created: Instant,
+    pub ring_file: File,
+    pub ring: Ring,
+    cq_tail: Mutex<u32>,
+    tables: Mutex<Tables>,
+    closed: AtomicBool,
+    pub attached: AtomicBool,
+    /// Set when the client broke the ring protocol; the poller closes the session.
+    violation: Mutex<Option<String>>,
+    pub ops_completed: AtomicU64,
+    pub ops_failed: AtomicU64,
+}
+
+impl std::fmt::Debug for Session {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Session({} pid {})", self.id, self.pid)
+    }
+}
+
+impl Session {
+    pub fn new(id: u64, uid: u32, pid: i32, name: String, secret: [u8; 16], layout: RingLayout) -> std::io::Result<Self> {
+        let fd = rustix::fs::memfd_create(format!("commd-ring-{id}"), rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::ftruncate(&fd, layout.total_bytes)?;
+        rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW | rustix::fs::SealFlags::SEAL)?;
+        let ring_file = File::from(fd);
+        let ring = Ring::create(&ring_file, layout, id, std::process::id()).map_err(std::io::Error::other)?;
+        Ok(Self {
+            id,
+            uid,
+            pid,
+            name,
+            secret,
+            created: Instant::now(),
+            ring_file,
+            ring,
+            cq_tail: Mutex::new(0),
+            tables: Mutex::new(Tables::default()),
+            closed: AtomicBool::new(false),
+            attached: AtomicBool::new(false),
+            violation: Mutex::new(None),
+            ops_completed: AtomicU64::new(0),
+            ops_failed: AtomicU64::new(0),
+        })
+    }
+
+    pub fn tables(&self) -> MutexGuard<'_, Tables> {
+        self.tables.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Marks the session closed (idempotent); returns true the first time. Wakes the poller and
+    /// any client waiter. Cleanup of communicators is the daemon's job.
+    pub fn mark_closed(&self, st: u32) -> bool {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        self.ring.session_error().store(st.max(1), Ordering::Release);
+        Ring::ring_bell(self.ring.sq_bell(), self.ring.sq_sleeping());
+        commd_proto::futex::wake_all(self.ring.sq_bell());
+        Ring::ring_bell(self.ring.cq_bell(), self.ring.cq_sleepers());
+        true
+    }
+
+    /// Posts a completion (and keeps the message for `GetOpError`). Never blocks on the client.
+    pub fn complete(&self, user_data: u64, comm: u32, seq: u64, st: u32, msg: Option<String>) {
+        if st == status::OK {
+            self.ops_completed.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.ops_failed.fetch_add(1, Ordering::Relaxed);
+        }
+        if self.is_closed() {
+            return;
+        }
+        if let Some(m) = msg {
+            let mut t = self.tables();
+            if t.error_order.len() >= MAX_ERRORS {
+                if let Some(old) = t.error_order.pop_front() {
+                    t.errors.remove(&old);
+                }
+            }
+            t.errors.insert(user_data, (st, m));
+            t.error_order.push_back(user_data);
+        }
+        let mut tail = self.cq_tail.lock().unwrap_or_else(|e| e.into_inner());
+        let head = self.ring.cq_head().load(Ordering::Acquire);
+        if tail.wrapping_sub(head) >= self.ring.layout().cq_entries {
+            // The client promised never to have more ops in flight than CQ entries.
+            *self.violation.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(format!("completion queue overflow (head {head}, tail {}): client exceeded its in-flight limit", *tail));
+            return;
+        }
+        let c = CompletionDesc { user_data, status: st, comm, seq, reserved: 0 };
+        self.ring.write_cq(*tail, &c);
+        *tail = tail.wrapping_add(1);
+        self.ring.cq_tail().store(*tail, Ordering::Release);
+        Ring::ring_bell(self.ring.cq_bell(), self.ring.cq_sleepers());
+    }
+
+    pub fn take_error(&self, user_data: u64) -> Option<(u32, String)> {
+        let mut t = self.tables();
+        let e = t.errors.remove(&user_data);
+        if e.is_some() {
+            t.error_order.retain(|u| *u != user_data);
+        }
+        e
+    }
+
+    fn take_violation(&self) -> Option<String> {
+        self.violation.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+
+    /// Resolves `(mem_id, off)` for `bytes` bytes of `esize`-sized elements.
+    fn span(&self, what: &str, mem: u32, off: u64, bytes: u64, esize: u64) -> Result<Span, String> {
+        let region = self.tables().mems.get(&mem).cloned().ok_or_else(|| format!("{what} buffer names unknown memory handle {mem}"))?;
+        if off % esize != 0 {
+            return Err(format!("{what} buffer offset {off} is not aligned to the element size {esize}"));
+        }
+        let len = region.len();
+        Span::new(region, off, bytes)
+            .ok_or_else(|| format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes) lies outside its registration of {len} bytes"))
+    }
+
+    /// Resolves both buffers of an op for a communicator of `nranks` where this rank is `rank`.
+    fn resolve(&self, op: &commd_proto::desc::Op, rank: u32, nranks: u32) -> Result<RankBufs, String> {
+        if (op.kind.has_root() || op.kind.is_p2p()) && op.peer >= nranks {
+            let what = if op.kind.is_p2p() { "peer" } else { "root" };
+            return Err(format!("{what} rank {} is out of range for {nranks} ranks", op.peer));
+        }
+        let es = op.dtype.size();
+        let n = u64::from(nranks);
+        let me_root = op.peer == rank;
+        let bytes = |elems: Option<u64>| elems.and_then(|e| e.checked_mul(es)).ok_or_else(|| format!("count {} overflows the buffer size", op.count));
+        let mut bufs = RankBufs::default();
+        if op.kind.uses_send(me_root) {
+            let b = bytes(op.kind.send_elems(op.count, n))?;
+            bufs.send = Some(self.span("send", op.send_mem, op.send_off, b, es)?);
+        }
+        if op.kind.uses_recv(me_root) {
+            let b = bytes(op.kind.recv_elems(op.count, n))?;
+            bufs.recv = Some(self.span("recv", op.recv_mem, op.recv_off, b, es)?);
+        }
+        Ok(bufs)
+    }
+
+    /// Handles one descriptor copied out of the SQ.
+    fn process(self: &Arc<Self>, d: commd_proto::desc::SubmitDesc) {
+        let op = match d.decode() {
+            Ok(op) => op,
+            Err(e) => {
+                self.complete(d.user_data, d.comm, 0, status::INVALID, Some(format!("invalid descriptor: {e}")));
+                return;
+            }
+        };
+        let entry = self.tables().comms.get(&op.comm).cloned();
+        let Some((comm, rank)) = entry else {
+            self.complete(op.user_data, op.comm, 0, status::INVALID, Some(format!("{} names unknown communicator handle {}", op.kind.name(), op.comm)));
+            return;
+        };
+        let (bufs, invalid) = match self.resolve(&op, rank, comm.nranks) {
+            Ok(b) => (b, None),
+            Err(why) => (RankBufs::default(), Some(why)),
+        };
+        if let (Some(why), true) = (&invalid, op.kind.is_p2p() && op.peer >= comm.nranks) {
+            // A p2p op with a bad peer can never be matched: fail it alone, now.
+            self.complete(op.user_data, op.comm, 0, status::INVALID, Some(format!("{}: {} on rank {rank}: {why}", comm.label(), op.kind.name())));
+            return;
+        }
+        comm.post(Posted { op, rank, session: self.clone(), bufs, posted_at: Instant::now(), seq: 0, invalid });
+    }
+
+    /// The ring-poller loop; returns when the session is closed or the client breaks the protocol
+    /// (the returned string says how).
+    pub fn poll_loop(self: &Arc<Self>, spin: Duration) -> Option<String> {
+        let ring = &self.ring;
+        let entries = ring.layout().sq_entries;
+        let mut head: u32 = 0;
+        loop {
+            if self.is_closed() {
+                return None;
+            }
+            if let Some(v) = self.take_violation() {
+                return Some(v);
+            }
+            let tail = ring.sq_tail().load(Ordering::Acquire);
+            let avail = tail.wrapping_sub(head);
+            if avail > entries {
+                return Some(format!("submission queue tail {tail} is {avail} entries past head {head} (capacity {entries})"));
+            }
+            if avail == 0 {
+                self.idle_wait(head, spin);
+                continue;
+            }
+            for _ in 0..avail {
+                let d = ring.read_sq(head);
+                head = head.wrapping_add(1);
+                ring.sq_head().store(head, Ordering::Release);
+                self.process(d);
+            }
+        }
+    }
+
+    /// Spins for `spin`, then sleeps on the SQ doorbell until the tail moves (or 100 ms pass).
+    fn idle_wait(&self, head: u32, spin: Duration) {
+        let ring = &self.ring;
+        let t0 = Instant::now();
+        let mut i = 0u32;
+        while t0.elapsed() < spin {
+            if ring.sq_tail().load(Ordering::Acquire) != head || self.is_closed() {
+                return;
+            }
+            i += 1;
+            if i % 64 == 0 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        ring.sq_sleeping().store(1, Ordering::SeqCst);
+        let bell = ring.sq_bell().load(Ordering::SeqCst);
+        if ring.sq_tail().load(Ordering::SeqCst) == head && !self.is_closed() {
+            commd_proto::futex::wait(ring.sq_bell(), bell, Duration::from_millis(100));
+        }
+        ring.sq_sleeping().store(0, Ordering::SeqCst);
+        ring.daemon_beat().fetch_add(1, Ordering::Relaxed);
+    }
+}
