@@ -63,7 +63,8 @@ pub fn resolve_socket_path() -> PathBuf {
 /// Client-side tuning.
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// How long a waiter spins before sleeping (default 20 us, `COMMD_CLIENT_SPIN_US`).
+    /// How long a waiter polls (yielding the core between looks) before sleeping on the
+    /// completion futex (default 50 us, `COMMD_CLIENT_SPIN_US`).
     pub spin: Duration,
     /// Shown in `commd status`.
     pub name: String,
@@ -73,7 +74,7 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        let spin_us = std::env::var("COMMD_CLIENT_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+        let spin_us = std::env::var("COMMD_CLIENT_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
         Self { spin: Duration::from_micros(spin_us), name: format!("pid {}", std::process::id()), ring_entries: 0 }
     }
 }
@@ -352,8 +353,7 @@ impl Inner {
     /// Waits for `user_data` (0: for any progress, up to `limit`). Returns the completion.
     fn wait(&self, user_data: u64, limit: Option<Duration>) -> Result<Option<CompletionDesc>> {
         let t0 = Instant::now();
-        let mut spins = 0u32;
-        loop {
+                loop {
             {
                 let mut cq = lock(&self.cq);
                 self.reap(&mut cq);
@@ -368,12 +368,8 @@ impl Inner {
                 }
             }
             if t0.elapsed() < self.spin {
-                spins += 1;
-                if spins % 64 == 0 {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+                // Yield rather than burn: other ranks on this node may need this core.
+                std::thread::yield_now();
                 continue;
             }
             // Sleep on the CQ doorbell, announcing ourselves so the daemon wakes us.

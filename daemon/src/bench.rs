@@ -325,7 +325,9 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
             let spec = OpSpec { count, peer: if sel.kind == OpKind::Send { prev } else { a.root }, seed: size ^ u64::from(inplace), ..spec0 };
             let fill = |s: &mut commd_client::Buffer, r: &mut commd_client::Buffer| {
                 let sb = if inplace { r } else { s };
-                check::fill(sel.dtype, sel.redop, spec.seed, rank, sb.as_mut_slice(), spec.send_elems().max(if sel.kind == OpKind::Send { count } else { 0 }));
+                // In-place all_gather reads this rank's slot of the receive buffer.
+                let at = if inplace && sel.kind == OpKind::AllGather { (u64::from(rank) * count * es) as usize } else { 0 };
+                check::fill(sel.dtype, sel.redop, spec.seed, rank, &mut sb.as_mut_slice()[at..], spec.send_elems().max(if sel.kind == OpKind::Send { count } else { 0 }));
             };
             fill(&mut sbuf, &mut rbuf);
             // In-place layouts as NCCL defines them.

@@ -79,7 +79,7 @@ pub static KEYS: &[Key] = &[
         name: "poll_spin_us",
         env: "COMMD_POLL_SPIN_US",
         default: Some("50"),
-        help: "how long a ring poller spins on an empty ring before sleeping on its futex",
+        help: "how long a ring poller keeps polling an empty ring (yielding the core between looks) before sleeping on its futex",
         kind: Kind::U64 { min: 0, max: 1_000_000 },
     },
     Key {

@@ -247,21 +247,16 @@ impl Session {
         }
     }
 
-    /// Spins for `spin`, then sleeps on the SQ doorbell until the tail moves (or 100 ms pass).
+    /// Polls (yielding between looks) for `spin`, then sleeps on the SQ doorbell until the tail moves (or 100 ms pass).
     fn idle_wait(&self, head: u32, spin: Duration) {
         let ring = &self.ring;
         let t0 = Instant::now();
-        let mut i = 0u32;
         while t0.elapsed() < spin {
             if ring.sq_tail().load(Ordering::Acquire) != head || self.is_closed() {
                 return;
             }
-            i += 1;
-            if i % 64 == 0 {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+            // Yield rather than burn: on a busy node the client processes need the core more.
+            std::thread::yield_now();
         }
         ring.sq_sleeping().store(1, Ordering::SeqCst);
         let bell = ring.sq_bell().load(Ordering::SeqCst);

@@ -19,6 +19,8 @@ use crate::shm::{MemRegion, ShmError};
 
 /// Below this many bytes of work a plan runs on the calling thread.
 const PARALLEL_MIN_BYTES: u64 = 256 * 1024;
+/// Outputs larger than this (per op) are written with non-temporal stores.
+const STREAM_MIN_OUT_BYTES: u64 = 8 << 20;
 /// Smallest piece a task is split into when running in parallel.
 const MIN_PIECE_BYTES: u64 = 64 * 1024;
 
@@ -149,13 +151,15 @@ pub fn plan_collective(
         OpKind::Barrier => {}
         OpKind::Send | OpKind::Recv => return None,
     }
-    tasks.retain(|t| t.bytes(es) > 0);
+    // Empty tasks and copies of a range onto itself (in-place layouts) do nothing; dropping them
+    // also keeps them out of the overlap analysis, where they would force needless staging.
+    tasks.retain(|t| t.bytes(es) > 0 && !matches!(t, Task::Copy { src, dst } if src.key() == dst.key()));
     Some(Plan { dtype, redop: redop.unwrap_or(RedOp::Sum), nranks: n as u32, tasks })
 }
 
 /// Plan of a matched send/recv pair.
 pub fn plan_p2p(dtype: DType, src: Span, dst: Span) -> Plan {
-    let tasks = if src.bytes > 0 { vec![Task::Copy { src, dst }] } else { vec![] };
+    let tasks = if src.bytes > 0 && src.key() != dst.key() { vec![Task::Copy { src, dst }] } else { vec![] };
     Plan { dtype, redop: RedOp::Sum, nranks: 2, tasks }
 }
 
@@ -233,7 +237,7 @@ struct Piece {
     end: u64,
 }
 
-fn run_piece(plan: &Plan, p: Piece) {
+fn run_piece(plan: &Plan, p: Piece, stream: bool) {
     let es = plan.dtype.size();
     match &plan.tasks[p.task] {
         Task::Copy { src, dst } => {
@@ -254,7 +258,7 @@ fn run_piece(plan: &Plan, p: Piece) {
             // SAFETY: spans are element-aligned (offsets checked against the dtype size when the
             // spans were built, mappings are page-aligned), hold `elems` elements, and after
             // staging no output partially overlaps an input.
-            unsafe { reduce::reduce(plan.dtype, plan.redop, plan.nranks, &ins, &outs, (p.end - p.start) as usize) }
+            unsafe { reduce::reduce(plan.dtype, plan.redop, plan.nranks, &ins, &outs, (p.end - p.start) as usize, stream) }
         }
     }
 }
@@ -271,6 +275,15 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
     let es = plan.dtype.size();
     let total: u64 = plan.tasks.iter().map(|t| t.bytes(es)).sum();
     let threads = if total < PARALLEL_MIN_BYTES { 1 } else { workers.max(1) };
+    let out_bytes: u64 = plan
+        .tasks
+        .iter()
+        .map(|t| match t {
+            Task::Copy { dst, .. } => dst.bytes,
+            Task::Reduce { outputs, elems, .. } => elems * es * outputs.len() as u64,
+        })
+        .sum();
+    let stream = out_bytes >= STREAM_MIN_OUT_BYTES;
     let target_pieces = (threads * 4) as u64;
     let mut pieces = Vec::new();
     for (t, task) in plan.tasks.iter().enumerate() {
@@ -294,7 +307,7 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
     let threads = threads.min(pieces.len());
     if threads <= 1 {
         for p in pieces {
-            run_piece(&plan, p);
+            run_piece(&plan, p, stream);
         }
         return Ok(());
     }
@@ -303,7 +316,7 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
         loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
             let Some(p) = pieces.get(i) else { break };
-            run_piece(&plan, *p);
+            run_piece(&plan, *p, stream);
         }
     };
     std::thread::scope(|s| {
@@ -418,5 +431,6 @@ mod tests {
         let ag: Vec<RankBufs> = rs.iter().map(|b| RankBufs { send: b.recv.clone(), recv: b.send.clone() }).collect();
         let plan = plan_collective(OpKind::AllGather, DType::F32, None, count, 0, &ag).unwrap();
         assert!(!needs_staging(&plan));
+        assert_eq!(plan.tasks.len(), n * (n - 1), "self-copies are dropped");
     }
 }

@@ -85,7 +85,7 @@ int_acc!(u8);
 int_acc!(i32);
 int_acc!(i64);
 
-trait Elem: Copy {
+trait Elem: Copy + Default {
     type A: Acc;
     fn load(self) -> Self::A;
     fn store(a: Self::A) -> Self;
@@ -148,8 +148,9 @@ unsafe fn fold<T: Elem>(acc: &mut [T::A], p: *const T, f: impl Fn(T::A, T::A) ->
 /// # Safety
 /// Every input must be valid for `n` aligned reads of `T` and every output for `n` aligned writes;
 /// an output may be identical to an input but must not partially overlap any input.
-unsafe fn reduce_t<T: Elem>(op: RedOp, nranks: u32, inputs: &[*const u8], outputs: &[*mut u8], n: usize) {
+unsafe fn reduce_t<T: Elem>(op: RedOp, nranks: u32, inputs: &[*const u8], outputs: &[*mut u8], n: usize, stream: bool) {
     let mut buf = [T::A::default(); CHUNK];
+    let mut out_buf = [T::default(); CHUNK];
     let mut i = 0;
     while i < n {
         let m = CHUNK.min(n - i);
@@ -177,16 +178,75 @@ unsafe fn reduce_t<T: Elem>(op: RedOp, nranks: u32, inputs: &[*const u8], output
                 *a = a.div_n(nranks);
             }
         }
-        for out in outputs {
-            // SAFETY: i + m <= n, within the caller's guarantee for this output.
-            let q = unsafe { out.cast::<T>().add(i) };
-            for (j, a) in acc.iter().enumerate() {
-                // SAFETY: q is valid for m writes.
-                unsafe { q.add(j).write(T::store(*a)) };
+        if stream {
+            // Convert once, then write every output with non-temporal stores: no read-for-ownership
+            // of output lines that are not in cache, and no eviction of the inputs still to read.
+            for (o, a) in out_buf[..m].iter_mut().zip(acc.iter()) {
+                *o = T::store(*a);
+            }
+            let bytes = m * std::mem::size_of::<T>();
+            for out in outputs {
+                // SAFETY: i + m <= n, within the caller's guarantee for this output; out_buf holds m elements.
+                let q = unsafe { out.cast::<T>().add(i).cast::<u8>() };
+                if inputs.contains(&out.cast_const()) {
+                    // In place: the lines were just read and are in cache; a plain store is cheaper.
+                    // SAFETY: as above.
+                    unsafe { std::ptr::copy_nonoverlapping(out_buf.as_ptr().cast::<u8>(), q, bytes) };
+                } else {
+                    // SAFETY: as above.
+                    unsafe { stream_copy(q, out_buf.as_ptr().cast::<u8>(), bytes) };
+                }
+            }
+        } else {
+            for out in outputs {
+                // SAFETY: i + m <= n, within the caller's guarantee for this output.
+                let q = unsafe { out.cast::<T>().add(i) };
+                for (j, a) in acc.iter().enumerate() {
+                    // SAFETY: q is valid for m writes.
+                    unsafe { q.add(j).write(T::store(*a)) };
+                }
             }
         }
         i += m;
     }
+}
+
+/// Copies `n` bytes with non-temporal stores where the CPU has them (plain copy elsewhere).
+/// The caller issues [`store_fence`] before publishing the result.
+///
+/// # Safety
+/// `src` valid for `n` reads, `dst` for `n` writes, not overlapping.
+unsafe fn stream_copy(dst: *mut u8, src: *const u8, n: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let head = dst.align_offset(16).min(n);
+        // SAFETY: head <= n, within both ranges.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, head) };
+        let mut i = head;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n; dst + i is 16-byte aligned (head aligned it); SSE2 is part of the
+            // x86-64 baseline.
+            unsafe { _mm_stream_si128(dst.add(i).cast::<__m128i>(), _mm_loadu_si128(src.add(i).cast::<__m128i>())) };
+            i += 16;
+        }
+        // SAFETY: the tail lies within both ranges.
+        unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), n - i) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        std::ptr::copy_nonoverlapping(src, dst, n)
+    };
+}
+
+/// Orders this thread's non-temporal stores before its later stores (the completion).
+pub fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: sfence has no preconditions; SSE is part of the x86-64 baseline.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }
 
 /// Reduces `n` elements of every input into every output.
@@ -194,21 +254,25 @@ unsafe fn reduce_t<T: Elem>(op: RedOp, nranks: u32, inputs: &[*const u8], output
 /// # Safety
 /// Each pointer must be aligned for `dtype`; inputs valid for `n` element reads and outputs for
 /// `n` element writes for the duration of the call; an output may be identical to an input but
-/// must not partially overlap one. `inputs` must not be empty.
-pub unsafe fn reduce(dtype: DType, op: RedOp, nranks: u32, inputs: &[*const u8], outputs: &[*mut u8], n: usize) {
+/// must not partially overlap one. `inputs` must not be empty. With `stream`, outputs are written
+/// with non-temporal stores (for outputs larger than the caches) and fenced before returning.
+pub unsafe fn reduce(dtype: DType, op: RedOp, nranks: u32, inputs: &[*const u8], outputs: &[*mut u8], n: usize, stream: bool) {
     debug_assert!(!inputs.is_empty());
     // SAFETY: forwarded caller guarantees; T matches dtype.
     unsafe {
         match dtype {
-            DType::F32 => reduce_t::<f32>(op, nranks, inputs, outputs, n),
-            DType::F64 => reduce_t::<f64>(op, nranks, inputs, outputs, n),
-            DType::F16 => reduce_t::<f16>(op, nranks, inputs, outputs, n),
-            DType::BF16 => reduce_t::<bf16>(op, nranks, inputs, outputs, n),
-            DType::I8 => reduce_t::<i8>(op, nranks, inputs, outputs, n),
-            DType::U8 => reduce_t::<u8>(op, nranks, inputs, outputs, n),
-            DType::I32 => reduce_t::<i32>(op, nranks, inputs, outputs, n),
-            DType::I64 => reduce_t::<i64>(op, nranks, inputs, outputs, n),
+            DType::F32 => reduce_t::<f32>(op, nranks, inputs, outputs, n, stream),
+            DType::F64 => reduce_t::<f64>(op, nranks, inputs, outputs, n, stream),
+            DType::F16 => reduce_t::<f16>(op, nranks, inputs, outputs, n, stream),
+            DType::BF16 => reduce_t::<bf16>(op, nranks, inputs, outputs, n, stream),
+            DType::I8 => reduce_t::<i8>(op, nranks, inputs, outputs, n, stream),
+            DType::U8 => reduce_t::<u8>(op, nranks, inputs, outputs, n, stream),
+            DType::I32 => reduce_t::<i32>(op, nranks, inputs, outputs, n, stream),
+            DType::I64 => reduce_t::<i64>(op, nranks, inputs, outputs, n, stream),
         }
+    }
+    if stream {
+        store_fence();
     }
 }
 
@@ -326,11 +390,13 @@ mod tests {
                     let ins: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr()).collect();
                     // SAFETY: all buffers hold n elements; Vec<u8> of a multiple of the element size
                     // allocated by the global allocator is aligned enough on x86-64 (checked below).
-                    unsafe { reduce(dtype, op, nranks as u32, &ins, &[out1.as_mut_ptr(), out2.as_mut_ptr()], n) };
+                    unsafe { reduce(dtype, op, nranks as u32, &ins, &[out1.as_mut_ptr()], n, false) };
+                    // SAFETY: as above; the streaming path must give the same bytes.
+                    unsafe { reduce(dtype, op, nranks as u32, &ins, &[out2.as_mut_ptr()], n, true) };
                     let ip_ins: Vec<*const u8> = inplace.iter().map(|v| v.as_ptr()).collect();
                     let dst = inplace[0].as_mut_ptr();
                     // SAFETY: as above; the output is identical to input 0.
-                    unsafe { reduce(dtype, op, nranks as u32, &ip_ins, &[dst], n) };
+                    unsafe { reduce(dtype, op, nranks as u32, &ip_ins, &[dst], n, nranks == 3) };
                     assert_eq!(out1.as_ptr() as usize % 8, 0);
                     let got = from_bytes(dtype, &out1);
                     let got_ip = from_bytes(dtype, &inplace[0]);
@@ -354,7 +420,7 @@ mod tests {
         let ptrs: Vec<*const u8> = ins.iter().map(|v| v.as_ptr()).collect();
         let mut out = vec![0u8; 2];
         // SAFETY: one element in each buffer.
-        unsafe { reduce(DType::F16, RedOp::Sum, 5, &ptrs, &[out.as_mut_ptr()], 1) };
+        unsafe { reduce(DType::F16, RedOp::Sum, 5, &ptrs, &[out.as_mut_ptr()], 1, false) };
         assert_eq!(from_bytes(DType::F16, &out)[0], 2052.0);
     }
 }
