@@ -249,8 +249,10 @@ impl Client {
         let token = i.next_token.fetch_add(1, Ordering::Relaxed);
         {
             let sock = lock(&i.fd_sock);
-            fdproto::send(sock.as_fd(), &FdMsg { kind: kind::STAGE, session_id: i.session_id, token, ..Default::default() }, Some(fd))?;
-            match fdproto::recv(sock.as_fd())? {
+            let gone = |e: std::io::Error| i.lost(&format!("the daemon's fd socket failed ({e}): the daemon exited or closed this session"));
+            fdproto::send(sock.as_fd(), &FdMsg { kind: kind::STAGE, session_id: i.session_id, token, ..Default::default() }, Some(fd))
+                .map_err(gone)?;
+            match fdproto::recv(sock.as_fd()).map_err(gone)? {
                 Some((m, _)) if m.kind == kind::STAGE_OK && m.token == token => {}
                 Some((m, _)) if m.kind == kind::ERROR => return Err(Error::InvalidArgument(format!("daemon refused the buffer fd: {}", m.text))),
                 Some(_) => return Err(Error::DaemonLost { session: i.session_id, reason: "unexpected fd-socket reply".into() }),

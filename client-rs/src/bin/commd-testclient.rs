@@ -1,7 +1,7 @@
 //! commd-testclient: a scriptable client process for the end-to-end tests (`tests/`).
 //!
 //! `commd-testclient uid --socket S` prints a fresh unique id (hex).
-//! `commd-testclient run --socket S --join HEX:RANK:NRANKS[:OP_TIMEOUT_MS] ... --steps JSON` joins
+//! `commd-testclient run --socket S --join HEX:RANK:NRANKS[:OP_TIMEOUT_MS[:JOIN_TIMEOUT_MS]] ... --steps JSON` joins
 //! the communicators, runs the steps, and prints one JSON line per step. Exit status 0 when every
 //! step ended as its `expect` said (default "ok"), 1 otherwise, 2 on bad usage.
 //!
@@ -154,8 +154,9 @@ fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String>
         let rank: u32 = parts[1].parse().map_err(|_| "bad rank")?;
         let nranks: u32 = parts[2].parse().map_err(|_| "bad nranks")?;
         let op_timeout = parts.get(3).and_then(|t| t.parse().ok()).map(Duration::from_millis);
+        let join_timeout = parts.get(4).and_then(|t| t.parse().ok()).map(Duration::from_millis).unwrap_or(Duration::from_secs(30));
         let c = client
-            .communicator_with(&uid, rank, nranks, CommOptions { op_timeout, join_timeout: Some(Duration::from_secs(30)) })
+            .communicator_with(&uid, rank, nranks, CommOptions { op_timeout, join_timeout: Some(join_timeout) })
             .map_err(|e| format!("join {}: {e}", parts[1]))?;
         comms.push(c);
     }
@@ -259,7 +260,21 @@ fn post<'b>(p: &'b Prepared<'_>) -> commd_client::Result<Pending<'b>> {
 }
 
 fn run_group(client: &Client, comms: &[Communicator], steps: &[Step]) -> Result<Vec<(String, u64, String)>, String> {
-    let prepared: Vec<Prepared> = steps.iter().map(|s| prepare(client, comms, s)).collect::<Result<_, _>>()?;
+    // A step whose buffers cannot even be set up (e.g. the daemon is gone) reports a client error.
+    let mut early: Vec<Option<(String, String)>> = Vec::new();
+    let mut prepared: Vec<Prepared> = Vec::new();
+    for s in steps {
+        match prepare(client, comms, s) {
+            Ok(p) => {
+                prepared.push(p);
+                early.push(None);
+            }
+            Err(e) => early.push(Some(("client_error".into(), e))),
+        }
+    }
+    if early.iter().any(Option::is_some) {
+        return Ok(early.into_iter().map(|e| e.map(|(r, m)| (r, 0, m)).unwrap_or(("skipped".into(), 0, String::new()))).collect());
+    }
     // Post everything, then wait in order.
     enum Posted<'b> {
         Typed(Pending<'b>),

@@ -1,0 +1,254 @@
+"""Mismatch detection, dead ranks, timeouts, daemon shutdown, hostile input: errors, never hangs."""
+
+import os
+import signal
+import subprocess
+import time
+
+from conftest import COMMD, Daemon, Rank, assert_all_pass, run_ranks, start_ranks
+
+
+def results(rank):
+    return rank.results()
+
+
+def test_mismatched_count_names_ranks_and_fields(daemon):
+    def steps(r):
+        return [
+            {"op": "all_reduce", "dtype": "f32", "count": 100 + (r == 2), "expect": "mismatch"},
+            # the communicator stays usable after a reported mismatch
+            {"op": "all_reduce", "dtype": "f32", "count": 33},
+        ]
+
+    ranks = run_ranks(daemon, 3, steps)
+    assert_all_pass(ranks)
+    for r in ranks:
+        msg = r.results()[0]["message"]
+        assert "mismatched collective at seq 0" in msg, msg
+        assert "count: 100 on ranks 0,1 vs 101 on rank 2" in msg, msg
+
+
+def test_mismatched_op_dtype_and_root(daemon):
+    def steps(r):
+        return [
+            {"op": "broadcast" if r == 0 else "all_reduce", "dtype": "f32", "count": 10, "expect": "mismatch"},
+            {"op": "all_reduce", "dtype": "i32" if r == 1 else "f32", "count": 10, "expect": "mismatch"},
+            {"op": "broadcast", "dtype": "f32", "count": 10, "root": r, "expect": "mismatch"},
+            {"op": "all_reduce", "dtype": "f32", "count": 10, "redop": "max" if r else "min", "expect": "mismatch"},
+        ]
+
+    ranks = run_ranks(daemon, 2, steps)
+    assert_all_pass(ranks)
+    msgs = [x["message"] for x in ranks[1].results()]
+    assert "op: broadcast on rank 0 vs all_reduce on rank 1" in msgs[0]
+    assert "dtype: f32 on rank 0 vs i32 on rank 1" in msgs[1]
+    assert "root: 0 on rank 0 vs 1 on rank 1" in msgs[2]
+    assert "reduction: min on rank 0 vs max on rank 1" in msgs[3]
+
+
+def test_collective_vs_send_order_deadlock_is_reported(daemon):
+    # Rank 0 posts send-then-all_reduce without waiting; rank 1 posts all_reduce-then-recv:
+    # no order can make progress, and the daemon sees it as soon as both are queued.
+    def steps(r):
+        if r == 0:
+            return [{"group": [{"op": "send", "dtype": "f32", "count": 4, "peer": 1, "expect": "mismatch"},
+                               {"op": "all_reduce", "dtype": "f32", "count": 4, "expect": "mismatch"}]}]
+        return [{"group": [{"op": "all_reduce", "dtype": "f32", "count": 4, "expect": "mismatch"},
+                           {"op": "recv", "dtype": "f32", "count": 4, "peer": 0, "expect": "mismatch"}]}]
+
+    ranks = run_ranks(daemon, 2, steps, timeout=30)
+    assert_all_pass(ranks)
+    msg = ranks[0].results()[0]["message"]
+    assert "mismatched op order" in msg and "rank 0: send to rank 1" in msg and "rank 1: all_reduce seq 0" in msg, msg
+
+
+def test_blocked_send_times_out_naming_what_blocks_it(daemon):
+    # A client that waits on its send never posts its collective: only the op timeout can tell.
+    def steps(r):
+        if r == 0:
+            return [{"op": "send", "dtype": "f32", "count": 4, "peer": 1, "expect": "timeout"}]
+        return [{"op": "all_reduce", "dtype": "f32", "count": 4, "expect": "timeout"}]
+
+    ranks = run_ranks(daemon, 2, steps, op_timeout_ms=400, timeout=30)
+    assert_all_pass(ranks)
+    msg = ranks[0].results()[0]["message"]
+    assert "rank 1 never posted the matching recv" in msg and "all_reduce seq 0" in msg, msg
+
+
+def test_invalid_descriptors_fail_on_every_rank(daemon):
+    def steps(r):
+        bad = {0: "oob", 1: "misaligned", 2: "unknown_mem"}
+        return [
+            {"op": "all_reduce", "dtype": "f32", "count": 64, "bad": bad[r] if r == k else None, "expect": "invalid"}
+            for k in range(3)
+        ] + [{"op": "all_reduce", "dtype": "f32", "count": 64}]
+
+    ranks = run_ranks(daemon, 3, steps)
+    assert_all_pass(ranks)
+    msgs = [x["message"] for x in ranks[1].results()]
+    assert "rank 0 posted an invalid op" in msgs[0] and "outside its registration" in msgs[0], msgs[0]
+    assert "rank 1 posted an invalid op" in msgs[1] and "not aligned" in msgs[1], msgs[1]
+    assert "rank 2 posted an invalid op" in msgs[2] and "unknown memory handle 9999" in msgs[2], msgs[2]
+
+
+def test_random_descriptors_are_rejected_and_daemon_survives(daemon):
+    ranks = run_ranks(daemon, 1, [{"fuzz": 3000}, {"op": "all_reduce", "dtype": "f32", "count": 9}], timeout=120)
+    assert_all_pass(ranks)
+    assert daemon.alive()
+
+
+def test_sigkill_of_a_rank_fails_others_within_2s_and_frees_everything(daemon):
+    def steps(r):
+        if r == 2:
+            return [{"op": "all_reduce", "dtype": "f32", "count": 1000}, {"sleep_ms": 60000}]
+        return [{"op": "all_reduce", "dtype": "f32", "count": 1000},
+                {"op": "all_reduce", "dtype": "f32", "count": 1000, "expect": "peer_lost"},
+                {"op": "all_reduce", "dtype": "f32", "count": 1000, "expect": "peer_lost"}]
+
+    ranks = start_ranks(daemon, 3, steps)
+    # wait until ranks 0 and 1 are blocked in their second op
+    st = daemon.wait_status(lambda s: s["ops_completed"] >= 3, timeout=20)
+    assert st["ops_completed"] >= 3, st
+    time.sleep(0.3)
+    ranks[2].proc.kill()
+    killed_at = time.monotonic()
+    ranks[2].wait(10)
+    for r in ranks[:2]:
+        r.wait(10)
+        assert r.ended - killed_at < 2.0, f"took {r.ended - killed_at:.2f}s"
+    assert_all_pass(ranks[:2])
+    msg = ranks[0].results()[1]["message"]
+    assert "rank 2" in msg and "lost" in msg, msg
+    st = daemon.wait_status(lambda s: s["sessions"] == 0 and s["registrations"] == 0 and s["communicators"] == 0)
+    assert (st["sessions"], st["registrations"], st["mapped_bytes"], st["communicators"]) == (0, 0, 0, 0), st
+    # and the daemon keeps serving
+    assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 5}]))
+
+
+def test_sigkill_during_large_ops(daemon):
+    def steps(r):
+        return [{"op": "all_reduce", "dtype": "f32", "count": 4 << 20, "inplace": True, "expect": "error"}
+                for _ in range(40)]
+
+    ranks = start_ranks(daemon, 3, steps)
+    daemon.wait_status(lambda s: s["ops_completed"] >= 6, timeout=30)
+    ranks[1].proc.kill()
+    killed_at = time.monotonic()
+    for r in (ranks[0], ranks[2]):
+        r.wait(30)
+        res = r.results()
+        # ops before the kill succeed; every op after it fails with peer_lost; nothing hangs
+        kinds = [x["result"] for x in res]
+        first_err = next(i for i, k in enumerate(kinds) if k != "ok")
+        assert all(k == "peer_lost" for k in kinds[first_err:]), kinds
+        assert r.ended - killed_at < 5.0
+    ranks[1].wait(10)
+    st = daemon.wait_status(lambda s: s["sessions"] == 0 and s["mapped_bytes"] == 0)
+    assert (st["sessions"], st["registrations"], st["mapped_bytes"]) == (0, 0, 0), st
+
+
+def test_timeout_names_the_missing_rank(daemon):
+    def steps(r):
+        if r == 1:
+            return [{"sleep_ms": 2500}, {"op": "all_reduce", "dtype": "f32", "count": 8, "expect": "aborted"}]
+        return [{"op": "all_reduce", "dtype": "f32", "count": 8, "expect": "timeout"},
+                {"op": "all_reduce", "dtype": "f32", "count": 8, "expect": "aborted"}]
+
+    t0 = time.monotonic()
+    ranks = run_ranks(daemon, 3, steps, op_timeout_ms=500, timeout=30)
+    assert_all_pass(ranks)
+    msg = ranks[0].results()[0]["message"]
+    assert "all_reduce seq 0 timed out" in msg and "rank 1 never posted it" in msg and "posted by ranks 0,2" in msg, msg
+    assert ranks[0].results()[0]["ms"] < 2000
+    assert "aborted after an op timed out" in ranks[1].results()[1]["message"]
+    assert time.monotonic() - t0 < 20
+
+
+def test_two_communicators_in_parallel(daemon):
+    # two independent jobs at once, plus one process that is in two communicators
+    steps = [{"op": "all_reduce", "dtype": "f32", "count": 100_003, "seed": s} for s in range(20)]
+    job_a = start_ranks(daemon, 2, steps)
+    job_b = start_ranks(daemon, 3, [{"op": "all_gather", "dtype": "i64", "count": 1001, "seed": s} for s in range(20)])
+    u1, u2 = daemon.uid(), daemon.uid()
+    both = [{"group": [{"op": "all_reduce", "dtype": "f32", "count": 999, "comm": 0, "seed": s},
+                       {"op": "broadcast", "dtype": "u8", "count": 77, "comm": 1, "seed": s}]} for s in range(10)]
+    p0 = Rank(daemon, [f"{u1}:0:2", f"{u2}:0:2"], both)
+    p1 = Rank(daemon, [f"{u1}:1:2", f"{u2}:1:2"], both)
+    for r in job_a + job_b + [p0, p1]:
+        r.wait(120)
+    assert_all_pass(job_a + job_b + [p0, p1])
+
+
+def test_sigterm_during_an_op_fails_it_and_exits_0(tmp_path):
+    d = Daemon(tmp_path).start()
+
+    def steps(r):
+        if r == 2:
+            return [{"sleep_ms": 3000}, {"op": "all_reduce", "dtype": "f32", "count": 8, "expect": "error"}]
+        return [{"op": "all_reduce", "dtype": "f32", "count": 8, "expect": "shutdown"}]
+
+    ranks = start_ranks(d, 3, steps)
+    d.wait_status(lambda s: s["communicators"] == 1, timeout=10)
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    code = d.stop(signal.SIGTERM, timeout=10)
+    assert code == 0, d.log()
+    assert time.monotonic() - t0 < 5
+    for r in ranks:
+        r.wait(20)
+    assert_all_pass(ranks)
+    assert "shutting down" in ranks[0].results()[0]["message"]
+    assert not d.socket.exists(), "socket left behind"
+
+
+def test_second_daemon_on_the_same_socket_is_refused(daemon):
+    out = subprocess.run([COMMD, "serve", "--socket", str(daemon.socket)], capture_output=True, text=True, timeout=10)
+    assert out.returncode == 3, out
+    assert "already serves" in out.stderr and str(daemon.proc.pid) in out.stderr, out.stderr
+    assert daemon.alive()
+    assert_all_pass(run_ranks(daemon, 1, [{"op": "all_reduce", "dtype": "f32", "count": 3}]))
+
+
+def test_stale_socket_is_replaced(tmp_path):
+    d = Daemon(tmp_path).start()
+    d.stop(signal.SIGKILL)
+    assert d.socket.exists()
+    d2 = Daemon(tmp_path).start()
+    try:
+        assert_all_pass(run_ranks(d2, 2, [{"op": "barrier", "count": 0}]))
+    finally:
+        assert d2.stop() == 0
+
+
+def test_daemon_unavailable_error_is_clear(tmp_path):
+    out = subprocess.run([COMMD, "status", "--socket", str(tmp_path / "none.sock")], capture_output=True, text=True)
+    assert out.returncode == 1
+    assert "cannot reach the commd daemon" in out.stderr and "commd serve" in out.stderr, out.stderr
+
+
+def test_join_errors(daemon):
+    uid = daemon.uid()
+    a = Rank(daemon, [f"{uid}:0:2"], [])
+    daemon.wait_status(lambda s: s["pending_joins"] == 1)
+    b = Rank(daemon, [f"{uid}:1:3"], [])  # disagrees on nranks
+    b.wait(30)
+    assert b.code == 2 and "joins communicator" in b.out and "nranks=3" in b.out and "nranks=2" in b.out, b.out
+    a.proc.kill()
+    a.wait(10)
+    bogus = "00" * 128
+    c = Rank(daemon, [f"{bogus}:0:1"], [])
+    c.wait(10)
+    assert c.code == 2 and "not a commd unique id" in c.out, c.out
+    # a rank that waits for absent ranks gets a timeout naming them
+    uid = daemon.uid()
+    d = Rank(daemon, [f"{uid}:1:3:0:500"], [])
+    d.wait(10)
+    assert d.code == 2 and "waiting for rank(s) [0,2]" in d.out, d.out
+    # a unique id is single-use
+    uid = daemon.uid()
+    run_ranks(daemon, 1, [], uid=uid)
+    e = Rank(daemon, [f"{uid}:0:1"], [])
+    e.wait(10)
+    assert e.code == 2 and "already formed" in e.out, e.out
+    st = daemon.wait_status(lambda s: s["sessions"] == 0 and s["pending_joins"] == 0)
+    assert st["pending_joins"] == 0 and st["sessions"] == 0, st
