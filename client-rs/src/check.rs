@@ -19,7 +19,9 @@ pub fn value(dtype: DType, redop: Option<RedOp>, seed: u64, rank: u32, i: u64) -
     let h = mix(seed ^ (u64::from(rank) << 44) ^ i);
     let unsigned = dtype == DType::U8;
     match redop {
-        Some(RedOp::Prod) => [1.0f64, 2.0, 1.0, -1.0][(h % 4) as usize].max(if unsigned { 1.0 } else { -1.0 }),
+        Some(RedOp::Prod) => {
+            [1.0f64, 2.0, 1.0, -1.0][(h % 4) as usize].max(if unsigned { 1.0 } else { -1.0 })
+        }
         Some(RedOp::Min | RedOp::Max) if !unsigned => (h % 17) as f64 - 8.0,
         _ if unsigned => (h % 9) as f64,
         _ => (h % 9) as f64 - 4.0,
@@ -87,7 +89,11 @@ pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u
             });
         }
         let a = acc.unwrap_or(0.0);
-        if op == RedOp::Avg { a / f64::from(n) } else { a }
+        if op == RedOp::Avg {
+            a / f64::from(n)
+        } else {
+            a
+        }
     } else {
         let mut acc: Option<i128> = None;
         for v in vals {
@@ -104,7 +110,11 @@ pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u
             ));
         }
         let a = acc.unwrap_or(0);
-        (if op == RedOp::Avg { a / i128::from(n) } else { a }) as f64
+        (if op == RedOp::Avg {
+            a / i128::from(n)
+        } else {
+            a
+        }) as f64
     }
 }
 
@@ -138,14 +148,18 @@ impl OpSpec {
         if !self.kind.uses_recv(self.peer == self.rank) {
             return 0;
         }
-        self.kind.recv_elems(self.count, u64::from(self.nranks)).unwrap_or(0)
+        self.kind
+            .recv_elems(self.count, u64::from(self.nranks))
+            .unwrap_or(0)
     }
 
     pub fn send_elems(&self) -> u64 {
         if !self.kind.uses_send(self.peer == self.rank) {
             return 0;
         }
-        self.kind.send_elems(self.count, u64::from(self.nranks)).unwrap_or(0)
+        self.kind
+            .send_elems(self.count, u64::from(self.nranks))
+            .unwrap_or(0)
     }
 
     /// Expected value at element `j` of this rank's receive buffer.
@@ -166,7 +180,15 @@ impl OpSpec {
 
     /// Number of wrong elements in `recv` (the first `recv_elems()` elements are checked).
     pub fn count_wrong(&self, recv: &[u8]) -> u64 {
-        (0..self.recv_elems()).filter(|&j| !close(self.dtype, read_elem(self.dtype, recv, j as usize), self.expected(j))).count() as u64
+        (0..self.recv_elems())
+            .filter(|&j| {
+                !close(
+                    self.dtype,
+                    read_elem(self.dtype, recv, j as usize),
+                    self.expected(j),
+                )
+            })
+            .count() as u64
     }
 }
 
@@ -176,11 +198,32 @@ mod tests {
 
     #[test]
     fn reference_wraps_integers_and_checks_fail_on_wrong_data() {
-        assert_eq!(reduce_ref(DType::I8, RedOp::Sum, [100.0, 100.0].into_iter(), 2), -56.0);
-        assert_eq!(reduce_ref(DType::U8, RedOp::Prod, [16.0, 32.0].into_iter(), 2), 0.0);
-        assert_eq!(reduce_ref(DType::I32, RedOp::Avg, [3.0, 4.0].into_iter(), 2), 3.0);
-        assert_eq!(reduce_ref(DType::F32, RedOp::Avg, [3.0, 4.0].into_iter(), 2), 3.5);
-        let spec = OpSpec { kind: OpKind::Broadcast, dtype: DType::F32, redop: None, count: 10, peer: 0, nranks: 2, rank: 1, seed: 5 };
+        assert_eq!(
+            reduce_ref(DType::I8, RedOp::Sum, [100.0, 100.0].into_iter(), 2),
+            -56.0
+        );
+        assert_eq!(
+            reduce_ref(DType::U8, RedOp::Prod, [16.0, 32.0].into_iter(), 2),
+            0.0
+        );
+        assert_eq!(
+            reduce_ref(DType::I32, RedOp::Avg, [3.0, 4.0].into_iter(), 2),
+            3.0
+        );
+        assert_eq!(
+            reduce_ref(DType::F32, RedOp::Avg, [3.0, 4.0].into_iter(), 2),
+            3.5
+        );
+        let spec = OpSpec {
+            kind: OpKind::Broadcast,
+            dtype: DType::F32,
+            redop: None,
+            count: 10,
+            peer: 0,
+            nranks: 2,
+            rank: 1,
+            seed: 5,
+        };
         let mut buf = vec![0u8; 40];
         fill(DType::F32, None, 5, 0, &mut buf, 10);
         assert_eq!(spec.count_wrong(&buf), 0);

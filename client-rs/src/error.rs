@@ -53,7 +53,11 @@ pub enum Error {
     #[error("{message}")]
     Op { kind: OpErrorKind, message: String },
     #[error("{op}: {message}")]
-    Rpc { op: &'static str, code: tonic::Code, message: String },
+    Rpc {
+        op: &'static str,
+        code: tonic::Code,
+        message: String,
+    },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("{0}")]
@@ -67,13 +71,20 @@ impl Error {
     pub fn op_kind(&self) -> Option<OpErrorKind> {
         match self {
             Error::Op { kind, .. } => Some(*kind),
-            Error::Rpc { code: tonic::Code::DeadlineExceeded, .. } => Some(OpErrorKind::Timeout),
+            Error::Rpc {
+                code: tonic::Code::DeadlineExceeded,
+                ..
+            } => Some(OpErrorKind::Timeout),
             _ => None,
         }
     }
 
     pub(crate) fn rpc(op: &'static str, s: tonic::Status) -> Self {
-        Error::Rpc { op, code: s.code(), message: s.message().to_string() }
+        Error::Rpc {
+            op,
+            code: s.code(),
+            message: s.message().to_string(),
+        }
     }
 }
 

@@ -57,7 +57,11 @@ pub fn resolve_socket_path() -> PathBuf {
         return PathBuf::from(p);
     }
     let mine = default_socket_path();
-    if mine.exists() { mine } else { PathBuf::from("/run/commd/commd.sock") }
+    if mine.exists() {
+        mine
+    } else {
+        PathBuf::from("/run/commd/commd.sock")
+    }
 }
 
 /// Client-side tuning.
@@ -74,8 +78,15 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        let spin_us = std::env::var("COMMD_CLIENT_SPIN_US").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
-        Self { spin: Duration::from_micros(spin_us), name: format!("pid {}", std::process::id()), ring_entries: 0 }
+        let spin_us = std::env::var("COMMD_CLIENT_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(50);
+        Self {
+            spin: Duration::from_micros(spin_us),
+            name: format!("pid {}", std::process::id()),
+            ring_entries: 0,
+        }
     }
 }
 
@@ -103,7 +114,9 @@ struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         let mut rpc = self.rpc.clone();
-        let _ = self.rt.block_on(rpc.goodbye(pb::SessionRef { session_id: self.session_id }));
+        let _ = self.rt.block_on(rpc.goodbye(pb::SessionRef {
+            session_id: self.session_id,
+        }));
     }
 }
 
@@ -131,9 +144,16 @@ impl Client {
     }
 
     pub fn connect_with(socket: Option<&Path>, opts: Options) -> Result<Self> {
-        let path = socket.map(Path::to_path_buf).unwrap_or_else(resolve_socket_path);
-        let unavailable = |reason: String| Error::DaemonUnavailable { path: path.clone(), reason };
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let path = socket
+            .map(Path::to_path_buf)
+            .unwrap_or_else(resolve_socket_path);
+        let unavailable = |reason: String| Error::DaemonUnavailable {
+            path: path.clone(),
+            reason,
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
         let p = path.clone();
         let channel = rt
             .block_on(async move {
@@ -141,7 +161,11 @@ impl Client {
                 Endpoint::try_from("http://commd.invalid")?
                     .connect_with_connector(tower::service_fn(move |_: Uri| {
                         let p = p.clone();
-                        async move { Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
+                        async move {
+                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                                tokio::net::UnixStream::connect(p).await?,
+                            ))
+                        }
                     }))
                     .await
             })
@@ -158,19 +182,31 @@ impl Client {
             _ => Error::rpc("hello", s),
         })?;
         let reply = reply.into_inner();
-        let fd_sock = fdproto::connect(Path::new(&reply.fd_socket)).map_err(|e| unavailable(format!("fd socket {}: {e}", reply.fd_socket)))?;
+        let fd_sock = fdproto::connect(Path::new(&reply.fd_socket))
+            .map_err(|e| unavailable(format!("fd socket {}: {e}", reply.fd_socket)))?;
         let mut secret = [0u8; 16];
         if reply.attach_secret.len() != 16 {
             return Err(unavailable("daemon sent a malformed attach secret".into()));
         }
         secret.copy_from_slice(&reply.attach_secret);
-        let attach = FdMsg { kind: kind::ATTACH, session_id: reply.session_id, secret, ..Default::default() };
+        let attach = FdMsg {
+            kind: kind::ATTACH,
+            session_id: reply.session_id,
+            secret,
+            ..Default::default()
+        };
         fdproto::send(fd_sock.as_fd(), &attach, None)?;
         let ring_fd = match fdproto::recv(fd_sock.as_fd())? {
             Some((m, Some(fd))) if m.kind == kind::ATTACH_OK => fd,
-            Some((m, _)) if m.kind == kind::ERROR => return Err(unavailable(format!("attach refused: {}", m.text))),
+            Some((m, _)) if m.kind == kind::ERROR => {
+                return Err(unavailable(format!("attach refused: {}", m.text)));
+            }
             Some(_) => return Err(unavailable("unexpected reply to attach".into())),
-            None => return Err(unavailable("daemon closed the fd socket during attach".into())),
+            None => {
+                return Err(unavailable(
+                    "daemon closed the fd socket during attach".into(),
+                ));
+            }
         };
         let ring = Ring::attach(&File::from(ring_fd))?;
         let l = ring.layout();
@@ -183,13 +219,18 @@ impl Client {
             limit: l.sq_entries.min(l.cq_entries),
             ring,
             sq_tail: Mutex::new(0),
-            cq: Mutex::new(CqState { head: 0, done: HashMap::new() }),
+            cq: Mutex::new(CqState {
+                head: 0,
+                done: HashMap::new(),
+            }),
             next_user_data: AtomicU64::new(1),
             next_token: AtomicU64::new(1),
             inflight: AtomicU32::new(0),
             spin: opts.spin,
         };
-        Ok(Self { inner: Arc::new(inner) })
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
     }
 
     pub fn session_id(&self) -> u64 {
@@ -203,8 +244,12 @@ impl Client {
     /// A fresh communicator id (128 opaque bytes) to pass to every rank.
     pub fn unique_id(&self) -> Result<Vec<u8>> {
         let i = &self.inner;
-        let r = i.rt.block_on(i.rpc.clone().get_unique_id(pb::SessionRef { session_id: i.session_id }));
-        Ok(r.map_err(|s| Error::rpc("get_unique_id", s))?.into_inner().unique_id)
+        let r = i.rt.block_on(i.rpc.clone().get_unique_id(pb::SessionRef {
+            session_id: i.session_id,
+        }));
+        Ok(r.map_err(|s| Error::rpc("get_unique_id", s))?
+            .into_inner()
+            .unique_id)
     }
 
     /// Joins the communicator `unique_id` as `rank` of `nranks`; returns when all ranks joined.
@@ -212,34 +257,64 @@ impl Client {
         self.communicator_with(unique_id, rank, nranks, CommOptions::default())
     }
 
-    pub fn communicator_with(&self, unique_id: &[u8], rank: u32, nranks: u32, o: CommOptions) -> Result<Communicator> {
+    pub fn communicator_with(
+        &self,
+        unique_id: &[u8],
+        rank: u32,
+        nranks: u32,
+        o: CommOptions,
+    ) -> Result<Communicator> {
         let i = &self.inner;
         let req = pb::CreateCommunicatorRequest {
             session_id: i.session_id,
             unique_id: unique_id.to_vec(),
             rank,
             nranks,
-            op_timeout_ms: o.op_timeout.map(|d| d.as_millis().max(1) as u64).unwrap_or(0),
-            join_timeout_ms: o.join_timeout.map(|d| d.as_millis().max(1) as u64).unwrap_or(0),
+            op_timeout_ms: o
+                .op_timeout
+                .map(|d| d.as_millis().max(1) as u64)
+                .unwrap_or(0),
+            join_timeout_ms: o
+                .join_timeout
+                .map(|d| d.as_millis().max(1) as u64)
+                .unwrap_or(0),
         };
-        let r = i.rt.block_on(i.rpc.clone().create_communicator(req)).map_err(|s| Error::rpc("create_communicator", s))?;
+        let r =
+            i.rt.block_on(i.rpc.clone().create_communicator(req))
+                .map_err(|s| Error::rpc("create_communicator", s))?;
         let r = r.into_inner();
-        Ok(Communicator { client: self.inner.clone(), handle: r.comm, comm_id: r.comm_id, rank, nranks })
+        Ok(Communicator {
+            client: self.inner.clone(),
+            handle: r.comm,
+            comm_id: r.comm_id,
+            rank,
+            nranks,
+        })
     }
 
     /// Allocates `bytes` of shared host memory registered with the daemon.
     pub fn alloc(&self, bytes: u64) -> Result<Buffer> {
         if bytes == 0 {
-            return Err(Error::InvalidArgument("cannot allocate a 0-byte buffer".into()));
+            return Err(Error::InvalidArgument(
+                "cannot allocate a 0-byte buffer".into(),
+            ));
         }
         use rustix::fs::{MemfdFlags, SealFlags};
-        let fd = rustix::fs::memfd_create("commd-buf", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).map_err(std::io::Error::from)?;
+        let fd =
+            rustix::fs::memfd_create("commd-buf", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+                .map_err(std::io::Error::from)?;
         rustix::fs::ftruncate(&fd, bytes).map_err(std::io::Error::from)?;
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL).map_err(std::io::Error::from)?;
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(std::io::Error::from)?;
         let file = File::from(fd);
         let map = MmapOptions::new().len(bytes as usize).map_raw(&file)?;
         let mem_id = self.register_fd(file.as_fd(), bytes)?;
-        Ok(Buffer { client: self.inner.clone(), mem_id, map, len: bytes })
+        Ok(Buffer {
+            client: self.inner.clone(),
+            mem_id,
+            map,
+            len: bytes,
+        })
     }
 
     /// Passes `fd` to the daemon and registers its first `bytes` bytes. The fd must be a memfd
@@ -249,32 +324,72 @@ impl Client {
         let token = i.next_token.fetch_add(1, Ordering::Relaxed);
         {
             let sock = lock(&i.fd_sock);
-            let gone = |e: std::io::Error| i.lost(&format!("the daemon's fd socket failed ({e}): the daemon exited or closed this session"));
-            fdproto::send(sock.as_fd(), &FdMsg { kind: kind::STAGE, session_id: i.session_id, token, ..Default::default() }, Some(fd))
-                .map_err(gone)?;
+            let gone = |e: std::io::Error| {
+                i.lost(&format!(
+                    "the daemon's fd socket failed ({e}): the daemon exited or closed this session"
+                ))
+            };
+            fdproto::send(
+                sock.as_fd(),
+                &FdMsg {
+                    kind: kind::STAGE,
+                    session_id: i.session_id,
+                    token,
+                    ..Default::default()
+                },
+                Some(fd),
+            )
+            .map_err(gone)?;
             match fdproto::recv(sock.as_fd()).map_err(gone)? {
                 Some((m, _)) if m.kind == kind::STAGE_OK && m.token == token => {}
-                Some((m, _)) if m.kind == kind::ERROR => return Err(Error::InvalidArgument(format!("daemon refused the buffer fd: {}", m.text))),
-                Some(_) => return Err(Error::DaemonLost { session: i.session_id, reason: "unexpected fd-socket reply".into() }),
-                None => return Err(Error::DaemonLost { session: i.session_id, reason: "fd socket closed".into() }),
+                Some((m, _)) if m.kind == kind::ERROR => {
+                    return Err(Error::InvalidArgument(format!(
+                        "daemon refused the buffer fd: {}",
+                        m.text
+                    )));
+                }
+                Some(_) => {
+                    return Err(Error::DaemonLost {
+                        session: i.session_id,
+                        reason: "unexpected fd-socket reply".into(),
+                    });
+                }
+                None => {
+                    return Err(Error::DaemonLost {
+                        session: i.session_id,
+                        reason: "fd socket closed".into(),
+                    });
+                }
             }
         }
-        let req = pb::RegisterMemoryRequest { session_id: i.session_id, fd_token: token, bytes };
-        let r = i.rt.block_on(i.rpc.clone().register_memory(req)).map_err(|s| Error::rpc("register_memory", s))?;
+        let req = pb::RegisterMemoryRequest {
+            session_id: i.session_id,
+            fd_token: token,
+            bytes,
+        };
+        let r =
+            i.rt.block_on(i.rpc.clone().register_memory(req))
+                .map_err(|s| Error::rpc("register_memory", s))?;
         Ok(r.into_inner().mem_id)
     }
 
     pub fn deregister(&self, mem_id: u32) -> Result<()> {
         let i = &self.inner;
-        i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef { session_id: i.session_id, mem_id }))
-            .map_err(|s| Error::rpc("deregister_memory", s))?;
+        i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef {
+            session_id: i.session_id,
+            mem_id,
+        }))
+        .map_err(|s| Error::rpc("deregister_memory", s))?;
         Ok(())
     }
 
     /// Daemon-wide status (counts of sessions, communicators, registrations...).
     pub fn status(&self) -> Result<pb::StatusReply> {
         let i = &self.inner;
-        Ok(i.rt.block_on(i.rpc.clone().status(pb::Empty {})).map_err(|s| Error::rpc("status", s))?.into_inner())
+        Ok(i.rt
+            .block_on(i.rpc.clone().status(pb::Empty {}))
+            .map_err(|s| Error::rpc("status", s))?
+            .into_inner())
     }
 
     /// Waits for the op `user_data` posted on this session.
@@ -296,16 +411,29 @@ fn source_chain(e: &dyn std::error::Error) -> String {
 
 impl Inner {
     fn lost(&self, reason: &str) -> Error {
-        Error::DaemonLost { session: self.session_id, reason: reason.to_string() }
+        Error::DaemonLost {
+            session: self.session_id,
+            reason: reason.to_string(),
+        }
     }
 
     /// Whether the daemon side of the fd socket hung up (daemon exited).
     fn daemon_gone(&self) -> bool {
         let sock = lock(&self.fd_sock);
-        let mut fds = [rustix::event::PollFd::new(&*sock, rustix::event::PollFlags::RDHUP | rustix::event::PollFlags::HUP)];
-        let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
+        let mut fds = [rustix::event::PollFd::new(
+            &*sock,
+            rustix::event::PollFlags::RDHUP | rustix::event::PollFlags::HUP,
+        )];
+        let zero = rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
         matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
-            && fds[0].revents().intersects(rustix::event::PollFlags::HUP | rustix::event::PollFlags::RDHUP | rustix::event::PollFlags::ERR)
+            && fds[0].revents().intersects(
+                rustix::event::PollFlags::HUP
+                    | rustix::event::PollFlags::RDHUP
+                    | rustix::event::PollFlags::ERR,
+            )
     }
 
     /// Moves every available completion into the `done` map.
@@ -355,7 +483,7 @@ impl Inner {
     /// Waits for `user_data` (0: for any progress, up to `limit`). Returns the completion.
     fn wait(&self, user_data: u64, limit: Option<Duration>) -> Result<Option<CompletionDesc>> {
         let t0 = Instant::now();
-                loop {
+        loop {
             {
                 let mut cq = lock(&self.cq);
                 self.reap(&mut cq);
@@ -383,12 +511,16 @@ impl Inner {
                 commd_proto::futex::wait(r.cq_bell(), bell, Duration::from_millis(100));
             }
             r.cq_sleepers().fetch_sub(1, Ordering::SeqCst);
-            if r.cq_tail().load(Ordering::Acquire) == lock(&self.cq).head && lock(&self.cq).done.is_empty() {
+            if r.cq_tail().load(Ordering::Acquire) == lock(&self.cq).head
+                && lock(&self.cq).done.is_empty()
+            {
                 if r.session_error().load(Ordering::Acquire) != 0 && self.daemon_gone() {
                     return Err(self.session_closed_error());
                 }
                 if self.daemon_gone() {
-                    return Err(self.lost("the daemon exited (its socket closed) with this op in flight"));
+                    return Err(
+                        self.lost("the daemon exited (its socket closed) with this op in flight")
+                    );
                 }
             }
         }
@@ -399,9 +531,15 @@ impl Inner {
             return Ok(c);
         }
         let kind = OpErrorKind::from_status(c.status);
-        let message = match self.rt.block_on(self.rpc.clone().get_op_error(pb::OpRef { session_id: self.session_id, user_data: c.user_data })) {
+        let message = match self.rt.block_on(self.rpc.clone().get_op_error(pb::OpRef {
+            session_id: self.session_id,
+            user_data: c.user_data,
+        })) {
             Ok(r) => r.into_inner().message,
-            Err(_) => format!("op failed with status {} (the daemon is gone, so no message is available)", status::name(c.status)),
+            Err(_) => format!(
+                "op failed with status {} (the daemon is gone, so no message is available)",
+                status::name(c.status)
+            ),
         };
         Err(Error::Op { kind, message })
     }
@@ -459,7 +597,10 @@ impl Drop for Buffer {
     fn drop(&mut self) {
         let i = &self.client;
         if i.ring.session_error().load(Ordering::Acquire) == 0 {
-            let _ = i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef { session_id: i.session_id, mem_id: self.mem_id }));
+            let _ = i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef {
+                session_id: i.session_id,
+                mem_id: self.mem_id,
+            }));
         }
     }
 }
@@ -508,7 +649,11 @@ pub struct Communicator {
 
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Communicator(comm {}, rank {}/{})", self.comm_id, self.rank, self.nranks)
+        write!(
+            f,
+            "Communicator(comm {}, rank {}/{})",
+            self.comm_id, self.rank, self.nranks
+        )
     }
 }
 
@@ -516,7 +661,11 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         let i = &self.client;
         if i.ring.session_error().load(Ordering::Acquire) == 0 {
-            let _ = i.rt.block_on(i.rpc.clone().destroy_communicator(pb::CommRef { session_id: i.session_id, comm: self.handle }));
+            let _ =
+                i.rt.block_on(i.rpc.clone().destroy_communicator(pb::CommRef {
+                    session_id: i.session_id,
+                    comm: self.handle,
+                }));
         }
     }
 }
@@ -552,7 +701,10 @@ impl Communicator {
     pub fn post<'b>(&self, a: OpArgs<'b>) -> Result<Pending<'b>> {
         for b in [a.send, a.recv].into_iter().flatten() {
             if !Arc::ptr_eq(&b.0.client, &self.client) {
-                return Err(Error::InvalidArgument(format!("{:?} belongs to another client session", b.0)));
+                return Err(Error::InvalidArgument(format!(
+                    "{:?} belongs to another client session",
+                    b.0
+                )));
             }
         }
         let d = SubmitDesc {
@@ -571,7 +723,12 @@ impl Communicator {
             reserved: 0,
         };
         let user_data = self.client.post(d)?;
-        Ok(Pending { client: self.client.clone(), user_data, done: false, _bufs: PhantomData })
+        Ok(Pending {
+            client: self.client.clone(),
+            user_data,
+            done: false,
+            _bufs: PhantomData,
+        })
     }
 
     /// Posts a raw descriptor (its `comm` is set to this communicator, `user_data` assigned).
@@ -585,31 +742,156 @@ impl Communicator {
         self.client.post(d)
     }
 
-    pub fn all_reduce<'b>(&self, send: At<'b>, recv: At<'b>, count: u64, dtype: DType, op: RedOp) -> Result<Pending<'b>> {
-        self.post(OpArgs { kind: OpKind::AllReduce, dtype, redop: Some(op), count, peer: 0, send: Some(send), recv: Some(recv) })
+    pub fn all_reduce<'b>(
+        &self,
+        send: At<'b>,
+        recv: At<'b>,
+        count: u64,
+        dtype: DType,
+        op: RedOp,
+    ) -> Result<Pending<'b>> {
+        self.post(OpArgs {
+            kind: OpKind::AllReduce,
+            dtype,
+            redop: Some(op),
+            count,
+            peer: 0,
+            send: Some(send),
+            recv: Some(recv),
+        })
     }
-    pub fn reduce<'b>(&self, send: At<'b>, recv: Option<At<'b>>, count: u64, dtype: DType, op: RedOp, root: u32) -> Result<Pending<'b>> {
-        self.post(OpArgs { kind: OpKind::Reduce, dtype, redop: Some(op), count, peer: root, send: Some(send), recv })
+    pub fn reduce<'b>(
+        &self,
+        send: At<'b>,
+        recv: Option<At<'b>>,
+        count: u64,
+        dtype: DType,
+        op: RedOp,
+        root: u32,
+    ) -> Result<Pending<'b>> {
+        self.post(OpArgs {
+            kind: OpKind::Reduce,
+            dtype,
+            redop: Some(op),
+            count,
+            peer: root,
+            send: Some(send),
+            recv,
+        })
     }
-    pub fn reduce_scatter<'b>(&self, send: At<'b>, recv: At<'b>, recv_count: u64, dtype: DType, op: RedOp) -> Result<Pending<'b>> {
-        self.post(OpArgs { kind: OpKind::ReduceScatter, dtype, redop: Some(op), count: recv_count, peer: 0, send: Some(send), recv: Some(recv) })
+    pub fn reduce_scatter<'b>(
+        &self,
+        send: At<'b>,
+        recv: At<'b>,
+        recv_count: u64,
+        dtype: DType,
+        op: RedOp,
+    ) -> Result<Pending<'b>> {
+        self.post(OpArgs {
+            kind: OpKind::ReduceScatter,
+            dtype,
+            redop: Some(op),
+            count: recv_count,
+            peer: 0,
+            send: Some(send),
+            recv: Some(recv),
+        })
     }
-    pub fn all_gather<'b>(&self, send: At<'b>, recv: At<'b>, send_count: u64, dtype: DType) -> Result<Pending<'b>> {
-        self.post(OpArgs { kind: OpKind::AllGather, dtype, redop: None, count: send_count, peer: 0, send: Some(send), recv: Some(recv) })
+    pub fn all_gather<'b>(
+        &self,
+        send: At<'b>,
+        recv: At<'b>,
+        send_count: u64,
+        dtype: DType,
+    ) -> Result<Pending<'b>> {
+        self.post(OpArgs {
+            kind: OpKind::AllGather,
+            dtype,
+            redop: None,
+            count: send_count,
+            peer: 0,
+            send: Some(send),
+            recv: Some(recv),
+        })
     }
-    pub fn broadcast<'b>(&self, send: Option<At<'b>>, recv: At<'b>, count: u64, dtype: DType, root: u32) -> Result<Pending<'b>> {
-        self.post(OpArgs { kind: OpKind::Broadcast, dtype, redop: None, count, peer: root, send, recv: Some(recv) })
+    pub fn broadcast<'b>(
+        &self,
+        send: Option<At<'b>>,
+        recv: At<'b>,
+        count: u64,
+        dtype: DType,
+        root: u32,
+    ) -> Result<Pending<'b>> {
+        self.post(OpArgs {
+            kind: OpKind::Broadcast,
+            dtype,
+            redop: None,
+            count,
+            peer: root,
+            send,
+            recv: Some(recv),
+        })
     }
-    pub fn all_to_all<'b>(&self, send: At<'b>, recv: At<'b>, count_per_peer: u64, dtype: DType) -> Result<Pending<'b>> {
-        self.post(OpArgs { kind: OpKind::AllToAll, dtype, redop: None, count: count_per_peer, peer: 0, send: Some(send), recv: Some(recv) })
+    pub fn all_to_all<'b>(
+        &self,
+        send: At<'b>,
+        recv: At<'b>,
+        count_per_peer: u64,
+        dtype: DType,
+    ) -> Result<Pending<'b>> {
+        self.post(OpArgs {
+            kind: OpKind::AllToAll,
+            dtype,
+            redop: None,
+            count: count_per_peer,
+            peer: 0,
+            send: Some(send),
+            recv: Some(recv),
+        })
     }
-    pub fn send<'b>(&self, buf: At<'b>, count: u64, dtype: DType, peer: u32) -> Result<Pending<'b>> {
-        self.post(OpArgs { kind: OpKind::Send, dtype, redop: None, count, peer, send: Some(buf), recv: None })
+    pub fn send<'b>(
+        &self,
+        buf: At<'b>,
+        count: u64,
+        dtype: DType,
+        peer: u32,
+    ) -> Result<Pending<'b>> {
+        self.post(OpArgs {
+            kind: OpKind::Send,
+            dtype,
+            redop: None,
+            count,
+            peer,
+            send: Some(buf),
+            recv: None,
+        })
     }
-    pub fn recv<'b>(&self, buf: At<'b>, count: u64, dtype: DType, peer: u32) -> Result<Pending<'b>> {
-        self.post(OpArgs { kind: OpKind::Recv, dtype, redop: None, count, peer, send: None, recv: Some(buf) })
+    pub fn recv<'b>(
+        &self,
+        buf: At<'b>,
+        count: u64,
+        dtype: DType,
+        peer: u32,
+    ) -> Result<Pending<'b>> {
+        self.post(OpArgs {
+            kind: OpKind::Recv,
+            dtype,
+            redop: None,
+            count,
+            peer,
+            send: None,
+            recv: Some(buf),
+        })
     }
     pub fn barrier(&self) -> Result<Pending<'static>> {
-        self.post(OpArgs { kind: OpKind::Barrier, dtype: DType::U8, redop: None, count: 0, peer: 0, send: None, recv: None })
+        self.post(OpArgs {
+            kind: OpKind::Barrier,
+            dtype: DType::U8,
+            redop: None,
+            count: 0,
+            peer: 0,
+            send: None,
+            recv: None,
+        })
     }
 }

@@ -61,7 +61,10 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<u64>().ok().and_then(|n| n.checked_mul(mult)).ok_or_else(|| format!("invalid size '{s}' (use e.g. 8, 64K, 256M, 1G)"))
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| format!("invalid size '{s}' (use e.g. 8, 64K, 256M, 1G)"))
 }
 
 /// Parsed op selection.
@@ -73,12 +76,25 @@ struct Sel {
 }
 
 fn select(a: &BenchArgs) -> Result<Sel, String> {
-    let kind = if a.op == "sendrecv" { OpKind::Send } else { OpKind::parse(&a.op).ok_or_else(|| format!("unknown op '{}'", a.op))? };
+    let kind = if a.op == "sendrecv" {
+        OpKind::Send
+    } else {
+        OpKind::parse(&a.op).ok_or_else(|| format!("unknown op '{}'", a.op))?
+    };
     if kind == OpKind::Recv || kind == OpKind::Barrier {
         return Err(format!("op '{}' cannot be benchmarked; use sendrecv", a.op));
     }
-    let dtype = DType::parse(&a.dtype).ok_or_else(|| format!("unknown dtype '{}' (f32, f64, f16, bf16, i8, u8, i32, i64)", a.dtype))?;
-    let redop = if kind.reduces() { Some(RedOp::parse(&a.redop).ok_or_else(|| format!("unknown reduction '{}'", a.redop))?) } else { None };
+    let dtype = DType::parse(&a.dtype).ok_or_else(|| {
+        format!(
+            "unknown dtype '{}' (f32, f64, f16, bf16, i8, u8, i32, i64)",
+            a.dtype
+        )
+    })?;
+    let redop = if kind.reduces() {
+        Some(RedOp::parse(&a.redop).ok_or_else(|| format!("unknown reduction '{}'", a.redop))?)
+    } else {
+        None
+    };
     if a.ranks == 0 || a.ranks > 256 {
         return Err("--ranks must be in 1..=256".into());
     }
@@ -86,7 +102,10 @@ fn select(a: &BenchArgs) -> Result<Sel, String> {
         return Err("sendrecv needs at least 2 ranks".into());
     }
     if a.root >= a.ranks {
-        return Err(format!("--root {} is out of range for {} ranks", a.root, a.ranks));
+        return Err(format!(
+            "--root {} is out of range for {} ranks",
+            a.root, a.ranks
+        ));
     }
     if a.step_factor < 2 {
         return Err("--step-factor must be at least 2".into());
@@ -135,8 +154,16 @@ fn sizes(a: &BenchArgs) -> Vec<u64> {
 }
 
 fn iters_for(a: &BenchArgs, size: u64) -> (u32, u32) {
-    let iters = if a.iters > 0 { a.iters } else { (2u64 << 30).div_ceil(size.max(1)).clamp(5, 1000) as u32 };
-    let warmup = if a.warmup > 0 { a.warmup } else { (iters / 5).clamp(2, 100) };
+    let iters = if a.iters > 0 {
+        a.iters
+    } else {
+        (2u64 << 30).div_ceil(size.max(1)).clamp(5, 1000) as u32
+    };
+    let warmup = if a.warmup > 0 {
+        a.warmup
+    } else {
+        (iters / 5).clamp(2, 100)
+    };
     (iters, warmup)
 }
 
@@ -169,7 +196,11 @@ pub fn memcpy_gbps() -> f64 {
 }
 
 /// The parent side: starts the daemon if needed, the workers, and prints the table.
-pub fn run(a: &BenchArgs, socket: Option<PathBuf>, embedded_cfg: Option<crate::config::Config>) -> Result<bool, String> {
+pub fn run(
+    a: &BenchArgs,
+    socket: Option<PathBuf>,
+    embedded_cfg: Option<crate::config::Config>,
+) -> Result<bool, String> {
     let sel = select(a)?;
     let _embedded;
     let socket = match socket {
@@ -177,7 +208,8 @@ pub fn run(a: &BenchArgs, socket: Option<PathBuf>, embedded_cfg: Option<crate::c
         None => {
             let cfg = embedded_cfg.ok_or("no daemon configuration")?;
             let s = cfg.socket.clone();
-            _embedded = crate::serve::start(cfg).map_err(|e| format!("starting the embedded daemon: {e}"))?;
+            _embedded = crate::serve::start(cfg)
+                .map_err(|e| format!("starting the embedded daemon: {e}"))?;
             s
         }
     };
@@ -208,18 +240,58 @@ pub fn run(a: &BenchArgs, socket: Option<PathBuf>, embedded_cfg: Option<crate::c
     let mb = memcpy_gbps();
     let mut out = std::io::stdout().lock();
     if !a.json {
-        let _ = writeln!(out, "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {})", a.op, a.ranks, sel.dtype.name(), sel.redop.map(|r| r.name()).unwrap_or("none"), a.ranks);
-        let _ = writeln!(out, "# memcpy reference: {mb:.2} GB/s (single thread, 64 MiB)");
-        let _ = writeln!(out, "#                                         out-of-place                           in-place");
         let _ = writeln!(
             out,
-            "# {:>12} {:>12} {:>5} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6}",
-            "size", "count", "type", "redop", "time", "med", "algbw", "busbw", "#wrong", "time", "med", "algbw", "busbw", "#wrong"
+            "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {})",
+            a.op,
+            a.ranks,
+            sel.dtype.name(),
+            sel.redop.map(|r| r.name()).unwrap_or("none"),
+            a.ranks
+        );
+        let _ = writeln!(
+            out,
+            "# memcpy reference: {mb:.2} GB/s (single thread, 64 MiB)"
+        );
+        let _ = writeln!(
+            out,
+            "#                                         out-of-place                           in-place"
         );
         let _ = writeln!(
             out,
             "# {:>12} {:>12} {:>5} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6}",
-            "(B)", "(elems)", "", "", "(us)", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(us)", "(GB/s)", "(GB/s)", ""
+            "size",
+            "count",
+            "type",
+            "redop",
+            "time",
+            "med",
+            "algbw",
+            "busbw",
+            "#wrong",
+            "time",
+            "med",
+            "algbw",
+            "busbw",
+            "#wrong"
+        );
+        let _ = writeln!(
+            out,
+            "# {:>12} {:>12} {:>5} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6}",
+            "(B)",
+            "(elems)",
+            "",
+            "",
+            "(us)",
+            "(us)",
+            "(GB/s)",
+            "(GB/s)",
+            "",
+            "(us)",
+            "(us)",
+            "(GB/s)",
+            "(GB/s)",
+            ""
         );
     }
     // Read every worker's rows; rank 0 paces the output.
@@ -237,8 +309,12 @@ pub fn run(a: &BenchArgs, socket: Option<PathBuf>, embedded_cfg: Option<crate::c
             let mut worst_med = 0f64;
             let mut wrong = 0u64;
             for (r, rd) in readers.iter_mut().enumerate() {
-                let line = rd.next().and_then(|l| l.ok()).ok_or_else(|| format!("worker {r} exited early"))?;
-                let row: WorkerRow = serde_json::from_str(&line).map_err(|e| format!("worker {r}: bad row {line:?}: {e}"))?;
+                let line = rd
+                    .next()
+                    .and_then(|l| l.ok())
+                    .ok_or_else(|| format!("worker {r} exited early"))?;
+                let row: WorkerRow = serde_json::from_str(&line)
+                    .map_err(|e| format!("worker {r}: bad row {line:?}: {e}"))?;
                 if let Some(e) = row.error {
                     return Err(format!("rank {r}: {e}"));
                 }
@@ -287,7 +363,17 @@ pub fn run(a: &BenchArgs, socket: Option<PathBuf>, embedded_cfg: Option<crate::c
         }
     }
     if !a.json {
-        let _ = writeln!(out, "# verification: {}", if a.no_check { "skipped" } else if ok { "all results correct" } else { "WRONG RESULTS" });
+        let _ = writeln!(
+            out,
+            "# verification: {}",
+            if a.no_check {
+                "skipped"
+            } else if ok {
+                "all results correct"
+            } else {
+                "WRONG RESULTS"
+            }
+        );
     }
     Ok(ok)
 }
@@ -306,11 +392,22 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
         .collect::<Result<_, _>>()
         .map_err(|e| format!("bad --uid: {e}"))?;
     let client = Client::connect(Some(&socket)).map_err(|e| e.to_string())?;
-    let comm = client.communicator(&uid, rank, a.ranks).map_err(|e| e.to_string())?;
+    let comm = client
+        .communicator(&uid, rank, a.ranks)
+        .map_err(|e| e.to_string())?;
     let n = u64::from(a.ranks);
     let es = sel.dtype.size();
     let max_count = geometry(sel.kind, sel.dtype, n, a.max_bytes).1;
-    let spec0 = OpSpec { kind: sel.kind, dtype: sel.dtype, redop: sel.redop, count: max_count, peer: a.root, nranks: a.ranks, rank, seed: 1 };
+    let spec0 = OpSpec {
+        kind: sel.kind,
+        dtype: sel.dtype,
+        redop: sel.redop,
+        count: max_count,
+        peer: a.root,
+        nranks: a.ranks,
+        rank,
+        seed: 1,
+    };
     let send_bytes = (max_count * n * es).max(spec0.send_elems() * es).max(es);
     let recv_bytes = send_bytes;
     let mut sbuf = client.alloc(send_bytes).map_err(|e| e.to_string())?;
@@ -322,12 +419,33 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
         for inplace in [false, true] {
             // sendrecv: rank r sends to r+1 and receives from r-1 (a ring), as nccl-tests does.
             let (next, prev) = ((rank + 1) % a.ranks, (rank + a.ranks - 1) % a.ranks);
-            let spec = OpSpec { count, peer: if sel.kind == OpKind::Send { prev } else { a.root }, seed: size ^ u64::from(inplace), ..spec0 };
+            let spec = OpSpec {
+                count,
+                peer: if sel.kind == OpKind::Send {
+                    prev
+                } else {
+                    a.root
+                },
+                seed: size ^ u64::from(inplace),
+                ..spec0
+            };
             let fill = |s: &mut commd_client::Buffer, r: &mut commd_client::Buffer| {
                 let sb = if inplace { r } else { s };
                 // In-place all_gather reads this rank's slot of the receive buffer.
-                let at = if inplace && sel.kind == OpKind::AllGather { (u64::from(rank) * count * es) as usize } else { 0 };
-                check::fill(sel.dtype, sel.redop, spec.seed, rank, &mut sb.as_mut_slice()[at..], spec.send_elems().max(if sel.kind == OpKind::Send { count } else { 0 }));
+                let at = if inplace && sel.kind == OpKind::AllGather {
+                    (u64::from(rank) * count * es) as usize
+                } else {
+                    0
+                };
+                check::fill(
+                    sel.dtype,
+                    sel.redop,
+                    spec.seed,
+                    rank,
+                    &mut sb.as_mut_slice()[at..],
+                    spec.send_elems()
+                        .max(if sel.kind == OpKind::Send { count } else { 0 }),
+                );
             };
             fill(&mut sbuf, &mut rbuf);
             // In-place layouts as NCCL defines them.
@@ -340,19 +458,39 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
             } else {
                 0
             };
-            let run_one = |sbuf: &commd_client::Buffer, rbuf: &commd_client::Buffer| -> Result<(), String> {
-                let sb = if inplace { rbuf } else { sbuf };
-                if sel.kind == OpKind::Send {
-                    let rcv = if inplace { sbuf } else { rbuf };
-                    let s = comm.send((sb, 0), count, sel.dtype, next).map_err(|e| e.to_string())?;
-                    let r = comm.recv((rcv, 0), count, sel.dtype, prev).map_err(|e| e.to_string())?;
-                    s.wait().map_err(|e| e.to_string())?;
-                    return r.wait().map_err(|e| e.to_string());
-                }
-                let (send_off, recv_off) = if inplace && sel.kind == OpKind::ReduceScatter { (0, u64::from(rank) * count * es) } else { (send_off, recv_off) };
-                let args = OpArgs { kind: sel.kind, dtype: sel.dtype, redop: sel.redop, count, peer: a.root, send: Some((sb, send_off)), recv: Some((rbuf, recv_off)) };
-                comm.post(args).map_err(|e| e.to_string())?.wait().map_err(|e| e.to_string())
-            };
+            let run_one =
+                |sbuf: &commd_client::Buffer, rbuf: &commd_client::Buffer| -> Result<(), String> {
+                    let sb = if inplace { rbuf } else { sbuf };
+                    if sel.kind == OpKind::Send {
+                        let rcv = if inplace { sbuf } else { rbuf };
+                        let s = comm
+                            .send((sb, 0), count, sel.dtype, next)
+                            .map_err(|e| e.to_string())?;
+                        let r = comm
+                            .recv((rcv, 0), count, sel.dtype, prev)
+                            .map_err(|e| e.to_string())?;
+                        s.wait().map_err(|e| e.to_string())?;
+                        return r.wait().map_err(|e| e.to_string());
+                    }
+                    let (send_off, recv_off) = if inplace && sel.kind == OpKind::ReduceScatter {
+                        (0, u64::from(rank) * count * es)
+                    } else {
+                        (send_off, recv_off)
+                    };
+                    let args = OpArgs {
+                        kind: sel.kind,
+                        dtype: sel.dtype,
+                        redop: sel.redop,
+                        count,
+                        peer: a.root,
+                        send: Some((sb, send_off)),
+                        recv: Some((rbuf, recv_off)),
+                    };
+                    comm.post(args)
+                        .map_err(|e| e.to_string())?
+                        .wait()
+                        .map_err(|e| e.to_string())
+                };
             let mut times = Vec::with_capacity(iters as usize);
             let mut err = None;
             for _ in 0..warmup {
@@ -381,14 +519,27 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
                     err = Some(e);
                 } else if sel.kind == OpKind::Send {
                     let rcv = if inplace { &sbuf } else { &rbuf };
-                    wrong = OpSpec { kind: OpKind::Recv, ..spec }.count_wrong(rcv.as_slice());
+                    wrong = OpSpec {
+                        kind: OpKind::Recv,
+                        ..spec
+                    }
+                    .count_wrong(rcv.as_slice());
                 } else if inplace && sel.kind == OpKind::ReduceScatter {
-                    wrong = spec.count_wrong(&rbuf.as_slice()[(u64::from(rank) * count * es) as usize..]);
+                    wrong = spec
+                        .count_wrong(&rbuf.as_slice()[(u64::from(rank) * count * es) as usize..]);
                 } else {
                     wrong = spec.count_wrong(rbuf.as_slice());
                 }
             }
-            let row = WorkerRow { rank, size, inplace, mean_us: mean, median_us: median(&mut times), wrong, error: err.clone() };
+            let row = WorkerRow {
+                rank,
+                size,
+                inplace,
+                mean_us: mean,
+                median_us: median(&mut times),
+                wrong,
+                error: err.clone(),
+            };
             let mut o = stdout.lock();
             let _ = writeln!(o, "{}", serde_json::to_string(&row).unwrap_or_default());
             let _ = o.flush();
@@ -398,7 +549,10 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
         }
     }
     // Keep the session open until every rank is done.
-    comm.barrier().map_err(|e| e.to_string())?.wait().map_err(|e| e.to_string())?;
+    comm.barrier()
+        .map_err(|e| e.to_string())?
+        .wait()
+        .map_err(|e| e.to_string())?;
     std::thread::sleep(Duration::from_millis(10));
     Ok(())
 }

@@ -37,15 +37,32 @@ pub struct Posted {
 impl Posted {
     fn describe(&self) -> String {
         match self.op.kind {
-            OpKind::Send => format!("send to rank {} (#{}, {} x {})", self.op.peer, self.seq, self.op.count, self.op.dtype.name()),
-            OpKind::Recv => format!("recv from rank {} (#{}, {} x {})", self.op.peer, self.seq, self.op.count, self.op.dtype.name()),
+            OpKind::Send => format!(
+                "send to rank {} (#{}, {} x {})",
+                self.op.peer,
+                self.seq,
+                self.op.count,
+                self.op.dtype.name()
+            ),
+            OpKind::Recv => format!(
+                "recv from rank {} (#{}, {} x {})",
+                self.op.peer,
+                self.seq,
+                self.op.count,
+                self.op.dtype.name()
+            ),
             k => format!("{} seq {}", k.name(), self.seq),
         }
     }
 
     fn signature(&self) -> String {
         let o = &self.op;
-        let mut s = format!("{}(dtype={}, count={}", o.kind.name(), o.dtype.name(), o.count);
+        let mut s = format!(
+            "{}(dtype={}, count={}",
+            o.kind.name(),
+            o.dtype.name(),
+            o.count
+        );
         if let Some(r) = o.redop {
             s.push_str(&format!(", op={}", r.name()));
         }
@@ -57,7 +74,8 @@ impl Posted {
     }
 
     fn complete(&self, comm: u32, st: u32, msg: Option<String>) {
-        self.session.complete(self.op.user_data, comm, self.seq, st, msg);
+        self.session
+            .complete(self.op.user_data, comm, self.seq, st, msg);
     }
 }
 
@@ -68,8 +86,14 @@ pub struct Member {
 }
 
 enum Step {
-    Run { plan: engine::Plan, ops: Vec<Posted> },
-    Fail { ops: Vec<(Posted, u32, String)>, abort: Option<(u32, String)> },
+    Run {
+        plan: engine::Plan,
+        ops: Vec<Posted>,
+    },
+    Fail {
+        ops: Vec<(Posted, u32, String)>,
+        abort: Option<(u32, String)>,
+    },
 }
 
 struct Inner {
@@ -99,7 +123,13 @@ impl std::fmt::Debug for Comm {
 }
 
 impl Comm {
-    pub fn new(id: u64, uid_short: String, members: Vec<Member>, op_timeout: Duration, workers: usize) -> Self {
+    pub fn new(
+        id: u64,
+        uid_short: String,
+        members: Vec<Member>,
+        op_timeout: Duration,
+        workers: usize,
+    ) -> Self {
         let n = members.len();
         Self {
             id,
@@ -122,7 +152,10 @@ impl Comm {
 
     /// "comm 7 (id 3fa2b1c0, 4 ranks)": how errors and logs name a communicator.
     pub fn label(&self) -> String {
-        format!("comm {} (id {}, {} ranks)", self.id, self.uid_short, self.nranks)
+        format!(
+            "comm {} (id {}, {} ranks)",
+            self.id, self.uid_short, self.nranks
+        )
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
@@ -185,7 +218,11 @@ impl Comm {
                     let c = p.op.comm;
                     match &res {
                         Ok(()) => p.complete(c, status::OK, None),
-                        Err(e) => p.complete(c, status::INTERNAL, Some(format!("{}: {} failed: {e}", self.label(), p.describe()))),
+                        Err(e) => p.complete(
+                            c,
+                            status::INTERNAL,
+                            Some(format!("{}: {} failed: {e}", self.label(), p.describe())),
+                        ),
                     }
                 }
             }
@@ -207,7 +244,10 @@ impl Comm {
     /// Picks the next runnable step and removes its ops from the queues.
     fn find_ready(&self, g: &mut Inner) -> Option<Step> {
         let n = self.nranks as usize;
-        let all_heads_collective = g.queues.iter().all(|q| q.front().is_some_and(|p| !p.op.kind.is_p2p()));
+        let all_heads_collective = g
+            .queues
+            .iter()
+            .all(|q| q.front().is_some_and(|p| !p.op.kind.is_p2p()));
         if all_heads_collective {
             let ops: Vec<Posted> = g.queues.iter_mut().filter_map(|q| q.pop_front()).collect();
             return Some(self.collective_step(ops));
@@ -222,9 +262,12 @@ impl Comm {
                     continue;
                 }
                 let b = s.op.peer as usize;
-                let found = g.queues[b].iter().take_while(|p| p.op.kind.is_p2p()).position(|p| {
-                    p.op.kind == OpKind::Recv && p.op.peer as usize == a && p.seq == s.seq
-                });
+                let found = g.queues[b]
+                    .iter()
+                    .take_while(|p| p.op.kind.is_p2p())
+                    .position(|p| {
+                        p.op.kind == OpKind::Recv && p.op.peer as usize == a && p.seq == s.seq
+                    });
                 if let Some(j) = found {
                     let send = g.queues[a].remove(i)?;
                     // Removing from queue a shifted indices only if a == b (self send/recv).
@@ -236,21 +279,38 @@ impl Comm {
         }
         // Deadlock: every rank has a collective queued behind unmatched p2p ops (or at its head)
         // and nothing can match, now or after any further post.
-        let closed = g.queues.iter().all(|q| q.iter().any(|p| !p.op.kind.is_p2p()));
+        let closed = g
+            .queues
+            .iter()
+            .all(|q| q.iter().any(|p| !p.op.kind.is_p2p()));
         if closed {
             let heads: Vec<String> = g
                 .queues
                 .iter()
                 .enumerate()
-                .map(|(r, q)| format!("rank {r}: {}", q.front().map(|p| p.describe()).unwrap_or_default()))
+                .map(|(r, q)| {
+                    format!(
+                        "rank {r}: {}",
+                        q.front().map(|p| p.describe()).unwrap_or_default()
+                    )
+                })
                 .collect();
             let msg = format!(
                 "{}: mismatched op order, no rank can progress: {}. Every rank must post its collectives in the same order, and each send needs the matching recv before the next collective.",
                 self.label(),
                 heads.join("; ")
             );
-            let ops = drain(g).into_iter().map(|p| (p, status::MISMATCH, msg.clone())).collect();
-            return Some(Step::Fail { ops, abort: Some((status::ABORTED, format!("{} was aborted: {msg}", self.label()))) });
+            let ops = drain(g)
+                .into_iter()
+                .map(|p| (p, status::MISMATCH, msg.clone()))
+                .collect();
+            return Some(Step::Fail {
+                ops,
+                abort: Some((
+                    status::ABORTED,
+                    format!("{} was aborted: {msg}", self.label()),
+                )),
+            });
         }
         None
     }
@@ -266,19 +326,38 @@ impl Comm {
                 bad.rank,
                 bad.invalid.clone().unwrap_or_default()
             );
-            return Step::Fail { ops: ops.into_iter().map(|p| (p, status::INVALID, msg.clone())).collect(), abort: None };
+            return Step::Fail {
+                ops: ops
+                    .into_iter()
+                    .map(|p| (p, status::INVALID, msg.clone()))
+                    .collect(),
+                abort: None,
+            };
         }
         let sig0 = ops[0].signature();
         if ops.iter().any(|p| p.signature() != sig0) {
-            return Step::Fail { ops: self.mismatch(ops), abort: None };
+            return Step::Fail {
+                ops: self.mismatch(ops),
+                abort: None,
+            };
         }
         let o = &ops[0].op;
         let bufs: Vec<RankBufs> = ops.iter().map(|p| p.bufs.clone()).collect();
         match engine::plan_collective(kind, o.dtype, o.redop, o.count, o.peer, &bufs) {
             Some(plan) => Step::Run { plan, ops },
             None => {
-                let msg = format!("{}: {} seq {seq}: internal error building the plan", self.label(), kind.name());
-                Step::Fail { ops: ops.into_iter().map(|p| (p, status::INTERNAL, msg.clone())).collect(), abort: None }
+                let msg = format!(
+                    "{}: {} seq {seq}: internal error building the plan",
+                    self.label(),
+                    kind.name()
+                );
+                Step::Fail {
+                    ops: ops
+                        .into_iter()
+                        .map(|p| (p, status::INTERNAL, msg.clone()))
+                        .collect(),
+                    abort: None,
+                }
             }
         }
     }
@@ -298,31 +377,67 @@ impl Comm {
                     None => groups.push((v, vec![p.rank])),
                 }
             }
-            Some(groups.iter().map(|(v, rs)| format!("{v} on {}", ranks(rs))).collect::<Vec<_>>().join(" vs "))
+            Some(
+                groups
+                    .iter()
+                    .map(|(v, rs)| format!("{v} on {}", ranks(rs)))
+                    .collect::<Vec<_>>()
+                    .join(" vs "),
+            )
         };
         let mut diffs = Vec::new();
         let fields: [(&str, &dyn Fn(&Op) -> String); 5] = [
             ("op", &|o: &Op| o.kind.name().to_string()),
             ("dtype", &|o: &Op| o.dtype.name().to_string()),
             ("count", &|o: &Op| o.count.to_string()),
-            ("reduction", &|o: &Op| o.redop.map(|r| r.name()).unwrap_or("none").to_string()),
-            ("root", &|o: &Op| if o.kind.has_root() { o.peer.to_string() } else { "none".into() }),
+            ("reduction", &|o: &Op| {
+                o.redop.map(|r| r.name()).unwrap_or("none").to_string()
+            }),
+            ("root", &|o: &Op| {
+                if o.kind.has_root() {
+                    o.peer.to_string()
+                } else {
+                    "none".into()
+                }
+            }),
         ];
         for (name, f) in fields {
             if let Some(d) = field(f) {
                 diffs.push(format!("{name}: {d}"));
             }
         }
-        let msg = format!("{}: mismatched collective at seq {seq}: {}", self.label(), diffs.join("; "));
+        let msg = format!(
+            "{}: mismatched collective at seq {seq}: {}",
+            self.label(),
+            diffs.join("; ")
+        );
         tracing::warn!(target: "commd::comm", "{msg}");
-        ops.into_iter().map(|p| (p, status::MISMATCH, msg.clone())).collect()
+        ops.into_iter()
+            .map(|p| (p, status::MISMATCH, msg.clone()))
+            .collect()
     }
 
     fn p2p_step(&self, send: Posted, recv: Posted) -> Step {
-        let bad = send.invalid.clone().map(|w| (send.rank, w)).or_else(|| recv.invalid.clone().map(|w| (recv.rank, w)));
+        let bad = send
+            .invalid
+            .clone()
+            .map(|w| (send.rank, w))
+            .or_else(|| recv.invalid.clone().map(|w| (recv.rank, w)));
         if let Some((r, why)) = bad {
-            let msg = format!("{}: send rank {} -> rank {} #{}: rank {r} posted an invalid op: {why}", self.label(), send.rank, recv.rank, send.seq);
-            return Step::Fail { ops: vec![(send, status::INVALID, msg.clone()), (recv, status::INVALID, msg)], abort: None };
+            let msg = format!(
+                "{}: send rank {} -> rank {} #{}: rank {r} posted an invalid op: {why}",
+                self.label(),
+                send.rank,
+                recv.rank,
+                send.seq
+            );
+            return Step::Fail {
+                ops: vec![
+                    (send, status::INVALID, msg.clone()),
+                    (recv, status::INVALID, msg),
+                ],
+                abort: None,
+            };
         }
         let sb = send.op.count * send.op.dtype.size();
         let rb = recv.op.count * recv.op.dtype.size();
@@ -338,17 +453,44 @@ impl Comm {
                 recv.op.count,
                 recv.op.dtype.name()
             );
-            return Step::Fail { ops: vec![(send, status::MISMATCH, msg.clone()), (recv, status::MISMATCH, msg)], abort: None };
+            return Step::Fail {
+                ops: vec![
+                    (send, status::MISMATCH, msg.clone()),
+                    (recv, status::MISMATCH, msg),
+                ],
+                abort: None,
+            };
         }
         match (send.bufs.send.clone(), recv.bufs.recv.clone()) {
-            (Some(s), Some(r)) => Step::Run { plan: engine::plan_p2p(send.op.dtype, s, r), ops: vec![send, recv] },
+            (Some(s), Some(r)) => Step::Run {
+                plan: engine::plan_p2p(send.op.dtype, s, r),
+                ops: vec![send, recv],
+            },
             _ if sb == 0 => {
-                let plan = engine::Plan { dtype: send.op.dtype, redop: commd_proto::desc::RedOp::Sum, nranks: 2, tasks: vec![] };
-                Step::Run { plan, ops: vec![send, recv] }
+                let plan = engine::Plan {
+                    dtype: send.op.dtype,
+                    redop: commd_proto::desc::RedOp::Sum,
+                    nranks: 2,
+                    tasks: vec![],
+                };
+                Step::Run {
+                    plan,
+                    ops: vec![send, recv],
+                }
             }
             _ => {
-                let msg = format!("{}: send/recv #{}: internal error: missing buffer", self.label(), send.seq);
-                Step::Fail { ops: vec![(send, status::INTERNAL, msg.clone()), (recv, status::INTERNAL, msg)], abort: None }
+                let msg = format!(
+                    "{}: send/recv #{}: internal error: missing buffer",
+                    self.label(),
+                    send.seq
+                );
+                Step::Fail {
+                    ops: vec![
+                        (send, status::INTERNAL, msg.clone()),
+                        (recv, status::INTERNAL, msg),
+                    ],
+                    abort: None,
+                }
             }
         }
     }
@@ -382,7 +524,11 @@ impl Comm {
         if g.broken.is_some() {
             return;
         }
-        let oldest = g.queues.iter().flat_map(|q| q.iter()).min_by_key(|p| p.posted_at);
+        let oldest = g
+            .queues
+            .iter()
+            .flat_map(|q| q.iter())
+            .min_by_key(|p| p.posted_at);
         let Some(p) = oldest else { return };
         let waited = now.saturating_duration_since(p.posted_at);
         if waited < self.op_timeout {
@@ -390,8 +536,15 @@ impl Comm {
         }
         let n = self.nranks as usize;
         let msg = if p.op.kind.is_p2p() {
-            let (peer, what) = if p.op.kind == OpKind::Send { (p.op.peer, "recv") } else { (p.op.peer, "send") };
-            let blocked = g.queues[peer as usize].front().map(|h| format!(" (its oldest pending op is {})", h.describe())).unwrap_or_default();
+            let (peer, what) = if p.op.kind == OpKind::Send {
+                (p.op.peer, "recv")
+            } else {
+                (p.op.peer, "send")
+            };
+            let blocked = g.queues[peer as usize]
+                .front()
+                .map(|h| format!(" (its oldest pending op is {})", h.describe()))
+                .unwrap_or_default();
             format!(
                 "{}: {} on rank {} timed out after {:.1} s: rank {peer} never posted the matching {what}{blocked}",
                 self.label(),
@@ -401,9 +554,18 @@ impl Comm {
             )
         } else {
             let seq = p.seq;
-            let missing: Vec<u32> = (0..n).filter(|&r| g.coll_next[r] <= seq).map(|r| r as u32).collect();
-            let posted: Vec<u32> = (0..n).filter(|&r| g.coll_next[r] > seq).map(|r| r as u32).collect();
-            let pids: Vec<String> = missing.iter().map(|&r| format!("rank {r} pid {}", self.members[r as usize].pid)).collect();
+            let missing: Vec<u32> = (0..n)
+                .filter(|&r| g.coll_next[r] <= seq)
+                .map(|r| r as u32)
+                .collect();
+            let posted: Vec<u32> = (0..n)
+                .filter(|&r| g.coll_next[r] > seq)
+                .map(|r| r as u32)
+                .collect();
+            let pids: Vec<String> = missing
+                .iter()
+                .map(|&r| format!("rank {r} pid {}", self.members[r as usize].pid))
+                .collect();
             format!(
                 "{}: {} seq {seq} timed out after {:.1} s: {} never posted it ({}); posted by {}",
                 self.label(),
@@ -415,7 +577,10 @@ impl Comm {
             )
         };
         tracing::warn!(target: "commd::comm", "{msg}");
-        g.broken = Some((status::ABORTED, format!("{} was aborted after an op timed out: {msg}", self.label())));
+        g.broken = Some((
+            status::ABORTED,
+            format!("{} was aborted after an op timed out: {msg}", self.label()),
+        ));
         let ops = drain(&mut g);
         drop(g);
         for p in ops {
@@ -444,6 +609,12 @@ fn ranks(rs: &[u32]) -> String {
     match rs {
         [] => "no rank".into(),
         [r] => format!("rank {r}"),
-        _ => format!("ranks {}", rs.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",")),
+        _ => format!(
+            "ranks {}",
+            rs.iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        ),
     }
 }

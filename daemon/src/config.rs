@@ -17,7 +17,10 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/commd/commd.toml";
 enum Kind {
     Path,
     /// Unsigned integer within `[min, max]`.
-    U64 { min: u64, max: u64 },
+    U64 {
+        min: u64,
+        max: u64,
+    },
     Str,
 }
 
@@ -45,28 +48,40 @@ pub static KEYS: &[Key] = &[
         env: "COMMD_OP_TIMEOUT_MS",
         default: Some("600000"),
         help: "per-op timeout: an op some ranks never posted fails after this long, naming those ranks",
-        kind: Kind::U64 { min: 1, max: 86_400_000 },
+        kind: Kind::U64 {
+            min: 1,
+            max: 86_400_000,
+        },
     },
     Key {
         name: "join_timeout_ms",
         env: "COMMD_JOIN_TIMEOUT_MS",
         default: Some("300000"),
         help: "how long CreateCommunicator waits for the other ranks to join",
-        kind: Kind::U64 { min: 1, max: 86_400_000 },
+        kind: Kind::U64 {
+            min: 1,
+            max: 86_400_000,
+        },
     },
     Key {
         name: "attach_timeout_ms",
         env: "COMMD_ATTACH_TIMEOUT_MS",
         default: Some("10000"),
         help: "a session that does not attach to the fd socket within this long after Hello is closed",
-        kind: Kind::U64 { min: 1, max: 3_600_000 },
+        kind: Kind::U64 {
+            min: 1,
+            max: 3_600_000,
+        },
     },
     Key {
         name: "liveness_interval_ms",
         env: "COMMD_LIVENESS_INTERVAL_MS",
         default: Some("500"),
         help: "how often session processes are checked for liveness (a closed fd socket is seen at once; this catches a dead process whose socket a forked child still holds)",
-        kind: Kind::U64 { min: 10, max: 60_000 },
+        kind: Kind::U64 {
+            min: 10,
+            max: 60_000,
+        },
     },
     Key {
         name: "workers",
@@ -80,7 +95,10 @@ pub static KEYS: &[Key] = &[
         env: "COMMD_POLL_SPIN_US",
         default: Some("50"),
         help: "how long a ring poller keeps polling an empty ring (yielding the core between looks) before sleeping on its futex",
-        kind: Kind::U64 { min: 0, max: 1_000_000 },
+        kind: Kind::U64 {
+            min: 0,
+            max: 1_000_000,
+        },
     },
     Key {
         name: "ring_entries",
@@ -94,14 +112,20 @@ pub static KEYS: &[Key] = &[
         env: "COMMD_MAX_SESSIONS",
         default: Some("4096"),
         help: "sessions (client processes) served at once; Hello beyond this is refused",
-        kind: Kind::U64 { min: 1, max: 1_000_000 },
+        kind: Kind::U64 {
+            min: 1,
+            max: 1_000_000,
+        },
     },
     Key {
         name: "max_registered_bytes",
         env: "COMMD_MAX_REGISTERED_BYTES",
         default: Some("1099511627776"),
         help: "host memory one session may register in total",
-        kind: Kind::U64 { min: 4096, max: u64::MAX },
+        kind: Kind::U64 {
+            min: 4096,
+            max: u64::MAX,
+        },
     },
     Key {
         name: "debug",
@@ -126,7 +150,12 @@ pub enum ConfigError {
     #[error("unknown config key '{0}' (see `commd config` for the list)")]
     UnknownKey(String),
     #[error("invalid value '{value}' for {key} (from {origin}): {why}")]
-    Invalid { key: String, value: String, origin: String, why: String },
+    Invalid {
+        key: String,
+        value: String,
+        origin: String,
+        why: String,
+    },
     #[error("reading config file {path}: {err}")]
     Read { path: PathBuf, err: std::io::Error },
     #[error("parsing config file {path}: {err}")]
@@ -186,19 +215,29 @@ pub struct Inputs {
 
 impl Inputs {
     pub fn from_process(config_file: Option<PathBuf>, flags: Vec<(String, String)>) -> Self {
-        let env = std::env::vars().filter(|(k, _)| k.starts_with("COMMD_")).collect();
-        Self { config_file, flags, env }
+        let env = std::env::vars()
+            .filter(|(k, _)| k.starts_with("COMMD_"))
+            .collect();
+        Self {
+            config_file,
+            flags,
+            env,
+        }
     }
 }
 
 /// Parses `KEY=VALUE` as given to `--set`.
 pub fn parse_set(s: &str) -> Result<(String, String), ConfigError> {
-    let (k, v) = s.split_once('=').ok_or_else(|| ConfigError::SetSyntax(s.to_string()))?;
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| ConfigError::SetSyntax(s.to_string()))?;
     Ok((k.trim().to_string(), v.trim().to_string()))
 }
 
 fn key(name: &str) -> Result<&'static Key, ConfigError> {
-    KEYS.iter().find(|k| k.name == name).ok_or_else(|| ConfigError::UnknownKey(name.to_string()))
+    KEYS.iter()
+        .find(|k| k.name == name)
+        .ok_or_else(|| ConfigError::UnknownKey(name.to_string()))
 }
 
 fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
@@ -212,7 +251,9 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
         Kind::Path if value.is_empty() => Err(bad("empty path".into())),
         Kind::Path => Ok(()),
         Kind::U64 { min, max } => {
-            let v: u64 = value.parse().map_err(|_| bad("not an unsigned integer".into()))?;
+            let v: u64 = value
+                .parse()
+                .map_err(|_| bad("not an unsigned integer".into()))?;
             if v < min || v > max {
                 return Err(bad(format!("must be in {min}..={max}")));
             }
@@ -229,7 +270,10 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
             "debug_subsys" => {
                 for s in value.split(',').map(|s| s.trim().to_ascii_uppercase()) {
                     if s != "ALL" && !SUBSYSTEMS.contains(&s.as_str()) {
-                        return Err(bad(format!("unknown subsystem '{s}' (known: ALL, {})", SUBSYSTEMS.join(", "))));
+                        return Err(bad(format!(
+                            "unknown subsystem '{s}' (known: ALL, {})",
+                            SUBSYSTEMS.join(", ")
+                        )));
                     }
                 }
                 Ok(())
@@ -247,7 +291,10 @@ pub fn default_socket() -> PathBuf {
 fn computed_default(name: &str) -> String {
     match name {
         "socket" => default_socket().display().to_string(),
-        "workers" => std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).to_string(),
+        "workers" => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .to_string(),
         _ => String::new(),
     }
 }
@@ -263,18 +310,30 @@ impl Config {
     pub fn load(inputs: &Inputs) -> Result<Self, ConfigError> {
         let mut eff: BTreeMap<&'static str, (String, Source)> = BTreeMap::new();
         for k in KEYS {
-            let v = k.default.map(str::to_string).unwrap_or_else(|| computed_default(k.name));
+            let v = k
+                .default
+                .map(str::to_string)
+                .unwrap_or_else(|| computed_default(k.name));
             eff.insert(k.name, (v, Source::Default));
         }
         // File: explicit path must exist; the default path is optional.
         let file = match &inputs.config_file {
             Some(p) => Some(p.clone()),
-            None => Path::new(DEFAULT_CONFIG_PATH).exists().then(|| PathBuf::from(DEFAULT_CONFIG_PATH)),
+            None => Path::new(DEFAULT_CONFIG_PATH)
+                .exists()
+                .then(|| PathBuf::from(DEFAULT_CONFIG_PATH)),
         };
         if let Some(path) = &file {
-            let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read { path: path.clone(), err })?;
+            let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read {
+                path: path.clone(),
+                err,
+            })?;
             let table: toml::Table =
-                text.parse().map_err(|e: toml::de::Error| ConfigError::Parse { path: path.clone(), err: e.to_string() })?;
+                text.parse()
+                    .map_err(|e: toml::de::Error| ConfigError::Parse {
+                        path: path.clone(),
+                        err: e.to_string(),
+                    })?;
             for (name, value) in &table {
                 let k = key(name)?;
                 let src = Source::File(path.clone());
@@ -298,7 +357,10 @@ impl Config {
         Self::from_effective(eff, file)
     }
 
-    fn from_effective(eff: BTreeMap<&'static str, (String, Source)>, file: Option<PathBuf>) -> Result<Self, ConfigError> {
+    fn from_effective(
+        eff: BTreeMap<&'static str, (String, Source)>,
+        file: Option<PathBuf>,
+    ) -> Result<Self, ConfigError> {
         let s = |n: &str| eff[n].0.clone();
         // Values were validated above; a parse failure here would be a registry bug, reported as such.
         let u = |n: &str| -> Result<u64, ConfigError> {
@@ -322,7 +384,10 @@ impl Config {
             max_sessions: u("max_sessions")? as usize,
             max_registered_bytes: u("max_registered_bytes")?,
             debug: s("debug").to_ascii_uppercase(),
-            debug_subsys: s("debug_subsys").split(',').map(|x| x.trim().to_ascii_uppercase()).collect(),
+            debug_subsys: s("debug_subsys")
+                .split(',')
+                .map(|x| x.trim().to_ascii_uppercase())
+                .collect(),
             effective: eff,
             file,
         })
@@ -333,11 +398,17 @@ impl Config {
         let mut out = String::new();
         out.push_str(&format!(
             "# commd effective configuration (precedence: flag > env > file > default); file: {}\n",
-            self.file.as_ref().map(|p| p.display().to_string()).unwrap_or_else(|| "none".into())
+            self.file
+                .as_ref()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "none".into())
         ));
         for k in KEYS {
             let (v, src) = &self.effective[k.name];
-            out.push_str(&format!("{:<22} = {:<40} # {} [{}; {}]\n", k.name, v, k.help, src, k.env));
+            out.push_str(&format!(
+                "{:<22} = {:<40} # {} [{}; {}]\n",
+                k.name, v, k.help, src, k.env
+            ));
         }
         out
     }
@@ -362,15 +433,24 @@ mod tests {
     fn inputs(file: Option<PathBuf>, env: &[(&str, &str)], flags: &[(&str, &str)]) -> Inputs {
         Inputs {
             config_file: file,
-            env: env.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
-            flags: flags.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect(),
+            env: env
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
+            flags: flags
+                .iter()
+                .map(|(a, b)| (a.to_string(), b.to_string()))
+                .collect(),
         }
     }
 
     fn tmp_toml(text: &str) -> (PathBuf, tempdir::Dir) {
         let d = tempdir::Dir::new();
         let p = d.0.join("commd.toml");
-        std::fs::File::create(&p).unwrap().write_all(text.as_bytes()).unwrap();
+        std::fs::File::create(&p)
+            .unwrap()
+            .write_all(text.as_bytes())
+            .unwrap();
         (p, d)
     }
 
@@ -378,7 +458,11 @@ mod tests {
         pub struct Dir(pub std::path::PathBuf);
         impl Dir {
             pub fn new() -> Self {
-                let p = std::env::temp_dir().join(format!("commd-cfg-{}-{}", std::process::id(), rand::random::<u64>()));
+                let p = std::env::temp_dir().join(format!(
+                    "commd-cfg-{}-{}",
+                    std::process::id(),
+                    rand::random::<u64>()
+                ));
                 std::fs::create_dir_all(&p).unwrap();
                 Self(p)
             }
@@ -413,18 +497,29 @@ mod tests {
     #[test]
     fn rejects_bad_values_by_name() {
         let e = Config::load(&inputs(None, &[("COMMD_WORKERS", "zero")], &[])).unwrap_err();
-        assert!(e.to_string().contains("workers") && e.to_string().contains("COMMD_WORKERS"), "{e}");
+        assert!(
+            e.to_string().contains("workers") && e.to_string().contains("COMMD_WORKERS"),
+            "{e}"
+        );
         let e = Config::load(&inputs(None, &[], &[("ring_entries", "100")])).unwrap_err();
         assert!(e.to_string().contains("power of two"), "{e}");
         let e = Config::load(&inputs(None, &[], &[("nope", "1")])).unwrap_err();
         assert!(matches!(e, ConfigError::UnknownKey(_)));
         let (p, _d) = tmp_toml("bogus_key = 1\n");
-        assert!(matches!(Config::load(&inputs(Some(p), &[], &[])), Err(ConfigError::UnknownKey(_))));
+        assert!(matches!(
+            Config::load(&inputs(Some(p), &[], &[])),
+            Err(ConfigError::UnknownKey(_))
+        ));
         let (p, _d) = tmp_toml("workers = [\n");
-        assert!(matches!(Config::load(&inputs(Some(p), &[], &[])), Err(ConfigError::Parse { .. })));
-        let e = Config::load(&inputs(Some("/nonexistent/commd.toml".into()), &[], &[])).unwrap_err();
+        assert!(matches!(
+            Config::load(&inputs(Some(p), &[], &[])),
+            Err(ConfigError::Parse { .. })
+        ));
+        let e =
+            Config::load(&inputs(Some("/nonexistent/commd.toml".into()), &[], &[])).unwrap_err();
         assert!(matches!(e, ConfigError::Read { .. }));
-        let e = Config::load(&inputs(None, &[("COMMD_DEBUG_SUBSYS", "INIT,BOGUS")], &[])).unwrap_err();
+        let e =
+            Config::load(&inputs(None, &[("COMMD_DEBUG_SUBSYS", "INIT,BOGUS")], &[])).unwrap_err();
         assert!(e.to_string().contains("BOGUS"));
         assert!(parse_set("novalue").is_err());
         assert_eq!(parse_set("a = b").unwrap(), ("a".into(), "b".into()));

@@ -42,7 +42,11 @@ fn caller<T>(req: &Request<T>) -> Result<(u32, i32), Status> {
 }
 
 impl LocalService {
-    fn session<T>(&self, req: &Request<T>, id: u64) -> Result<Arc<crate::session::Session>, Status> {
+    fn session<T>(
+        &self,
+        req: &Request<T>,
+        id: u64,
+    ) -> Result<Arc<crate::session::Session>, Status> {
         let (uid, pid) = caller(req)?;
         Ok(self.daemon.session_for(id, uid, pid)?)
     }
@@ -53,21 +57,29 @@ fn check_version(client: &str) -> Result<(), Status> {
     let minor = |v: &str| v.split('.').nth(1).unwrap_or("").to_string();
     let ours = commd_proto::VERSION;
     // 0.x: minor versions are breaking, as in semver.
-    let compatible = major(client) == major(ours) && (major(ours) != "0" || minor(client) == minor(ours));
+    let compatible =
+        major(client) == major(ours) && (major(ours) != "0" || minor(client) == minor(ours));
     if compatible {
         Ok(())
     } else {
-        Err(Status::failed_precondition(format!("client version {client} is incompatible with daemon version {ours}")))
+        Err(Status::failed_precondition(format!(
+            "client version {client} is incompatible with daemon version {ours}"
+        )))
     }
 }
 
 #[tonic::async_trait]
 impl Local for LocalService {
-    async fn hello(&self, req: Request<pb::HelloRequest>) -> Result<Response<pb::HelloReply>, Status> {
+    async fn hello(
+        &self,
+        req: Request<pb::HelloRequest>,
+    ) -> Result<Response<pb::HelloReply>, Status> {
         let (uid, pid) = caller(&req)?;
         let r = req.into_inner();
         check_version(&r.client_version)?;
-        let s = self.daemon.hello(uid, pid, r.name, r.sq_entries, r.cq_entries)?;
+        let s = self
+            .daemon
+            .hello(uid, pid, r.name, r.sq_entries, r.cq_entries)?;
         Ok(Response::new(pb::HelloReply {
             session_id: s.id,
             attach_secret: s.secret.to_vec(),
@@ -80,13 +92,22 @@ impl Local for LocalService {
 
     async fn goodbye(&self, req: Request<pb::SessionRef>) -> Result<Response<pb::Empty>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
-        self.daemon.close_session(s.id, commd_proto::desc::status::PEER_LOST, "client said goodbye");
+        self.daemon.close_session(
+            s.id,
+            commd_proto::desc::status::PEER_LOST,
+            "client said goodbye",
+        );
         Ok(Response::new(pb::Empty {}))
     }
 
-    async fn get_unique_id(&self, req: Request<pb::SessionRef>) -> Result<Response<pb::UniqueIdReply>, Status> {
+    async fn get_unique_id(
+        &self,
+        req: Request<pb::SessionRef>,
+    ) -> Result<Response<pb::UniqueIdReply>, Status> {
         self.session(&req, req.get_ref().session_id)?;
-        Ok(Response::new(pb::UniqueIdReply { unique_id: self.daemon.unique_id().encode() }))
+        Ok(Response::new(pb::UniqueIdReply {
+            unique_id: self.daemon.unique_id().encode(),
+        }))
     }
 
     async fn create_communicator(
@@ -96,41 +117,68 @@ impl Local for LocalService {
         let s = self.session(&req, req.get_ref().session_id)?;
         let r = req.into_inner();
         let op_timeout = (r.op_timeout_ms > 0).then(|| Duration::from_millis(r.op_timeout_ms));
-        let wait = if r.join_timeout_ms > 0 { Duration::from_millis(r.join_timeout_ms) } else { self.daemon.cfg.join_timeout };
+        let wait = if r.join_timeout_ms > 0 {
+            Duration::from_millis(r.join_timeout_ms)
+        } else {
+            self.daemon.cfg.join_timeout
+        };
         let t0 = Instant::now();
-        let rx = self.daemon.join(s, &r.unique_id, r.rank, r.nranks, op_timeout)?;
+        let rx = self
+            .daemon
+            .join(s, &r.unique_id, r.rank, r.nranks, op_timeout)?;
         match tokio::time::timeout(wait, rx).await {
-            Ok(Ok(Ok((comm, comm_id)))) => Ok(Response::new(pb::CreateCommunicatorReply { comm, comm_id })),
+            Ok(Ok(Ok((comm, comm_id)))) => {
+                Ok(Response::new(pb::CreateCommunicatorReply { comm, comm_id }))
+            }
             Ok(Ok(Err(e))) => Err(e.into()),
             Ok(Err(_)) => Err(Status::unavailable("daemon is shutting down")),
-            Err(_) => Err(Status::deadline_exceeded(self.daemon.join_timed_out(&r.unique_id, r.rank, t0.elapsed()))),
+            Err(_) => Err(Status::deadline_exceeded(self.daemon.join_timed_out(
+                &r.unique_id,
+                r.rank,
+                t0.elapsed(),
+            ))),
         }
     }
 
-    async fn destroy_communicator(&self, req: Request<pb::CommRef>) -> Result<Response<pb::Empty>, Status> {
+    async fn destroy_communicator(
+        &self,
+        req: Request<pb::CommRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
         self.daemon.destroy_comm(&s, req.get_ref().comm)?;
         Ok(Response::new(pb::Empty {}))
     }
 
-    async fn register_memory(&self, req: Request<pb::RegisterMemoryRequest>) -> Result<Response<pb::RegisterMemoryReply>, Status> {
+    async fn register_memory(
+        &self,
+        req: Request<pb::RegisterMemoryRequest>,
+    ) -> Result<Response<pb::RegisterMemoryReply>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
         let r = req.into_inner();
         let mem_id = self.daemon.register(&s, r.fd_token, r.bytes)?;
         Ok(Response::new(pb::RegisterMemoryReply { mem_id }))
     }
 
-    async fn deregister_memory(&self, req: Request<pb::MemRef>) -> Result<Response<pb::Empty>, Status> {
+    async fn deregister_memory(
+        &self,
+        req: Request<pb::MemRef>,
+    ) -> Result<Response<pb::Empty>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
         self.daemon.deregister(&s, req.get_ref().mem_id)?;
         Ok(Response::new(pb::Empty {}))
     }
 
-    async fn get_op_error(&self, req: Request<pb::OpRef>) -> Result<Response<pb::OpErrorReply>, Status> {
+    async fn get_op_error(
+        &self,
+        req: Request<pb::OpRef>,
+    ) -> Result<Response<pb::OpErrorReply>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
-        let (status, message) = s
-            .take_error(req.get_ref().user_data)
-            .ok_or_else(|| Status::not_found(format!("no error recorded for op {}", req.get_ref().user_data)))?;
+        let (status, message) = s.take_error(req.get_ref().user_data).ok_or_else(|| {
+            Status::not_found(format!(
+                "no error recorded for op {}",
+                req.get_ref().user_data
+            ))
+        })?;
         Ok(Response::new(pb::OpErrorReply { status, message }))
     }
 

@@ -102,20 +102,38 @@ impl Daemon {
         self.shutting_down.load(Ordering::Acquire)
     }
 
-    pub fn hello(&self, uid: u32, pid: i32, name: String, sq: u32, cq: u32) -> Result<Arc<Session>, DaemonError> {
+    pub fn hello(
+        &self,
+        uid: u32,
+        pid: i32,
+        name: String,
+        sq: u32,
+        cq: u32,
+    ) -> Result<Arc<Session>, DaemonError> {
         if self.is_shutting_down() {
             return Err(DaemonError::Unavailable("daemon is shutting down".into()));
         }
         let mut sessions = lock(&self.sessions);
         if sessions.len() >= self.cfg.max_sessions {
-            return Err(DaemonError::ResourceExhausted(format!("daemon serves its maximum of {} sessions (max_sessions)", self.cfg.max_sessions)));
+            return Err(DaemonError::ResourceExhausted(format!(
+                "daemon serves its maximum of {} sessions (max_sessions)",
+                self.cfg.max_sessions
+            )));
         }
-        let pick = |n: u32| if n == 0 { self.cfg.ring_entries } else { n.next_power_of_two().min(commd_proto::ring::MAX_ENTRIES) };
-        let layout = RingLayout::new(pick(sq), pick(cq)).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
+        let pick = |n: u32| {
+            if n == 0 {
+                self.cfg.ring_entries
+            } else {
+                n.next_power_of_two().min(commd_proto::ring::MAX_ENTRIES)
+            }
+        };
+        let layout = RingLayout::new(pick(sq), pick(cq))
+            .map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
         let mut secret = [0u8; 16];
         rand::RngCore::fill_bytes(&mut rand::rng(), &mut secret);
         let id = self.new_id();
-        let s = Session::new(id, uid, pid, name, secret, layout).map_err(|e| DaemonError::Internal(format!("creating session memory: {e}")))?;
+        let s = Session::new(id, uid, pid, name, secret, layout)
+            .map_err(|e| DaemonError::Internal(format!("creating session memory: {e}")))?;
         let s = Arc::new(s);
         sessions.insert(id, s.clone());
         tracing::info!(target: "commd::session", session = id, uid, pid, "session opened");
@@ -124,9 +142,13 @@ impl Daemon {
 
     /// Looks a session up for a caller; only the process that opened it may use it.
     pub fn session_for(&self, id: u64, uid: u32, pid: i32) -> Result<Arc<Session>, DaemonError> {
-        let s = lock(&self.sessions).get(&id).cloned().ok_or_else(|| DaemonError::NotFound(format!("no session {id} (closed, or never opened)")))?;
+        let s = lock(&self.sessions).get(&id).cloned().ok_or_else(|| {
+            DaemonError::NotFound(format!("no session {id} (closed, or never opened)"))
+        })?;
         if s.uid != uid || s.pid != pid {
-            return Err(DaemonError::PermissionDenied(format!("session {id} belongs to another process")));
+            return Err(DaemonError::PermissionDenied(format!(
+                "session {id} belongs to another process"
+            )));
         }
         Ok(s)
     }
@@ -142,7 +164,9 @@ impl Daemon {
     /// Ends a session: its communicators fail for the other ranks with "peer lost" (or the
     /// given status), and its memory, rings and registrations are freed.
     pub fn close_session(&self, id: u64, st: u32, reason: &str) {
-        let Some(s) = lock(&self.sessions).remove(&id) else { return };
+        let Some(s) = lock(&self.sessions).remove(&id) else {
+            return;
+        };
         if !s.mark_closed(st) {
             return;
         }
@@ -156,18 +180,29 @@ impl Daemon {
             c
         };
         for (comm, rank) in comms {
-            let msg = format!("{}: rank {rank} (pid {}) lost: {reason}", comm.label(), s.pid);
+            let msg = format!(
+                "{}: rank {rank} (pid {}) lost: {reason}",
+                comm.label(),
+                s.pid
+            );
             if comm.abort_rank(Some(rank), status::PEER_LOST, msg) {
                 lock(&self.comms).remove(&comm.id);
             }
         }
         // Pending joins of this session fail for everyone: the communicator can no longer form.
         let mut joins = lock(&self.joins);
-        let tokens: Vec<[u8; 16]> =
-            joins.iter().filter(|(_, j)| j.members.iter().flatten().any(|m| m.session.id == id)).map(|(t, _)| *t).collect();
+        let tokens: Vec<[u8; 16]> = joins
+            .iter()
+            .filter(|(_, j)| j.members.iter().flatten().any(|m| m.session.id == id))
+            .map(|(t, _)| *t)
+            .collect();
         for t in tokens {
             if let Some(j) = joins.remove(&t) {
-                let rank = j.members.iter().position(|m| m.as_ref().is_some_and(|m| m.session.id == id)).unwrap_or(0);
+                let rank = j
+                    .members
+                    .iter()
+                    .position(|m| m.as_ref().is_some_and(|m| m.session.id == id))
+                    .unwrap_or(0);
                 for m in j.members.into_iter().flatten() {
                     let _ = m.tx.send(Err(DaemonError::Unavailable(format!(
                         "rank {rank} (pid {}) exited while the communicator was forming: {reason}",
@@ -176,8 +211,12 @@ impl Daemon {
                 }
             }
         }
-        self.closed_ops.0.fetch_add(s.ops_completed.load(Ordering::Relaxed), Ordering::Relaxed);
-        self.closed_ops.1.fetch_add(s.ops_failed.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.closed_ops
+            .0
+            .fetch_add(s.ops_completed.load(Ordering::Relaxed), Ordering::Relaxed);
+        self.closed_ops
+            .1
+            .fetch_add(s.ops_failed.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
     pub fn unique_id(&self) -> UniqueId {
@@ -203,12 +242,18 @@ impl Daemon {
         if self.is_shutting_down() {
             return Err(DaemonError::Unavailable("daemon is shutting down".into()));
         }
-        let uid = UniqueId::decode(uid_bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
+        let uid =
+            UniqueId::decode(uid_bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
         if nranks == 0 || nranks > commd_proto::desc::MAX_RANKS {
-            return Err(DaemonError::InvalidArgument(format!("nranks {nranks} must be in 1..={}", commd_proto::desc::MAX_RANKS)));
+            return Err(DaemonError::InvalidArgument(format!(
+                "nranks {nranks} must be in 1..={}",
+                commd_proto::desc::MAX_RANKS
+            )));
         }
         if rank >= nranks {
-            return Err(DaemonError::InvalidArgument(format!("rank {rank} is out of range for nranks {nranks}")));
+            return Err(DaemonError::InvalidArgument(format!(
+                "rank {rank} is out of range for nranks {nranks}"
+            )));
         }
         let mut joins = lock(&self.joins);
         if !joins.contains_key(&uid.token) {
@@ -219,7 +264,14 @@ impl Daemon {
                 )));
             }
             let op_timeout = op_timeout.unwrap_or(self.cfg.op_timeout);
-            joins.insert(uid.token, PendingJoin { nranks, op_timeout, members: (0..nranks).map(|_| None).collect() });
+            joins.insert(
+                uid.token,
+                PendingJoin {
+                    nranks,
+                    op_timeout,
+                    members: (0..nranks).map(|_| None).collect(),
+                },
+            );
         }
         let Some(j) = joins.get_mut(&uid.token) else {
             return Err(DaemonError::Internal("pending join vanished".into()));
@@ -233,7 +285,11 @@ impl Daemon {
             )));
         }
         if let Some(m) = &j.members[rank as usize] {
-            return Err(DaemonError::AlreadyExists(format!("rank {rank} of communicator {} already joined (pid {})", uid.short(), m.session.pid)));
+            return Err(DaemonError::AlreadyExists(format!(
+                "rank {rank} of communicator {} already joined (pid {})",
+                uid.short(),
+                m.session.pid
+            )));
         }
         let (tx, rx) = oneshot::channel();
         j.members[rank as usize] = Some(Joiner { session, tx });
@@ -248,9 +304,22 @@ impl Daemon {
 
     fn form(&self, uid: UniqueId, j: PendingJoin) {
         let id = self.new_id();
-        let members: Vec<Member> =
-            j.members.iter().flatten().map(|m| Member { session_id: m.session.id, pid: m.session.pid }).collect();
-        let comm = Arc::new(Comm::new(id, uid.short(), members, j.op_timeout, self.cfg.workers));
+        let members: Vec<Member> = j
+            .members
+            .iter()
+            .flatten()
+            .map(|m| Member {
+                session_id: m.session.id,
+                pid: m.session.pid,
+            })
+            .collect();
+        let comm = Arc::new(Comm::new(
+            id,
+            uid.short(),
+            members,
+            j.op_timeout,
+            self.cfg.workers,
+        ));
         lock(&self.comms).insert(id, comm.clone());
         tracing::info!(target: "commd::comm", "{} formed", comm.label());
         for (rank, m) in j.members.into_iter().flatten().enumerate() {
@@ -262,7 +331,11 @@ impl Daemon {
                 h
             };
             if m.session.is_closed() {
-                comm.abort_rank(Some(rank as u32), status::PEER_LOST, format!("{}: rank {rank} exited while joining", comm.label()));
+                comm.abort_rank(
+                    Some(rank as u32),
+                    status::PEER_LOST,
+                    format!("{}: rank {rank} exited while joining", comm.label()),
+                );
             }
             let _ = m.tx.send(Ok((handle, id)));
         }
@@ -270,13 +343,31 @@ impl Daemon {
 
     /// Withdraws a rank that gave up waiting; returns the message naming the missing ranks.
     pub fn join_timed_out(&self, uid_bytes: &[u8], rank: u32, waited: Duration) -> String {
-        let Ok(uid) = UniqueId::decode(uid_bytes) else { return "invalid unique id".into() };
+        let Ok(uid) = UniqueId::decode(uid_bytes) else {
+            return "invalid unique id".into();
+        };
         let mut joins = lock(&self.joins);
         let Some(j) = joins.get_mut(&uid.token) else {
-            return format!("communicator {} did not form within {:.1} s", uid.short(), waited.as_secs_f64());
+            return format!(
+                "communicator {} did not form within {:.1} s",
+                uid.short(),
+                waited.as_secs_f64()
+            );
         };
-        let joined: Vec<String> = j.members.iter().enumerate().filter(|(_, m)| m.is_some()).map(|(r, _)| r.to_string()).collect();
-        let missing: Vec<String> = j.members.iter().enumerate().filter(|(_, m)| m.is_none()).map(|(r, _)| r.to_string()).collect();
+        let joined: Vec<String> = j
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.is_some())
+            .map(|(r, _)| r.to_string())
+            .collect();
+        let missing: Vec<String> = j
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.is_none())
+            .map(|(r, _)| r.to_string())
+            .collect();
         j.members[rank as usize] = None;
         if j.members.iter().all(Option::is_none) {
             joins.remove(&uid.token);
@@ -293,9 +384,16 @@ impl Daemon {
 
     pub fn destroy_comm(&self, s: &Session, handle: u32) -> Result<(), DaemonError> {
         let Some((comm, rank)) = s.tables().comms.remove(&handle) else {
-            return Err(DaemonError::NotFound(format!("no communicator handle {handle} in session {}", s.id)));
+            return Err(DaemonError::NotFound(format!(
+                "no communicator handle {handle} in session {}",
+                s.id
+            )));
         };
-        let msg = format!("{}: rank {rank} (pid {}) destroyed the communicator", comm.label(), s.pid);
+        let msg = format!(
+            "{}: rank {rank} (pid {}) destroyed the communicator",
+            comm.label(),
+            s.pid
+        );
         if comm.abort_rank(Some(rank), status::PEER_LOST, msg) {
             lock(&self.comms).remove(&comm.id);
         }
@@ -305,7 +403,9 @@ impl Daemon {
     pub fn stage_fd(&self, s: &Session, token: u64, fd: OwnedFd) -> Result<(), DaemonError> {
         let mut t = s.tables();
         if t.staged.len() >= MAX_STAGED {
-            return Err(DaemonError::ResourceExhausted(format!("more than {MAX_STAGED} fds staged and not registered")));
+            return Err(DaemonError::ResourceExhausted(format!(
+                "more than {MAX_STAGED} fds staged and not registered"
+            )));
         }
         t.staged.insert(token, fd);
         Ok(())
@@ -313,7 +413,9 @@ impl Daemon {
 
     pub fn register(&self, s: &Session, token: u64, bytes: u64) -> Result<u32, DaemonError> {
         let fd = s.tables().staged.remove(&token).ok_or_else(|| {
-            DaemonError::NotFound(format!("no fd staged under token {token}: stage it on the fd socket first"))
+            DaemonError::NotFound(format!(
+                "no fd staged under token {token}: stage it on the fd socket first"
+            ))
         })?;
         {
             let t = s.tables();
@@ -324,7 +426,8 @@ impl Daemon {
                 )));
             }
         }
-        let region = MemRegion::from_fd(fd, bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
+        let region = MemRegion::from_fd(fd, bytes)
+            .map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
         let mut t = s.tables();
         t.next_mem += 1;
         let id = t.next_mem;
@@ -335,7 +438,9 @@ impl Daemon {
 
     pub fn deregister(&self, s: &Session, mem: u32) -> Result<(), DaemonError> {
         let mut t = s.tables();
-        let r = t.mems.remove(&mem).ok_or_else(|| DaemonError::NotFound(format!("no memory handle {mem} in session {}", s.id)))?;
+        let r = t.mems.remove(&mem).ok_or_else(|| {
+            DaemonError::NotFound(format!("no memory handle {mem} in session {}", s.id))
+        })?;
         t.registered_bytes -= r.len();
         // In-flight ops keep their own reference; the mapping goes when the last one finishes.
         Ok(())
@@ -343,7 +448,10 @@ impl Daemon {
 
     pub fn counts(&self) -> Counts {
         let sessions = self.sessions();
-        let mut c = Counts { sessions: sessions.len() as u32, ..Default::default() };
+        let mut c = Counts {
+            sessions: sessions.len() as u32,
+            ..Default::default()
+        };
         for s in &sessions {
             let t = s.tables();
             c.registrations += t.mems.len() as u32;
@@ -362,14 +470,24 @@ impl Daemon {
             c.check_timeout(now);
         }
         for s in self.sessions() {
-            if !s.attached.load(Ordering::Acquire) && now.duration_since(s.created) > self.cfg.attach_timeout {
-                self.close_session(s.id, status::PEER_LOST, "client never attached to the fd socket");
+            if !s.attached.load(Ordering::Acquire)
+                && now.duration_since(s.created) > self.cfg.attach_timeout
+            {
+                self.close_session(
+                    s.id,
+                    status::PEER_LOST,
+                    "client never attached to the fd socket",
+                );
                 continue;
             }
             if check_liveness && s.pid > 0 {
                 if let Some(pid) = rustix::process::Pid::from_raw(s.pid) {
                     if rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH) {
-                        self.close_session(s.id, status::PEER_LOST, &format!("process {} exited", s.pid));
+                        self.close_session(
+                            s.id,
+                            status::PEER_LOST,
+                            &format!("process {} exited", s.pid),
+                        );
                     }
                 }
             }
@@ -379,7 +497,9 @@ impl Daemon {
     /// SIGTERM: refuse new work, fail everything pending with a clear error.
     pub fn shutdown(&self, reason: &str) {
         self.shutting_down.store(true, Ordering::Release);
-        let msg = format!("daemon is shutting down ({reason}); restart it and re-create the communicator");
+        let msg = format!(
+            "daemon is shutting down ({reason}); restart it and re-create the communicator"
+        );
         let comms: Vec<Arc<Comm>> = lock(&self.comms).values().cloned().collect();
         for c in comms {
             c.abort_rank(None, status::SHUTDOWN, format!("{}: {msg}", c.label()));
@@ -390,7 +510,9 @@ impl Daemon {
             }
         }
         for s in self.sessions() {
-            s.ring.session_error().store(status::SHUTDOWN, Ordering::Release);
+            s.ring
+                .session_error()
+                .store(status::SHUTDOWN, Ordering::Release);
         }
     }
 }

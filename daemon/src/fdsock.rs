@@ -19,7 +19,12 @@ use crate::daemon::Daemon;
 
 pub fn bind(path: &Path) -> std::io::Result<OwnedFd> {
     let _ = std::fs::remove_file(path);
-    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
     rustix::net::bind(&fd, &SocketAddrUnix::new(path)?)?;
     rustix::net::listen(&fd, 128)?;
     Ok(fd)
@@ -31,7 +36,9 @@ pub fn serve(daemon: Arc<Daemon>, listener: OwnedFd) {
         match rustix::net::accept_with(&listener, SocketFlags::CLOEXEC) {
             Ok(conn) => {
                 let d = daemon.clone();
-                let r = std::thread::Builder::new().name("commd-fd-conn".into()).spawn(move || handle(d, conn));
+                let r = std::thread::Builder::new()
+                    .name("commd-fd-conn".into())
+                    .spawn(move || handle(d, conn));
                 if let Err(e) = r {
                     tracing::error!(target: "commd::session", "cannot start fd-socket thread: {e}");
                 }
@@ -56,14 +63,21 @@ fn handle(daemon: Arc<Daemon>, conn: OwnedFd) {
         Err(e) => return reply_err(&conn, format!("cannot read peer credentials: {e}")),
     };
     // The first message must arrive promptly.
-    let _ = rustix::net::sockopt::set_socket_timeout(&conn, rustix::net::sockopt::Timeout::Recv, Some(daemon.cfg.attach_timeout));
+    let _ = rustix::net::sockopt::set_socket_timeout(
+        &conn,
+        rustix::net::sockopt::Timeout::Recv,
+        Some(daemon.cfg.attach_timeout),
+    );
     let first = match fdproto::recv(conn.as_fd()) {
         Ok(Some((m, _))) => m,
         Ok(None) => return,
         Err(e) => return reply_err(&conn, format!("expected ATTACH: {e}")),
     };
     if first.kind != kind::ATTACH {
-        return reply_err(&conn, format!("expected ATTACH, got message kind {}", first.kind));
+        return reply_err(
+            &conn,
+            format!("expected ATTACH, got message kind {}", first.kind),
+        );
     }
     let Some(s) = daemon.session(first.session_id) else {
         return reply_err(&conn, format!("no session {}", first.session_id));
@@ -71,34 +85,59 @@ fn handle(daemon: Arc<Daemon>, conn: OwnedFd) {
     let uid = cred.uid.as_raw();
     let pid = cred.pid.as_raw_nonzero().get();
     if s.uid != uid || s.pid != pid || !constant_time_eq(&s.secret, &first.secret) {
-        return reply_err(&conn, format!("session {} cannot be attached by uid {uid} pid {pid}", s.id));
+        return reply_err(
+            &conn,
+            format!("session {} cannot be attached by uid {uid} pid {pid}", s.id),
+        );
     }
     if s.attached.swap(true, Ordering::AcqRel) {
         return reply_err(&conn, format!("session {} is already attached", s.id));
     }
-    let ok = FdMsg { kind: kind::ATTACH_OK, session_id: s.id, arg: s.ring.layout().total_bytes, ..Default::default() };
+    let ok = FdMsg {
+        kind: kind::ATTACH_OK,
+        session_id: s.id,
+        arg: s.ring.layout().total_bytes,
+        ..Default::default()
+    };
     if let Err(e) = fdproto::send(conn.as_fd(), &ok, Some(s.ring_file.as_fd())) {
-        daemon.close_session(s.id, status::PEER_LOST, &format!("sending ring memory failed: {e}"));
+        daemon.close_session(
+            s.id,
+            status::PEER_LOST,
+            &format!("sending ring memory failed: {e}"),
+        );
         return;
     }
-    let _ = rustix::net::sockopt::set_socket_timeout(&conn, rustix::net::sockopt::Timeout::Recv, None);
+    let _ =
+        rustix::net::sockopt::set_socket_timeout(&conn, rustix::net::sockopt::Timeout::Recv, None);
     // The session's ring poller.
     let sp = s.clone();
     let dp = daemon.clone();
     let spin = daemon.cfg.poll_spin;
-    let started = std::thread::Builder::new().name(format!("commd-ring-{}", s.id)).spawn(move || {
-        if let Some(violation) = sp.poll_loop(spin) {
-            dp.close_session(sp.id, status::INVALID, &format!("ring protocol violation: {violation}"));
-        }
-    });
+    let started = std::thread::Builder::new()
+        .name(format!("commd-ring-{}", s.id))
+        .spawn(move || {
+            if let Some(violation) = sp.poll_loop(spin) {
+                dp.close_session(
+                    sp.id,
+                    status::INVALID,
+                    &format!("ring protocol violation: {violation}"),
+                );
+            }
+        });
     if let Err(e) = started {
-        daemon.close_session(s.id, status::INTERNAL, &format!("cannot start ring poller: {e}"));
+        daemon.close_session(
+            s.id,
+            status::INTERNAL,
+            &format!("cannot start ring poller: {e}"),
+        );
         return;
     }
     tracing::debug!(target: "commd::session", session = s.id, "attached");
     let reason = loop {
         match fdproto::recv(conn.as_fd()) {
-            Ok(None) => break "client closed its session connection (exited or was killed)".to_string(),
+            Ok(None) => {
+                break "client closed its session connection (exited or was killed)".to_string();
+            }
             Err(e) => break format!("fd socket error: {e}"),
             Ok(Some((m, fd))) => {
                 if s.is_closed() {
@@ -107,14 +146,21 @@ fn handle(daemon: Arc<Daemon>, conn: OwnedFd) {
                 match (m.kind, fd) {
                     (kind::STAGE, Some(fd)) => match daemon.stage_fd(&s, m.token, fd) {
                         Ok(()) => {
-                            let ok = FdMsg { kind: kind::STAGE_OK, session_id: s.id, token: m.token, ..Default::default() };
+                            let ok = FdMsg {
+                                kind: kind::STAGE_OK,
+                                session_id: s.id,
+                                token: m.token,
+                                ..Default::default()
+                            };
                             if fdproto::send(conn.as_fd(), &ok, None).is_err() {
                                 break "fd socket closed while replying".into();
                             }
                         }
                         Err(e) => reply_err(&conn, e.to_string()),
                     },
-                    (kind::STAGE, None) => reply_err(&conn, "STAGE without a file descriptor".into()),
+                    (kind::STAGE, None) => {
+                        reply_err(&conn, "STAGE without a file descriptor".into())
+                    }
                     (k, _) => reply_err(&conn, format!("unexpected message kind {k}")),
                 }
             }

@@ -8,7 +8,11 @@ use commd_daemon::config::{self, Config, Inputs};
 use commd_daemon::serve::exit;
 
 #[derive(Parser)]
-#[command(name = "commd", version, about = "Per-node communication daemon for GPU hosts")]
+#[command(
+    name = "commd",
+    version,
+    about = "Per-node communication daemon for GPU hosts"
+)]
 struct Cli {
     /// Config file (default: /etc/commd/commd.toml if present).
     #[arg(long, global = true, env = "COMMD_CONFIG")]
@@ -83,7 +87,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let code = match &cli.cmd {
         Cmd::BenchWorker { uid, rank, args } => {
-            let socket = cli.socket.clone().unwrap_or_else(commd_client::resolve_socket_path);
+            let socket = cli
+                .socket
+                .clone()
+                .unwrap_or_else(commd_client::resolve_socket_path);
             match commd_daemon::bench::worker(socket, uid, *rank, args) {
                 Ok(()) => exit::OK,
                 Err(e) => {
@@ -123,7 +130,9 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
         Cmd::Status { json } => status(&cfg, *json),
         Cmd::Bench { args } => {
             // Explicit --socket/COMMD_SOCKET: use that daemon; otherwise embed one on a private socket.
-            let explicit = cli.socket.is_some() || std::env::var_os("COMMD_SOCKET").is_some() || cli.set.iter().any(|s| s.starts_with("socket"));
+            let explicit = cli.socket.is_some()
+                || std::env::var_os("COMMD_SOCKET").is_some()
+                || cli.set.iter().any(|s| s.starts_with("socket"));
             let result = if explicit {
                 commd_daemon::bench::run(args, Some(cfg.socket.clone()), None)
             } else {
@@ -166,7 +175,11 @@ fn status(cfg: &Config, json: bool) -> i32 {
         }
     };
     // Our own session is counted by the daemon; leave it out so the numbers describe others.
-    let others: Vec<_> = s.session_list.iter().filter(|x| x.session_id != c.session_id()).collect();
+    let others: Vec<_> = s
+        .session_list
+        .iter()
+        .filter(|x| x.session_id != c.session_id())
+        .collect();
     if json {
         let sessions: Vec<_> = others
             .iter()
@@ -196,7 +209,15 @@ fn status(cfg: &Config, json: bool) -> i32 {
         for x in others {
             println!(
                 "  session {:>4} pid {:>7} uid {:>5} comms {:>2} regs {:>3} ({} B) ops {}/{} {}",
-                x.session_id, x.pid, x.uid, x.communicators, x.registrations, x.mapped_bytes, x.ops_completed, x.ops_failed, x.name
+                x.session_id,
+                x.pid,
+                x.uid,
+                x.communicators,
+                x.registrations,
+                x.mapped_bytes,
+                x.ops_completed,
+                x.ops_failed,
+                x.name
             );
         }
     }

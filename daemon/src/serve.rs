@@ -27,7 +27,9 @@ pub mod exit {
 
 #[derive(Debug, Error)]
 pub enum ServeError {
-    #[error("another commd (pid {pid}) already serves {socket}; stop it first or pass a different --socket")]
+    #[error(
+        "another commd (pid {pid}) already serves {socket}; stop it first or pass a different --socket"
+    )]
     SocketBusy { socket: PathBuf, pid: String },
     #[error("cannot set up socket {path}: {err}")]
     Setup { path: PathBuf, err: std::io::Error },
@@ -67,27 +69,46 @@ impl Drop for SocketLock {
 
 fn take_lock(cfg: &Config) -> Result<SocketLock, ServeError> {
     let socket = &cfg.socket;
-    let setup = |err| ServeError::Setup { path: socket.clone(), err };
+    let setup = |err| ServeError::Setup {
+        path: socket.clone(),
+        err,
+    };
     if let Some(dir) = socket.parent() {
         if !dir.exists() {
             std::fs::create_dir_all(dir).map_err(setup)?;
             // Root's /run/commd is reachable by every local user (calls are authorized by peer
             // credentials); a user daemon's directory is private to that user.
-            let mode = if rustix::process::geteuid().is_root() { 0o755 } else { 0o700 };
+            let mode = if rustix::process::geteuid().is_root() {
+                0o755
+            } else {
+                0o700
+            };
             std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(setup)?;
         }
     }
     let lp = lock_path(socket);
-    let mut f = OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&lp).map_err(setup)?;
+    let mut f = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lp)
+        .map_err(setup)?;
     if rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
         let mut pid = String::new();
         let _ = f.read_to_string(&mut pid);
-        return Err(ServeError::SocketBusy { socket: socket.clone(), pid: pid.trim().to_string() });
+        return Err(ServeError::SocketBusy {
+            socket: socket.clone(),
+            pid: pid.trim().to_string(),
+        });
     }
     f.set_len(0).map_err(setup)?;
     f.rewind().map_err(setup)?;
     write!(f, "{}", std::process::id()).map_err(setup)?;
-    Ok(SocketLock { _file: f, paths: vec![socket.clone(), cfg.fd_socket(), lp] })
+    Ok(SocketLock {
+        _file: f,
+        paths: vec![socket.clone(), cfg.fd_socket(), lp],
+    })
 }
 
 /// A running daemon: its state and the trigger that stops it.
@@ -108,7 +129,9 @@ impl Running {
             let _ = tx.send("stopped by its embedding process");
         }
         match self.thread.take() {
-            Some(t) => t.join().unwrap_or_else(|_| Err(ServeError::Runtime("control-plane thread panicked".into()))),
+            Some(t) => t.join().unwrap_or_else(|_| {
+                Err(ServeError::Runtime("control-plane thread panicked".into()))
+            }),
             None => Ok(()),
         }
     }
@@ -129,8 +152,16 @@ pub fn start(cfg: Config) -> Result<Running, ServeError> {
         .spawn(move || run(cfg, Some(stop_rx), Some(ready_tx)))
         .map_err(|e| ServeError::Runtime(e.to_string()))?;
     match ready_rx.recv() {
-        Ok(daemon) => Ok(Running { daemon, stop: Some(stop_tx), thread: Some(thread) }),
-        Err(_) => Err(thread.join().unwrap_or_else(|_| Err(ServeError::Runtime("panicked".into()))).err().unwrap_or_else(|| ServeError::Runtime("daemon exited during start".into()))),
+        Ok(daemon) => Ok(Running {
+            daemon,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+        }),
+        Err(_) => Err(thread
+            .join()
+            .unwrap_or_else(|_| Err(ServeError::Runtime("panicked".into())))
+            .err()
+            .unwrap_or_else(|| ServeError::Runtime("daemon exited during start".into()))),
     }
 }
 
@@ -146,10 +177,17 @@ pub fn run(
         move |err| ServeError::Setup { path, err }
     };
     let _ = std::fs::remove_file(&cfg.socket);
-    let std_listener = std::os::unix::net::UnixListener::bind(&cfg.socket).map_err(setup(&cfg.socket))?;
-    std_listener.set_nonblocking(true).map_err(setup(&cfg.socket))?;
+    let std_listener =
+        std::os::unix::net::UnixListener::bind(&cfg.socket).map_err(setup(&cfg.socket))?;
+    std_listener
+        .set_nonblocking(true)
+        .map_err(setup(&cfg.socket))?;
     let fd_listener = crate::fdsock::bind(&cfg.fd_socket()).map_err(setup(&cfg.fd_socket()))?;
-    let mode = if rustix::process::geteuid().is_root() { 0o666 } else { 0o600 };
+    let mode = if rustix::process::geteuid().is_root() {
+        0o666
+    } else {
+        0o600
+    };
     for p in [&cfg.socket, &cfg.fd_socket()] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(setup(p))?;
     }

@@ -63,12 +63,28 @@ impl std::fmt::Debug for Session {
 }
 
 impl Session {
-    pub fn new(id: u64, uid: u32, pid: i32, name: String, secret: [u8; 16], layout: RingLayout) -> std::io::Result<Self> {
-        let fd = rustix::fs::memfd_create(format!("commd-ring-{id}"), rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING)?;
+    pub fn new(
+        id: u64,
+        uid: u32,
+        pid: i32,
+        name: String,
+        secret: [u8; 16],
+        layout: RingLayout,
+    ) -> std::io::Result<Self> {
+        let fd = rustix::fs::memfd_create(
+            format!("commd-ring-{id}"),
+            rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+        )?;
         rustix::fs::ftruncate(&fd, layout.total_bytes)?;
-        rustix::fs::fcntl_add_seals(&fd, rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW | rustix::fs::SealFlags::SEAL)?;
+        rustix::fs::fcntl_add_seals(
+            &fd,
+            rustix::fs::SealFlags::SHRINK
+                | rustix::fs::SealFlags::GROW
+                | rustix::fs::SealFlags::SEAL,
+        )?;
         let ring_file = File::from(fd);
-        let ring = Ring::create(&ring_file, layout, id, std::process::id()).map_err(std::io::Error::other)?;
+        let ring = Ring::create(&ring_file, layout, id, std::process::id())
+            .map_err(std::io::Error::other)?;
         Ok(Self {
             id,
             uid,
@@ -102,7 +118,9 @@ impl Session {
         if self.closed.swap(true, Ordering::AcqRel) {
             return false;
         }
-        self.ring.session_error().store(st.max(1), Ordering::Release);
+        self.ring
+            .session_error()
+            .store(st.max(1), Ordering::Release);
         Ring::ring_bell(self.ring.sq_bell(), self.ring.sq_sleeping());
         commd_proto::futex::wake_all(self.ring.sq_bell());
         Ring::ring_bell(self.ring.cq_bell(), self.ring.cq_sleepers());
@@ -133,11 +151,19 @@ impl Session {
         let head = self.ring.cq_head().load(Ordering::Acquire);
         if tail.wrapping_sub(head) >= self.ring.layout().cq_entries {
             // The client promised never to have more ops in flight than CQ entries.
-            *self.violation.lock().unwrap_or_else(|e| e.into_inner()) =
-                Some(format!("completion queue overflow (head {head}, tail {}): client exceeded its in-flight limit", *tail));
+            *self.violation.lock().unwrap_or_else(|e| e.into_inner()) = Some(format!(
+                "completion queue overflow (head {head}, tail {}): client exceeded its in-flight limit",
+                *tail
+            ));
             return;
         }
-        let c = CompletionDesc { user_data, status: st, comm, seq, reserved: 0 };
+        let c = CompletionDesc {
+            user_data,
+            status: st,
+            comm,
+            seq,
+            reserved: 0,
+        };
         self.ring.write_cq(*tail, &c);
         *tail = tail.wrapping_add(1);
         self.ring.cq_tail().store(*tail, Ordering::Release);
@@ -154,14 +180,24 @@ impl Session {
     }
 
     fn take_violation(&self) -> Option<String> {
-        self.violation.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.violation
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
     }
 
     /// Resolves `(mem_id, off)` for `bytes` bytes of `esize`-sized elements.
     fn span(&self, what: &str, mem: u32, off: u64, bytes: u64, esize: u64) -> Result<Span, String> {
-        let region = self.tables().mems.get(&mem).cloned().ok_or_else(|| format!("{what} buffer names unknown memory handle {mem}"))?;
+        let region = self
+            .tables()
+            .mems
+            .get(&mem)
+            .cloned()
+            .ok_or_else(|| format!("{what} buffer names unknown memory handle {mem}"))?;
         if off % esize != 0 {
-            return Err(format!("{what} buffer offset {off} is not aligned to the element size {esize}"));
+            return Err(format!(
+                "{what} buffer offset {off} is not aligned to the element size {esize}"
+            ));
         }
         let len = region.len();
         Span::new(region, off, bytes)
@@ -169,15 +205,27 @@ impl Session {
     }
 
     /// Resolves both buffers of an op for a communicator of `nranks` where this rank is `rank`.
-    fn resolve(&self, op: &commd_proto::desc::Op, rank: u32, nranks: u32) -> Result<RankBufs, String> {
+    fn resolve(
+        &self,
+        op: &commd_proto::desc::Op,
+        rank: u32,
+        nranks: u32,
+    ) -> Result<RankBufs, String> {
         if (op.kind.has_root() || op.kind.is_p2p()) && op.peer >= nranks {
             let what = if op.kind.is_p2p() { "peer" } else { "root" };
-            return Err(format!("{what} rank {} is out of range for {nranks} ranks", op.peer));
+            return Err(format!(
+                "{what} rank {} is out of range for {nranks} ranks",
+                op.peer
+            ));
         }
         let es = op.dtype.size();
         let n = u64::from(nranks);
         let me_root = op.peer == rank;
-        let bytes = |elems: Option<u64>| elems.and_then(|e| e.checked_mul(es)).ok_or_else(|| format!("count {} overflows the buffer size", op.count));
+        let bytes = |elems: Option<u64>| {
+            elems
+                .and_then(|e| e.checked_mul(es))
+                .ok_or_else(|| format!("count {} overflows the buffer size", op.count))
+        };
         let mut bufs = RankBufs::default();
         if op.kind.uses_send(me_root) {
             let b = bytes(op.kind.send_elems(op.count, n))?;
@@ -195,13 +243,29 @@ impl Session {
         let op = match d.decode() {
             Ok(op) => op,
             Err(e) => {
-                self.complete(d.user_data, d.comm, 0, status::INVALID, Some(format!("invalid descriptor: {e}")));
+                self.complete(
+                    d.user_data,
+                    d.comm,
+                    0,
+                    status::INVALID,
+                    Some(format!("invalid descriptor: {e}")),
+                );
                 return;
             }
         };
         let entry = self.tables().comms.get(&op.comm).cloned();
         let Some((comm, rank)) = entry else {
-            self.complete(op.user_data, op.comm, 0, status::INVALID, Some(format!("{} names unknown communicator handle {}", op.kind.name(), op.comm)));
+            self.complete(
+                op.user_data,
+                op.comm,
+                0,
+                status::INVALID,
+                Some(format!(
+                    "{} names unknown communicator handle {}",
+                    op.kind.name(),
+                    op.comm
+                )),
+            );
             return;
         };
         let (bufs, invalid) = match self.resolve(&op, rank, comm.nranks) {
@@ -210,10 +274,28 @@ impl Session {
         };
         if let (Some(why), true) = (&invalid, op.kind.is_p2p() && op.peer >= comm.nranks) {
             // A p2p op with a bad peer can never be matched: fail it alone, now.
-            self.complete(op.user_data, op.comm, 0, status::INVALID, Some(format!("{}: {} on rank {rank}: {why}", comm.label(), op.kind.name())));
+            self.complete(
+                op.user_data,
+                op.comm,
+                0,
+                status::INVALID,
+                Some(format!(
+                    "{}: {} on rank {rank}: {why}",
+                    comm.label(),
+                    op.kind.name()
+                )),
+            );
             return;
         }
-        comm.post(Posted { op, rank, session: self.clone(), bufs, posted_at: Instant::now(), seq: 0, invalid });
+        comm.post(Posted {
+            op,
+            rank,
+            session: self.clone(),
+            bufs,
+            posted_at: Instant::now(),
+            seq: 0,
+            invalid,
+        });
     }
 
     /// The ring-poller loop; returns when the session is closed or the client breaks the protocol
@@ -232,7 +314,9 @@ impl Session {
             let tail = ring.sq_tail().load(Ordering::Acquire);
             let avail = tail.wrapping_sub(head);
             if avail > entries {
-                return Some(format!("submission queue tail {tail} is {avail} entries past head {head} (capacity {entries})"));
+                return Some(format!(
+                    "submission queue tail {tail} is {avail} entries past head {head} (capacity {entries})"
+                ));
             }
             if avail == 0 {
                 self.idle_wait(head, spin);

@@ -15,7 +15,9 @@ use thiserror::Error;
 pub enum ShmError {
     #[error("registered fd is not a regular file (memfd expected)")]
     NotRegular,
-    #[error("registered memfd is not sealed against shrinking (F_SEAL_SHRINK); the daemon refuses it because shrinking would crash the daemon on access")]
+    #[error(
+        "registered memfd is not sealed against shrinking (F_SEAL_SHRINK); the daemon refuses it because shrinking would crash the daemon on access"
+    )]
     NotSealed,
     #[error("registered memfd has {have} bytes, registration asks for {want}")]
     TooSmall { have: u64, want: u64 },
@@ -62,7 +64,10 @@ impl MemRegion {
         }
         let file = File::from(fd);
         // populate: fault the page tables in now rather than on the first collective.
-        let map = MmapOptions::new().len(bytes as usize).populate().map_raw(&file)?;
+        let map = MmapOptions::new()
+            .len(bytes as usize)
+            .populate()
+            .map_raw(&file)?;
         Ok(Self { map, len: bytes })
     }
 
@@ -72,7 +77,10 @@ impl MemRegion {
             return Err(ShmError::Empty);
         }
         let map = MmapOptions::new().len(bytes as usize).map_anon()?;
-        Ok(Self { map: MmapRaw::from(map), len: bytes })
+        Ok(Self {
+            map: MmapRaw::from(map),
+            len: bytes,
+        })
     }
 
     pub fn len(&self) -> u64 {
@@ -94,7 +102,8 @@ mod tests {
     use rustix::fs::MemfdFlags;
 
     fn memfd(len: u64, seal: bool) -> OwnedFd {
-        let fd = rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+        let fd =
+            rustix::fs::memfd_create("t", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
         rustix::fs::ftruncate(&fd, len).unwrap();
         if seal {
             rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW).unwrap();
@@ -105,9 +114,18 @@ mod tests {
     #[test]
     fn accepts_sealed_memfd_only() {
         assert!(MemRegion::from_fd(memfd(8192, true), 8192).is_ok());
-        assert!(matches!(MemRegion::from_fd(memfd(8192, false), 8192), Err(ShmError::NotSealed)));
-        assert!(matches!(MemRegion::from_fd(memfd(4096, true), 8192), Err(ShmError::TooSmall { .. })));
-        assert!(matches!(MemRegion::from_fd(memfd(4096, true), 0), Err(ShmError::Empty)));
+        assert!(matches!(
+            MemRegion::from_fd(memfd(8192, false), 8192),
+            Err(ShmError::NotSealed)
+        ));
+        assert!(matches!(
+            MemRegion::from_fd(memfd(4096, true), 8192),
+            Err(ShmError::TooSmall { .. })
+        ));
+        assert!(matches!(
+            MemRegion::from_fd(memfd(4096, true), 0),
+            Err(ShmError::Empty)
+        ));
         let (a, _b) = rustix::net::socketpair(
             rustix::net::AddressFamily::UNIX,
             rustix::net::SocketType::STREAM,
@@ -115,6 +133,9 @@ mod tests {
             None,
         )
         .unwrap();
-        assert!(matches!(MemRegion::from_fd(a, 10), Err(ShmError::NotRegular)));
+        assert!(matches!(
+            MemRegion::from_fd(a, 10),
+            Err(ShmError::NotRegular)
+        ));
     }
 }

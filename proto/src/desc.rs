@@ -437,7 +437,11 @@ impl SubmitDesc {
             redop,
             comm: self.comm,
             peer: self.peer,
-            count: if kind == OpKind::Barrier { 0 } else { self.count },
+            count: if kind == OpKind::Barrier {
+                0
+            } else {
+                self.count
+            },
             send_mem: self.send_mem,
             recv_mem: self.recv_mem,
             send_off: self.send_off,
@@ -528,9 +532,22 @@ mod tests {
 
     #[test]
     fn rejects_redop_on_non_reducing_op() {
-        let d = SubmitDesc { opcode: opcode::BROADCAST, dtype: dtype::F32, redop: redop::SUM, ..Default::default() };
-        assert_eq!(d.decode(), Err(DescError::UnexpectedRedop(redop::SUM, "broadcast")));
-        let d = SubmitDesc { opcode: opcode::ALL_REDUCE, dtype: dtype::F32, redop: 0, ..Default::default() };
+        let d = SubmitDesc {
+            opcode: opcode::BROADCAST,
+            dtype: dtype::F32,
+            redop: redop::SUM,
+            ..Default::default()
+        };
+        assert_eq!(
+            d.decode(),
+            Err(DescError::UnexpectedRedop(redop::SUM, "broadcast"))
+        );
+        let d = SubmitDesc {
+            opcode: opcode::ALL_REDUCE,
+            dtype: dtype::F32,
+            redop: 0,
+            ..Default::default()
+        };
         assert!(matches!(d.decode(), Err(DescError::Redop(0, "all_reduce"))));
     }
 

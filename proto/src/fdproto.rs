@@ -13,8 +13,8 @@ use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 
 use rustix::net::{
-    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage,
-    SendFlags,
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
 };
 
 pub const MSG_BYTES: usize = 256;
@@ -41,7 +41,11 @@ pub struct FdMsg {
 
 impl FdMsg {
     pub fn error(text: impl Into<String>) -> Self {
-        Self { kind: kind::ERROR, text: text.into(), ..Default::default() }
+        Self {
+            kind: kind::ERROR,
+            text: text.into(),
+            ..Default::default()
+        }
     }
 
     pub fn encode(&self) -> [u8; MSG_BYTES] {
@@ -103,7 +107,10 @@ pub fn send(sock: BorrowedFd<'_>, msg: &FdMsg, pass: Option<BorrowedFd<'_>>) -> 
     }
     let n = rustix::net::sendmsg(sock, &[IoSlice::new(&bytes)], &mut anc, SendFlags::NOSIGNAL)?;
     if n != MSG_BYTES {
-        return Err(io::Error::new(io::ErrorKind::WriteZero, "short fd-socket message"));
+        return Err(io::Error::new(
+            io::ErrorKind::WriteZero,
+            "short fd-socket message",
+        ));
     }
     Ok(())
 }
@@ -141,14 +148,22 @@ pub fn recv(sock: BorrowedFd<'_>) -> io::Result<Option<(FdMsg, Option<OwnedFd>)>
     }
     match FdMsg::decode(&buf[..r.bytes]) {
         Some(m) => Ok(Some((m, fd))),
-        None => Err(io::Error::new(io::ErrorKind::InvalidData, "malformed fd-socket message")),
+        None => Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "malformed fd-socket message",
+        )),
     }
 }
 
 /// Connects a SOCK_SEQPACKET client socket to `path`.
 pub fn connect(path: &std::path::Path) -> io::Result<OwnedFd> {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::SEQPACKET,
+        SocketFlags::CLOEXEC,
+        None,
+    )?;
     let addr = SocketAddrUnix::new(path)?;
     rustix::net::connect(&fd, &addr)?;
     Ok(fd)
@@ -166,7 +181,14 @@ mod tests {
 
     #[test]
     fn encode_decode_round_trip() {
-        let m = FdMsg { kind: kind::STAGE, session_id: 9, secret: [3; 16], token: 77, arg: 5, text: "hi".into() };
+        let m = FdMsg {
+            kind: kind::STAGE,
+            session_id: 9,
+            secret: [3; 16],
+            token: 77,
+            arg: 5,
+            text: "hi".into(),
+        };
         assert_eq!(FdMsg::decode(&m.encode()), Some(m));
         assert_eq!(FdMsg::decode(&[0u8; MSG_BYTES]), None);
         assert_eq!(FdMsg::decode(&[0u8; 10]), None);
@@ -176,10 +198,20 @@ mod tests {
 
     #[test]
     fn passes_an_fd_and_reports_eof() {
-        let (a, b) = rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
+        let (a, b) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
         let memfd = rustix::fs::memfd_create("t", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&memfd, 4096).unwrap();
-        let m = FdMsg { kind: kind::STAGE, token: 1, ..Default::default() };
+        let m = FdMsg {
+            kind: kind::STAGE,
+            token: 1,
+            ..Default::default()
+        };
         send(a.as_fd(), &m, Some(memfd.as_fd())).unwrap();
         let (got, fd) = recv(b.as_fd()).unwrap().unwrap();
         assert_eq!(got, m);
@@ -190,8 +222,17 @@ mod tests {
 
     #[test]
     fn rejects_garbage() {
-        let (a, b) = rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None).unwrap();
+        let (a, b) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC,
+            None,
+        )
+        .unwrap();
         rustix::net::send(&a, b"garbage", SendFlags::empty()).unwrap();
-        assert_eq!(recv(b.as_fd()).unwrap_err().kind(), io::ErrorKind::InvalidData);
+        assert_eq!(
+            recv(b.as_fd()).unwrap_err().kind(),
+            io::ErrorKind::InvalidData
+        );
     }
 }

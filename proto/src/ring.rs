@@ -109,7 +109,12 @@ impl RingLayout {
         let cq_off = (SQ_OFF + sq_bytes).div_ceil(PAGE) * PAGE;
         let cq_bytes = u64::from(cq_entries) * std::mem::size_of::<CompletionDesc>() as u64;
         let total_bytes = (cq_off + cq_bytes).div_ceil(PAGE) * PAGE;
-        Ok(Self { sq_entries, cq_entries, cq_off, total_bytes })
+        Ok(Self {
+            sq_entries,
+            cq_entries,
+            cq_off,
+            total_bytes,
+        })
     }
 
     pub fn header(&self, session_id: u64, daemon_pid: u32) -> RingHeader {
@@ -139,18 +144,30 @@ pub struct Ring {
 
 impl std::fmt::Debug for Ring {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ring").field("layout", &self.layout).finish()
+        f.debug_struct("Ring")
+            .field("layout", &self.layout)
+            .finish()
     }
 }
 
 impl Ring {
     /// Daemon side: maps `file` (already sized to `layout.total_bytes`) and writes the header.
-    pub fn create(file: &File, layout: RingLayout, session_id: u64, daemon_pid: u32) -> Result<Self, RingError> {
+    pub fn create(
+        file: &File,
+        layout: RingLayout,
+        session_id: u64,
+        daemon_pid: u32,
+    ) -> Result<Self, RingError> {
         let have = file.metadata()?.len();
         if have < layout.total_bytes {
-            return Err(RingError::TooSmall { have, need: layout.total_bytes });
+            return Err(RingError::TooSmall {
+                have,
+                need: layout.total_bytes,
+            });
         }
-        let map = MmapOptions::new().len(layout.total_bytes as usize).map_raw(file)?;
+        let map = MmapOptions::new()
+            .len(layout.total_bytes as usize)
+            .map_raw(file)?;
         let ring = Self { map, layout };
         let hdr = layout.header(session_id, daemon_pid);
         // SAFETY: the mapping is at least one page long (checked above), page-aligned, and
@@ -179,7 +196,10 @@ impl Ring {
             return Err(RingError::Layout);
         }
         if have < layout.total_bytes {
-            return Err(RingError::TooSmall { have, need: layout.total_bytes });
+            return Err(RingError::TooSmall {
+                have,
+                need: layout.total_bytes,
+            });
         }
         Ok(Self { map, layout })
     }
@@ -194,17 +214,29 @@ impl Ring {
     }
 
     fn word32(&self, off: u64) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off < PAGE);
+        debug_assert!(off.is_multiple_of(4) && off < PAGE);
         // SAFETY: CTRL_OFF + off lies in the control page inside the mapping, is 4-byte aligned,
         // and the mapping lives as long as `self`. AtomicU32 has the layout of u32 and is the
         // intended way to share a word with another process.
-        unsafe { &*self.map.as_ptr().add((CTRL_OFF + off) as usize).cast::<AtomicU32>() }
+        unsafe {
+            &*self
+                .map
+                .as_ptr()
+                .add((CTRL_OFF + off) as usize)
+                .cast::<AtomicU32>()
+        }
     }
 
     fn word64(&self, off: u64) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off < PAGE);
+        debug_assert!(off.is_multiple_of(8) && off < PAGE);
         // SAFETY: as for `word32`, with 8-byte alignment.
-        unsafe { &*self.map.as_ptr().add((CTRL_OFF + off) as usize).cast::<AtomicU64>() }
+        unsafe {
+            &*self
+                .map
+                .as_ptr()
+                .add((CTRL_OFF + off) as usize)
+                .cast::<AtomicU64>()
+        }
     }
 
     pub fn sq_tail(&self) -> &AtomicU32 {
@@ -253,21 +285,36 @@ impl Ring {
         let slot = u64::from(idx & (self.layout.sq_entries - 1));
         let off = SQ_OFF + slot * std::mem::size_of::<SubmitDesc>() as u64;
         // SAFETY: as in `read_sq`.
-        unsafe { std::ptr::write_volatile(self.map.as_mut_ptr().add(off as usize).cast::<SubmitDesc>(), *d) }
+        unsafe {
+            std::ptr::write_volatile(
+                self.map.as_mut_ptr().add(off as usize).cast::<SubmitDesc>(),
+                *d,
+            )
+        }
     }
 
     pub fn read_cq(&self, idx: u32) -> CompletionDesc {
         let slot = u64::from(idx & (self.layout.cq_entries - 1));
         let off = self.layout.cq_off + slot * std::mem::size_of::<CompletionDesc>() as u64;
         // SAFETY: slot < cq_entries, the CQ array lies inside the mapping, offset 32-aligned.
-        unsafe { std::ptr::read_volatile(self.map.as_ptr().add(off as usize).cast::<CompletionDesc>()) }
+        unsafe {
+            std::ptr::read_volatile(self.map.as_ptr().add(off as usize).cast::<CompletionDesc>())
+        }
     }
 
     pub fn write_cq(&self, idx: u32, c: &CompletionDesc) {
         let slot = u64::from(idx & (self.layout.cq_entries - 1));
         let off = self.layout.cq_off + slot * std::mem::size_of::<CompletionDesc>() as u64;
         // SAFETY: as in `read_cq`.
-        unsafe { std::ptr::write_volatile(self.map.as_mut_ptr().add(off as usize).cast::<CompletionDesc>(), *c) }
+        unsafe {
+            std::ptr::write_volatile(
+                self.map
+                    .as_mut_ptr()
+                    .add(off as usize)
+                    .cast::<CompletionDesc>(),
+                *c,
+            )
+        }
     }
 
     /// Rings a doorbell: bump the futex word and wake only if the other side sleeps.
@@ -314,10 +361,18 @@ mod tests {
         assert_eq!(c.header().session_id, 42);
         assert_eq!(c.layout(), l);
         for i in 0..20u32 {
-            let desc = SubmitDesc { user_data: u64::from(i), count: 3, ..Default::default() };
+            let desc = SubmitDesc {
+                user_data: u64::from(i),
+                count: 3,
+                ..Default::default()
+            };
             c.write_sq(i, &desc);
             assert_eq!(d.read_sq(i), desc);
-            let comp = CompletionDesc { user_data: u64::from(i), status: 1, ..Default::default() };
+            let comp = CompletionDesc {
+                user_data: u64::from(i),
+                status: 1,
+                ..Default::default()
+            };
             d.write_cq(i, &comp);
             assert_eq!(c.read_cq(i), comp);
         }
@@ -342,6 +397,9 @@ mod tests {
         unsafe { std::ptr::write_volatile(d.map.as_mut_ptr().cast::<RingHeader>(), h) };
         assert!(matches!(Ring::attach(&f), Err(RingError::Entries(..))));
         let small = memfd(100);
-        assert!(matches!(Ring::attach(&small), Err(RingError::TooSmall { .. })));
+        assert!(matches!(
+            Ring::attach(&small),
+            Err(RingError::TooSmall { .. })
+        ));
     }
 }

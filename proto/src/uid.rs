@@ -19,7 +19,11 @@ pub struct UniqueId {
 impl std::fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Print a short prefix only: the token is the communicator's credential.
-        write!(f, "UniqueId({:02x}{:02x}{:02x}{:02x}..)", self.token[0], self.token[1], self.token[2], self.token[3])
+        write!(
+            f,
+            "UniqueId({:02x}{:02x}{:02x}{:02x}..)",
+            self.token[0], self.token[1], self.token[2], self.token[3]
+        )
     }
 }
 

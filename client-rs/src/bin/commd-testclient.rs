@@ -113,7 +113,9 @@ fn unhex(s: &str) -> Result<Vec<u8>, String> {
     if s.len() % 2 != 0 {
         return Err("odd hex length".into());
     }
-    (0..s.len() / 2).map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string())).collect()
+    (0..s.len() / 2)
+        .map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).map_err(|e| e.to_string()))
+        .collect()
 }
 
 fn main() {
@@ -129,7 +131,11 @@ fn main() {
                 1
             }
         },
-        Cmd::Run { socket, join, steps } => match run(socket, join, &steps) {
+        Cmd::Run {
+            socket,
+            join,
+            steps,
+        } => match run(socket, join, &steps) {
             Ok(all_ok) => i32::from(!all_ok),
             Err(e) => {
                 println!("{}", json!({"fatal": e}));
@@ -153,14 +159,32 @@ fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String>
         let uid = unhex(parts[0])?;
         let rank: u32 = parts[1].parse().map_err(|_| "bad rank")?;
         let nranks: u32 = parts[2].parse().map_err(|_| "bad nranks")?;
-        let op_timeout = parts.get(3).and_then(|t| t.parse().ok()).map(Duration::from_millis);
-        let join_timeout = parts.get(4).and_then(|t| t.parse().ok()).map(Duration::from_millis).unwrap_or(Duration::from_secs(30));
+        let op_timeout = parts
+            .get(3)
+            .and_then(|t| t.parse().ok())
+            .map(Duration::from_millis);
+        let join_timeout = parts
+            .get(4)
+            .and_then(|t| t.parse().ok())
+            .map(Duration::from_millis)
+            .unwrap_or(Duration::from_secs(30));
         let c = client
-            .communicator_with(&uid, rank, nranks, CommOptions { op_timeout, join_timeout: Some(join_timeout) })
+            .communicator_with(
+                &uid,
+                rank,
+                nranks,
+                CommOptions {
+                    op_timeout,
+                    join_timeout: Some(join_timeout),
+                },
+            )
             .map_err(|e| format!("join {}: {e}", parts[1]))?;
         comms.push(c);
     }
-    println!("{}", json!({"joined": comms.len(), "session": client.session_id()}));
+    println!(
+        "{}",
+        json!({"joined": comms.len(), "session": client.session_id()})
+    );
     let mut all_ok = true;
     for (i, step) in steps.iter().enumerate() {
         let t0 = Instant::now();
@@ -183,10 +207,16 @@ fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String>
             None => vec![step],
         };
         for (j, (res, wrong, msg)) in results.iter().enumerate() {
-            let want = steps_in.get(j).and_then(|s| s.expect.clone()).unwrap_or_else(|| "ok".into());
+            let want = steps_in
+                .get(j)
+                .and_then(|s| s.expect.clone())
+                .unwrap_or_else(|| "ok".into());
             let ok = *wrong == 0 && (res == &want || (want == "error" && res != "ok"));
             all_ok &= ok;
-            println!("{}", json!({"step": i, "sub": j, "op": steps_in.get(j).and_then(|s| s.op.clone()), "result": res, "expect": want, "wrong": wrong, "message": msg, "ms": ms, "pass": ok}));
+            println!(
+                "{}",
+                json!({"step": i, "sub": j, "op": steps_in.get(j).and_then(|s| s.op.clone()), "result": res, "expect": want, "wrong": wrong, "message": msg, "ms": ms, "pass": ok})
+            );
         }
         let _ = std::io::stdout().flush();
     }
@@ -196,19 +226,43 @@ fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String>
 fn outcome(r: commd_client::Result<()>) -> (String, String) {
     match r {
         Ok(()) => ("ok".into(), String::new()),
-        Err(e) => (e.op_kind().map(|k| k.name().to_string()).unwrap_or_else(|| "client_error".into()), e.to_string()),
+        Err(e) => (
+            e.op_kind()
+                .map(|k| k.name().to_string())
+                .unwrap_or_else(|| "client_error".into()),
+            e.to_string(),
+        ),
     }
 }
 
-fn prepare<'c>(client: &Client, comms: &'c [Communicator], s: &Step) -> Result<Prepared<'c>, String> {
-    let comm = comms.get(s.comm).ok_or_else(|| format!("no communicator {}", s.comm))?;
+fn prepare<'c>(
+    client: &Client,
+    comms: &'c [Communicator],
+    s: &Step,
+) -> Result<Prepared<'c>, String> {
+    let comm = comms
+        .get(s.comm)
+        .ok_or_else(|| format!("no communicator {}", s.comm))?;
     let op = s.op.clone().ok_or("step without op")?;
     let kind = OpKind::parse(&op).ok_or_else(|| format!("unknown op {op}"))?;
     let dtype = DType::parse(&s.dtype).ok_or_else(|| format!("unknown dtype {}", s.dtype))?;
-    let redop = if kind.reduces() { Some(RedOp::parse(s.redop.as_deref().unwrap_or("sum")).ok_or("unknown redop")?) } else { None };
+    let redop = if kind.reduces() {
+        Some(RedOp::parse(s.redop.as_deref().unwrap_or("sum")).ok_or("unknown redop")?)
+    } else {
+        None
+    };
     let (rank, n) = (comm.rank(), comm.nranks());
     let peer = if kind.is_p2p() { s.peer } else { s.root };
-    let spec = OpSpec { kind, dtype, redop, count: s.count, peer, nranks: n, rank, seed: s.seed };
+    let spec = OpSpec {
+        kind,
+        dtype,
+        redop,
+        count: s.count,
+        peer,
+        nranks: n,
+        rank,
+        seed: s.seed,
+    };
     let es = dtype.size();
     let bad = match s.bad.as_deref() {
         None => None,
@@ -218,12 +272,27 @@ fn prepare<'c>(client: &Client, comms: &'c [Communicator], s: &Step) -> Result<P
         Some(b) => return Err(format!("unknown bad kind {b}")),
     };
     // The sender of a send fills with its own rank's values; the receiver checks against the peer's.
-    let send_elems = if kind == OpKind::Send { s.count } else { spec.send_elems() };
+    let send_elems = if kind == OpKind::Send {
+        s.count
+    } else {
+        spec.send_elems()
+    };
     let recv_elems = spec.recv_elems();
     let alloc = |elems: u64| -> Result<Option<Buffer>, String> {
-        if elems == 0 { Ok(None) } else { client.alloc(elems * es).map(Some).map_err(|e| e.to_string()) }
+        if elems == 0 {
+            Ok(None)
+        } else {
+            client
+                .alloc(elems * es)
+                .map(Some)
+                .map_err(|e| e.to_string())
+        }
     };
-    let mut args = StepArgs { send_off: 0, recv_off: 0, bad };
+    let mut args = StepArgs {
+        send_off: 0,
+        recv_off: 0,
+        bad,
+    };
     let (mut send, recv, recv_off);
     if s.inplace && send_elems > 0 && recv_elems > 0 {
         // NCCL's in-place layouts.
@@ -235,7 +304,14 @@ fn prepare<'c>(client: &Client, comms: &'c [Communicator], s: &Step) -> Result<P
             _ => {}
         }
         let so = args.send_off as usize;
-        check::fill(dtype, redop, s.seed, rank, &mut b.as_mut_slice()[so..], send_elems);
+        check::fill(
+            dtype,
+            redop,
+            s.seed,
+            rank,
+            &mut b.as_mut_slice()[so..],
+            send_elems,
+        );
         recv_off = args.recv_off;
         send = None;
         recv = Some(b);
@@ -247,19 +323,49 @@ fn prepare<'c>(client: &Client, comms: &'c [Communicator], s: &Step) -> Result<P
         recv = alloc(recv_elems)?;
         recv_off = 0;
     }
-    Ok(Prepared { spec, send, recv, recv_off, comm, args })
+    Ok(Prepared {
+        spec,
+        send,
+        recv,
+        recv_off,
+        comm,
+        args,
+    })
 }
 
 fn post<'b>(p: &'b Prepared<'_>) -> commd_client::Result<Pending<'b>> {
     let s = &p.spec;
-    let send_buf = p.send.as_ref().or(p.recv.as_ref().filter(|_| p.send.is_none() && s.send_elems() > 0));
+    let send_buf = p.send.as_ref().or(p
+        .recv
+        .as_ref()
+        .filter(|_| p.send.is_none() && s.send_elems() > 0));
     let send = send_buf.map(|b| (b, p.args.send_off));
-    let recv = p.recv.as_ref().filter(|_| s.recv_elems() > 0).map(|b| (b, p.args.recv_off));
-    let send = if s.kind == OpKind::Send { p.send.as_ref().map(|b| (b, 0)) } else { send };
-    p.comm.post(OpArgs { kind: s.kind, dtype: s.dtype, redop: s.redop, count: s.count, peer: s.peer, send, recv })
+    let recv = p
+        .recv
+        .as_ref()
+        .filter(|_| s.recv_elems() > 0)
+        .map(|b| (b, p.args.recv_off));
+    let send = if s.kind == OpKind::Send {
+        p.send.as_ref().map(|b| (b, 0))
+    } else {
+        send
+    };
+    p.comm.post(OpArgs {
+        kind: s.kind,
+        dtype: s.dtype,
+        redop: s.redop,
+        count: s.count,
+        peer: s.peer,
+        send,
+        recv,
+    })
 }
 
-fn run_group(client: &Client, comms: &[Communicator], steps: &[Step]) -> Result<Vec<(String, u64, String)>, String> {
+fn run_group(
+    client: &Client,
+    comms: &[Communicator],
+    steps: &[Step],
+) -> Result<Vec<(String, u64, String)>, String> {
     // A step whose buffers cannot even be set up (e.g. the daemon is gone) reports a client error.
     let mut early: Vec<Option<(String, String)>> = Vec::new();
     let mut prepared: Vec<Prepared> = Vec::new();
@@ -273,7 +379,13 @@ fn run_group(client: &Client, comms: &[Communicator], steps: &[Step]) -> Result<
         }
     }
     if early.iter().any(Option::is_some) {
-        return Ok(early.into_iter().map(|e| e.map(|(r, m)| (r, 0, m)).unwrap_or(("skipped".into(), 0, String::new()))).collect());
+        return Ok(early
+            .into_iter()
+            .map(|e| {
+                e.map(|(r, m)| (r, 0, m))
+                    .unwrap_or(("skipped".into(), 0, String::new()))
+            })
+            .collect());
     }
     // Post everything, then wait in order.
     enum Posted<'b> {
@@ -287,7 +399,9 @@ fn run_group(client: &Client, comms: &[Communicator], steps: &[Step]) -> Result<
             let s = &p.spec;
             let send = p.send.as_ref().or(p.recv.as_ref());
             let recv = p.recv.as_ref().or(p.send.as_ref());
-            let (sb, so) = send.map(|b| (b.mem_id(), p.args.send_off)).unwrap_or((0, 0));
+            let (sb, so) = send
+                .map(|b| (b.mem_id(), p.args.send_off))
+                .unwrap_or((0, 0));
             let (rb, ro) = recv.map(|b| (b.mem_id(), p.recv_off)).unwrap_or((0, 0));
             let mut d = SubmitDesc {
                 opcode: s.kind.code(),
@@ -354,7 +468,11 @@ fn run_group(client: &Client, comms: &[Communicator], steps: &[Step]) -> Result<
 }
 
 fn steps_stride(steps: &[Step], p: &Prepared<'_>) -> u64 {
-    steps.iter().find(|s| s.count == p.spec.count).map(|s| s.check_stride.max(1)).unwrap_or(1)
+    steps
+        .iter()
+        .find(|s| s.count == p.spec.count)
+        .map(|s| s.check_stride.max(1))
+        .unwrap_or(1)
 }
 
 fn count_wrong_strided(spec: &OpSpec, recv: &[u8], stride: u64) -> u64 {
@@ -367,7 +485,9 @@ fn count_wrong_strided(spec: &OpSpec, recv: &[u8], stride: u64) -> u64 {
     let mut check = |j: u64| {
         let got = check::read_elem(spec.dtype, recv, j as usize);
         let want = spec.expected(j);
-        if got != want && !(spec.dtype.is_float() && (got - want).abs() <= 1e-2 * want.abs().max(1.0)) {
+        if got != want
+            && !(spec.dtype.is_float() && (got - want).abs() <= 1e-2 * want.abs().max(1.0))
+        {
             wrong += 1;
         }
     };
@@ -384,7 +504,11 @@ fn count_wrong_strided(spec: &OpSpec, recv: &[u8], stride: u64) -> u64 {
 /// Posts `n` random descriptors on a communicator-less path; each must come back invalid.
 fn fuzz(client: &Client, comms: &[Communicator], n: u32) -> Vec<(String, u64, String)> {
     let Some(comm) = comms.first() else {
-        return vec![("client_error".into(), 0, "fuzz needs a communicator to post through".into())];
+        return vec![(
+            "client_error".into(),
+            0,
+            "fuzz needs a communicator to post through".into(),
+        )];
     };
     let mut seed = 0x1234_5678_9abc_def0u64 ^ u64::from(std::process::id());
     let mut rnd = || {
@@ -426,7 +550,9 @@ fn fuzz(client: &Client, comms: &[Communicator], n: u32) -> Vec<(String, u64, St
         // SAFETY: the descriptor names no memory this process registered.
         let r = unsafe { comm.post_raw(d) }.and_then(|ud| client.wait(ud));
         match r {
-            Err(e) if e.op_kind() == Some(commd_client::OpErrorKind::Invalid) => last = e.to_string(),
+            Err(e) if e.op_kind() == Some(commd_client::OpErrorKind::Invalid) => {
+                last = e.to_string()
+            }
             Err(e) => {
                 bad += 1;
                 last = format!("unexpected error: {e}");
@@ -437,5 +563,13 @@ fn fuzz(client: &Client, comms: &[Communicator], n: u32) -> Vec<(String, u64, St
             }
         }
     }
-    vec![(if bad == 0 { "ok".into() } else { "fuzz_accepted".into() }, bad, last)]
+    vec![(
+        if bad == 0 {
+            "ok".into()
+        } else {
+            "fuzz_accepted".into()
+        },
+        bad,
+        last,
+    )]
 }

@@ -35,7 +35,11 @@ pub struct Span {
 impl Span {
     /// `None` if `[off, off + bytes)` is not inside the region.
     pub fn new(region: Arc<MemRegion>, off: u64, bytes: u64) -> Option<Self> {
-        commd_proto::desc::range_in_bounds(off, bytes, region.len()).then_some(Self { region, off, bytes })
+        commd_proto::desc::range_in_bounds(off, bytes, region.len()).then_some(Self {
+            region,
+            off,
+            bytes,
+        })
     }
 
     /// The sub-span `[at, at + bytes)` of this span.
@@ -58,7 +62,11 @@ impl Span {
     }
 
     fn key(&self) -> (usize, u64, u64) {
-        (Arc::as_ptr(&self.region) as usize, self.off, self.off + self.bytes)
+        (
+            Arc::as_ptr(&self.region) as usize,
+            self.off,
+            self.off + self.bytes,
+        )
     }
 }
 
@@ -67,14 +75,22 @@ pub enum Task {
     /// `dst = src` (same length).
     Copy { src: Span, dst: Span },
     /// Every output = reduction of the inputs, element-wise, `elems` elements.
-    Reduce { inputs: Vec<Span>, outputs: Vec<Span>, elems: u64 },
+    Reduce {
+        inputs: Vec<Span>,
+        outputs: Vec<Span>,
+        elems: u64,
+    },
 }
 
 impl Task {
     fn bytes(&self, esize: u64) -> u64 {
         match self {
             Task::Copy { src, .. } => src.bytes,
-            Task::Reduce { inputs, outputs, elems } => elems * esize * (inputs.len() + outputs.len()) as u64,
+            Task::Reduce {
+                inputs,
+                outputs,
+                elems,
+            } => elems * esize * (inputs.len() + outputs.len()) as u64,
         }
     }
 }
@@ -124,27 +140,42 @@ pub fn plan_collective(
         }),
         OpKind::ReduceScatter => {
             for r in 0..n {
-                let inputs = (0..n).map(|k| send(k)?.sub(r as u64 * blk, blk)).collect::<Option<_>>()?;
-                tasks.push(Task::Reduce { inputs, outputs: vec![recv(r)?], elems: count });
+                let inputs = (0..n)
+                    .map(|k| send(k)?.sub(r as u64 * blk, blk))
+                    .collect::<Option<_>>()?;
+                tasks.push(Task::Reduce {
+                    inputs,
+                    outputs: vec![recv(r)?],
+                    elems: count,
+                });
             }
         }
         OpKind::AllGather => {
             for r in 0..n {
                 for k in 0..n {
-                    tasks.push(Task::Copy { src: send(k)?, dst: recv(r)?.sub(k as u64 * blk, blk)? });
+                    tasks.push(Task::Copy {
+                        src: send(k)?,
+                        dst: recv(r)?.sub(k as u64 * blk, blk)?,
+                    });
                 }
             }
         }
         OpKind::Broadcast => {
             let src = send(root as usize)?;
             for r in 0..n {
-                tasks.push(Task::Copy { src: src.clone(), dst: recv(r)? });
+                tasks.push(Task::Copy {
+                    src: src.clone(),
+                    dst: recv(r)?,
+                });
             }
         }
         OpKind::AllToAll => {
             for r in 0..n {
                 for k in 0..n {
-                    tasks.push(Task::Copy { src: send(k)?.sub(r as u64 * blk, blk)?, dst: recv(r)?.sub(k as u64 * blk, blk)? });
+                    tasks.push(Task::Copy {
+                        src: send(k)?.sub(r as u64 * blk, blk)?,
+                        dst: recv(r)?.sub(k as u64 * blk, blk)?,
+                    });
                 }
             }
         }
@@ -153,14 +184,30 @@ pub fn plan_collective(
     }
     // Empty tasks and copies of a range onto itself (in-place layouts) do nothing; dropping them
     // also keeps them out of the overlap analysis, where they would force needless staging.
-    tasks.retain(|t| t.bytes(es) > 0 && !matches!(t, Task::Copy { src, dst } if src.key() == dst.key()));
-    Some(Plan { dtype, redop: redop.unwrap_or(RedOp::Sum), nranks: n as u32, tasks })
+    tasks.retain(|t| {
+        t.bytes(es) > 0 && !matches!(t, Task::Copy { src, dst } if src.key() == dst.key())
+    });
+    Some(Plan {
+        dtype,
+        redop: redop.unwrap_or(RedOp::Sum),
+        nranks: n as u32,
+        tasks,
+    })
 }
 
 /// Plan of a matched send/recv pair.
 pub fn plan_p2p(dtype: DType, src: Span, dst: Span) -> Plan {
-    let tasks = if src.bytes > 0 && src.key() != dst.key() { vec![Task::Copy { src, dst }] } else { vec![] };
-    Plan { dtype, redop: RedOp::Sum, nranks: 2, tasks }
+    let tasks = if src.bytes > 0 && src.key() != dst.key() {
+        vec![Task::Copy { src, dst }]
+    } else {
+        vec![]
+    };
+    Plan {
+        dtype,
+        redop: RedOp::Sum,
+        nranks: 2,
+        tasks,
+    }
 }
 
 /// True if some output overlaps some input in a way whose result would depend on task order:
@@ -174,7 +221,9 @@ fn needs_staging(plan: &Plan) -> bool {
                 ins.push((src.key(), t));
                 outs.push((dst.key(), t));
             }
-            Task::Reduce { inputs, outputs, .. } => {
+            Task::Reduce {
+                inputs, outputs, ..
+            } => {
                 ins.extend(inputs.iter().map(|s| (s.key(), t)));
                 outs.extend(outputs.iter().map(|s| (s.key(), t)));
             }
@@ -185,7 +234,11 @@ fn needs_staging(plan: &Plan) -> bool {
     let mut max_end = Vec::with_capacity(ins.len());
     let mut m = (0usize, 0u64);
     for ((reg, _, end), _) in &ins {
-        m = if m.0 == *reg { (m.0, m.1.max(*end)) } else { (*reg, *end) };
+        m = if m.0 == *reg {
+            (m.0, m.1.max(*end))
+        } else {
+            (*reg, *end)
+        };
         max_end.push(m);
     }
     for ((reg, s, e), t) in &outs {
@@ -214,7 +267,11 @@ fn stage_inputs(plan: &mut Plan) -> Result<(), ShmError> {
         let region = Arc::new(MemRegion::anonymous(s.bytes.max(1))?);
         // SAFETY: both ranges are in bounds of their regions; the staging region is fresh and private.
         unsafe { std::ptr::copy_nonoverlapping(s.ptr(), region.base(), s.bytes as usize) };
-        Ok(Span { region, off: 0, bytes: s.bytes })
+        Ok(Span {
+            region,
+            off: 0,
+            bytes: s.bytes,
+        })
     };
     for task in &mut plan.tasks {
         match task {
@@ -243,22 +300,46 @@ fn run_piece(plan: &Plan, p: Piece, stream: bool) {
         Task::Copy { src, dst } => {
             // SAFETY: [start, end) lies within both spans (pieces are cut from the span length),
             // and spans are in bounds of live mappings held by the plan. `copy` tolerates overlap.
-            unsafe { std::ptr::copy(src.ptr().add(p.start as usize), dst.ptr().add(p.start as usize), (p.end - p.start) as usize) }
+            unsafe {
+                std::ptr::copy(
+                    src.ptr().add(p.start as usize),
+                    dst.ptr().add(p.start as usize),
+                    (p.end - p.start) as usize,
+                )
+            }
         }
-        Task::Reduce { inputs, outputs, .. } => {
+        Task::Reduce {
+            inputs, outputs, ..
+        } => {
             let at = (p.start * es) as usize;
-            let ins: Vec<*const u8> = inputs.iter().map(|s| {
-                // SAFETY: start < elems and every span holds elems * es bytes.
-                unsafe { s.ptr().add(at) as *const u8 }
-            }).collect();
-            let outs: Vec<*mut u8> = outputs.iter().map(|s| {
-                // SAFETY: as above.
-                unsafe { s.ptr().add(at) }
-            }).collect();
+            let ins: Vec<*const u8> = inputs
+                .iter()
+                .map(|s| {
+                    // SAFETY: start < elems and every span holds elems * es bytes.
+                    unsafe { s.ptr().add(at) as *const u8 }
+                })
+                .collect();
+            let outs: Vec<*mut u8> = outputs
+                .iter()
+                .map(|s| {
+                    // SAFETY: as above.
+                    unsafe { s.ptr().add(at) }
+                })
+                .collect();
             // SAFETY: spans are element-aligned (offsets checked against the dtype size when the
             // spans were built, mappings are page-aligned), hold `elems` elements, and after
             // staging no output partially overlaps an input.
-            unsafe { reduce::reduce(plan.dtype, plan.redop, plan.nranks, &ins, &outs, (p.end - p.start) as usize, stream) }
+            unsafe {
+                reduce::reduce(
+                    plan.dtype,
+                    plan.redop,
+                    plan.nranks,
+                    &ins,
+                    &outs,
+                    (p.end - p.start) as usize,
+                    stream,
+                )
+            }
         }
     }
 }
@@ -274,7 +355,11 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
     }
     let es = plan.dtype.size();
     let total: u64 = plan.tasks.iter().map(|t| t.bytes(es)).sum();
-    let threads = if total < PARALLEL_MIN_BYTES { 1 } else { workers.max(1) };
+    let threads = if total < PARALLEL_MIN_BYTES {
+        1
+    } else {
+        workers.max(1)
+    };
     let out_bytes: u64 = plan
         .tasks
         .iter()
@@ -289,9 +374,15 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
     for (t, task) in plan.tasks.iter().enumerate() {
         let (len, unit_bytes) = match task {
             Task::Copy { src, .. } => (src.bytes, 1),
-            Task::Reduce { elems, inputs, outputs } => (*elems, es * (inputs.len() + outputs.len()) as u64),
+            Task::Reduce {
+                elems,
+                inputs,
+                outputs,
+            } => (*elems, es * (inputs.len() + outputs.len()) as u64),
         };
-        let share = (task.bytes(es) * target_pieces).div_ceil(total.max(1)).max(1);
+        let share = (task.bytes(es) * target_pieces)
+            .div_ceil(total.max(1))
+            .max(1);
         let min_len = (MIN_PIECE_BYTES / unit_bytes).max(1);
         let mut step = len.div_ceil(share).max(min_len);
         if matches!(task, Task::Copy { .. }) {
@@ -300,7 +391,11 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
         let mut s = 0;
         while s < len {
             let e = (s + step).min(len);
-            pieces.push(Piece { task: t, start: s, end: e });
+            pieces.push(Piece {
+                task: t,
+                start: s,
+                end: e,
+            });
             s = e;
         }
     }
@@ -321,7 +416,9 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
     };
     std::thread::scope(|s| {
         for i in 1..threads {
-            let _ = std::thread::Builder::new().name(format!("commd-exec{i}")).spawn_scoped(s, work);
+            let _ = std::thread::Builder::new()
+                .name(format!("commd-exec{i}"))
+                .spawn_scoped(s, work);
         }
         work();
     });
@@ -345,7 +442,9 @@ mod tests {
 
     fn read_f32(s: &Span) -> Vec<f32> {
         // SAFETY: the span is in bounds and aligned.
-        (0..(s.bytes / 4) as usize).map(|i| unsafe { s.ptr().cast::<f32>().add(i).read() }).collect()
+        (0..(s.bytes / 4) as usize)
+            .map(|i| unsafe { s.ptr().cast::<f32>().add(i).read() })
+            .collect()
     }
 
     #[test]
@@ -369,7 +468,10 @@ mod tests {
             .iter()
             .map(|r| {
                 let s = Span::new(r.clone(), 0, count * 4 * n as u64).unwrap();
-                RankBufs { send: Some(s.clone()), recv: Some(s) }
+                RankBufs {
+                    send: Some(s.clone()),
+                    recv: Some(s),
+                }
             })
             .collect();
         for (r, b) in bufs.iter().enumerate() {
@@ -380,8 +482,11 @@ mod tests {
         execute(plan, 2).unwrap();
         for (r, b) in bufs.iter().enumerate() {
             let got = read_f32(b.recv.as_ref().unwrap());
-            let want: Vec<f32> =
-                (0..n).flat_map(|k| (0..count as usize).map(move |j| (k * 100 + r * count as usize + j) as f32)).collect();
+            let want: Vec<f32> = (0..n)
+                .flat_map(|k| {
+                    (0..count as usize).map(move |j| (k * 100 + r * count as usize + j) as f32)
+                })
+                .collect();
             assert_eq!(got, want, "rank {r}");
         }
     }
@@ -395,13 +500,24 @@ mod tests {
             .iter()
             .map(|r| {
                 let s = Span::new(r.clone(), 0, count * 4).unwrap();
-                RankBufs { send: Some(s.clone()), recv: Some(s) }
+                RankBufs {
+                    send: Some(s.clone()),
+                    recv: Some(s),
+                }
             })
             .collect();
         for (r, b) in bufs.iter().enumerate() {
             fill_f32(b.send.as_ref().unwrap(), |i| (r + i % 7) as f32);
         }
-        let plan = plan_collective(OpKind::AllReduce, DType::F32, Some(RedOp::Sum), count, 0, &bufs).unwrap();
+        let plan = plan_collective(
+            OpKind::AllReduce,
+            DType::F32,
+            Some(RedOp::Sum),
+            count,
+            0,
+            &bufs,
+        )
+        .unwrap();
         assert!(!needs_staging(&plan));
         execute(plan, 3).unwrap();
         for b in &bufs {
@@ -423,12 +539,29 @@ mod tests {
             .enumerate()
             .map(|(r, g)| {
                 let s = Span::new(g.clone(), 0, count * 4 * n as u64).unwrap();
-                RankBufs { recv: s.sub(r as u64 * count * 4, count * 4), send: Some(s) }
+                RankBufs {
+                    recv: s.sub(r as u64 * count * 4, count * 4),
+                    send: Some(s),
+                }
             })
             .collect();
-        let plan = plan_collective(OpKind::ReduceScatter, DType::F32, Some(RedOp::Sum), count, 0, &rs).unwrap();
+        let plan = plan_collective(
+            OpKind::ReduceScatter,
+            DType::F32,
+            Some(RedOp::Sum),
+            count,
+            0,
+            &rs,
+        )
+        .unwrap();
         assert!(!needs_staging(&plan));
-        let ag: Vec<RankBufs> = rs.iter().map(|b| RankBufs { send: b.recv.clone(), recv: b.send.clone() }).collect();
+        let ag: Vec<RankBufs> = rs
+            .iter()
+            .map(|b| RankBufs {
+                send: b.recv.clone(),
+                recv: b.send.clone(),
+            })
+            .collect();
         let plan = plan_collective(OpKind::AllGather, DType::F32, None, count, 0, &ag).unwrap();
         assert!(!needs_staging(&plan));
         assert_eq!(plan.tasks.len(), n * (n - 1), "self-copies are dropped");

@@ -148,7 +148,14 @@ unsafe fn fold<T: Elem>(acc: &mut [T::A], p: *const T, f: impl Fn(T::A, T::A) ->
 /// # Safety
 /// Every input must be valid for `n` aligned reads of `T` and every output for `n` aligned writes;
 /// an output may be identical to an input but must not partially overlap any input.
-unsafe fn reduce_t<T: Elem>(op: RedOp, nranks: u32, inputs: &[*const u8], outputs: &[*mut u8], n: usize, stream: bool) {
+unsafe fn reduce_t<T: Elem>(
+    op: RedOp,
+    nranks: u32,
+    inputs: &[*const u8],
+    outputs: &[*mut u8],
+    n: usize,
+    stream: bool,
+) {
     let mut buf = [T::A::default(); CHUNK];
     let mut out_buf = [T::default(); CHUNK];
     let mut i = 0;
@@ -191,7 +198,9 @@ unsafe fn reduce_t<T: Elem>(op: RedOp, nranks: u32, inputs: &[*const u8], output
                 if inputs.contains(&out.cast_const()) {
                     // In place: the lines were just read and are in cache; a plain store is cheaper.
                     // SAFETY: as above.
-                    unsafe { std::ptr::copy_nonoverlapping(out_buf.as_ptr().cast::<u8>(), q, bytes) };
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(out_buf.as_ptr().cast::<u8>(), q, bytes)
+                    };
                 } else {
                     // SAFETY: as above.
                     unsafe { stream_copy(q, out_buf.as_ptr().cast::<u8>(), bytes) };
@@ -227,7 +236,12 @@ unsafe fn stream_copy(dst: *mut u8, src: *const u8, n: usize) {
         while i + 16 <= n {
             // SAFETY: i + 16 <= n; dst + i is 16-byte aligned (head aligned it); SSE2 is part of the
             // x86-64 baseline.
-            unsafe { _mm_stream_si128(dst.add(i).cast::<__m128i>(), _mm_loadu_si128(src.add(i).cast::<__m128i>())) };
+            unsafe {
+                _mm_stream_si128(
+                    dst.add(i).cast::<__m128i>(),
+                    _mm_loadu_si128(src.add(i).cast::<__m128i>()),
+                )
+            };
             i += 16;
         }
         // SAFETY: the tail lies within both ranges.
@@ -256,7 +270,15 @@ pub fn store_fence() {
 /// `n` element writes for the duration of the call; an output may be identical to an input but
 /// must not partially overlap one. `inputs` must not be empty. With `stream`, outputs are written
 /// with non-temporal stores (for outputs larger than the caches) and fenced before returning.
-pub unsafe fn reduce(dtype: DType, op: RedOp, nranks: u32, inputs: &[*const u8], outputs: &[*mut u8], n: usize, stream: bool) {
+pub unsafe fn reduce(
+    dtype: DType,
+    op: RedOp,
+    nranks: u32,
+    inputs: &[*const u8],
+    outputs: &[*mut u8],
+    n: usize,
+    stream: bool,
+) {
     debug_assert!(!inputs.is_empty());
     // SAFETY: forwarded caller guarantees; T matches dtype.
     unsafe {
@@ -367,9 +389,9 @@ mod tests {
     fn value(dtype: DType, r: usize, i: usize) -> f64 {
         let h = (r * 7919 + i * 104_729) % 23;
         match dtype {
-            DType::U8 => (h * 11) as f64,            // 0..=242, sums wrap
-            DType::I8 => h as f64 * 11.0 - 120.0,    // -120..=122, sums and products wrap
-            _ => h as f64 - 11.0,                    // -11..=11
+            DType::U8 => (h * 11) as f64,         // 0..=242, sums wrap
+            DType::I8 => h as f64 * 11.0 - 120.0, // -120..=122, sums and products wrap
+            _ => h as f64 - 11.0,                 // -11..=11
         }
     }
 
@@ -381,7 +403,12 @@ mod tests {
             for op in ALL_REDOPS {
                 for nranks in [1usize, 3, 4] {
                     let inputs: Vec<Vec<u8>> = (0..nranks)
-                        .map(|r| to_bytes(dtype, &(0..n).map(|i| value(dtype, r, i)).collect::<Vec<_>>()))
+                        .map(|r| {
+                            to_bytes(
+                                dtype,
+                                &(0..n).map(|i| value(dtype, r, i)).collect::<Vec<_>>(),
+                            )
+                        })
                         .collect();
                     // Out-of-place to two outputs, and in-place into input 0.
                     let mut out1 = vec![0u8; n * dtype.size() as usize];
@@ -390,9 +417,29 @@ mod tests {
                     let ins: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr()).collect();
                     // SAFETY: all buffers hold n elements; Vec<u8> of a multiple of the element size
                     // allocated by the global allocator is aligned enough on x86-64 (checked below).
-                    unsafe { reduce(dtype, op, nranks as u32, &ins, &[out1.as_mut_ptr()], n, false) };
+                    unsafe {
+                        reduce(
+                            dtype,
+                            op,
+                            nranks as u32,
+                            &ins,
+                            &[out1.as_mut_ptr()],
+                            n,
+                            false,
+                        )
+                    };
                     // SAFETY: as above; the streaming path must give the same bytes.
-                    unsafe { reduce(dtype, op, nranks as u32, &ins, &[out2.as_mut_ptr()], n, true) };
+                    unsafe {
+                        reduce(
+                            dtype,
+                            op,
+                            nranks as u32,
+                            &ins,
+                            &[out2.as_mut_ptr()],
+                            n,
+                            true,
+                        )
+                    };
                     let ip_ins: Vec<*const u8> = inplace.iter().map(|v| v.as_ptr()).collect();
                     let dst = inplace[0].as_mut_ptr();
                     // SAFETY: as above; the output is identical to input 0.
@@ -402,9 +449,15 @@ mod tests {
                     let got_ip = from_bytes(dtype, &inplace[0]);
                     assert_eq!(out1, out2);
                     for i in 0..n {
-                        let vals: Vec<f64> = (0..nranks).map(|r| from_bytes(dtype, &to_bytes(dtype, &[value(dtype, r, i)]))[0]).collect();
-                        let want = from_bytes(dtype, &to_bytes(dtype, &[reference(dtype, op, &vals)]))[0];
-                        assert_eq!(got[i], want, "{dtype:?} {op:?} n={nranks} i={i} vals={vals:?}");
+                        let vals: Vec<f64> = (0..nranks)
+                            .map(|r| from_bytes(dtype, &to_bytes(dtype, &[value(dtype, r, i)]))[0])
+                            .collect();
+                        let want =
+                            from_bytes(dtype, &to_bytes(dtype, &[reference(dtype, op, &vals)]))[0];
+                        assert_eq!(
+                            got[i], want,
+                            "{dtype:?} {op:?} n={nranks} i={i} vals={vals:?}"
+                        );
                         assert_eq!(got_ip[i], want, "in-place {dtype:?} {op:?} i={i}");
                     }
                 }
@@ -420,7 +473,17 @@ mod tests {
         let ptrs: Vec<*const u8> = ins.iter().map(|v| v.as_ptr()).collect();
         let mut out = vec![0u8; 2];
         // SAFETY: one element in each buffer.
-        unsafe { reduce(DType::F16, RedOp::Sum, 5, &ptrs, &[out.as_mut_ptr()], 1, false) };
+        unsafe {
+            reduce(
+                DType::F16,
+                RedOp::Sum,
+                5,
+                &ptrs,
+                &[out.as_mut_ptr()],
+                1,
+                false,
+            )
+        };
         assert_eq!(from_bytes(DType::F16, &out)[0], 2052.0);
     }
 }

@@ -1,0 +1,62 @@
+"""`commd config` precedence and validation, `commd status`, exit codes, through the real binary."""
+
+import json
+import os
+import subprocess
+
+from conftest import COMMD, run_ranks
+
+
+def commd(*args, env=None, config=None):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("COMMD_")}
+    e.update(env or {})
+    cmd = [COMMD, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=e, timeout=30)
+
+
+def line(out, key):
+    return next(l for l in out.splitlines() if l.startswith(key + " "))
+
+
+def test_config_precedence_flag_env_file_default(tmp_path):
+    f = tmp_path / "commd.toml"
+    f.write_text("op_timeout_ms = 1111\nworkers = 3\njoin_timeout_ms = 2222\n")
+    out = commd("--config", str(f), "--set", "op_timeout_ms=3333", "config",
+                env={"COMMD_OP_TIMEOUT_MS": "4444", "COMMD_WORKERS": "5"})
+    assert out.returncode == 0, out.stderr
+    assert "3333" in line(out.stdout, "op_timeout_ms") and "[flag;" in line(out.stdout, "op_timeout_ms")
+    assert "5 " in line(out.stdout, "workers") and "env COMMD_WORKERS" in line(out.stdout, "workers")
+    assert "2222" in line(out.stdout, "join_timeout_ms") and f"file {f}" in line(out.stdout, "join_timeout_ms")
+    assert "default" in line(out.stdout, "poll_spin_us")
+
+
+def test_config_rejects_bad_values_by_name(tmp_path):
+    out = commd("config", env={"COMMD_WORKERS": "lots"})
+    assert out.returncode == 2 and "workers" in out.stderr and "COMMD_WORKERS" in out.stderr, out.stderr
+    out = commd("--set", "no_such_key=1", "config")
+    assert out.returncode == 2 and "unknown config key 'no_such_key'" in out.stderr, out.stderr
+    f = tmp_path / "bad.toml"
+    f.write_text("ring_entries = 1000\n")
+    out = commd("--config", str(f), "serve")
+    assert out.returncode == 2 and "power of two" in out.stderr, out.stderr
+    out = commd("--config", str(tmp_path / "missing.toml"), "config")
+    assert out.returncode == 2 and "missing.toml" in out.stderr
+
+
+def test_status_counts_sessions_and_registrations(daemon):
+    st = daemon.status()
+    assert st["sessions"] == 0 and st["communicators"] == 0
+    run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 10}])
+    st = daemon.wait_status(lambda s: s["sessions"] == 0)
+    assert st["ops_completed"] >= 2 and st["ops_failed"] == 0, st
+    out = subprocess.run([COMMD, "status", "--socket", str(daemon.socket)], capture_output=True, text=True)
+    assert out.returncode == 0 and "0 sessions" in out.stdout, out.stdout
+
+
+def test_bench_rejects_bad_arguments():
+    out = commd("bench", "--op", "frobnicate")
+    assert out.returncode == 1 and "unknown op 'frobnicate'" in out.stderr, out.stderr
+    out = commd("bench", "--max-bytes", "12Q")
+    assert out.returncode == 2 and "invalid size" in out.stderr, out.stderr
+    out = commd("bench", "--ranks", "2", "--root", "5", "--op", "broadcast")
+    assert out.returncode == 1 and "--root 5 is out of range" in out.stderr, out.stderr
