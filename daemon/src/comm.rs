@@ -386,7 +386,7 @@ impl Comm {
             )
         };
         let mut diffs = Vec::new();
-        let fields: [(&str, &dyn Fn(&Op) -> String); 5] = [
+        let fields: [(&str, &FieldFn); 5] = [
             ("op", &|o: &Op| o.kind.name().to_string()),
             ("dtype", &|o: &Op| o.dtype.name().to_string()),
             ("count", &|o: &Op| o.count.to_string()),
@@ -593,6 +593,9 @@ impl Comm {
         self.lock().queues.iter().map(|q| q.len()).sum()
     }
 }
+
+/// Renders one field of an op for mismatch reports.
+type FieldFn = dyn Fn(&Op) -> String;
 
 fn next(m: &mut HashMap<(u32, u32), u64>, k: (u32, u32)) -> u64 {
     let e = m.entry(k).or_insert(0);

@@ -256,7 +256,7 @@ impl Daemon {
             )));
         }
         let mut joins = lock(&self.joins);
-        if !joins.contains_key(&uid.token) {
+        if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(uid.token) {
             if lock(&self.issued).remove(&uid.token).is_none() {
                 return Err(DaemonError::NotFound(format!(
                     "unique id {} was not issued by this daemon, or its communicator already formed (ids are single-use; multi-node rendezvous is not available in this build)",
@@ -264,14 +264,11 @@ impl Daemon {
                 )));
             }
             let op_timeout = op_timeout.unwrap_or(self.cfg.op_timeout);
-            joins.insert(
-                uid.token,
-                PendingJoin {
-                    nranks,
-                    op_timeout,
-                    members: (0..nranks).map(|_| None).collect(),
-                },
-            );
+            e.insert(PendingJoin {
+                nranks,
+                op_timeout,
+                members: (0..nranks).map(|_| None).collect(),
+            });
         }
         let Some(j) = joins.get_mut(&uid.token) else {
             return Err(DaemonError::Internal("pending join vanished".into()));
@@ -293,11 +290,11 @@ impl Daemon {
         }
         let (tx, rx) = oneshot::channel();
         j.members[rank as usize] = Some(Joiner { session, tx });
-        if j.members.iter().all(Option::is_some) {
-            if let Some(j) = joins.remove(&uid.token) {
-                drop(joins);
-                self.form(uid, j);
-            }
+        if j.members.iter().all(Option::is_some)
+            && let Some(j) = joins.remove(&uid.token)
+        {
+            drop(joins);
+            self.form(uid, j);
         }
         Ok(rx)
     }
@@ -480,16 +477,16 @@ impl Daemon {
                 );
                 continue;
             }
-            if check_liveness && s.pid > 0 {
-                if let Some(pid) = rustix::process::Pid::from_raw(s.pid) {
-                    if rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH) {
-                        self.close_session(
-                            s.id,
-                            status::PEER_LOST,
-                            &format!("process {} exited", s.pid),
-                        );
-                    }
-                }
+            if check_liveness
+                && s.pid > 0
+                && let Some(pid) = rustix::process::Pid::from_raw(s.pid)
+                && rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
+            {
+                self.close_session(
+                    s.id,
+                    status::PEER_LOST,
+                    &format!("process {} exited", s.pid),
+                );
             }
         }
     }

@@ -73,18 +73,18 @@ fn take_lock(cfg: &Config) -> Result<SocketLock, ServeError> {
         path: socket.clone(),
         err,
     };
-    if let Some(dir) = socket.parent() {
-        if !dir.exists() {
-            std::fs::create_dir_all(dir).map_err(setup)?;
-            // Root's /run/commd is reachable by every local user (calls are authorized by peer
-            // credentials); a user daemon's directory is private to that user.
-            let mode = if rustix::process::geteuid().is_root() {
-                0o755
-            } else {
-                0o700
-            };
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(setup)?;
-        }
+    if let Some(dir) = socket.parent()
+        && !dir.exists()
+    {
+        std::fs::create_dir_all(dir).map_err(setup)?;
+        // Root's /run/commd is reachable by every local user (calls are authorized by peer
+        // credentials); a user daemon's directory is private to that user.
+        let mode = if rustix::process::geteuid().is_root() {
+            0o755
+        } else {
+            0o700
+        };
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(setup)?;
     }
     let lp = lock_path(socket);
     let mut f = OpenOptions::new()

@@ -139,10 +139,10 @@ impl Session {
         }
         if let Some(m) = msg {
             let mut t = self.tables();
-            if t.error_order.len() >= MAX_ERRORS {
-                if let Some(old) = t.error_order.pop_front() {
-                    t.errors.remove(&old);
-                }
+            if t.error_order.len() >= MAX_ERRORS
+                && let Some(old) = t.error_order.pop_front()
+            {
+                t.errors.remove(&old);
             }
             t.errors.insert(user_data, (st, m));
             t.error_order.push_back(user_data);
@@ -194,7 +194,7 @@ impl Session {
             .get(&mem)
             .cloned()
             .ok_or_else(|| format!("{what} buffer names unknown memory handle {mem}"))?;
-        if off % esize != 0 {
+        if !off.is_multiple_of(esize) {
             return Err(format!(
                 "{what} buffer offset {off} is not aligned to the element size {esize}"
             ));

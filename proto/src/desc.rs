@@ -485,16 +485,13 @@ mod tests {
     proptest! {
         #[test]
         fn decode_never_panics_and_accepts_only_valid(d in arb_desc()) {
-            match d.decode() {
-                Ok(op) => {
-                    prop_assert!(OpKind::from_code(d.opcode).is_some());
-                    prop_assert!(DType::from_code(d.dtype).is_some());
-                    prop_assert!(d.count <= MAX_COUNT);
-                    prop_assert_eq!(d.reserved, 0);
-                    prop_assert_eq!(d.flags, 0);
-                    prop_assert_eq!(op.redop.is_some(), op.kind.reduces());
-                }
-                Err(_) => {}
+            if let Ok(op) = d.decode() {
+                prop_assert!(OpKind::from_code(d.opcode).is_some());
+                prop_assert!(DType::from_code(d.dtype).is_some());
+                prop_assert!(d.count <= MAX_COUNT);
+                prop_assert_eq!(d.reserved, 0);
+                prop_assert_eq!(d.flags, 0);
+                prop_assert_eq!(op.redop.is_some(), op.kind.reduces());
             }
         }
 

@@ -110,7 +110,7 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Result<Vec<u8>, String> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return Err("odd hex length".into());
     }
     (0..s.len() / 2)
@@ -538,14 +538,14 @@ fn fuzz(client: &Client, comms: &[Communicator], n: u32) -> Vec<(String, u64, St
         // Collectives would wait for other ranks: keep only shapes that must fail validation
         // locally (p2p with out-of-range peers never match; everything else names no memory).
         if OpKind::from_code(d.opcode).is_some_and(|k| !k.is_p2p()) {
-            d.send_mem = 1000 + d.send_mem;
-            d.recv_mem = 1000 + d.recv_mem;
+            d.send_mem += 1000;
+            d.recv_mem += 1000;
             d.count = d.count.max(1);
             if d.opcode == OpKind::Barrier.code() {
                 d.reserved = d.reserved.max(1);
             }
         } else if OpKind::from_code(d.opcode).is_some() {
-            d.peer = 1000 + d.peer;
+            d.peer += 1000;
         }
         // SAFETY: the descriptor names no memory this process registered.
         let r = unsafe { comm.post_raw(d) }.and_then(|ud| client.wait(ud));

@@ -10,8 +10,9 @@
 
 pub mod reduce;
 
-use std::sync::Arc;
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 use commd_proto::desc::{DType, OpKind, RedOp};
 
@@ -406,23 +407,111 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
         }
         return Ok(());
     }
-    let next = AtomicUsize::new(0);
-    let work = || {
-        loop {
-            let i = next.fetch_add(1, Ordering::Relaxed);
-            let Some(p) = pieces.get(i) else { break };
-            run_piece(&plan, *p, stream);
-        }
-    };
-    std::thread::scope(|s| {
-        for i in 1..threads {
-            let _ = std::thread::Builder::new()
-                .name(format!("commd-exec{i}"))
-                .spawn_scoped(s, work);
-        }
-        work();
+    let job = Arc::new(Job {
+        plan,
+        pieces,
+        stream,
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        lock: Mutex::new(()),
+        cv: Condvar::new(),
     });
+    pool(workers).submit(&job, threads - 1);
+    job.work();
+    job.wait();
     Ok(())
+}
+
+/// One plan being executed by the caller and pool threads, piece by piece.
+struct Job {
+    plan: Plan,
+    pieces: Vec<Piece>,
+    stream: bool,
+    next: AtomicUsize,
+    done: AtomicUsize,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Job {
+    fn exhausted(&self) -> bool {
+        self.next.load(Ordering::Relaxed) >= self.pieces.len()
+    }
+
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            let Some(p) = self.pieces.get(i) else { break };
+            run_piece(&self.plan, *p, self.stream);
+            if self.done.fetch_add(1, Ordering::AcqRel) + 1 == self.pieces.len() {
+                let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+                self.cv.notify_all();
+            }
+        }
+    }
+
+    fn wait(&self) {
+        let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        while self.done.load(Ordering::Acquire) < self.pieces.len() {
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Data-plane threads (`commd-exec<i>`) shared by all communicators, started on first use.
+/// Spawning threads per op cost ~60 us on our 2-core CI VM, which a parked pool avoids.
+struct Pool {
+    queue: Mutex<VecDeque<Arc<Job>>>,
+    cv: Condvar,
+}
+
+impl Pool {
+    fn submit(&self, job: &Arc<Job>, helpers: usize) {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        q.push_back(job.clone());
+        drop(q);
+        for _ in 0..helpers {
+            self.cv.notify_one();
+        }
+    }
+
+    fn worker(&self) {
+        loop {
+            let job = {
+                let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+                loop {
+                    while q.front().is_some_and(|j| j.exhausted()) {
+                        q.pop_front();
+                    }
+                    if let Some(j) = q.front() {
+                        break j.clone();
+                    }
+                    q = self.cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+            };
+            job.work();
+        }
+    }
+}
+
+fn pool(workers: usize) -> &'static Pool {
+    static POOL: OnceLock<&'static Pool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let p: &'static Pool = Box::leak(Box::new(Pool {
+            queue: Mutex::new(VecDeque::new()),
+            cv: Condvar::new(),
+        }));
+        for i in 1..workers.max(2) {
+            let r = std::thread::Builder::new()
+                .name(format!("commd-exec{i}"))
+                .spawn(move || p.worker());
+            if let Err(e) = r {
+                // The caller still runs every piece itself; the pool only adds parallelism.
+                tracing::warn!(target: "commd::engine", "cannot start data-plane thread: {e}");
+            }
+        }
+        p
+    })
 }
 
 #[cfg(test)]
