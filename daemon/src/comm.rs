@@ -308,7 +308,7 @@ impl Comm {
                 ops,
                 abort: Some((
                     status::ABORTED,
-                    format!("{} was aborted: {msg}", self.label()),
+                    format!("aborted after an earlier error: {msg}"),
                 )),
             });
         }
@@ -579,7 +579,7 @@ impl Comm {
         tracing::warn!(target: "commd::comm", "{msg}");
         g.broken = Some((
             status::ABORTED,
-            format!("{} was aborted after an op timed out: {msg}", self.label()),
+            format!("aborted after an op timed out: {msg}"),
         ));
         let ops = drain(&mut g);
         drop(g);
