@@ -118,7 +118,8 @@ pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u
     }
 }
 
-fn close(dtype: DType, got: f64, want: f64) -> bool {
+/// Whether `got` matches `want` within the dtype's tolerance (exact for integers).
+pub fn close(dtype: DType, got: f64, want: f64) -> bool {
     let tol = match dtype {
         DType::F16 | DType::BF16 => 1e-2,
         DType::F32 => 1e-6,
@@ -180,15 +181,30 @@ impl OpSpec {
 
     /// Number of wrong elements in `recv` (the first `recv_elems()` elements are checked).
     pub fn count_wrong(&self, recv: &[u8]) -> u64 {
-        (0..self.recv_elems())
-            .filter(|&j| {
-                !close(
-                    self.dtype,
-                    read_elem(self.dtype, recv, j as usize),
-                    self.expected(j),
-                )
-            })
-            .count() as u64
+        self.count_wrong_strided(recv, 1)
+    }
+
+    /// Like [`count_wrong`](Self::count_wrong), checking every `stride`-th element and the last
+    /// 1000 (for huge buffers).
+    pub fn count_wrong_strided(&self, recv: &[u8], stride: u64) -> u64 {
+        let n = self.recv_elems();
+        let stride = stride.max(1);
+        let tail_from = if stride == 1 {
+            n
+        } else {
+            n.saturating_sub(1000)
+        };
+        let idx = (0..n)
+            .step_by(stride as usize)
+            .chain((tail_from..n).filter(|j| j % stride != 0));
+        idx.filter(|&j| {
+            !close(
+                self.dtype,
+                read_elem(self.dtype, recv, j as usize),
+                self.expected(j),
+            )
+        })
+        .count() as u64
     }
 }
 
@@ -229,5 +245,28 @@ mod tests {
         assert_eq!(spec.count_wrong(&buf), 0);
         write_elem(DType::F32, &mut buf, 3, 1000.0);
         assert_eq!(spec.count_wrong(&buf), 1);
+    }
+
+    #[test]
+    fn strided_check_covers_stride_and_tail() {
+        let spec = OpSpec {
+            kind: OpKind::Broadcast,
+            dtype: DType::I32,
+            redop: None,
+            count: 3000,
+            peer: 0,
+            nranks: 2,
+            rank: 1,
+            seed: 9,
+        };
+        let mut buf = vec![0u8; 3000 * 4];
+        fill(DType::I32, None, 9, 0, &mut buf, 3000);
+        write_elem(DType::I32, &mut buf, 1001, 1e6); // skipped by stride 2, outside the tail
+        assert_eq!(spec.count_wrong_strided(&buf, 2), 0);
+        assert_eq!(spec.count_wrong(&buf), 1);
+        write_elem(DType::I32, &mut buf, 1002, 1e6); // on the stride
+        write_elem(DType::I32, &mut buf, 2501, 1e6); // in the tail
+        assert_eq!(spec.count_wrong_strided(&buf, 2), 2);
+        assert_eq!(spec.count_wrong(&buf), 3);
     }
 }

@@ -564,7 +564,13 @@ impl Comm {
                 .collect();
             let pids: Vec<String> = missing
                 .iter()
-                .map(|&r| format!("rank {r} pid {}", self.members[r as usize].pid))
+                .map(|&r| {
+                    let pid = self.members[r as usize].pid;
+                    match g.queues[r as usize].front() {
+                        Some(h) => format!("rank {r} pid {pid} is blocked in {}", h.describe()),
+                        None => format!("rank {r} pid {pid}"),
+                    }
+                })
                 .collect();
             format!(
                 "{}: {} seq {seq} timed out after {:.1} s: {} never posted it ({}); posted by {}",

@@ -6,29 +6,15 @@
 //! process) and long-lived.
 
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use commd_proto::desc::status;
 use commd_proto::fdproto::{self, FdMsg, kind};
-use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+use rustix::net::SocketFlags;
 
 use crate::daemon::Daemon;
-
-pub fn bind(path: &Path) -> std::io::Result<OwnedFd> {
-    let _ = std::fs::remove_file(path);
-    let fd = rustix::net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::SEQPACKET,
-        SocketFlags::CLOEXEC,
-        None,
-    )?;
-    rustix::net::bind(&fd, &SocketAddrUnix::new(path)?)?;
-    rustix::net::listen(&fd, 128)?;
-    Ok(fd)
-}
 
 /// Accept loop; runs until the process exits.
 pub fn serve(daemon: Arc<Daemon>, listener: OwnedFd) {

@@ -182,7 +182,8 @@ pub fn run(
     std_listener
         .set_nonblocking(true)
         .map_err(setup(&cfg.socket))?;
-    let fd_listener = crate::fdsock::bind(&cfg.fd_socket()).map_err(setup(&cfg.fd_socket()))?;
+    let fd_listener =
+        commd_proto::fdproto::listen(&cfg.fd_socket()).map_err(setup(&cfg.fd_socket()))?;
     let mode = if rustix::process::geteuid().is_root() {
         0o666
     } else {

@@ -155,17 +155,29 @@ pub fn recv(sock: BorrowedFd<'_>) -> io::Result<Option<(FdMsg, Option<OwnedFd>)>
     }
 }
 
-/// Connects a SOCK_SEQPACKET client socket to `path`.
-pub fn connect(path: &std::path::Path) -> io::Result<OwnedFd> {
-    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-    let fd = rustix::net::socket_with(
+fn seqpacket() -> io::Result<OwnedFd> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    Ok(rustix::net::socket_with(
         AddressFamily::UNIX,
         SocketType::SEQPACKET,
         SocketFlags::CLOEXEC,
         None,
-    )?;
-    let addr = SocketAddrUnix::new(path)?;
-    rustix::net::connect(&fd, &addr)?;
+    )?)
+}
+
+/// Connects a SOCK_SEQPACKET client socket to `path`.
+pub fn connect(path: &std::path::Path) -> io::Result<OwnedFd> {
+    let fd = seqpacket()?;
+    rustix::net::connect(&fd, &rustix::net::SocketAddrUnix::new(path)?)?;
+    Ok(fd)
+}
+
+/// Binds and listens on `path` (the daemon side), replacing a stale socket file.
+pub fn listen(path: &std::path::Path) -> io::Result<OwnedFd> {
+    let _ = std::fs::remove_file(path);
+    let fd = seqpacket()?;
+    rustix::net::bind(&fd, &rustix::net::SocketAddrUnix::new(path)?)?;
+    rustix::net::listen(&fd, 128)?;
     Ok(fd)
 }
 

@@ -460,7 +460,7 @@ fn run_group(
         if res == "ok" && p.spec.recv_elems() > 0 && p.args.bad.is_none() {
             let rb = p.recv.as_ref().ok_or("no recv buffer")?;
             let bytes = &rb.as_slice()[p.recv_off as usize..];
-            wrong = count_wrong_strided(&p.spec, bytes, steps_stride(steps, p));
+            wrong = p.spec.count_wrong_strided(bytes, steps_stride(steps, p));
         }
         out.push((res, wrong, msg));
     }
@@ -473,32 +473,6 @@ fn steps_stride(steps: &[Step], p: &Prepared<'_>) -> u64 {
         .find(|s| s.count == p.spec.count)
         .map(|s| s.check_stride.max(1))
         .unwrap_or(1)
-}
-
-fn count_wrong_strided(spec: &OpSpec, recv: &[u8], stride: u64) -> u64 {
-    if stride <= 1 {
-        return spec.count_wrong(recv);
-    }
-    let n = spec.recv_elems();
-    let mut wrong = 0;
-    let mut j = 0;
-    let mut check = |j: u64| {
-        let got = check::read_elem(spec.dtype, recv, j as usize);
-        let want = spec.expected(j);
-        if got != want
-            && !(spec.dtype.is_float() && (got - want).abs() <= 1e-2 * want.abs().max(1.0))
-        {
-            wrong += 1;
-        }
-    };
-    while j < n {
-        check(j);
-        j += stride;
-    }
-    for j in n.saturating_sub(1000)..n {
-        check(j);
-    }
-    wrong
 }
 
 /// Posts `n` random descriptors on a communicator-less path; each must come back invalid.
