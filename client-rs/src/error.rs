@@ -79,6 +79,32 @@ impl Error {
         }
     }
 
+    /// A copy of this error (`std::io::Error` is not `Clone`; its kind and text are kept).
+    pub fn duplicate(&self) -> Self {
+        match self {
+            Error::DaemonUnavailable { path, reason } => Error::DaemonUnavailable {
+                path: path.clone(),
+                reason: reason.clone(),
+            },
+            Error::DaemonLost { session, reason } => Error::DaemonLost {
+                session: *session,
+                reason: reason.clone(),
+            },
+            Error::Op { kind, message } => Error::Op {
+                kind: *kind,
+                message: message.clone(),
+            },
+            Error::Rpc { op, code, message } => Error::Rpc {
+                op,
+                code: *code,
+                message: message.clone(),
+            },
+            Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+            Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),
+            Error::Ring(e) => Error::InvalidArgument(format!("ring: {e}")),
+        }
+    }
+
     pub(crate) fn rpc(op: &'static str, s: tonic::Status) -> Self {
         Error::Rpc {
             op,

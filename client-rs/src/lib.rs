@@ -16,7 +16,7 @@
 pub mod check;
 mod error;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, OwnedFd};
@@ -93,6 +93,8 @@ impl Default for Options {
 struct CqState {
     head: u32,
     done: HashMap<u64, CompletionDesc>,
+    /// Ops whose [`Request`] was dropped unwaited: their completions are discarded on arrival.
+    abandoned: HashSet<u64>,
 }
 
 struct Inner {
@@ -222,6 +224,7 @@ impl Client {
             cq: Mutex::new(CqState {
                 head: 0,
                 done: HashMap::new(),
+                abandoned: HashSet::new(),
             }),
             next_user_data: AtomicU64::new(1),
             next_token: AtomicU64::new(1),
@@ -446,7 +449,11 @@ impl Inner {
         for _ in 0..avail {
             let c = self.ring.read_cq(cq.head);
             cq.head = cq.head.wrapping_add(1);
-            cq.done.insert(c.user_data, c);
+            if cq.abandoned.remove(&c.user_data) {
+                self.inflight.fetch_sub(1, Ordering::AcqRel);
+            } else {
+                cq.done.insert(c.user_data, c);
+            }
         }
         self.ring.cq_head().store(cq.head, Ordering::Release);
     }
@@ -480,7 +487,19 @@ impl Inner {
         }
     }
 
-    /// Waits for `user_data` (0: for any progress, up to `limit`). Returns the completion.
+    /// Forgets op `user_data`: its completion (now or later) is discarded.
+    fn abandon(&self, user_data: u64) {
+        let mut cq = lock(&self.cq);
+        self.reap(&mut cq);
+        if cq.done.remove(&user_data).is_some() {
+            self.inflight.fetch_sub(1, Ordering::AcqRel);
+        } else {
+            cq.abandoned.insert(user_data);
+        }
+    }
+
+    /// Waits for `user_data` (0: for any progress), up to `limit`. Returns the completion, or
+    /// `None` when `limit` passed first (always `None` for `user_data` 0).
     fn wait(&self, user_data: u64, limit: Option<Duration>) -> Result<Option<CompletionDesc>> {
         let t0 = Instant::now();
         loop {
@@ -488,13 +507,16 @@ impl Inner {
                 let mut cq = lock(&self.cq);
                 self.reap(&mut cq);
                 if user_data == 0 {
-                    if !cq.done.is_empty() || limit.is_some_and(|l| t0.elapsed() >= l) {
+                    if !cq.done.is_empty() {
                         return Ok(None);
                     }
                 } else if let Some(c) = cq.done.remove(&user_data) {
                     drop(cq);
                     self.inflight.fetch_sub(1, Ordering::AcqRel);
                     return self.finish(c).map(Some);
+                }
+                if limit.is_some_and(|l| t0.elapsed() >= l) {
+                    return Ok(None);
                 }
             }
             if t0.elapsed() < self.spin {
@@ -508,12 +530,23 @@ impl Inner {
             let bell = r.cq_bell().load(Ordering::SeqCst);
             let head = lock(&self.cq).head;
             if r.cq_tail().load(Ordering::SeqCst) == head {
-                commd_proto::futex::wait(r.cq_bell(), bell, Duration::from_millis(100));
+                let mut nap = Duration::from_millis(100);
+                if let Some(l) = limit {
+                    nap = nap.min(l.saturating_sub(t0.elapsed()).max(Duration::from_micros(50)));
+                }
+                commd_proto::futex::wait(r.cq_bell(), bell, nap);
             }
             r.cq_sleepers().fetch_sub(1, Ordering::SeqCst);
-            if r.cq_tail().load(Ordering::Acquire) == lock(&self.cq).head
-                && lock(&self.cq).done.is_empty()
-            {
+            let idle = {
+                let cq = lock(&self.cq);
+                r.cq_tail().load(Ordering::Acquire) == cq.head
+                    && if user_data == 0 {
+                        cq.done.is_empty()
+                    } else {
+                        !cq.done.contains_key(&user_data)
+                    }
+            };
+            if idle {
                 if r.session_error().load(Ordering::Acquire) != 0 && self.daemon_gone() {
                     return Err(self.session_closed_error());
                 }
@@ -637,6 +670,64 @@ impl Drop for Pending<'_> {
     }
 }
 
+/// A posted op that borrows nothing: for bindings (Python, C) whose callers keep the buffers
+/// alive and untouched until the op completes. Thread-safe; the outcome is kept, so every
+/// `wait`/`test` after completion returns the same result. Dropping it unwaited is allowed (the
+/// completion is discarded when it arrives).
+pub struct Request {
+    client: Arc<Inner>,
+    user_data: u64,
+    outcome: Mutex<Option<std::result::Result<(), Error>>>,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Request(op {})", self.user_data)
+    }
+}
+
+impl Request {
+    pub fn user_data(&self) -> u64 {
+        self.user_data
+    }
+
+    /// Waits up to `limit` (forever if `None`). `Ok(true)`: done; `Ok(false)`: still running;
+    /// `Err`: the op failed (the same error on every later call).
+    pub fn wait_for(&self, limit: Option<Duration>) -> Result<bool> {
+        let mut o = lock(&self.outcome);
+        if o.is_none() {
+            match self.client.wait(self.user_data, limit) {
+                Ok(None) => return Ok(false),
+                Ok(Some(_)) => *o = Some(Ok(())),
+                Err(e) => *o = Some(Err(e)),
+            }
+        }
+        match o.as_ref() {
+            Some(Ok(())) => Ok(true),
+            Some(Err(e)) => Err(e.duplicate()),
+            None => Ok(false),
+        }
+    }
+
+    /// Blocks until the op completes.
+    pub fn wait(&self) -> Result<()> {
+        self.wait_for(None).map(|_| ())
+    }
+
+    /// Whether the op completed, without blocking (an `Err` if it failed).
+    pub fn test(&self) -> Result<bool> {
+        self.wait_for(Some(Duration::ZERO))
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if lock(&self.outcome).is_none() {
+            self.client.abandon(self.user_data);
+        }
+    }
+}
+
 /// A communicator handle in this session. Destroyed on drop (other ranks' later ops then fail
 /// with "peer lost").
 pub struct Communicator {
@@ -699,6 +790,16 @@ impl Communicator {
 
     /// Posts an op; every buffer it names must belong to this client.
     pub fn post<'b>(&self, a: OpArgs<'b>) -> Result<Pending<'b>> {
+        let user_data = self.submit(a)?;
+        Ok(Pending {
+            client: self.client.clone(),
+            user_data,
+            done: false,
+            _bufs: PhantomData,
+        })
+    }
+
+    fn submit(&self, a: OpArgs<'_>) -> Result<u64> {
         for b in [a.send, a.recv].into_iter().flatten() {
             if !Arc::ptr_eq(&b.0.client, &self.client) {
                 return Err(Error::InvalidArgument(format!(
@@ -722,12 +823,20 @@ impl Communicator {
             recv_off: a.recv.map(|b| b.1).unwrap_or(0),
             reserved: 0,
         };
-        let user_data = self.client.post(d)?;
-        Ok(Pending {
+        self.client.post(d)
+    }
+
+    /// Posts an op and returns a [`Request`] that borrows nothing.
+    ///
+    /// # Safety
+    /// Until the request completes, the caller must not read bytes the op writes nor write bytes
+    /// it reads (the daemon accesses them concurrently), and must keep each named buffer's
+    /// registration alive if it wants the data (a dropped buffer only loses the data).
+    pub unsafe fn post_detached(&self, a: OpArgs<'_>) -> Result<Request> {
+        Ok(Request {
             client: self.client.clone(),
-            user_data,
-            done: false,
-            _bufs: PhantomData,
+            user_data: self.submit(a)?,
+            outcome: Mutex::new(None),
         })
     }
 

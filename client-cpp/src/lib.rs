@@ -1,0 +1,1 @@
+//! C ABI over commd-client (work in progress).
