@@ -1,8 +1,9 @@
 //! Deterministic test data and reference results for `commd bench` and the test client.
 //!
 //! Values are small integers (exact in every dtype, bf16 included) generated from
-//! `(seed, rank, index)`; the reference reduces them independently of the daemon's kernels
-//! (f64 / wrapping i128 arithmetic, one element at a time) so a check can fail.
+//! `(seed, rank, index)`, except for the bitwise ops, which get full-width bit patterns (i64 within
+//! 53 bits, so f64 holds them exactly); the reference reduces them independently of the daemon's
+//! kernels (f64 / wrapping i128 arithmetic, one element at a time) so a check can fail.
 
 use commd_proto::desc::{DType, OpKind, RedOp};
 use half::{bf16, f16};
@@ -19,6 +20,14 @@ pub fn value(dtype: DType, redop: Option<RedOp>, seed: u64, rank: u32, i: u64) -
     let h = mix(seed ^ (u64::from(rank) << 44) ^ i);
     let unsigned = dtype == DType::U8;
     match redop {
+        Some(r) if r.is_bitwise() => match dtype {
+            DType::I8 => h as i8 as f64,
+            DType::U8 => h as u8 as f64,
+            DType::I32 => h as i32 as f64,
+            DType::I64 => ((h as i64) >> 11) as f64,
+            // The daemon refuses bitwise ops on floats; any exact small value will do.
+            _ => (h % 9) as f64 - 4.0,
+        },
         Some(RedOp::Prod) => {
             [1.0f64, 2.0, 1.0, -1.0][(h % 4) as usize].max(if unsigned { 1.0 } else { -1.0 })
         }
@@ -75,8 +84,12 @@ fn wrap_int(dtype: DType, x: i128) -> i128 {
     y
 }
 
-/// Reference reduction of `vals` as the daemon defines it.
+/// Reference reduction of `vals` as the daemon defines it. A bitwise op on a float dtype has no
+/// result (the daemon refuses it): NaN, which no received value is [`close`] to.
 pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u32) -> f64 {
+    if dtype.is_float() && op.is_bitwise() {
+        return f64::NAN;
+    }
     if dtype.is_float() {
         let mut acc: Option<f64> = None;
         for v in vals {
@@ -86,6 +99,7 @@ pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u
                 (Some(a), RedOp::Prod) => a * v,
                 (Some(a), RedOp::Min) => a.min(v),
                 (Some(a), RedOp::Max) => a.max(v),
+                (Some(_), RedOp::Band | RedOp::Bor | RedOp::Bxor) => f64::NAN,
             });
         }
         let a = acc.unwrap_or(0.0);
@@ -106,6 +120,11 @@ pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u
                     (Some(a), RedOp::Prod) => a * v,
                     (Some(a), RedOp::Min) => a.min(v),
                     (Some(a), RedOp::Max) => a.max(v),
+                    // Sign-extended in i128, the low bits are the narrow result; wrap_int
+                    // restores the sign (and the range of u8).
+                    (Some(a), RedOp::Band) => a & v,
+                    (Some(a), RedOp::Bor) => a | v,
+                    (Some(a), RedOp::Bxor) => a ^ v,
                 },
             ));
         }
@@ -230,6 +249,29 @@ mod tests {
             reduce_ref(DType::F32, RedOp::Avg, [3.0, 4.0].into_iter(), 2),
             3.5
         );
+        assert_eq!(
+            reduce_ref(DType::I8, RedOp::Band, [-1.0, 12.0, -4.0].into_iter(), 3),
+            12.0 // 0xff & 0x0c & 0xfc
+        );
+        assert_eq!(
+            reduce_ref(DType::I8, RedOp::Bor, [-128.0, 1.0].into_iter(), 2),
+            -127.0
+        );
+        assert_eq!(
+            reduce_ref(DType::U8, RedOp::Bxor, [255.0, 15.0, 1.0].into_iter(), 3),
+            241.0
+        );
+        assert_eq!(
+            reduce_ref(
+                DType::I64,
+                RedOp::Bxor,
+                [(1u64 << 52) as f64, -1.0].into_iter(),
+                2
+            ),
+            -(1i64 << 52) as f64 - 1.0 // 2^52 ^ -1 = !(2^52)
+        );
+        assert!(reduce_ref(DType::F32, RedOp::Bxor, [1.0, 2.0].into_iter(), 2).is_nan());
+        assert!(!close(DType::F32, 3.0, f64::NAN));
         let spec = OpSpec {
             kind: OpKind::Broadcast,
             dtype: DType::F32,
@@ -245,6 +287,54 @@ mod tests {
         assert_eq!(spec.count_wrong(&buf), 0);
         write_elem(DType::F32, &mut buf, 3, 1000.0);
         assert_eq!(spec.count_wrong(&buf), 1);
+    }
+
+    #[test]
+    fn bitwise_ops_get_full_width_values_and_checks_fail_on_wrong_bits() {
+        for (dtype, lo, hi) in [
+            (DType::I8, -128.0, 127.0),
+            (DType::U8, 0.0, 255.0),
+            (DType::I32, i32::MIN as f64, i32::MAX as f64),
+            (DType::I64, -(2f64.powi(52)), 2f64.powi(52) - 1.0),
+        ] {
+            let vals: Vec<f64> = (0..4000)
+                .map(|i| value(dtype, Some(RedOp::Bxor), 3, 1, i))
+                .collect();
+            assert!(
+                vals.iter()
+                    .all(|v| (lo..=hi).contains(v) && v.fract() == 0.0)
+            );
+            // Both signs and the top of the range are reached: the high bits are exercised.
+            assert!(vals.iter().any(|v| *v < (lo + hi) / 2.0 - (hi - lo) / 4.0));
+            assert!(vals.iter().any(|v| *v > (lo + hi) / 2.0 + (hi - lo) / 4.0));
+        }
+        let spec = OpSpec {
+            kind: OpKind::AllReduce,
+            dtype: DType::I32,
+            redop: Some(RedOp::Bor),
+            count: 50,
+            peer: 0,
+            nranks: 3,
+            rank: 0,
+            seed: 11,
+        };
+        let mut buf = vec![0u8; 200];
+        for j in 0..50 {
+            let want = (0..3)
+                .map(|r| value(DType::I32, Some(RedOp::Bor), 11, r, j) as i32)
+                .fold(0, |a, v| a | v);
+            write_elem(DType::I32, &mut buf, j as usize, f64::from(want));
+        }
+        assert_eq!(spec.count_wrong(&buf), 0);
+        let e = read_elem(DType::I32, &buf, 7) as i32;
+        write_elem(DType::I32, &mut buf, 7, f64::from(e ^ (1 << 30)));
+        assert_eq!(spec.count_wrong(&buf), 1);
+        // A float "result" of a bitwise op never checks out.
+        let fspec = OpSpec {
+            dtype: DType::F32,
+            ..spec
+        };
+        assert_eq!(fspec.count_wrong(&[0u8; 200]), 50);
     }
 
     #[test]

@@ -91,7 +91,14 @@ fn select(a: &BenchArgs) -> Result<Sel, String> {
         )
     })?;
     let redop = if kind.reduces() {
-        Some(RedOp::parse(&a.redop).ok_or_else(|| format!("unknown reduction '{}'", a.redop))?)
+        let r = RedOp::parse(&a.redop).ok_or_else(|| {
+            format!(
+                "unknown reduction '{}' (sum, prod, min, max, avg, band, bor, bxor)",
+                a.redop
+            )
+        })?;
+        r.check_dtype(dtype).map_err(|e| e.to_string())?;
+        Some(r)
     } else {
         None
     };

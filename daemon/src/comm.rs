@@ -469,7 +469,6 @@ impl Comm {
             _ if sb == 0 => {
                 let plan = engine::Plan {
                     dtype: send.op.dtype,
-                    redop: commd_proto::desc::RedOp::Sum,
                     nranks: 2,
                     tasks: vec![],
                 };

@@ -204,13 +204,17 @@ impl Session {
             .ok_or_else(|| format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes) lies outside its registration of {len} bytes"))
     }
 
-    /// Resolves both buffers of an op for a communicator of `nranks` where this rank is `rank`.
+    /// Checks the decoded op's field combinations, then resolves both buffers of the op for a
+    /// communicator of `nranks` where this rank is `rank`.
     fn resolve(
         &self,
         op: &commd_proto::desc::Op,
         rank: u32,
         nranks: u32,
     ) -> Result<RankBufs, String> {
+        // Field combinations (a bitwise reduction on a float dtype) are checked here rather than
+        // in `decode`, so the op keeps its sequence number and every rank learns of the error.
+        op.check().map_err(|e| e.to_string())?;
         if (op.kind.has_root() || op.kind.is_p2p()) && op.peer >= nranks {
             let what = if op.kind.is_p2p() { "peer" } else { "root" };
             return Err(format!(

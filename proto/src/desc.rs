@@ -81,6 +81,10 @@ pub mod redop {
     pub const MIN: u8 = 3;
     pub const MAX: u8 = 4;
     pub const AVG: u8 = 5;
+    /// Bitwise and, or, xor: integer dtypes only (see [`RedOp::check_dtype`](super::RedOp::check_dtype)).
+    pub const BAND: u8 = 6;
+    pub const BOR: u8 = 7;
+    pub const BXOR: u8 = 8;
 }
 
 pub mod flags {
@@ -329,9 +333,25 @@ pub enum RedOp {
     Min,
     Max,
     Avg,
+    /// Bitwise and (integer dtypes only).
+    Band,
+    /// Bitwise or (integer dtypes only).
+    Bor,
+    /// Bitwise exclusive or (integer dtypes only).
+    Bxor,
 }
 
-pub const ALL_REDOPS: [RedOp; 5] = [RedOp::Sum, RedOp::Prod, RedOp::Min, RedOp::Max, RedOp::Avg];
+/// Every reduction op. Not every op is defined for every dtype: see [`RedOp::check_dtype`].
+pub const ALL_REDOPS: [RedOp; 8] = [
+    RedOp::Sum,
+    RedOp::Prod,
+    RedOp::Min,
+    RedOp::Max,
+    RedOp::Avg,
+    RedOp::Band,
+    RedOp::Bor,
+    RedOp::Bxor,
+];
 
 impl RedOp {
     pub fn from_code(c: u8) -> Option<Self> {
@@ -341,6 +361,9 @@ impl RedOp {
             redop::MIN => Self::Min,
             redop::MAX => Self::Max,
             redop::AVG => Self::Avg,
+            redop::BAND => Self::Band,
+            redop::BOR => Self::Bor,
+            redop::BXOR => Self::Bxor,
             _ => return None,
         })
     }
@@ -351,6 +374,9 @@ impl RedOp {
             Self::Min => redop::MIN,
             Self::Max => redop::MAX,
             Self::Avg => redop::AVG,
+            Self::Band => redop::BAND,
+            Self::Bor => redop::BOR,
+            Self::Bxor => redop::BXOR,
         }
     }
     pub fn name(self) -> &'static str {
@@ -360,10 +386,25 @@ impl RedOp {
             Self::Min => "min",
             Self::Max => "max",
             Self::Avg => "avg",
+            Self::Band => "band",
+            Self::Bor => "bor",
+            Self::Bxor => "bxor",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
         ALL_REDOPS.iter().copied().find(|d| d.name() == s)
+    }
+    /// Whether the op works on the bits of integers (and so has no meaning for floats).
+    pub fn is_bitwise(self) -> bool {
+        matches!(self, Self::Band | Self::Bor | Self::Bxor)
+    }
+    /// Checks that this op is defined for `dtype`: the arithmetic ops are defined for every dtype,
+    /// the bitwise ops for integer dtypes only.
+    pub fn check_dtype(self, dtype: DType) -> Result<(), DescError> {
+        if self.is_bitwise() && dtype.is_float() {
+            return Err(DescError::BitwiseOnFloat(self.name(), dtype.name()));
+        }
+        Ok(())
     }
 }
 
@@ -390,6 +431,8 @@ pub enum DescError {
     Reserved(u64),
     #[error("count {0} exceeds the maximum {MAX_COUNT}")]
     Count(u64),
+    #[error("bitwise reduction {0} is defined for integer dtypes only (got {1})")]
+    BitwiseOnFloat(&'static str, &'static str),
 }
 
 /// A descriptor whose codes decoded; memory and rank checks need the session and communicator
@@ -409,8 +452,22 @@ pub struct Op {
     pub recv_off: u64,
 }
 
+impl Op {
+    /// Checks that the decoded fields make sense together (a bitwise reduction needs an integer
+    /// dtype). Separate from [`SubmitDesc::decode`] on purpose: an op that decodes names its kind,
+    /// so the daemon can still give it its sequence number and report the error on every rank
+    /// (DESIGN.md contract 5), whereas an undecodable descriptor can only fail alone.
+    pub fn check(&self) -> Result<(), DescError> {
+        match self.redop {
+            Some(r) => r.check_dtype(self.dtype),
+            None => Ok(()),
+        }
+    }
+}
+
 impl SubmitDesc {
-    /// Decodes and checks everything that needs no context. Never panics, for any bit pattern.
+    /// Decodes and checks every single field that needs no context. Never panics, for any bit
+    /// pattern. Combinations of fields are checked by [`Op::check`].
     pub fn decode(&self) -> Result<Op, DescError> {
         let kind = OpKind::from_code(self.opcode).ok_or(DescError::Opcode(self.opcode))?;
         let dtype = DType::from_code(self.dtype).ok_or(DescError::Dtype(self.dtype))?;
@@ -469,7 +526,7 @@ mod tests {
                 user_data: w[0],
                 opcode: op % 12,
                 dtype: dt % 10,
-                redop: ro % 7,
+                redop: ro % 10,
                 flags: if fl % 4 == 0 { fl } else { 0 },
                 comm: cm,
                 peer: pe,
@@ -492,6 +549,8 @@ mod tests {
                 prop_assert_eq!(d.reserved, 0);
                 prop_assert_eq!(d.flags, 0);
                 prop_assert_eq!(op.redop.is_some(), op.kind.reduces());
+                let float_bitwise = op.dtype.is_float() && op.redop.is_some_and(RedOp::is_bitwise);
+                prop_assert_eq!(op.check().is_err(), float_bitwise);
             }
         }
 
@@ -522,9 +581,50 @@ mod tests {
         }
         for r in ALL_REDOPS {
             assert_eq!(RedOp::from_code(r.code()), Some(r));
+            assert_eq!(RedOp::parse(r.name()), Some(r));
         }
         assert_eq!(OpKind::from_code(0), None);
         assert_eq!(DType::from_code(9), None);
+        assert_eq!(RedOp::from_code(0), None);
+        assert_eq!(RedOp::from_code(9), None);
+        assert_eq!(
+            [redop::BAND, redop::BOR, redop::BXOR].map(RedOp::from_code),
+            [Some(RedOp::Band), Some(RedOp::Bor), Some(RedOp::Bxor)]
+        );
+        assert_eq!(
+            [RedOp::Band, RedOp::Bor, RedOp::Bxor].map(RedOp::name),
+            ["band", "bor", "bxor"]
+        );
+    }
+
+    #[test]
+    fn bitwise_redops_are_for_integer_dtypes_only() {
+        for r in ALL_REDOPS {
+            for d in ALL_DTYPES {
+                let op = SubmitDesc {
+                    opcode: opcode::ALL_REDUCE,
+                    dtype: d.code(),
+                    redop: r.code(),
+                    ..Default::default()
+                }
+                .decode()
+                .expect("every redop and dtype code decodes");
+                let want_err = r.is_bitwise() && d.is_float();
+                assert_eq!(op.check().is_err(), want_err, "{r:?} {d:?}");
+                assert_eq!(r.check_dtype(d).is_err(), want_err, "{r:?} {d:?}");
+            }
+        }
+        assert!(!RedOp::Sum.is_bitwise() && !RedOp::Avg.is_bitwise());
+        let e = RedOp::Bxor.check_dtype(DType::F32).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "bitwise reduction bxor is defined for integer dtypes only (got f32)"
+        );
+        let e = RedOp::Band.check_dtype(DType::BF16).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "bitwise reduction band is defined for integer dtypes only (got bf16)"
+        );
     }
 
     #[test]

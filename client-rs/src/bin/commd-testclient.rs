@@ -498,7 +498,7 @@ fn fuzz(client: &Client, comms: &[Communicator], n: u32) -> Vec<(String, u64, St
         let mut d = SubmitDesc {
             opcode: (w[0] % 12) as u16,
             dtype: (w[0] >> 16) as u8 % 10,
-            redop: (w[0] >> 24) as u8 % 7,
+            redop: (w[0] >> 24) as u8 % 10,
             flags: if w[1] % 4 == 0 { w[1] as u32 } else { 0 },
             peer: (w[1] >> 32) as u32 % 8,
             count: if w[2] % 2 == 0 { w[2] } else { w[2] % 100_000 },

@@ -77,6 +77,7 @@ pub enum Task {
     Copy { src: Span, dst: Span },
     /// Every output = reduction of the inputs, element-wise, `elems` elements.
     Reduce {
+        kernel: reduce::Kernel,
         inputs: Vec<Span>,
         outputs: Vec<Span>,
         elems: u64,
@@ -91,6 +92,7 @@ impl Task {
                 inputs,
                 outputs,
                 elems,
+                ..
             } => elems * esize * (inputs.len() + outputs.len()) as u64,
         }
     }
@@ -99,7 +101,6 @@ impl Task {
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub dtype: DType,
-    pub redop: RedOp,
     pub nranks: u32,
     pub tasks: Vec<Task>,
 }
@@ -112,8 +113,9 @@ pub struct RankBufs {
 }
 
 /// Builds the plan of a matched collective. `bufs[r]` are rank r's buffers, already validated to
-/// have the sizes `OpKind::{send,recv}_elems` asks for; a missing required buffer is a bug in the
-/// caller and yields `None`.
+/// have the sizes `OpKind::{send,recv}_elems` asks for, and `redop` is defined for `dtype`
+/// (`Op::check`); a missing required buffer or reduction, or one the kernels do not implement for
+/// `dtype`, is a bug in the caller and yields `None`.
 pub fn plan_collective(
     kind: OpKind,
     dtype: DType,
@@ -127,24 +129,29 @@ pub fn plan_collective(
     let blk = count * es;
     let send = |r: usize| bufs[r].send.clone();
     let recv = |r: usize| bufs[r].recv.clone();
+    let kernel = || reduce::Kernel::new(dtype, redop?).ok();
     let mut tasks = Vec::new();
     match kind {
         OpKind::AllReduce => tasks.push(Task::Reduce {
+            kernel: kernel()?,
             inputs: (0..n).map(send).collect::<Option<_>>()?,
             outputs: (0..n).map(recv).collect::<Option<_>>()?,
             elems: count,
         }),
         OpKind::Reduce => tasks.push(Task::Reduce {
+            kernel: kernel()?,
             inputs: (0..n).map(send).collect::<Option<_>>()?,
             outputs: vec![recv(root as usize)?],
             elems: count,
         }),
         OpKind::ReduceScatter => {
+            let kernel = kernel()?;
             for r in 0..n {
                 let inputs = (0..n)
                     .map(|k| send(k)?.sub(r as u64 * blk, blk))
                     .collect::<Option<_>>()?;
                 tasks.push(Task::Reduce {
+                    kernel,
                     inputs,
                     outputs: vec![recv(r)?],
                     elems: count,
@@ -190,7 +197,6 @@ pub fn plan_collective(
     });
     Some(Plan {
         dtype,
-        redop: redop.unwrap_or(RedOp::Sum),
         nranks: n as u32,
         tasks,
     })
@@ -205,7 +211,6 @@ pub fn plan_p2p(dtype: DType, src: Span, dst: Span) -> Plan {
     };
     Plan {
         dtype,
-        redop: RedOp::Sum,
         nranks: 2,
         tasks,
     }
@@ -310,7 +315,10 @@ fn run_piece(plan: &Plan, p: Piece, stream: bool) {
             }
         }
         Task::Reduce {
-            inputs, outputs, ..
+            kernel,
+            inputs,
+            outputs,
+            ..
         } => {
             let at = (p.start * es) as usize;
             let ins: Vec<*const u8> = inputs
@@ -332,8 +340,7 @@ fn run_piece(plan: &Plan, p: Piece, stream: bool) {
             // staging no output partially overlaps an input.
             unsafe {
                 reduce::reduce(
-                    plan.dtype,
-                    plan.redop,
+                    *kernel,
                     plan.nranks,
                     &ins,
                     &outs,
@@ -379,6 +386,7 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
                 elems,
                 inputs,
                 outputs,
+                ..
             } => (*elems, es * (inputs.len() + outputs.len()) as u64),
         };
         let share = (task.bytes(es) * target_pieces)
@@ -654,5 +662,23 @@ mod tests {
         let plan = plan_collective(OpKind::AllGather, DType::F32, None, count, 0, &ag).unwrap();
         assert!(!needs_staging(&plan));
         assert_eq!(plan.tasks.len(), n * (n - 1), "self-copies are dropped");
+    }
+
+    #[test]
+    fn bitwise_reductions_plan_for_integers_only() {
+        let r = region(4096);
+        let bufs: Vec<RankBufs> = (0..2)
+            .map(|k| RankBufs {
+                send: Span::new(r.clone(), k * 1024, 3 * 64),
+                recv: Span::new(r.clone(), 2048 + k * 1024, 3 * 64),
+            })
+            .collect();
+        for kind in [OpKind::AllReduce, OpKind::Reduce, OpKind::ReduceScatter] {
+            for op in [RedOp::Band, RedOp::Bor, RedOp::Bxor] {
+                // 8 i64 = 64 bytes per rank (x3 for the reduce_scatter send buffer).
+                assert!(plan_collective(kind, DType::I64, Some(op), 8, 0, &bufs).is_some());
+                assert!(plan_collective(kind, DType::F64, Some(op), 8, 0, &bufs).is_none());
+            }
+        }
     }
 }

@@ -3,12 +3,14 @@
 //! f16 and bf16 accumulate in f32; integers wrap on overflow (as NCCL does); `avg` is the sum
 //! divided by the rank count (integer division for integer types). `min`/`max` of floats compare
 //! with `<`/`>`, so a NaN input propagates only from the first operand, as in a sequential loop.
+//! The bitwise ops (`band`, `bor`, `bxor`) exist for integer dtypes only: a [`Kernel`], the only
+//! way to call [`reduce`], cannot be made for a bitwise op on a float dtype.
 //!
 //! Inputs are read chunk by chunk into a small accumulator that stays in L1, then the chunk is
 //! written to every output: each input is read once and each output written once, and an output
 //! that is exactly one of the inputs (in-place ops) is safe.
 
-use commd_proto::desc::{DType, RedOp};
+use commd_proto::desc::{DType, DescError, RedOp};
 use half::{bf16, f16};
 
 const CHUNK: usize = 2048;
@@ -85,6 +87,36 @@ int_acc!(u8);
 int_acc!(i32);
 int_acc!(i64);
 
+/// Bitwise ops, implemented for the integer accumulators only (so a float can never reach them).
+trait BitAcc: Acc {
+    fn band(self, o: Self) -> Self;
+    fn bor(self, o: Self) -> Self;
+    fn bxor(self, o: Self) -> Self;
+}
+
+macro_rules! bit_acc {
+    ($t:ty) => {
+        impl BitAcc for $t {
+            #[inline(always)]
+            fn band(self, o: Self) -> Self {
+                self & o
+            }
+            #[inline(always)]
+            fn bor(self, o: Self) -> Self {
+                self | o
+            }
+            #[inline(always)]
+            fn bxor(self, o: Self) -> Self {
+                self ^ o
+            }
+        }
+    };
+}
+bit_acc!(i8);
+bit_acc!(u8);
+bit_acc!(i32);
+bit_acc!(i64);
+
 trait Elem: Copy + Default {
     type A: Acc;
     fn load(self) -> Self::A;
@@ -148,9 +180,12 @@ unsafe fn fold<T: Elem>(acc: &mut [T::A], p: *const T, f: impl Fn(T::A, T::A) ->
 /// # Safety
 /// Every input must be valid for `n` aligned reads of `T` and every output for `n` aligned writes;
 /// an output may be identical to an input but must not partially overlap any input.
-unsafe fn reduce_t<T: Elem>(
-    op: RedOp,
-    nranks: u32,
+///
+/// `combine` folds one input into the accumulator; `avg_over` divides the result by that count.
+/// Generic over `F` so each op is its own monomorphized loop (no call per element).
+unsafe fn reduce_t<T: Elem, F: Fn(T::A, T::A) -> T::A + Copy>(
+    combine: F,
+    avg_over: Option<u32>,
     inputs: &[*const u8],
     outputs: &[*mut u8],
     n: usize,
@@ -171,16 +206,9 @@ unsafe fn reduce_t<T: Elem>(
             // SAFETY: i + m <= n, within the caller's guarantee for this input.
             let p = unsafe { inp.cast::<T>().add(i) };
             // SAFETY: p is valid for m reads (above).
-            unsafe {
-                match op {
-                    RedOp::Sum | RedOp::Avg => fold::<T>(acc, p, Acc::sum),
-                    RedOp::Prod => fold::<T>(acc, p, Acc::prod),
-                    RedOp::Min => fold::<T>(acc, p, Acc::min),
-                    RedOp::Max => fold::<T>(acc, p, Acc::max),
-                }
-            }
+            unsafe { fold::<T>(acc, p, combine) };
         }
-        if op == RedOp::Avg {
+        if let Some(nranks) = avg_over {
             for a in acc.iter_mut() {
                 *a = a.div_n(nranks);
             }
@@ -263,15 +291,34 @@ pub fn store_fence() {
     };
 }
 
-/// Reduces `n` elements of every input into every output.
+/// A reduction the kernels implement: a dtype and an op that is defined for it. Made only by
+/// [`Kernel::new`], which refuses bitwise ops on float dtypes, so [`reduce`] never sees one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Kernel {
+    dtype: DType,
+    op: RedOp,
+}
+
+impl Kernel {
+    pub fn new(dtype: DType, op: RedOp) -> Result<Self, DescError> {
+        op.check_dtype(dtype)?;
+        Ok(Self { dtype, op })
+    }
+
+    pub fn dtype(self) -> DType {
+        self.dtype
+    }
+
+    pub fn op(self) -> RedOp {
+        self.op
+    }
+}
+
+/// The ops defined for every dtype.
 ///
 /// # Safety
-/// Each pointer must be aligned for `dtype`; inputs valid for `n` element reads and outputs for
-/// `n` element writes for the duration of the call; an output may be identical to an input but
-/// must not partially overlap one. `inputs` must not be empty. With `stream`, outputs are written
-/// with non-temporal stores (for outputs larger than the caches) and fenced before returning.
-pub unsafe fn reduce(
-    dtype: DType,
+/// As for [`reduce_t`]; `op` is not bitwise unless `T` is an integer (then [`int_ops`] took it).
+unsafe fn arith_ops<T: Elem>(
     op: RedOp,
     nranks: u32,
     inputs: &[*const u8],
@@ -279,18 +326,75 @@ pub unsafe fn reduce(
     n: usize,
     stream: bool,
 ) {
-    debug_assert!(!inputs.is_empty());
-    // SAFETY: forwarded caller guarantees; T matches dtype.
+    // SAFETY: forwarded caller guarantees.
     unsafe {
-        match dtype {
-            DType::F32 => reduce_t::<f32>(op, nranks, inputs, outputs, n, stream),
-            DType::F64 => reduce_t::<f64>(op, nranks, inputs, outputs, n, stream),
-            DType::F16 => reduce_t::<f16>(op, nranks, inputs, outputs, n, stream),
-            DType::BF16 => reduce_t::<bf16>(op, nranks, inputs, outputs, n, stream),
-            DType::I8 => reduce_t::<i8>(op, nranks, inputs, outputs, n, stream),
-            DType::U8 => reduce_t::<u8>(op, nranks, inputs, outputs, n, stream),
-            DType::I32 => reduce_t::<i32>(op, nranks, inputs, outputs, n, stream),
-            DType::I64 => reduce_t::<i64>(op, nranks, inputs, outputs, n, stream),
+        match op {
+            RedOp::Sum => reduce_t::<T, _>(Acc::sum, None, inputs, outputs, n, stream),
+            RedOp::Avg => reduce_t::<T, _>(Acc::sum, Some(nranks), inputs, outputs, n, stream),
+            RedOp::Prod => reduce_t::<T, _>(Acc::prod, None, inputs, outputs, n, stream),
+            RedOp::Min => reduce_t::<T, _>(Acc::min, None, inputs, outputs, n, stream),
+            RedOp::Max => reduce_t::<T, _>(Acc::max, None, inputs, outputs, n, stream),
+            // Impossible: `Kernel::new` refuses bitwise ops for float dtypes, and `int_ops`
+            // handles them itself for integer dtypes before delegating here.
+            RedOp::Band | RedOp::Bor | RedOp::Bxor => {
+                unreachable!("bitwise reduction {op:?} reached the arithmetic kernels")
+            }
+        }
+    }
+}
+
+/// Every op, for integer dtypes (accumulated in the element type itself).
+///
+/// # Safety
+/// As for [`reduce_t`].
+unsafe fn int_ops<T: Elem<A = T> + BitAcc>(
+    op: RedOp,
+    nranks: u32,
+    inputs: &[*const u8],
+    outputs: &[*mut u8],
+    n: usize,
+    stream: bool,
+) {
+    // SAFETY: forwarded caller guarantees.
+    unsafe {
+        match op {
+            RedOp::Band => reduce_t::<T, _>(BitAcc::band, None, inputs, outputs, n, stream),
+            RedOp::Bor => reduce_t::<T, _>(BitAcc::bor, None, inputs, outputs, n, stream),
+            RedOp::Bxor => reduce_t::<T, _>(BitAcc::bxor, None, inputs, outputs, n, stream),
+            _ => arith_ops::<T>(op, nranks, inputs, outputs, n, stream),
+        }
+    }
+}
+
+/// Reduces `n` elements of every input into every output.
+///
+/// # Safety
+/// Each pointer must be aligned for the kernel's dtype; inputs valid for `n` element reads and
+/// outputs for `n` element writes for the duration of the call; an output may be identical to an
+/// input but must not partially overlap one. `inputs` must not be empty. With `stream`, outputs
+/// are written with non-temporal stores (for outputs larger than the caches) and fenced before
+/// returning.
+pub unsafe fn reduce(
+    kernel: Kernel,
+    nranks: u32,
+    inputs: &[*const u8],
+    outputs: &[*mut u8],
+    n: usize,
+    stream: bool,
+) {
+    debug_assert!(!inputs.is_empty());
+    let (op, ins, outs) = (kernel.op, inputs, outputs);
+    // SAFETY: forwarded caller guarantees; T matches the dtype; `Kernel::new` admitted the pair.
+    unsafe {
+        match kernel.dtype {
+            DType::F32 => arith_ops::<f32>(op, nranks, ins, outs, n, stream),
+            DType::F64 => arith_ops::<f64>(op, nranks, ins, outs, n, stream),
+            DType::F16 => arith_ops::<f16>(op, nranks, ins, outs, n, stream),
+            DType::BF16 => arith_ops::<bf16>(op, nranks, ins, outs, n, stream),
+            DType::I8 => int_ops::<i8>(op, nranks, ins, outs, n, stream),
+            DType::U8 => int_ops::<u8>(op, nranks, ins, outs, n, stream),
+            DType::I32 => int_ops::<i32>(op, nranks, ins, outs, n, stream),
+            DType::I64 => int_ops::<i64>(op, nranks, ins, outs, n, stream),
         }
     }
     if stream {
@@ -315,6 +419,9 @@ mod tests {
                     RedOp::Prod => a * v,
                     RedOp::Min => a.min(v),
                     RedOp::Max => a.max(v),
+                    RedOp::Band | RedOp::Bor | RedOp::Bxor => {
+                        panic!("no float reference for {op:?}: the kernels refuse it")
+                    }
                 };
                 if dtype != DType::F64 {
                     a = a as f32 as f64;
@@ -343,6 +450,11 @@ mod tests {
                     RedOp::Prod => a * v,
                     RedOp::Min => a.min(v),
                     RedOp::Max => a.max(v),
+                    // On sign-extended i128 values, as wide as any dtype: the low bits are the
+                    // narrow result and `wrap` restores the sign.
+                    RedOp::Band => a & v,
+                    RedOp::Bor => a | v,
+                    RedOp::Bxor => a ^ v,
                 });
             }
             if op == RedOp::Avg {
@@ -386,7 +498,21 @@ mod tests {
             .collect()
     }
 
-    fn value(dtype: DType, r: usize, i: usize) -> f64 {
+    fn value(dtype: DType, op: RedOp, r: usize, i: usize) -> f64 {
+        if op.is_bitwise() {
+            // Full-width bit patterns, sign bit included; i64 keeps 53 bits so f64 holds it exactly
+            // (bits 52..63 then all equal the sign, which still tests them).
+            let h = (r as u64 + 1)
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .rotate_left(i as u32 % 64)
+                ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            return match dtype {
+                DType::I8 => h as i8 as f64,
+                DType::U8 => h as u8 as f64,
+                DType::I32 => h as i32 as f64,
+                _ => ((h as i64) >> 11) as f64,
+            };
+        }
         let h = (r * 7919 + i * 104_729) % 23;
         match dtype {
             DType::U8 => (h * 11) as f64,         // 0..=242, sums wrap
@@ -399,14 +525,25 @@ mod tests {
     fn every_dtype_and_op_matches_reference() {
         // Odd n crosses the chunk boundary; 3 ranks exercise avg rounding.
         let n = CHUNK * 2 + 37;
+        let (mut checked, mut refused) = (0, 0);
         for dtype in ALL_DTYPES {
             for op in ALL_REDOPS {
+                if op.is_bitwise() && dtype.is_float() {
+                    assert_eq!(
+                        Kernel::new(dtype, op),
+                        Err(DescError::BitwiseOnFloat(op.name(), dtype.name()))
+                    );
+                    refused += 1;
+                    continue;
+                }
+                let kernel = Kernel::new(dtype, op).unwrap();
+                checked += 1;
                 for nranks in [1usize, 3, 4] {
                     let inputs: Vec<Vec<u8>> = (0..nranks)
                         .map(|r| {
                             to_bytes(
                                 dtype,
-                                &(0..n).map(|i| value(dtype, r, i)).collect::<Vec<_>>(),
+                                &(0..n).map(|i| value(dtype, op, r, i)).collect::<Vec<_>>(),
                             )
                         })
                         .collect();
@@ -417,40 +554,22 @@ mod tests {
                     let ins: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr()).collect();
                     // SAFETY: all buffers hold n elements; Vec<u8> of a multiple of the element size
                     // allocated by the global allocator is aligned enough on x86-64 (checked below).
-                    unsafe {
-                        reduce(
-                            dtype,
-                            op,
-                            nranks as u32,
-                            &ins,
-                            &[out1.as_mut_ptr()],
-                            n,
-                            false,
-                        )
-                    };
+                    unsafe { reduce(kernel, nranks as u32, &ins, &[out1.as_mut_ptr()], n, false) };
                     // SAFETY: as above; the streaming path must give the same bytes.
-                    unsafe {
-                        reduce(
-                            dtype,
-                            op,
-                            nranks as u32,
-                            &ins,
-                            &[out2.as_mut_ptr()],
-                            n,
-                            true,
-                        )
-                    };
+                    unsafe { reduce(kernel, nranks as u32, &ins, &[out2.as_mut_ptr()], n, true) };
                     let ip_ins: Vec<*const u8> = inplace.iter().map(|v| v.as_ptr()).collect();
                     let dst = inplace[0].as_mut_ptr();
                     // SAFETY: as above; the output is identical to input 0.
-                    unsafe { reduce(dtype, op, nranks as u32, &ip_ins, &[dst], n, nranks == 3) };
+                    unsafe { reduce(kernel, nranks as u32, &ip_ins, &[dst], n, nranks == 3) };
                     assert_eq!(out1.as_ptr() as usize % 8, 0);
                     let got = from_bytes(dtype, &out1);
                     let got_ip = from_bytes(dtype, &inplace[0]);
                     assert_eq!(out1, out2);
                     for i in 0..n {
                         let vals: Vec<f64> = (0..nranks)
-                            .map(|r| from_bytes(dtype, &to_bytes(dtype, &[value(dtype, r, i)]))[0])
+                            .map(|r| {
+                                from_bytes(dtype, &to_bytes(dtype, &[value(dtype, op, r, i)]))[0]
+                            })
                             .collect();
                         let want =
                             from_bytes(dtype, &to_bytes(dtype, &[reference(dtype, op, &vals)]))[0];
@@ -462,6 +581,132 @@ mod tests {
                     }
                 }
             }
+        }
+        // 8 dtypes x 5 arithmetic ops + 4 integer dtypes x 3 bitwise ops; 4 floats x 3 refused.
+        assert_eq!((checked, refused), (52, 12));
+    }
+
+    /// Buffers of `n` elements of `dtype` with random bits, backed by u64 so every dtype is aligned.
+    fn random_words(n: usize, dtype: DType, seed: u64) -> Vec<u64> {
+        let mut x = seed | 1;
+        (0..(n * dtype.size() as usize).div_ceil(8))
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x
+            })
+            .collect()
+    }
+
+    fn bytes_of(w: &[u64], len: usize) -> Vec<u8> {
+        w.iter().flat_map(|x| x.to_ne_bytes()).take(len).collect()
+    }
+
+    #[test]
+    fn bitwise_ops_match_bytewise_reference() {
+        // Independent of integer widths and signs: and/or/xor of integers is and/or/xor of their
+        // bytes. All 64 bits random (also i64 bits that `value` cannot reach through f64).
+        let n = CHUNK + 13;
+        for dtype in [DType::I8, DType::U8, DType::I32, DType::I64] {
+            let len = n * dtype.size() as usize;
+            for op in [RedOp::Band, RedOp::Bor, RedOp::Bxor] {
+                let kernel = Kernel::new(dtype, op).unwrap();
+                for nranks in [1usize, 2, 3, 5] {
+                    let seed = dtype.code() as u64 * 1000 + op.code() as u64 * 10 + nranks as u64;
+                    let inputs: Vec<Vec<u64>> = (0..nranks)
+                        .map(|r| random_words(n, dtype, seed * 31 + r as u64))
+                        .collect();
+                    let in_bytes: Vec<Vec<u8>> = inputs.iter().map(|w| bytes_of(w, len)).collect();
+                    let want: Vec<u8> = (0..len)
+                        .map(|b| {
+                            let mut it = in_bytes.iter().map(|v| v[b]);
+                            let first = it.next().unwrap();
+                            it.fold(first, |a, v| match op {
+                                RedOp::Band => a & v,
+                                RedOp::Bor => a | v,
+                                _ => a ^ v,
+                            })
+                        })
+                        .collect();
+                    let ins: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr().cast()).collect();
+                    for stream in [false, true] {
+                        let mut out = vec![0u64; len.div_ceil(8)];
+                        // SAFETY: every buffer holds n elements and is 8-byte aligned.
+                        unsafe {
+                            reduce(
+                                kernel,
+                                nranks as u32,
+                                &ins,
+                                &[out.as_mut_ptr().cast()],
+                                n,
+                                stream,
+                            )
+                        };
+                        assert_eq!(
+                            bytes_of(&out, len),
+                            want,
+                            "{dtype:?} {op:?} nranks={nranks} stream={stream}"
+                        );
+                    }
+                    // In place into the last input.
+                    let mut inplace = inputs.clone();
+                    let ip: Vec<*const u8> = inplace.iter().map(|v| v.as_ptr().cast()).collect();
+                    let dst = inplace[nranks - 1].as_mut_ptr().cast::<u8>();
+                    // SAFETY: as above; the output is identical to an input.
+                    unsafe { reduce(kernel, nranks as u32, &ip, &[dst], n, false) };
+                    assert_eq!(bytes_of(&inplace[nranks - 1], len), want, "in-place");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bitwise_ops_known_answers() {
+        fn run<T: Copy + Default>(dtype: DType, op: RedOp, vals: &[T]) -> T {
+            let ptrs: Vec<*const u8> = vals.iter().map(|v| (v as *const T).cast()).collect();
+            let mut out = T::default();
+            // SAFETY: one aligned element in each input and in the output.
+            unsafe {
+                reduce(
+                    Kernel::new(dtype, op).unwrap(),
+                    vals.len() as u32,
+                    &ptrs,
+                    &[(&mut out as *mut T).cast()],
+                    1,
+                    false,
+                )
+            };
+            out
+        }
+        assert_eq!(run(DType::I8, RedOp::Band, &[-1i8, 0x0f, 0x3c]), 0x0c);
+        assert_eq!(run(DType::I8, RedOp::Bor, &[i8::MIN, 1]), -127);
+        assert_eq!(run(DType::U8, RedOp::Bor, &[0x81u8, 0x42]), 0xc3);
+        assert_eq!(run(DType::U8, RedOp::Bxor, &[0xffu8, 0x0f, 0x01]), 0xf1);
+        assert_eq!(run(DType::I32, RedOp::Bxor, &[7i32, 7, 7]), 7);
+        assert_eq!(run(DType::I32, RedOp::Band, &[-2i32, 3]), 2);
+        assert_eq!(run(DType::I64, RedOp::Bxor, &[i64::MIN, -1]), i64::MAX);
+        assert_eq!(
+            run(DType::I64, RedOp::Bor, &[1i64 << 62, 1 << 33, 5]),
+            (1 << 62) | (1 << 33) | 5
+        );
+    }
+
+    #[test]
+    fn bitwise_ops_are_refused_for_float_dtypes() {
+        for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            for op in [RedOp::Band, RedOp::Bor, RedOp::Bxor] {
+                let e = Kernel::new(dtype, op).unwrap_err();
+                assert_eq!(
+                    e.to_string(),
+                    format!(
+                        "bitwise reduction {} is defined for integer dtypes only (got {})",
+                        op.name(),
+                        dtype.name()
+                    )
+                );
+            }
+            assert!(Kernel::new(dtype, RedOp::Sum).is_ok());
         }
     }
 
@@ -475,8 +720,7 @@ mod tests {
         // SAFETY: one element in each buffer.
         unsafe {
             reduce(
-                DType::F16,
-                RedOp::Sum,
+                Kernel::new(DType::F16, RedOp::Sum).unwrap(),
                 5,
                 &ptrs,
                 &[out.as_mut_ptr()],
