@@ -1,0 +1,204 @@
+//! Error reporting across the C boundary: status codes from `commd_client::Error`, the
+//! thread-local last-error message, and the guard every entry point runs in (no panic unwinds
+//! into C).
+
+use std::cell::RefCell;
+use std::ffi::CString;
+use std::os::raw::c_char;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use commd_client::{Error, OpErrorKind};
+
+use crate::types::commd_status_t;
+use crate::types::commd_status_t::*;
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// A failed call: its status and the message for `commd_last_error`.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub status: commd_status_t,
+    pub message: String,
+}
+
+pub(crate) type Outcome<T = ()> = Result<T, Failure>;
+
+pub(crate) fn invalid(message: impl Into<String>) -> Failure {
+    Failure {
+        status: COMMD_INVALID_ARGUMENT,
+        message: message.into(),
+    }
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        Failure {
+            status: classify(&e),
+            message: e.to_string(),
+        }
+    }
+}
+
+/// The C status for a client error.
+pub(crate) fn classify(e: &Error) -> commd_status_t {
+    match e {
+        Error::DaemonUnavailable { .. } => COMMD_DAEMON_UNAVAILABLE,
+        Error::DaemonLost { .. } => COMMD_DAEMON_LOST,
+        Error::Op { kind, .. } => match kind {
+            OpErrorKind::Invalid => COMMD_INVALID_ARGUMENT,
+            OpErrorKind::Mismatch => COMMD_MISMATCH,
+            OpErrorKind::PeerLost => COMMD_PEER_LOST,
+            OpErrorKind::Timeout => COMMD_TIMEOUT,
+            OpErrorKind::Shutdown => COMMD_SHUTDOWN,
+            OpErrorKind::Aborted => COMMD_ABORTED,
+            OpErrorKind::Internal => COMMD_INTERNAL,
+        },
+        Error::Rpc { code, message, .. } => {
+            use tonic::Code;
+            match code {
+                Code::DeadlineExceeded => COMMD_TIMEOUT,
+                Code::InvalidArgument
+                | Code::NotFound
+                | Code::AlreadyExists
+                | Code::FailedPrecondition
+                | Code::OutOfRange
+                | Code::PermissionDenied
+                | Code::ResourceExhausted => COMMD_INVALID_ARGUMENT,
+                // The daemon answers Unavailable while shutting down and when a rank dies during
+                // a communicator's rendezvous; the transport answers Unavailable/Unknown/
+                // Cancelled when the daemon itself went away. The daemon's wording is the only
+                // thing that tells these apart on the wire.
+                Code::Unavailable if message.contains("shutting down") => COMMD_SHUTDOWN,
+                Code::Unavailable if message.contains("exited while the communicator") => {
+                    COMMD_PEER_LOST
+                }
+                Code::Unavailable | Code::Unknown | Code::Cancelled => COMMD_DAEMON_LOST,
+                _ => COMMD_INTERNAL,
+            }
+        }
+        Error::InvalidArgument(_) => COMMD_INVALID_ARGUMENT,
+        Error::Io(_) | Error::Ring(_) => COMMD_INTERNAL,
+    }
+}
+
+pub(crate) fn set_last_error(message: &str) {
+    // A C string cannot hold NUL bytes; none are expected, but never lose the message.
+    let c = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
+    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+}
+
+/// The message of the last failure on this thread (a pointer valid until the next failing
+/// commd call on this thread).
+pub(crate) fn last_error_ptr() -> *const c_char {
+    LAST_ERROR.with(|l| l.borrow().as_ptr())
+}
+
+#[cfg(test)]
+pub(crate) fn last_error_string() -> String {
+    // SAFETY: last_error_ptr points at this thread's NUL-terminated CString, which stays
+    // alive and unmodified while we copy it (no commd call runs in between).
+    unsafe { std::ffi::CStr::from_ptr(last_error_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Runs the body of the entry point `func`: maps a failure to its status and message, and a
+/// panic to COMMD_INTERNAL, so nothing unwinds into C.
+pub(crate) fn ffi(func: &str, body: impl FnOnce() -> Outcome<commd_status_t>) -> commd_status_t {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(s)) => s,
+        Ok(Err(f)) => {
+            set_last_error(&format!("{func}: {}", f.message));
+            f.status
+        }
+        Err(payload) => {
+            set_last_error(&format!(
+                "{func}: internal error (a bug in commd, please report it): panic: {}",
+                panic_text(payload.as_ref())
+            ));
+            COMMD_INTERNAL
+        }
+    }
+}
+
+/// For entry points that return no status (free/close): failures only set the message.
+pub(crate) fn ffi_void(func: &str, body: impl FnOnce()) {
+    ffi(func, || {
+        body();
+        Ok(COMMD_OK)
+    });
+}
+
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "(no message)".to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panics_become_internal_errors() {
+        let s = ffi("commd_test", || panic!("boom"));
+        assert_eq!(s, COMMD_INTERNAL);
+        let m = last_error_string();
+        assert!(m.contains("commd_test") && m.contains("boom"), "{m}");
+    }
+
+    #[test]
+    fn failures_keep_their_status_and_name_the_function() {
+        let s = ffi("commd_x", || Err(invalid("count is wrong")));
+        assert_eq!(s, COMMD_INVALID_ARGUMENT);
+        assert_eq!(last_error_string(), "commd_x: count is wrong");
+        set_last_error("a\0b");
+        assert_eq!(last_error_string(), "a\\0b");
+    }
+
+    #[test]
+    fn rpc_codes_map_to_statuses() {
+        let rpc = |code, message: &str| Error::Rpc {
+            op: "create_communicator",
+            code,
+            message: message.into(),
+        };
+        use tonic::Code;
+        assert_eq!(
+            classify(&rpc(Code::DeadlineExceeded, "ranks 1 never joined")),
+            COMMD_TIMEOUT
+        );
+        assert_eq!(
+            classify(&rpc(Code::NotFound, "unknown id")),
+            COMMD_INVALID_ARGUMENT
+        );
+        assert_eq!(
+            classify(&rpc(Code::Unavailable, "daemon is shutting down")),
+            COMMD_SHUTDOWN
+        );
+        assert_eq!(
+            classify(&rpc(
+                Code::Unavailable,
+                "rank 1 (pid 7) exited while the communicator was forming: x"
+            )),
+            COMMD_PEER_LOST
+        );
+        assert_eq!(
+            classify(&rpc(Code::Unavailable, "transport error")),
+            COMMD_DAEMON_LOST
+        );
+        assert_eq!(
+            classify(&Error::Op {
+                kind: OpErrorKind::Mismatch,
+                message: String::new()
+            }),
+            COMMD_MISMATCH
+        );
+    }
+}
