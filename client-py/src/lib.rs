@@ -1,1 +1,480 @@
-//! Python bindings (work in progress).
+//! `commd._native`: the Python bindings over `commd-client`.
+//!
+//! This layer is deliberately thin: sessions, communicators, shared-memory buffers (exposed
+//! through the buffer protocol, so numpy and torch view them without a copy), op posting and
+//! requests. Staging of arbitrary arrays, the numpy-level API and the torch backend live in the
+//! Python package (`python/commd`). Every blocking call releases the GIL and wakes up every
+//! 100 ms to deliver signals (Ctrl-C interrupts a wait; the op itself keeps running).
+
+use std::ffi::{c_int, c_void};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use commd_client::desc::{DType, OpKind, RedOp};
+use commd_client::{Error, OpErrorKind};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyBufferError, PyException, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+create_exception!(
+    _native,
+    CommError,
+    PyException,
+    "Base class of every commd error."
+);
+create_exception!(
+    _native,
+    DaemonUnavailableError,
+    CommError,
+    "The commd daemon could not be reached (the message names the socket and how to start it)."
+);
+create_exception!(
+    _native,
+    DaemonLostError,
+    CommError,
+    "The daemon went away (exited or closed this session) while the client used it."
+);
+create_exception!(
+    _native,
+    MismatchError,
+    CommError,
+    "Ranks posted different collectives (op, dtype, count, root or reduction) at the same step."
+);
+create_exception!(
+    _native,
+    PeerLostError,
+    CommError,
+    "A rank of the communicator died or left."
+);
+create_exception!(
+    _native,
+    CommTimeoutError,
+    CommError,
+    "Some ranks never posted the op (or never joined) within the timeout."
+);
+create_exception!(
+    _native,
+    ShutdownError,
+    CommError,
+    "The daemon is shutting down."
+);
+create_exception!(
+    _native,
+    AbortedError,
+    CommError,
+    "The communicator was aborted by an earlier error or destroyed."
+);
+create_exception!(
+    _native,
+    InvalidOpError,
+    CommError,
+    "The daemon refused the op's arguments (bounds, dtype, reduction)."
+);
+
+/// Converts a client error to the matching Python exception.
+fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match &e {
+        Error::DaemonUnavailable { .. } => DaemonUnavailableError::new_err(msg),
+        Error::DaemonLost { .. } => DaemonLostError::new_err(msg),
+        Error::InvalidArgument(_) => PyValueError::new_err(msg),
+        _ => match e.op_kind() {
+            Some(OpErrorKind::Mismatch) => MismatchError::new_err(msg),
+            Some(OpErrorKind::PeerLost) => PeerLostError::new_err(msg),
+            Some(OpErrorKind::Timeout) => CommTimeoutError::new_err(msg),
+            Some(OpErrorKind::Shutdown) => ShutdownError::new_err(msg),
+            Some(OpErrorKind::Aborted) => AbortedError::new_err(msg),
+            Some(OpErrorKind::Invalid) => InvalidOpError::new_err(msg),
+            Some(OpErrorKind::Internal) | None => CommError::new_err(msg),
+        },
+    }
+}
+
+/// Seconds (None: no limit) to a Duration, refusing negative and non-finite values.
+fn duration(secs: Option<f64>, what: &str) -> PyResult<Option<Duration>> {
+    match secs {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(PyValueError::new_err(format!(
+            "{what} must be a non-negative number of seconds, got {s}"
+        ))),
+    }
+}
+
+/// A session with the local daemon.
+#[pyclass(module = "commd._native", frozen)]
+struct Client {
+    inner: commd_client::Client,
+}
+
+#[pymethods]
+impl Client {
+    /// Connects to the daemon at `socket` (default: `$COMMD_SOCKET`, else the per-user path).
+    #[new]
+    #[pyo3(signature = (socket=None, name=None))]
+    fn new(py: Python<'_>, socket: Option<PathBuf>, name: Option<String>) -> PyResult<Self> {
+        let mut o = commd_client::Options::default();
+        if let Some(n) = name {
+            o.name = n;
+        }
+        let c = py
+            .detach(|| commd_client::Client::connect_with(socket.as_deref(), o))
+            .map_err(to_py)?;
+        Ok(Self { inner: c })
+    }
+
+    /// The daemon socket this session uses.
+    #[getter]
+    fn socket(&self) -> String {
+        self.inner.socket().display().to_string()
+    }
+
+    #[getter]
+    fn session_id(&self) -> u64 {
+        self.inner.session_id()
+    }
+
+    /// A fresh 128-byte communicator id, to hand to every rank.
+    fn unique_id<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
+        let id = py.detach(|| self.inner.unique_id()).map_err(to_py)?;
+        Ok(PyBytes::new(py, &id))
+    }
+
+    /// Joins communicator `unique_id` as `rank` of `nranks`; returns once every rank joined.
+    #[pyo3(signature = (unique_id, rank, nranks, op_timeout=None, join_timeout=None))]
+    fn communicator(
+        &self,
+        py: Python<'_>,
+        unique_id: &[u8],
+        rank: u32,
+        nranks: u32,
+        op_timeout: Option<f64>,
+        join_timeout: Option<f64>,
+    ) -> PyResult<Communicator> {
+        if rank >= nranks {
+            return Err(PyValueError::new_err(format!(
+                "rank {rank} is out of range for {nranks} ranks"
+            )));
+        }
+        let o = commd_client::CommOptions {
+            op_timeout: duration(op_timeout, "op_timeout")?,
+            join_timeout: duration(join_timeout, "join_timeout")?,
+        };
+        let uid = unique_id.to_vec();
+        let c = py
+            .detach(|| self.inner.communicator_with(&uid, rank, nranks, o))
+            .map_err(to_py)?;
+        Ok(Communicator {
+            inner: std::sync::Mutex::new(Some(Arc::new(c))),
+            rank,
+            nranks,
+        })
+    }
+
+    /// Allocates `nbytes` of shared memory registered with the daemon (zero-filled).
+    fn alloc(&self, py: Python<'_>, nbytes: u64) -> PyResult<Buffer> {
+        let b = py.detach(|| self.inner.alloc(nbytes)).map_err(to_py)?;
+        Ok(Buffer {
+            inner: Arc::new(b),
+            exports: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    /// The daemon's status (as JSON text).
+    fn status_json(&self, py: Python<'_>) -> PyResult<String> {
+        let s = py.detach(|| self.inner.status()).map_err(to_py)?;
+        Ok(format!(
+            "{{\"daemon_version\":{:?},\"pid\":{},\"uptime_ms\":{},\"sessions\":{},\"communicators\":{},\"registrations\":{},\"mapped_bytes\":{},\"ops_completed\":{},\"ops_failed\":{},\"workers\":{}}}",
+            s.daemon_version,
+            s.pid,
+            s.uptime_ms,
+            s.sessions,
+            s.communicators,
+            s.registrations,
+            s.mapped_bytes,
+            s.ops_completed,
+            s.ops_failed,
+            s.workers
+        ))
+    }
+}
+
+/// Shared memory registered with the daemon. Supports the buffer protocol (writable, 1-D bytes).
+#[pyclass(module = "commd._native", frozen, weakref)]
+struct Buffer {
+    inner: Arc<commd_client::Buffer>,
+    exports: std::sync::atomic::AtomicUsize,
+}
+
+#[pymethods]
+impl Buffer {
+    #[getter]
+    fn nbytes(&self) -> u64 {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn mem_id(&self) -> u32 {
+        self.inner.mem_id()
+    }
+
+    /// The address of the first byte in this process (to recognise arrays that live here).
+    #[getter]
+    fn address(&self) -> usize {
+        self.inner.as_ptr() as usize
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len() as usize
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<commd.Buffer mem {} ({} bytes)>",
+            self.inner.mem_id(),
+            self.inner.len()
+        )
+    }
+
+    /// # Safety
+    /// Called by CPython with a valid `view` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut ffi::Py_buffer,
+        flags: c_int,
+    ) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("null view"));
+        }
+        let me = slf.get();
+        let len = me.inner.len() as ffi::Py_ssize_t;
+        // SAFETY: `view` is non-null and owned by the caller for the duration of this call; we
+        // fill every field. The exporter object is kept alive by the new reference in `obj`.
+        unsafe {
+            (*view).buf = me.inner.as_ptr() as *mut c_void;
+            (*view).len = len;
+            (*view).readonly = 0;
+            (*view).itemsize = 1;
+            (*view).format = if flags & ffi::PyBUF_FORMAT == ffi::PyBUF_FORMAT {
+                c"B".as_ptr() as *mut _
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).ndim = 1;
+            (*view).shape = if flags & ffi::PyBUF_ND == ffi::PyBUF_ND {
+                &mut (*view).len
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).strides = if flags & ffi::PyBUF_STRIDES == ffi::PyBUF_STRIDES {
+                &mut (*view).itemsize
+            } else {
+                std::ptr::null_mut()
+            };
+            (*view).suboffsets = std::ptr::null_mut();
+            (*view).internal = std::ptr::null_mut();
+            (*view).obj = slf.clone().into_any().into_ptr();
+        }
+        me.exports
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// # Safety
+    /// Called by CPython with a view this object filled.
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        self.exports
+            .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+fn parse_kind(s: &str) -> PyResult<OpKind> {
+    OpKind::parse(s).ok_or_else(|| PyValueError::new_err(format!("unknown op {s:?}")))
+}
+
+fn parse_dtype(s: &str) -> PyResult<DType> {
+    DType::parse(s).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unsupported dtype {s:?} (commd reduces f32, f64, f16, bf16, i8, u8, i32, i64)"
+        ))
+    })
+}
+
+fn parse_redop(s: &str) -> PyResult<RedOp> {
+    RedOp::parse(s).ok_or_else(|| PyValueError::new_err(format!("unknown reduction {s:?}")))
+}
+
+/// A communicator handle; destroyed by `close()` or when garbage-collected.
+#[pyclass(module = "commd._native", frozen)]
+struct Communicator {
+    inner: std::sync::Mutex<Option<Arc<commd_client::Communicator>>>,
+    rank: u32,
+    nranks: u32,
+}
+
+impl Communicator {
+    fn get(&self) -> PyResult<Arc<commd_client::Communicator>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| AbortedError::new_err("this communicator was closed"))
+    }
+}
+
+type Loc<'py> = Option<(Bound<'py, Buffer>, u64)>;
+
+#[pymethods]
+impl Communicator {
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    #[getter]
+    fn nranks(&self) -> u32 {
+        self.nranks
+    }
+
+    /// The daemon's id for this communicator (as shown in error messages and `commd status`).
+    #[getter]
+    fn id(&self) -> PyResult<u64> {
+        Ok(self.get()?.id())
+    }
+
+    /// Posts one op. `send`/`recv` are `(Buffer, byte_offset)` or None; `peer` is the root
+    /// (broadcast, reduce) or the peer (send, recv). Returns a `Request`, which keeps the
+    /// buffers alive until it completes. Do not touch the bytes the op uses until then.
+    #[pyo3(signature = (op, dtype, count, send=None, recv=None, redop=None, peer=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn post<'py>(
+        &self,
+        py: Python<'py>,
+        op: &str,
+        dtype: &str,
+        count: u64,
+        send: Loc<'py>,
+        recv: Loc<'py>,
+        redop: Option<&str>,
+        peer: u32,
+    ) -> PyResult<Request> {
+        let kind = parse_kind(op)?;
+        let dtype = parse_dtype(dtype)?;
+        let redop = redop.map(parse_redop).transpose()?;
+        let comm = self.get()?;
+        let sb = send.as_ref().map(|(b, o)| (b.get().inner.clone(), *o));
+        let rb = recv.as_ref().map(|(b, o)| (b.get().inner.clone(), *o));
+        let args = commd_client::OpArgs {
+            kind,
+            dtype,
+            redop,
+            count,
+            peer,
+            send: sb.as_ref().map(|(b, o)| (&**b, *o)),
+            recv: rb.as_ref().map(|(b, o)| (&**b, *o)),
+        };
+        // SAFETY: the Request keeps both buffers' registrations alive until it is dropped, and
+        // the ownership rule (documented here and in the Python API) forbids touching the bytes
+        // the op uses until it completes.
+        let req = py
+            .detach(|| unsafe { comm.post_detached(args) })
+            .map_err(to_py)?;
+        let mut keep = Vec::new();
+        keep.extend(sb.map(|(b, _)| b));
+        keep.extend(rb.map(|(b, _)| b));
+        Ok(Request {
+            inner: Arc::new(req),
+            _keep: keep,
+            _comm: comm,
+        })
+    }
+
+    /// Destroys the communicator now (the other ranks' later ops fail with "peer lost").
+    fn close(&self, py: Python<'_>) {
+        let c = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
+        py.detach(move || drop(c));
+    }
+}
+
+/// A posted op.
+#[pyclass(module = "commd._native", frozen)]
+struct Request {
+    inner: Arc<commd_client::Request>,
+    _keep: Vec<Arc<commd_client::Buffer>>,
+    _comm: Arc<commd_client::Communicator>,
+}
+
+#[pymethods]
+impl Request {
+    /// Waits for the op. `timeout` in seconds (None: until done). Returns True when done, False
+    /// on timeout; raises the op's error if it failed (every time it is asked).
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let limit = duration(timeout, "timeout")?;
+        let t0 = Instant::now();
+        let slice = Duration::from_millis(100);
+        loop {
+            let left = limit.map(|l| l.saturating_sub(t0.elapsed()));
+            let step = left.map_or(slice, |l| l.min(slice));
+            let r = self.inner.clone();
+            let done = py.detach(move || r.wait_for(Some(step))).map_err(to_py)?;
+            if done {
+                return Ok(true);
+            }
+            if left.is_some_and(|l| l <= step) {
+                return Ok(false);
+            }
+            py.check_signals()?;
+        }
+    }
+
+    /// True if the op completed (raises its error if it failed); never blocks.
+    fn test(&self, py: Python<'_>) -> PyResult<bool> {
+        let r = self.inner.clone();
+        py.detach(move || r.test()).map_err(to_py)
+    }
+
+    #[getter]
+    fn op_id(&self) -> u64 {
+        self.inner.user_data()
+    }
+}
+
+/// Version of the bindings (same as the daemon's protocol version string).
+#[pyfunction]
+fn version() -> &'static str {
+    commd_proto::VERSION
+}
+
+/// The socket path a client would use now (`$COMMD_SOCKET`, else the per-user default).
+#[pyfunction]
+fn default_socket() -> String {
+    commd_client::resolve_socket_path().display().to_string()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Client>()?;
+    m.add_class::<Buffer>()?;
+    m.add_class::<Communicator>()?;
+    m.add_class::<Request>()?;
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(default_socket, m)?)?;
+    m.add("CommError", py.get_type::<CommError>())?;
+    m.add(
+        "DaemonUnavailableError",
+        py.get_type::<DaemonUnavailableError>(),
+    )?;
+    m.add("DaemonLostError", py.get_type::<DaemonLostError>())?;
+    m.add("MismatchError", py.get_type::<MismatchError>())?;
+    m.add("PeerLostError", py.get_type::<PeerLostError>())?;
+    m.add("CommTimeoutError", py.get_type::<CommTimeoutError>())?;
+    m.add("ShutdownError", py.get_type::<ShutdownError>())?;
+    m.add("AbortedError", py.get_type::<AbortedError>())?;
+    m.add("InvalidOpError", py.get_type::<InvalidOpError>())?;
+    Ok(())
+}

@@ -111,10 +111,15 @@ struct Inner {
     inflight: AtomicU32,
     limit: u32,
     spin: Duration,
+    /// The process that created the session: after fork() the child must not use (or end) it.
+    pid: u32,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if !self.owned_here() {
+            return;
+        }
         let mut rpc = self.rpc.clone();
         let _ = self.rt.block_on(rpc.goodbye(pb::SessionRef {
             session_id: self.session_id,
@@ -230,6 +235,7 @@ impl Client {
             next_token: AtomicU64::new(1),
             inflight: AtomicU32::new(0),
             spin: opts.spin,
+            pid: std::process::id(),
         };
         Ok(Self {
             inner: Arc::new(inner),
@@ -247,6 +253,7 @@ impl Client {
     /// A fresh communicator id (128 opaque bytes) to pass to every rank.
     pub fn unique_id(&self) -> Result<Vec<u8>> {
         let i = &self.inner;
+        i.check_owner()?;
         let r = i.rt.block_on(i.rpc.clone().get_unique_id(pb::SessionRef {
             session_id: i.session_id,
         }));
@@ -268,6 +275,7 @@ impl Client {
         o: CommOptions,
     ) -> Result<Communicator> {
         let i = &self.inner;
+        i.check_owner()?;
         let req = pb::CreateCommunicatorRequest {
             session_id: i.session_id,
             unique_id: unique_id.to_vec(),
@@ -324,6 +332,7 @@ impl Client {
     /// sealed against shrinking. Returns the memory handle.
     pub fn register_fd(&self, fd: std::os::fd::BorrowedFd<'_>, bytes: u64) -> Result<u32> {
         let i = &self.inner;
+        i.check_owner()?;
         let token = i.next_token.fetch_add(1, Ordering::Relaxed);
         {
             let sock = lock(&i.fd_sock);
@@ -378,6 +387,7 @@ impl Client {
 
     pub fn deregister(&self, mem_id: u32) -> Result<()> {
         let i = &self.inner;
+        i.check_owner()?;
         i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef {
             session_id: i.session_id,
             mem_id,
@@ -389,6 +399,7 @@ impl Client {
     /// Daemon-wide status (counts of sessions, communicators, registrations...).
     pub fn status(&self) -> Result<pb::StatusReply> {
         let i = &self.inner;
+        i.check_owner()?;
         Ok(i.rt
             .block_on(i.rpc.clone().status(pb::Empty {}))
             .map_err(|s| Error::rpc("status", s))?
@@ -405,14 +416,35 @@ fn source_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
+        let t = c.to_string();
+        // Wrappers often repeat their source's text; say each thing once.
+        if !s.ends_with(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
         cur = c.source();
     }
     s
 }
 
 impl Inner {
+    fn owned_here(&self) -> bool {
+        self.pid == std::process::id()
+    }
+
+    fn check_owner(&self) -> Result<()> {
+        if self.owned_here() {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "this commd session belongs to process {} (it was inherited through fork); \
+                 connect again in process {}",
+                self.pid,
+                std::process::id()
+            )))
+        }
+    }
+
     fn lost(&self, reason: &str) -> Error {
         Error::DaemonLost {
             session: self.session_id,
@@ -459,6 +491,7 @@ impl Inner {
     }
 
     fn post(&self, mut d: SubmitDesc) -> Result<u64> {
+        self.check_owner()?;
         if self.ring.session_error().load(Ordering::Acquire) != 0 {
             return Err(self.session_closed_error());
         }
@@ -532,7 +565,10 @@ impl Inner {
             if r.cq_tail().load(Ordering::SeqCst) == head {
                 let mut nap = Duration::from_millis(100);
                 if let Some(l) = limit {
-                    nap = nap.min(l.saturating_sub(t0.elapsed()).max(Duration::from_micros(50)));
+                    nap = nap.min(
+                        l.saturating_sub(t0.elapsed())
+                            .max(Duration::from_micros(50)),
+                    );
                 }
                 commd_proto::futex::wait(r.cq_bell(), bell, nap);
             }
@@ -629,7 +665,7 @@ impl Buffer {
 impl Drop for Buffer {
     fn drop(&mut self) {
         let i = &self.client;
-        if i.ring.session_error().load(Ordering::Acquire) == 0 {
+        if i.owned_here() && i.ring.session_error().load(Ordering::Acquire) == 0 {
             let _ = i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef {
                 session_id: i.session_id,
                 mem_id: self.mem_id,
@@ -751,7 +787,7 @@ impl std::fmt::Debug for Communicator {
 impl Drop for Communicator {
     fn drop(&mut self) {
         let i = &self.client;
-        if i.ring.session_error().load(Ordering::Acquire) == 0 {
+        if i.owned_here() && i.ring.session_error().load(Ordering::Acquire) == 0 {
             let _ =
                 i.rt.block_on(i.rpc.clone().destroy_communicator(pb::CommRef {
                     session_id: i.session_id,

@@ -1,0 +1,516 @@
+"""The torch.distributed backend ``"commd"``.
+
+``import commd.torch`` registers it; then ``dist.init_process_group("commd")`` works under
+torchrun (``env://``), with any store or init_method, and under mpirun (``RANK``/``WORLD_SIZE``
+etc. are filled in from Open MPI's or PMI's variables when torch's are absent). Rank 0 of each
+group creates the communicator id and publishes it in the group's store; every rank then joins.
+
+CPU tensors only for now: tensors are staged through shared memory (see ``commd._core``); tensors
+made by :func:`empty` already live there and skip the copies. The layer is written against
+"arrays + a dtype name", so CUDA tensors drop in as another way to name memory.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import zlib
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
+from torch._C._distributed_c10d import ReduceOp
+from torch._C._distributed_c10d import Work as _Work
+from torch.futures import Future
+
+from . import _core, _native
+from ._core import Handle
+
+__all__ = ["CommdBackend", "register", "empty", "BACKEND"]
+
+BACKEND = "commd"
+
+_REDUCE_DTYPES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "u8",
+}
+
+_REDOPS = {
+    ReduceOp.RedOpType.SUM: "sum",
+    ReduceOp.RedOpType.PRODUCT: "prod",
+    ReduceOp.RedOpType.MIN: "min",
+    ReduceOp.RedOpType.MAX: "max",
+    ReduceOp.RedOpType.AVG: "avg",
+    ReduceOp.RedOpType.BAND: "band",
+    ReduceOp.RedOpType.BOR: "bor",
+    ReduceOp.RedOpType.BXOR: "bxor",
+}
+
+# Same-size integer views for dtypes numpy lacks (pure data movement needs only the bytes).
+_BYTE_VIEWS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _BYTE_VIEWS[getattr(torch, _name)] = torch.uint8
+
+
+def _check_tensor(t: torch.Tensor, what: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"commd {what}: expected a tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"commd {what}: tensors on {t.device} are not supported yet (CPU tensors only)")
+    if t.is_sparse:
+        raise ValueError(f"commd {what}: sparse tensors are not supported")
+
+
+def _np(t: torch.Tensor, what: str = "op") -> np.ndarray:
+    """A numpy view of ``t`` (no copy, strides kept), with a same-size integer dtype where
+    numpy has no equivalent."""
+    _check_tensor(t, what)
+    t = t.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    v = _BYTE_VIEWS.get(t.dtype)
+    if v is not None:
+        t = t.view(v)
+    try:
+        return t.numpy()
+    except TypeError as e:
+        raise ValueError(f"commd {what}: unsupported tensor dtype {t.dtype}") from e
+
+
+def _reduce_args(t: torch.Tensor, op: Any, what: str) -> tuple[np.ndarray, str, str]:
+    """(array, daemon dtype name, daemon reduction name) for a reduction over ``t``."""
+    _check_tensor(t, what)
+    kind = op.op if isinstance(op, ReduceOp) else op
+    if kind == ReduceOp.RedOpType.PREMUL_SUM:
+        raise ValueError(
+            f"commd {what}: PREMUL_SUM is not supported; scale the tensor and use SUM")
+    name = _REDOPS.get(kind)
+    if name is None:
+        raise ValueError(f"commd {what}: unsupported reduction {op}")
+    if t.is_complex():
+        if name not in ("sum", "avg"):
+            raise ValueError(f"commd {what}: reduction {name} is not defined for complex tensors")
+        dt = {torch.complex64: "f32", torch.complex128: "f64"}.get(t.dtype)
+        if dt is None:
+            raise ValueError(f"commd {what}: unsupported tensor dtype {t.dtype}")
+        return _np(t, what), dt, name
+    dt = _REDUCE_DTYPES.get(t.dtype)
+    if dt is None:
+        raise ValueError(
+            f"commd {what}: cannot reduce {t.dtype} tensors (supported: float32, float64, "
+            "float16, bfloat16, int8, uint8, int32, int64, bool, complex64/128 for sum/avg)")
+    return _np(t, what), dt, _core._redop(name, dt, t.dtype == torch.bool)
+
+
+def _seconds(timeout: Any) -> float | None:
+    if timeout is None:
+        return None
+    s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout) / 1000.0
+    return s if s > 0 else None
+
+
+class _Progress:
+    """Completes futures of ops nobody waits on directly (DDP's reducer, get_future().then)."""
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[Handle, Future, Any]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def watch(self, h: Handle, fut: Future, value: Any) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="commd-progress",
+                                                daemon=True)
+                self._thread.start()
+        self._q.put((h, fut, value))
+
+    def _run(self) -> None:
+        while True:
+            h, fut, value = self._q.get()
+            try:
+                h.wait()
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                fut.set_exception(e)
+            else:
+                fut.set_result(value)
+
+
+_progress = _Progress()
+
+
+class _CommdWork(_Work):
+    """torch's Work over a commd Handle."""
+
+    def __init__(self, handle: Handle, result: Any) -> None:
+        super().__init__()
+        self._h = handle
+        self._result = result
+        self._fut: Future | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: Any = None) -> bool:
+        secs = _seconds(timeout)
+        self._h.wait(secs)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._h.is_completed()
+
+    def is_success(self) -> bool:
+        return self._h.is_completed() and self._h.exception() is None
+
+    def exception(self) -> Any:
+        return self._h.exception()
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        self._h.wait()
+
+    def get_future(self) -> Future:
+        with self._lock:
+            if self._fut is None:
+                self._fut = Future()
+                if self._h.is_completed():
+                    e = self._h.exception()
+                    if e is None:
+                        self._fut.set_result(self._result)
+                    else:
+                        self._fut.set_exception(e)
+                else:
+                    _progress.watch(self._h, self._fut, self._result)
+            return self._fut
+
+
+def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise ValueError(f"commd {what}: expected one tensor per process, got {len(tensors)}")
+    return tensors[0]
+
+
+class CommdBackend(_C10dBackend):
+    """A process group backend whose collectives run in the node's commd daemon."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: timedelta | None = None,
+                 group_name: str = "") -> None:
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self._group_name = group_name
+        self.client = _core.connect(name=f"torch pid {os.getpid()} rank {rank}")
+        secs = _seconds(timeout)
+        key = "commd/unique_id"
+        if rank == 0:
+            uid = self.client.unique_id()
+            store.set(key, uid)
+        else:
+            uid = bytes(store.get(key))
+        self.comm = self.client.communicator(uid, rank, size, op_timeout=secs, join_timeout=secs)
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    @property
+    def supports_splitting(self) -> bool:
+        return False
+
+    @property
+    def supports_coalescing(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        self.comm.close()
+
+    def abort(self) -> None:
+        self.comm.close()
+
+    @staticmethod
+    def _work(h: Handle, result: Any) -> _CommdWork:
+        return _CommdWork(h, result)
+
+    def _p2p_batch(self, sends: list[tuple[np.ndarray, int]], recvs: list[tuple[np.ndarray, int]],
+                   result: Any) -> _CommdWork:
+        hs: list[Handle] = []
+        try:
+            for a, peer in sends:
+                hs.append(self.comm.send(a, peer, async_op=True))
+            for a, peer in recvs:
+                hs.append(self.comm.recv(a, peer, async_op=True))
+        except BaseException:
+            for h in hs:
+                try:
+                    h.wait()
+                except BaseException:  # noqa: BLE001 - the first error is the one reported
+                    pass
+            raise
+        return self._work(Handle.all(hs), result)
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
+        t = _one(tensors, "allreduce")
+        a, dt, red = _reduce_args(t, opts.reduceOp, "allreduce")
+        return self._work(self.comm.all_reduce(a, op=red, dtype=dt, async_op=True), tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
+        if not tensors:
+            return self._work(Handle.done(), tensors)
+        args = [_reduce_args(t, opts.reduceOp, "allreduce_coalesced") for t in tensors]
+        groups: dict[tuple[str, str], list[np.ndarray]] = {}
+        for a, dt, red in args:
+            groups.setdefault((dt, red), []).append(a)
+        hs = [self.comm.all_reduce_coalesced(arrs, op=red, dtype=dt, async_op=True)
+              for (dt, red), arrs in groups.items()]
+        return self._work(Handle.all(hs), tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
+        t = _one(tensors, "broadcast")
+        return self._work(self.comm.broadcast(_np(t, "broadcast"), opts.rootRank, async_op=True),
+                          tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
+        t = _one(tensors, "reduce")
+        a, dt, red = _reduce_args(t, opts.reduceOp, "reduce")
+        h = self.comm.reduce(a, opts.rootRank, op=red, dtype=dt, async_op=True)
+        return self._work(h, tensors)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]],
+                  input_tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
+        t = _one(input_tensors, "allgather")
+        outs = _one(output_tensors, "allgather")  # type: ignore[arg-type]
+        if len(outs) != self._size:
+            raise ValueError(f"commd allgather: expected {self._size} output tensors, got "
+                             f"{len(outs)}")
+        for o in outs:
+            _check_same(o, t, "allgather")
+        h = self.comm.all_gather(_np(t, "allgather"), [_np(o, "allgather") for o in outs],
+                                 async_op=True)
+        return self._work(h, output_tensors)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _CommdWork:
+        _check_sizes(output, input, self._size, "all_gather_into_tensor")
+        h = self.comm.all_gather(_np(input, "all_gather_into_tensor"),
+                                 _np(output, "all_gather_into_tensor"), async_op=True)
+        return self._work(h, [output])
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any) -> _CommdWork:
+        hs = [self._allgather_base(o, i, opts)._h for o, i in zip(outputs, inputs, strict=True)]
+        return self._work(Handle.all(hs), outputs)
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
+                            inputs: list[torch.Tensor], opts: Any) -> _CommdWork:
+        hs = [self.allgather([o], [i], opts)._h for o, i in zip(output_lists, inputs, strict=True)]
+        return self._work(Handle.all(hs), output_lists)
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor],
+                       input_tensors: list[list[torch.Tensor]], opts: Any) -> _CommdWork:
+        out = _one(output_tensors, "reduce_scatter")
+        ins = _one(input_tensors, "reduce_scatter")  # type: ignore[arg-type]
+        if len(ins) != self._size:
+            raise ValueError(f"commd reduce_scatter: expected {self._size} input tensors, got "
+                             f"{len(ins)}")
+        for i in ins:
+            _check_same(i, out, "reduce_scatter")
+        a, dt, red = _reduce_args(out, opts.reduceOp, "reduce_scatter")
+        h = self.comm.reduce_scatter([_np(i, "reduce_scatter") for i in ins], a, op=red,
+                                     dtype=dt, async_op=True)
+        return self._work(h, output_tensors)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
+                             opts: Any) -> _CommdWork:
+        _check_sizes(input, output, self._size, "reduce_scatter_tensor")
+        a, dt, red = _reduce_args(output, opts.reduceOp, "reduce_scatter_tensor")
+        h = self.comm.reduce_scatter(_np(input, "reduce_scatter_tensor"), a, op=red, dtype=dt,
+                                     async_op=True)
+        return self._work(h, [output])
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any) -> _CommdWork:
+        hs = [self._reduce_scatter_base(o, i, opts)._h
+              for o, i in zip(outputs, inputs, strict=True)]
+        return self._work(Handle.all(hs), outputs)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
+                      output_split_sizes: list[int], input_split_sizes: list[int],
+                      opts: Any) -> _CommdWork:
+        what = "all_to_all_single"
+        if input.dtype != output.dtype:
+            raise ValueError(f"commd {what}: input is {input.dtype} but output is {output.dtype}")
+        a, b = _np(input, what), _np(output, what)
+        if not output_split_sizes and not input_split_sizes:
+            if input.numel() != output.numel() or input.numel() % self._size:
+                raise ValueError(
+                    f"commd {what}: without split sizes, input and output must have the same "
+                    f"number of elements, divisible by {self._size} (got {input.numel()} and "
+                    f"{output.numel()})")
+            return self._work(self.comm.all_to_all(a, b, async_op=True), [output])
+        ins = _split_rows(a, input_split_sizes, self._size, "input", what)
+        outs = _split_rows(b, output_split_sizes, self._size, "output", what)
+        return self._work(self.comm.all_to_all_v(ins, outs, async_op=True), [output])
+
+    def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                 opts: Any) -> _CommdWork:
+        what = "all_to_all"
+        if len(output_tensors) != self._size or len(input_tensors) != self._size:
+            raise ValueError(f"commd {what}: expected {self._size} input and output tensors")
+        ins = [_np(t, what) for t in input_tensors]
+        outs = [_np(t, what) for t in output_tensors]
+        return self._work(self.comm.all_to_all_v(ins, outs, async_op=True), output_tensors)
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _CommdWork:
+        t = _one(tensors, "send")
+        return self._work(self.comm.send(_np(t, "send"), dst, async_op=True), tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _CommdWork:
+        t = _one(tensors, "recv")
+        return self._work(self.comm.recv(_np(t, "recv"), src, async_op=True), tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _CommdWork:
+        raise ValueError("commd recv: receiving from any source is not supported; name the "
+                         "source rank")
+
+    def barrier(self, opts: Any = None) -> _CommdWork:
+        return self._work(self.comm.barrier(async_op=True), [])
+
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any) -> _CommdWork:
+        t = _one(input_tensors, "gather")
+        root = opts.rootRank
+        if self._rank != root:
+            return self._p2p_batch([(_np(t, "gather"), root)], [], output_tensors)
+        outs = _one(output_tensors, "gather")  # type: ignore[arg-type]
+        if len(outs) != self._size:
+            raise ValueError(f"commd gather: expected {self._size} output tensors on the root")
+        for o in outs:
+            _check_same(o, t, "gather")
+        outs[root].copy_(t)
+        recvs = [(_np(o, "gather"), j) for j, o in enumerate(outs) if j != root]
+        return self._p2p_batch([], recvs, output_tensors)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any) -> _CommdWork:
+        out = _one(output_tensors, "scatter")
+        root = opts.rootRank
+        if self._rank != root:
+            return self._p2p_batch([], [(_np(out, "scatter"), root)], output_tensors)
+        ins = _one(input_tensors, "scatter")  # type: ignore[arg-type]
+        if len(ins) != self._size:
+            raise ValueError(f"commd scatter: expected {self._size} input tensors on the root")
+        for i in ins:
+            _check_same(i, out, "scatter")
+        out.copy_(ins[root])
+        sends = [(_np(i, "scatter"), j) for j, i in enumerate(ins) if j != root]
+        return self._p2p_batch(sends, [], output_tensors)
+
+
+def _check_same(t: torch.Tensor, like: torch.Tensor, what: str) -> None:
+    _check_tensor(t, what)
+    if t.dtype != like.dtype or t.numel() != like.numel():
+        raise ValueError(f"commd {what}: tensor of {t.numel()} x {t.dtype} does not match "
+                         f"{like.numel()} x {like.dtype}")
+
+
+def _check_sizes(big: torch.Tensor, small: torch.Tensor, n: int, what: str) -> None:
+    _check_tensor(big, what)
+    _check_tensor(small, what)
+    if big.dtype != small.dtype or big.numel() != n * small.numel():
+        raise ValueError(f"commd {what}: expected {n} x {small.numel()} elements of "
+                         f"{small.dtype}, got {big.numel()} of {big.dtype}")
+
+
+def _split_rows(a: np.ndarray, splits: list[int], n: int, side: str,
+                what: str) -> list[np.ndarray]:
+    rows = a.shape[0] if a.ndim else 1
+    if not splits:
+        if rows % n:
+            raise ValueError(f"commd {what}: {side} has {rows} rows, not divisible by {n}")
+        splits = [rows // n] * n
+    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
+        raise ValueError(f"commd {what}: {side} split sizes {list(splits)} must be {n} "
+                         f"non-negative numbers summing to {rows}")
+    out, off = [], 0
+    for s in splits:
+        out.append(a[off:off + s])
+        off += s
+    return out
+
+
+def empty(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A CPU tensor in commd shared memory: collectives on it skip the staging copies."""
+    if len(size) == 1 and isinstance(size[0], (tuple, list)):
+        size = tuple(size[0])
+    n = 1
+    for s in size:
+        n *= int(s)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    buf = _core.connect().alloc(max(n * itemsize, 1))
+    return torch.frombuffer(buf, dtype=dtype, count=n).view(size)
+
+
+def _env_from_launcher() -> None:
+    """Fills torch's env:// variables from mpirun (Open MPI, or PMI) when they are absent."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return
+    for rank, size, lrank, lsize in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ):
+        if rank in env and size in env:
+            env.setdefault("RANK", env[rank])
+            env.setdefault("WORLD_SIZE", env[size])
+            if lrank in env:
+                env.setdefault("LOCAL_RANK", env[lrank])
+            if lsize in env:
+                env.setdefault("LOCAL_WORLD_SIZE", env[lsize])
+            single_node = env.get(lsize) == env[size]
+            if single_node:
+                env.setdefault("MASTER_ADDR", "127.0.0.1")
+            # Every rank derives the same port from the job's id.
+            job = (env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE")
+                   or env.get("OMPI_MCA_orte_ess_jobid") or env.get("PMI_ID_JOB") or "")
+            if job and "MASTER_PORT" not in env:
+                env["MASTER_PORT"] = str(20000 + zlib.crc32(job.encode()) % 20000)
+            return
+
+
+def _create(opts: Any, backend_options: Any = None) -> CommdBackend:
+    return CommdBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                        str(opts.group_id))
+
+
+def register() -> None:
+    """Registers the ``"commd"`` backend with torch.distributed (idempotent)."""
+    if BACKEND.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+
+
+_env_from_launcher()
+register()
+
+# Re-exported so `except commd.torch.PeerLostError` reads naturally next to torch code.
+CommError = _native.CommError
+MismatchError = _native.MismatchError
+PeerLostError = _native.PeerLostError
+CommTimeoutError = _native.CommTimeoutError
+DaemonUnavailableError = _native.DaemonUnavailableError
