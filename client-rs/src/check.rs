@@ -108,6 +108,13 @@ pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u
         } else {
             a
         }
+    } else if op == RedOp::Avg {
+        // Integer AVG is the exact mean truncated toward zero (the daemon sums in i128).
+        let mut sum = 0i128;
+        for v in vals {
+            sum += v as i128;
+        }
+        (sum / i128::from(n.max(1))) as f64
     } else {
         let mut acc: Option<i128> = None;
         for v in vals {

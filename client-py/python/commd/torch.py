@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import ReduceOp
 from torch._C._distributed_c10d import Work as _Work
+from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from . import _core, _native
@@ -197,6 +198,15 @@ class _CommdWork(_Work):
             return self._fut
 
 
+def _flat_tensors(result: Any) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    out: list[torch.Tensor] = []
+    for r in result or []:
+        out.extend(_flat_tensors(r))
+    return out
+
+
 def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise ValueError(f"commd {what}: expected one tensor per process, got {len(tensors)}")
@@ -242,11 +252,27 @@ class CommdBackend(_C10dBackend):
         self.comm.close()
 
     @staticmethod
-    def _work(h: Handle, result: Any) -> _CommdWork:
-        return _CommdWork(h, result)
+    def _work(h: Handle, result: Any, opts: Any = None) -> Any:
+        """torch's Work for ``h``. A blocking call (``opts.asyncOp`` false: torch waits at once)
+        gets a Work whose ``wait`` runs here, with no thread hop. Async calls get a Work made from
+        a future that the progress thread completes, so ``is_completed()``, ``get_future()`` and
+        DDP's hooks see progress without anyone calling ``wait``."""
+        if opts is not None and not getattr(opts, "asyncOp", True):
+            return _CommdWork(h, result)
+        fut: Future = Future()
+        value = _flat_tensors(result)
+        if h.is_completed():
+            e = h.exception()
+            if e is None:
+                fut.set_result(value)
+            else:
+                fut.set_exception(e)
+        else:
+            _progress.watch(h, fut, value)
+        return _create_work_from_future(fut)
 
-    def _p2p_batch(self, sends: list[tuple[np.ndarray, int]], recvs: list[tuple[np.ndarray, int]],
-                   result: Any) -> _CommdWork:
+    def _p2p_batch(self, sends: list[tuple[np.ndarray, int]],
+                   recvs: list[tuple[np.ndarray, int]]) -> Handle:
         hs: list[Handle] = []
         try:
             for a, peer in sends:
@@ -260,68 +286,72 @@ class CommdBackend(_C10dBackend):
                 except BaseException:  # noqa: BLE001 - the first error is the one reported
                     pass
             raise
-        return self._work(Handle.all(hs), result)
+        return Handle.all(hs)
 
     # -- collectives ---------------------------------------------------------------------
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(tensors, "allreduce")
         a, dt, red = _reduce_args(t, opts.reduceOp, "allreduce")
-        return self._work(self.comm.all_reduce(a, op=red, dtype=dt, async_op=True), tensors)
+        return self._work(self.comm.all_reduce(a, op=red, dtype=dt, async_op=True), tensors, opts)
 
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if not tensors:
-            return self._work(Handle.done(), tensors)
+            return self._work(Handle.done(), tensors, opts)
         args = [_reduce_args(t, opts.reduceOp, "allreduce_coalesced") for t in tensors]
         groups: dict[tuple[str, str], list[np.ndarray]] = {}
         for a, dt, red in args:
             groups.setdefault((dt, red), []).append(a)
         hs = [self.comm.all_reduce_coalesced(arrs, op=red, dtype=dt, async_op=True)
               for (dt, red), arrs in groups.items()]
-        return self._work(Handle.all(hs), tensors)
+        return self._work(Handle.all(hs), tensors, opts)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(tensors, "broadcast")
-        return self._work(self.comm.broadcast(_np(t, "broadcast"), opts.rootRank, async_op=True),
-                          tensors)
+        h = self.comm.broadcast(_np(t, "broadcast"), opts.rootRank, async_op=True)
+        return self._work(h, tensors, opts)
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(tensors, "reduce")
         a, dt, red = _reduce_args(t, opts.reduceOp, "reduce")
         h = self.comm.reduce(a, opts.rootRank, op=red, dtype=dt, async_op=True)
-        return self._work(h, tensors)
+        return self._work(h, tensors, opts)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]],
-                  input_tensors: list[torch.Tensor], opts: Any) -> _CommdWork:
-        t = _one(input_tensors, "allgather")
-        outs = _one(output_tensors, "allgather")  # type: ignore[arg-type]
+    def _allgather_h(self, outs: list[torch.Tensor], t: torch.Tensor) -> Handle:
         if len(outs) != self._size:
             raise ValueError(f"commd allgather: expected {self._size} output tensors, got "
                              f"{len(outs)}")
         for o in outs:
             _check_same(o, t, "allgather")
-        h = self.comm.all_gather(_np(t, "allgather"), [_np(o, "allgather") for o in outs],
-                                 async_op=True)
-        return self._work(h, output_tensors)
+        return self.comm.all_gather(_np(t, "allgather"), [_np(o, "allgather") for o in outs],
+                                    async_op=True)
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> _CommdWork:
-        _check_sizes(output, input, self._size, "all_gather_into_tensor")
-        h = self.comm.all_gather(_np(input, "all_gather_into_tensor"),
-                                 _np(output, "all_gather_into_tensor"), async_op=True)
-        return self._work(h, [output])
-
-    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts: Any) -> _CommdWork:
-        hs = [self._allgather_base(o, i, opts)._h for o, i in zip(outputs, inputs, strict=True)]
-        return self._work(Handle.all(hs), outputs)
+    def allgather(self, output_tensors: list[list[torch.Tensor]],
+                  input_tensors: list[torch.Tensor], opts: Any) -> Any:
+        t = _one(input_tensors, "allgather")
+        outs = _one(output_tensors, "allgather")  # type: ignore[arg-type]
+        return self._work(self._allgather_h(outs, t), output_tensors, opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
-                            inputs: list[torch.Tensor], opts: Any) -> _CommdWork:
-        hs = [self.allgather([o], [i], opts)._h for o, i in zip(output_lists, inputs, strict=True)]
-        return self._work(Handle.all(hs), output_lists)
+                            inputs: list[torch.Tensor], opts: Any) -> Any:
+        hs = [self._allgather_h(o, i) for o, i in zip(output_lists, inputs, strict=True)]
+        return self._work(Handle.all(hs), output_lists, opts)
+
+    def _allgather_base_h(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
+        what = "all_gather_into_tensor"
+        _check_sizes(output, input, self._size, what)
+        return self.comm.all_gather(_np(input, what), _np(output, what), async_op=True)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+        return self._work(self._allgather_base_h(output, input), [output], opts)
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
+                                        inputs: list[torch.Tensor], opts: Any) -> Any:
+        hs = [self._allgather_base_h(o, i) for o, i in zip(outputs, inputs, strict=True)]
+        return self._work(Handle.all(hs), outputs, opts)
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor],
-                       input_tensors: list[list[torch.Tensor]], opts: Any) -> _CommdWork:
+                       input_tensors: list[list[torch.Tensor]], opts: Any) -> Any:
         out = _one(output_tensors, "reduce_scatter")
         ins = _one(input_tensors, "reduce_scatter")  # type: ignore[arg-type]
         if len(ins) != self._size:
@@ -332,25 +362,28 @@ class CommdBackend(_C10dBackend):
         a, dt, red = _reduce_args(out, opts.reduceOp, "reduce_scatter")
         h = self.comm.reduce_scatter([_np(i, "reduce_scatter") for i in ins], a, op=red,
                                      dtype=dt, async_op=True)
-        return self._work(h, output_tensors)
+        return self._work(h, output_tensors, opts)
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
-                             opts: Any) -> _CommdWork:
-        _check_sizes(input, output, self._size, "reduce_scatter_tensor")
-        a, dt, red = _reduce_args(output, opts.reduceOp, "reduce_scatter_tensor")
-        h = self.comm.reduce_scatter(_np(input, "reduce_scatter_tensor"), a, op=red, dtype=dt,
-                                     async_op=True)
-        return self._work(h, [output])
+    def _reduce_scatter_base_h(self, output: torch.Tensor, input: torch.Tensor,
+                               op: Any) -> Handle:
+        what = "reduce_scatter_tensor"
+        _check_sizes(input, output, self._size, what)
+        a, dt, red = _reduce_args(output, op, what)
+        return self.comm.reduce_scatter(_np(input, what), a, op=red, dtype=dt, async_op=True)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+        return self._work(self._reduce_scatter_base_h(output, input, opts.reduceOp), [output],
+                          opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
-                                        inputs: list[torch.Tensor], opts: Any) -> _CommdWork:
-        hs = [self._reduce_scatter_base(o, i, opts)._h
+                                        inputs: list[torch.Tensor], opts: Any) -> Any:
+        hs = [self._reduce_scatter_base_h(o, i, opts.reduceOp)
               for o, i in zip(outputs, inputs, strict=True)]
-        return self._work(Handle.all(hs), outputs)
+        return self._work(Handle.all(hs), outputs, opts)
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor,
                       output_split_sizes: list[int], input_split_sizes: list[int],
-                      opts: Any) -> _CommdWork:
+                      opts: Any) -> Any:
         what = "all_to_all_single"
         if input.dtype != output.dtype:
             raise ValueError(f"commd {what}: input is {input.dtype} but output is {output.dtype}")
@@ -361,41 +394,42 @@ class CommdBackend(_C10dBackend):
                     f"commd {what}: without split sizes, input and output must have the same "
                     f"number of elements, divisible by {self._size} (got {input.numel()} and "
                     f"{output.numel()})")
-            return self._work(self.comm.all_to_all(a, b, async_op=True), [output])
+            return self._work(self.comm.all_to_all(a, b, async_op=True), [output], opts)
         ins = _split_rows(a, input_split_sizes, self._size, "input", what)
         outs = _split_rows(b, output_split_sizes, self._size, "output", what)
-        return self._work(self.comm.all_to_all_v(ins, outs, async_op=True), [output])
+        return self._work(self.comm.all_to_all_v(ins, outs, async_op=True), [output], opts)
 
     def alltoall(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
-                 opts: Any) -> _CommdWork:
+                 opts: Any) -> Any:
         what = "all_to_all"
         if len(output_tensors) != self._size or len(input_tensors) != self._size:
             raise ValueError(f"commd {what}: expected {self._size} input and output tensors")
         ins = [_np(t, what) for t in input_tensors]
         outs = [_np(t, what) for t in output_tensors]
-        return self._work(self.comm.all_to_all_v(ins, outs, async_op=True), output_tensors)
+        return self._work(self.comm.all_to_all_v(ins, outs, async_op=True), output_tensors,
+                          opts)
 
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _CommdWork:
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         t = _one(tensors, "send")
         return self._work(self.comm.send(_np(t, "send"), dst, async_op=True), tensors)
 
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _CommdWork:
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
         t = _one(tensors, "recv")
         return self._work(self.comm.recv(_np(t, "recv"), src, async_op=True), tensors)
 
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> _CommdWork:
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
         raise ValueError("commd recv: receiving from any source is not supported; name the "
                          "source rank")
 
-    def barrier(self, opts: Any = None) -> _CommdWork:
-        return self._work(self.comm.barrier(async_op=True), [])
+    def barrier(self, opts: Any = None) -> Any:
+        return self._work(self.comm.barrier(async_op=True), [], opts)
 
     def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
-               opts: Any) -> _CommdWork:
+               opts: Any) -> Any:
         t = _one(input_tensors, "gather")
         root = opts.rootRank
         if self._rank != root:
-            return self._p2p_batch([(_np(t, "gather"), root)], [], output_tensors)
+            return self._work(self._p2p_batch([(_np(t, "gather"), root)], []), [], opts)
         outs = _one(output_tensors, "gather")  # type: ignore[arg-type]
         if len(outs) != self._size:
             raise ValueError(f"commd gather: expected {self._size} output tensors on the root")
@@ -403,14 +437,14 @@ class CommdBackend(_C10dBackend):
             _check_same(o, t, "gather")
         outs[root].copy_(t)
         recvs = [(_np(o, "gather"), j) for j, o in enumerate(outs) if j != root]
-        return self._p2p_batch([], recvs, output_tensors)
+        return self._work(self._p2p_batch([], recvs), output_tensors, opts)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
-                opts: Any) -> _CommdWork:
+                opts: Any) -> Any:
         out = _one(output_tensors, "scatter")
         root = opts.rootRank
         if self._rank != root:
-            return self._p2p_batch([], [(_np(out, "scatter"), root)], output_tensors)
+            return self._work(self._p2p_batch([], [(_np(out, "scatter"), root)]), output_tensors, opts)
         ins = _one(input_tensors, "scatter")  # type: ignore[arg-type]
         if len(ins) != self._size:
             raise ValueError(f"commd scatter: expected {self._size} input tensors on the root")
@@ -418,7 +452,17 @@ class CommdBackend(_C10dBackend):
             _check_same(i, out, "scatter")
         out.copy_(ins[root])
         sends = [(_np(i, "scatter"), j) for j, i in enumerate(ins) if j != root]
-        return self._p2p_batch(sends, [], output_tensors)
+        return self._work(self._p2p_batch(sends, []), output_tensors, opts)
+
+
+# torch >= 2.12 calls these names; older releases the underscored/base ones above.
+CommdBackend.all_gather_single = CommdBackend._allgather_base  # type: ignore[attr-defined]
+CommdBackend.all_gather_single_coalesced = (  # type: ignore[attr-defined]
+    CommdBackend.allgather_into_tensor_coalesced)
+CommdBackend.reduce_scatter_single = CommdBackend._reduce_scatter_base  # type: ignore[attr-defined]
+CommdBackend.reduce_scatter_single_coalesced = (  # type: ignore[attr-defined]
+    CommdBackend.reduce_scatter_tensor_coalesced)
+CommdBackend.all_to_all_single = CommdBackend.alltoall_base  # type: ignore[attr-defined]
 
 
 def _check_same(t: torch.Tensor, like: torch.Tensor, what: str) -> None:
@@ -505,7 +549,31 @@ def register() -> None:
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
 
 
+def _patch_is_completed() -> None:
+    """torch (2.15) wraps every Work a Python backend returns in a holder that forwards only
+    ``wait`` and ``get_future``, so ``is_completed()`` on it is always False. Our async Works
+    complete their future when the op finishes; this makes ``is_completed()`` fall back to that
+    future. Works of other backends are unaffected: their own answer is used first, and their
+    future is never done before they are."""
+    orig = _Work.is_completed
+    if getattr(orig, "_commd_patched", False):
+        return
+
+    def is_completed(self: _Work) -> bool:
+        if orig(self):
+            return True
+        try:
+            return bool(self.get_future().done())
+        except Exception:  # noqa: BLE001 - a Work without a future keeps its own answer
+            return False
+
+    is_completed._commd_patched = True  # type: ignore[attr-defined]
+    is_completed.__doc__ = orig.__doc__
+    _Work.is_completed = is_completed  # type: ignore[method-assign]
+
+
 _env_from_launcher()
+_patch_is_completed()
 register()
 
 # Re-exported so `except commd.torch.PeerLostError` reads naturally next to torch code.

@@ -1,7 +1,8 @@
 //! Element-wise reductions over host memory for every dtype and reduction op.
 //!
-//! f16 and bf16 accumulate in f32; integers wrap on overflow (as NCCL does); `avg` is the sum
-//! divided by the rank count (integer division for integer types). `min`/`max` of floats compare
+//! f16 and bf16 accumulate in f32; integer sum/prod wrap on overflow (as NCCL does); `avg` is the
+//! sum divided by the rank count, and for integers the exact mean truncated toward zero (summed in
+//! i128, so it never wraps; NCCL would divide a wrapped sum). `min`/`max` of floats compare
 //! with `<`/`>`, so a NaN input propagates only from the first operand, as in a sequential loop.
 //! The bitwise ops (`band`, `bor`, `bxor`) exist for integer dtypes only: a [`Kernel`], the only
 //! way to call [`reduce`], cannot be made for a bitwise op on a float dtype.
@@ -116,6 +117,58 @@ bit_acc!(i8);
 bit_acc!(u8);
 bit_acc!(i32);
 bit_acc!(i64);
+
+/// Integer average accumulates here: the exact sum of up to 2^16 ranks of any integer dtype
+/// fits, so AVG is the true mean truncated toward zero (always representable), never a wrapped
+/// sum divided afterwards.
+impl Acc for i128 {
+    #[inline(always)]
+    fn sum(self, o: Self) -> Self {
+        self.wrapping_add(o)
+    }
+    #[inline(always)]
+    fn prod(self, o: Self) -> Self {
+        self.wrapping_mul(o)
+    }
+    #[inline(always)]
+    fn min(self, o: Self) -> Self {
+        Ord::min(self, o)
+    }
+    #[inline(always)]
+    fn max(self, o: Self) -> Self {
+        Ord::max(self, o)
+    }
+    #[inline(always)]
+    fn div_n(self, n: u32) -> Self {
+        self / i128::from(n.max(1))
+    }
+}
+
+/// An integer element read into an `i128` accumulator (same layout as `T`).
+#[derive(Clone, Copy, Default)]
+#[repr(transparent)]
+struct Wide<T>(T);
+
+macro_rules! wide_elem {
+    ($t:ty) => {
+        impl Elem for Wide<$t> {
+            type A = i128;
+            #[inline(always)]
+            fn load(self) -> i128 {
+                i128::from(self.0)
+            }
+            #[inline(always)]
+            fn store(a: i128) -> Self {
+                // A mean of values of $t lies within $t's range.
+                Wide(a as $t)
+            }
+        }
+    };
+}
+wide_elem!(i8);
+wide_elem!(u8);
+wide_elem!(i32);
+wide_elem!(i64);
 
 trait Elem: Copy + Default {
     type A: Acc;
@@ -343,7 +396,7 @@ unsafe fn arith_ops<T: Elem>(
     }
 }
 
-/// Every op, for integer dtypes (accumulated in the element type itself).
+/// Every op, for integer dtypes (accumulated in the element type itself, but AVG in `i128`).
 ///
 /// # Safety
 /// As for [`reduce_t`].
@@ -354,13 +407,18 @@ unsafe fn int_ops<T: Elem<A = T> + BitAcc>(
     outputs: &[*mut u8],
     n: usize,
     stream: bool,
-) {
+) where
+    Wide<T>: Elem<A = i128>,
+{
     // SAFETY: forwarded caller guarantees.
     unsafe {
         match op {
             RedOp::Band => reduce_t::<T, _>(BitAcc::band, None, inputs, outputs, n, stream),
             RedOp::Bor => reduce_t::<T, _>(BitAcc::bor, None, inputs, outputs, n, stream),
             RedOp::Bxor => reduce_t::<T, _>(BitAcc::bxor, None, inputs, outputs, n, stream),
+            RedOp::Avg => {
+                reduce_t::<Wide<T>, _>(Acc::sum, Some(nranks), inputs, outputs, n, stream)
+            }
             _ => arith_ops::<T>(op, nranks, inputs, outputs, n, stream),
         }
     }
@@ -442,14 +500,18 @@ mod tests {
                 }
                 y
             };
+            if op == RedOp::Avg {
+                // The exact mean, truncated toward zero.
+                return (vals.iter().map(|&v| v as i128).sum::<i128>() / vals.len() as i128) as f64;
+            }
             let mut a = vals[0] as i128;
             for &v in &vals[1..] {
                 let v = v as i128;
                 a = wrap(match op {
                     RedOp::Sum | RedOp::Avg => a + v,
                     RedOp::Prod => a * v,
-                    RedOp::Min => a.min(v),
-                    RedOp::Max => a.max(v),
+                    RedOp::Min => Ord::min(a, v),
+                    RedOp::Max => Ord::max(a, v),
                     // On sign-extended i128 values, as wide as any dtype: the low bits are the
                     // narrow result and `wrap` restores the sign.
                     RedOp::Band => a & v,
@@ -690,6 +752,34 @@ mod tests {
             run(DType::I64, RedOp::Bor, &[1i64 << 62, 1 << 33, 5]),
             (1 << 62) | (1 << 33) | 5
         );
+    }
+
+    #[test]
+    fn integer_avg_is_the_exact_mean() {
+        fn run<T: Copy + Default>(dtype: DType, vals: &[T]) -> T {
+            let ptrs: Vec<*const u8> = vals.iter().map(|v| (v as *const T).cast()).collect();
+            let mut out = T::default();
+            // SAFETY: one aligned element in each input and in the output.
+            unsafe {
+                reduce(
+                    Kernel::new(dtype, RedOp::Avg).unwrap(),
+                    vals.len() as u32,
+                    &ptrs,
+                    &[(&mut out as *mut T).cast()],
+                    1,
+                    false,
+                )
+            };
+            out
+        }
+        // A wrapping sum would give (100 + 39) as i8 = -117, / 2 = -58.
+        assert_eq!(run(DType::I8, &[100i8, 39]), 69);
+        assert_eq!(run(DType::I8, &[-128i8, -128, -127]), -127);
+        assert_eq!(run(DType::U8, &[255u8, 255, 254]), 254);
+        assert_eq!(run(DType::I32, &[i32::MAX, i32::MAX - 2]), i32::MAX - 1);
+        assert_eq!(run(DType::I64, &[i64::MIN, i64::MIN + 1]), i64::MIN + 1); // -(2^63 - 0.5) truncates toward zero
+        // Truncation toward zero, like C and torch's rounding_mode="trunc".
+        assert_eq!(run(DType::I32, &[-3i32, 0]), -1);
     }
 
     #[test]

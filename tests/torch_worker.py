@@ -1,0 +1,404 @@
+"""One rank of a torch.distributed job on the "commd" backend, for tests/test_torch.py.
+
+Launched by torchrun, by mpirun, or directly with RANK/WORLD_SIZE/MASTER_* set. Usage:
+``torch_worker.py SCENARIO [ARGS...]``. Prints ``PASS rank R`` on success; any failed check
+raises (non-zero exit) with the op, dtype and first differing element.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import commd
+import commd.torch  # noqa: F401 - registers the backend
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int32, torch.int64]
+INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
+R = dist.ReduceOp
+
+
+def log(msg: str) -> None:
+    print(f"[rank {os.environ.get('RANK')}] {msg}", flush=True)
+
+
+def tol(dt: torch.dtype) -> dict[str, float]:
+    if dt in (torch.float16, torch.bfloat16):
+        return {"rtol": 2e-2, "atol": 1e-2}
+    if dt == torch.float32:
+        return {"rtol": 1e-5, "atol": 1e-5}
+    return {"rtol": 1e-12, "atol": 0.0}
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype != want.dtype or got.shape != want.shape:
+        raise AssertionError(f"{name}: got {got.dtype}{list(got.shape)}, "
+                             f"want {want.dtype}{list(want.shape)}")
+    if got.dtype.is_floating_point or got.is_complex():
+        ok = torch.isclose(got.double() if not got.is_complex() else got,
+                           want.double() if not want.is_complex() else want,
+                           **tol(got.dtype), equal_nan=True)
+    else:
+        ok = got == want
+    if not bool(ok.all()):
+        bad = (~ok).flatten().nonzero()[0].item()
+        raise AssertionError(f"{name}: element {bad}: got {got.flatten()[bad].item()}, "
+                             f"want {want.flatten()[bad].item()} "
+                             f"({int((~ok).sum())} of {ok.numel()} differ)")
+
+
+def data(rank: int, n: int, dt: torch.dtype, salt: int = 0, small: bool = False) -> torch.Tensor:
+    """Deterministic per-rank input; `small` keeps products in range for narrow dtypes."""
+    i = torch.arange(n, dtype=torch.int64)
+    if small:
+        v = (i + rank + salt) % 3 + 1
+    elif dt.is_floating_point:
+        return ((i * 7 + rank * 13 + salt) % 101).to(torch.float64).div(8).to(dt) - rank
+    else:
+        v = (i * 7 + rank * 13 + salt) % 101
+    if dt == torch.bool:
+        return (v % 2).bool()
+    return v.to(dt)
+
+
+def gloo_or_none(fn) -> bool:
+    """Runs the gloo side; False if gloo does not implement that op/dtype."""
+    try:
+        fn()
+        return True
+    except (RuntimeError, ValueError, TypeError) as e:
+        msg = str(e)
+        if "not supported" in msg.lower() or "unsupported" in msg.lower() \
+                or "Invalid" in msg or "Cannot use" in msg or "can't be cast" in msg:
+            return False
+        raise
+
+
+def scenario_ops(gloo: dist.ProcessGroup) -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    N = 1000  # an odd size on purpose
+    checked = {"gloo": 0, "reference": 0}
+
+    def compare(name, run, dt, ref=None, use_gloo=True):
+        """run(group) -> tensor or list of tensors; compare commd vs gloo (or the reference)."""
+        ours = run(None)
+        theirs = None
+        if use_gloo and gloo_or_none(lambda: theirs_box.append(run(gloo))):
+            theirs = theirs_box.pop()
+            checked["gloo"] += 1
+        elif ref is not None:
+            theirs = ref()
+            checked["reference"] += 1
+        else:
+            raise AssertionError(f"{name}: gloo cannot run it and no reference was given")
+        ours_l = ours if isinstance(ours, list) else [ours]
+        theirs_l = theirs if isinstance(theirs, list) else [theirs]
+        for k, (a, b) in enumerate(zip(ours_l, theirs_l, strict=True)):
+            check(f"{name}[{k}] {dt}", a, b)
+
+    theirs_box: list = []
+
+    # all_reduce: every dtype x op; AVG is not in gloo, so it is checked against a reference.
+    for dt in DTYPES:
+        ops = [R.SUM, R.PRODUCT, R.MIN, R.MAX, R.AVG] + ([R.BAND, R.BOR, R.BXOR] if dt in INTS else [])
+        for op in ops:
+            small = op == R.PRODUCT
+
+            def run(g, dt=dt, op=op, small=small):
+                t = data(rank, N, dt, small=small)
+                dist.all_reduce(t, op=op, group=g)
+                return t
+
+            def ref(dt=dt, op=op, small=small):
+                xs = torch.stack([data(r, N, dt, small=small).double() for r in range(n)])
+                if op == R.AVG:
+                    s = xs.sum(0) / n
+                    return s.to(dt) if dt.is_floating_point else torch.div(
+                        xs.sum(0).long(), n, rounding_mode="trunc").to(dt)
+                raise AssertionError("reference only for AVG")
+
+            compare(f"all_reduce {op}", run, dt, ref if op == R.AVG else None)
+
+    # bool all_reduce (logical), complex sum, non-contiguous, async + future
+    def run_bool(g):
+        t = data(rank, N, torch.bool)
+        dist.all_reduce(t, op=R.MAX, group=g)
+        return t
+    compare("all_reduce bool max", run_bool, torch.bool,
+            lambda: torch.stack([data(r, N, torch.bool) for r in range(n)]).any(0))
+
+    def run_complex(g):
+        t = torch.complex(data(rank, N, torch.float32), data(rank, N, torch.float32, 5))
+        dist.all_reduce(t, group=g)
+        return t
+    compare("all_reduce complex64", run_complex, torch.complex64)
+
+    def run_noncontig(g):
+        base = data(rank, 40 * 30, torch.float32).view(40, 30)
+        t = base.t()[::2]  # strided view
+        dist.all_reduce(t, group=g)
+        return base
+    def ref_noncontig():
+        # gloo reduces the whole storage of a strided view (elements outside it too), so the
+        # reference is computed here: only the view's elements are reduced.
+        base = data(rank, 40 * 30, torch.float32).view(40, 30)
+        total = sum(data(r, 40 * 30, torch.float32).view(40, 30) for r in range(n))
+        base.t()[::2] = total.t()[::2]
+        return base
+    compare("all_reduce non-contiguous", run_noncontig, torch.float32, ref_noncontig,
+            use_gloo=False)
+
+    def run_async(g):
+        t = data(rank, N, torch.float64)
+        w = dist.all_reduce(t, async_op=True, group=g)
+        fut = w.get_future()
+        got = fut.wait()
+        assert w.is_completed()
+        w.wait()
+        return got[0] if isinstance(got, list) else got
+    compare("all_reduce async/future", run_async, torch.float64)
+
+    # coalesced all-reduce through the coalescing manager
+    def run_coalesced(g):
+        ts = [data(rank, 100 + k, torch.float32, salt=k) for k in range(3)]
+        group = g or dist.group.WORLD
+        with dist._coalescing_manager(group=group, async_ops=True) as cm:
+            for t in ts:
+                dist.all_reduce(t, group=g)
+        cm.wait()
+        return ts
+    compare("all_reduce coalesced", run_coalesced, torch.float32)
+
+    for dt in DTYPES + [torch.bool, torch.complex64]:
+        def mk(r, m=N, salt=0, dt=dt):
+            if dt == torch.complex64:
+                return torch.complex(data(r, m, torch.float32, salt), data(r, m, torch.float32, 1))
+            return data(r, m, dt, salt)
+
+        def run_bcast(g, dt=dt):
+            t = mk(rank)
+            dist.broadcast(t, src=n - 1, group=g)
+            return t
+        compare("broadcast", run_bcast, dt, lambda: mk(n - 1))
+
+        def run_ag(g, dt=dt):
+            outs = [torch.zeros(N, dtype=dt) if dt != torch.bool else torch.zeros(N, dtype=dt)
+                    for _ in range(n)]
+            dist.all_gather(outs, mk(rank), group=g)
+            return outs
+        compare("all_gather", run_ag, dt, lambda: [mk(r) for r in range(n)])
+
+        def run_agt(g, dt=dt):
+            out = torch.zeros(n * N, dtype=dt)
+            dist.all_gather_into_tensor(out, mk(rank), group=g)
+            return out
+        compare("all_gather_into_tensor", run_agt, dt, lambda: torch.cat([mk(r) for r in range(n)]))
+
+    for dt in DTYPES:
+        for op in (R.SUM, R.MAX):
+            def run_rs(g, dt=dt, op=op):
+                out = torch.zeros(N, dtype=dt)
+                dist.reduce_scatter(out, [data(rank, N, dt, salt=j) for j in range(n)], op=op,
+                                    group=g)
+                return out
+            compare(f"reduce_scatter {op}", run_rs, dt)
+
+            def run_rst(g, dt=dt, op=op):
+                out = torch.zeros(N, dtype=dt)
+                dist.reduce_scatter_tensor(out, data(rank, n * N, dt), op=op, group=g)
+                return out
+            compare(f"reduce_scatter_tensor {op}", run_rst, dt)
+
+            def run_reduce(g, dt=dt, op=op):
+                t = data(rank, N, dt)
+                dist.reduce(t, dst=1 % n, op=op, group=g)
+                return t if rank == 1 % n else data(rank, N, dt)
+            compare(f"reduce {op}", run_reduce, dt)
+
+    # all_to_all_single: even, and uneven splits (rank r sends j+1 rows of 3 to rank j)
+    def run_a2a_even(g):
+        x = data(rank, n * 6, torch.float32)
+        out = torch.zeros_like(x)
+        dist.all_to_all_single(out, x, group=g)
+        return out
+    compare("all_to_all_single even", run_a2a_even, torch.float32)
+
+    def uneven(g):
+        in_splits = [j + 1 + rank for j in range(n)]
+        out_splits = [rank + 1 + j for j in range(n)]
+        x = data(rank, sum(in_splits) * 3, torch.int64).view(-1, 3)
+        out = torch.full((sum(out_splits), 3), -1, dtype=torch.int64)
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=g)
+        return out
+    compare("all_to_all_single uneven", uneven, torch.int64)
+
+    def a2a_list(g):
+        ins = [data(rank, 2 + j + rank, torch.float64, salt=j) for j in range(n)]
+        outs = [torch.zeros(2 + rank + j, dtype=torch.float64) for j in range(n)]
+        dist.all_to_all(outs, ins, group=g)
+        return outs
+    # gloo requires equal sizes here, so uneven lists are checked against a reference.
+    compare("all_to_all list uneven", a2a_list, torch.float64,
+            lambda: [data(j, 2 + rank + j, torch.float64, salt=rank) for j in range(n)],
+            use_gloo=False)
+
+    def a2a_list_even(g):
+        ins = [data(rank, 5, torch.int32, salt=j) for j in range(n)]
+        outs = [torch.zeros(5, dtype=torch.int32) for _ in range(n)]
+        dist.all_to_all(outs, ins, group=g)
+        return outs
+    compare("all_to_all list", a2a_list_even, torch.int32)
+
+    # gather / scatter
+    def run_gather(g):
+        outs = [torch.zeros(N, dtype=torch.int32) for _ in range(n)] if rank == 0 else None
+        dist.gather(data(rank, N, torch.int32), outs, dst=0, group=g)
+        return outs if rank == 0 else [torch.zeros(1)]
+    compare("gather", run_gather, torch.int32)
+
+    def run_scatter(g):
+        out = torch.zeros(N, dtype=torch.float32)
+        ins = [data(j, N, torch.float32, salt=7) for j in range(n)] if rank == n - 1 else None
+        dist.scatter(out, ins, src=n - 1, group=g)
+        return out
+    compare("scatter", run_scatter, torch.float32)
+
+    # send/recv: a ring, blocking with even/odd ordering, then isend/irecv and batch_isend_irecv
+    def run_ring(g):
+        nxt, prv = (rank + 1) % n, (rank - 1) % n
+        mine = data(rank, N, torch.float32)
+        got = torch.zeros(N, dtype=torch.float32)
+        if rank % 2 == 0:
+            dist.send(mine, nxt, group=g)
+            dist.recv(got, prv, group=g)
+        else:
+            dist.recv(got, prv, group=g)
+            dist.send(mine, nxt, group=g)
+        got2 = torch.zeros(N, dtype=torch.float32)
+        reqs = [dist.isend(mine, nxt, group=g), dist.irecv(got2, prv, group=g)]
+        for q in reqs:
+            q.wait()
+        got3 = torch.zeros(N, dtype=torch.float32)
+        ops = [dist.P2POp(dist.isend, mine, nxt, group=g),
+               dist.P2POp(dist.irecv, got3, prv, group=g)]
+        for q in dist.batch_isend_irecv(ops):
+            q.wait()
+        return [got, got2, got3]
+    compare("send/recv ring", run_ring, torch.float32,
+            lambda: [data((rank - 1) % n, N, torch.float32)] * 3)
+
+    dist.barrier()
+    dist.barrier(group=gloo)
+
+    # a bitwise op on floats must be a clear error, not garbage
+    try:
+        dist.all_reduce(torch.ones(4), op=R.BXOR)
+    except ValueError as e:
+        assert "integer" in str(e), e
+    else:
+        raise AssertionError("BXOR on float32 did not raise")
+    try:
+        dist.all_reduce(torch.ones(4, dtype=torch.int16))
+    except ValueError as e:
+        assert "int16" in str(e), e
+    else:
+        raise AssertionError("int16 all_reduce did not raise")
+    log(f"compared {checked['gloo']} ops with gloo, {checked['reference']} with a reference")
+
+
+def scenario_ddp(gloo: dist.ProcessGroup, steps: int) -> None:
+    rank = dist.get_rank()
+
+    def train(group):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 4))
+        ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=group,
+                                                        bucket_cap_mb=0.001)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+        g = torch.Generator().manual_seed(1234 + rank)
+        for _ in range(steps):
+            x = torch.randn(8, 16, generator=g)
+            y = torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours = train(dist.group.WORLD)
+    theirs = train(gloo)
+    moved = False
+    torch.manual_seed(0)
+    init = [p.detach() for p in torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                                    torch.nn.Linear(32, 4)).parameters()]
+    for k, (a, b, c) in enumerate(zip(ours, theirs, init, strict=True)):
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+            raise AssertionError(f"DDP parameter {k} differs from gloo by "
+                                 f"{(a - b).abs().max().item()}")
+        moved |= not torch.equal(a, c)
+    assert moved, "training did not change the parameters"
+    # every rank must hold the same parameters
+    flat = torch.cat([p.flatten() for p in ours])
+    ref = flat.clone()
+    dist.broadcast(ref, 0)
+    check("DDP parameters equal across ranks", flat, ref)
+    log(f"DDP {steps} steps match gloo")
+
+
+def scenario_error(kind: str) -> None:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    if kind == "kill" and rank == n - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "mismatch":
+        t = torch.ones(10 if rank == 0 else 20)
+    else:
+        t = torch.ones(10)
+    t0 = time.monotonic()
+    want = commd.MismatchError if kind == "mismatch" else commd.PeerLostError
+    try:
+        if kind == "kill":
+            time.sleep(0.2)  # let the victim die first
+            t0 = time.monotonic()
+        dist.all_reduce(t)
+    except want as e:
+        dt = time.monotonic() - t0
+        print(f"RAISED {type(e).__name__} after {dt:.3f}s: {e}", flush=True)
+        assert isinstance(e, commd.CommError)
+        os._exit(0)
+    except Exception as e:  # noqa: BLE001
+        print(f"WRONG {type(e).__name__}: {e}", flush=True)
+        os._exit(3)
+    print("NO ERROR", flush=True)
+    os._exit(4)
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    dist.init_process_group("commd", timeout=timedelta(seconds=60))
+    assert dist.get_backend() == "commd", dist.get_backend()
+    if scenario.startswith("error-"):
+        scenario_error(scenario.split("-", 1)[1])
+        return
+    gloo = dist.new_group(backend="gloo")
+    if scenario == "ops":
+        scenario_ops(gloo)
+    elif scenario == "ddp":
+        scenario_ddp(gloo, int(sys.argv[2]) if len(sys.argv) > 2 else 20)
+    else:
+        raise SystemExit(f"unknown scenario {scenario}")
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"PASS rank {os.environ['RANK']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
