@@ -7,7 +7,8 @@
  * Conventions (every function):
  *  - Returns a commd_status_t (COMMD_OK on success) unless documented otherwise. On failure,
  *    commd_last_error() gives a message for this thread saying what happened and what to do.
- *  - Out-pointers are set to NULL (or 0) on failure.
+ *  - Out-pointers that receive a new handle (session, communicator, buffer, request) are set
+ *    to NULL on failure.
  *  - NULL handles are reported as COMMD_INVALID_ARGUMENT, never dereferenced.
  *  - Handles may be used from any thread. Post the ops of one communicator from one thread at
  *    a time (their posting order defines how they match across ranks).
