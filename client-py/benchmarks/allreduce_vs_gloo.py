@@ -1,0 +1,167 @@
+"""All-reduce through torch.distributed: the "commd" backend vs "gloo", in one invocation.
+
+Starts N ranks (default 4) on this host; every rank runs the same f32 sizes (4 KiB .. 64 MiB)
+on a commd group and on a gloo group, alternating per size so both see the same machine state.
+Rank 0 prints one table: median latency, algorithm and bus bandwidth (nccl-tests convention:
+busbw = algbw * 2 (n-1) / n) for both, and the ratio. Results are checked (sum of known inputs).
+
+    python client-py/benchmarks/allreduce_vs_gloo.py [--nranks 4] [--socket PATH]
+        [--min-bytes 4096] [--max-bytes 67108864] [--iters N] [--registered] [--json FILE]
+
+Needs a running daemon (``commd serve``) or ``--start-daemon PATH_TO_COMMD``.
+``--registered`` also measures commd on tensors allocated in commd shared memory
+(``commd.torch.empty``), which skip the staging copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def sizes(lo: int, hi: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= 4 if s < (1 << 20) else 2
+    return out
+
+
+def iters_for(nbytes: int, base: int) -> int:
+    if base:
+        return base
+    if nbytes <= 64 << 10:
+        return 200
+    if nbytes <= 1 << 20:
+        return 50
+    if nbytes <= 16 << 20:
+        return 12
+    return 6
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import commd.torch as ct
+
+    torch.set_num_threads(1)
+    dist.init_process_group("commd")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gloo = dist.new_group(backend="gloo")
+    world = dist.group.WORLD
+    rows = []
+    for nbytes in sizes(args.min_bytes, args.max_bytes):
+        count = nbytes // 4
+        iters = iters_for(nbytes, args.iters)
+        variants = [("gloo", gloo, False), ("commd", world, False)]
+        if args.registered:
+            variants.append(("commd-registered", world, True))
+        row: dict = {"bytes": nbytes, "iters": iters}
+        for name, group, registered in variants:
+            x = ct.empty(count) if registered else torch.empty(count)
+            x.fill_(rank + 1)
+            # warm-up (and a correctness check: after k in-place sums the value is known)
+            dist.all_reduce(x, group=group)
+            want = n * (n + 1) / 2
+            if not torch.all(x == want):
+                raise SystemExit(f"{name} {nbytes} B: wrong result {x[:4]} (want {want})")
+            times = []
+            for _ in range(iters):
+                x.fill_(1.0)
+                dist.barrier(group=group)
+                t0 = time.perf_counter()
+                dist.all_reduce(x, group=group)
+                times.append(time.perf_counter() - t0)
+            if not torch.all(x == n):
+                raise SystemExit(f"{name} {nbytes} B: wrong result after timing")
+            # every rank's time counts: the op is done when the slowest rank is done
+            t = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=gloo)
+            med = statistics.median(t.tolist())
+            alg = nbytes / med / 1e9
+            row[name] = {"median_us": med * 1e6, "algbw": alg, "busbw": alg * 2 * (n - 1) / n}
+        rows.append(row)
+    if rank == 0:
+        report(rows, n, args)
+    dist.barrier(group=gloo)
+    dist.destroy_process_group()
+
+
+def report(rows: list[dict], n: int, args: argparse.Namespace) -> None:
+    cols = ["gloo", "commd"] + (["commd-registered"] if args.registered else [])
+    print(f"# all_reduce f32, {n} ranks, torch.distributed; median over iterations of the "
+          f"slowest rank; busbw = algbw*2(n-1)/n")
+    hdr = f"{'bytes':>10} {'iters':>5}"
+    for c in cols:
+        hdr += f" | {c + ' us':>14} {c[:5] + ' busbw':>12}"
+    hdr += " | commd/gloo busbw"
+    print(hdr)
+    for r in rows:
+        line = f"{r['bytes']:>10} {r['iters']:>5}"
+        for c in cols:
+            line += f" | {r[c]['median_us']:>14.1f} {r[c]['busbw']:>10.3f}GB"
+        line += f" | {r['commd']['busbw'] / r['gloo']['busbw']:>8.2f}x"
+        print(line, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"nranks": n, "rows": rows}, indent=1))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nranks", type=int, default=4)
+    ap.add_argument("--socket", help="daemon socket (default: $COMMD_SOCKET or the per-user one)")
+    ap.add_argument("--start-daemon", metavar="COMMD", help="start this commd binary for the run")
+    ap.add_argument("--min-bytes", type=int, default=4096)
+    ap.add_argument("--max-bytes", type=int, default=64 << 20)
+    ap.add_argument("--iters", type=int, default=0, help="iterations per size (0: by size)")
+    ap.add_argument("--registered", action="store_true")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rank_main:
+        rank_main(args)
+        return
+    daemon = None
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.nranks))
+    if args.start_daemon:
+        tmp = tempfile.mkdtemp(prefix="commd-bench-")
+        args.socket = os.path.join(tmp, "commd.sock")
+        daemon = subprocess.Popen([args.start_daemon, "serve", "--socket", args.socket],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(200):
+            if os.path.exists(args.socket):
+                break
+            time.sleep(0.05)
+    if args.socket:
+        env["COMMD_SOCKET"] = args.socket
+    fwd = [a for a in sys.argv[1:] if a != "--start-daemon" and a != args.start_daemon]
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank-main", *fwd],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+             for r in range(args.nranks)]
+    code = 0
+    for p in procs:
+        code |= p.wait()
+    if daemon is not None:
+        daemon.terminate()
+        daemon.wait()
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

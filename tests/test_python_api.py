@@ -1,0 +1,287 @@
+"""The numpy-level Python API (package `commd`) against the real daemon, in real processes."""
+
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import commd
+
+CTX = mp.get_context("fork")
+
+
+def _ranks(daemon, n, fn, *args, timeout=60):
+    """Runs fn(comm, client, rank, n, *args) in n forked processes; returns their results."""
+    uid = commd.Client(str(daemon.socket)).unique_id()
+    q = CTX.Queue()
+
+    def body(rank):
+        try:
+            c = commd.connect(str(daemon.socket))
+            comm = c.communicator(uid, rank, n, op_timeout=30)
+            q.put((rank, "ok", fn(comm, c, rank, n, *args)))
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            q.put((rank, "err", f"{type(e).__name__}: {e}"))
+
+    procs = [CTX.Process(target=body, args=(r,)) for r in range(n)]
+    for p in procs:
+        p.start()
+    out = {}
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        try:
+            rank, status, val = q.get(timeout=max(0.1, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - queue.Empty
+            break
+        out[rank] = (status, val)
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+    assert len(out) == n, f"only ranks {sorted(out)} reported within {timeout}s"
+    return [out[r] for r in range(n)]
+
+
+def _ok(results):
+    for r, (status, val) in enumerate(results):
+        assert status == "ok", f"rank {r}: {val}"
+    return [v for _, v in results]
+
+
+def data(rank, n, dtype, salt=0):
+    i = np.arange(n)
+    v = (i * 7 + rank * 13 + salt) % 101
+    return v.astype(dtype)
+
+
+def _collectives(comm, c, rank, n):
+    res = {}
+    # staged, in place, every numpy dtype the daemon reduces
+    for dt in (np.float32, np.float64, np.float16, np.int8, np.uint8, np.int32, np.int64):
+        x = data(rank, 1001, dt)
+        comm.all_reduce(x)
+        res[f"sum {np.dtype(dt).name}"] = x
+    x = data(rank, 333, np.int32)
+    comm.all_reduce(x, op="bxor")
+    res["bxor"] = x
+    # zero-copy shared arrays, out of place, async
+    a = c.empty(5000, np.float32)
+    a[:] = data(rank, 5000, np.float32)
+    b = c.zeros(5000, np.float32)
+    h = comm.all_reduce(a, b, op="max", async_op=True)
+    assert isinstance(h, commd.Handle)
+    res["max shared"] = h.wait()
+    assert h.is_completed()
+    # non-contiguous arrays keep their untouched elements
+    base = data(rank, 60, np.float64).reshape(6, 10)
+    comm.all_reduce(base[:, ::3])
+    res["strided"] = base
+    res["bcast"] = comm.broadcast(data(rank, 77, np.int64), root=n - 1)
+    res["gather"] = comm.all_gather(data(rank, 10, np.int16))
+    out = np.zeros(10, np.float32)
+    res["rs"] = comm.reduce_scatter(data(rank, 10 * n, np.float32), out)
+    res["reduce"] = comm.reduce(data(rank, 50, np.int32), root=0, op="min")
+    res["a2a"] = comm.all_to_all(data(rank, 4 * n, np.int32))
+    ins = [data(rank, j + 1, np.float64, salt=j) for j in range(n)]
+    outs = [np.zeros(rank + 1) for _ in range(n)]
+    res["a2av"] = comm.all_to_all_v(ins, outs)
+    nxt, prv = (rank + 1) % n, (rank - 1) % n
+    got = np.zeros(9, np.uint8)
+    hs = [comm.send(data(rank, 9, np.uint8), nxt, async_op=True),
+          comm.recv(got, prv, async_op=True)]
+    for h in hs:
+        h.wait()
+    res["ring"] = got
+    comm.barrier()
+    return res
+
+
+def test_numpy_collectives_match_numpy_references(daemon):
+    n = 3
+    got = _ok(_ranks(daemon, n, _collectives))
+    for rank, res in enumerate(got):
+        for dt in (np.float32, np.float64, np.float16, np.int8, np.uint8, np.int32, np.int64):
+            want = sum(data(r, 1001, dt).astype(np.int64) for r in range(n))
+            want = want.astype(dt)  # wraps like the daemon for narrow ints
+            np.testing.assert_array_equal(res[f"sum {np.dtype(dt).name}"], want)
+        bx = data(0, 333, np.int32) ^ data(1, 333, np.int32) ^ data(2, 333, np.int32)
+        np.testing.assert_array_equal(res["bxor"], bx)
+        np.testing.assert_array_equal(res["max shared"],
+                                      np.maximum.reduce([data(r, 5000, np.float32)
+                                                         for r in range(n)]))
+        strided = data(rank, 60, np.float64).reshape(6, 10)
+        strided[:, ::3] = sum(data(r, 60, np.float64).reshape(6, 10) for r in range(n))[:, ::3]
+        np.testing.assert_array_equal(res["strided"], strided)
+        np.testing.assert_array_equal(res["bcast"], data(n - 1, 77, np.int64))
+        np.testing.assert_array_equal(res["gather"], np.stack([data(r, 10, np.int16)
+                                                               for r in range(n)]))
+        full = sum(data(r, 10 * n, np.float32) for r in range(n))
+        np.testing.assert_array_equal(res["rs"], full[rank * 10:(rank + 1) * 10])
+        if rank == 0:
+            np.testing.assert_array_equal(res["reduce"], np.minimum.reduce(
+                [data(r, 50, np.int32) for r in range(n)]))
+        else:
+            np.testing.assert_array_equal(res["reduce"], data(rank, 50, np.int32))
+        a2a = np.concatenate([data(j, 4 * n, np.int32)[rank * 4:(rank + 1) * 4]
+                              for j in range(n)])
+        np.testing.assert_array_equal(res["a2a"], a2a)
+        for j in range(n):
+            np.testing.assert_array_equal(res["a2av"][j], data(j, rank + 1, np.float64, salt=rank))
+        np.testing.assert_array_equal(res["ring"], data((rank - 1) % n, 9, np.uint8))
+
+
+def _mismatch(comm, c, rank, n):
+    x = np.ones(10 if rank == 0 else 12, np.float32)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x)
+    except commd.MismatchError as e:
+        return ("MismatchError", time.monotonic() - t0, str(e))
+    return ("no error", 0, "")
+
+
+def test_mismatch_raises_mismatch_error_on_every_rank(daemon):
+    for kind, secs, msg in _ok(_ranks(daemon, 3, _mismatch)):
+        assert kind == "MismatchError", msg
+        assert secs < 5
+        assert "count" in msg and "rank 0" in msg, msg
+        assert isinstance(commd.MismatchError("x"), commd.CommError)
+
+
+def _victim(comm, c, rank, n):
+    comm.barrier()
+    if rank == n - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(np.ones(4))
+    except commd.PeerLostError as e:
+        return ("PeerLostError", time.monotonic() - t0, str(e))
+    return ("no error", 0, "")
+
+
+def test_killed_rank_gives_peer_lost_in_survivors(daemon):
+    uid = commd.Client(str(daemon.socket)).unique_id()
+    n = 3
+    q = CTX.Queue()
+
+    def body(rank):
+        c = commd.connect(str(daemon.socket))
+        comm = c.communicator(uid, rank, n)
+        q.put((rank, _victim(comm, c, rank, n)))
+
+    procs = [CTX.Process(target=body, args=(r,)) for r in range(n)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=60) for _ in range(n - 1))
+    for p in procs:
+        p.join(10)
+    assert procs[-1].exitcode == -signal.SIGKILL
+    for r in range(n - 1):
+        kind, secs, msg = got[r]
+        assert kind == "PeerLostError", msg
+        assert secs < 5 and f"rank {n - 1}" in msg, msg
+
+
+def test_daemon_unavailable_error_names_socket_and_how_to_start(tmp_path):
+    path = tmp_path / "missing.sock"
+    with pytest.raises(commd.DaemonUnavailableError) as ei:
+        commd.Client(str(path))
+    msg = str(ei.value)
+    assert str(path) in msg and "commd serve" in msg, msg
+    assert isinstance(ei.value, commd.CommError)
+
+
+def test_bad_arguments_are_value_errors_not_crashes(daemon):
+    c = commd.Client(str(daemon.socket))
+    uid = c.unique_id()
+    with pytest.raises(ValueError, match="out of range"):
+        c.communicator(uid, 3, 2)
+    comm = c.communicator(c.unique_id(), 0, 1)
+    with pytest.raises(ValueError, match="unknown reduction"):
+        comm.all_reduce(np.ones(3), op="median")
+    with pytest.raises(ValueError, match="integer dtypes only"):
+        comm.all_reduce(np.ones(3), op="band")
+    with pytest.raises(ValueError, match="cannot reduce numpy dtype"):
+        comm.all_reduce(np.ones(3, np.complex64))
+    with pytest.raises(ValueError, match="out of range"):
+        comm.broadcast(np.ones(3), root=5)
+    with pytest.raises(ValueError, match="timeout"):
+        c.communicator(c.unique_id(), 0, 1, op_timeout=-1)
+    # the native layer refuses unknown names too
+    with pytest.raises(ValueError, match="unknown op"):
+        comm._native.post("allreduce_typo", "f32", 1)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        comm._native.post("all_reduce", "f128", 1)
+    # a 1-rank communicator still works after all those refusals
+    x = np.arange(5, dtype=np.float32)
+    comm.all_reduce(x)
+    np.testing.assert_array_equal(x, np.arange(5, dtype=np.float32))
+    comm.close()
+    with pytest.raises(commd.AbortedError):
+        comm.all_reduce(x)
+
+
+def test_out_of_bounds_descriptor_is_refused_by_the_daemon(daemon):
+    c = commd.Client(str(daemon.socket))
+    comm = c.communicator(c.unique_id(), 0, 1)
+    buf = c.alloc(64)
+    with pytest.raises(commd.InvalidOpError, match="bounds|outside|exceeds|past"):
+        comm._native.post("all_reduce", "f32", 1000, (buf, 0), (buf, 0), "sum").wait(10)
+
+
+def test_fork_child_gets_its_own_session(daemon):
+    """A session inherited through fork() is refused in the child (with a clear message), and
+    connect() in the child makes a new one; the parent's session is unharmed."""
+    parent = commd.connect(str(daemon.socket))
+    code = (
+        "import os, sys, commd\n"
+        f"p = commd.connect({str(daemon.socket)!r})\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    try:\n"
+        "        p.unique_id()\n"
+        "        os._exit(3)\n"
+        "    except ValueError as e:\n"
+        "        assert 'fork' in str(e), e\n"
+        f"    c = commd.connect({str(daemon.socket)!r})\n"
+        "    assert c is not p and c.session_id != p.session_id\n"
+        "    c.communicator(c.unique_id(), 0, 1).all_reduce(__import__('numpy').ones(2))\n"
+        "    os._exit(0)\n"
+        "_, st = os.waitpid(pid, 0)\n"
+        "assert os.waitstatus_to_exitcode(st) == 0, st\n"
+        "p.communicator(p.unique_id(), 0, 1).barrier()\n"
+        "print('OK')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "OK", r.stdout + r.stderr
+    assert parent.unique_id()
+
+
+def test_wait_timeout_and_interrupt_leave_the_op_running(daemon):
+    c = commd.Client(str(daemon.socket))
+    uid = c.unique_id()
+    other = commd.Client(str(daemon.socket))
+    import threading
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("c", other.communicator(uid, 1, 2)))
+    t.start()
+    comm = c.communicator(uid, 0, 2)
+    t.join()
+    x = np.ones(8, np.float32)
+    h = comm.all_reduce(x, async_op=True)
+    with pytest.raises(TimeoutError):
+        h.wait(timeout=0.2)
+    assert not h.is_completed()
+    y = np.full(8, 2, np.float32)
+    box["c"].all_reduce(y)
+    h.wait(timeout=10)
+    np.testing.assert_array_equal(x, np.full(8, 3, np.float32))
+    np.testing.assert_array_equal(y, np.full(8, 3, np.float32))
