@@ -146,3 +146,20 @@ def test_init_process_group_without_daemon_fails_fast(tmp_path):
     assert p.stdout.startswith("OK "), p.stdout + p.stderr[-3000:]
     assert float(p.stdout.split()[1]) < 5.0, p.stdout
     assert time.monotonic() - t0 < 60
+
+
+def test_backend_found_by_name_alone(daemon):
+    """No `import commd`: torch finds the backend through the package's entry point."""
+    env = job_env(daemon, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(free_port()))
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('commd')\n"
+        "assert 'commd' not in sys.argv\n"
+        "t = torch.arange(4.0); dist.all_reduce(t)\n"
+        "print(dist.get_backend(), t.tolist())\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "commd [0.0, 1.0, 2.0, 3.0]", p.stdout
