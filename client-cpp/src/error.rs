@@ -86,13 +86,17 @@ pub(crate) fn classify(e: &Error) -> commd_status_t {
 pub(crate) fn set_last_error(message: &str) {
     // A C string cannot hold NUL bytes; none are expected, but never lose the message.
     let c = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|l| *l.borrow_mut() = c);
+    // try_with: during thread teardown (e.g. a C++ thread_local destructor calling commd) the
+    // slot may be gone; the status code still reports the failure.
+    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
 }
 
 /// The message of the last failure on this thread (a pointer valid until the next failing
 /// commd call on this thread).
 pub(crate) fn last_error_ptr() -> *const c_char {
-    LAST_ERROR.with(|l| l.borrow().as_ptr())
+    LAST_ERROR
+        .try_with(|l| l.borrow().as_ptr())
+        .unwrap_or(c"".as_ptr())
 }
 
 #[cfg(test)]
