@@ -309,6 +309,37 @@ void bitwise() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Handles are usable from any thread: one session, two ranks of one communicator on two threads
+// (both joins block until the other arrives), each posting its own ops concurrently, plus a
+// third thread waiting on a request that another thread posted.
+void threads() {
+  commd::Session session;
+  commd::UniqueId id = session.unique_id();
+  std::string errors[2];
+  auto rank_main = [&](unsigned rank) {
+    try {
+      commd::Communicator comm = session.communicator(id, rank, 2, 60s, 30s);
+      commd::Buffer b = session.alloc_array<std::int64_t>(256);
+      for (int it = 0; it < 50; it++) {
+        for (int i = 0; i < 256; i++) b.as<std::int64_t>()[i] = rank * 1000 + it + i;
+        commd::Request r = comm.all_reduce_async<std::int64_t>(b, b, 256, RedOp::Sum);
+        std::thread waiter([&] { r.wait(); });
+        waiter.join();
+        for (int i = 0; i < 256; i++) {
+          CHECK_THAT(b.as<std::int64_t>()[i] == 1000 + 2 * (it + i), "iteration " << it << " element " << i);
+        }
+      }
+    } catch (const std::exception& e) {
+      errors[rank] = e.what();
+    }
+  };
+  std::thread t0(rank_main, 0), t1(rank_main, 1);
+  t0.join();
+  t1.join();
+  CHECK_THAT(errors[0].empty() && errors[1].empty(), "rank 0: " << errors[0] << "; rank 1: " << errors[1]);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Starts `commd serve` on a private socket, posts an op that cannot complete, stops the daemon
 // with SIGTERM: the op fails with ShutdownError, later calls with DaemonLostError, and the daemon
 // exits 0.
@@ -417,6 +448,7 @@ int main(int argc, char** argv) {
       {"join-timeout", join_timeout},
       {"requests", requests},
       {"bitwise", bitwise},
+      {"threads", threads},
   };
   std::string name = argc > 1 ? argv[1] : "";
   try {
