@@ -600,11 +600,7 @@ class Communicator:
             np.copyto(outs[self.rank], ins[self.rank].reshape(outs[self.rank].shape),
                       casting="no")
         except BaseException:
-            for h in handles:
-                try:
-                    h.wait()
-                except BaseException:  # noqa: BLE001 - the first error is the one reported
-                    pass
+            drain(handles)
             raise
         h = Handle.all(handles, list(outs))
         return h if async_op else h.wait()
@@ -624,6 +620,16 @@ class Communicator:
         """Returns once every rank entered the barrier."""
         h = Handle([self._native.post("barrier", "u8", 0)])
         return h if async_op else h.wait()
+
+
+def drain(handles: Sequence[Handle]) -> None:
+    """Waits for every handle, ignoring their errors: after a later post failed, the ops already
+    posted must finish before their buffers go back to the pool."""
+    for h in handles:
+        try:
+            h.wait()
+        except BaseException:  # noqa: BLE001 - the caller reports the error that stopped it
+            pass
 
 
 def _same(x: np.ndarray, out: np.ndarray, what: str) -> None:

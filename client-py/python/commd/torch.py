@@ -280,11 +280,7 @@ class CommdBackend(_C10dBackend):
             for a, peer in recvs:
                 hs.append(self.comm.recv(a, peer, async_op=True))
         except BaseException:
-            for h in hs:
-                try:
-                    h.wait()
-                except BaseException:  # noqa: BLE001 - the first error is the one reported
-                    pass
+            _core.drain(hs)
             raise
         return Handle.all(hs)
 

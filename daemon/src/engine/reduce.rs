@@ -121,28 +121,7 @@ bit_acc!(i64);
 /// Integer average accumulates here: the exact sum of up to 2^16 ranks of any integer dtype
 /// fits, so AVG is the true mean truncated toward zero (always representable), never a wrapped
 /// sum divided afterwards.
-impl Acc for i128 {
-    #[inline(always)]
-    fn sum(self, o: Self) -> Self {
-        self.wrapping_add(o)
-    }
-    #[inline(always)]
-    fn prod(self, o: Self) -> Self {
-        self.wrapping_mul(o)
-    }
-    #[inline(always)]
-    fn min(self, o: Self) -> Self {
-        Ord::min(self, o)
-    }
-    #[inline(always)]
-    fn max(self, o: Self) -> Self {
-        Ord::max(self, o)
-    }
-    #[inline(always)]
-    fn div_n(self, n: u32) -> Self {
-        self / i128::from(n.max(1))
-    }
-}
+int_acc!(i128);
 
 /// An integer element read into an `i128` accumulator (same layout as `T`).
 #[derive(Clone, Copy, Default)]
