@@ -118,9 +118,9 @@ bit_acc!(u8);
 bit_acc!(i32);
 bit_acc!(i64);
 
-/// Integer average accumulates here: the exact sum of up to 2^16 ranks of any integer dtype
-/// fits, so AVG is the true mean truncated toward zero (always representable), never a wrapped
-/// sum divided afterwards.
+// Integer average accumulates here: the exact sum of up to 2^16 ranks of any integer dtype
+// fits, so AVG is the true mean truncated toward zero (always representable), never a wrapped
+// sum divided afterwards.
 int_acc!(i128);
 
 /// An integer element read into an `i128` accumulator (same layout as `T`).
