@@ -7,6 +7,7 @@
 //!   [`comm`]: communicators, matching and failure reports.
 //! - [`engine`]: plans and their host-memory execution; [`shm`]: registered memory.
 //! - [`bench`]: `commd bench`.
+//! - [`notify`]: readiness notification to systemd; [`health`]: `commd health`.
 
 pub mod bench;
 pub mod comm;
@@ -15,6 +16,8 @@ pub mod control;
 pub mod daemon;
 pub mod engine;
 pub mod fdsock;
+pub mod health;
+pub mod notify;
 pub mod serve;
 pub mod session;
 pub mod shm;

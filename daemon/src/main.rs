@@ -38,6 +38,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Check that the daemon serves: one line, exit 0 if healthy, 1 if not (for probes).
+    Health {
+        /// Give up after this many milliseconds.
+        #[arg(long, default_value_t = 5000)]
+        timeout_ms: u64,
+    },
     /// nccl-tests style benchmark with local client processes (embedded daemon unless --socket).
     Bench {
         #[command(flatten)]
@@ -128,6 +134,19 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
             exit::OK
         }
         Cmd::Status { json } => status(&cfg, *json),
+        Cmd::Health { timeout_ms } => {
+            let timeout = std::time::Duration::from_millis(*timeout_ms);
+            match commd_daemon::health::check(&cfg.socket, timeout) {
+                Ok(h) => {
+                    println!("{h}");
+                    exit::OK
+                }
+                Err(e) => {
+                    eprintln!("commd health: {e}");
+                    exit::RUNTIME
+                }
+            }
+        }
         Cmd::Bench { args } => {
             // Explicit --socket/COMMD_SOCKET: use that daemon; otherwise embed one on a private socket.
             let explicit = cli.socket.is_some()

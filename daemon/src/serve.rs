@@ -171,6 +171,13 @@ pub fn run(
     stop: Option<oneshot::Receiver<&'static str>>,
     ready: Option<std::sync::mpsc::Sender<Arc<Daemon>>>,
 ) -> Result<(), ServeError> {
+    // Only a daemon that is this process's main job tells the service manager it is ready;
+    // embedded ones (`commd bench`, tests) pass a stop trigger and stay quiet.
+    let notifier = if stop.is_none() {
+        crate::notify::Notifier::from_env_or_warn()
+    } else {
+        None
+    };
     let lock = take_lock(&cfg)?;
     let setup = |path: &Path| {
         let path = path.to_path_buf();
@@ -217,8 +224,12 @@ pub fn run(
         let svc = commd_proto::pb::local_server::LocalServer::new(LocalService { daemon: daemon.clone() });
         let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
         let d = daemon.clone();
+        let n = notifier.clone();
         tokio::spawn(async move {
             let reason = wait_for_stop(stop).await;
+            if let Some(n) = &n {
+                n.stopping(&format!("shutting down: {reason}; failing in-flight ops"));
+            }
             tracing::warn!(target: "commd::init", "shutting down: {reason}");
             d.shutdown(reason);
             let _ = sig_tx.send(reason);
@@ -240,6 +251,10 @@ pub fn run(
             r
         };
         let srv = tokio::spawn(server);
+        // Both sockets are bound and listening and the server task runs: clients can connect.
+        if let Some(n) = &notifier {
+            n.ready(&format!("serving {}", daemon.cfg.socket.display()));
+        }
         loop {
             if *done_rx.borrow() {
                 break;
