@@ -14,6 +14,7 @@
 //! not from inside another async runtime.
 
 pub mod check;
+pub mod gpu;
 mod error;
 
 use std::collections::{HashMap, HashSet};
@@ -857,7 +858,7 @@ impl Communicator {
             recv_mem: a.recv.map(|b| b.0.mem_id).unwrap_or(0),
             send_off: a.send.map(|b| b.1).unwrap_or(0),
             recv_off: a.recv.map(|b| b.1).unwrap_or(0),
-            reserved: 0,
+            ticket: 0,
         };
         self.client.post(d)
     }

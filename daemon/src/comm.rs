@@ -17,8 +17,17 @@ use std::time::{Duration, Instant};
 
 use commd_proto::desc::{Op, OpKind, status};
 
+use crate::cuda::{self, GpuBufs, GpuSpan};
 use crate::engine::{self, RankBufs};
 use crate::session::Session;
+
+/// A stream-ordered GPU op's doorbell: its session slot and tickets `ticket .. ticket + phases`.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaTicket {
+    pub slot: u32,
+    pub ticket: u32,
+    pub phases: u32,
+}
 
 /// One posted op, validated against its session and the communicator.
 pub struct Posted {
@@ -32,6 +41,9 @@ pub struct Posted {
     /// Set when validation failed: the op still takes its sequence number so every rank learns
     /// of the error instead of hanging.
     pub invalid: Option<String>,
+    /// GPU ops: the doorbell, and the resolved device buffers.
+    pub cuda: Option<CudaTicket>,
+    pub gbufs: GpuBufs,
 }
 
 impl Posted {
@@ -69,11 +81,26 @@ impl Posted {
         if o.kind.has_root() {
             s.push_str(&format!(", root={}", o.peer));
         }
+        if o.cuda_ticket.is_some() {
+            s.push_str(", memory=cuda");
+        }
         s.push(')');
         s
     }
 
-    fn complete(&self, comm: u32, st: u32, msg: Option<String>) {
+    /// Completes the op. A failed GPU op also releases its stream: the doorbell's error word is
+    /// set and its done counter advanced past every phase (DESIGN.md contract 5).
+    pub(crate) fn complete(&self, comm: u32, st: u32, msg: Option<String>) {
+        if st != status::OK
+            && let Some(c) = self.cuda
+        {
+            cuda::fail_doorbell(
+                &self.session,
+                c.slot,
+                c.ticket.wrapping_add(c.phases.max(1) - 1),
+                st,
+            );
+        }
         self.session
             .complete(self.op.user_data, comm, self.seq, st, msg);
     }
@@ -90,6 +117,7 @@ enum Step {
         plan: engine::Plan,
         ops: Vec<Posted>,
     },
+    Gpu(cuda::GpuJob),
     Fail {
         ops: Vec<(Posted, u32, String)>,
         abort: Option<(u32, String)>,
@@ -114,6 +142,8 @@ pub struct Comm {
     pub members: Vec<Member>,
     workers: usize,
     inner: Mutex<Inner>,
+    /// Per rank: the daemon-owned device scratch for GPU reductions (`GetCommScratch`).
+    pub scratch: Mutex<Vec<Option<GpuSpan>>>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -147,6 +177,7 @@ impl Comm {
                 broken: None,
                 left: vec![false; n],
             }),
+            scratch: Mutex::new(vec![None; n]),
         }
     }
 
@@ -226,6 +257,15 @@ impl Comm {
                     }
                 }
             }
+            Step::Gpu(job) => match cuda::get() {
+                Ok(c) => c.submit(job),
+                Err(why) => {
+                    for p in job.ops {
+                        let c = p.op.comm;
+                        p.complete(c, status::INTERNAL, Some(format!("{}: {why}", job.label)));
+                    }
+                }
+            },
             Step::Fail { ops, abort } => {
                 if let Some(a) = abort {
                     let mut g = self.lock();
@@ -342,6 +382,9 @@ impl Comm {
             };
         }
         let o = &ops[0].op;
+        if o.cuda_ticket.is_some() {
+            return self.gpu_step(ops);
+        }
         let bufs: Vec<RankBufs> = ops.iter().map(|p| p.bufs.clone()).collect();
         match engine::plan_collective(kind, o.dtype, o.redop, o.count, o.peer, &bufs) {
             Some(plan) => Step::Run { plan, ops },
@@ -360,6 +403,78 @@ impl Comm {
                 }
             }
         }
+    }
+
+    /// A matched GPU op (collective: one op per rank in rank order; p2p: `[send, recv]`) becomes a
+    /// job for the copy-engine executor.
+    fn gpu_step(&self, ops: Vec<Posted>) -> Step {
+        let o = ops[0].op;
+        let what = ops[0].describe();
+        let label = format!("{}: {what}", self.label());
+        let fail = |ops: Vec<Posted>, st: u32, why: String| {
+            let msg = format!("{label}: {why}");
+            Step::Fail {
+                ops: ops.into_iter().map(|p| (p, st, msg.clone())).collect(),
+                abort: None,
+            }
+        };
+        let c = match cuda::get() {
+            Ok(c) => c,
+            Err(why) => return fail(ops, status::INVALID, format!("GPU op, but this daemon has no CUDA: {why}")),
+        };
+        let phases = if o.kind.is_p2p() {
+            match (ops[0].gbufs.send.clone(), ops[1].gbufs.recv.clone()) {
+                (Some(src), Some(dst)) if src.bytes > 0 => Ok(vec![vec![cuda::CopyOp { src, dst }]]),
+                _ => Ok(vec![vec![]]),
+            }
+        } else {
+            let bufs: Vec<GpuBufs> = ops.iter().map(|p| p.gbufs.clone()).collect();
+            let scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            if o.kind.reduces() {
+                for (r, p) in ops.iter().enumerate() {
+                    let on = |b: &Option<GpuSpan>| b.as_ref().map(|s| s.mem.gpu);
+                    let sc = scratch[r].as_ref().map(|s| s.mem.gpu);
+                    let devs = [on(&p.gbufs.send), on(&p.gbufs.recv)];
+                    if self.nranks > 1 && devs.iter().flatten().any(|d| Some(*d) != sc) {
+                        return fail(ops, status::INVALID, format!("rank {r}'s buffers are not on the GPU its communicator scratch lives on (one GPU per rank and communicator)"));
+                    }
+                }
+            }
+            cuda::plan(o.kind, o.dtype, o.redop, o.count, o.peer, &bufs, &scratch, c.slot_bytes)
+        };
+        let phases = match phases {
+            Ok(p) => p,
+            Err(why) => return fail(ops, status::INVALID, why),
+        };
+        let mut bells = Vec::with_capacity(ops.len());
+        for p in &ops {
+            let Some(t) = p.cuda else {
+                return fail(ops, status::INTERNAL, "GPU op without a doorbell (internal error)".into());
+            };
+            if t.phases as usize != phases.len() {
+                let why = format!(
+                    "rank {} expects {} doorbell phases, the daemon planned {} (client and daemon disagree on gpu_scratch_slot_bytes?)",
+                    p.rank,
+                    t.phases,
+                    phases.len()
+                );
+                return fail(ops, status::INVALID, why);
+            }
+            bells.push(cuda::Bell {
+                session: p.session.clone(),
+                rank: p.rank,
+                slot: t.slot,
+                ticket: t.ticket,
+            });
+        }
+        Step::Gpu(cuda::GpuJob {
+            comm_id: self.id,
+            label,
+            bells,
+            phases,
+            ops,
+            timeout: self.op_timeout,
+        })
     }
 
     /// The error for a sequence number whose ranks disagree: names the fields and the ranks.
@@ -386,7 +501,10 @@ impl Comm {
             )
         };
         let mut diffs = Vec::new();
-        let fields: [(&str, &FieldFn); 5] = [
+        let fields: [(&str, &FieldFn); 6] = [
+            ("memory", &|o: &Op| {
+                if o.cuda_ticket.is_some() { "cuda" } else { "host" }.to_string()
+            }),
             ("op", &|o: &Op| o.kind.name().to_string()),
             ("dtype", &|o: &Op| o.dtype.name().to_string()),
             ("count", &|o: &Op| o.count.to_string()),
@@ -460,6 +578,28 @@ impl Comm {
                 ],
                 abort: None,
             };
+        }
+        if send.cuda.is_some() != recv.cuda.is_some() {
+            let (g, h) = if send.cuda.is_some() {
+                (send.rank, recv.rank)
+            } else {
+                (recv.rank, send.rank)
+            };
+            let msg = format!(
+                "{}: send/recv #{}: rank {g} uses GPU memory but rank {h} host memory; both sides of a transfer must use the same kind",
+                self.label(),
+                send.seq
+            );
+            return Step::Fail {
+                ops: vec![
+                    (send, status::MISMATCH, msg.clone()),
+                    (recv, status::MISMATCH, msg),
+                ],
+                abort: None,
+            };
+        }
+        if send.cuda.is_some() {
+            return self.gpu_step(vec![send, recv]);
         }
         match (send.bufs.send.clone(), recv.bufs.recv.clone()) {
             (Some(s), Some(r)) => Step::Run {

@@ -39,7 +39,8 @@ pub enum DaemonError {
     Internal(String),
 }
 
-type JoinResult = Result<(u32, u64), DaemonError>;
+/// (communicator handle, daemon-wide id, doorbell slot).
+type JoinResult = Result<(u32, u64, u32), DaemonError>;
 
 struct Joiner {
     session: Arc<Session>,
@@ -81,6 +82,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Daemon {
     pub fn new(cfg: Config) -> Arc<Self> {
+        match crate::cuda::init(cfg.cuda, cfg.gpu_scratch_slot_bytes) {
+            Ok(c) => {
+                tracing::info!(target: "commd::init", "CUDA: {} GPU(s), driver {}", c.gpus.len(), c.driver_version);
+                c.log_topology();
+            }
+            Err(why) => {
+                tracing::info!(target: "commd::init", "CUDA unavailable, serving host memory only: {why}")
+            }
+        }
         Arc::new(Self {
             cfg,
             started: Instant::now(),
@@ -175,6 +185,9 @@ impl Daemon {
             let mut t = s.tables();
             let c = t.comms.drain().map(|(_, v)| v).collect();
             t.mems.clear();
+            t.cuda_mems.clear();
+            t.ipc_cache.clear();
+            t.doorbell_slots.clear();
             t.staged.clear();
             t.registered_bytes = 0;
             c
@@ -320,12 +333,23 @@ impl Daemon {
         lock(&self.comms).insert(id, comm.clone());
         tracing::info!(target: "commd::comm", "{} formed", comm.label());
         for (rank, m) in j.members.into_iter().flatten().enumerate() {
-            let handle = {
+            let (handle, slot) = {
                 let mut t = m.session.tables();
                 t.next_comm += 1;
                 let h = t.next_comm;
                 t.comms.insert(h, (comm.clone(), rank as u32));
-                h
+                let used: std::collections::HashSet<u32> =
+                    t.doorbell_slots.values().copied().collect();
+                let slot = (0..commd_proto::desc::doorbell::SLOTS)
+                    .find(|i| !used.contains(i))
+                    .unwrap_or(commd_proto::desc::doorbell::NO_SLOT);
+                if let Some((ready, done, err)) = m.session.ring.doorbell(slot) {
+                    ready.store(0, Ordering::Release);
+                    done.store(0, Ordering::Release);
+                    err.store(0, Ordering::Release);
+                    t.doorbell_slots.insert(h, slot);
+                }
+                (h, slot)
             };
             if m.session.is_closed() {
                 comm.abort_rank(
@@ -334,7 +358,7 @@ impl Daemon {
                     format!("{}: rank {rank} exited while joining", comm.label()),
                 );
             }
-            let _ = m.tx.send(Ok((handle, id)));
+            let _ = m.tx.send(Ok((handle, id, slot)));
         }
     }
 
@@ -380,6 +404,7 @@ impl Daemon {
     }
 
     pub fn destroy_comm(&self, s: &Session, handle: u32) -> Result<(), DaemonError> {
+        s.tables().doorbell_slots.remove(&handle);
         let Some((comm, rank)) = s.tables().comms.remove(&handle) else {
             return Err(DaemonError::NotFound(format!(
                 "no communicator handle {handle} in session {}",
@@ -433,8 +458,88 @@ impl Daemon {
         Ok(id)
     }
 
+    /// Registers a client's device allocation by IPC handle; returns (mem id, cached, open us).
+    /// The same handle registered again by the session returns the open mapping.
+    pub fn register_cuda(
+        &self,
+        s: &Session,
+        handle: &[u8],
+        uuid: &[u8],
+        bytes: u64,
+    ) -> Result<(u32, bool, u64), DaemonError> {
+        let c = crate::cuda::get().map_err(|why| {
+            DaemonError::Unavailable(format!("this daemon has no CUDA: {why}"))
+        })?;
+        if bytes == 0 {
+            return Err(DaemonError::InvalidArgument("registration of 0 bytes".into()));
+        }
+        if let Some(id) = s.tables().ipc_cache.get(handle).copied() {
+            c.stats.hits.fetch_add(1, Ordering::Relaxed);
+            s.ipc_hits.fetch_add(1, Ordering::Relaxed);
+            return Ok((id, true, 0));
+        }
+        let mem = c
+            .open_ipc(uuid, handle, bytes)
+            .map_err(DaemonError::InvalidArgument)?;
+        s.ipc_opens.fetch_add(1, Ordering::Relaxed);
+        let us = mem.open_us;
+        let mut t = s.tables();
+        // Another thread of the client may have registered the same handle meanwhile.
+        if let Some(id) = t.ipc_cache.get(handle).copied() {
+            return Ok((id, true, 0));
+        }
+        t.next_mem += 1;
+        let id = t.next_mem;
+        t.cuda_mems.insert(id, Arc::new(mem));
+        t.ipc_cache.insert(handle.to_vec(), id);
+        Ok((id, false, us))
+    }
+
+    /// The device scratch of `s`'s rank of communicator `handle` on the GPU `uuid` (allocated on
+    /// first call): (IPC handle, slot bytes, total bytes).
+    pub fn comm_scratch(
+        &self,
+        s: &Session,
+        handle: u32,
+        uuid: &[u8],
+    ) -> Result<(Vec<u8>, u64, u64), DaemonError> {
+        let c = crate::cuda::get().map_err(|why| {
+            DaemonError::Unavailable(format!("this daemon has no CUDA: {why}"))
+        })?;
+        let (comm, rank) = s.tables().comms.get(&handle).cloned().ok_or_else(|| {
+            DaemonError::NotFound(format!("no communicator handle {handle} in session {}", s.id))
+        })?;
+        let peers = u64::from(comm.nranks.saturating_sub(1));
+        let bytes = peers * c.slot_bytes;
+        if peers == 0 {
+            return Ok((Vec::new(), c.slot_bytes, 0));
+        }
+        let gpu = c.gpu_by_uuid(uuid);
+        let mut sc = comm.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(existing) = &sc[rank as usize] {
+            if Some(existing.mem.gpu) != gpu {
+                return Err(DaemonError::InvalidArgument(format!(
+                    "{}: rank {rank} already has its GPU scratch on another GPU; use one GPU per rank and communicator",
+                    comm.label()
+                )));
+            }
+            let h = c.export(&existing.mem).map_err(DaemonError::Internal)?;
+            return Ok((h, c.slot_bytes, bytes));
+        }
+        let mem = c.alloc(uuid, bytes).map_err(DaemonError::ResourceExhausted)?;
+        let h = c.export(&mem).map_err(DaemonError::Internal)?;
+        let span = crate::cuda::GpuSpan::new(Arc::new(mem), 0, bytes)
+            .ok_or_else(|| DaemonError::Internal("scratch span".into()))?;
+        sc[rank as usize] = Some(span);
+        Ok((h, c.slot_bytes, bytes))
+    }
+
     pub fn deregister(&self, s: &Session, mem: u32) -> Result<(), DaemonError> {
         let mut t = s.tables();
+        if t.cuda_mems.remove(&mem).is_some() {
+            t.ipc_cache.retain(|_, id| *id != mem);
+            return Ok(());
+        }
         let r = t.mems.remove(&mem).ok_or_else(|| {
             DaemonError::NotFound(format!("no memory handle {mem} in session {}", s.id))
         })?;
@@ -451,7 +556,7 @@ impl Daemon {
         };
         for s in &sessions {
             let t = s.tables();
-            c.registrations += t.mems.len() as u32;
+            c.registrations += (t.mems.len() + t.cuda_mems.len()) as u32;
             c.mapped_bytes += t.registered_bytes;
         }
         c.communicators = lock(&self.comms).len() as u32;

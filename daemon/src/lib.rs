@@ -13,6 +13,7 @@ pub mod bench;
 pub mod comm;
 pub mod config;
 pub mod control;
+pub mod cuda;
 pub mod daemon;
 pub mod engine;
 pub mod fdsock;

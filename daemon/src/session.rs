@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 use commd_proto::desc::{CompletionDesc, status};
 use commd_proto::ring::{Ring, RingLayout};
 
-use crate::comm::{Comm, Posted};
+use crate::comm::{Comm, CudaTicket, Posted};
+use crate::cuda::{DevMem, GpuBufs, GpuSpan};
 use crate::engine::{RankBufs, Span};
 use crate::shm::MemRegion;
 
@@ -33,6 +34,12 @@ pub struct Tables {
     pub comms: HashMap<u32, (Arc<Comm>, u32)>,
     pub next_comm: u32,
     pub staged: HashMap<u64, OwnedFd>,
+    /// CUDA registrations (same id space as `mems`), and the IPC handle -> mem id cache that
+    /// makes the daemon open each allocation once per session.
+    pub cuda_mems: HashMap<u32, Arc<DevMem>>,
+    pub ipc_cache: HashMap<Vec<u8>, u32>,
+    /// Communicator handle -> doorbell slot.
+    pub doorbell_slots: HashMap<u32, u32>,
     errors: HashMap<u64, (u32, String)>,
     error_order: VecDeque<u64>,
 }
@@ -54,6 +61,8 @@ pub struct Session {
     violation: Mutex<Option<String>>,
     pub ops_completed: AtomicU64,
     pub ops_failed: AtomicU64,
+    pub ipc_opens: AtomicU64,
+    pub ipc_hits: AtomicU64,
 }
 
 impl std::fmt::Debug for Session {
@@ -101,6 +110,8 @@ impl Session {
             violation: Mutex::new(None),
             ops_completed: AtomicU64::new(0),
             ops_failed: AtomicU64::new(0),
+            ipc_opens: AtomicU64::new(0),
+            ipc_hits: AtomicU64::new(0),
         })
     }
 
@@ -204,6 +215,52 @@ impl Session {
             .ok_or_else(|| format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes) lies outside its registration of {len} bytes"))
     }
 
+    /// Resolves `(mem_id, off)` of a CUDA registration.
+    fn gpu_span(&self, what: &str, mem: u32, off: u64, bytes: u64, esize: u64) -> Result<GpuSpan, String> {
+        let t = self.tables();
+        let m = t.cuda_mems.get(&mem).cloned().ok_or_else(|| {
+            if t.mems.contains_key(&mem) {
+                format!("{what} buffer (mem {mem}) is host memory, but the op is a GPU op")
+            } else {
+                format!("{what} buffer names unknown GPU memory handle {mem}")
+            }
+        })?;
+        drop(t);
+        if !off.is_multiple_of(esize) {
+            return Err(format!(
+                "{what} buffer offset {off} is not aligned to the element size {esize}"
+            ));
+        }
+        let len = m.len;
+        GpuSpan::new(m, off, bytes).ok_or_else(|| {
+            format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes) lies outside its registration of {len} bytes")
+        })
+    }
+
+    /// The doorbell of a GPU op on communicator handle `comm` of `nranks` ranks.
+    fn cuda_ticket(&self, op: &commd_proto::desc::Op, nranks: u32) -> Option<CudaTicket> {
+        let ticket = op.cuda_ticket?;
+        let slot = self
+            .tables()
+            .doorbell_slots
+            .get(&op.comm)
+            .copied()
+            .unwrap_or(commd_proto::desc::doorbell::NO_SLOT);
+        let slot_bytes = crate::cuda::get().map(|c| c.slot_bytes).unwrap_or(1 << 20);
+        let phases = commd_proto::desc::cuda_phases(
+            op.kind,
+            op.count,
+            op.dtype.size(),
+            nranks,
+            slot_bytes,
+        );
+        Some(CudaTicket {
+            slot,
+            ticket,
+            phases: phases.min(u64::from(u32::MAX / 2)) as u32,
+        })
+    }
+
     /// Checks the decoded op's field combinations, then resolves both buffers of the op for a
     /// communicator of `nranks` where this rank is `rank`.
     fn resolve(
@@ -211,7 +268,7 @@ impl Session {
         op: &commd_proto::desc::Op,
         rank: u32,
         nranks: u32,
-    ) -> Result<RankBufs, String> {
+    ) -> Result<(RankBufs, GpuBufs), String> {
         // Field combinations (a bitwise reduction on a float dtype) are checked here rather than
         // in `decode`, so the op keeps its sequence number and every rank learns of the error.
         op.check().map_err(|e| e.to_string())?;
@@ -231,6 +288,24 @@ impl Session {
                 .ok_or_else(|| format!("count {} overflows the buffer size", op.count))
         };
         let mut bufs = RankBufs::default();
+        let mut gbufs = GpuBufs::default();
+        if op.cuda_ticket.is_some() {
+            if let Err(why) = crate::cuda::get() {
+                return Err(format!("GPU op, but this daemon has no CUDA: {why}"));
+            }
+            if self.tables().doorbell_slots.get(&op.comm).is_none_or(|s| *s == commd_proto::desc::doorbell::NO_SLOT) {
+                return Err("GPU op on a communicator without a doorbell slot (more than 256 communicators in this process)".into());
+            }
+            if op.kind.uses_send(me_root) {
+                let b = bytes(op.kind.send_elems(op.count, n))?;
+                gbufs.send = Some(self.gpu_span("send", op.send_mem, op.send_off, b, es)?);
+            }
+            if op.kind.uses_recv(me_root) {
+                let b = bytes(op.kind.recv_elems(op.count, n))?;
+                gbufs.recv = Some(self.gpu_span("recv", op.recv_mem, op.recv_off, b, es)?);
+            }
+            return Ok((bufs, gbufs));
+        }
         if op.kind.uses_send(me_root) {
             let b = bytes(op.kind.send_elems(op.count, n))?;
             bufs.send = Some(self.span("send", op.send_mem, op.send_off, b, es)?);
@@ -239,7 +314,7 @@ impl Session {
             let b = bytes(op.kind.recv_elems(op.count, n))?;
             bufs.recv = Some(self.span("recv", op.recv_mem, op.recv_off, b, es)?);
         }
-        Ok(bufs)
+        Ok((bufs, gbufs))
     }
 
     /// Handles one descriptor copied out of the SQ.
@@ -272,12 +347,16 @@ impl Session {
             );
             return;
         };
-        let (bufs, invalid) = match self.resolve(&op, rank, comm.nranks) {
+        let cuda = self.cuda_ticket(&op, comm.nranks);
+        let ((bufs, gbufs), invalid) = match self.resolve(&op, rank, comm.nranks) {
             Ok(b) => (b, None),
-            Err(why) => (RankBufs::default(), Some(why)),
+            Err(why) => ((RankBufs::default(), GpuBufs::default()), Some(why)),
         };
         if let (Some(why), true) = (&invalid, op.kind.is_p2p() && op.peer >= comm.nranks) {
             // A p2p op with a bad peer can never be matched: fail it alone, now.
+            if let Some(c) = cuda {
+                crate::cuda::fail_doorbell(self, c.slot, c.ticket.wrapping_add(c.phases.max(1) - 1), status::INVALID);
+            }
             self.complete(
                 op.user_data,
                 op.comm,
@@ -299,6 +378,8 @@ impl Session {
             posted_at: Instant::now(),
             seq: 0,
             invalid,
+            cuda,
+            gbufs,
         });
     }
 

@@ -32,8 +32,8 @@ pub struct SubmitDesc {
     pub recv_mem: u32,
     pub send_off: u64,
     pub recv_off: u64,
-    /// Must be zero.
-    pub reserved: u64,
+    /// With [`flags::CUDA`]: the first doorbell ticket of the op (see [`cuda_phases`]); else 0.
+    pub ticket: u64,
 }
 
 /// Completion queue entry, daemon -> client. 32 bytes.
@@ -88,8 +88,59 @@ pub mod redop {
 }
 
 pub mod flags {
-    /// Reserved for later ABI versions; the daemon rejects unknown bits.
-    pub const KNOWN: u32 = 0;
+    /// Stream-ordered GPU op: both buffers are CUDA registrations. The daemon starts phase `p` of
+    /// the op once the client's stream has written `ticket + p` into the communicator's ready
+    /// counter, and writes `ticket + p` into its done counter when the phase's copies are done
+    /// (DESIGN.md contract 4). The number of phases is [`cuda_phases`](super::cuda_phases).
+    pub const CUDA: u32 = 1;
+    /// Every flag bit this ABI version knows; the daemon rejects others.
+    pub const KNOWN: u32 = CUDA;
+}
+
+/// Doorbell page layout (at `RingHeader::doorbell_off`, one 4 KiB page): per communicator slot
+/// `i`, the client's stream writes `ready[i]`, the daemon writes `done[i]` and, when an op fails,
+/// `error[i]` (a [`status`] code; sticky until the client reads and clears it).
+pub mod doorbell {
+    pub const SLOTS: u32 = 256;
+    pub const READY_OFF: u64 = 0;
+    pub const DONE_OFF: u64 = 1024;
+    pub const ERROR_OFF: u64 = 2048;
+    /// Slot value of a communicator that has no doorbell slot (more than `SLOTS` in a session).
+    pub const NO_SLOT: u32 = u32::MAX;
+}
+
+/// Elements one round of a CUDA reduction covers, given the daemon's per-peer scratch slot of
+/// `slot_bytes` (`GetCommScratch`): all-reduce splits a round's segment over the ranks (each
+/// rank reduces one piece), reduce and reduce-scatter reduce one slot-sized segment per round.
+pub fn cuda_round_elems(kind: OpKind, esize: u64, nranks: u32, slot_bytes: u64) -> u64 {
+    let per_slot = (slot_bytes / esize.max(1)).max(1);
+    match kind {
+        OpKind::AllReduce => per_slot.saturating_mul(u64::from(nranks.max(1))),
+        _ => per_slot,
+    }
+}
+
+/// Rounds of a CUDA op: reductions go through the daemon's scratch in rounds, everything else
+/// moves in one round.
+pub fn cuda_rounds(kind: OpKind, count: u64, esize: u64, nranks: u32, slot_bytes: u64) -> u64 {
+    if !kind.reduces() {
+        return 1;
+    }
+    count
+        .div_ceil(cuda_round_elems(kind, esize, nranks, slot_bytes))
+        .max(1)
+}
+
+/// Doorbell phases of a CUDA op (tickets `ticket .. ticket + phases`). A reduction has two per
+/// round: (A) the daemon moves inputs into the reducing ranks' scratch, then the client's stream
+/// runs the reduction kernel, (B) the daemon moves the reduced pieces out (all-reduce; a no-op
+/// for reduce and reduce-scatter). Every other op has one phase: the daemon's copies.
+pub fn cuda_phases(kind: OpKind, count: u64, esize: u64, nranks: u32, slot_bytes: u64) -> u64 {
+    if kind.reduces() {
+        2 * cuda_rounds(kind, count, esize, nranks, slot_bytes)
+    } else {
+        1
+    }
 }
 
 /// Completion status codes. A failed op still completes (DESIGN.md contract 5); its message is
@@ -427,8 +478,8 @@ pub enum DescError {
     UnexpectedRedop(u8, &'static str),
     #[error("unknown flag bits {0:#x}")]
     Flags(u32),
-    #[error("reserved field is {0:#x}, must be 0")]
-    Reserved(u64),
+    #[error("ticket field is {0:#x}, must be 0 for host ops and below 2^32 for CUDA ops")]
+    Ticket(u64),
     #[error("count {0} exceeds the maximum {MAX_COUNT}")]
     Count(u64),
     #[error("bitwise reduction {0} is defined for integer dtypes only (got {1})")]
@@ -450,6 +501,8 @@ pub struct Op {
     pub recv_mem: u32,
     pub send_off: u64,
     pub recv_off: u64,
+    /// `Some(first ticket)` for a stream-ordered GPU op ([`flags::CUDA`]).
+    pub cuda_ticket: Option<u32>,
 }
 
 impl Op {
@@ -481,8 +534,9 @@ impl SubmitDesc {
         if self.flags & !flags::KNOWN != 0 {
             return Err(DescError::Flags(self.flags & !flags::KNOWN));
         }
-        if self.reserved != 0 {
-            return Err(DescError::Reserved(self.reserved));
+        let cuda = self.flags & flags::CUDA != 0;
+        if (!cuda && self.ticket != 0) || self.ticket > u64::from(u32::MAX) {
+            return Err(DescError::Ticket(self.ticket));
         }
         if self.count > MAX_COUNT {
             return Err(DescError::Count(self.count));
@@ -503,6 +557,7 @@ impl SubmitDesc {
             recv_mem: self.recv_mem,
             send_off: self.send_off,
             recv_off: self.recv_off,
+            cuda_ticket: cuda.then_some(self.ticket as u32),
         })
     }
 }
@@ -527,7 +582,7 @@ mod tests {
                 opcode: op % 12,
                 dtype: dt % 10,
                 redop: ro % 10,
-                flags: if fl % 4 == 0 { fl } else { 0 },
+                flags: if fl % 4 == 0 { fl } else { fl & 1 },
                 comm: cm,
                 peer: pe,
                 count: if w[1] % 3 == 0 { w[1] } else { w[1] % 4096 },
@@ -535,7 +590,7 @@ mod tests {
                 recv_mem: rm,
                 send_off: w[2],
                 recv_off: w[3],
-                reserved: if w[4] % 4 == 0 { w[5] } else { 0 },
+                ticket: if w[4] % 4 == 0 { w[5] } else { w[5] % 3 },
             })
     }
 
@@ -546,8 +601,10 @@ mod tests {
                 prop_assert!(OpKind::from_code(d.opcode).is_some());
                 prop_assert!(DType::from_code(d.dtype).is_some());
                 prop_assert!(d.count <= MAX_COUNT);
-                prop_assert_eq!(d.reserved, 0);
-                prop_assert_eq!(d.flags, 0);
+                prop_assert_eq!(d.flags & !flags::CUDA, 0);
+                let cuda = d.flags & flags::CUDA != 0;
+                prop_assert!(if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 });
+                prop_assert_eq!(op.cuda_ticket.map(u64::from), cuda.then_some(d.ticket));
                 prop_assert_eq!(op.redop.is_some(), op.kind.reduces());
                 let float_bitwise = op.dtype.is_float() && op.redop.is_some_and(RedOp::is_bitwise);
                 prop_assert_eq!(op.check().is_err(), float_bitwise);

@@ -7,7 +7,7 @@
 //! |---|---|
 //! | 0 | [`RingHeader`] (magic, ABI version, sizes, offsets), one page |
 //! | 4096 | control page: one 128-byte line per word, see `CTRL_*` |
-//! | 8192 | doorbell page: GPU ready/done counters (reserved for the CUDA data path) |
+//! | 8192 | doorbell page: per-communicator GPU ready/done/error counters (`desc::doorbell`) |
 //! | 12288 | SQ: `sq_entries` x [`SubmitDesc`] |
 //! | page-aligned | CQ: `cq_entries` x [`CompletionDesc`] |
 //!
@@ -268,6 +268,29 @@ impl Ring {
     }
     pub fn daemon_beat(&self) -> &AtomicU64 {
         self.word64(CTRL_DAEMON_BEAT)
+    }
+
+    /// Doorbell counters of communicator slot `slot` (`desc::doorbell`): `(ready, done, error)`.
+    /// `None` for a slot out of range.
+    pub fn doorbell(&self, slot: u32) -> Option<(&AtomicU32, &AtomicU32, &AtomicU32)> {
+        use crate::desc::doorbell::{DONE_OFF, ERROR_OFF, READY_OFF, SLOTS};
+        if slot >= SLOTS {
+            return None;
+        }
+        let at = |area: u64| {
+            let off = DOORBELL_OFF + area + 4 * u64::from(slot);
+            // SAFETY: DOORBELL_OFF + area + 4 * slot < DOORBELL_OFF + PAGE (slot < SLOTS = 256,
+            // areas end at 3072), inside the mapping; 4-byte aligned; lives as long as `self`.
+            unsafe { &*self.map.as_ptr().add(off as usize).cast::<AtomicU32>() }
+        };
+        Some((at(READY_OFF), at(DONE_OFF), at(ERROR_OFF)))
+    }
+
+    /// Address of the doorbell page in this process (page-aligned, one page), for registering it
+    /// with the GPU driver.
+    pub fn doorbell_page(&self) -> *mut u8 {
+        // SAFETY: DOORBELL_OFF + PAGE <= SQ_OFF <= total_bytes (see the layout table).
+        unsafe { self.map.as_mut_ptr().add(DOORBELL_OFF as usize) }
     }
 
     /// Copies SQ slot `idx & mask` out of shared memory.

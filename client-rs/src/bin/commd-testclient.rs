@@ -506,7 +506,7 @@ fn fuzz(client: &Client, comms: &[Communicator], n: u32) -> Vec<(String, u64, St
             recv_mem: ((w[3] >> 8) % 4) as u32,
             send_off: if w[4] % 2 == 0 { w[4] } else { w[4] % 100_000 },
             recv_off: if w[5] % 2 == 0 { w[5] } else { w[5] % 100_000 },
-            reserved: if w[6] % 8 == 0 { w[6] } else { 0 },
+            ticket: if w[6] % 8 == 0 { w[6] } else { 0 },
             ..Default::default()
         };
         // Collectives would wait for other ranks: keep only shapes that must fail validation
@@ -516,7 +516,8 @@ fn fuzz(client: &Client, comms: &[Communicator], n: u32) -> Vec<(String, u64, St
             d.recv_mem += 1000;
             d.count = d.count.max(1);
             if d.opcode == OpKind::Barrier.code() {
-                d.reserved = d.reserved.max(1);
+                // A ticket above 2^32 is invalid whatever the flags say.
+                d.ticket = u64::MAX;
             }
         } else if OpKind::from_code(d.opcode).is_some() {
             d.peer += 1000;

@@ -1,0 +1,692 @@
+//! Reduction kernels that run in the caller's CUDA context, on the caller's stream.
+//!
+//! One kernel per (dtype, op) computes `out[i] = op(ins[0][i], ..., ins[m-1][i])` for up to
+//! [`MAX_INPUTS`] inputs, with the semantics of the daemon's host reduction
+//! (`daemon/src/engine/reduce.rs`) and of the reference in [`crate::check`]: f16/bf16 accumulate in
+//! f32 and round once to nearest-even; integer sum/prod wrap; integer AVG is the exact mean
+//! (summed wide) truncated toward zero; float AVG is `sum / divisor`; float MIN/MAX compare with
+//! `<`/`>`, so a NaN propagates only from the running result (as in a sequential loop).
+//!
+//! The source is generated here and compiled at run time with NVRTC (through cudarc, loaded
+//! dynamically): no CUDA headers are used, since the NVRTC of the `nvidia-cuda-nvrtc` wheel may not
+//! find them. f16 and bf16 are `unsigned short` bit patterns converted by hand (f16 through PTX
+//! `cvt`, NaNs as the `half` crate converts them).
+//!
+//! [`Kernels`] compiles each kernel once per GPU architecture, to SASS (CUBIN) for the device's
+//! exact compute capability: a cubin from a newer NVRTC 13.x loads on an older 13.0 driver, which
+//! PTX from it would not (the driver refuses PTX newer than itself). It loads each kernel once per
+//! context. This module only reduces; it never synchronizes, allocates or copies.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_char, c_void};
+use std::fmt::Write as _;
+use std::sync::{Mutex, OnceLock};
+
+use commd_proto::desc::{DType, DescError, RedOp};
+use cudarc::driver::sys::{self as cu_sys, CUcontext, CUdeviceptr, CUfunction, CUmodule, CUstream};
+use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
+
+use super::cu::{self, CuError};
+
+/// Most inputs one launch reduces.
+pub const MAX_INPUTS: usize = 8;
+/// Threads per block.
+const THREADS: u32 = 256;
+/// Grid cap, in blocks per SM: enough loads in flight to approach memory bandwidth while the
+/// kernel leaves room on every SM for the job's own kernels.
+const BLOCKS_PER_SM: u32 = 4;
+/// Elements per thread and loop step (independent loads in flight; no alignment assumed).
+const UNROLL: u32 = 4;
+
+/// Why a kernel could not be built or launched. Nothing here panics.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("{0}")]
+    Unsupported(#[from] DescError),
+    #[error("invalid reduction arguments: {0}")]
+    InvalidArgument(String),
+    #[error(
+        "libnvrtc.so.13 not found: install nvidia-cuda-nvrtc==13.0.* (pip) or the CUDA toolkit and \
+         put its lib dir on LD_LIBRARY_PATH (scripts/nvrtc-env.sh does this)"
+    )]
+    NvrtcMissing,
+    #[error("NVRTC could not compile {kernel} with {options:?} ({status}); log:\n{log}")]
+    Compile {
+        kernel: String,
+        options: Vec<String>,
+        status: String,
+        log: String,
+    },
+    #[error("NVRTC {call} failed for {kernel}: {status}")]
+    Nvrtc {
+        call: &'static str,
+        kernel: String,
+        status: String,
+    },
+    #[error("CUDA is unavailable: {0}")]
+    NoCuda(String),
+    #[error(
+        "no CUDA context is current on this thread: make the device current (e.g. \
+         torch.cuda.set_device) before launching a reduction"
+    )]
+    NoContext,
+    #[error("{0}")]
+    Cuda(#[from] CuError),
+}
+
+/// The stable `extern "C"` name of the kernel for `(dtype, op)`, e.g. `commd_reduce_bf16_sum`.
+pub fn kernel_name(dtype: DType, op: RedOp) -> String {
+    format!("commd_reduce_{}_{}", dtype.name(), op.name())
+}
+
+/// How one (dtype, op) kernel loads, combines and stores, as C expressions over `x` (an element),
+/// `a`, `b` (accumulators) and `divisor`.
+struct Shape {
+    elem: &'static str,
+    acc: &'static str,
+    load: String,
+    combine: String,
+    finish: String,
+    store: String,
+    needs_i128: bool,
+}
+
+fn shape(dtype: DType, op: RedOp) -> Result<Shape, KernelError> {
+    op.check_dtype(dtype)?;
+    let float = |elem: &'static str, acc: &'static str, from: &str, to: &str| {
+        let conv = |f: &str, v: &str| {
+            if f.is_empty() {
+                v.to_string()
+            } else {
+                format!("{f}({v})")
+            }
+        };
+        Shape {
+            elem,
+            acc,
+            load: conv(from, "x"),
+            combine: match op {
+                RedOp::Sum | RedOp::Avg => "a + b".into(),
+                RedOp::Prod => "a * b".into(),
+                // Not fminf/fmaxf: those drop NaNs; the host loop keeps `a` unless `b < a`.
+                RedOp::Min => "(b < a) ? b : a".into(),
+                RedOp::Max => "(b > a) ? b : a".into(),
+                // check_dtype refused bitwise ops on floats above.
+                RedOp::Band | RedOp::Bor | RedOp::Bxor => String::new(),
+            },
+            finish: if op == RedOp::Avg {
+                format!("a / ({acc})divisor")
+            } else {
+                "a".into()
+            },
+            store: conv(to, "r"),
+            needs_i128: false,
+        }
+    };
+    let int = |elem: &'static str, unsigned: &'static str, wide: &'static str| {
+        let avg = op == RedOp::Avg;
+        Shape {
+            elem,
+            acc: if avg { wide } else { elem },
+            load: if avg {
+                format!("({wide})x")
+            } else {
+                "x".into()
+            },
+            // Wrapping arithmetic in the unsigned twin (signed overflow is undefined in C).
+            combine: match op {
+                RedOp::Sum => format!("({elem})(({unsigned})a + ({unsigned})b)"),
+                RedOp::Prod => format!("({elem})(({unsigned})a * ({unsigned})b)"),
+                // The wide accumulator cannot overflow: at most 8 inputs.
+                RedOp::Avg => "a + b".into(),
+                RedOp::Min => "(b < a) ? b : a".into(),
+                RedOp::Max => "(b > a) ? b : a".into(),
+                RedOp::Band => format!("({elem})(a & b)"),
+                RedOp::Bor => format!("({elem})(a | b)"),
+                RedOp::Bxor => format!("({elem})(a ^ b)"),
+            },
+            // C division truncates toward zero, like i128 division in reduce.rs.
+            finish: if avg {
+                format!("a / ({wide})divisor")
+            } else {
+                "a".into()
+            },
+            store: format!("({elem})r"),
+            needs_i128: avg && wide == "i128",
+        }
+    };
+    Ok(match dtype {
+        DType::F32 => float("float", "float", "", ""),
+        DType::F64 => float("double", "double", "", ""),
+        DType::F16 => float("u16", "float", "commd_f16_to_f32", "commd_f32_to_f16"),
+        DType::BF16 => float("u16", "float", "commd_bf16_to_f32", "commd_f32_to_bf16"),
+        DType::I8 => int("i8", "u8", "i64"),
+        DType::U8 => int("u8", "u8", "i64"),
+        DType::I32 => int("i32", "u32", "i64"),
+        // The sum of 8 i64 needs 67 bits.
+        DType::I64 => int("i64", "u64", "i128"),
+    })
+}
+
+/// Fixed-width types and the argument block; no CUDA headers.
+const TYPES: &str = r#"typedef signed char i8;
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef int i32;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+struct commd_ins {
+    const void *p[8];
+    u32 m;
+};
+
+static __device__ __forceinline__ float commd_bits_f32(u32 u) {
+    float f;
+    asm("mov.b32 %0, %1;" : "=f"(f) : "r"(u));
+    return f;
+}
+
+static __device__ __forceinline__ u32 commd_f32_bits(float f) {
+    u32 u;
+    asm("mov.b32 %0, %1;" : "=r"(u) : "f"(f));
+    return u;
+}
+"#;
+
+/// f16 <-> f32: PTX `cvt` (round to nearest even); NaNs as the half crate converts them (quiet
+/// bit set, payload kept) rather than PTX's canonical NaN.
+const F16: &str = r#"
+static __device__ __forceinline__ float commd_f16_to_f32(u16 h) {
+    if ((h & 0x7C00u) == 0x7C00u && (h & 0x03FFu) != 0u) {
+        return commd_bits_f32(((u32)(h & 0x8000u) << 16) | 0x7FC00000u | ((u32)(h & 0x03FFu) << 13));
+    }
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+static __device__ __forceinline__ u16 commd_f32_to_f16(float f) {
+    u32 x = commd_f32_bits(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) {
+        return (u16)(((x >> 16) & 0x8000u) | 0x7E00u | ((x & 0x007FFFFFu) >> 13));
+    }
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+"#;
+
+/// bf16 <-> f32 by bits: round to nearest even; a NaN stays NaN (quiet bit set), as in the half
+/// crate.
+const BF16: &str = r#"
+static __device__ __forceinline__ float commd_bf16_to_f32(u16 h) {
+    return commd_bits_f32((u32)h << 16);
+}
+
+static __device__ __forceinline__ u16 commd_f32_to_bf16(float f) {
+    u32 x = commd_f32_bits(f);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) {
+        return (u16)((x >> 16) | 0x0040u);
+    }
+    u32 r = x >> 16;
+    if ((x & 0x8000u) != 0u && (x & 0x17FFFu) != 0u) {
+        r += 1u;
+    }
+    return (u16)r;
+}
+"#;
+
+/// The CUDA C++ source of the kernel for `(dtype, op)`, named [`kernel_name`].
+///
+/// Signature: `(T *out, struct commd_ins ins, u64 count, u32 divisor)`, where `ins` holds 8
+/// pointers and the number `m` of them in use (1..=8). `out` may be `ins.p[0]` (each element is
+/// read before it is written, by the same thread). A grid-stride loop; any grid size works.
+pub fn source(dtype: DType, op: RedOp) -> Result<String, KernelError> {
+    let s = shape(dtype, op)?;
+    let name = kernel_name(dtype, op);
+    let Shape {
+        elem,
+        acc,
+        load,
+        combine,
+        finish,
+        store,
+        needs_i128,
+    } = s;
+    let mut src = String::with_capacity(4096);
+    src.push_str(TYPES);
+    match dtype {
+        DType::F16 => src.push_str(F16),
+        DType::BF16 => src.push_str(BF16),
+        _ => {}
+    }
+    if needs_i128 {
+        // Compiled with --device-int128 (see `nvrtc_compile`).
+        src.push_str("typedef __int128 i128;\n");
+    }
+    // `write!` to a String cannot fail.
+    let unroll_m1 = UNROLL - 1;
+    let _ = write!(
+        src,
+        r#"
+static __device__ __forceinline__ {acc} commd_load({elem} x) {{ return {load}; }}
+static __device__ __forceinline__ {acc} commd_combine({acc} a, {acc} b) {{ return {combine}; }}
+static __device__ __forceinline__ {elem} commd_finish({acc} a, u32 divisor) {{
+    (void)divisor;
+    {acc} r = {finish};
+    return {store};
+}}
+
+extern "C" __global__ void __launch_bounds__({THREADS}) {name}({elem} *out, struct commd_ins ins, u64 count, u32 divisor) {{
+    const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
+    const u32 m = ins.m;
+    u64 i = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
+    /* {UNROLL} elements per thread and step, every load issued before any value is used. */
+    for (; i + {unroll_m1} * stride < count; i += {UNROLL} * stride) {{
+        {elem} v[{MAX_INPUTS}][{UNROLL}];
+#pragma unroll
+        for (u32 k = 0; k < {MAX_INPUTS}; ++k) {{
+            if (k < m) {{
+                const {elem} *p = (const {elem} *)ins.p[k];
+#pragma unroll
+                for (u32 u = 0; u < {UNROLL}; ++u) {{
+                    v[k][u] = p[i + u * stride];
+                }}
+            }}
+        }}
+#pragma unroll
+        for (u32 u = 0; u < {UNROLL}; ++u) {{
+            {acc} a = commd_load(v[0][u]);
+#pragma unroll
+            for (u32 k = 1; k < {MAX_INPUTS}; ++k) {{
+                if (k < m) {{
+                    a = commd_combine(a, commd_load(v[k][u]));
+                }}
+            }}
+            out[i + u * stride] = commd_finish(a, divisor);
+        }}
+    }}
+    for (; i < count; i += stride) {{
+        {acc} a = commd_load(((const {elem} *)ins.p[0])[i]);
+#pragma unroll
+        for (u32 k = 1; k < {MAX_INPUTS}; ++k) {{
+            if (k < m) {{
+                a = commd_combine(a, commd_load(((const {elem} *)ins.p[k])[i]));
+            }}
+        }}
+        out[i] = commd_finish(a, divisor);
+    }}
+}}
+"#
+    );
+    Ok(src)
+}
+
+/// Whether libnvrtc can be loaded (checked once: cudarc panics on its first call without it).
+fn nvrtc_present() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: is_culib_present only tries to dlopen the candidate library names.
+    *PRESENT.get_or_init(|| unsafe { nvrtc_sys::is_culib_present() })
+}
+
+/// The version of the NVRTC library that [`compile_ptx`] uses.
+pub fn nvrtc_version() -> Result<(i32, i32), KernelError> {
+    if !nvrtc_present() {
+        return Err(KernelError::NvrtcMissing);
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present; both out pointers are valid.
+    let r = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
+    r.result().map_err(|e| KernelError::Nvrtc {
+        call: "nvrtcVersion",
+        kernel: String::new(),
+        status: format!("{:?}", e.0),
+    })?;
+    Ok((major, minor))
+}
+
+/// Destroys an NVRTC program on every path out of [`nvrtc_compile`].
+struct Program(nvrtc_sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: the program was created by nvrtcCreateProgram and is destroyed only here.
+        let _ = unsafe { nvrtc_result::destroy_program(self.0) };
+    }
+}
+
+enum Output {
+    Ptx,
+    Cubin,
+}
+
+/// Whether the kernel for `(dtype, op)` uses `__int128` (NVRTC accepts it only when asked).
+fn src_uses_i128(dtype: DType, op: RedOp) -> bool {
+    shape(dtype, op).is_ok_and(|s| s.needs_i128)
+}
+
+fn nvrtc_compile(
+    dtype: DType,
+    op: RedOp,
+    arch: String,
+    out: Output,
+) -> Result<Vec<u8>, KernelError> {
+    let src = source(dtype, op)?;
+    if !nvrtc_present() {
+        return Err(KernelError::NvrtcMissing);
+    }
+    let kernel = kernel_name(dtype, op);
+    let fail = |call: &'static str, e: nvrtc_result::NvrtcError| KernelError::Nvrtc {
+        call,
+        kernel: kernel.clone(),
+        status: format!("{:?}", e.0),
+    };
+    let c_src = CString::new(src).map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+    let c_name = CString::new(format!("{kernel}.cu"))
+        .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+    let prog = Program(
+        nvrtc_result::create_program(&c_src, Some(&c_name))
+            .map_err(|e| fail("nvrtcCreateProgram", e))?,
+    );
+    // Pin IEEE semantics (these are NVRTC's defaults): denormals kept, exact division, no
+    // contraction of a*b+c into fma.
+    let mut options = vec![
+        format!("--gpu-architecture={arch}"),
+        "--ftz=false".to_string(),
+        "--prec-div=true".to_string(),
+        "--fmad=false".to_string(),
+    ];
+    if src_uses_i128(dtype, op) {
+        options.push("--device-int128".to_string());
+    }
+    // SAFETY: `prog` is a live program; the options are NUL-free ASCII.
+    if let Err(e) = unsafe { nvrtc_result::compile_program(prog.0, &options) } {
+        // SAFETY: as above.
+        let log = match unsafe { nvrtc_result::get_program_log(prog.0) } {
+            Ok(raw) => c_chars_to_string(&raw),
+            Err(le) => format!("(no log: {:?})", le.0),
+        };
+        return Err(KernelError::Compile {
+            kernel,
+            options,
+            status: format!("{:?}", e.0),
+            log,
+        });
+    }
+    match out {
+        Output::Ptx => {
+            // SAFETY: `prog` compiled successfully.
+            let raw =
+                unsafe { nvrtc_result::get_ptx(prog.0) }.map_err(|e| fail("nvrtcGetPTX", e))?;
+            Ok(raw
+                .iter()
+                .map(|&c| c as u8)
+                .take_while(|&b| b != 0)
+                .collect())
+        }
+        Output::Cubin => {
+            let mut size = 0usize;
+            // SAFETY: `prog` compiled successfully; `size` is a valid out pointer.
+            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+                .result()
+                .map_err(|e| fail("nvrtcGetCUBINSize", e))?;
+            let mut image = vec![0u8; size];
+            // SAFETY: `image` has the `size` bytes NVRTC asked for.
+            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, image.as_mut_ptr().cast::<c_char>()) }
+                .result()
+                .map_err(|e| fail("nvrtcGetCUBIN", e))?;
+            Ok(image)
+        }
+    }
+}
+
+fn c_chars_to_string(raw: &[c_char]) -> String {
+    let bytes: Vec<u8> = raw
+        .iter()
+        .map(|&c| c as u8)
+        .take_while(|&b| b != 0)
+        .collect();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// PTX of the kernel for `(dtype, op)`, for virtual architecture `compute_{major}{minor}`.
+pub fn compile_ptx(dtype: DType, op: RedOp, arch: (u32, u32)) -> Result<String, KernelError> {
+    let ptx = nvrtc_compile(
+        dtype,
+        op,
+        format!("compute_{}{}", arch.0, arch.1),
+        Output::Ptx,
+    )?;
+    String::from_utf8(ptx).map_err(|e| KernelError::Nvrtc {
+        call: "nvrtcGetPTX",
+        kernel: kernel_name(dtype, op),
+        status: format!("PTX is not UTF-8: {e}"),
+    })
+}
+
+/// CUBIN (SASS) of the kernel for `(dtype, op)`, for real architecture `sm_{major}{minor}`.
+pub fn compile_cubin(dtype: DType, op: RedOp, arch: (u32, u32)) -> Result<Vec<u8>, KernelError> {
+    nvrtc_compile(dtype, op, format!("sm_{}{}", arch.0, arch.1), Output::Cubin)
+}
+
+/// The argument block every kernel takes by value (`struct commd_ins`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct InsArg {
+    p: [CUdeviceptr; MAX_INPUTS],
+    m: u32,
+}
+const _: () = assert!(std::mem::size_of::<InsArg>() == 72);
+
+/// What is known about one context (by its process-unique id, `cuCtxGetId`).
+#[derive(Clone, Copy)]
+struct CtxInfo {
+    arch: (u32, u32),
+    sm_count: u32,
+}
+
+/// A loaded kernel: its `CUfunction` (kept as an address: the cache is shared across threads).
+#[derive(Clone, Copy)]
+struct Loaded {
+    func: usize,
+    max_blocks: u32,
+}
+
+#[derive(Default)]
+struct State {
+    /// Compiled CUBINs by (arch, dtype, op), shared by contexts on devices of one architecture.
+    images: HashMap<((u32, u32), DType, RedOp), Vec<u8>>,
+    ctxs: HashMap<u64, CtxInfo>,
+    loaded: HashMap<(u64, DType, RedOp), Loaded>,
+}
+
+/// The reduction kernels, compiled on first use per architecture and loaded on first use per CUDA
+/// context. Thread-safe; keep one per process (modules stay loaded until their context is
+/// destroyed, so dropping a `Kernels` does not unload them).
+#[derive(Default)]
+pub struct Kernels {
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.state.lock().map(|s| s.loaded.len()).unwrap_or(0);
+        write!(f, "Kernels({n} loaded)")
+    }
+}
+
+impl Kernels {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Compiles (if needed) and loads the kernel for `(dtype, op)` in the current context, so a
+    /// later [`launch`](Self::launch) does no module loading (e.g. before CUDA graph capture).
+    pub fn prepare(&self, dtype: DType, op: RedOp) -> Result<(), KernelError> {
+        op.check_dtype(dtype)?;
+        let ctx = current_ctx()?;
+        self.get(ctx, dtype, op).map(|_| ())
+    }
+
+    /// Enqueues `out[i] = op(ins[0][i], ..., ins[m-1][i])` for `i < count` on `stream` in the
+    /// current context; returns without waiting. `divisor` is the AVG denominator (the number of
+    /// ranks, which may differ from `ins.len()`); other ops ignore it. `count == 0` launches
+    /// nothing.
+    ///
+    /// # Safety
+    /// A context is current on this thread, and `stream` (or null, the legacy default stream)
+    /// belongs to it. Every `ins[k]` is a device address readable for `count` elements of `dtype`
+    /// and `out` writable for `count` elements, until the kernel has run on `stream`. `out` may be
+    /// exactly `ins[0]` but must not otherwise overlap any input.
+    pub unsafe fn launch(
+        &self,
+        stream: CUstream,
+        dtype: DType,
+        op: RedOp,
+        out: CUdeviceptr,
+        ins: &[CUdeviceptr],
+        count: u64,
+        divisor: u32,
+    ) -> Result<(), KernelError> {
+        op.check_dtype(dtype)?;
+        if ins.is_empty() || ins.len() > MAX_INPUTS {
+            return Err(KernelError::InvalidArgument(format!(
+                "{} inputs (1 to {MAX_INPUTS} allowed)",
+                ins.len()
+            )));
+        }
+        if op == RedOp::Avg && divisor == 0 {
+            return Err(KernelError::InvalidArgument(
+                "avg with divisor 0 (the divisor is the number of ranks)".into(),
+            ));
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let ctx = current_ctx()?;
+        let k = self.get(ctx, dtype, op)?;
+        let mut arg = InsArg {
+            p: [0; MAX_INPUTS],
+            m: ins.len() as u32,
+        };
+        arg.p[..ins.len()].copy_from_slice(ins);
+        let blocks = count
+            .div_ceil(u64::from(THREADS))
+            .min(u64::from(k.max_blocks))
+            .max(1) as u32;
+        let mut out = out;
+        let mut count = count;
+        let mut divisor = divisor;
+        let mut params: [*mut c_void; 4] = [
+            (&raw mut out).cast(),
+            (&raw mut arg).cast(),
+            (&raw mut count).cast(),
+            (&raw mut divisor).cast(),
+        ];
+        // SAFETY: `func` was loaded in the current context (cached by its id); `params` points at
+        // four live values laid out as the kernel's parameters (u64 pointer, 72-byte struct, u64,
+        // u32), which the driver copies before returning; the caller vouches for the stream and
+        // the device ranges.
+        let r = unsafe {
+            cu_sys::cuLaunchKernel(
+                k.func as CUfunction,
+                blocks,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        cu::ck(r, &format!("cuLaunchKernel({})", kernel_name(dtype, op)))?;
+        Ok(())
+    }
+
+    /// The kernel for `(dtype, op)` in context `ctx` (current on this thread), loading it if
+    /// needed. The lock is held while compiling: that happens once per kernel and architecture.
+    fn get(&self, ctx: (CUcontext, u64), dtype: DType, op: RedOp) -> Result<Loaded, KernelError> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let id = ctx.1;
+        if let Some(k) = st.loaded.get(&(id, dtype, op)) {
+            return Ok(*k);
+        }
+        let info = match st.ctxs.get(&id) {
+            Some(i) => *i,
+            None => {
+                let i = ctx_info()?;
+                st.ctxs.insert(id, i);
+                i
+            }
+        };
+        let key = (info.arch, dtype, op);
+        if !st.images.contains_key(&key) {
+            let image = compile_cubin(dtype, op, info.arch)?;
+            st.images.insert(key, image);
+        }
+        let image = st.images.get(&key).ok_or_else(|| {
+            KernelError::InvalidArgument("compiled kernel image vanished from the cache".into())
+        })?;
+        let mut module: CUmodule = std::ptr::null_mut();
+        // SAFETY: the context is current on this thread; `image` is a complete CUBIN that lives
+        // across the call; `module` is a valid out pointer.
+        let r = unsafe { cu_sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) };
+        cu::ck(r, &format!("cuModuleLoadData({})", kernel_name(dtype, op)))?;
+        let name = CString::new(kernel_name(dtype, op))
+            .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+        let mut func: CUfunction = std::ptr::null_mut();
+        // SAFETY: `module` was just loaded; `name` is NUL-terminated; `func` is a valid out pointer.
+        let r = unsafe { cu_sys::cuModuleGetFunction(&mut func, module, name.as_ptr()) };
+        cu::ck(r, "cuModuleGetFunction")?;
+        let k = Loaded {
+            func: func as usize,
+            max_blocks: info.sm_count.max(1).saturating_mul(BLOCKS_PER_SM),
+        };
+        st.loaded.insert((id, dtype, op), k);
+        Ok(k)
+    }
+}
+
+/// The current context and its process-unique id.
+fn current_ctx() -> Result<(CUcontext, u64), KernelError> {
+    cu::driver().map_err(KernelError::NoCuda)?;
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: the driver is loaded and initialized; `ctx` is a valid out pointer.
+    cu::ck(
+        unsafe { cu_sys::cuCtxGetCurrent(&mut ctx) },
+        "cuCtxGetCurrent",
+    )?;
+    if ctx.is_null() {
+        return Err(KernelError::NoContext);
+    }
+    let mut id: std::ffi::c_ulonglong = 0;
+    // SAFETY: `ctx` is the live current context; `id` is a valid out pointer.
+    cu::ck(unsafe { cu_sys::cuCtxGetId(ctx, &mut id) }, "cuCtxGetId")?;
+    Ok((ctx, id))
+}
+
+/// Compute capability and SM count of the current context's device.
+fn ctx_info() -> Result<CtxInfo, KernelError> {
+    let mut dev = 0;
+    // SAFETY: a context is current (checked by the caller); `dev` is a valid out pointer.
+    cu::ck(
+        unsafe { cu_sys::cuCtxGetDevice(&mut dev) },
+        "cuCtxGetDevice",
+    )?;
+    use cu_sys::CUdevice_attribute as A;
+    let major = cu::device_attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = cu::device_attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let sms = cu::device_attr(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+    Ok(CtxInfo {
+        arch: (major.max(0) as u32, minor.max(0) as u32),
+        sm_count: sms.max(1) as u32,
+    })
+}
+
+#[cfg(test)]
+mod tests;
