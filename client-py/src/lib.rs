@@ -183,10 +183,19 @@ impl Client {
         })
     }
 
+    /// (allocations this process registered with the daemon, registration cache hits).
+    fn cuda_registration_stats(&self) -> (u64, u64) {
+        self.inner.cuda_registration_stats()
+    }
+
     /// The daemon's status (as JSON text).
     fn status_json(&self, py: Python<'_>) -> PyResult<String> {
         let s = py.detach(|| self.inner.status()).map_err(to_py)?;
-        Ok(format!(
+        let ipc = format!(
+            ",\"cuda_available\":{},\"cuda_reason\":{:?},\"gpus\":{},\"ipc_opens\":{},\"ipc_cache_hits\":{},\"ipc_open_us\":{},\"ipc_open_now\":{},\"gpu_ops\":{}}}",
+            s.cuda_available, s.cuda_reason, s.gpus, s.ipc_opens, s.ipc_cache_hits, s.ipc_open_us, s.ipc_open_now, s.gpu_ops
+        );
+        let base = format!(
             "{{\"daemon_version\":{:?},\"pid\":{},\"uptime_ms\":{},\"sessions\":{},\"communicators\":{},\"registrations\":{},\"mapped_bytes\":{},\"ops_completed\":{},\"ops_failed\":{},\"workers\":{}}}",
             s.daemon_version,
             s.pid,
@@ -198,7 +207,8 @@ impl Client {
             s.ops_completed,
             s.ops_failed,
             s.workers
-        ))
+        );
+        Ok(format!("{}{ipc}", &base[..base.len() - 1]))
     }
 }
 
@@ -390,6 +400,68 @@ impl Communicator {
             _keep: keep,
             _comm: comm,
         })
+    }
+
+    /// Posts a stream-ordered GPU op: `send`/`recv` are device addresses (e.g.
+    /// `tensor.data_ptr()`) or None, `stream` a CUDA stream handle (e.g.
+    /// `torch.cuda.Stream().cuda_stream`) of the tensors' device. The op runs when `stream`
+    /// reaches it; work enqueued on `stream` afterwards sees its results. The CPU does not wait.
+    /// The caller keeps the tensors alive until the returned Request completes. `defer_wait`
+    /// (send/recv only): the stream waits at the next `cuda_flush` instead (send/recv groups).
+    #[pyo3(signature = (op, dtype, count, stream, send=None, recv=None, redop=None, peer=0, defer_wait=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn post_cuda(
+        &self,
+        py: Python<'_>,
+        op: &str,
+        dtype: &str,
+        count: u64,
+        stream: usize,
+        send: Option<u64>,
+        recv: Option<u64>,
+        redop: Option<&str>,
+        peer: u32,
+        defer_wait: bool,
+    ) -> PyResult<Request> {
+        let args = commd_client::gpu::CudaOpArgs {
+            kind: parse_kind(op)?,
+            dtype: parse_dtype(dtype)?,
+            redop: redop.map(parse_redop).transpose()?,
+            count,
+            peer,
+            send,
+            recv,
+            stream: stream as commd_client::gpu::cu::sys::CUstream,
+            defer_wait,
+        };
+        let comm = self.get()?;
+        let c = comm.clone();
+        // SAFETY: the Python caller (commd.torch) keeps the tensors alive until the request
+        // completes and passes a live stream of the tensors' device; `stream` is an integer
+        // handle from torch, validated by the driver before anything is posted.
+        let req = py
+            .detach(move || unsafe { c.post_cuda(args) })
+            .map_err(to_py)?;
+        Ok(Request {
+            inner: Arc::new(req),
+            _keep: Vec::new(),
+            _comm: comm,
+        })
+    }
+
+    /// Enqueues on `stream` the wait for the deferred send/recv ops of this communicator.
+    fn cuda_flush(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        let comm = self.get()?;
+        // SAFETY: `stream` is a live stream handle from the caller (torch).
+        py.detach(move || unsafe {
+            comm.cuda_flush(stream as commd_client::gpu::cu::sys::CUstream)
+        })
+        .map_err(to_py)
+    }
+
+    /// The status code of a failed GPU op on this communicator since the last call, or None.
+    fn cuda_take_error(&self) -> PyResult<Option<u32>> {
+        Ok(self.get()?.cuda_take_error())
     }
 
     /// Destroys the communicator now (the other ranks' later ops fail with "peer lost").

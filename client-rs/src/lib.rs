@@ -114,6 +114,7 @@ struct Inner {
     spin: Duration,
     /// The process that created the session: after fork() the child must not use (or end) it.
     pid: u32,
+    gpu: Mutex<gpu::SessionGpu>,
 }
 
 impl Drop for Inner {
@@ -237,6 +238,7 @@ impl Client {
             inflight: AtomicU32::new(0),
             spin: opts.spin,
             pid: std::process::id(),
+            gpu: Mutex::new(gpu::SessionGpu::default()),
         };
         Ok(Self {
             inner: Arc::new(inner),
@@ -301,6 +303,8 @@ impl Client {
             comm_id: r.comm_id,
             rank,
             nranks,
+            doorbell_slot: r.doorbell_slot,
+            gpu: Mutex::new(gpu::CommGpu::default()),
         })
     }
 
@@ -398,6 +402,21 @@ impl Client {
     }
 
     /// Daemon-wide status (counts of sessions, communicators, registrations...).
+    /// (allocations registered with the daemon, registration cache hits) by this session's GPU
+    /// ops: a steady-state loop over the same tensors adds hits only.
+    pub fn cuda_registration_stats(&self) -> (u64, u64) {
+        gpu::stats(&self.inner)
+    }
+
+    /// The daemon's GPUs, peer matrix and copy paths (or why it has no CUDA).
+    pub fn topology(&self) -> Result<pb::TopologyReply> {
+        let i = &self.inner;
+        Ok(i.rt
+            .block_on(i.rpc.clone().topology(pb::Empty {}))
+            .map_err(|s| Error::rpc("topology", s))?
+            .into_inner())
+    }
+
     pub fn status(&self) -> Result<pb::StatusReply> {
         let i = &self.inner;
         i.check_owner()?;
@@ -773,6 +792,8 @@ pub struct Communicator {
     comm_id: u64,
     rank: u32,
     nranks: u32,
+    doorbell_slot: u32,
+    gpu: Mutex<gpu::CommGpu>,
 }
 
 impl std::fmt::Debug for Communicator {

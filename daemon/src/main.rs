@@ -38,6 +38,11 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The daemon's GPUs, their peer matrix and copy engines, and the path each GPU pair uses.
+    Topo {
+        #[arg(long)]
+        json: bool,
+    },
     /// Check that the daemon serves: one line, exit 0 if healthy, 1 if not (for probes).
     Health {
         /// Give up after this many milliseconds.
@@ -134,6 +139,7 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
             exit::OK
         }
         Cmd::Status { json } => status(&cfg, *json),
+        Cmd::Topo { json } => topo(&cfg, *json),
         Cmd::Health { timeout_ms } => {
             let timeout = std::time::Duration::from_millis(*timeout_ms);
             match commd_daemon::health::check(&cfg.socket, timeout) {
@@ -176,6 +182,74 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
         }
         Cmd::BenchWorker { .. } => exit::USAGE,
     }
+}
+
+fn topo(cfg: &Config, json: bool) -> i32 {
+    let t = match commd_client::Client::connect(Some(&cfg.socket)).and_then(|c| c.topology()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("commd topo: {e}");
+            return exit::RUNTIME;
+        }
+    };
+    let uuid = commd_client::gpu::cu::uuid_string;
+    if json {
+        let gpus: Vec<_> = t.gpus.iter().map(|g| serde_json::json!({"ordinal": g.ordinal, "name": g.name,
+            "uuid": uuid(&g.uuid), "pci_bus_id": g.pci_bus_id, "memory_bytes": g.memory_bytes,
+            "copy_engines": g.copy_engines, "sm_count": g.sm_count, "compute_capability": g.compute_capability})).collect();
+        let links: Vec<_> = t.links.iter().map(|l| serde_json::json!({"from": l.from, "to": l.to, "p2p": l.p2p,
+            "path": l.path, "performance_rank": l.performance_rank, "native_atomics": l.native_atomics})).collect();
+        let j = serde_json::json!({"cuda_available": t.cuda_available, "cuda_reason": t.cuda_reason,
+            "driver_version": t.driver_version, "gpus": gpus, "links": links});
+        println!("{j}");
+        return exit::OK;
+    }
+    if !t.cuda_available {
+        println!("CUDA: unavailable ({}); the daemon serves host memory only", t.cuda_reason);
+        return exit::OK;
+    }
+    println!("CUDA driver {}, {} GPU(s)", t.driver_version, t.gpus.len());
+    for g in &t.gpus {
+        println!(
+            "  GPU{} {} {} pci {} {} GiB sm_{} {} SMs {} copy engines",
+            g.ordinal,
+            g.name,
+            uuid(&g.uuid),
+            g.pci_bus_id,
+            g.memory_bytes >> 30,
+            g.compute_capability.replace('.', ""),
+            g.sm_count,
+            g.copy_engines
+        );
+    }
+    if t.gpus.len() > 1 {
+        print!("P2P   ");
+        for g in &t.gpus {
+            print!(" GPU{:<3}", g.ordinal);
+        }
+        println!();
+        for a in &t.gpus {
+            print!("GPU{:<3}", a.ordinal);
+            for b in &t.gpus {
+                let cell = if a.ordinal == b.ordinal {
+                    "X".to_string()
+                } else {
+                    match t.links.iter().find(|l| l.from == a.ordinal && l.to == b.ordinal) {
+                        Some(l) if l.p2p => format!("P{}{}", l.performance_rank, if l.native_atomics { "a" } else { "" }),
+                        Some(_) => "HOST".into(),
+                        None => "?".into(),
+                    }
+                };
+                print!(" {cell:<6}");
+            }
+            println!();
+        }
+        println!("  P<n>: peer access, driver performance rank n (a: native atomics); HOST: no P2P, the driver stages copies through host memory");
+        for l in &t.links {
+            println!("  GPU{} -> GPU{}: {}", l.from, l.to, l.path);
+        }
+    }
+    exit::OK
 }
 
 fn status(cfg: &Config, json: bool) -> i32 {

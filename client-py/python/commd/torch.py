@@ -5,9 +5,11 @@ torchrun (``env://``), with any store or init_method, and under mpirun (``RANK``
 etc. are filled in from Open MPI's or PMI's variables when torch's are absent). Rank 0 of each
 group creates the communicator id and publishes it in the group's store; every rank then joins.
 
-CPU tensors only for now: tensors are staged through shared memory (see ``commd._core``); tensors
-made by :func:`empty` already live there and skip the copies. The layer is written against
-"arrays + a dtype name", so CUDA tensors drop in as another way to name memory.
+CPU tensors are staged through shared memory (see ``commd._core``); tensors made by
+:func:`empty` already live there and skip the copies. CUDA tensors take the stream-ordered GPU
+path (``commd._torch_cuda``): ops are ordered after the current stream, ``Work.wait()`` makes
+the current stream wait without blocking the CPU, and the daemon moves the data with copy
+engines.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.futures import Future
 
 from . import _core, _native
 from ._core import Handle
+from ._torch_cuda import CudaOps
 
 __all__ = ["CommdBackend", "register", "empty", "BACKEND"]
 
@@ -65,14 +68,20 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
         _BYTE_VIEWS[getattr(torch, _name)] = torch.uint8
 
 
-def _check_tensor(t: torch.Tensor, what: str) -> None:
+def _check_tensor(t: torch.Tensor, what: str, cuda: bool = False) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"commd {what}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
+    want = "cuda" if cuda else "cpu"
+    if t.device.type != want:
         raise ValueError(
-            f"commd {what}: tensors on {t.device} are not supported yet (CPU tensors only)")
+            f"commd {what}: tensor on {t.device}, expected {want} like the op's other tensors "
+            "(supported: CPU and CUDA tensors, not mixed within one op)")
     if t.is_sparse:
         raise ValueError(f"commd {what}: sparse tensors are not supported")
+
+
+def _is_cuda(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "cuda"
 
 
 def _np(t: torch.Tensor, what: str = "op") -> np.ndarray:
@@ -93,7 +102,13 @@ def _np(t: torch.Tensor, what: str = "op") -> np.ndarray:
 
 def _reduce_args(t: torch.Tensor, op: Any, what: str) -> tuple[np.ndarray, str, str]:
     """(array, daemon dtype name, daemon reduction name) for a reduction over ``t``."""
-    _check_tensor(t, what)
+    dt, red = _reduce_names(t, op, what)
+    return _np(t, what), dt, red
+
+
+def _reduce_names(t: torch.Tensor, op: Any, what: str) -> tuple[str, str]:
+    """(daemon dtype name, daemon reduction name) for a reduction over ``t``."""
+    _check_tensor(t, what, _is_cuda(t))
     kind = op.op if isinstance(op, ReduceOp) else op
     if kind == ReduceOp.RedOpType.PREMUL_SUM:
         raise ValueError(
@@ -107,13 +122,13 @@ def _reduce_args(t: torch.Tensor, op: Any, what: str) -> tuple[np.ndarray, str, 
         dt = {torch.complex64: "f32", torch.complex128: "f64"}.get(t.dtype)
         if dt is None:
             raise ValueError(f"commd {what}: unsupported tensor dtype {t.dtype}")
-        return _np(t, what), dt, name
+        return dt, name
     dt = _REDUCE_DTYPES.get(t.dtype)
     if dt is None:
         raise ValueError(
             f"commd {what}: cannot reduce {t.dtype} tensors (supported: float32, float64, "
             "float16, bfloat16, int8, uint8, int32, int64, bool, complex64/128 for sum/avg)")
-    return _np(t, what), dt, _core._redop(name, dt, t.dtype == torch.bool)
+    return dt, _core._redop(name, dt, t.dtype == torch.bool)
 
 
 def _seconds(timeout: Any) -> float | None:
@@ -231,6 +246,17 @@ class CommdBackend(_C10dBackend):
         else:
             uid = bytes(store.get(key))
         self.comm = self.client.communicator(uid, rank, size, op_timeout=secs, join_timeout=secs)
+        self._cuda: CudaOps | None = None
+
+    @property
+    def gpu(self) -> CudaOps:
+        if self._cuda is None:
+            self._cuda = CudaOps(self.comm, self._rank, self._size)
+        return self._cuda
+
+    def _cuda_check(self, tensors: list[torch.Tensor], what: str) -> None:
+        for t in tensors:
+            _check_tensor(t, what, cuda=True)
 
     # -- plumbing ------------------------------------------------------------------------
 
@@ -288,12 +314,20 @@ class CommdBackend(_C10dBackend):
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(tensors, "allreduce")
+        if _is_cuda(t):
+            dt, red = _reduce_names(t, opts.reduceOp, "allreduce")
+            return self.gpu.reduce_like("all_reduce", t, dt, red, 0, None, tensors)
         a, dt, red = _reduce_args(t, opts.reduceOp, "allreduce")
         return self._work(self.comm.all_reduce(a, op=red, dtype=dt, async_op=True), tensors, opts)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if not tensors:
             return self._work(Handle.done(), tensors, opts)
+        if _is_cuda(tensors[0]):
+            self._cuda_check(tensors, "allreduce_coalesced")
+            works = [self.gpu.reduce_like("all_reduce", t, *_reduce_names(
+                t, opts.reduceOp, "allreduce_coalesced"), 0, None, [t]) for t in tensors]
+            return works[-1] if len(works) == 1 else _join(works, tensors)
         args = [_reduce_args(t, opts.reduceOp, "allreduce_coalesced") for t in tensors]
         groups: dict[tuple[str, str], list[np.ndarray]] = {}
         for a, dt, red in args:
@@ -304,11 +338,16 @@ class CommdBackend(_C10dBackend):
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(tensors, "broadcast")
+        if _is_cuda(t):
+            return self.gpu.broadcast(t, opts.rootRank, tensors)
         h = self.comm.broadcast(_np(t, "broadcast"), opts.rootRank, async_op=True)
         return self._work(h, tensors, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(tensors, "reduce")
+        if _is_cuda(t):
+            dt, red = _reduce_names(t, opts.reduceOp, "reduce")
+            return self.gpu.reduce_like("reduce", t, dt, red, opts.rootRank, None, tensors)
         a, dt, red = _reduce_args(t, opts.reduceOp, "reduce")
         h = self.comm.reduce(a, opts.rootRank, op=red, dtype=dt, async_op=True)
         return self._work(h, tensors, opts)
@@ -326,6 +365,15 @@ class CommdBackend(_C10dBackend):
                   input_tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(input_tensors, "allgather")
         outs = _one(output_tensors, "allgather")  # type: ignore[arg-type]
+        if _is_cuda(t):
+            if len(outs) != self._size:
+                raise ValueError(f"commd allgather: expected {self._size} output tensors, got "
+                                 f"{len(outs)}")
+            self._cuda_check(outs, "allgather")
+            for o in outs:
+                _check_same(o, t, "allgather")
+            flat = torch.empty(self._size * t.numel(), dtype=t.dtype, device=t.device)
+            return self.gpu.all_gather(flat, t, output_tensors, outs)
         return self._work(self._allgather_h(outs, t), output_tensors, opts)
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
@@ -339,6 +387,10 @@ class CommdBackend(_C10dBackend):
         return self.comm.all_gather(_np(input, what), _np(output, what), async_op=True)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+        if _is_cuda(input):
+            self._cuda_check([output, input], "all_gather_into_tensor")
+            _check_sizes(output, input, self._size, "all_gather_into_tensor")
+            return self.gpu.all_gather(output, input, [output])
         return self._work(self._allgather_base_h(output, input), [output], opts)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
@@ -355,6 +407,11 @@ class CommdBackend(_C10dBackend):
                              f"{len(ins)}")
         for i in ins:
             _check_same(i, out, "reduce_scatter")
+        if _is_cuda(out):
+            self._cuda_check(list(ins), "reduce_scatter")
+            dt, red = _reduce_names(out, opts.reduceOp, "reduce_scatter")
+            return self.gpu.reduce_like("reduce_scatter", torch.cat([i.reshape(-1) for i in ins]),
+                                        dt, red, 0, out, output_tensors)
         a, dt, red = _reduce_args(out, opts.reduceOp, "reduce_scatter")
         h = self.comm.reduce_scatter([_np(i, "reduce_scatter") for i in ins], a, op=red,
                                      dtype=dt, async_op=True)
@@ -368,6 +425,12 @@ class CommdBackend(_C10dBackend):
         return self.comm.reduce_scatter(_np(input, what), a, op=red, dtype=dt, async_op=True)
 
     def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+        if _is_cuda(output):
+            what = "reduce_scatter_tensor"
+            self._cuda_check([input], what)
+            _check_sizes(input, output, self._size, what)
+            dt, red = _reduce_names(output, opts.reduceOp, what)
+            return self.gpu.reduce_like("reduce_scatter", input, dt, red, 0, output, [output])
         return self._work(self._reduce_scatter_base_h(output, input, opts.reduceOp), [output],
                           opts)
 
@@ -383,6 +446,17 @@ class CommdBackend(_C10dBackend):
         what = "all_to_all_single"
         if input.dtype != output.dtype:
             raise ValueError(f"commd {what}: input is {input.dtype} but output is {output.dtype}")
+        if _is_cuda(input):
+            self._cuda_check([output], what)
+            if not output_split_sizes and not input_split_sizes:
+                if input.numel() != output.numel() or input.numel() % self._size:
+                    raise ValueError(
+                        f"commd {what}: without split sizes, input and output must have the "
+                        f"same number of elements, divisible by {self._size}")
+                return self.gpu.all_to_all(output, input, [output])
+            ins = _split_t(input, input_split_sizes, self._size, "input", what)
+            outs = _split_t(output, output_split_sizes, self._size, "output", what)
+            return self._gpu_alltoallv(ins, outs, [output])
         a, b = _np(input, what), _np(output, what)
         if not output_split_sizes and not input_split_sizes:
             if input.numel() != output.numel() or input.numel() % self._size:
@@ -400,6 +474,9 @@ class CommdBackend(_C10dBackend):
         what = "all_to_all"
         if len(output_tensors) != self._size or len(input_tensors) != self._size:
             raise ValueError(f"commd {what}: expected {self._size} input and output tensors")
+        if _is_cuda(input_tensors[0]):
+            self._cuda_check(list(input_tensors) + list(output_tensors), what)
+            return self._gpu_alltoallv(list(input_tensors), list(output_tensors), output_tensors)
         ins = [_np(t, what) for t in input_tensors]
         outs = [_np(t, what) for t in output_tensors]
         return self._work(self.comm.all_to_all_v(ins, outs, async_op=True), output_tensors,
@@ -407,10 +484,14 @@ class CommdBackend(_C10dBackend):
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         t = _one(tensors, "send")
+        if _is_cuda(t):
+            return self.gpu.p2p([(t, dst)], [], tensors, group=False)
         return self._work(self.comm.send(_np(t, "send"), dst, async_op=True), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
         t = _one(tensors, "recv")
+        if _is_cuda(t):
+            return self.gpu.p2p([], [(t, src)], tensors, group=False)
         return self._work(self.comm.recv(_np(t, "recv"), src, async_op=True), tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
@@ -424,6 +505,20 @@ class CommdBackend(_C10dBackend):
                opts: Any) -> Any:
         t = _one(input_tensors, "gather")
         root = opts.rootRank
+        if _is_cuda(t):
+            if self._rank != root:
+                return self.gpu.p2p([(t, root)], [], [])
+            outs = _one(output_tensors, "gather")  # type: ignore[arg-type]
+            if len(outs) != self._size:
+                raise ValueError(f"commd gather: expected {self._size} output tensors on the root")
+            self._cuda_check(outs, "gather")
+            for o in outs:
+                _check_same(o, t, "gather")
+            outs[root].copy_(t)
+            if self._size == 1:
+                return _DoneWork(output_tensors)
+            return self.gpu.p2p([], [(o, j) for j, o in enumerate(outs) if j != root],
+                                output_tensors)
         if self._rank != root:
             return self._work(self._p2p_batch([(_np(t, "gather"), root)], []), [], opts)
         outs = _one(output_tensors, "gather")  # type: ignore[arg-type]
@@ -439,6 +534,20 @@ class CommdBackend(_C10dBackend):
                 opts: Any) -> Any:
         out = _one(output_tensors, "scatter")
         root = opts.rootRank
+        if _is_cuda(out):
+            if self._rank != root:
+                return self.gpu.p2p([], [(out, root)], output_tensors)
+            ins = _one(input_tensors, "scatter")  # type: ignore[arg-type]
+            if len(ins) != self._size:
+                raise ValueError(f"commd scatter: expected {self._size} input tensors on the root")
+            self._cuda_check(ins, "scatter")
+            for i in ins:
+                _check_same(i, out, "scatter")
+            out.copy_(ins[root])
+            if self._size == 1:
+                return _DoneWork(output_tensors)
+            return self.gpu.p2p([(i, j) for j, i in enumerate(ins) if j != root], [],
+                                output_tensors)
         if self._rank != root:
             return self._work(self._p2p_batch([], [(_np(out, "scatter"), root)]), output_tensors, opts)
         ins = _one(input_tensors, "scatter")  # type: ignore[arg-type]
@@ -449,6 +558,102 @@ class CommdBackend(_C10dBackend):
         out.copy_(ins[root])
         sends = [(_np(i, "scatter"), j) for j, i in enumerate(ins) if j != root]
         return self._work(self._p2p_batch(sends, []), output_tensors, opts)
+
+
+    def _gpu_alltoallv(self, ins: list[torch.Tensor], outs: list[torch.Tensor],
+                       result: Any) -> Any:
+        """Uneven all-to-all on GPU tensors: one send/recv group (own block copied locally)."""
+        outs[self._rank].copy_(ins[self._rank])
+        sends = [(t, j) for j, t in enumerate(ins) if j != self._rank and t.numel() > 0]
+        recvs = [(t, j) for j, t in enumerate(outs) if j != self._rank and t.numel() > 0]
+        if not sends and not recvs:
+            return _DoneWork(result)
+        return self.gpu.p2p(sends, recvs, result)
+
+
+class _DoneWork(_Work):
+    """A Work with nothing to wait for (the op was local)."""
+
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def result(self) -> Any:
+        return self._result
+
+    def get_future(self) -> Future:
+        f: Future = Future()
+        f.set_result(_flat_tensors(self._result))
+        return f
+
+
+class _JoinWork(_Work):
+    """Several GPU Works as one."""
+
+    def __init__(self, works: list[Any], result: Any) -> None:
+        super().__init__()
+        self._works = works
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def result(self) -> Any:
+        return self._result
+
+    def get_future(self) -> Future:
+        futs = [w.get_future() for w in self._works]
+        out: Future = Future()
+        value = _flat_tensors(self._result)
+
+        def done(_: Any) -> None:
+            if all(f.done() for f in futs) and not out.done():
+                for f in futs:
+                    try:
+                        f.value()
+                    except BaseException as e:  # noqa: BLE001
+                        out.set_exception(e)
+                        return
+                out.set_result(value)
+
+        for f in futs:
+            f.add_done_callback(done)
+        return out
+
+
+def _join(works: list[Any], result: Any) -> Any:
+    return _JoinWork(works, result)
+
+
+def _split_t(t: torch.Tensor, splits: list[int], n: int, side: str,
+             what: str) -> list[torch.Tensor]:
+    """Rows of ``t`` split by ``splits`` (equal split when empty)."""
+    rows = t.shape[0] if t.dim() > 0 else 0
+    if not splits:
+        if rows % n:
+            raise ValueError(f"commd {what}: {side} has {rows} rows, not divisible by {n}")
+        splits = [rows // n] * n
+    if len(splits) != n or sum(splits) != rows or any(s < 0 for s in splits):
+        raise ValueError(f"commd {what}: {side} split sizes {splits} do not cover {rows} rows "
+                         f"in {n} parts")
+    return list(torch.split(t, splits, dim=0))
 
 
 # torch >= 2.12 calls these names; older releases the underscored/base ones above.
@@ -542,7 +747,7 @@ def register() -> None:
     """Registers the ``"commd"`` backend with torch.distributed (idempotent)."""
     if BACKEND.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def _patch_is_completed() -> None:

@@ -4,3 +4,522 @@
 
 pub mod cu;
 pub mod kernels;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use commd_proto::desc::{DType, OpKind, RedOp, SubmitDesc, doorbell, flags};
+use commd_proto::pb;
+
+use crate::{Communicator, Error, Inner, Request, Result, lock};
+use cu::{CuError, ck, sys};
+
+impl From<CuError> for Error {
+    fn from(e: CuError) -> Self {
+        Error::InvalidArgument(format!("CUDA: {e}"))
+    }
+}
+
+impl From<kernels::KernelError> for Error {
+    fn from(e: kernels::KernelError) -> Self {
+        Error::InvalidArgument(format!("reduction kernel: {e}"))
+    }
+}
+
+/// One registered allocation (client side of the handle cache).
+#[derive(Clone, Copy, Debug)]
+struct Reg {
+    base: sys::CUdeviceptr,
+    size: u64,
+    mem_id: u32,
+    device: i32,
+}
+
+/// Per-session CUDA state: the doorbell page's device address, the registration cache keyed by
+/// `CU_POINTER_ATTRIBUTE_BUFFER_ID` (unique per allocation for the process lifetime, so a freed
+/// and re-allocated range is never mistaken for the old one), and the reduction kernels.
+#[derive(Default)]
+pub(crate) struct SessionGpu {
+    doorbell_dev: Option<sys::CUdeviceptr>,
+    regs: HashMap<u64, Reg>,
+    kernels: Option<kernels::Kernels>,
+    pub(crate) registrations: u64,
+    pub(crate) cache_hits: u64,
+}
+
+// SAFETY: the raw pointers inside are driver handles / device addresses, usable from any thread.
+unsafe impl Send for SessionGpu {}
+
+/// The daemon-owned scratch of this rank, opened in this process.
+#[derive(Clone, Copy, Debug)]
+struct Scratch {
+    ptr: sys::CUdeviceptr,
+    slot_bytes: u64,
+    device: i32,
+}
+
+/// Per-communicator CUDA state: the next doorbell ticket, the scratch, and the last ticket of
+/// p2p ops whose wait is deferred to the end of their group.
+pub(crate) struct CommGpu {
+    next_ticket: u32,
+    scratch: Option<Scratch>,
+    deferred: Option<u32>,
+}
+
+impl Default for CommGpu {
+    fn default() -> Self {
+        // The daemon zeroes the slot's counters when it hands the slot out.
+        Self {
+            next_ticket: 1,
+            scratch: None,
+            deferred: None,
+        }
+    }
+}
+
+/// Arguments of a stream-ordered GPU op. Pointers are device addresses of this process.
+#[derive(Clone, Copy, Debug)]
+pub struct CudaOpArgs {
+    pub kind: OpKind,
+    pub dtype: DType,
+    pub redop: Option<RedOp>,
+    pub count: u64,
+    /// Root (broadcast, reduce) or peer (send, recv).
+    pub peer: u32,
+    pub send: Option<sys::CUdeviceptr>,
+    pub recv: Option<sys::CUdeviceptr>,
+    /// The stream the op is ordered on (the caller's; 0 is the legacy default stream).
+    pub stream: sys::CUstream,
+    /// p2p only: enqueue only the "ready" signal now; the wait for completion is enqueued by
+    /// [`Communicator::cuda_flush`] at the end of the group (so a group's sends and recvs can
+    /// match in any order without the stream blocking on the first).
+    pub defer_wait: bool,
+}
+
+// SAFETY: the stream handle is a driver object that any thread may use.
+unsafe impl Send for CudaOpArgs {}
+
+/// Makes the primary context of `device` current if the thread has no context.
+fn ensure_context(device: i32) -> Result<()> {
+    let mut cur = std::ptr::null_mut();
+    // SAFETY: valid out pointer; the driver is loaded.
+    ck(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
+    if cur.is_null() {
+        let mut dev = 0;
+        // SAFETY: valid out pointer.
+        ck(unsafe { sys::cuDeviceGet(&mut dev, device) }, "cuDeviceGet")?;
+        cu::set_current(cu::primary_ctx(dev)?)?;
+    }
+    Ok(())
+}
+
+fn driver() -> Result<()> {
+    cu::driver().map_err(|why| Error::InvalidArgument(format!("CUDA is not available in this process: {why}")))
+}
+
+/// What the driver knows of a device pointer: (allocation base, size, buffer id, device ordinal).
+fn pointer_info(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, u64, u64, i32)> {
+    use sys::CUpointer_attribute as P;
+    let mut base: sys::CUdeviceptr = 0;
+    let mut size: usize = 0;
+    let mut id: u64 = 0;
+    let mut ordinal: i32 = -1;
+    let mut mtype: u32 = 0;
+    let mut attrs = [
+        P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        P::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        P::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+        P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+    ];
+    let mut data: [*mut std::ffi::c_void; 5] = [
+        (&mut base as *mut sys::CUdeviceptr).cast(),
+        (&mut size as *mut usize).cast(),
+        (&mut id as *mut u64).cast(),
+        (&mut ordinal as *mut i32).cast(),
+        (&mut mtype as *mut u32).cast(),
+    ];
+    // SAFETY: each data pointer points to a variable of the type the attribute writes.
+    ck(
+        unsafe { sys::cuPointerGetAttributes(5, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) },
+        "cuPointerGetAttributes",
+    )?;
+    if mtype != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || ordinal < 0 || base == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "address {ptr:#x} is not CUDA device memory of this process (memory type {mtype}); GPU ops need tensors allocated on a CUDA device"
+        )));
+    }
+    Ok((base, size as u64, id, ordinal))
+}
+
+fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
+    let mut dev = 0;
+    // SAFETY: valid out pointer.
+    ck(unsafe { sys::cuDeviceGet(&mut dev, ordinal) }, "cuDeviceGet")?;
+    Ok(cu::device_uuid(dev)?)
+}
+
+impl Inner {
+    /// Registers the doorbell page with the driver once (host memory mapped for the GPU).
+    fn doorbell_dev(&self, g: &mut SessionGpu) -> Result<sys::CUdeviceptr> {
+        if let Some(d) = g.doorbell_dev {
+            return Ok(d);
+        }
+        let host = self.ring.doorbell_page();
+        // SAFETY: the page is page-aligned, one page long, and mapped for the session's life
+        // (the registration is dropped with the mapping at process exit).
+        let r = unsafe {
+            sys::cuMemHostRegister_v2(
+                host.cast(),
+                4096,
+                sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
+            )
+        };
+        if r != sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
+            ck(r, "cuMemHostRegister(doorbell page)")?;
+        }
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: the page was registered with DEVICEMAP above.
+        ck(
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, host.cast(), 0) },
+            "cuMemHostGetDevicePointer",
+        )?;
+        g.doorbell_dev = Some(d);
+        Ok(d)
+    }
+
+    /// `(mem_id, offset, device)` of `[ptr, ptr + bytes)`, registering its allocation with the
+    /// daemon on first use (one IPC export and one daemon-side open per allocation).
+    pub(crate) fn cuda_resolve(&self, g: &mut SessionGpu, ptr: sys::CUdeviceptr, bytes: u64) -> Result<(u32, u64, i32)> {
+        let (base, size, id, ordinal) = pointer_info(ptr)?;
+        let off = ptr - base;
+        if off + bytes > size {
+            return Err(Error::InvalidArgument(format!(
+                "GPU buffer at {ptr:#x} ({bytes} bytes) runs past the end of its allocation ({size} bytes at {base:#x})"
+            )));
+        }
+        if let Some(r) = g.regs.get(&id) {
+            g.cache_hits += 1;
+            return Ok((r.mem_id, off, r.device));
+        }
+        // A new allocation overlapping a cached one means the old one was freed: drop it so the
+        // daemon closes its mapping (and the memory can really be released).
+        let stale: Vec<u64> = g
+            .regs
+            .iter()
+            .filter(|(_, r)| r.base < base + size && base < r.base + r.size)
+            .map(|(k, _)| *k)
+            .collect();
+        for k in stale {
+            if let Some(r) = g.regs.remove(&k) {
+                let _ = self.rt.block_on(self.rpc.clone().deregister_memory(pb::MemRef {
+                    session_id: self.session_id,
+                    mem_id: r.mem_id,
+                }));
+            }
+        }
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: valid out struct; `base` is the start of a device allocation of this process.
+        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, base) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            let (name, _) = cu::describe(r);
+            return Err(Error::InvalidArgument(format!(
+                "cannot export the allocation at {base:#x} for the daemon (cuIpcGetMemHandle: {name}); memory from cuMemCreate/VMM pools (e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or managed memory cannot be shared this way"
+            )));
+        }
+        let req = pb::RegisterCudaMemoryRequest {
+            session_id: self.session_id,
+            ipc_handle: h.reserved.iter().map(|c| *c as u8).collect(),
+            device_uuid: device_uuid(ordinal)?.to_vec(),
+            bytes: size,
+            buffer_id: id,
+        };
+        let rep = self
+            .rt
+            .block_on(self.rpc.clone().register_cuda_memory(req))
+            .map_err(|s| Error::rpc("register_cuda_memory", s))?
+            .into_inner();
+        g.registrations += 1;
+        g.regs.insert(
+            id,
+            Reg {
+                base,
+                size,
+                mem_id: rep.mem_id,
+                device: ordinal,
+            },
+        );
+        Ok((rep.mem_id, off, ordinal))
+    }
+}
+
+/// (client registrations made, client cache hits) of a session.
+pub(crate) fn stats(i: &Inner) -> (u64, u64) {
+    let g = lock(&i.gpu);
+    (g.registrations, g.cache_hits)
+}
+
+impl Communicator {
+    fn scratch(&self, c: &mut CommGpu, device: i32) -> Result<Scratch> {
+        if let Some(s) = c.scratch {
+            if s.device != device {
+                return Err(Error::InvalidArgument(format!(
+                    "communicator {} already runs GPU reductions on device {}; this tensor is on device {device} (use one device per rank and communicator)",
+                    self.comm_id, s.device
+                )));
+            }
+            return Ok(s);
+        }
+        let i = &self.client;
+        let rep = i
+            .rt
+            .block_on(i.rpc.clone().get_comm_scratch(pb::CommScratchRequest {
+                session_id: i.session_id,
+                comm: self.handle,
+                device_uuid: device_uuid(device)?.to_vec(),
+            }))
+            .map_err(|s| Error::rpc("get_comm_scratch", s))?
+            .into_inner();
+        let mut ptr: sys::CUdeviceptr = 0;
+        if !rep.ipc_handle.is_empty() {
+            let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+            if rep.ipc_handle.len() != 64 {
+                return Err(Error::InvalidArgument("daemon sent a malformed scratch handle".into()));
+            }
+            for (d, s) in h.reserved.iter_mut().zip(&rep.ipc_handle) {
+                *d = *s as std::ffi::c_char;
+            }
+            // SAFETY: valid out pointer; the handle came from the daemon's cuIpcGetMemHandle.
+            ck(
+                unsafe {
+                    sys::cuIpcOpenMemHandle_v2(
+                        &mut ptr,
+                        h,
+                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+                    )
+                },
+                "cuIpcOpenMemHandle(daemon scratch)",
+            )?;
+        }
+        let s = Scratch {
+            ptr,
+            slot_bytes: rep.slot_bytes,
+            device,
+        };
+        c.scratch = Some(s);
+        Ok(s)
+    }
+
+    /// The doorbell error word of this communicator (a failed GPU op's status), cleared on read.
+    pub fn cuda_take_error(&self) -> Option<u32> {
+        let (_, _, e) = self.client.ring.doorbell(self.doorbell_slot)?;
+        match e.swap(0, std::sync::atomic::Ordering::AcqRel) {
+            0 => None,
+            s => Some(s),
+        }
+    }
+
+    /// Enqueues on `stream` the wait for every deferred p2p op of this communicator (end of a
+    /// send/recv group). A no-op when nothing is deferred.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the current context.
+    pub unsafe fn cuda_flush(&self, stream: sys::CUstream) -> Result<()> {
+        let mut c = lock(&self.gpu);
+        let Some(t) = c.deferred.take() else {
+            return Ok(());
+        };
+        let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
+        let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
+        // SAFETY: `done` is a device-mapped address of the registered doorbell page.
+        ck(
+            unsafe { sys::cuStreamWaitValue32_v2(stream, done, t, sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32) },
+            "cuStreamWaitValue32",
+        )?;
+        Ok(())
+    }
+
+    /// Posts a stream-ordered GPU op (DESIGN.md contract 4): the op starts once `stream` reaches
+    /// it, and work enqueued on `stream` afterwards runs once it is done; the CPU never blocks.
+    /// The returned [`Request`] completes (or fails) when the daemon is done; a failure also
+    /// releases the stream and sets the communicator's error word.
+    ///
+    /// # Safety
+    /// Pointers must be device memory of this process holding the op's element counts, stay
+    /// allocated until the request completes, and `stream` must be a live stream of the device's
+    /// context (current on this thread, or the device's primary context is made current).
+    pub unsafe fn post_cuda(&self, a: CudaOpArgs) -> Result<Request> {
+        let i = &self.client;
+        i.check_owner()?;
+        driver()?;
+        if self.doorbell_slot == doorbell::NO_SLOT {
+            return Err(Error::InvalidArgument(format!(
+                "communicator {} has no doorbell slot (more than {} communicators in this process): GPU ops are unavailable on it",
+                self.comm_id,
+                doorbell::SLOTS
+            )));
+        }
+        if let Some(r) = a.redop {
+            r.check_dtype(a.dtype).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        }
+        let n = u64::from(self.nranks);
+        let es = a.dtype.size();
+        let me_root = a.peer == self.rank;
+        let bytes = |e: Option<u64>| {
+            e.and_then(|e| e.checked_mul(es))
+                .ok_or_else(|| Error::InvalidArgument(format!("count {} overflows", a.count)))
+        };
+        let mut c = lock(&self.gpu);
+        let mut g = lock(&i.gpu);
+        let mut device = None;
+        let mut send = (0, 0);
+        let mut recv = (0, 0);
+        if a.kind.uses_send(me_root) {
+            let p = a.send.ok_or_else(|| Error::InvalidArgument(format!("{} needs a send buffer", a.kind.name())))?;
+            device.get_or_insert(pointer_info(p)?.3);
+            ensure_context(device.unwrap_or(0))?;
+            let (m, o, _) = i.cuda_resolve(&mut g, p, bytes(a.kind.send_elems(a.count, n))?)?;
+            send = (m, o);
+        }
+        if a.kind.uses_recv(me_root) {
+            let p = a.recv.ok_or_else(|| Error::InvalidArgument(format!("{} needs a recv buffer", a.kind.name())))?;
+            let d = pointer_info(p)?.3;
+            device.get_or_insert(d);
+            ensure_context(d)?;
+            let (m, o, _) = i.cuda_resolve(&mut g, p, bytes(a.kind.recv_elems(a.count, n))?)?;
+            recv = (m, o);
+        }
+        let db = i.doorbell_dev(&mut g)?;
+        let slot = u64::from(self.doorbell_slot);
+        let ready = db + doorbell::READY_OFF + 4 * slot;
+        let done = db + doorbell::DONE_OFF + 4 * slot;
+        let scratch = if a.kind.reduces() {
+            Some(self.scratch(&mut c, device.unwrap_or(0))?)
+        } else {
+            None
+        };
+        if a.kind.reduces() && self.nranks > 8 {
+            return Err(Error::InvalidArgument(format!(
+                "GPU reductions support up to 8 ranks per communicator (this one has {})",
+                self.nranks
+            )));
+        }
+        let slot_bytes = scratch.map(|s| s.slot_bytes).unwrap_or(1 << 20);
+        let phases = commd_proto::desc::cuda_phases(a.kind, a.count, es, self.nranks, slot_bytes);
+        let ticket = c.next_ticket;
+        // Build the stream work first, so a failure here leaves nothing posted.
+        let kernels = if a.kind.reduces() {
+            if g.kernels.is_none() {
+                g.kernels = Some(kernels::Kernels::new());
+            }
+            g.kernels.as_ref()
+        } else {
+            None
+        };
+        if let (Some(k), Some(op)) = (kernels, a.redop) {
+            // Compiles (NVRTC, cached) and loads the kernel in this context before anything is
+            // posted, so a compile error fails the call cleanly.
+            k.prepare(a.dtype, op)?;
+        }
+        // An invalid stream fails here, before the op is posted.
+        // SAFETY: cuStreamQuery only reads the handle; the driver validates it.
+        let q = unsafe { sys::cuStreamQuery(a.stream) };
+        if q != sys::CUresult::CUDA_SUCCESS && q != sys::CUresult::CUDA_ERROR_NOT_READY {
+            ck(q, "cuStreamQuery(stream of the op)")?;
+        }
+        let d = SubmitDesc {
+            user_data: 0,
+            opcode: a.kind.code(),
+            dtype: a.dtype.code(),
+            redop: a.redop.map(|r| r.code()).unwrap_or(0),
+            flags: flags::CUDA,
+            comm: self.handle,
+            peer: a.peer,
+            count: a.count,
+            send_mem: send.0,
+            recv_mem: recv.0,
+            send_off: send.1,
+            recv_off: recv.1,
+            ticket: u64::from(ticket),
+        };
+        let s = a.stream;
+        let write = |v: u32| {
+            // SAFETY: `ready` is a device-mapped address of the registered doorbell page.
+            ck(unsafe { sys::cuStreamWriteValue32_v2(s, ready, v, 0) }, "cuStreamWriteValue32")
+        };
+        let wait = |v: u32| {
+            // SAFETY: as above for `done`.
+            ck(
+                unsafe { sys::cuStreamWaitValue32_v2(s, done, v, sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32) },
+                "cuStreamWaitValue32",
+            )
+        };
+        let user_data = i.post(d)?;
+        c.next_ticket = ticket.wrapping_add(phases as u32);
+        let req = Request {
+            client: i.clone(),
+            user_data,
+            outcome: Mutex::new(None),
+        };
+        // From here on the op is posted: a failure to enqueue must not leave the daemon waiting
+        // for ready counters that never come, so later phases are signalled anyway (the error
+        // is returned, and the daemon's timeout would catch a stream that never runs).
+        let enq = (|| -> Result<()> {
+            if !a.kind.reduces() {
+                write(ticket)?;
+                if a.defer_wait && a.kind.is_p2p() {
+                    c.deferred = Some(ticket);
+                } else {
+                    wait(ticket)?;
+                }
+                return Ok(());
+            }
+            let sc = scratch.unwrap_or(Scratch { ptr: 0, slot_bytes, device: 0 });
+            let k = kernels.ok_or_else(|| Error::InvalidArgument("kernels".into()))?;
+            let op = a.redop.ok_or_else(|| Error::InvalidArgument("reduction op missing".into()))?;
+            let round = commd_proto::desc::cuda_round_elems(a.kind, es, self.nranks, slot_bytes);
+            let rounds = phases / 2;
+            for j in 0..rounds {
+                let t = ticket.wrapping_add(2 * j as u32);
+                write(t)?;
+                wait(t)?;
+                let s0 = j * round;
+                let len = round.min(a.count - s0.min(a.count));
+                // This rank's piece of the round and where its inputs sit.
+                let (start, plen, src_base, dst_base, reduces_here) = match a.kind {
+                    OpKind::AllReduce => {
+                        let (ps, pl) = piece(s0, len, n, u64::from(self.rank));
+                        (ps, pl, a.send.unwrap_or(0), a.recv.unwrap_or(0), true)
+                    }
+                    OpKind::Reduce => (s0, len, a.send.unwrap_or(0), a.recv.unwrap_or(0), me_root),
+                    _ => {
+                        let off = u64::from(self.rank) * a.count * es;
+                        (s0, len, a.send.unwrap_or(0) + off, a.recv.unwrap_or(0), true)
+                    }
+                };
+                if reduces_here && plen > 0 {
+                    let mut ins = vec![src_base + start * es];
+                    let dst = dst_base + start * es;
+                    for k in 0..self.nranks.saturating_sub(1) {
+                        ins.push(sc.ptr + u64::from(k) * sc.slot_bytes);
+                    }
+                    // SAFETY: every pointer addresses `plen` elements inside the op's buffers
+                    // or this rank's scratch (checked above / sized by the daemon).
+                    unsafe { k.launch(s, a.dtype, op, dst, &ins, plen, self.nranks)? };
+                }
+                write(t.wrapping_add(1))?;
+                wait(t.wrapping_add(1))?;
+            }
+            Ok(())
+        })();
+        enq.map(|()| req)
+    }
+}
+
+/// Piece `r` of `n` of the segment `[s0, s0 + len)` in elements: must match the daemon's split
+/// (`commd::cuda::piece`).
+pub fn piece(s0: u64, len: u64, n: u64, r: u64) -> (u64, u64) {
+    let base = len / n;
+    let rem = len % n;
+    (s0 + r * base + r.min(rem), base + u64::from(r < rem))
+}

@@ -1,0 +1,270 @@
+"""CUDA tensors for the ``commd`` torch backend: stream-ordered ops without CPU blocking.
+
+Each op runs on the backend's communication stream for the tensors' device: that stream first
+waits for the caller's current stream (so the op sees everything queued before the call), then
+the commd client library enqueues the doorbell protocol on it (the daemon moves data with copy
+engines; reductions run as kernels in this process, on that stream). ``Work.wait()`` makes the
+caller's current stream wait for the communication stream, like NCCL: the CPU never blocks.
+Tensors are recorded on the communication stream and kept referenced until the daemon reports the
+op done, so the caching allocator cannot hand their memory out early.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from torch._C._distributed_c10d import Work as _Work
+from torch.futures import Future
+
+from ._core import Handle
+
+# dtype name for data movement (the element size is all that matters) and for reductions.
+_MOVE = {1: "u8", 2: "f16", 4: "f32", 8: "f64"}
+
+
+class CudaWork(_Work):
+    """Work of a GPU op: ``wait`` orders the caller's stream after the op."""
+
+    def __init__(self, handle: Handle, event: torch.cuda.Event, device: torch.device,
+                 result: Any, flush: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        self._h = handle
+        self._ev = event
+        self._dev = device
+        self._result = result
+        self._flush = flush
+        self._fut: Future | None = None
+        self._lock = threading.Lock()
+
+    def _ordered(self) -> None:
+        if self._flush is not None:
+            self._flush()
+            self._flush = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._ordered()
+        torch.cuda.current_stream(self._dev).wait_event(self._ev)
+        # An op that already failed raises now; one still running reports through its stream
+        # (released with the error word set) and through is_completed()/get_future().
+        if self._h.is_completed():
+            e = self._h.exception()
+            if e is not None:
+                raise e
+        return True
+
+    def is_completed(self) -> bool:
+        self._ordered()
+        return self._h.is_completed()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._h.exception() is None
+
+    def exception(self) -> Any:
+        return self._h.exception()
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        self._ordered()
+        self._h.wait()
+        torch.cuda.current_stream(self._dev).wait_event(self._ev)
+
+    def get_future(self) -> Future:
+        from .torch import _flat_tensors, _progress
+
+        self._ordered()
+        with self._lock:
+            if self._fut is None:
+                self._fut = Future()
+                _progress.watch(self._h, self._fut, _flat_tensors(self._result))
+            return self._fut
+
+
+class CudaOps:
+    """The GPU half of one CommdBackend."""
+
+    def __init__(self, comm: Any, rank: int, size: int) -> None:
+        self._comm = comm  # commd._core.Communicator
+        self._native = comm._native
+        self._rank = rank
+        self._size = size
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def stream(self, dev: torch.device) -> torch.cuda.Stream:
+        i = dev.index if dev.index is not None else torch.cuda.current_device()
+        s = self._streams.get(i)
+        if s is None:
+            s = torch.cuda.Stream(device=i)
+            self._streams[i] = s
+        return s
+
+    def run(self, tensors: list[torch.Tensor], result: Any,
+            post: Callable[[int], list[Any]],
+            after: Callable[[], None] | None = None, p2p: bool = False) -> CudaWork:
+        """Runs ``post(stream_handle)`` (which posts the ops and returns their requests) on the
+        communication stream of the tensors' device, after the current stream."""
+        dev = tensors[0].device
+        for t in tensors:
+            if t.device != dev:
+                raise ValueError(f"commd: all tensors of one op must be on one device "
+                                 f"(got {dev} and {t.device})")
+        s = self.stream(dev)
+        cur = torch.cuda.current_stream(dev)
+        s.wait_stream(cur)
+        with torch.cuda.device(dev):
+            reqs = post(s.cuda_stream)
+            with torch.cuda.stream(s):
+                if after is not None:
+                    after()
+            for t in tensors:
+                t.record_stream(s)
+            ev = torch.cuda.Event()
+            ev.record(s)
+        keep = list(tensors)
+
+        def release() -> None:
+            keep.clear()
+
+        h = Handle(reqs, release=release, result=result)
+        flush = None
+        if p2p:
+            native = self._native
+            handle = s.cuda_stream
+
+            def flush() -> None:  # the deferred waits of send/recv groups
+                native.cuda_flush(handle)
+                ev.record(s)
+
+        return CudaWork(h, ev, dev, result, flush)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    @staticmethod
+    def flat(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(a contiguous tensor with ``t``'s data, whether it is a copy to write back)."""
+        if t.is_contiguous():
+            return t, False
+        return t.contiguous(), True
+
+    def post(self, op: str, dtype: str, count: int, stream: int, send: torch.Tensor | None,
+             recv: torch.Tensor | None, redop: str | None = None, peer: int = 0,
+             defer: bool = False) -> Any:
+        return self._native.post_cuda(
+            op, dtype, count, stream,
+            send=send.data_ptr() if send is not None else None,
+            recv=recv.data_ptr() if recv is not None else None,
+            redop=redop, peer=peer, defer_wait=defer)
+
+    @staticmethod
+    def move_dtype(t: torch.Tensor) -> tuple[str, int]:
+        """(dtype name, count) to move ``t``'s bytes."""
+        es = t.element_size()
+        name = _MOVE.get(es)
+        if name is None:
+            return "u8", t.numel() * es
+        return name, t.numel()
+
+    # -- ops -----------------------------------------------------------------------------
+
+    def reduce_like(self, op: str, t: torch.Tensor, dt: str, red: str, root: int,
+                    out: torch.Tensor | None, result: Any) -> CudaWork:
+        """all_reduce / reduce in place on ``t`` (``out`` None), or reduce-scatter of ``t`` into
+        ``out``."""
+        src, back = self.flat(t)
+        count = src.numel() * (2 if src.is_complex() else 1)
+        if out is None:
+            def post(s: int) -> list[Any]:
+                return [self.post(op, dt, count, s, src, src, red, root)]
+
+            after = (lambda: t.copy_(src)) if back else None
+            return self.run([t, src], result, post, after)
+        dst, back_o = self.flat(out)
+        count = dst.numel() * (2 if dst.is_complex() else 1)
+
+        def post_rs(s: int) -> list[Any]:
+            return [self.post("reduce_scatter", dt, count, s, src, dst, red)]
+
+        after = (lambda: out.copy_(dst)) if back_o else None
+        return self.run([t, src, out, dst], result, post_rs, after)
+
+    def broadcast(self, t: torch.Tensor, root: int, result: Any) -> CudaWork:
+        src, back = self.flat(t)
+        dt, count = self.move_dtype(src)
+
+        def post(s: int) -> list[Any]:
+            return [self.post("broadcast", dt, count, s, src, src, peer=root)]
+
+        after = (lambda: t.copy_(src)) if back else None
+        return self.run([t, src], result, post, after)
+
+    def all_gather(self, out: torch.Tensor, t: torch.Tensor, result: Any,
+                   outs: list[torch.Tensor] | None = None) -> CudaWork:
+        src, _ = self.flat(t)
+        dst, back = self.flat(out)
+        dt, count = self.move_dtype(src)
+
+        def post(s: int) -> list[Any]:
+            return [self.post("all_gather", dt, count, s, src, dst)]
+
+        def after() -> None:
+            if back:
+                out.copy_(dst)
+            if outs is not None:
+                for i, o in enumerate(outs):
+                    o.copy_(dst[i * src.numel():(i + 1) * src.numel()].view_as(o))
+
+        keep = [t, src, out, dst] + list(outs or [])
+        return self.run(keep, result, post, after)
+
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, result: Any) -> CudaWork:
+        src, _ = self.flat(t)
+        dst, back = self.flat(out)
+        if src.data_ptr() == dst.data_ptr():
+            src = src.clone()
+        dt, count = self.move_dtype(src)
+        count //= self._size
+
+        def post(s: int) -> list[Any]:
+            return [self.post("all_to_all", dt, count, s, src, dst)]
+
+        after = (lambda: out.copy_(dst)) if back else None
+        return self.run([t, src, out, dst], result, post, after)
+
+    def p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
+            result: Any, group: bool = True) -> CudaWork:
+        """Sends and recvs: every readiness signal first, then one wait, so their order cannot
+        deadlock. ``group`` False (single isend/irecv, e.g. from ``batch_isend_irecv``): the wait
+        is enqueued at the first ``wait``/``is_completed`` of any Work of the communicator."""
+        fixed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        plan: list[tuple[str, torch.Tensor, int]] = []
+        for t, peer in sends:
+            plan.append(("send", self.flat(t)[0], peer))
+        for t, peer in recvs:
+            r, back = self.flat(t)
+            if back:
+                fixed.append((t, r))
+            plan.append(("recv", r, peer))
+        tensors = [x for _, x, _ in plan] + [t for t, _ in fixed]
+        if not tensors:
+            raise ValueError("commd: empty send/recv group")
+
+        def post(s: int) -> list[Any]:
+            reqs = []
+            for kind, x, peer in plan:
+                dt, count = self.move_dtype(x)
+                reqs.append(self.post(kind, dt, count, s,
+                                      x if kind == "send" else None,
+                                      x if kind == "recv" else None, peer=peer, defer=True))
+            if group or fixed:
+                self._native.cuda_flush(s)
+            return reqs
+
+        def after() -> None:
+            for t, r in fixed:
+                t.copy_(r)
+
+        return self.run(tensors, result, post, after if fixed else None,
+                        p2p=not (group or fixed))

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The GPU test suite and GPU benchmarks, for a machine with NVIDIA GPUs (2 or more; NVLink
+# multicast stays off). Needs the `commd` binary and the commd Python package:
+#   - built here:    cargo build --release -p commd && pip install ./client-py
+#   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
+# Usage: scripts/gpu-check.sh [tests|bench|all] [OUTDIR]
+# Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, a torchrun job
+# with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
+# ordering, a rank killed mid-op. Bench: send/recv (2 GPUs) and all_gather (4 GPUs) vs NCCL.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+out=${2:-${OUT:-/tmp/commd-gpu-out}}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+bin=${COMMD_BIN:-target/release/commd}
+[ -x "$bin" ] || bin=.gpu/commd
+[ -x "$bin" ] || bin=$(command -v commd || true)
+[ -x "$bin" ] || { echo "no commd binary: build it (cargo build --release -p commd) or set COMMD_BIN"; exit 2; }
+wheels=${COMMD_WHEEL_DIR:-.gpu}
+if ls "$wheels"/commd-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --no-index --target /tmp/commd-site "$wheels"/commd-*.whl \
+    && export PYTHONPATH=/tmp/commd-site${PYTHONPATH:+:$PYTHONPATH}
+  # The checkout's Python sources win over the wheel's (same native module).
+  cp client-py/python/commd/*.py /tmp/commd-site/commd/ 2>/dev/null || true
+fi
+python3 -c "import commd.torch" || { echo "the commd Python package is not importable"; exit 2; }
+ngpu=$(nvidia-smi -L | wc -l)
+echo "== $(nvidia-smi -L | head -1) x $ngpu; $("$bin" --version)"
+sockdir=$(mktemp -d)
+export COMMD_SOCKET=$sockdir/commd.sock
+COMMD_DEBUG=INFO "$bin" serve --socket "$COMMD_SOCKET" >"$out/daemon.log" 2>&1 &
+dpid=$!
+trap 'kill $dpid 2>/dev/null; wait $dpid 2>/dev/null' EXIT
+for _ in $(seq 100); do [ -S "$COMMD_SOCKET" ] && break; sleep 0.1; done
+"$bin" topo --socket "$COMMD_SOCKET" 2>&1 | tee "$out/topo.txt" || true
+rc=0
+run() { # name, command...
+  local name=$1; shift
+  echo "== $name"
+  if ! timeout 900 "$@" 2>&1 | tee "$out/$name.log"; then rc=1; echo "FAILED: $name"; fi
+}
+tr() { python3 -m torch.distributed.run --standalone --nproc_per_node "$@"; }
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  for n in 2 4; do
+    [ "$n" -le "$ngpu" ] && run "ops-$n-gpus" tr "$n" tests/gpu/gpu_ops.py
+  done
+  run kill-rank tr 2 tests/gpu/kill_rank.py
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  run bench-sendrecv tr 2 client-py/benchmarks/gpu_vs_nccl.py --op sendrecv --json "$out/bench.jsonl"
+  [ "$ngpu" -ge 4 ] && run bench-allgather tr 4 client-py/benchmarks/gpu_vs_nccl.py --op all_gather --json "$out/bench.jsonl"
+fi
+"$bin" status --socket "$COMMD_SOCKET" > "$out/status.txt" 2>&1 || true
+tail -50 "$out/daemon.log"
+exit $rc

@@ -1,0 +1,213 @@
+"""GPU test suite (run under torchrun on a GPU machine by scripts/gpu-check.sh).
+
+Every rank runs every op and dtype through the ``commd`` backend and through NCCL on the same
+random tensors (odd counts, in and out of place) and compares: exact for integers and data
+movement, a tolerance for float reductions (the summation order differs). Then: the IPC handle
+cache (one open per allocation across 100 ops and two communicators), a CUDA-stream ordering
+check (no CPU sync between a producer kernel and the op), and Work.wait() not blocking the CPU.
+Prints one line per check; exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import commd.torch  # noqa: F401  (registers the backend)
+
+rank = int(os.environ["RANK"])
+world = int(os.environ["WORLD_SIZE"])
+local = int(os.environ.get("LOCAL_RANK", rank))
+torch.cuda.set_device(local)
+dev = torch.device("cuda", local)
+dist.init_process_group("commd", device_id=None)
+cg = dist.group.WORLD
+ng = dist.new_group(backend="nccl")
+failures: list[str] = []
+checks = 0
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+          torch.int32, torch.int64]
+OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+       "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG, "band": dist.ReduceOp.BAND,
+       "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
+
+
+def say(msg: str) -> None:
+    if rank == 0:
+        print(msg, flush=True)
+
+
+def rand(n: int, dt: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator(device=dev)
+    g.manual_seed(seed * 1000 + rank)
+    if dt.is_floating_point:
+        return torch.randn(n, generator=g, device=dev, dtype=torch.float32).to(dt)
+    if dt == torch.uint8:
+        return torch.randint(0, 4, (n,), generator=g, device=dev, dtype=dt)
+    return torch.randint(-3, 4, (n,), generator=g, device=dev, dtype=dt)
+
+
+def same(name: str, got: torch.Tensor, want: torch.Tensor, red: bool) -> None:
+    global checks
+    checks += 1
+    if got.dtype.is_floating_point and red:
+        tol = {torch.float16: 2e-2, torch.bfloat16: 1.5e-1, torch.float32: 1e-4,
+               torch.float64: 1e-9}[got.dtype]
+        ok = torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * world, equal_nan=True)
+    else:
+        ok = torch.equal(got, want)
+    if not ok:
+        diff = (got.float() - want.float()).abs()
+        failures.append(f"{name}: rank {rank} mismatch (max diff {diff.max().item():.3g}, "
+                        f"{int((diff > 0).sum())} elements differ)")
+
+
+def valid(dt: torch.dtype, op: str) -> bool:
+    if op in ("band", "bor", "bxor"):
+        return not dt.is_floating_point
+    if op == "prod" and dt in (torch.float16, torch.bfloat16):
+        return True
+    return True
+
+
+def both(fn, *args):
+    """Runs fn(group, *cloned args) for commd and NCCL; returns the two results."""
+    a = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
+    b = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
+    ra = fn(cg, *a)
+    rb = fn(ng, *b)
+    torch.cuda.synchronize()
+    return ra, rb
+
+
+counts = [1, 7, 1000, 1 << 20 | 3]
+seed = 0
+for dt in DTYPES:
+    for n in counts:
+        seed += 1
+        x = rand(n, dt, seed)
+        for opn, op in OPS.items():
+            if not valid(dt, opn):
+                continue
+            if opn == "prod" and n > 1000:
+                continue  # products overflow to inf/0 on large random inputs
+            if opn == "avg" and not dt.is_floating_point:
+                continue  # NCCL has no integer AVG
+            a, b = both(lambda g, t: (dist.all_reduce(t, op=op, group=g), t)[1], x)
+            same(f"all_reduce {dt} n={n} {opn}", a, b, True)
+            root = (seed % world)
+            a, b = both(lambda g, t: (dist.reduce(t, root, op=op, group=g), t)[1], x)
+            if rank == root:
+                same(f"reduce {dt} n={n} {opn} root={root}", a, b, True)
+            big = rand(n * world, dt, seed + 77)
+            def rs(g, t):
+                out = torch.empty(n, dtype=dt, device=dev)
+                dist.reduce_scatter_tensor(out, t, op=op, group=g)
+                return out
+            a, b = both(rs, big)
+            same(f"reduce_scatter {dt} n={n} {opn}", a, b, True)
+        a, b = both(lambda g, t: (dist.broadcast(t, seed % world, group=g), t)[1], x)
+        same(f"broadcast {dt} n={n}", a, b, False)
+        def ag(g, t):
+            out = torch.empty(n * world, dtype=dt, device=dev)
+            dist.all_gather_into_tensor(out, t, group=g)
+            return out
+        a, b = both(ag, x)
+        same(f"all_gather {dt} n={n}", a, b, False)
+        def ag_list(g, t):
+            outs = [torch.empty(n, dtype=dt, device=dev) for _ in range(world)]
+            dist.all_gather(outs, t, group=g)
+            return torch.cat(outs)
+        a, b = both(ag_list, x)
+        same(f"all_gather(list) {dt} n={n}", a, b, False)
+        big = rand(n * world, dt, seed + 99)
+        def a2a(g, t):
+            out = torch.empty_like(t)
+            dist.all_to_all_single(out, t, group=g)
+            return out
+        a, b = both(a2a, big)
+        same(f"all_to_all {dt} n={n}", a, b, False)
+        if world >= 2:
+            def p2p(g, t):
+                out = torch.zeros_like(t)
+                peer_next, peer_prev = (rank + 1) % world, (rank - 1) % world
+                ops = [dist.P2POp(dist.isend, t, peer_next, group=g),
+                       dist.P2POp(dist.irecv, out, peer_prev, group=g)]
+                for w in dist.batch_isend_irecv(ops):
+                    w.wait()
+                return out
+            a, b = both(p2p, x)
+            same(f"send/recv ring {dt} n={n}", a, b, False)
+    say(f"dtype {dt}: done ({checks} checks so far, {len(failures)} failures)")
+
+# Non-contiguous tensors and in-place variants.
+x = rand(64 * 33, torch.float32, 5000).view(64, 33)[:, :32]
+a, b = both(lambda g, t: (dist.all_reduce(t, group=g), t)[1], x)
+same("all_reduce non-contiguous", a, b, True)
+
+# Stream ordering: the producer kernel and the op are queued with no CPU sync between them.
+for it in range(20):
+    t = torch.empty(1 << 22, device=dev)
+    t.fill_(float(rank + it))
+    torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time before the fill is visible... then the op
+    t.add_(1.0)
+    dist.all_reduce(t, group=cg)
+    want = sum(r + it + 1.0 for r in range(world))
+    if t[::4096].ne(want).any().item():
+        failures.append(f"stream ordering: iteration {it} saw stale data")
+        break
+checks += 1
+
+# Work.wait() must not block the CPU: queue a long GPU sleep, then an async all_reduce.
+t = torch.ones(1 << 20, device=dev)
+torch.cuda.synchronize()
+torch.cuda._sleep(500_000_000)  # ~0.3-0.5 s of GPU time
+t0 = time.perf_counter()
+w = dist.all_reduce(t, group=cg, async_op=True)
+w.wait()
+cpu = time.perf_counter() - t0
+torch.cuda.synchronize()
+if cpu > 0.1:
+    failures.append(f"Work.wait() blocked the CPU for {cpu:.3f} s")
+if not torch.all(t == world).item():
+    failures.append("all_reduce after a GPU sleep gave wrong data")
+checks += 1
+say(f"Work.wait() returned after {cpu * 1e3:.2f} ms of CPU time while the GPU was busy")
+
+# IPC handle cache: one open per allocation across 100 ops and two communicators.
+client = dist.distributed_c10d._get_default_group()._get_backend(dev).client._native
+st0 = json.loads(client.status_json())
+r0 = client.cuda_registration_stats()
+t = torch.ones(1 << 16, device=dev)
+for _ in range(100):
+    dist.all_reduce(t, group=cg)
+torch.cuda.synchronize()
+r1 = client.cuda_registration_stats()
+cg2 = dist.new_group(backend="commd")
+for _ in range(100):
+    dist.all_reduce(t, group=cg2)
+torch.cuda.synchronize()
+r2 = client.cuda_registration_stats()
+st2 = json.loads(client.status_json())
+say(f"registrations/hits: start {r0}, after 100 ops {r1}, after 100 on a 2nd communicator {r2}")
+say(f"daemon ipc_opens {st0['ipc_opens']} -> {st2['ipc_opens']}, hits {st2['ipc_cache_hits']}, "
+    f"open time {st2['ipc_open_us']} us total")
+if r1[0] - r0[0] > 1 or r2[0] != r1[0]:
+    failures.append(f"registration cache: registrations went {r0[0]} -> {r1[0]} -> {r2[0]} "
+                    "(expected at most one new, for the new tensor)")
+if r2[1] - r1[1] < 100:
+    failures.append(f"registration cache: only {r2[1] - r1[1]} hits in 100 ops")
+checks += 1
+
+dist.barrier(group=ng)
+for f in failures[:50]:
+    print("FAIL", f, flush=True)
+print(f"rank {rank}: {checks} checks, {len(failures)} failures", flush=True)
+dist.destroy_process_group()
+sys.exit(1 if failures else 0)
