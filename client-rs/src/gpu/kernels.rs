@@ -18,6 +18,7 @@
 //! context. This module only reduces; it never synchronizes, allocates or copies.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::ffi::{CString, c_char, c_void};
 use std::fmt::Write as _;
 use std::sync::{Mutex, OnceLock};
@@ -32,9 +33,9 @@ use super::cu::{self, CuError};
 pub const MAX_INPUTS: usize = 8;
 /// Threads per block.
 const THREADS: u32 = 256;
-/// Grid cap, in blocks per SM: enough loads in flight to approach memory bandwidth while the
-/// kernel leaves room on every SM for the job's own kernels.
-const BLOCKS_PER_SM: u32 = 4;
+/// Default grid cap, in blocks per SM (of the 8 that fit at 256 threads): enough loads in flight
+/// to approach memory bandwidth while leaving room on every SM for the job's own kernels.
+pub const DEFAULT_BLOCKS_PER_SM: u32 = 4;
 /// Elements per thread and loop step (independent loads in flight; no alignment assumed).
 const UNROLL: u32 = 4;
 
@@ -491,7 +492,7 @@ struct CtxInfo {
 #[derive(Clone, Copy)]
 struct Loaded {
     func: usize,
-    max_blocks: u32,
+    sm_count: u32,
 }
 
 #[derive(Default)]
@@ -505,9 +506,15 @@ struct State {
 /// The reduction kernels, compiled on first use per architecture and loaded on first use per CUDA
 /// context. Thread-safe; keep one per process (modules stay loaded until their context is
 /// destroyed, so dropping a `Kernels` does not unload them).
-#[derive(Default)]
 pub struct Kernels {
     state: Mutex<State>,
+    blocks_per_sm: u32,
+}
+
+impl Default for Kernels {
+    fn default() -> Self {
+        Self::with_blocks_per_sm(DEFAULT_BLOCKS_PER_SM)
+    }
 }
 
 impl std::fmt::Debug for Kernels {
@@ -522,11 +529,19 @@ impl Kernels {
         Self::default()
     }
 
+    /// Caps every launch's grid at `n` blocks of 256 threads per SM (at least 1).
+    pub fn with_blocks_per_sm(n: u32) -> Self {
+        Self {
+            state: Mutex::default(),
+            blocks_per_sm: n.max(1),
+        }
+    }
+
     /// Compiles (if needed) and loads the kernel for `(dtype, op)` in the current context, so a
     /// later [`launch`](Self::launch) does no module loading (e.g. before CUDA graph capture).
     pub fn prepare(&self, dtype: DType, op: RedOp) -> Result<(), KernelError> {
         op.check_dtype(dtype)?;
-        let ctx = current_ctx()?;
+        let ctx = current_ctx_id()?;
         self.get(ctx, dtype, op).map(|_| ())
     }
 
@@ -536,10 +551,12 @@ impl Kernels {
     /// nothing.
     ///
     /// # Safety
-    /// A context is current on this thread, and `stream` (or null, the legacy default stream)
-    /// belongs to it. Every `ins[k]` is a device address readable for `count` elements of `dtype`
+    /// `stream` (or null, the legacy default stream) belongs to the context current on this
+    /// thread (no current context is an error). Every `ins[k]` is a device address readable for `count` elements of `dtype`
     /// and `out` writable for `count` elements, until the kernel has run on `stream`. `out` may be
     /// exactly `ins[0]` but must not otherwise overlap any input.
+    // The arguments are the kernel's own; a struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn launch(
         &self,
         stream: CUstream,
@@ -565,7 +582,7 @@ impl Kernels {
         if count == 0 {
             return Ok(());
         }
-        let ctx = current_ctx()?;
+        let ctx = current_ctx_id()?;
         let k = self.get(ctx, dtype, op)?;
         let mut arg = InsArg {
             p: [0; MAX_INPUTS],
@@ -574,7 +591,7 @@ impl Kernels {
         arg.p[..ins.len()].copy_from_slice(ins);
         let blocks = count
             .div_ceil(u64::from(THREADS))
-            .min(u64::from(k.max_blocks))
+            .min(u64::from(k.sm_count.saturating_mul(self.blocks_per_sm)))
             .max(1) as u32;
         let mut out = out;
         let mut count = count;
@@ -608,76 +625,70 @@ impl Kernels {
         Ok(())
     }
 
-    /// The kernel for `(dtype, op)` in context `ctx` (current on this thread), loading it if
+    /// The kernel for `(dtype, op)` in context `id` (current on this thread), loading it if
     /// needed. The lock is held while compiling: that happens once per kernel and architecture.
-    fn get(&self, ctx: (CUcontext, u64), dtype: DType, op: RedOp) -> Result<Loaded, KernelError> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let id = ctx.1;
+    fn get(&self, id: u64, dtype: DType, op: RedOp) -> Result<Loaded, KernelError> {
+        let mut guard = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let st = &mut *guard;
         if let Some(k) = st.loaded.get(&(id, dtype, op)) {
             return Ok(*k);
         }
-        let info = match st.ctxs.get(&id) {
-            Some(i) => *i,
-            None => {
-                let i = ctx_info()?;
-                st.ctxs.insert(id, i);
-                i
-            }
+        let info = match st.ctxs.entry(id) {
+            Entry::Occupied(e) => *e.get(),
+            Entry::Vacant(e) => *e.insert(ctx_info()?),
         };
-        let key = (info.arch, dtype, op);
-        if !st.images.contains_key(&key) {
-            let image = compile_cubin(dtype, op, info.arch)?;
-            st.images.insert(key, image);
-        }
-        let image = st.images.get(&key).ok_or_else(|| {
-            KernelError::InvalidArgument("compiled kernel image vanished from the cache".into())
-        })?;
+        let image = match st.images.entry((info.arch, dtype, op)) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => e.insert(compile_cubin(dtype, op, info.arch)?),
+        };
+        let name = CString::new(kernel_name(dtype, op))
+            .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
         let mut module: CUmodule = std::ptr::null_mut();
         // SAFETY: the context is current on this thread; `image` is a complete CUBIN that lives
         // across the call; `module` is a valid out pointer.
         let r = unsafe { cu_sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) };
         cu::ck(r, &format!("cuModuleLoadData({})", kernel_name(dtype, op)))?;
-        let name = CString::new(kernel_name(dtype, op))
-            .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
         let mut func: CUfunction = std::ptr::null_mut();
         // SAFETY: `module` was just loaded; `name` is NUL-terminated; `func` is a valid out pointer.
         let r = unsafe { cu_sys::cuModuleGetFunction(&mut func, module, name.as_ptr()) };
-        cu::ck(r, "cuModuleGetFunction")?;
+        if let Err(e) = cu::ck(r, "cuModuleGetFunction") {
+            // SAFETY: `module` was loaded above and nothing refers to it.
+            let _ = unsafe { cu_sys::cuModuleUnload(module) };
+            return Err(e.into());
+        }
         let k = Loaded {
             func: func as usize,
-            max_blocks: info.sm_count.max(1).saturating_mul(BLOCKS_PER_SM),
+            sm_count: info.sm_count,
         };
         st.loaded.insert((id, dtype, op), k);
         Ok(k)
     }
 }
 
-/// The current context and its process-unique id.
-fn current_ctx() -> Result<(CUcontext, u64), KernelError> {
+/// The process-unique id of the current context (a context destroyed and another created at the
+/// same address get different ids, so cached functions are never used in the wrong one).
+fn current_ctx_id() -> Result<u64, KernelError> {
     cu::driver().map_err(KernelError::NoCuda)?;
     let mut ctx: CUcontext = std::ptr::null_mut();
     // SAFETY: the driver is loaded and initialized; `ctx` is a valid out pointer.
-    cu::ck(
-        unsafe { cu_sys::cuCtxGetCurrent(&mut ctx) },
-        "cuCtxGetCurrent",
-    )?;
+    let r = unsafe { cu_sys::cuCtxGetCurrent(&mut ctx) };
+    cu::ck(r, "cuCtxGetCurrent")?;
     if ctx.is_null() {
         return Err(KernelError::NoContext);
     }
     let mut id: std::ffi::c_ulonglong = 0;
     // SAFETY: `ctx` is the live current context; `id` is a valid out pointer.
-    cu::ck(unsafe { cu_sys::cuCtxGetId(ctx, &mut id) }, "cuCtxGetId")?;
-    Ok((ctx, id))
+    let r = unsafe { cu_sys::cuCtxGetId(ctx, &mut id) };
+    cu::ck(r, "cuCtxGetId")?;
+    Ok(id)
 }
 
 /// Compute capability and SM count of the current context's device.
 fn ctx_info() -> Result<CtxInfo, KernelError> {
     let mut dev = 0;
     // SAFETY: a context is current (checked by the caller); `dev` is a valid out pointer.
-    cu::ck(
-        unsafe { cu_sys::cuCtxGetDevice(&mut dev) },
-        "cuCtxGetDevice",
-    )?;
+    let r = unsafe { cu_sys::cuCtxGetDevice(&mut dev) };
+    cu::ck(r, "cuCtxGetDevice")?;
     use cu_sys::CUdevice_attribute as A;
     let major = cu::device_attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
     let minor = cu::device_attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
