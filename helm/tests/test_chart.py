@@ -13,6 +13,7 @@ HELM (helm binary), K8S_VERSION (default below), COMMD_BIN_DIR (default target/r
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -65,8 +66,8 @@ def env_of(c):
 
 
 def kubernetes_validate(paths):
-    out = subprocess.run(["kubernetes-validate", "--strict", "-k", K8S_VERSION, *map(str, paths)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "kubernetes_validate", "--strict", "-k", K8S_VERSION,
+                          *map(str, paths)], capture_output=True, text=True, timeout=300)
     return out.returncode, out.stdout + out.stderr
 
 
@@ -119,6 +120,15 @@ def test_rendered_manifests_validate_against_kubernetes_schemas(name, tmp_path):
     for d in docs:
         if (d["apiVersion"], d["kind"]) in CRD_KINDS:
             check_monitor(d, docs)
+
+
+def test_schema_validation_catches_a_broken_daemonset(tmp_path):
+    """The validation above is only worth something if a wrong manifest fails it."""
+    docs = render(VALUES["default"])
+    ds = daemonset(docs)
+    ds["spec"]["template"]["spec"]["containers"][0]["capabilities"] = {"add": ["IPC_LOCK"]}  # misplaced
+    code, output = kubernetes_validate(write_docs(tmp_path, [ds], "broken"))
+    assert code != 0 and "capabilities" in output, output
 
 
 def check_monitor(mon, docs):
