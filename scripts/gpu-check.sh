@@ -41,16 +41,19 @@ run() { # name, command...
   echo "== $name"
   if ! timeout 900 "$@" 2>&1 | tee "$out/$name.log"; then rc=1; echo "FAILED: $name"; fi
 }
-tr() { python3 -m torch.distributed.run --standalone --nproc_per_node "$@"; }
+# (not a shell function: `timeout` runs programs)
+tr=(python3 -m torch.distributed.run --standalone --nproc_per_node)
 if [ "$what" = tests ] || [ "$what" = all ]; then
   for n in 2 4; do
-    [ "$n" -le "$ngpu" ] && run "ops-$n-gpus" tr "$n" tests/gpu/gpu_ops.py
+    [ "$n" -le "$ngpu" ] && run "ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
   done
-  run kill-rank tr 2 tests/gpu/kill_rank.py
+  run kill-rank "${tr[@]}" 2 tests/gpu/kill_rank.py
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  run bench-sendrecv tr 2 client-py/benchmarks/gpu_vs_nccl.py --op sendrecv --json "$out/bench.jsonl"
-  [ "$ngpu" -ge 4 ] && run bench-allgather tr 4 client-py/benchmarks/gpu_vs_nccl.py --op all_gather --json "$out/bench.jsonl"
+  run bench-sendrecv "${tr[@]}" 2 client-py/benchmarks/gpu_vs_nccl.py --op sendrecv --json "$out/bench.jsonl"
+  g=$(( ngpu >= 4 ? 4 : ngpu ))
+  run bench-allgather "${tr[@]}" "$g" client-py/benchmarks/gpu_vs_nccl.py --op all_gather --json "$out/bench.jsonl"
+  run bench-allreduce "${tr[@]}" "$g" client-py/benchmarks/gpu_vs_nccl.py --op all_reduce --json "$out/bench.jsonl"
 fi
 "$bin" status --socket "$COMMD_SOCKET" > "$out/status.txt" 2>&1 || true
 tail -50 "$out/daemon.log"

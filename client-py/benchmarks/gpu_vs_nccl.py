@@ -42,8 +42,8 @@ def main() -> None:
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
-    dist.init_process_group("nccl", device_id=dev)
-    groups = {"nccl": dist.group.WORLD, "commd": dist.new_group(backend="commd")}
+    dist.init_process_group("commd")
+    groups = {"commd": dist.group.WORLD, "nccl": dist.new_group(backend="nccl")}
     dt = getattr(torch, a.dtype)
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else SIZES
     if rank == 0:

@@ -193,7 +193,14 @@ impl Client {
         let s = py.detach(|| self.inner.status()).map_err(to_py)?;
         let ipc = format!(
             ",\"cuda_available\":{},\"cuda_reason\":{:?},\"gpus\":{},\"ipc_opens\":{},\"ipc_cache_hits\":{},\"ipc_open_us\":{},\"ipc_open_now\":{},\"gpu_ops\":{}}}",
-            s.cuda_available, s.cuda_reason, s.gpus, s.ipc_opens, s.ipc_cache_hits, s.ipc_open_us, s.ipc_open_now, s.gpu_ops
+            s.cuda_available,
+            s.cuda_reason,
+            s.gpus,
+            s.ipc_opens,
+            s.ipc_cache_hits,
+            s.ipc_open_us,
+            s.ipc_open_now,
+            s.gpu_ops
         );
         let base = format!(
             "{{\"daemon_version\":{:?},\"pid\":{},\"uptime_ms\":{},\"sessions\":{},\"communicators\":{},\"registrations\":{},\"mapped_bytes\":{},\"ops_completed\":{},\"ops_failed\":{},\"workers\":{}}}",

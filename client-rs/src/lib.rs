@@ -14,8 +14,8 @@
 //! not from inside another async runtime.
 
 pub mod check;
-pub mod gpu;
 mod error;
+pub mod gpu;
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;

@@ -420,27 +420,54 @@ impl Comm {
         };
         let c = match cuda::get() {
             Ok(c) => c,
-            Err(why) => return fail(ops, status::INVALID, format!("GPU op, but this daemon has no CUDA: {why}")),
+            Err(why) => {
+                return fail(
+                    ops,
+                    status::INVALID,
+                    format!("GPU op, but this daemon has no CUDA: {why}"),
+                );
+            }
         };
         let phases = if o.kind.is_p2p() {
             match (ops[0].gbufs.send.clone(), ops[1].gbufs.recv.clone()) {
-                (Some(src), Some(dst)) if src.bytes > 0 => Ok(vec![vec![cuda::CopyOp { src, dst }]]),
+                (Some(src), Some(dst)) if src.bytes > 0 => {
+                    Ok(vec![vec![cuda::CopyOp { src, dst }]])
+                }
                 _ => Ok(vec![vec![]]),
             }
         } else {
             let bufs: Vec<GpuBufs> = ops.iter().map(|p| p.gbufs.clone()).collect();
-            let scratch = self.scratch.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let scratch = self
+                .scratch
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
             if o.kind.reduces() {
                 for (r, p) in ops.iter().enumerate() {
                     let on = |b: &Option<GpuSpan>| b.as_ref().map(|s| s.mem.gpu);
                     let sc = scratch[r].as_ref().map(|s| s.mem.gpu);
                     let devs = [on(&p.gbufs.send), on(&p.gbufs.recv)];
                     if self.nranks > 1 && devs.iter().flatten().any(|d| Some(*d) != sc) {
-                        return fail(ops, status::INVALID, format!("rank {r}'s buffers are not on the GPU its communicator scratch lives on (one GPU per rank and communicator)"));
+                        return fail(
+                            ops,
+                            status::INVALID,
+                            format!(
+                                "rank {r}'s buffers are not on the GPU its communicator scratch lives on (one GPU per rank and communicator)"
+                            ),
+                        );
                     }
                 }
             }
-            cuda::plan(o.kind, o.dtype, o.redop, o.count, o.peer, &bufs, &scratch, c.slot_bytes)
+            cuda::plan(
+                o.kind,
+                o.dtype,
+                o.redop,
+                o.count,
+                o.peer,
+                &bufs,
+                &scratch,
+                c.slot_bytes,
+            )
         };
         let phases = match phases {
             Ok(p) => p,
@@ -449,7 +476,11 @@ impl Comm {
         let mut bells = Vec::with_capacity(ops.len());
         for p in &ops {
             let Some(t) = p.cuda else {
-                return fail(ops, status::INTERNAL, "GPU op without a doorbell (internal error)".into());
+                return fail(
+                    ops,
+                    status::INTERNAL,
+                    "GPU op without a doorbell (internal error)".into(),
+                );
             };
             if t.phases as usize != phases.len() {
                 let why = format!(
@@ -503,7 +534,12 @@ impl Comm {
         let mut diffs = Vec::new();
         let fields: [(&str, &FieldFn); 6] = [
             ("memory", &|o: &Op| {
-                if o.cuda_ticket.is_some() { "cuda" } else { "host" }.to_string()
+                if o.cuda_ticket.is_some() {
+                    "cuda"
+                } else {
+                    "host"
+                }
+                .to_string()
             }),
             ("op", &|o: &Op| o.kind.name().to_string()),
             ("dtype", &|o: &Op| o.dtype.name().to_string()),

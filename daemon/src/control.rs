@@ -260,9 +260,8 @@ impl Local for LocalService {
         }
         list.sort_by_key(|s| s.session_id);
         let cuda = crate::cuda::get();
-        let stat = |f: fn(&crate::cuda::IpcStats) -> u64| {
-            cuda.as_ref().map(|c| f(&c.stats)).unwrap_or(0)
-        };
+        let stat =
+            |f: fn(&crate::cuda::IpcStats) -> u64| cuda.as_ref().map(|c| f(&c.stats)).unwrap_or(0);
         Ok(Response::new(pb::StatusReply {
             daemon_version: commd_proto::VERSION.to_string(),
             pid: std::process::id() as i32,

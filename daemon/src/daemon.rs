@@ -467,11 +467,12 @@ impl Daemon {
         uuid: &[u8],
         bytes: u64,
     ) -> Result<(u32, bool, u64), DaemonError> {
-        let c = crate::cuda::get().map_err(|why| {
-            DaemonError::Unavailable(format!("this daemon has no CUDA: {why}"))
-        })?;
+        let c = crate::cuda::get()
+            .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
         if bytes == 0 {
-            return Err(DaemonError::InvalidArgument("registration of 0 bytes".into()));
+            return Err(DaemonError::InvalidArgument(
+                "registration of 0 bytes".into(),
+            ));
         }
         if let Some(id) = s.tables().ipc_cache.get(handle).copied() {
             c.stats.hits.fetch_add(1, Ordering::Relaxed);
@@ -503,11 +504,13 @@ impl Daemon {
         handle: u32,
         uuid: &[u8],
     ) -> Result<(Vec<u8>, u64, u64), DaemonError> {
-        let c = crate::cuda::get().map_err(|why| {
-            DaemonError::Unavailable(format!("this daemon has no CUDA: {why}"))
-        })?;
+        let c = crate::cuda::get()
+            .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
         let (comm, rank) = s.tables().comms.get(&handle).cloned().ok_or_else(|| {
-            DaemonError::NotFound(format!("no communicator handle {handle} in session {}", s.id))
+            DaemonError::NotFound(format!(
+                "no communicator handle {handle} in session {}",
+                s.id
+            ))
         })?;
         let peers = u64::from(comm.nranks.saturating_sub(1));
         let bytes = peers * c.slot_bytes;
@@ -526,7 +529,9 @@ impl Daemon {
             let h = c.export(&existing.mem).map_err(DaemonError::Internal)?;
             return Ok((h, c.slot_bytes, bytes));
         }
-        let mem = c.alloc(uuid, bytes).map_err(DaemonError::ResourceExhausted)?;
+        let mem = c
+            .alloc(uuid, bytes)
+            .map_err(DaemonError::ResourceExhausted)?;
         let h = c.export(&mem).map_err(DaemonError::Internal)?;
         let span = crate::cuda::GpuSpan::new(Arc::new(mem), 0, bytes)
             .ok_or_else(|| DaemonError::Internal("scratch span".into()))?;

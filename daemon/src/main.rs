@@ -205,7 +205,10 @@ fn topo(cfg: &Config, json: bool) -> i32 {
         return exit::OK;
     }
     if !t.cuda_available {
-        println!("CUDA: unavailable ({}); the daemon serves host memory only", t.cuda_reason);
+        println!(
+            "CUDA: unavailable ({}); the daemon serves host memory only",
+            t.cuda_reason
+        );
         return exit::OK;
     }
     println!("CUDA driver {}, {} GPU(s)", t.driver_version, t.gpus.len());
@@ -234,8 +237,16 @@ fn topo(cfg: &Config, json: bool) -> i32 {
                 let cell = if a.ordinal == b.ordinal {
                     "X".to_string()
                 } else {
-                    match t.links.iter().find(|l| l.from == a.ordinal && l.to == b.ordinal) {
-                        Some(l) if l.p2p => format!("P{}{}", l.performance_rank, if l.native_atomics { "a" } else { "" }),
+                    match t
+                        .links
+                        .iter()
+                        .find(|l| l.from == a.ordinal && l.to == b.ordinal)
+                    {
+                        Some(l) if l.p2p => format!(
+                            "P{}{}",
+                            l.performance_rank,
+                            if l.native_atomics { "a" } else { "" }
+                        ),
                         Some(_) => "HOST".into(),
                         None => "?".into(),
                     }
@@ -244,7 +255,9 @@ fn topo(cfg: &Config, json: bool) -> i32 {
             }
             println!();
         }
-        println!("  P<n>: peer access, driver performance rank n (a: native atomics); HOST: no P2P, the driver stages copies through host memory");
+        println!(
+            "  P<n>: peer access, driver performance rank n (a: native atomics); HOST: no P2P, the driver stages copies through host memory"
+        );
         for l in &t.links {
             println!("  GPU{} -> GPU{}: {}", l.from, l.to, l.path);
         }

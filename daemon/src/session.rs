@@ -216,7 +216,14 @@ impl Session {
     }
 
     /// Resolves `(mem_id, off)` of a CUDA registration.
-    fn gpu_span(&self, what: &str, mem: u32, off: u64, bytes: u64, esize: u64) -> Result<GpuSpan, String> {
+    fn gpu_span(
+        &self,
+        what: &str,
+        mem: u32,
+        off: u64,
+        bytes: u64,
+        esize: u64,
+    ) -> Result<GpuSpan, String> {
         let t = self.tables();
         let m = t.cuda_mems.get(&mem).cloned().ok_or_else(|| {
             if t.mems.contains_key(&mem) {
@@ -247,13 +254,8 @@ impl Session {
             .copied()
             .unwrap_or(commd_proto::desc::doorbell::NO_SLOT);
         let slot_bytes = crate::cuda::get().map(|c| c.slot_bytes).unwrap_or(1 << 20);
-        let phases = commd_proto::desc::cuda_phases(
-            op.kind,
-            op.count,
-            op.dtype.size(),
-            nranks,
-            slot_bytes,
-        );
+        let phases =
+            commd_proto::desc::cuda_phases(op.kind, op.count, op.dtype.size(), nranks, slot_bytes);
         Some(CudaTicket {
             slot,
             ticket,
@@ -293,7 +295,12 @@ impl Session {
             if let Err(why) = crate::cuda::get() {
                 return Err(format!("GPU op, but this daemon has no CUDA: {why}"));
             }
-            if self.tables().doorbell_slots.get(&op.comm).is_none_or(|s| *s == commd_proto::desc::doorbell::NO_SLOT) {
+            if self
+                .tables()
+                .doorbell_slots
+                .get(&op.comm)
+                .is_none_or(|s| *s == commd_proto::desc::doorbell::NO_SLOT)
+            {
                 return Err("GPU op on a communicator without a doorbell slot (more than 256 communicators in this process)".into());
             }
             if op.kind.uses_send(me_root) {
@@ -355,7 +362,12 @@ impl Session {
         if let (Some(why), true) = (&invalid, op.kind.is_p2p() && op.peer >= comm.nranks) {
             // A p2p op with a bad peer can never be matched: fail it alone, now.
             if let Some(c) = cuda {
-                crate::cuda::fail_doorbell(self, c.slot, c.ticket.wrapping_add(c.phases.max(1) - 1), status::INVALID);
+                crate::cuda::fail_doorbell(
+                    self,
+                    c.slot,
+                    c.ticket.wrapping_add(c.phases.max(1) - 1),
+                    status::INVALID,
+                );
             }
             self.complete(
                 op.user_data,

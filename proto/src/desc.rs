@@ -603,7 +603,8 @@ mod tests {
                 prop_assert!(d.count <= MAX_COUNT);
                 prop_assert_eq!(d.flags & !flags::CUDA, 0);
                 let cuda = d.flags & flags::CUDA != 0;
-                prop_assert!(if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 });
+                let ticket_ok = if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 };
+                prop_assert!(ticket_ok);
                 prop_assert_eq!(op.cuda_ticket.map(u64::from), cuda.then_some(d.ticket));
                 prop_assert_eq!(op.redop.is_some(), op.kind.reduces());
                 let float_bitwise = op.dtype.is_float() && op.redop.is_some_and(RedOp::is_bitwise);

@@ -76,6 +76,17 @@ def valid(dt: torch.dtype, op: str) -> bool:
     return True
 
 
+def bitwise_ref(t: torch.Tensor, opn: str) -> torch.Tensor:
+    """NCCL has no bitwise reductions: gather every rank's input over NCCL, reduce here."""
+    parts = [torch.empty_like(t) for _ in range(world)]
+    dist.all_gather(parts, t, group=ng)
+    acc = parts[0].clone()
+    f = {"band": torch.bitwise_and, "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[opn]
+    for p in parts[1:]:
+        acc = f(acc, p)
+    return acc
+
+
 def both(fn, *args):
     """Runs fn(group, *cloned args) for commd and NCCL; returns the two results."""
     a = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
@@ -99,6 +110,19 @@ for dt in DTYPES:
                 continue  # products overflow to inf/0 on large random inputs
             if opn == "avg" and not dt.is_floating_point:
                 continue  # NCCL has no integer AVG
+            if opn in ("band", "bor", "bxor"):
+                y = x.clone()
+                dist.all_reduce(y, op=op, group=cg)
+                want = bitwise_ref(x, opn)
+                torch.cuda.synchronize()
+                same(f"all_reduce {dt} n={n} {opn}", y, want, False)
+                big = rand(n * world, dt, seed + 77)
+                out = torch.empty(n, dtype=dt, device=dev)
+                dist.reduce_scatter_tensor(out, big, op=op, group=cg)
+                want = bitwise_ref(big, opn)[rank * n:(rank + 1) * n]
+                torch.cuda.synchronize()
+                same(f"reduce_scatter {dt} n={n} {opn}", out, want, False)
+                continue
             a, b = both(lambda g, t: (dist.all_reduce(t, op=op, group=g), t)[1], x)
             same(f"all_reduce {dt} n={n} {opn}", a, b, True)
             root = (seed % world)
@@ -181,7 +205,9 @@ checks += 1
 say(f"Work.wait() returned after {cpu * 1e3:.2f} ms of CPU time while the GPU was busy")
 
 # IPC handle cache: one open per allocation across 100 ops and two communicators.
-client = dist.distributed_c10d._get_default_group()._get_backend(dev).client._native
+pg = dist.distributed_c10d._get_default_group()
+backend = pg if hasattr(pg, "client") else pg._get_backend(dev)
+client = backend.client._native
 st0 = json.loads(client.status_json())
 r0 = client.cuda_registration_stats()
 t = torch.ones(1 << 16, device=dev)

@@ -228,7 +228,20 @@ def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
     return tensors[0]
 
 
-class CommdBackend(_C10dBackend):
+def _base_class() -> type:
+    """torch >= 2.12 lets Python subclass c10d's Backend; older releases (2.11 on our GPU
+    machines) only ProcessGroup, whose Python trampoline takes the same methods."""
+    class _Probe(_C10dBackend):  # type: ignore[misc, valid-type]
+        pass
+
+    try:
+        _Probe(0, 1)
+        return _C10dBackend
+    except TypeError:
+        return dist.ProcessGroup
+
+
+class CommdBackend(_base_class()):  # type: ignore[misc]
     """A process group backend whose collectives run in the node's commd daemon."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta | None = None,
@@ -667,15 +680,16 @@ CommdBackend.all_to_all_single = CommdBackend.alltoall_base  # type: ignore[attr
 
 
 def _check_same(t: torch.Tensor, like: torch.Tensor, what: str) -> None:
-    _check_tensor(t, what)
+    _check_tensor(t, what, _is_cuda(like))
     if t.dtype != like.dtype or t.numel() != like.numel():
         raise ValueError(f"commd {what}: tensor of {t.numel()} x {t.dtype} does not match "
                          f"{like.numel()} x {like.dtype}")
 
 
 def _check_sizes(big: torch.Tensor, small: torch.Tensor, n: int, what: str) -> None:
-    _check_tensor(big, what)
-    _check_tensor(small, what)
+    cuda = _is_cuda(big)
+    _check_tensor(big, what, cuda)
+    _check_tensor(small, what, cuda)
     if big.dtype != small.dtype or big.numel() != n * small.numel():
         raise ValueError(f"commd {what}: expected {n} x {small.numel()} elements of "
                          f"{small.dtype}, got {big.numel()} of {big.dtype}")

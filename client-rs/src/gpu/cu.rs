@@ -92,16 +92,19 @@ pub fn device_count() -> Result<i32, CuError> {
 /// (CUDA_VISIBLE_DEVICES), UUIDs do not.
 pub fn device_uuid(dev: sys::CUdevice) -> Result<[u8; 16], CuError> {
     let mut u = sys::CUuuid { bytes: [0; 16] };
-    // SAFETY: `u` is a valid out struct; callers ran `driver()` first.
-    ck(unsafe { sys::cuDeviceGetUuid_v2(&mut u, dev) }, "cuDeviceGetUuid")?;
+    ck(
+        // SAFETY: `u` is a valid out struct; callers ran `driver()` first.
+        unsafe { sys::cuDeviceGetUuid_v2(&mut u, dev) },
+        "cuDeviceGetUuid",
+    )?;
     Ok(u.bytes.map(|b| b as u8))
 }
 
 /// An integer attribute of device `dev`.
 pub fn device_attr(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> Result<i32, CuError> {
     let mut v = 0;
-    // SAFETY: `v` is a valid out pointer; callers ran `driver()` first.
     ck(
+        // SAFETY: `v` is a valid out pointer; callers ran `driver()` first.
         unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev) },
         "cuDeviceGetAttribute",
     )?;
@@ -111,18 +114,21 @@ pub fn device_attr(dev: sys::CUdevice, a: sys::CUdevice_attribute) -> Result<i32
 /// Retains the primary context of `dev` (the one the CUDA runtime and PyTorch use).
 pub fn primary_ctx(dev: sys::CUdevice) -> Result<sys::CUcontext, CuError> {
     let mut ctx = std::ptr::null_mut();
-    // SAFETY: `ctx` is a valid out pointer; callers ran `driver()` first.
     ck(
+        // SAFETY: `ctx` is a valid out pointer; callers ran `driver()` first.
         unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) },
         "cuDevicePrimaryCtxRetain",
     )?;
     Ok(ctx)
 }
 
-/// Makes `ctx` current on the calling thread.
+/// Makes `ctx` current on the calling thread. The driver validates the handle (an invalid one
+/// is an error, not undefined behaviour), so this is safe to call with any value.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
 pub fn set_current(ctx: sys::CUcontext) -> Result<(), CuError> {
-    // SAFETY: `ctx` is a live context retained by the caller.
-    ck(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")
+    // SAFETY: the driver only records the handle; callers pass contexts they retained.
+    let r = unsafe { sys::cuCtxSetCurrent(ctx) };
+    ck(r, "cuCtxSetCurrent")
 }
 
 /// Formats a UUID like nvidia-smi: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
@@ -156,9 +162,6 @@ mod tests {
     #[test]
     fn uuid_formats_like_nvidia_smi() {
         let u: Vec<u8> = (0..16).collect();
-        assert_eq!(
-            uuid_string(&u),
-            "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"
-        );
+        assert_eq!(uuid_string(&u), "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f");
     }
 }

@@ -114,7 +114,9 @@ fn ensure_context(device: i32) -> Result<()> {
 }
 
 fn driver() -> Result<()> {
-    cu::driver().map_err(|why| Error::InvalidArgument(format!("CUDA is not available in this process: {why}")))
+    cu::driver().map_err(|why| {
+        Error::InvalidArgument(format!("CUDA is not available in this process: {why}"))
+    })
 }
 
 /// What the driver knows of a device pointer: (allocation base, size, buffer id, device ordinal).
@@ -139,8 +141,8 @@ fn pointer_info(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, u64, u64, i3
         (&mut ordinal as *mut i32).cast(),
         (&mut mtype as *mut u32).cast(),
     ];
-    // SAFETY: each data pointer points to a variable of the type the attribute writes.
     ck(
+        // SAFETY: each data pointer points to a variable of the type the attribute writes.
         unsafe { sys::cuPointerGetAttributes(5, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) },
         "cuPointerGetAttributes",
     )?;
@@ -154,8 +156,11 @@ fn pointer_info(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, u64, u64, i3
 
 fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
     let mut dev = 0;
-    // SAFETY: valid out pointer.
-    ck(unsafe { sys::cuDeviceGet(&mut dev, ordinal) }, "cuDeviceGet")?;
+    ck(
+        // SAFETY: valid out pointer.
+        unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
+        "cuDeviceGet",
+    )?;
     Ok(cu::device_uuid(dev)?)
 }
 
@@ -179,8 +184,8 @@ impl Inner {
             ck(r, "cuMemHostRegister(doorbell page)")?;
         }
         let mut d: sys::CUdeviceptr = 0;
-        // SAFETY: the page was registered with DEVICEMAP above.
         ck(
+            // SAFETY: the page was registered with DEVICEMAP above.
             unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, host.cast(), 0) },
             "cuMemHostGetDevicePointer",
         )?;
@@ -190,7 +195,12 @@ impl Inner {
 
     /// `(mem_id, offset, device)` of `[ptr, ptr + bytes)`, registering its allocation with the
     /// daemon on first use (one IPC export and one daemon-side open per allocation).
-    pub(crate) fn cuda_resolve(&self, g: &mut SessionGpu, ptr: sys::CUdeviceptr, bytes: u64) -> Result<(u32, u64, i32)> {
+    pub(crate) fn cuda_resolve(
+        &self,
+        g: &mut SessionGpu,
+        ptr: sys::CUdeviceptr,
+        bytes: u64,
+    ) -> Result<(u32, u64, i32)> {
         let (base, size, id, ordinal) = pointer_info(ptr)?;
         let off = ptr - base;
         if off + bytes > size {
@@ -212,10 +222,12 @@ impl Inner {
             .collect();
         for k in stale {
             if let Some(r) = g.regs.remove(&k) {
-                let _ = self.rt.block_on(self.rpc.clone().deregister_memory(pb::MemRef {
-                    session_id: self.session_id,
-                    mem_id: r.mem_id,
-                }));
+                let _ = self
+                    .rt
+                    .block_on(self.rpc.clone().deregister_memory(pb::MemRef {
+                        session_id: self.session_id,
+                        mem_id: r.mem_id,
+                    }));
             }
         }
         let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
@@ -271,9 +283,8 @@ impl Communicator {
             return Ok(s);
         }
         let i = &self.client;
-        let rep = i
-            .rt
-            .block_on(i.rpc.clone().get_comm_scratch(pb::CommScratchRequest {
+        let rep =
+            i.rt.block_on(i.rpc.clone().get_comm_scratch(pb::CommScratchRequest {
                 session_id: i.session_id,
                 comm: self.handle,
                 device_uuid: device_uuid(device)?.to_vec(),
@@ -284,13 +295,15 @@ impl Communicator {
         if !rep.ipc_handle.is_empty() {
             let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
             if rep.ipc_handle.len() != 64 {
-                return Err(Error::InvalidArgument("daemon sent a malformed scratch handle".into()));
+                return Err(Error::InvalidArgument(
+                    "daemon sent a malformed scratch handle".into(),
+                ));
             }
             for (d, s) in h.reserved.iter_mut().zip(&rep.ipc_handle) {
                 *d = *s as std::ffi::c_char;
             }
-            // SAFETY: valid out pointer; the handle came from the daemon's cuIpcGetMemHandle.
             ck(
+                // SAFETY: valid out pointer; the handle came from the daemon's cuIpcGetMemHandle.
                 unsafe {
                     sys::cuIpcOpenMemHandle_v2(
                         &mut ptr,
@@ -331,9 +344,16 @@ impl Communicator {
         };
         let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
         let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
-        // SAFETY: `done` is a device-mapped address of the registered doorbell page.
         ck(
-            unsafe { sys::cuStreamWaitValue32_v2(stream, done, t, sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32) },
+            // SAFETY: `done` is a device-mapped address of the registered doorbell page.
+            unsafe {
+                sys::cuStreamWaitValue32_v2(
+                    stream,
+                    done,
+                    t,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            },
             "cuStreamWaitValue32",
         )?;
         Ok(())
@@ -360,7 +380,8 @@ impl Communicator {
             )));
         }
         if let Some(r) = a.redop {
-            r.check_dtype(a.dtype).map_err(|e| Error::InvalidArgument(e.to_string()))?;
+            r.check_dtype(a.dtype)
+                .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         }
         let n = u64::from(self.nranks);
         let es = a.dtype.size();
@@ -375,14 +396,18 @@ impl Communicator {
         let mut send = (0, 0);
         let mut recv = (0, 0);
         if a.kind.uses_send(me_root) {
-            let p = a.send.ok_or_else(|| Error::InvalidArgument(format!("{} needs a send buffer", a.kind.name())))?;
+            let p = a.send.ok_or_else(|| {
+                Error::InvalidArgument(format!("{} needs a send buffer", a.kind.name()))
+            })?;
             device.get_or_insert(pointer_info(p)?.3);
             ensure_context(device.unwrap_or(0))?;
             let (m, o, _) = i.cuda_resolve(&mut g, p, bytes(a.kind.send_elems(a.count, n))?)?;
             send = (m, o);
         }
         if a.kind.uses_recv(me_root) {
-            let p = a.recv.ok_or_else(|| Error::InvalidArgument(format!("{} needs a recv buffer", a.kind.name())))?;
+            let p = a.recv.ok_or_else(|| {
+                Error::InvalidArgument(format!("{} needs a recv buffer", a.kind.name()))
+            })?;
             let d = pointer_info(p)?.3;
             device.get_or_insert(d);
             ensure_context(d)?;
@@ -444,13 +469,23 @@ impl Communicator {
         };
         let s = a.stream;
         let write = |v: u32| {
-            // SAFETY: `ready` is a device-mapped address of the registered doorbell page.
-            ck(unsafe { sys::cuStreamWriteValue32_v2(s, ready, v, 0) }, "cuStreamWriteValue32")
+            ck(
+                // SAFETY: `ready` is a device-mapped address of the registered doorbell page.
+                unsafe { sys::cuStreamWriteValue32_v2(s, ready, v, 0) },
+                "cuStreamWriteValue32",
+            )
         };
         let wait = |v: u32| {
-            // SAFETY: as above for `done`.
             ck(
-                unsafe { sys::cuStreamWaitValue32_v2(s, done, v, sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32) },
+                // SAFETY: as above for `done`.
+                unsafe {
+                    sys::cuStreamWaitValue32_v2(
+                        s,
+                        done,
+                        v,
+                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                    )
+                },
                 "cuStreamWaitValue32",
             )
         };
@@ -474,9 +509,15 @@ impl Communicator {
                 }
                 return Ok(());
             }
-            let sc = scratch.unwrap_or(Scratch { ptr: 0, slot_bytes, device: 0 });
+            let sc = scratch.unwrap_or(Scratch {
+                ptr: 0,
+                slot_bytes,
+                device: 0,
+            });
             let k = kernels.ok_or_else(|| Error::InvalidArgument("kernels".into()))?;
-            let op = a.redop.ok_or_else(|| Error::InvalidArgument("reduction op missing".into()))?;
+            let op = a
+                .redop
+                .ok_or_else(|| Error::InvalidArgument("reduction op missing".into()))?;
             let round = commd_proto::desc::cuda_round_elems(a.kind, es, self.nranks, slot_bytes);
             let rounds = phases / 2;
             for j in 0..rounds {
@@ -494,7 +535,13 @@ impl Communicator {
                     OpKind::Reduce => (s0, len, a.send.unwrap_or(0), a.recv.unwrap_or(0), me_root),
                     _ => {
                         let off = u64::from(self.rank) * a.count * es;
-                        (s0, len, a.send.unwrap_or(0) + off, a.recv.unwrap_or(0), true)
+                        (
+                            s0,
+                            len,
+                            a.send.unwrap_or(0) + off,
+                            a.recv.unwrap_or(0),
+                            true,
+                        )
                     }
                 };
                 if reduces_here && plen > 0 {
