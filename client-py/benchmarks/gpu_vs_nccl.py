@@ -4,8 +4,9 @@
     torchrun --nproc_per_node 4 client-py/benchmarks/gpu_vs_nccl.py --op all_gather
 
 Eager torch.distributed calls on the same tensors; per size: warm-up, then ``iters`` calls timed
-by wall clock around a synchronize (the GPU work of all calls included). Prints a table: time per
-op, algbw, busbw for each backend, and commd/NCCL busbw ratio. NVLink multicast stays off.
+by wall clock around a synchronize (the GPU work of all calls included), and the CPU time to
+issue them (before the synchronize). Prints a table: time per op, algbw, busbw and issue time for
+each backend, and the commd/NCCL busbw ratio. NVLink multicast stays off.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ def main() -> None:
     if rank == 0:
         print(f"# {a.op}, {world} GPUs, {a.dtype}, {torch.cuda.get_device_name()}, "
               f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
-        print(f"{'bytes':>12} | {'nccl us':>9} {'algbw':>7} {'busbw':>7} | "
-              f"{'commd us':>9} {'algbw':>7} {'busbw':>7} | {'ratio':>5}")
+        print(f"{'bytes':>12} | {'nccl us':>9} {'algbw':>7} {'busbw':>7} {'cpu us':>7} | "
+              f"{'commd us':>9} {'algbw':>7} {'busbw':>7} {'cpu us':>7} | {'ratio':>5}")
     for nbytes in sizes:
         n = max(nbytes // torch.tensor([], dtype=dt).element_size(), world)
         n -= n % world
@@ -86,6 +87,7 @@ def main() -> None:
             t0 = time.perf_counter()
             for _ in range(iters):
                 op()
+            cpu_s = (time.perf_counter() - t0) / iters  # issuing alone (the GPU may lag)
             torch.cuda.synchronize()
             dt_s = (time.perf_counter() - t0) / iters
             t = torch.tensor([dt_s], device=dev)
@@ -96,17 +98,18 @@ def main() -> None:
             factor = {"sendrecv": 1.0, "broadcast": 1.0, "all_reduce": 2 * (world - 1) / world,
                       "all_gather": (world - 1), "all_to_all": (world - 1) / world,
                       "reduce_scatter": (world - 1) / world}[a.op]
-            res[name] = (dt_s * 1e6, algbw, algbw * factor)
+            res[name] = (dt_s * 1e6, algbw, algbw * factor, cpu_s * 1e6)
         if rank == 0:
-            nu, na, nb = res["nccl"]
-            cu, ca, cb = res["commd"]
-            print(f"{nbytes:>12} | {nu:>9.1f} {na:>7.1f} {nb:>7.1f} | {cu:>9.1f} {ca:>7.1f} "
-                  f"{cb:>7.1f} | {cb / nb:>5.2f}", flush=True)
+            nu, na, nb, nc = res["nccl"]
+            cu, ca, cb, cc = res["commd"]
+            print(f"{nbytes:>12} | {nu:>9.1f} {na:>7.1f} {nb:>7.1f} {nc:>7.1f} | {cu:>9.1f} "
+                  f"{ca:>7.1f} {cb:>7.1f} {cc:>7.1f} | {cb / nb:>5.2f}", flush=True)
             if a.json:
                 with open(a.json, "a") as f:
                     f.write(json.dumps({"op": a.op, "gpus": world, "bytes": nbytes,
                                         "dtype": a.dtype, "nccl_us": nu, "nccl_busbw": nb,
-                                        "commd_us": cu, "commd_busbw": cb}) + "\n")
+                                        "nccl_cpu_us": nc, "commd_us": cu, "commd_busbw": cb,
+                                        "commd_cpu_us": cc}) + "\n")
     dist.destroy_process_group()
 
 

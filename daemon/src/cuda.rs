@@ -290,33 +290,9 @@ impl Cuda {
         bytes: u64,
     ) -> Result<DevMem, String> {
         let gpu = self.gpu_for(uuid)?;
-        if handle.len() != sys::CU_IPC_HANDLE_SIZE as usize {
-            return Err(format!(
-                "IPC handle has {} bytes, expected {}",
-                handle.len(),
-                sys::CU_IPC_HANDLE_SIZE
-            ));
-        }
-        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-        for (d, s) in h.reserved.iter_mut().zip(handle) {
-            *d = *s as std::ffi::c_char;
-        }
         cu::set_current(self.gpus[gpu].ctx).map_err(|e| e.to_string())?;
         let t0 = Instant::now();
-        let mut ptr: sys::CUdeviceptr = 0;
-        ck(
-            // SAFETY: valid out pointer; the owning GPU's context is current; the handle is plain
-            // bytes the driver validates.
-            unsafe {
-                sys::cuIpcOpenMemHandle_v2(
-                    &mut ptr,
-                    h,
-                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                )
-            },
-            "cuIpcOpenMemHandle",
-        )
-        .map_err(|e| e.to_string())?;
+        let ptr = cu::ipc_open(handle, "cuIpcOpenMemHandle").map_err(|e| e.to_string())?;
         let us = t0.elapsed().as_micros() as u64;
         self.stats.opens.fetch_add(1, Ordering::Relaxed);
         self.stats.open_us.fetch_add(us, Ordering::Relaxed);
@@ -329,7 +305,7 @@ impl Cuda {
             len: bytes,
             owned: false,
             open_us: us,
-            handle: Some(h),
+            handle: Some(handle.to_vec()),
             views: Mutex::new(Vec::new()),
         })
     }
@@ -470,7 +446,7 @@ pub struct DevMem {
     /// push from that GPU). A mapping opened in the owner's context only is not reachable by
     /// peer copies from another GPU: measured on our H200s, such copies were staged through
     /// host memory at 37.7 GB/s instead of ~390 GB/s over NVLink.
-    handle: Option<sys::CUipcMemHandle_st>,
+    handle: Option<Vec<u8>>,
     views: Mutex<Vec<Option<sys::CUdeviceptr>>>,
 }
 
@@ -526,7 +502,7 @@ impl DevMem {
         if gpu == self.gpu || self.owned {
             return Ok(self.ptr);
         }
-        let Some(h) = self.handle else {
+        let Some(h) = &self.handle else {
             return Ok(self.ptr);
         };
         let mut views = self.views.lock().unwrap_or_else(|e| e.into_inner());
@@ -538,19 +514,7 @@ impl DevMem {
         }
         cu::set_current(self.cuda.gpus[gpu].ctx)?;
         let t0 = Instant::now();
-        let mut p: sys::CUdeviceptr = 0;
-        ck(
-            // SAFETY: valid out pointer; that GPU's context is current; the handle was opened
-            // successfully in the owner's context already.
-            unsafe {
-                sys::cuIpcOpenMemHandle_v2(
-                    &mut p,
-                    h,
-                    sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                )
-            },
-            "cuIpcOpenMemHandle(peer view)",
-        )?;
+        let p = cu::ipc_open(h, "cuIpcOpenMemHandle(peer view)")?;
         let us = t0.elapsed().as_micros() as u64;
         self.cuda.stats.opens.fetch_add(1, Ordering::Relaxed);
         self.cuda.stats.open_us.fetch_add(us, Ordering::Relaxed);
@@ -752,14 +716,8 @@ fn unreachable_kind(kind: OpKind) -> Result<(), String> {
     Err(format!("{} has no GPU plan (internal error)", kind.name()))
 }
 
-/// Piece `r` of `n` of the segment `[s0, s0 + len)`: `(start, len)` in elements; the first
-/// `len % n` pieces are one element longer. Must match the client's split.
-pub fn piece(s0: u64, len: u64, n: u64, r: u64) -> (u64, u64) {
-    let base = len / n;
-    let rem = len % n;
-    let start = s0 + r * base + r.min(rem);
-    (start, base + u64::from(r < rem))
-}
+/// Pieces of an all-reduce round: the client's split, shared so both sides agree.
+pub use commd_client::gpu::piece;
 
 /// A rank's doorbell: its session, slot, and the op's first ticket.
 #[derive(Clone)]

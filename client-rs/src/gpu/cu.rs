@@ -131,6 +131,40 @@ pub fn set_current(ctx: sys::CUcontext) -> Result<(), CuError> {
     ck(r, "cuCtxSetCurrent")
 }
 
+/// Opens an IPC handle (64 bytes from `cuIpcGetMemHandle`, possibly of another process) in the
+/// current context, peer access enabled lazily; `what` names the call in errors.
+pub fn ipc_open(handle: &[u8], what: &str) -> Result<sys::CUdeviceptr, CuError> {
+    if handle.len() != sys::CU_IPC_HANDLE_SIZE as usize {
+        return Err(CuError {
+            what: what.to_string(),
+            code: 0,
+            name: "malformed IPC handle".into(),
+            text: format!(
+                "{} bytes, expected {}",
+                handle.len(),
+                sys::CU_IPC_HANDLE_SIZE
+            ),
+        });
+    }
+    let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+    for (d, s) in h.reserved.iter_mut().zip(handle) {
+        *d = *s as std::ffi::c_char;
+    }
+    let mut ptr: sys::CUdeviceptr = 0;
+    ck(
+        // SAFETY: valid out pointer; the handle is plain bytes that the driver validates.
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        },
+        what,
+    )?;
+    Ok(ptr)
+}
+
 /// Formats a UUID like nvidia-smi: `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`.
 pub fn uuid_string(u: &[u8]) -> String {
     let h: String = u.iter().map(|b| format!("{b:02x}")).collect();

@@ -291,29 +291,11 @@ impl Communicator {
             }))
             .map_err(|s| Error::rpc("get_comm_scratch", s))?
             .into_inner();
-        let mut ptr: sys::CUdeviceptr = 0;
-        if !rep.ipc_handle.is_empty() {
-            let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-            if rep.ipc_handle.len() != 64 {
-                return Err(Error::InvalidArgument(
-                    "daemon sent a malformed scratch handle".into(),
-                ));
-            }
-            for (d, s) in h.reserved.iter_mut().zip(&rep.ipc_handle) {
-                *d = *s as std::ffi::c_char;
-            }
-            ck(
-                // SAFETY: valid out pointer; the handle came from the daemon's cuIpcGetMemHandle.
-                unsafe {
-                    sys::cuIpcOpenMemHandle_v2(
-                        &mut ptr,
-                        h,
-                        sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-                    )
-                },
-                "cuIpcOpenMemHandle(daemon scratch)",
-            )?;
-        }
+        let ptr = if rep.ipc_handle.is_empty() {
+            0
+        } else {
+            cu::ipc_open(&rep.ipc_handle, "cuIpcOpenMemHandle(daemon scratch)")?
+        };
         let s = Scratch {
             ptr,
             slot_bytes: rep.slot_bytes,
