@@ -518,21 +518,10 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                opts: Any) -> Any:
         t = _one(input_tensors, "gather")
         root = opts.rootRank
-        if _is_cuda(t):
-            if self._rank != root:
-                return self.gpu.p2p([(t, root)], [], [])
-            outs = _one(output_tensors, "gather")  # type: ignore[arg-type]
-            if len(outs) != self._size:
-                raise ValueError(f"commd gather: expected {self._size} output tensors on the root")
-            self._cuda_check(outs, "gather")
-            for o in outs:
-                _check_same(o, t, "gather")
-            outs[root].copy_(t)
-            if self._size == 1:
-                return _DoneWork(output_tensors)
-            return self.gpu.p2p([], [(o, j) for j, o in enumerate(outs) if j != root],
-                                output_tensors)
+        gpu = _is_cuda(t)
         if self._rank != root:
+            if gpu:
+                return self.gpu.p2p([(t, root)], [], [])
             return self._work(self._p2p_batch([(_np(t, "gather"), root)], []), [], opts)
         outs = _one(output_tensors, "gather")  # type: ignore[arg-type]
         if len(outs) != self._size:
@@ -540,38 +529,37 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         for o in outs:
             _check_same(o, t, "gather")
         outs[root].copy_(t)
-        recvs = [(_np(o, "gather"), j) for j, o in enumerate(outs) if j != root]
-        return self._work(self._p2p_batch([], recvs), output_tensors, opts)
+        others = [(o, j) for j, o in enumerate(outs) if j != root]
+        if not gpu:
+            recvs = [(_np(o, "gather"), j) for o, j in others]
+            return self._work(self._p2p_batch([], recvs), output_tensors, opts)
+        if not others:
+            return _DoneWork(output_tensors)
+        return self.gpu.p2p([], others, output_tensors)
 
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any) -> Any:
         out = _one(output_tensors, "scatter")
         root = opts.rootRank
-        if _is_cuda(out):
-            if self._rank != root:
-                return self.gpu.p2p([], [(out, root)], output_tensors)
-            ins = _one(input_tensors, "scatter")  # type: ignore[arg-type]
-            if len(ins) != self._size:
-                raise ValueError(f"commd scatter: expected {self._size} input tensors on the root")
-            self._cuda_check(ins, "scatter")
-            for i in ins:
-                _check_same(i, out, "scatter")
-            out.copy_(ins[root])
-            if self._size == 1:
-                return _DoneWork(output_tensors)
-            return self.gpu.p2p([(i, j) for j, i in enumerate(ins) if j != root], [],
-                                output_tensors)
+        gpu = _is_cuda(out)
         if self._rank != root:
-            return self._work(self._p2p_batch([], [(_np(out, "scatter"), root)]), output_tensors, opts)
+            if gpu:
+                return self.gpu.p2p([], [(out, root)], output_tensors)
+            return self._work(self._p2p_batch([], [(_np(out, "scatter"), root)]), output_tensors,
+                              opts)
         ins = _one(input_tensors, "scatter")  # type: ignore[arg-type]
         if len(ins) != self._size:
             raise ValueError(f"commd scatter: expected {self._size} input tensors on the root")
         for i in ins:
             _check_same(i, out, "scatter")
         out.copy_(ins[root])
-        sends = [(_np(i, "scatter"), j) for j, i in enumerate(ins) if j != root]
-        return self._work(self._p2p_batch(sends, []), output_tensors, opts)
-
+        others = [(i, j) for j, i in enumerate(ins) if j != root]
+        if not gpu:
+            sends = [(_np(i, "scatter"), j) for i, j in others]
+            return self._work(self._p2p_batch(sends, []), output_tensors, opts)
+        if not others:
+            return _DoneWork(output_tensors)
+        return self.gpu.p2p(others, [], output_tensors)
 
     def _gpu_alltoallv(self, ins: list[torch.Tensor], outs: list[torch.Tensor],
                        result: Any) -> Any:

@@ -230,6 +230,7 @@ impl Inner {
                     }));
             }
         }
+        ensure_context(ordinal)?;
         let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
         // SAFETY: valid out struct; `base` is the start of a device allocation of this process.
         let r = unsafe { sys::cuIpcGetMemHandle(&mut h, base) };
@@ -377,24 +378,23 @@ impl Communicator {
         let mut device = None;
         let mut send = (0, 0);
         let mut recv = (0, 0);
-        if a.kind.uses_send(me_root) {
-            let p = a.send.ok_or_else(|| {
-                Error::InvalidArgument(format!("{} needs a send buffer", a.kind.name()))
+        // One pointer query per buffer (cuda_resolve): allocation, registration and device.
+        let mut resolve = |what: &str, p: Option<u64>, elems: Option<u64>| -> Result<(u32, u64)> {
+            let p = p.ok_or_else(|| {
+                Error::InvalidArgument(format!("{} needs a {what} buffer", a.kind.name()))
             })?;
-            device.get_or_insert(pointer_info(p)?.3);
-            ensure_context(device.unwrap_or(0))?;
-            let (m, o, _) = i.cuda_resolve(&mut g, p, bytes(a.kind.send_elems(a.count, n))?)?;
-            send = (m, o);
+            let (m, o, d) = i.cuda_resolve(&mut g, p, bytes(elems)?)?;
+            device.get_or_insert(d);
+            Ok((m, o))
+        };
+        if a.kind.uses_send(me_root) {
+            send = resolve("send", a.send, a.kind.send_elems(a.count, n))?;
         }
         if a.kind.uses_recv(me_root) {
-            let p = a.recv.ok_or_else(|| {
-                Error::InvalidArgument(format!("{} needs a recv buffer", a.kind.name()))
-            })?;
-            let d = pointer_info(p)?.3;
-            device.get_or_insert(d);
+            recv = resolve("recv", a.recv, a.kind.recv_elems(a.count, n))?;
+        }
+        if let Some(d) = device {
             ensure_context(d)?;
-            let (m, o, _) = i.cuda_resolve(&mut g, p, bytes(a.kind.recv_elems(a.count, n))?)?;
-            recv = (m, o);
         }
         let db = i.doorbell_dev(&mut g)?;
         let slot = u64::from(self.doorbell_slot);

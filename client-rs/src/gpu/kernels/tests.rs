@@ -444,18 +444,7 @@ fn gpu_kernels_match_host_reference() {
         );
         return;
     }
-    let mut dev = 0;
-    // SAFETY: the driver is initialized; `dev` is a valid out pointer.
-    ck(unsafe { cu_sys::cuDeviceGet(&mut dev, 0) }, "cuDeviceGet");
-    let ctx = cu::primary_ctx(dev).unwrap_or_else(|e| panic!("{e}"));
-    cu::set_current(ctx).unwrap_or_else(|e| panic!("{e}"));
-    let mut stream: CUstream = std::ptr::null_mut();
-    // A blocking stream: it orders after the synchronous copies on the legacy stream.
-    // SAFETY: a context is current; `stream` is a valid out pointer.
-    ck(
-        unsafe { cu_sys::cuStreamCreate(&mut stream, 0) },
-        "cuStreamCreate",
-    );
+    let stream = gpu0_stream();
 
     const MAX_COUNT: usize = 1_000_003;
     const PAD: usize = 8; // elements of slack on each side of every range
@@ -563,17 +552,7 @@ fn gpu_kernel_bandwidth() {
         eprintln!("skip gpu_kernel_bandwidth: {why}");
         return;
     }
-    let mut dev = 0;
-    // SAFETY: the driver is initialized; `dev` is a valid out pointer.
-    ck(unsafe { cu_sys::cuDeviceGet(&mut dev, 0) }, "cuDeviceGet");
-    let ctx = cu::primary_ctx(dev).unwrap_or_else(|e| panic!("{e}"));
-    cu::set_current(ctx).unwrap_or_else(|e| panic!("{e}"));
-    let mut stream: CUstream = std::ptr::null_mut();
-    // SAFETY: a context is current; `stream` is a valid out pointer.
-    ck(
-        unsafe { cu_sys::cuStreamCreate(&mut stream, 0) },
-        "cuStreamCreate",
-    );
+    let stream = gpu0_stream();
     let mut ev = [std::ptr::null_mut(); 2];
     for e in &mut ev {
         // SAFETY: a context is current; `e` is a valid out pointer.
@@ -642,4 +621,21 @@ fn gpu_kernel_bandwidth() {
         unsafe { cu_sys::cuStreamDestroy_v2(stream) },
         "cuStreamDestroy",
     );
+}
+
+/// Makes GPU 0's primary context current and returns a new blocking stream on it (it orders
+/// after the synchronous copies on the legacy stream). Needs `cu::driver()` to have succeeded.
+fn gpu0_stream() -> CUstream {
+    let mut dev = 0;
+    // SAFETY: the driver is initialized; `dev` is a valid out pointer.
+    ck(unsafe { cu_sys::cuDeviceGet(&mut dev, 0) }, "cuDeviceGet");
+    let ctx = cu::primary_ctx(dev).unwrap_or_else(|e| panic!("{e}"));
+    cu::set_current(ctx).unwrap_or_else(|e| panic!("{e}"));
+    let mut stream: CUstream = std::ptr::null_mut();
+    // SAFETY: a context is current; `stream` is a valid out pointer.
+    ck(
+        unsafe { cu_sys::cuStreamCreate(&mut stream, 0) },
+        "cuStreamCreate",
+    );
+    stream
 }
