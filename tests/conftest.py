@@ -28,6 +28,8 @@ class Daemon:
         self.args = list(args)
         self.env = dict(os.environ, **(env or {}))
         self.env.setdefault("COMMD_DEBUG", "INFO")
+        # Private ephemeral peer port: tests run many daemons side by side.
+        self.env.setdefault("COMMD_PEER_LISTEN", "127.0.0.1:0")
         self.proc = None
 
     def start(self, timeout=10.0):

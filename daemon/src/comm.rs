@@ -300,6 +300,15 @@ impl Comm {
                 }
             },
             Step::Fail { ops, abort } => {
+                // Across nodes a failed collective cannot be skipped on this node alone (the
+                // others would wait for its data): the communicator aborts everywhere with the
+                // same message.
+                if let Some(h) = self.net.get()
+                    && ops.iter().any(|(p, _, _)| !p.op.kind.is_p2p())
+                    && let Some((_, _, msg)) = ops.first()
+                {
+                    let _ = h.submit(net::Cmd::Abort(msg.clone()));
+                }
                 if let Some(a) = abort {
                     let mut g = self.lock();
                     if g.broken.is_none() {

@@ -233,11 +233,16 @@ impl Io<'_> {
     }
 
     fn finish(mut self) -> Result<(), NetError> {
+        self.flush()
+    }
+
+    /// Waits until every send so far has left (its source may be overwritten after this).
+    fn flush(&mut self) -> Result<(), NetError> {
         let sends = std::mem::take(&mut self.sends);
         let what = self.what.clone();
         let t = self.t;
         self.w.wait(&sends, &[], self.deadline, sig_text, &|_| {
-            format!("{what} timed out sending to {}", t.nodes.len())
+            format!("{what} timed out sending: the other {} node(s) stopped reading", t.nodes.len() - 1)
         })?;
         for s in sends {
             self.w.release_send(s);
@@ -401,6 +406,8 @@ fn one_shot_reduce(
         }
     }
     io.wait(&rs)?;
+    // In place, the outputs are the buffers being sent.
+    io.flush()?;
     let mut inputs = Vec::with_capacity(n);
     for r in 0..n {
         inputs.push(match local_index(c, r as u32) {
