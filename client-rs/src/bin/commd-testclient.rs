@@ -212,8 +212,8 @@ fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String>
                 .get(j)
                 .and_then(|s| s.expect.clone())
                 .unwrap_or_else(|| "ok".into());
-            let ok = *wrong == 0
-                && (res == &want || (want == "error" && res != "ok") || want == "any");
+            let ok =
+                *wrong == 0 && (res == &want || (want == "error" && res != "ok") || want == "any");
             all_ok &= ok;
             println!(
                 "{}",
