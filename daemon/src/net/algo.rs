@@ -59,7 +59,7 @@ impl Topo {
         &self.node_ranks[self.me]
     }
 
-    /// "node 1 (10.0.0.2:7461, ranks 2,3)".
+    /// "node 1 (10.0.0.2:7400, ranks 2,3)".
     pub fn label(&self, node: usize) -> String {
         let Some(id) = self.nodes.get(node) else {
             return format!("node {node}");

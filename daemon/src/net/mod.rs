@@ -36,6 +36,22 @@ pub struct NetCtx {
     pub streams: usize,
     pub peer_timeout: Duration,
     pub tuning: Tuning,
+    /// Mutual TLS for the peer service (PEM contents), when configured.
+    pub tls: Option<PeerTls>,
+}
+
+/// PEM contents of this daemon's certificate, key and the CA all daemons trust.
+#[derive(Clone)]
+pub struct PeerTls {
+    pub cert: Vec<u8>,
+    pub key: Vec<u8>,
+    pub ca: Vec<u8>,
+}
+
+impl std::fmt::Debug for PeerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PeerTls(..)")
+    }
 }
 
 /// Work for a communicator's net thread, run in the order submitted.
