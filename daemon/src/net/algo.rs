@@ -676,13 +676,15 @@ fn chain_reduce(
                     )?
                 };
             }
-        }
-    }
-    if c.kind == OpKind::AllReduce && t.me != last_node {
-        let src = first_recv()?;
-        for i in 1..c.bufs.len() {
-            // SAFETY: recv spans of count elements; distinct registrations.
-            unsafe { copy(recv_ptr(c, i)?, src, c.count * es) };
+            if c.kind == OpKind::AllReduce {
+                // Copy each chunk to the other local ranks as it lands (every input was folded
+                // before the first final chunk can exist, so in-place buffers are free to write).
+                for i in 1..c.bufs.len() {
+                    let off = (e0 * es) as usize;
+                    // SAFETY: chunk [e0, e1) of recv spans of count elements; distinct registrations.
+                    unsafe { copy(recv_ptr(c, i)?.add(off), dst.add(off), (e1 - e0) * es) };
+                }
+            }
         }
     }
     Ok(())
