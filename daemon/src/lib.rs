@@ -8,6 +8,7 @@
 //! - [`engine`]: plans and their host-memory execution; [`shm`]: registered memory.
 //! - [`bench`]: `commd bench`.
 //! - [`notify`]: readiness notification to systemd; [`health`]: `commd health`.
+//! - [`telemetry`]: metrics, traces, logs, link counters, the admin service, `commd stat`.
 
 pub mod bench;
 pub mod comm;
@@ -22,3 +23,4 @@ pub mod notify;
 pub mod serve;
 pub mod session;
 pub mod shm;
+pub mod telemetry;
