@@ -321,7 +321,7 @@ def test_init_logs_json_with_the_transport_of_each_path(tmp_path):
     assert (init["nranks"], init["nodes"], init["local_ranks"]) == (3, 1, 3), init
     assert init["level"] == "INFO" and init["target"] == "commd::init"
     (path,) = [l for l in lines if l.get("transport") == "SHM"]
-    assert path["path"] == "ranks 0-2 (every pair)" and "shared memory" in path["reason"], path
+    assert path["path"] == "0-2 (every local pair)" and "shared memory" in path["reason"], path
     assert path["message"].endswith(f"via SHM: {path['reason']}")
     # COMMD_DEBUG_SUBSYS=INIT: other subsystems log warnings only.
     assert not [l for l in lines if l["target"] == "commd::session"], lines
@@ -344,3 +344,43 @@ def test_observability_config_is_validated_and_metrics_can_be_off(tmp_path):
         assert "metrics: off" in d.log()
     finally:
         assert d.stop() == 0
+
+
+def test_multinode_ops_and_tcp_links_are_counted(tmp_path):
+    from test_multinode import place_contiguous, run_multi, start_nodes
+    nodes = start_nodes(tmp_path, 2)
+    try:
+        n_ops, count = 5, 1000
+        assert_all_pass(run_multi(nodes, place_contiguous(4, 2),
+                                  [{"op": "all_reduce", "dtype": "f32", "count": count}] * n_ops))
+        urls = [metrics_url(d) for d in nodes]
+        for url in urls:
+            m = scrape(url)
+            # Two local ranks per node, each counting its ops.
+            assert value(m, "commd_ops_total", op="all_reduce", dtype="f32", transport="tcp") == 2 * n_ops
+            assert value(m, "commd_op_bytes_total", op="all_reduce", dtype="f32", transport="tcp") == \
+                2 * n_ops * count * 4
+
+        def tcp(m, direction):
+            rows = [(dict(k[1]), v) for k, v in m.items()
+                    if k[0] == "commd_link_bytes_total" and dict(k[1]).get("kind") == "tcp"
+                    and dict(k[1])["direction"] == direction]
+            assert len(rows) == 1, rows
+            return rows[0]
+
+        # What one daemon wrote to the other, the other read (once the wire is quiet).
+        def balanced():
+            a, b = scrape(urls[0]), scrape(urls[1])
+            return tcp(a, "tx")[1] == tcp(b, "rx")[1] and tcp(b, "tx")[1] == tcp(a, "rx")[1]
+        assert _poll(balanced), (scrape(urls[0]), scrape(urls[1]))
+        labels, sent = tcp(scrape(urls[0]), "tx")
+        assert sent >= n_ops * count * 4, sent     # at least each op's partial result
+        assert labels["link"] == f"tcp:{labels['peer']}" and labels["nic"] == "127.0.0.1"
+        out = commd("stat", "-l", "-c", "1", "-i", "0.1", "--socket", str(nodes[0].socket))
+        assert out.returncode == 0 and any(l.startswith("tcp:") for l in out.stdout.splitlines()), out.stdout
+        log = nodes[0].log()
+        assert "nranks 4, nodes 2, local ranks 0-1" in log, log
+        assert "via TCP" in log
+    finally:
+        for d in nodes:
+            assert d.stop() == 0, d.log()

@@ -19,6 +19,7 @@ use commd_proto::desc::{Op, OpKind, status};
 
 use crate::cuda::{self, GpuBufs, GpuSpan};
 use crate::engine::{self, RankBufs};
+use crate::net;
 use crate::session::Session;
 
 /// A stream-ordered GPU op's doorbell: its session slot and tickets `ticket .. ticket + phases`.
@@ -44,6 +45,8 @@ pub struct Posted {
     /// GPU ops: the doorbell, and the resolved device buffers.
     pub cuda: Option<CudaTicket>,
     pub gbufs: GpuBufs,
+    /// How its data moves, for metrics (`telemetry::transport`; GPU ops are `cuda_ce`).
+    pub transport: &'static str,
 }
 
 impl Posted {
@@ -101,7 +104,12 @@ impl Posted {
                 st,
             );
         }
-        crate::telemetry::op_done(&self.op, self.cuda.is_some(), st, self.posted_at.elapsed());
+        let transport = if self.cuda.is_some() {
+            crate::telemetry::transport::CUDA
+        } else {
+            self.transport
+        };
+        crate::telemetry::op_done(&self.op, transport, st, self.posted_at.elapsed());
         self.session
             .complete(self.op.user_data, comm, self.seq, st, msg);
     }
@@ -111,6 +119,8 @@ impl Posted {
 pub struct Member {
     pub session_id: u64,
     pub pid: i32,
+    /// On this node (else a rank of another node's daemon; its queue here stays empty).
+    pub local: bool,
 }
 
 enum Step {
@@ -118,6 +128,8 @@ enum Step {
         plan: engine::Plan,
         ops: Vec<Posted>,
     },
+    /// Multi-node communicators: work for the communicator's net thread.
+    Net(net::Cmd),
     Gpu(cuda::GpuJob),
     Fail {
         ops: Vec<(Posted, u32, String)>,
@@ -145,6 +157,10 @@ pub struct Comm {
     inner: Mutex<Inner>,
     /// Per rank: the daemon-owned device scratch for GPU reductions (`GetCommScratch`).
     pub scratch: Mutex<Vec<Option<GpuSpan>>>,
+    /// Ranks on this node, ascending.
+    pub local: Vec<u32>,
+    /// Multi-node communicators: the net thread that runs every step in order.
+    pub net: std::sync::OnceLock<net::NetHandle>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -162,6 +178,9 @@ impl Comm {
         workers: usize,
     ) -> Self {
         let n = members.len();
+        let local = (0..n as u32)
+            .filter(|&r| members[r as usize].local)
+            .collect();
         Self {
             id,
             uid_short,
@@ -179,6 +198,8 @@ impl Comm {
                 left: vec![false; n],
             }),
             scratch: Mutex::new(vec![None; n]),
+            local,
+            net: std::sync::OnceLock::new(),
         }
     }
 
@@ -241,26 +262,45 @@ impl Comm {
     }
 
     fn run_step(&self, step: Step) {
-        match step {
-            Step::Run { plan, ops } => {
+        // A multi-node communicator runs everything on its net thread, in order.
+        let step = match (self.net.get(), step) {
+            (Some(_), Step::Run { plan, ops }) => {
+                let label = self.label();
+                let workers = self.workers;
                 let span = crate::telemetry::op_span(self, &ops, "direct", "shm");
-                let _entered = span.enter();
-                let traffic = plan.traffic();
-                let t0 = Instant::now();
-                let res = engine::execute(plan, self.workers);
-                crate::telemetry::op_executed(&span, &traffic, res.is_ok());
-                tracing::trace!(target: "commd::engine", comm = self.id, op = ops[0].op.kind.name(), seq = ops[0].seq, us = t0.elapsed().as_micros() as u64, "executed");
-                for p in ops {
-                    let c = p.op.comm;
-                    match &res {
-                        Ok(()) => p.complete(c, status::OK, None),
-                        Err(e) => p.complete(
-                            c,
-                            status::INTERNAL,
-                            Some(format!("{}: {} failed: {e}", self.label(), p.describe())),
-                        ),
+                Step::Net(net::Cmd::Run(Box::new(move || {
+                    run_plan(&label, plan, ops, workers, span)
+                })))
+            }
+            (_, s) => s,
+        };
+        match step {
+            Step::Net(cmd) => {
+                let Some(h) = self.net.get() else { return };
+                if let Err(cmd) = h.submit(cmd) {
+                    let msg = format!(
+                        "{}: the communicator's network thread is gone",
+                        self.label()
+                    );
+                    match cmd {
+                        net::Cmd::Coll { ops, .. } => {
+                            for p in ops {
+                                let c = p.op.comm;
+                                p.complete(c, status::INTERNAL, Some(msg.clone()));
+                            }
+                        }
+                        net::Cmd::P2p(p) => {
+                            let c = p.op.comm;
+                            p.complete(c, status::INTERNAL, Some(msg));
+                        }
+                        net::Cmd::Run(f) => f(),
+                        net::Cmd::Abort(_) | net::Cmd::End => {}
                     }
                 }
+            }
+            Step::Run { plan, ops } => {
+                let span = crate::telemetry::op_span(self, &ops, "direct", "shm");
+                run_plan(&self.label(), plan, ops, self.workers, span)
             }
             Step::Gpu(job) => match cuda::get() {
                 Ok(c) => c.submit(job),
@@ -272,6 +312,15 @@ impl Comm {
                 }
             },
             Step::Fail { ops, abort } => {
+                // Across nodes a failed collective cannot be skipped on this node alone (the
+                // others would wait for its data): the communicator aborts everywhere with the
+                // same message.
+                if let Some(h) = self.net.get()
+                    && ops.iter().any(|(p, _, _)| !p.op.kind.is_p2p())
+                    && let Some((_, _, msg)) = ops.first()
+                {
+                    let _ = h.submit(net::Cmd::Abort(msg.clone()));
+                }
                 if let Some(a) = abort {
                     let mut g = self.lock();
                     if g.broken.is_none() {
@@ -288,17 +337,62 @@ impl Comm {
 
     /// Picks the next runnable step and removes its ops from the queues.
     fn find_ready(&self, g: &mut Inner) -> Option<Step> {
-        let n = self.nranks as usize;
-        let all_heads_collective = g
-            .queues
-            .iter()
-            .all(|q| q.front().is_some_and(|p| !p.op.kind.is_p2p()));
+        let all_heads_collective = self.local.iter().all(|&r| {
+            g.queues[r as usize]
+                .front()
+                .is_some_and(|p| !p.op.kind.is_p2p())
+        });
         if all_heads_collective {
-            let ops: Vec<Posted> = g.queues.iter_mut().filter_map(|q| q.pop_front()).collect();
+            let ops: Vec<Posted> = self
+                .local
+                .iter()
+                .filter_map(|&r| g.queues[r as usize].pop_front())
+                .collect();
             return Some(self.collective_step(ops));
         }
+        // p2p with a rank on another node: goes to the network as soon as it is in the rank's
+        // leading group (the peer's daemon matches it by pair sequence number).
+        if self.net.get().is_some() {
+            for &a in &self.local {
+                let q = &g.queues[a as usize];
+                let remote = q
+                    .iter()
+                    .take_while(|p| p.op.kind.is_p2p())
+                    .position(|p| !self.members[p.op.peer as usize].local);
+                if let Some(i) = remote
+                    && let Some(p) = g.queues[a as usize].remove(i)
+                {
+                    if let Some(why) = &p.invalid {
+                        let msg = format!(
+                            "{}: {} on rank {a}: invalid op: {why}",
+                            self.label(),
+                            p.describe()
+                        );
+                        return Some(Step::Fail {
+                            ops: vec![(p, status::INVALID, msg)],
+                            abort: None,
+                        });
+                    }
+                    if p.cuda.is_some() {
+                        let msg = format!(
+                            "{}: {}: GPU memory across nodes is not supported yet; use host tensors for inter-node send/recv",
+                            self.label(),
+                            p.describe()
+                        );
+                        return Some(Step::Fail {
+                            ops: vec![(p, status::INVALID, msg)],
+                            abort: None,
+                        });
+                    }
+                    let mut p = p;
+                    p.transport = crate::telemetry::transport::TCP;
+                    return Some(Step::Net(net::Cmd::P2p(p)));
+                }
+            }
+        }
         // p2p: look for a send in some rank's leading group whose recv is in the peer's group.
-        for a in 0..n {
+        for &a in &self.local {
+            let a = a as usize;
             for (i, s) in g.queues[a].iter().enumerate() {
                 if !s.op.kind.is_p2p() {
                     break;
@@ -324,19 +418,21 @@ impl Comm {
         }
         // Deadlock: every rank has a collective queued behind unmatched p2p ops (or at its head)
         // and nothing can match, now or after any further post.
-        let closed = g
-            .queues
+        let closed = self
+            .local
             .iter()
-            .all(|q| q.iter().any(|p| !p.op.kind.is_p2p()));
+            .all(|&r| g.queues[r as usize].iter().any(|p| !p.op.kind.is_p2p()));
         if closed {
-            let heads: Vec<String> = g
-                .queues
+            let heads: Vec<String> = self
+                .local
                 .iter()
-                .enumerate()
-                .map(|(r, q)| {
+                .map(|&r| {
                     format!(
                         "rank {r}: {}",
-                        q.front().map(|p| p.describe()).unwrap_or_default()
+                        g.queues[r as usize]
+                            .front()
+                            .map(|p| p.describe())
+                            .unwrap_or_default()
                     )
                 })
                 .collect();
@@ -387,6 +483,36 @@ impl Comm {
             };
         }
         let o = &ops[0].op;
+        if self.net.get().is_some() {
+            if o.cuda_ticket.is_some() {
+                let msg = format!(
+                    "{}: {} seq {seq}: GPU memory in a communicator that spans nodes is not supported yet; use host tensors",
+                    self.label(),
+                    kind.name()
+                );
+                return Step::Fail {
+                    ops: ops
+                        .into_iter()
+                        .map(|p| (p, status::INVALID, msg.clone()))
+                        .collect(),
+                    abort: None,
+                };
+            }
+            let coll = net::algo::Coll {
+                kind,
+                dtype: o.dtype,
+                redop: o.redop,
+                count: o.count,
+                root: o.peer,
+                seq,
+                bufs: ops.iter().map(|p| (p.rank, p.bufs.clone())).collect(),
+            };
+            let mut ops = ops;
+            for p in &mut ops {
+                p.transport = crate::telemetry::transport::TCP;
+            }
+            return Step::Net(net::Cmd::Coll { coll, ops });
+        }
         if o.cuda_ticket.is_some() {
             return self.gpu_step(ops);
         }
@@ -679,6 +805,21 @@ impl Comm {
     /// Fails every queued op and later posts with `st`; used for peer loss, destroy, shutdown.
     /// Returns true once every rank has left.
     pub fn abort_rank(&self, rank: Option<u32>, st: u32, msg: String) -> bool {
+        self.leave_or_abort(rank, st, msg, false)
+    }
+
+    /// A rank destroyed the communicator: like [`Comm::abort_rank`] on this node, but the other
+    /// nodes are not told to abort; they see this node end once all its ranks have left.
+    pub fn leave(&self, rank: u32, msg: String) -> bool {
+        self.leave_or_abort(Some(rank), status::PEER_LOST, msg, true)
+    }
+
+    fn leave_or_abort(&self, rank: Option<u32>, st: u32, msg: String, graceful: bool) -> bool {
+        if let Some(h) = self.net.get()
+            && !graceful
+        {
+            let _ = h.submit(net::Cmd::Abort(msg.clone()));
+        }
         let mut g = self.lock();
         if let Some(r) = rank {
             g.left[r as usize] = true;
@@ -689,11 +830,16 @@ impl Comm {
         }
         let (st, msg) = g.broken.clone().unwrap_or((st, String::new()));
         let ops = drain(&mut g);
-        let all_left = g.left.iter().all(|l| *l);
+        let all_left = self.local.iter().all(|&r| g.left[r as usize]);
         drop(g);
         for p in ops {
             let c = p.op.comm;
             p.complete(c, st, Some(msg.clone()));
+        }
+        if (all_left || st == status::SHUTDOWN)
+            && let Some(h) = self.net.get()
+        {
+            h.end();
         }
         all_left
     }
@@ -736,11 +882,11 @@ impl Comm {
         } else {
             let seq = p.seq;
             let missing: Vec<u32> = (0..n)
-                .filter(|&r| g.coll_next[r] <= seq)
+                .filter(|&r| self.members[r].local && g.coll_next[r] <= seq)
                 .map(|r| r as u32)
                 .collect();
             let posted: Vec<u32> = (0..n)
-                .filter(|&r| g.coll_next[r] > seq)
+                .filter(|&r| self.members[r].local && g.coll_next[r] > seq)
                 .map(|r| r as u32)
                 .collect();
             let pids: Vec<String> = missing
@@ -777,8 +923,8 @@ impl Comm {
     }
 
     /// What the communicator waits for, read-only (`commd status`, `/metrics`): per rank its
-    /// posted collectives and queued ops, and the oldest queued op with the ranks that have and
-    /// have not posted it (the facts `check_timeout` reports once that op times out).
+    /// posted collectives and queued ops, and the oldest queued op with the local ranks that have
+    /// and have not posted it (the facts `check_timeout` reports once that op times out).
     pub fn waiting(&self, now: Instant) -> Waiting {
         let g = self.lock();
         let n = self.nranks as usize;
@@ -800,7 +946,7 @@ impl Comm {
                 } else {
                     let by = |f: &dyn Fn(u64) -> bool| {
                         (0..n)
-                            .filter(|&r| f(g.coll_next[r]))
+                            .filter(|&r| self.members[r].local && f(g.coll_next[r]))
                             .map(|r| r as u32)
                             .collect::<Vec<u32>>()
                     };
@@ -827,6 +973,33 @@ impl Comm {
 
     pub fn queued(&self) -> usize {
         self.lock().queues.iter().map(|q| q.len()).sum()
+    }
+}
+
+/// Runs a host-memory plan and completes its ops.
+fn run_plan(
+    label: &str,
+    plan: engine::Plan,
+    ops: Vec<Posted>,
+    workers: usize,
+    span: tracing::Span,
+) {
+    let _entered = span.enter();
+    let traffic = plan.traffic();
+    let t0 = Instant::now();
+    let res = engine::execute(plan, workers);
+    crate::telemetry::op_executed(&span, &traffic, res.is_ok());
+    tracing::trace!(target: "commd::engine", op = ops[0].op.kind.name(), seq = ops[0].seq, us = t0.elapsed().as_micros() as u64, "executed");
+    for p in ops {
+        let c = p.op.comm;
+        match &res {
+            Ok(()) => p.complete(c, status::OK, None),
+            Err(e) => p.complete(
+                c,
+                status::INTERNAL,
+                Some(format!("{label}: {} failed: {e}", p.describe())),
+            ),
+        }
     }
 }
 

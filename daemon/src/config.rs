@@ -145,6 +145,71 @@ pub static KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "peer_listen",
+        env: "COMMD_PEER_LISTEN",
+        default: Some("0.0.0.0:7461"),
+        help: "address of the peer service (gRPC over TCP, multi-node rendezvous), or 'off' for a single-node daemon; port 0 picks a free port. When the default port is busy the daemon warns and serves single-node; an explicitly set address that cannot be bound stops it",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "advertise",
+        env: "COMMD_ADVERTISE",
+        default: Some(""),
+        help: "the IP (or IP:port) other daemons reach this one at; empty: the listen IP, or when that is 0.0.0.0 the IP of the interface holding the default route (Kubernetes passes status.hostIP here)",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "data_port",
+        env: "COMMD_DATA_PORT",
+        default: Some("0"),
+        help: "TCP port of the inter-node data listener on the advertised IP (0: any free port; it is exchanged during rendezvous)",
+        kind: Kind::U64 { min: 0, max: 65535 },
+    },
+    Key {
+        name: "tcp_streams",
+        env: "COMMD_TCP_STREAMS",
+        default: Some("2"),
+        help: "parallel TCP connections per peer node and direction for each multi-node communicator (more streams: more bandwidth on fast NICs)",
+        kind: Kind::U64 { min: 1, max: 16 },
+    },
+    Key {
+        name: "peer_timeout_ms",
+        env: "COMMD_PEER_TIMEOUT_MS",
+        default: Some("5000"),
+        help: "a peer node that sends nothing (not even its 1 s heartbeat) for this long is declared lost: its communicators fail naming it",
+        kind: Kind::U64 {
+            min: 100,
+            max: 3_600_000,
+        },
+    },
+    Key {
+        name: "net_chunk_bytes",
+        env: "COMMD_NET_CHUNK_BYTES",
+        default: Some("1048576"),
+        help: "inter-node pipelining unit: messages are cut into chunks of this size, spread over the streams",
+        kind: Kind::U64 {
+            min: 4096,
+            max: 1 << 28,
+        },
+    },
+    Key {
+        name: "net_small_bytes",
+        env: "COMMD_NET_SMALL_BYTES",
+        default: Some("65536"),
+        help: "reductions of at most this many bytes per rank use the one-shot (low-latency) inter-node algorithm, larger ones the pipelined chain",
+        kind: Kind::U64 {
+            min: 0,
+            max: 1 << 40,
+        },
+    },
+    Key {
+        name: "net_algo",
+        env: "COMMD_NET_ALGO",
+        default: Some("auto"),
+        help: "inter-node reduction algorithm: auto (by net_small_bytes), oneshot or chain (for benchmarking)",
+        kind: Kind::Str,
+    },
+    Key {
         name: "debug",
         env: "COMMD_DEBUG",
         default: Some("WARN"),
@@ -155,7 +220,7 @@ pub static KEYS: &[Key] = &[
         name: "debug_subsys",
         env: "COMMD_DEBUG_SUBSYS",
         default: Some("ALL"),
-        help: "comma-separated subsystems to log: INIT, CTRL, SESSION, COMM, ENGINE, BENCH, CUDA, TELEMETRY, or ALL",
+        help: "comma-separated subsystems to log: INIT, CTRL, SESSION, COMM, ENGINE, NET, BENCH, CUDA, TELEMETRY, or ALL",
         kind: Kind::Str,
     },
     // Observability (telemetry module; docs/observability.md).
@@ -202,6 +267,7 @@ pub const SUBSYSTEMS: &[&str] = &[
     "SESSION",
     "COMM",
     "ENGINE",
+    "NET",
     "BENCH",
     "CUDA",
     "TELEMETRY",
@@ -261,6 +327,17 @@ pub struct Config {
     pub ring_entries: u32,
     pub max_sessions: usize,
     pub max_registered_bytes: u64,
+    /// `None`: no peer service (single-node daemon).
+    pub peer_listen: Option<std::net::SocketAddr>,
+    /// Whether `peer_listen` was set explicitly (a bind failure is then fatal).
+    pub peer_listen_explicit: bool,
+    pub advertise: String,
+    pub data_port: u16,
+    pub tcp_streams: usize,
+    pub peer_timeout: Duration,
+    pub net_chunk_bytes: u64,
+    pub net_small_bytes: u64,
+    pub net_algo: String,
     pub debug: String,
     pub debug_subsys: Vec<String>,
     pub telemetry: crate::telemetry::Settings,
@@ -343,6 +420,25 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
                 }
                 Ok(())
             }
+            "peer_listen" if value.eq_ignore_ascii_case("off") => Ok(()),
+            "peer_listen" => value
+                .parse::<std::net::SocketAddr>()
+                .map(|_| ())
+                .map_err(|_| bad("expected IP:PORT (e.g. 0.0.0.0:7461) or 'off'".into())),
+            "advertise" if value.is_empty() => Ok(()),
+            "advertise" => {
+                if value.parse::<std::net::IpAddr>().is_ok()
+                    || value.parse::<std::net::SocketAddr>().is_ok()
+                {
+                    Ok(())
+                } else {
+                    Err(bad("expected an IP or IP:PORT".into()))
+                }
+            }
+            "net_algo" => match value {
+                "auto" | "oneshot" | "chain" => Ok(()),
+                _ => Err(bad("expected auto, oneshot or chain".into())),
+            },
             other => crate::telemetry::validate_key(other, value).map_err(bad),
         },
     }
@@ -450,6 +546,19 @@ impl Config {
             ring_entries: u("ring_entries")? as u32,
             max_sessions: u("max_sessions")? as usize,
             max_registered_bytes: u("max_registered_bytes")?,
+            peer_listen: if s("peer_listen").eq_ignore_ascii_case("off") {
+                None
+            } else {
+                s("peer_listen").parse().ok()
+            },
+            peer_listen_explicit: eff["peer_listen"].1 != Source::Default,
+            advertise: s("advertise"),
+            data_port: u("data_port")? as u16,
+            tcp_streams: u("tcp_streams")? as usize,
+            peer_timeout: ms("peer_timeout_ms")?,
+            net_chunk_bytes: u("net_chunk_bytes")?,
+            net_small_bytes: u("net_small_bytes")?,
+            net_algo: s("net_algo"),
             debug: s("debug").to_ascii_uppercase(),
             debug_subsys: s("debug_subsys")
                 .split(',')

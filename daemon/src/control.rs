@@ -125,7 +125,7 @@ impl Local for LocalService {
         let t0 = Instant::now();
         let rx = self
             .daemon
-            .join(s, &r.unique_id, r.rank, r.nranks, op_timeout)?;
+            .join(s, &r.unique_id, r.rank, r.nranks, op_timeout, wait)?;
         match tokio::time::timeout(wait, rx).await {
             Ok(Ok(Ok((comm, comm_id, doorbell_slot)))) => {
                 Ok(Response::new(pb::CreateCommunicatorReply {

@@ -14,8 +14,11 @@ use commd_proto::uid::UniqueId;
 use thiserror::Error;
 use tokio::sync::oneshot;
 
+use commd_proto::pb;
+
 use crate::comm::{Comm, Member};
 use crate::config::Config;
+use crate::net::NetCtx;
 use crate::session::{MAX_STAGED, Session};
 use crate::shm::MemRegion;
 
@@ -47,10 +50,56 @@ struct Joiner {
     tx: oneshot::Sender<JoinResult>,
 }
 
+/// A rank of a communicator rooted here: local, or joined by another node's daemon.
+enum Slot {
+    Local(Joiner),
+    Remote {
+        node: String,
+        data_addr: String,
+        pid: i32,
+        tx: oneshot::Sender<Result<pb::PeerJoinReply, DaemonError>>,
+    },
+}
+
+impl Slot {
+    fn session_id(&self) -> Option<u64> {
+        match self {
+            Slot::Local(j) => Some(j.session.id),
+            Slot::Remote { .. } => None,
+        }
+    }
+
+    fn pid(&self) -> i32 {
+        match self {
+            Slot::Local(j) => j.session.pid,
+            Slot::Remote { pid, .. } => *pid,
+        }
+    }
+
+    fn fail(self, e: DaemonError) {
+        match self {
+            Slot::Local(j) => {
+                let _ = j.tx.send(Err(e));
+            }
+            Slot::Remote { tx, .. } => {
+                let _ = tx.send(Err(e));
+            }
+        }
+    }
+}
+
 struct PendingJoin {
     nranks: u32,
     op_timeout: Duration,
-    members: Vec<Option<Joiner>>,
+    members: Vec<Option<Slot>>,
+}
+
+/// This node's ranks of a communicator rooted at another node, waiting for the root's answer.
+struct RemoteJoin {
+    nranks: u32,
+    op_timeout: Duration,
+    root: String,
+    local: HashMap<u32, Joiner>,
 }
 
 /// Counters for `Status`.
@@ -70,6 +119,9 @@ pub struct Daemon {
     comms: Mutex<HashMap<u64, Arc<Comm>>>,
     issued: Mutex<HashMap<[u8; 16], Instant>>,
     joins: Mutex<HashMap<[u8; 16], PendingJoin>>,
+    remote_joins: Mutex<HashMap<[u8; 16], RemoteJoin>>,
+    /// Set once the peer service and data listener are up (absent: single-node daemon).
+    net: std::sync::OnceLock<Arc<NetCtx>>,
     next_id: AtomicU64,
     shutting_down: AtomicBool,
     /// Ops completed/failed by sessions that have since closed.
@@ -98,10 +150,26 @@ impl Daemon {
             comms: Mutex::new(HashMap::new()),
             issued: Mutex::new(HashMap::new()),
             joins: Mutex::new(HashMap::new()),
+            remote_joins: Mutex::new(HashMap::new()),
+            net: std::sync::OnceLock::new(),
             next_id: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
             closed_ops: (AtomicU64::new(0), AtomicU64::new(0)),
         })
+    }
+
+    /// Enables multi-node communicators (called once by `serve`).
+    pub fn set_net(&self, n: Arc<NetCtx>) {
+        let _ = self.net.set(n);
+    }
+
+    pub fn net(&self) -> Option<&Arc<NetCtx>> {
+        self.net.get()
+    }
+
+    /// This node's id (its advertised peer address), if it has a peer service.
+    pub fn node_id(&self) -> Option<String> {
+        self.net.get().map(|n| n.node.clone())
     }
 
     fn new_id(&self) -> u64 {
@@ -212,7 +280,12 @@ impl Daemon {
         let mut joins = lock(&self.joins);
         let tokens: Vec<[u8; 16]> = joins
             .iter()
-            .filter(|(_, j)| j.members.iter().flatten().any(|m| m.session.id == id))
+            .filter(|(_, j)| {
+                j.members
+                    .iter()
+                    .flatten()
+                    .any(|m| m.session_id() == Some(id))
+            })
             .map(|(t, _)| *t)
             .collect();
         for t in tokens {
@@ -220,15 +293,19 @@ impl Daemon {
                 let rank = j
                     .members
                     .iter()
-                    .position(|m| m.as_ref().is_some_and(|m| m.session.id == id))
+                    .position(|m| m.as_ref().is_some_and(|m| m.session_id() == Some(id)))
                     .unwrap_or(0);
                 for m in j.members.into_iter().flatten() {
-                    let _ = m.tx.send(Err(DaemonError::Unavailable(format!(
+                    m.fail(DaemonError::Unavailable(format!(
                         "rank {rank} (pid {}) exited while the communicator was forming: {reason}",
                         s.pid
-                    ))));
+                    )));
                 }
             }
+        }
+        drop(joins);
+        for rj in lock(&self.remote_joins).values_mut() {
+            rj.local.retain(|_, j| j.session.id != id);
         }
         self.closed_ops
             .0
@@ -239,7 +316,7 @@ impl Daemon {
     }
 
     pub fn unique_id(&self) -> UniqueId {
-        let u = UniqueId::random();
+        let u = UniqueId::random_with_root(&self.node_id().unwrap_or_default());
         let mut issued = lock(&self.issued);
         // Ids never used within a day are forgotten.
         let now = Instant::now();
@@ -251,12 +328,13 @@ impl Daemon {
     /// Registers this rank for the communicator and returns a receiver that resolves once every
     /// rank has joined (or the communicator cannot form).
     pub fn join(
-        &self,
+        self: &Arc<Self>,
         session: Arc<Session>,
         uid_bytes: &[u8],
         rank: u32,
         nranks: u32,
         op_timeout: Option<Duration>,
+        wait: Duration,
     ) -> Result<oneshot::Receiver<JoinResult>, DaemonError> {
         if self.is_shutting_down() {
             return Err(DaemonError::Unavailable("daemon is shutting down".into()));
@@ -274,11 +352,14 @@ impl Daemon {
                 "rank {rank} is out of range for nranks {nranks}"
             )));
         }
+        if !uid.root.is_empty() && Some(&uid.root) != self.node_id().as_ref() {
+            return self.join_via_root(session, uid, rank, nranks, op_timeout, wait);
+        }
         let mut joins = lock(&self.joins);
         if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(uid.token) {
             if lock(&self.issued).remove(&uid.token).is_none() {
                 return Err(DaemonError::NotFound(format!(
-                    "unique id {} was not issued by this daemon, or its communicator already formed (ids are single-use; multi-node rendezvous is not available in this build)",
+                    "unique id {} was not issued by this daemon, or its communicator already formed (ids are single-use)",
                     uid.short()
                 )));
             }
@@ -305,11 +386,11 @@ impl Daemon {
             return Err(DaemonError::AlreadyExists(format!(
                 "rank {rank} of communicator {} already joined (pid {})",
                 uid.short(),
-                m.session.pid
+                m.pid()
             )));
         }
         let (tx, rx) = oneshot::channel();
-        j.members[rank as usize] = Some(Joiner { session, tx });
+        j.members[rank as usize] = Some(Slot::Local(Joiner { session, tx }));
         if j.members.iter().all(Option::is_some)
             && let Some(j) = joins.remove(&uid.token)
         {
@@ -319,33 +400,174 @@ impl Daemon {
         Ok(rx)
     }
 
+    /// Every rank of a communicator rooted here has joined: answer the other nodes with the
+    /// membership and form this node's part.
     fn form(&self, uid: UniqueId, j: PendingJoin) {
+        let me = self.node_id().unwrap_or_else(|| "local".into());
+        let my_data = self
+            .net
+            .get()
+            .map(|n| n.data.addr.to_string())
+            .unwrap_or_default();
+        let mut reply = pb::PeerJoinReply::default();
+        for m in j.members.iter().flatten() {
+            let (node, data) = match m {
+                Slot::Local(_) => (me.clone(), my_data.clone()),
+                Slot::Remote {
+                    node, data_addr, ..
+                } => (node.clone(), data_addr.clone()),
+            };
+            let idx = match reply.nodes.iter().position(|n| n.node == node) {
+                Some(i) => i,
+                None => {
+                    reply.nodes.push(pb::PeerNode {
+                        node,
+                        data_addr: data,
+                    });
+                    reply.nodes.len() - 1
+                }
+            };
+            reply.rank_node.push(idx as u32);
+            reply.rank_pid.push(m.pid());
+        }
+        let mut local = HashMap::new();
+        for (rank, m) in j.members.into_iter().flatten().enumerate() {
+            match m {
+                Slot::Local(joiner) => {
+                    local.insert(rank as u32, joiner);
+                }
+                Slot::Remote { tx, .. } => {
+                    let _ = tx.send(Ok(reply.clone()));
+                }
+            }
+        }
+        if !local.is_empty() {
+            self.form_local(&uid, &reply, &me, j.op_timeout, local);
+        }
+    }
+
+    /// The root answered: form this node's part of a communicator rooted elsewhere.
+    fn form_remote(&self, uid: &UniqueId, reply: pb::PeerJoinReply) {
+        let Some(rj) = lock(&self.remote_joins).remove(&uid.token) else {
+            return;
+        };
+        let me = self.node_id().unwrap_or_default();
+        self.form_local(uid, &reply, &me, rj.op_timeout, rj.local);
+    }
+
+    fn form_local(
+        &self,
+        uid: &UniqueId,
+        reply: &pb::PeerJoinReply,
+        me: &str,
+        op_timeout: Duration,
+        mut local: HashMap<u32, Joiner>,
+    ) {
+        let n = reply.rank_node.len();
+        let my_node = reply.nodes.iter().position(|x| x.node == me);
+        let bad = |why: String, local: HashMap<u32, Joiner>| {
+            tracing::warn!(target: "commd::comm", "communicator {}: {why}", uid.short());
+            for (_, j) in local {
+                let _ = j.tx.send(Err(DaemonError::Internal(format!(
+                    "communicator {}: {why}",
+                    uid.short()
+                ))));
+            }
+        };
+        let Some(my_node) = my_node else {
+            return bad(
+                "the root's membership does not include this node".into(),
+                local,
+            );
+        };
+        let mine: Vec<u32> = (0..n as u32)
+            .filter(|&r| reply.rank_node[r as usize] as usize == my_node)
+            .collect();
+        if mine.len() != local.len() || mine.iter().any(|r| !local.contains_key(r)) {
+            return bad(
+                format!(
+                    "ranks {:?} are on this node, but {:?} joined here",
+                    mine,
+                    local.keys().collect::<Vec<_>>()
+                ),
+                local,
+            );
+        }
         let id = self.new_id();
-        let members: Vec<Member> = j
-            .members
-            .iter()
-            .flatten()
-            .map(|m| Member {
-                session_id: m.session.id,
-                pid: m.session.pid,
+        let members: Vec<Member> = (0..n as u32)
+            .map(|r| match local.get(&r) {
+                Some(j) => Member {
+                    session_id: j.session.id,
+                    pid: j.session.pid,
+                    local: true,
+                },
+                None => Member {
+                    session_id: 0,
+                    pid: reply.rank_pid.get(r as usize).copied().unwrap_or(0),
+                    local: false,
+                },
             })
             .collect();
         let comm = Arc::new(Comm::new(
             id,
             uid.short(),
             members,
-            j.op_timeout,
+            op_timeout,
             self.cfg.workers,
         ));
+        if reply.nodes.len() > 1 {
+            let Some(ctx) = self.net.get() else {
+                return bad(
+                    "spans nodes but this daemon has no peer service".into(),
+                    local,
+                );
+            };
+            let topo = crate::net::algo::Topo::new(
+                my_node,
+                reply.nodes.iter().map(|x| x.node.clone()).collect(),
+                reply.rank_node.iter().map(|&x| x as usize).collect(),
+            );
+            let weak = Arc::downgrade(&comm);
+            let setup = crate::net::Setup {
+                token: uid.token,
+                topo,
+                data_addrs: reply.nodes.iter().map(|x| x.data_addr.clone()).collect(),
+                label: comm.label(),
+                comm_id: id,
+                op_timeout,
+                on_fail: Box::new(move |st, msg| {
+                    if let Some(c) = weak.upgrade() {
+                        c.abort_rank(None, st, msg);
+                    }
+                }),
+            };
+            match crate::net::start(ctx, setup) {
+                Ok(h) => {
+                    let _ = comm.net.set(h);
+                }
+                Err(e) => {
+                    return bad(format!("cannot start its network thread: {e}"), local);
+                }
+            }
+        }
         lock(&self.comms).insert(id, comm.clone());
-        tracing::info!(target: "commd::comm", "{} formed", comm.label());
+        tracing::info!(
+            target: "commd::comm",
+            "{} formed: {} node(s), local {}",
+            comm.label(),
+            reply.nodes.len().max(1),
+            crate::net::algo::ranks_text(&mine)
+        );
         crate::telemetry::comm_formed(&comm, &uid.token);
-        for (rank, m) in j.members.into_iter().flatten().enumerate() {
+        for rank in mine {
+            let Some(m) = local.remove(&rank) else {
+                continue;
+            };
             let (handle, slot) = {
                 let mut t = m.session.tables();
                 t.next_comm += 1;
                 let h = t.next_comm;
-                t.comms.insert(h, (comm.clone(), rank as u32));
+                t.comms.insert(h, (comm.clone(), rank));
                 let used: std::collections::HashSet<u32> =
                     t.doorbell_slots.values().copied().collect();
                 let slot = (0..commd_proto::desc::doorbell::SLOTS)
@@ -361,7 +583,7 @@ impl Daemon {
             };
             if m.session.is_closed() {
                 comm.abort_rank(
-                    Some(rank as u32),
+                    Some(rank),
                     status::PEER_LOST,
                     format!("{}: rank {rank} exited while joining", comm.label()),
                 );
@@ -370,16 +592,183 @@ impl Daemon {
         }
     }
 
+    /// A local rank joins a communicator rooted at another node: ask its daemon.
+    fn join_via_root(
+        self: &Arc<Self>,
+        session: Arc<Session>,
+        uid: UniqueId,
+        rank: u32,
+        nranks: u32,
+        op_timeout: Option<Duration>,
+        wait: Duration,
+    ) -> Result<oneshot::Receiver<JoinResult>, DaemonError> {
+        let Some(net) = self.net.get().cloned() else {
+            return Err(DaemonError::Unavailable(format!(
+                "communicator {} is rooted at {} (another node), but this daemon has no peer service (peer_listen=off); enable it to join multi-node communicators",
+                uid.short(),
+                uid.root
+            )));
+        };
+        let op_timeout = op_timeout.unwrap_or(self.cfg.op_timeout);
+        let (tx, rx) = oneshot::channel();
+        let pid = session.pid;
+        {
+            let mut rj = lock(&self.remote_joins);
+            let e = rj.entry(uid.token).or_insert_with(|| RemoteJoin {
+                nranks,
+                op_timeout,
+                root: uid.root.clone(),
+                local: HashMap::new(),
+            });
+            if e.nranks != nranks {
+                return Err(DaemonError::InvalidArgument(format!(
+                    "rank {rank} joins communicator {} with nranks={nranks}, but another rank on this node joined with nranks={}",
+                    uid.short(),
+                    e.nranks
+                )));
+            }
+            if e.local.contains_key(&rank) {
+                return Err(DaemonError::AlreadyExists(format!(
+                    "rank {rank} of communicator {} already joined on this node",
+                    uid.short()
+                )));
+            }
+            e.local.insert(rank, Joiner { session, tx });
+        }
+        let req = pb::PeerJoinRequest {
+            token: uid.token.to_vec(),
+            nranks,
+            rank,
+            node: net.node.clone(),
+            data_addr: net.data.addr.to_string(),
+            pid,
+            // The root answers a little before the caller gives up, so its message (naming the
+            // missing ranks) is the one the caller sees.
+            timeout_ms: wait
+                .saturating_sub(Duration::from_millis(300))
+                .as_millis()
+                .max(1) as u64,
+            op_timeout_ms: op_timeout.as_millis() as u64,
+        };
+        let d = self.clone();
+        tokio::spawn(async move {
+            match crate::peer::join(&uid.root, req, wait).await {
+                Ok(reply) => d.form_remote(&uid, reply),
+                Err(e) => {
+                    let j = lock(&d.remote_joins)
+                        .get_mut(&uid.token)
+                        .and_then(|rj| rj.local.remove(&rank));
+                    if let Some(j) = j {
+                        let _ = j.tx.send(Err(e));
+                    }
+                }
+            }
+        });
+        Ok(rx)
+    }
+
+    /// The root side of a peer's Join: validates the token and records the rank.
+    pub fn peer_join(
+        &self,
+        r: &pb::PeerJoinRequest,
+    ) -> Result<oneshot::Receiver<Result<pb::PeerJoinReply, DaemonError>>, DaemonError> {
+        if self.is_shutting_down() {
+            return Err(DaemonError::Unavailable("daemon is shutting down".into()));
+        }
+        let token: [u8; 16] = r.token.as_slice().try_into().map_err(|_| {
+            tracing::warn!(target: "commd::net", "rejected a join from node {}: malformed token", r.node);
+            DaemonError::PermissionDenied("malformed communicator token".into())
+        })?;
+        let short: String = token[..4].iter().map(|b| format!("{b:02x}")).collect();
+        let (rank, nranks) = (r.rank, r.nranks);
+        if nranks == 0 || nranks > commd_proto::desc::MAX_RANKS || rank >= nranks {
+            return Err(DaemonError::InvalidArgument(format!(
+                "rank {rank} / nranks {nranks} out of range"
+            )));
+        }
+        let mut joins = lock(&self.joins);
+        if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(token) {
+            if lock(&self.issued).remove(&token).is_none() {
+                tracing::warn!(target: "commd::net", "rejected a join of rank {rank} from node {} (pid {}): unknown or stale token {short}..", r.node, r.pid);
+                return Err(DaemonError::PermissionDenied(format!(
+                    "communicator token {short}.. is not known to the root daemon: a wrong or stale unique id (ids are single-use; was the communicator already formed, or the root daemon restarted?)"
+                )));
+            }
+            e.insert(PendingJoin {
+                nranks,
+                op_timeout: Duration::from_millis(r.op_timeout_ms.max(1)),
+                members: (0..nranks).map(|_| None).collect(),
+            });
+        }
+        let Some(j) = joins.get_mut(&token) else {
+            return Err(DaemonError::Internal("pending join vanished".into()));
+        };
+        if j.nranks != nranks {
+            let first = j.members.iter().position(Option::is_some).unwrap_or(0);
+            return Err(DaemonError::InvalidArgument(format!(
+                "rank {rank} (node {}) joins communicator {short} with nranks={nranks}, but rank {first} joined with nranks={}",
+                r.node, j.nranks
+            )));
+        }
+        if let Some(m) = &j.members[rank as usize] {
+            return Err(DaemonError::AlreadyExists(format!(
+                "rank {rank} of communicator {short} already joined (pid {})",
+                m.pid()
+            )));
+        }
+        let (tx, rx) = oneshot::channel();
+        j.members[rank as usize] = Some(Slot::Remote {
+            node: r.node.clone(),
+            data_addr: r.data_addr.clone(),
+            pid: r.pid,
+            tx,
+        });
+        if j.members.iter().all(Option::is_some)
+            && let Some(j) = joins.remove(&token)
+        {
+            drop(joins);
+            self.form(
+                UniqueId {
+                    token,
+                    root: String::new(),
+                },
+                j,
+            );
+        }
+        Ok(rx)
+    }
+
+    /// A remote rank's join timed out at the root: withdraw it and name the missing ranks.
+    pub fn peer_join_timed_out(&self, token: &[u8], rank: u32, waited: Duration) -> String {
+        let Ok(token) = <[u8; 16]>::try_from(token) else {
+            return "malformed token".into();
+        };
+        self.withdraw(&token, rank, waited)
+    }
+
     /// Withdraws a rank that gave up waiting; returns the message naming the missing ranks.
     pub fn join_timed_out(&self, uid_bytes: &[u8], rank: u32, waited: Duration) -> String {
         let Ok(uid) = UniqueId::decode(uid_bytes) else {
             return "invalid unique id".into();
         };
-        let mut joins = lock(&self.joins);
-        let Some(j) = joins.get_mut(&uid.token) else {
+        if let Some(rj) = lock(&self.remote_joins).get_mut(&uid.token) {
+            rj.local.remove(&rank);
             return format!(
-                "communicator {} did not form within {:.1} s",
+                "communicator {} (rooted at {}) did not form within {:.1} s; the root daemon did not answer in time",
                 uid.short(),
+                rj.root,
+                waited.as_secs_f64()
+            );
+        }
+        self.withdraw(&uid.token, rank, waited)
+    }
+
+    fn withdraw(&self, token: &[u8; 16], rank: u32, waited: Duration) -> String {
+        let short: String = token[..4].iter().map(|b| format!("{b:02x}")).collect();
+        let mut joins = lock(&self.joins);
+        let Some(j) = joins.get_mut(token) else {
+            return format!(
+                "communicator {short} did not form within {:.1} s",
                 waited.as_secs_f64()
             );
         };
@@ -397,15 +786,17 @@ impl Daemon {
             .filter(|(_, m)| m.is_none())
             .map(|(r, _)| r.to_string())
             .collect();
-        j.members[rank as usize] = None;
+        if let Some(m) = j.members.get_mut(rank as usize) {
+            *m = None;
+        }
         if j.members.iter().all(Option::is_none) {
-            joins.remove(&uid.token);
+            joins.remove(token);
         }
         format!(
             "timed out after {:.1} s waiting for rank(s) [{}] to join communicator {} ({} ranks); joined: [{}]",
             waited.as_secs_f64(),
             missing.join(","),
-            uid.short(),
+            short,
             j_nranks(&missing, &joined),
             joined.join(",")
         )
@@ -424,7 +815,7 @@ impl Daemon {
             comm.label(),
             s.pid
         );
-        if comm.abort_rank(Some(rank), status::PEER_LOST, msg) {
+        if comm.leave(rank, msg) {
             lock(&self.comms).remove(&comm.id);
         }
         Ok(())
@@ -622,7 +1013,12 @@ impl Daemon {
         }
         for (_, j) in lock(&self.joins).drain() {
             for m in j.members.into_iter().flatten() {
-                let _ = m.tx.send(Err(DaemonError::Unavailable(msg.clone())));
+                m.fail(DaemonError::Unavailable(msg.clone()));
+            }
+        }
+        for (_, rj) in lock(&self.remote_joins).drain() {
+            for (_, j) in rj.local {
+                let _ = j.tx.send(Err(DaemonError::Unavailable(msg.clone())));
             }
         }
         for s in self.sessions() {

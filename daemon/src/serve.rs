@@ -201,6 +201,7 @@ pub fn run(
     }
 
     let daemon = Daemon::new(cfg.clone());
+    let peer_listener = start_net(&daemon)?;
     let d = daemon.clone();
     std::thread::Builder::new()
         .name("commd-fd-accept".into())
@@ -239,6 +240,22 @@ pub fn run(
         tracing::info!(target: "commd::init", socket = %daemon.cfg.socket.display(), workers = daemon.cfg.workers, "commd {} serving", commd_proto::VERSION);
         if let Some(r) = ready {
             let _ = r.send(daemon.clone());
+        }
+        if let Some(l) = peer_listener {
+            let l = tokio::net::TcpListener::from_std(l).map_err(|e| ServeError::Runtime(e.to_string()))?;
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+            let svc = commd_proto::pb::peer_server::PeerServer::new(crate::peer::PeerService { daemon: daemon.clone() });
+            let d = daemon.clone();
+            tokio::spawn(async move {
+                let r = tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(incoming, async move {
+                    while !d.is_shutting_down() {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }).await;
+                if let Err(e) = r {
+                    tracing::error!(target: "commd::net", "peer service failed: {e}");
+                }
+            });
         }
         let server = tonic::transport::Server::builder().add_service(svc).add_service(admin).serve_with_incoming_shutdown(incoming, async {
             let _ = sig_rx.await;
@@ -281,6 +298,52 @@ pub fn run(
     crate::telemetry::shutdown();
     drop(lock);
     result
+}
+
+/// Binds the peer service and the data listener (unless `peer_listen=off`) and gives the daemon
+/// its network context. A busy default port leaves a single-node daemon (with a warning); an
+/// explicitly configured address that cannot be bound is an error.
+fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, ServeError> {
+    let cfg = &daemon.cfg;
+    let Some(listen) = cfg.peer_listen else {
+        tracing::info!(target: "commd::init", "peer service off (peer_listen=off): single-node communicators only");
+        return Ok(None);
+    };
+    let setup = |err: std::io::Error| ServeError::Setup {
+        path: PathBuf::from(format!("tcp://{listen}")),
+        err,
+    };
+    let l = match std::net::TcpListener::bind(listen) {
+        Ok(l) => l,
+        Err(e) if !cfg.peer_listen_explicit => {
+            tracing::warn!(target: "commd::init", "peer service not started: cannot bind the default {listen} ({e}); this daemon serves single-node communicators only (set peer_listen to use another address)");
+            return Ok(None);
+        }
+        Err(e) => return Err(setup(e)),
+    };
+    l.set_nonblocking(true).map_err(setup)?;
+    let bound = l.local_addr().map_err(setup)?;
+    let (ip, port) = crate::peer::advertise_ip(&cfg.advertise, bound.ip());
+    let node = std::net::SocketAddr::new(ip, port.unwrap_or(bound.port())).to_string();
+    let data = crate::net::conn::DataPlane::start(bound.ip(), cfg.data_port, ip).map_err(setup)?;
+    let algo = match cfg.net_algo.as_str() {
+        "oneshot" => crate::net::algo::Algo::OneShot,
+        "chain" => crate::net::algo::Algo::Chain,
+        _ => crate::net::algo::Algo::Auto,
+    };
+    tracing::info!(target: "commd::init", "peer service on {bound}, node id {node}, data listener {} ({} TCP stream(s) per peer)", data.addr, cfg.tcp_streams);
+    daemon.set_net(Arc::new(crate::net::NetCtx {
+        node,
+        data,
+        streams: cfg.tcp_streams,
+        peer_timeout: cfg.peer_timeout,
+        tuning: crate::net::algo::Tuning {
+            chunk: cfg.net_chunk_bytes,
+            small: cfg.net_small_bytes,
+            algo,
+        },
+    }));
+    Ok(Some(l))
 }
 
 async fn wait_for_stop(stop: Option<oneshot::Receiver<&'static str>>) -> &'static str {

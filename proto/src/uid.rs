@@ -1,19 +1,25 @@
 //! Communicator unique ids: 128 opaque bytes (like `ncclUniqueId`), handed by rank 0's daemon to
 //! the framework, which passes them to every rank.
 //!
-//! Layout: magic `b"cmUI"`, format version (u32 LE), 16-byte random token, then reserved zeros
-//! (later versions carry the root daemon's address for multi-node rendezvous).
+//! Layout: magic `b"cmUI"`, format version (u32 LE), 16-byte random token, then (format 2) the
+//! root daemon's advertised peer address as a u16 LE length and UTF-8 `host:port`, zero padded.
+//! An empty address means the issuing daemon has no peer service: the id is single-node only.
+//! Format 1 ids (no address) still decode.
 
 use rand::RngCore;
 use thiserror::Error;
 
 pub const UNIQUE_ID_BYTES: usize = 128;
 const MAGIC: [u8; 4] = *b"cmUI";
-const FORMAT: u32 = 1;
+const FORMAT: u32 = 2;
+/// Longest root address an id can carry.
+pub const MAX_ROOT_ADDR: usize = UNIQUE_ID_BYTES - 26;
 
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct UniqueId {
     pub token: [u8; 16],
+    /// The root daemon's peer address (`host:port`); empty for single-node ids.
+    pub root: String,
 }
 
 impl std::fmt::Debug for UniqueId {
@@ -33,15 +39,28 @@ pub enum UniqueIdError {
     Length(usize),
     #[error("not a commd unique id (bad magic)")]
     Magic,
-    #[error("unique id format {0} is not supported (this build supports {FORMAT})")]
+    #[error("unique id format {0} is not supported (this build supports 1..={FORMAT})")]
     Format(u32),
+    #[error("unique id carries a malformed root address")]
+    Root,
 }
 
 impl UniqueId {
-    pub fn random() -> Self {
+    /// A fresh id whose root is `root` (the issuing daemon's advertised peer address, or "").
+    /// An address longer than [`MAX_ROOT_ADDR`] is dropped (the id is then single-node).
+    pub fn random_with_root(root: &str) -> Self {
         let mut token = [0u8; 16];
         rand::rng().fill_bytes(&mut token);
-        Self { token }
+        let root = if root.len() <= MAX_ROOT_ADDR {
+            root.to_string()
+        } else {
+            String::new()
+        };
+        Self { token, root }
+    }
+
+    pub fn random() -> Self {
+        Self::random_with_root("")
     }
 
     pub fn encode(&self) -> Vec<u8> {
@@ -49,6 +68,9 @@ impl UniqueId {
         b[0..4].copy_from_slice(&MAGIC);
         b[4..8].copy_from_slice(&FORMAT.to_le_bytes());
         b[8..24].copy_from_slice(&self.token);
+        let a = self.root.as_bytes();
+        b[24..26].copy_from_slice(&(a.len() as u16).to_le_bytes());
+        b[26..26 + a.len()].copy_from_slice(a);
         b
     }
 
@@ -60,12 +82,21 @@ impl UniqueId {
             return Err(UniqueIdError::Magic);
         }
         let f = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-        if f != FORMAT {
+        if f == 0 || f > FORMAT {
             return Err(UniqueIdError::Format(f));
         }
         let mut token = [0u8; 16];
         token.copy_from_slice(&b[8..24]);
-        Ok(Self { token })
+        let root = if f >= 2 {
+            let n = u16::from_le_bytes([b[24], b[25]]) as usize;
+            if n > MAX_ROOT_ADDR {
+                return Err(UniqueIdError::Root);
+            }
+            String::from_utf8(b[26..26 + n].to_vec()).map_err(|_| UniqueIdError::Root)?
+        } else {
+            String::new()
+        };
+        Ok(Self { token, root })
     }
 
     /// Short printable id for logs and errors (first 8 hex digits of the token).
@@ -81,8 +112,20 @@ mod tests {
     #[test]
     fn round_trip_and_rejects() {
         let u = UniqueId::random();
-        assert_eq!(UniqueId::decode(&u.encode()), Ok(u));
+        assert_eq!(UniqueId::decode(&u.encode()), Ok(u.clone()));
         assert_ne!(UniqueId::random(), u);
+        let r = UniqueId::random_with_root("10.1.2.3:7461");
+        assert_eq!(
+            UniqueId::decode(&r.encode()).map(|x| x.root),
+            Ok("10.1.2.3:7461".into())
+        );
+        let mut bad = r.encode();
+        bad[24] = 200;
+        assert_eq!(UniqueId::decode(&bad), Err(UniqueIdError::Root));
+        // A format-1 id (no address) still decodes, single-node.
+        let mut v1 = u.encode();
+        v1[4] = 1;
+        assert_eq!(UniqueId::decode(&v1).map(|x| x.root), Ok(String::new()));
         assert_eq!(UniqueId::decode(&[0; 5]), Err(UniqueIdError::Length(5)));
         assert_eq!(UniqueId::decode(&[0; 128]), Err(UniqueIdError::Magic));
         let mut b = u.encode();

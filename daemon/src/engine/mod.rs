@@ -56,7 +56,7 @@ impl Span {
         self.bytes
     }
 
-    fn ptr(&self) -> *mut u8 {
+    pub(crate) fn ptr(&self) -> *mut u8 {
         // SAFETY: off + bytes <= region.len() (checked at construction), so the pointer stays in
         // (or one past) the mapping.
         unsafe { self.region.base().add(self.off as usize) }

@@ -222,6 +222,7 @@ unsafe fn reduce_t<T: Elem, F: Fn(T::A, T::A) -> T::A + Copy>(
     outputs: &[*mut u8],
     n: usize,
     stream: bool,
+    ch: Chain,
 ) {
     let mut buf = [T::A::default(); CHUNK];
     let mut out_buf = [T::default(); CHUNK];
@@ -229,16 +230,35 @@ unsafe fn reduce_t<T: Elem, F: Fn(T::A, T::A) -> T::A + Copy>(
     while i < n {
         let m = CHUNK.min(n - i);
         let acc = &mut buf[..m];
-        let first = inputs[0].cast::<T>();
-        for (j, a) in acc.iter_mut().enumerate() {
-            // SAFETY: i + j < n, within the caller's guarantee for inputs[0].
-            *a = unsafe { first.add(i + j).read() }.load();
-        }
-        for inp in &inputs[1..] {
+        let rest = if ch.acc_in.is_null() {
+            let first = inputs[0].cast::<T>();
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: i + j < n, within the caller's guarantee for inputs[0].
+                *a = unsafe { first.add(i + j).read() }.load();
+            }
+            &inputs[1..]
+        } else {
+            let src = ch.acc_in.cast::<T::A>();
+            for (j, a) in acc.iter_mut().enumerate() {
+                // SAFETY: the caller guarantees acc_in holds n accumulators (Chain).
+                *a = unsafe { src.add(i + j).read_unaligned() };
+            }
+            inputs
+        };
+        for inp in rest {
             // SAFETY: i + m <= n, within the caller's guarantee for this input.
             let p = unsafe { inp.cast::<T>().add(i) };
             // SAFETY: p is valid for m reads (above).
             unsafe { fold::<T>(acc, p, combine) };
+        }
+        if !ch.acc_out.is_null() {
+            let dst = ch.acc_out.cast::<T::A>();
+            for (j, a) in acc.iter().enumerate() {
+                // SAFETY: the caller guarantees acc_out has room for n accumulators (Chain).
+                unsafe { dst.add(i + j).write_unaligned(*a) };
+            }
+            i += m;
+            continue;
         }
         if let Some(nranks) = avg_over {
             for a in acc.iter_mut() {
@@ -357,15 +377,16 @@ unsafe fn arith_ops<T: Elem>(
     outputs: &[*mut u8],
     n: usize,
     stream: bool,
+    ch: Chain,
 ) {
     // SAFETY: forwarded caller guarantees.
     unsafe {
         match op {
-            RedOp::Sum => reduce_t::<T, _>(Acc::sum, None, inputs, outputs, n, stream),
-            RedOp::Avg => reduce_t::<T, _>(Acc::sum, Some(nranks), inputs, outputs, n, stream),
-            RedOp::Prod => reduce_t::<T, _>(Acc::prod, None, inputs, outputs, n, stream),
-            RedOp::Min => reduce_t::<T, _>(Acc::min, None, inputs, outputs, n, stream),
-            RedOp::Max => reduce_t::<T, _>(Acc::max, None, inputs, outputs, n, stream),
+            RedOp::Sum => reduce_t::<T, _>(Acc::sum, None, inputs, outputs, n, stream, ch),
+            RedOp::Avg => reduce_t::<T, _>(Acc::sum, Some(nranks), inputs, outputs, n, stream, ch),
+            RedOp::Prod => reduce_t::<T, _>(Acc::prod, None, inputs, outputs, n, stream, ch),
+            RedOp::Min => reduce_t::<T, _>(Acc::min, None, inputs, outputs, n, stream, ch),
+            RedOp::Max => reduce_t::<T, _>(Acc::max, None, inputs, outputs, n, stream, ch),
             // Impossible: `Kernel::new` refuses bitwise ops for float dtypes, and `int_ops`
             // handles them itself for integer dtypes before delegating here.
             RedOp::Band | RedOp::Bor | RedOp::Bxor => {
@@ -386,19 +407,20 @@ unsafe fn int_ops<T: Elem<A = T> + BitAcc>(
     outputs: &[*mut u8],
     n: usize,
     stream: bool,
+    ch: Chain,
 ) where
     Wide<T>: Elem<A = i128>,
 {
     // SAFETY: forwarded caller guarantees.
     unsafe {
         match op {
-            RedOp::Band => reduce_t::<T, _>(BitAcc::band, None, inputs, outputs, n, stream),
-            RedOp::Bor => reduce_t::<T, _>(BitAcc::bor, None, inputs, outputs, n, stream),
-            RedOp::Bxor => reduce_t::<T, _>(BitAcc::bxor, None, inputs, outputs, n, stream),
+            RedOp::Band => reduce_t::<T, _>(BitAcc::band, None, inputs, outputs, n, stream, ch),
+            RedOp::Bor => reduce_t::<T, _>(BitAcc::bor, None, inputs, outputs, n, stream, ch),
+            RedOp::Bxor => reduce_t::<T, _>(BitAcc::bxor, None, inputs, outputs, n, stream, ch),
             RedOp::Avg => {
-                reduce_t::<Wide<T>, _>(Acc::sum, Some(nranks), inputs, outputs, n, stream)
+                reduce_t::<Wide<T>, _>(Acc::sum, Some(nranks), inputs, outputs, n, stream, ch)
             }
-            _ => arith_ops::<T>(op, nranks, inputs, outputs, n, stream),
+            _ => arith_ops::<T>(op, nranks, inputs, outputs, n, stream, ch),
         }
     }
 }
@@ -419,19 +441,70 @@ pub unsafe fn reduce(
     n: usize,
     stream: bool,
 ) {
-    debug_assert!(!inputs.is_empty());
+    // SAFETY: forwarded; a plain reduction (no chain accumulators).
+    unsafe { reduce_chain(kernel, nranks, Chain::NONE, inputs, outputs, n, stream) }
+}
+
+/// Accumulator state carried between the nodes of a chained reduction (inter-node: the partial
+/// result of ranks `0..k` travels to the node of rank `k`), so a reduction split across nodes
+/// performs exactly the operations, in exactly the order, of the single-node [`reduce`].
+/// Null pointers mean "none".
+#[derive(Clone, Copy, Debug)]
+pub struct Chain {
+    /// Partial accumulators to continue from (instead of loading the first input).
+    pub acc_in: *const u8,
+    /// Where to write the accumulators (instead of finishing into `outputs`).
+    pub acc_out: *mut u8,
+}
+
+impl Chain {
+    pub const NONE: Chain = Chain {
+        acc_in: std::ptr::null(),
+        acc_out: std::ptr::null_mut(),
+    };
+}
+
+impl Kernel {
+    /// Bytes of one accumulator element: f32 for f16/bf16, i128 for integer averages, else the
+    /// element itself.
+    pub fn acc_size(self) -> usize {
+        match (self.dtype, self.op) {
+            (DType::F16 | DType::BF16, _) => 4,
+            (d, RedOp::Avg) if !d.is_float() => 16,
+            (d, _) => d.size() as usize,
+        }
+    }
+}
+
+/// [`reduce`], optionally continuing from and/or stopping at accumulators ([`Chain`]).
+///
+/// # Safety
+/// As for [`reduce`]; in addition a non-null `acc_in` must be valid for `n * acc_size` reads and
+/// a non-null `acc_out` for `n * acc_size` writes (no alignment needed), not overlapping the
+/// other buffers. `inputs` must not be empty unless `acc_in` is set. With `acc_out`, `outputs`
+/// is ignored.
+pub unsafe fn reduce_chain(
+    kernel: Kernel,
+    nranks: u32,
+    ch: Chain,
+    inputs: &[*const u8],
+    outputs: &[*mut u8],
+    n: usize,
+    stream: bool,
+) {
+    debug_assert!(!inputs.is_empty() || !ch.acc_in.is_null());
     let (op, ins, outs) = (kernel.op, inputs, outputs);
     // SAFETY: forwarded caller guarantees; T matches the dtype; `Kernel::new` admitted the pair.
     unsafe {
         match kernel.dtype {
-            DType::F32 => arith_ops::<f32>(op, nranks, ins, outs, n, stream),
-            DType::F64 => arith_ops::<f64>(op, nranks, ins, outs, n, stream),
-            DType::F16 => arith_ops::<f16>(op, nranks, ins, outs, n, stream),
-            DType::BF16 => arith_ops::<bf16>(op, nranks, ins, outs, n, stream),
-            DType::I8 => int_ops::<i8>(op, nranks, ins, outs, n, stream),
-            DType::U8 => int_ops::<u8>(op, nranks, ins, outs, n, stream),
-            DType::I32 => int_ops::<i32>(op, nranks, ins, outs, n, stream),
-            DType::I64 => int_ops::<i64>(op, nranks, ins, outs, n, stream),
+            DType::F32 => arith_ops::<f32>(op, nranks, ins, outs, n, stream, ch),
+            DType::F64 => arith_ops::<f64>(op, nranks, ins, outs, n, stream, ch),
+            DType::F16 => arith_ops::<f16>(op, nranks, ins, outs, n, stream, ch),
+            DType::BF16 => arith_ops::<bf16>(op, nranks, ins, outs, n, stream, ch),
+            DType::I8 => int_ops::<i8>(op, nranks, ins, outs, n, stream, ch),
+            DType::U8 => int_ops::<u8>(op, nranks, ins, outs, n, stream, ch),
+            DType::I32 => int_ops::<i32>(op, nranks, ins, outs, n, stream, ch),
+            DType::I64 => int_ops::<i64>(op, nranks, ins, outs, n, stream, ch),
         }
     }
     if stream {

@@ -86,9 +86,8 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
         unique_id: c.uid_short.clone(),
         label: c.label(),
         nranks: c.nranks,
-        // One node until communicators span daemons.
-        local_ranks: c.nranks,
-        nodes: 1,
+        local_ranks: c.local.len() as u32,
+        nodes: super::comm_nodes(c) as u32,
         op_timeout_ms: c.op_timeout.as_millis() as u64,
         ranks,
         pending_ops: w.queued as u64,

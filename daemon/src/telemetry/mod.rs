@@ -58,6 +58,8 @@ pub mod transport {
     pub const SHM: &str = "shm";
     /// CUDA copy-engine pushes between GPUs (or within one).
     pub const CUDA: &str = "cuda_ce";
+    /// Between daemons over TCP (multi-node communicators).
+    pub const TCP: &str = "tcp";
 }
 
 /// How traces are sent to the collector.
@@ -193,13 +195,8 @@ pub fn shutdown() {
 
 /// Hook: one rank's op completed (any status), `latency` after it was posted.
 #[inline]
-pub fn op_done(op: &Op, cuda: bool, st: u32, latency: Duration) {
-    let t = if cuda {
-        transport::CUDA
-    } else {
-        transport::SHM
-    };
-    metrics().op_done(op, t, st, latency);
+pub fn op_done(op: &Op, transport: &'static str, st: u32, latency: Duration) {
+    metrics().op_done(op, transport, st, latency);
 }
 
 /// Hook: the span of a matched op (collective: one op per rank; p2p: `[send, recv]`). Disabled
@@ -308,32 +305,65 @@ pub fn comm_joining(token: &[u8; 16], nranks: u32) {
 pub fn comm_formed(comm: &Comm, token: &[u8; 16]) {
     metrics().comm_formed();
     let started = lock(&FORMING).remove(token);
-    let took = started
-        .as_ref()
-        .map(|(_, t)| t.elapsed())
-        .unwrap_or_default();
     let n = comm.nranks;
+    let nodes = comm_nodes(comm);
+    let local = &comm.local;
     if let Some((span, _)) = &started {
         span.record("comm", comm.id);
         span.record("comm_uid", comm.uid_short.as_str());
-        span.record("local_ranks", n);
-        span.record("nodes", 1u32);
+        span.record("local_ranks", local.len());
+        span.record("nodes", nodes);
     }
-    let pids: Vec<String> = comm.members.iter().map(|m| m.pid.to_string()).collect();
+    let took = started
+        .as_ref()
+        .map(|(_, t)| format!(" in {:.1} ms", t.elapsed().as_secs_f64() * 1e3))
+        .unwrap_or_default();
+    let pids: Vec<String> = local
+        .iter()
+        .filter_map(|&r| comm.members.get(r as usize))
+        .map(|m| m.pid.to_string())
+        .collect();
     let label = comm.label();
-    tracing::info!(target: "commd::init", comm = comm.id, nranks = n, nodes = 1, local_ranks = n,
-        "{label}: init done in {:.1} ms: nranks {n}, nodes 1, local ranks {} (pids {}), op timeout {:.1} s",
-        took.as_secs_f64() * 1e3,
-        if n == 1 { "0".to_string() } else { format!("0-{}", n - 1) },
+    let local_text = ranks_text(local);
+    tracing::info!(target: "commd::init", comm = comm.id, nranks = n, nodes, local_ranks = local.len(),
+        "{label}: init done{took}: nranks {n}, nodes {nodes}, local ranks {local_text} (pids {}), op timeout {:.1} s",
         pids.join(","),
         comm.op_timeout.as_secs_f64());
-    if n > 1 {
+    if local.len() > 1 {
         log_path(
             &label,
-            &format!("ranks 0-{} (every pair)", n - 1),
+            &format!("{local_text} (every local pair)"),
             "SHM",
-            "all ranks are on this node: host buffers move through shared memory, copied by the daemon (GPU buffers: see the device lines once each rank binds its GPU)",
+            "the ranks are on this node: host buffers move through shared memory, copied by the daemon (GPU buffers: see the device lines once each rank binds its GPU)",
         );
+    }
+    if nodes > 1 {
+        log_path(
+            &label,
+            &format!("{local_text} <-> ranks on {} other node(s)", nodes - 1),
+            "TCP",
+            "pooled TCP streams between the daemons (no RDMA transport in this build)",
+        );
+    }
+}
+
+/// Nodes a communicator spans (1 unless it has a network thread).
+pub fn comm_nodes(comm: &Comm) -> usize {
+    comm.net
+        .get()
+        .map(|h| h.topo.nodes.len())
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// "0-3", "0,2,5", "0".
+fn ranks_text(rs: &[u32]) -> String {
+    let contiguous = rs.windows(2).all(|w| w[1] == w[0] + 1);
+    match rs {
+        [] => "none".into(),
+        [r] => r.to_string(),
+        [a, .., b] if contiguous => format!("{a}-{b}"),
+        _ => rs.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
     }
 }
 

@@ -1,0 +1,940 @@
+//! Collectives across nodes, hierarchical: each daemon acts for all of its node's ranks (the
+//! intra-node part reads and writes their shared-memory buffers directly), and one daemon per node
+//! talks to the others over the [`Wire`].
+//!
+//! Reductions are *exact*: every element is reduced in rank order with the accumulator type of
+//! the single-node path (f32 for f16/bf16, i128 for integer averages), so results are bitwise
+//! identical to a single-node communicator of the same size. Two algorithms keep that property:
+//! - **one-shot** (small messages, one network round): every node sends its ranks' inputs to the
+//!   nodes that need the result, which reduce all inputs locally in rank order;
+//! - **chain** (large messages, pipelined): the running accumulator of ranks `0..k` travels in
+//!   chunks along the nodes in rank order (each node folds in its ranks), and the last node's
+//!   result is pipelined back along a chain of the nodes. Per node that is about 2x the message
+//!   each way, the same as a ring at large node counts (a ring would reduce in a different order
+//!   per segment, and so would not be exact).
+//!
+//! Data-movement collectives (all-gather, all-to-all, broadcast, reduce-scatter) send each block
+//! once to each node that needs it; broadcast of large messages is a pipelined chain.
+
+use std::time::Instant;
+
+use commd_proto::desc::{DType, OpKind, RedOp};
+
+use super::wire::{CLASS_COLL, NetError, RecvId, SendId, Sig, Wire};
+use crate::engine::RankBufs;
+use crate::engine::reduce::{self, Chain, Kernel};
+
+/// Who is where.
+#[derive(Clone, Debug)]
+pub struct Topo {
+    pub me: usize,
+    /// Node ids (advertised peer addresses), node 0 hosting rank 0.
+    pub nodes: Vec<String>,
+    pub rank_node: Vec<usize>,
+    /// Per node, its ranks ascending.
+    pub node_ranks: Vec<Vec<u32>>,
+}
+
+impl Topo {
+    pub fn new(me: usize, nodes: Vec<String>, rank_node: Vec<usize>) -> Self {
+        let mut node_ranks = vec![Vec::new(); nodes.len()];
+        for (r, &n) in rank_node.iter().enumerate() {
+            if let Some(v) = node_ranks.get_mut(n) {
+                v.push(r as u32);
+            }
+        }
+        Self {
+            me,
+            nodes,
+            rank_node,
+            node_ranks,
+        }
+    }
+
+    pub fn nranks(&self) -> usize {
+        self.rank_node.len()
+    }
+
+    pub fn local(&self) -> &[u32] {
+        &self.node_ranks[self.me]
+    }
+
+    /// "node 1 (10.0.0.2:7461, ranks 2,3)".
+    pub fn label(&self, node: usize) -> String {
+        let Some(id) = self.nodes.get(node) else {
+            return format!("node {node}");
+        };
+        format!("node {node} ({id}, {})", ranks_text(&self.node_ranks[node]))
+    }
+}
+
+pub fn ranks_text(rs: &[u32]) -> String {
+    let v: Vec<String> = rs.iter().map(|r| r.to_string()).collect();
+    if rs.len() == 1 {
+        format!("rank {}", v[0])
+    } else {
+        format!("ranks {}", v.join(","))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algo {
+    Auto,
+    OneShot,
+    Chain,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Tuning {
+    pub chunk: u64,
+    pub small: u64,
+    pub algo: Algo,
+}
+
+/// One matched collective, as seen by this node.
+pub struct Coll {
+    pub kind: OpKind,
+    pub dtype: DType,
+    pub redop: Option<RedOp>,
+    pub count: u64,
+    pub root: u32,
+    pub seq: u64,
+    /// This node's ranks and their buffers, ascending by rank.
+    pub bufs: Vec<(u32, RankBufs)>,
+}
+
+impl Coll {
+    pub fn sig(&self) -> Sig {
+        Sig {
+            op: self.kind.code() as u8,
+            dtype: self.dtype.code(),
+            redop: self.redop.map_or(0xff, |r| r.code()),
+            root: if self.kind.has_root() { self.root } else { 0 },
+            count: self.count,
+        }
+    }
+}
+
+/// Renders a wire signature like the single-node mismatch errors do.
+pub fn sig_text(s: &Sig) -> String {
+    let kind = OpKind::from_code(u16::from(s.op)).map_or("?", |k| k.name());
+    let dt = DType::from_code(s.dtype).map_or("?", |d| d.name());
+    let mut t = format!("{kind}(dtype={dt}, count={}", s.count);
+    if let Some(r) = RedOp::from_code(s.redop) {
+        t.push_str(&format!(", op={}", r.name()));
+    }
+    if OpKind::from_code(u16::from(s.op)).is_some_and(|k| k.has_root()) {
+        t.push_str(&format!(", root={}", s.root));
+    }
+    t.push(')');
+    t
+}
+
+/// Daemon-owned, grow-only, 16-byte aligned scratch for one communicator.
+#[derive(Default)]
+pub struct Scratch {
+    buf: Vec<u128>,
+}
+
+impl Scratch {
+    /// A region of at least `bytes` bytes (contents unspecified), valid until the next call.
+    pub fn get(&mut self, bytes: u64) -> *mut u8 {
+        let words = (bytes as usize).div_ceil(16).max(1);
+        if self.buf.len() < words {
+            self.buf = vec![0u128; words];
+        }
+        self.buf.as_mut_ptr().cast()
+    }
+}
+
+/// Posts, waits and releases; keeps the algorithms short.
+struct Io<'a> {
+    w: &'a mut Wire,
+    t: &'a Topo,
+    sig: Sig,
+    seq: u64,
+    sends: Vec<SendId>,
+    deadline: Instant,
+    what: String,
+}
+
+impl Io<'_> {
+    /// # Safety
+    /// `ptr` valid for `len` reads until [`Io::finish`] returns.
+    unsafe fn send(
+        &mut self,
+        node: usize,
+        msg: u64,
+        ptr: *const u8,
+        len: u64,
+    ) -> Result<(), NetError> {
+        let sig = self.sig;
+        // SAFETY: forwarded.
+        let id = unsafe {
+            self.w
+                .send(node, CLASS_COLL, self.seq, msg, &sig, ptr, len as usize)?
+        };
+        self.sends.push(id);
+        Ok(())
+    }
+
+    /// # Safety
+    /// `ptr` valid for `len` writes until the receive completes or [`Io::finish`] returns.
+    unsafe fn recv(
+        &mut self,
+        node: usize,
+        msg: u64,
+        ptr: *mut u8,
+        len: u64,
+    ) -> Result<RecvId, NetError> {
+        let sig = self.sig;
+        // SAFETY: forwarded.
+        unsafe {
+            self.w.recv(
+                node,
+                CLASS_COLL,
+                self.seq,
+                msg,
+                Some(sig),
+                ptr,
+                len,
+                sig_text,
+            )
+        }
+    }
+
+    fn wait(&mut self, recvs: &[RecvId]) -> Result<(), NetError> {
+        let t = self.t;
+        let what = &self.what;
+        let seq = self.seq;
+        let progress: Vec<Option<u64>> = (0..t.nodes.len())
+            .map(|n| self.w.peer_progress(n))
+            .collect();
+        self.w.wait(&[], recvs, self.deadline, sig_text, &|peers: &[usize]| {
+            let who: Vec<String> = peers
+                .iter()
+                .map(|&p| {
+                    let posted = progress[p].map_or(String::new(), |x| {
+                        if x <= seq {
+                            format!(": its ranks have posted only {x} collectives, so some of them never posted seq {seq}")
+                        } else {
+                            String::new()
+                        }
+                    });
+                    format!("{}{posted}", t.label(p))
+                })
+                .collect();
+            format!("{what} timed out waiting for data from {}", who.join("; "))
+        })?;
+        for r in recvs {
+            self.w.release_recv(r);
+        }
+        Ok(())
+    }
+
+    fn finish(mut self) -> Result<(), NetError> {
+        self.flush()
+    }
+
+    /// Waits until every send so far has left (its source may be overwritten after this).
+    fn flush(&mut self) -> Result<(), NetError> {
+        let sends = std::mem::take(&mut self.sends);
+        let what = self.what.clone();
+        let t = self.t;
+        self.w.wait(&sends, &[], self.deadline, sig_text, &|_| {
+            format!(
+                "{what} timed out sending: the other {} node(s) stopped reading",
+                t.nodes.len() - 1
+            )
+        })?;
+        for s in sends {
+            self.w.release_send(s);
+        }
+        Ok(())
+    }
+}
+
+fn local_err(why: &str) -> NetError {
+    NetError::Local(format!("internal error: {why}"))
+}
+
+/// Runs `c` on this node; returns the algorithm used.
+pub fn run(
+    w: &mut Wire,
+    t: &Topo,
+    c: &Coll,
+    scratch: &mut Scratch,
+    tu: &Tuning,
+    deadline: Instant,
+    what: String,
+) -> Result<&'static str, NetError> {
+    let mut io = Io {
+        w,
+        t,
+        sig: c.sig(),
+        seq: c.seq,
+        sends: Vec::new(),
+        deadline,
+        what,
+    };
+    let es = c.dtype.size();
+    let blk = c.count * es;
+    let small = match tu.algo {
+        Algo::OneShot => true,
+        Algo::Chain => false,
+        Algo::Auto => blk <= tu.small,
+    };
+    let name = match c.kind {
+        OpKind::AllReduce | OpKind::Reduce => {
+            let kernel = c
+                .redop
+                .and_then(|r| Kernel::new(c.dtype, r).ok())
+                .ok_or_else(|| local_err("reduction without a valid op"))?;
+            if small {
+                one_shot_reduce(&mut io, c, kernel, scratch)?;
+                "one-shot"
+            } else {
+                chain_reduce(&mut io, c, kernel, scratch, tu.chunk)?;
+                "chain"
+            }
+        }
+        OpKind::ReduceScatter => {
+            let kernel = c
+                .redop
+                .and_then(|r| Kernel::new(c.dtype, r).ok())
+                .ok_or_else(|| local_err("reduction without a valid op"))?;
+            reduce_scatter(&mut io, c, kernel, scratch)?;
+            "one-shot"
+        }
+        OpKind::AllGather => {
+            all_gather(&mut io, c)?;
+            "direct"
+        }
+        OpKind::AllToAll => {
+            all_to_all(&mut io, c, scratch)?;
+            "direct"
+        }
+        OpKind::Broadcast => {
+            if small || t.nodes.len() <= 2 {
+                broadcast_direct(&mut io, c)?;
+                "direct"
+            } else {
+                broadcast_chain(&mut io, c, tu.chunk)?;
+                "chain"
+            }
+        }
+        OpKind::Barrier => {
+            let mut rs = Vec::new();
+            for n in 0..t.nodes.len() {
+                if n != t.me {
+                    // SAFETY: zero-length transfers touch no memory.
+                    unsafe { io.send(n, 0, std::ptr::NonNull::<u8>::dangling().as_ptr(), 0)? };
+                    // SAFETY: as above.
+                    rs.push(unsafe {
+                        io.recv(n, 0, std::ptr::NonNull::<u8>::dangling().as_ptr(), 0)?
+                    });
+                }
+            }
+            io.wait(&rs)?;
+            "direct"
+        }
+        OpKind::Send | OpKind::Recv => return Err(local_err("p2p op in the collective path")),
+    };
+    io.finish()?;
+    Ok(name)
+}
+
+fn send_ptr(c: &Coll, i: usize) -> Result<*const u8, NetError> {
+    c.bufs[i]
+        .1
+        .send
+        .as_ref()
+        .map(|s| s.ptr().cast_const())
+        .ok_or_else(|| local_err("missing send buffer"))
+}
+
+fn recv_ptr(c: &Coll, i: usize) -> Result<*mut u8, NetError> {
+    c.bufs[i]
+        .1
+        .recv
+        .as_ref()
+        .map(|s| s.ptr())
+        .ok_or_else(|| local_err("missing recv buffer"))
+}
+
+/// Index of global rank `r` among this node's ranks.
+fn local_index(c: &Coll, r: u32) -> Option<usize> {
+    c.bufs.iter().position(|(x, _)| *x == r)
+}
+
+/// # Safety
+/// Both ranges valid; they may overlap (memmove).
+unsafe fn copy(dst: *mut u8, src: *const u8, n: u64) {
+    if n > 0 && dst.cast_const() != src {
+        // SAFETY: forwarded.
+        unsafe { std::ptr::copy(src, dst, n as usize) };
+    }
+}
+
+fn one_shot_reduce(
+    io: &mut Io<'_>,
+    c: &Coll,
+    k: Kernel,
+    scratch: &mut Scratch,
+) -> Result<(), NetError> {
+    let t = io.t;
+    let n = t.nranks();
+    let blk = c.count * c.dtype.size();
+    let root_node = t.rank_node[c.root as usize];
+    let needs = |node: usize| c.kind == OpKind::AllReduce || node == root_node;
+    for node in 0..t.nodes.len() {
+        if node == t.me || !needs(node) {
+            continue;
+        }
+        for (i, (r, _)) in c.bufs.iter().enumerate() {
+            // SAFETY: the send span is valid until the op completes (after finish()).
+            unsafe { io.send(node, u64::from(*r), send_ptr(c, i)?, blk)? };
+        }
+    }
+    if !needs(t.me) {
+        return Ok(());
+    }
+    let base = scratch.get(blk * n as u64);
+    let mut rs = Vec::new();
+    for r in 0..n {
+        let node = t.rank_node[r];
+        if node != t.me {
+            // SAFETY: slot r of the scratch holds blk bytes; the scratch lives across the op.
+            rs.push(unsafe { io.recv(node, r as u64, base.add(r * blk as usize), blk)? });
+        }
+    }
+    io.wait(&rs)?;
+    // In place, the outputs are the buffers being sent.
+    io.flush()?;
+    let mut inputs = Vec::with_capacity(n);
+    for r in 0..n {
+        inputs.push(match local_index(c, r as u32) {
+            Some(i) => send_ptr(c, i)?,
+            // SAFETY: inside the scratch region of n blocks.
+            None => unsafe { base.add(r * blk as usize).cast_const() },
+        });
+    }
+    let mut outputs = Vec::new();
+    for (i, (r, _)) in c.bufs.iter().enumerate() {
+        if c.kind == OpKind::AllReduce || *r == c.root {
+            outputs.push(recv_ptr(c, i)?);
+        }
+    }
+    // SAFETY: every pointer is valid for count elements of the dtype, aligned (registered spans
+    // were validated for alignment; the scratch is 16-byte aligned and blk is a multiple of the
+    // element size); an output may equal an input (in-place) but no partial overlap is possible
+    // between distinct registrations and the scratch.
+    unsafe { reduce::reduce(k, n as u32, &inputs, &outputs, c.count as usize, false) };
+    Ok(())
+}
+
+/// Maximal runs of consecutive ranks on one node: (node, first rank, end rank).
+fn runs(t: &Topo) -> Vec<(usize, usize, usize)> {
+    let mut v: Vec<(usize, usize, usize)> = Vec::new();
+    for (r, &node) in t.rank_node.iter().enumerate() {
+        match v.last_mut() {
+            Some(last) if last.0 == node => last.2 = r + 1,
+            _ => v.push((node, r, r + 1)),
+        }
+    }
+    v
+}
+
+fn chain_reduce(
+    io: &mut Io<'_>,
+    c: &Coll,
+    k: Kernel,
+    scratch: &mut Scratch,
+    chunk: u64,
+) -> Result<(), NetError> {
+    let t = io.t;
+    let n = t.nranks();
+    let es = c.dtype.size();
+    let acc = k.acc_size() as u64;
+    let runs = runs(t);
+    let nruns = runs.len() as u64;
+    let last = runs.len() - 1;
+    let last_node = runs[last].0;
+    let root_node = t.rank_node[c.root as usize];
+    let celems = (chunk / acc).max(1);
+    let nchunks = c.count.div_ceil(celems).max(1);
+    let mine: Vec<usize> = (0..runs.len()).filter(|&j| runs[j].0 == t.me).collect();
+    // Scratch: per run of mine, accumulators in and out; plus the final result when this node
+    // ends the chain of a reduce whose root lives elsewhere.
+    let region = c.count * acc;
+    let final_remote = c.kind == OpKind::Reduce && t.me == last_node && root_node != t.me;
+    let total = region * 2 * mine.len() as u64 + if final_remote { c.count * es } else { 0 };
+    let base = scratch.get(total);
+    // SAFETY (for the pointer arithmetic below): every offset stays inside `total` bytes.
+    let acc_in = |m: usize| unsafe { base.add((2 * m) as usize * region as usize) };
+    let acc_out = |m: usize| unsafe { base.add((2 * m + 1) as usize * region as usize) };
+    let final_buf = unsafe { base.add(region as usize * 2 * mine.len()) };
+    let range = |ci: u64| {
+        let e0 = ci * celems;
+        (e0, (e0 + celems).min(c.count))
+    };
+    // Post every incoming accumulator chunk up front.
+    let mut incoming: Vec<Vec<RecvId>> = vec![Vec::new(); mine.len()];
+    for (m, &j) in mine.iter().enumerate() {
+        if j == 0 {
+            continue;
+        }
+        for ci in 0..nchunks {
+            let (e0, e1) = range(ci);
+            // SAFETY: inside acc_in(m), which holds count accumulators.
+            let id = unsafe {
+                io.recv(
+                    runs[j - 1].0,
+                    ci * nruns + j as u64,
+                    acc_in(m).add((e0 * acc) as usize),
+                    (e1 - e0) * acc,
+                )?
+            };
+            incoming[m].push(id);
+        }
+    }
+    // Final-result receivers (non-last nodes of an all-reduce get it back along a chain;
+    // the root's node of a reduce gets it from the last node).
+    let order: Vec<usize> = (0..t.nodes.len())
+        .map(|i| (last_node + i) % t.nodes.len())
+        .collect();
+    let pos = order.iter().position(|&x| x == t.me).unwrap_or(0);
+    let bcast_tag = |ci: u64| (1u64 << 48) | ci;
+    let first_recv = || recv_ptr(c, 0);
+    let mut finals: Vec<RecvId> = Vec::new();
+    if c.kind == OpKind::AllReduce && t.me != last_node {
+        let dst = first_recv()?;
+        for ci in 0..nchunks {
+            let (e0, e1) = range(ci);
+            // SAFETY: inside rank bufs[0]'s recv span of count elements.
+            finals.push(unsafe {
+                io.recv(
+                    order[pos - 1],
+                    bcast_tag(ci),
+                    dst.add((e0 * es) as usize),
+                    (e1 - e0) * es,
+                )?
+            });
+        }
+    } else if c.kind == OpKind::Reduce && t.me == root_node && t.me != last_node {
+        let i = local_index(c, c.root).ok_or_else(|| local_err("root not local"))?;
+        let dst = recv_ptr(c, i)?;
+        for ci in 0..nchunks {
+            let (e0, e1) = range(ci);
+            // SAFETY: inside the root's recv span.
+            finals.push(unsafe {
+                io.recv(
+                    last_node,
+                    bcast_tag(ci),
+                    dst.add((e0 * es) as usize),
+                    (e1 - e0) * es,
+                )?
+            });
+        }
+    }
+    // The chain itself, chunk by chunk.
+    for ci in 0..nchunks {
+        let (e0, e1) = range(ci);
+        let ne = (e1 - e0) as usize;
+        for (m, &j) in mine.iter().enumerate() {
+            if j > 0 {
+                let id = incoming[m][ci as usize];
+                io.wait(&[id])?;
+            }
+            let (_, r0, r1) = runs[j];
+            let mut inputs = Vec::with_capacity(r1 - r0);
+            for r in r0..r1 {
+                let i = local_index(c, r as u32).ok_or_else(|| local_err("run rank not local"))?;
+                // SAFETY: e0 < count: inside the send span.
+                inputs.push(unsafe { send_ptr(c, i)?.add((e0 * es) as usize) });
+            }
+            let ch_in = if j > 0 {
+                // SAFETY: inside acc_in(m).
+                unsafe { acc_in(m).add((e0 * acc) as usize).cast_const() }
+            } else {
+                std::ptr::null()
+            };
+            if j < last {
+                // SAFETY: inside acc_out(m).
+                let out = unsafe { acc_out(m).add((e0 * acc) as usize) };
+                // SAFETY: inputs valid for ne elements; accumulators in/out hold ne accumulators
+                // in distinct scratch regions.
+                unsafe {
+                    reduce::reduce_chain(
+                        k,
+                        n as u32,
+                        Chain {
+                            acc_in: ch_in,
+                            acc_out: out,
+                        },
+                        &inputs,
+                        &[],
+                        ne,
+                        false,
+                    )
+                };
+                // SAFETY: acc_out(m) is not written again during this op.
+                unsafe {
+                    io.send(
+                        runs[j + 1].0,
+                        ci * nruns + j as u64 + 1,
+                        out,
+                        ne as u64 * acc,
+                    )?
+                };
+                continue;
+            }
+            // Last run: finish into the outputs.
+            let mut outs = Vec::new();
+            if final_remote {
+                // SAFETY: inside final_buf (count elements).
+                outs.push(unsafe { final_buf.add((e0 * es) as usize) });
+            }
+            for (i, (r, _)) in c.bufs.iter().enumerate() {
+                if c.kind == OpKind::AllReduce || *r == c.root {
+                    // SAFETY: inside the recv span.
+                    outs.push(unsafe { recv_ptr(c, i)?.add((e0 * es) as usize) });
+                }
+            }
+            // SAFETY: as above; outputs are recv spans (possibly equal to an input: in place)
+            // or the final scratch.
+            unsafe {
+                reduce::reduce_chain(
+                    k,
+                    n as u32,
+                    Chain {
+                        acc_in: ch_in,
+                        acc_out: std::ptr::null_mut(),
+                    },
+                    &inputs,
+                    &outs,
+                    ne,
+                    false,
+                )
+            };
+            if c.kind == OpKind::AllReduce && order.len() > 1 {
+                // SAFETY: the first local rank's recv holds the final chunk; it is not written
+                // again during this op.
+                unsafe {
+                    io.send(
+                        order[1],
+                        bcast_tag(ci),
+                        recv_ptr(c, 0)?.add((e0 * es) as usize),
+                        ne as u64 * es,
+                    )?
+                };
+            } else if final_remote {
+                // SAFETY: final_buf is not written again during this op.
+                unsafe {
+                    io.send(
+                        root_node,
+                        bcast_tag(ci),
+                        final_buf.add((e0 * es) as usize),
+                        ne as u64 * es,
+                    )?
+                };
+            }
+        }
+    }
+    // Final result coming back: forward along the chain and copy to the other local ranks.
+    if !finals.is_empty() {
+        let dst = if c.kind == OpKind::AllReduce {
+            first_recv()?
+        } else {
+            recv_ptr(c, local_index(c, c.root).unwrap_or(0))?
+        };
+        for ci in 0..nchunks {
+            let (e0, e1) = range(ci);
+            io.wait(&[finals[ci as usize]])?;
+            if c.kind == OpKind::AllReduce && pos + 1 < order.len() {
+                // SAFETY: the chunk was received and is not written again.
+                unsafe {
+                    io.send(
+                        order[pos + 1],
+                        bcast_tag(ci),
+                        dst.add((e0 * es) as usize),
+                        (e1 - e0) * es,
+                    )?
+                };
+            }
+        }
+    }
+    if c.kind == OpKind::AllReduce && t.me != last_node {
+        let src = first_recv()?;
+        for i in 1..c.bufs.len() {
+            // SAFETY: recv spans of count elements; distinct registrations.
+            unsafe { copy(recv_ptr(c, i)?, src, c.count * es) };
+        }
+    }
+    Ok(())
+}
+
+fn reduce_scatter(
+    io: &mut Io<'_>,
+    c: &Coll,
+    k: Kernel,
+    scratch: &mut Scratch,
+) -> Result<(), NetError> {
+    let t = io.t;
+    let n = t.nranks();
+    let blk = c.count * c.dtype.size();
+    let local = t.local().to_vec();
+    // Send block q of each local rank's input to q's node.
+    for (i, (r, _)) in c.bufs.iter().enumerate() {
+        let src = send_ptr(c, i)?;
+        for q in 0..n {
+            let node = t.rank_node[q];
+            if node != t.me {
+                // SAFETY: block q of a send span of n blocks.
+                unsafe {
+                    io.send(
+                        node,
+                        u64::from(*r) * n as u64 + q as u64,
+                        src.add(q * blk as usize),
+                        blk,
+                    )?
+                };
+            }
+        }
+    }
+    // Receive block q (local) of every remote rank r into scratch slot (r, q).
+    let remote: Vec<usize> = (0..n).filter(|&r| t.rank_node[r] != t.me).collect();
+    let base = scratch.get(blk * (remote.len() * local.len()).max(1) as u64);
+    let slot = |ri: usize, qi: usize| (ri * local.len() + qi) * blk as usize;
+    let mut rs = Vec::new();
+    for (ri, &r) in remote.iter().enumerate() {
+        for (qi, &q) in local.iter().enumerate() {
+            // SAFETY: inside the scratch.
+            rs.push(unsafe {
+                io.recv(
+                    t.rank_node[r],
+                    (r * n) as u64 + u64::from(q),
+                    base.add(slot(ri, qi)),
+                    blk,
+                )?
+            });
+        }
+    }
+    io.wait(&rs)?;
+    for (qi, &q) in local.iter().enumerate() {
+        let mut inputs = Vec::with_capacity(n);
+        for r in 0..n {
+            inputs.push(match local_index(c, r as u32) {
+                // SAFETY: block q of rank r's send span.
+                Some(i) => unsafe { send_ptr(c, i)?.add(q as usize * blk as usize) },
+                None => {
+                    let ri = remote.iter().position(|&x| x == r).unwrap_or(0);
+                    // SAFETY: inside the scratch.
+                    unsafe { base.add(slot(ri, qi)).cast_const() }
+                }
+            });
+        }
+        let out = recv_ptr(c, qi)?;
+        // SAFETY: as in one_shot_reduce.
+        unsafe { reduce::reduce(k, n as u32, &inputs, &[out], c.count as usize, false) };
+    }
+    Ok(())
+}
+
+fn all_gather(io: &mut Io<'_>, c: &Coll) -> Result<(), NetError> {
+    let t = io.t;
+    let n = t.nranks();
+    let blk = c.count * c.dtype.size();
+    for node in 0..t.nodes.len() {
+        if node == t.me {
+            continue;
+        }
+        for (i, (r, _)) in c.bufs.iter().enumerate() {
+            // SAFETY: the send span lives until the op completes.
+            unsafe { io.send(node, u64::from(*r), send_ptr(c, i)?, blk)? };
+        }
+    }
+    let first = recv_ptr(c, 0)?;
+    let mut rs = Vec::new();
+    for r in 0..n {
+        let node = t.rank_node[r];
+        if node != t.me {
+            // SAFETY: block r of the first local rank's recv span (n blocks).
+            rs.push(unsafe { io.recv(node, r as u64, first.add(r * blk as usize), blk)? });
+        }
+    }
+    // Local blocks meanwhile.
+    for (i, _) in c.bufs.iter().enumerate() {
+        let dst = recv_ptr(c, i)?;
+        for (j, (r, _)) in c.bufs.iter().enumerate() {
+            // SAFETY: block r of a recv span; a send span of one block.
+            unsafe { copy(dst.add(*r as usize * blk as usize), send_ptr(c, j)?, blk) };
+        }
+    }
+    io.wait(&rs)?;
+    for i in 1..c.bufs.len() {
+        let dst = recv_ptr(c, i)?;
+        for r in 0..n {
+            if t.rank_node[r] != t.me {
+                let off = r * blk as usize;
+                // SAFETY: block r of both recv spans.
+                unsafe { copy(dst.add(off), first.add(off).cast_const(), blk) };
+            }
+        }
+    }
+    Ok(())
+}
+
+fn overlaps(c: &Coll) -> bool {
+    let span = |s: &Option<crate::engine::Span>| {
+        s.as_ref()
+            .map(|s| (s.ptr() as usize, s.ptr() as usize + s.bytes() as usize))
+    };
+    c.bufs.iter().any(|(_, a)| {
+        c.bufs
+            .iter()
+            .any(|(_, b)| match (span(&a.send), span(&b.recv)) {
+                (Some((s0, s1)), Some((r0, r1))) => s0 < r1 && r0 < s1,
+                _ => false,
+            })
+    })
+}
+
+fn all_to_all(io: &mut Io<'_>, c: &Coll, scratch: &mut Scratch) -> Result<(), NetError> {
+    let t = io.t;
+    let n = t.nranks();
+    let blk = c.count * c.dtype.size();
+    let row = blk * n as u64;
+    // In-place (send overlapping a recv): stage the inputs first.
+    let staged = overlaps(c).then(|| scratch.get(row * c.bufs.len() as u64));
+    let src = |i: usize| -> Result<*const u8, NetError> {
+        match staged {
+            // SAFETY: row i of the staging area.
+            Some(b) => Ok(unsafe { b.add(i * row as usize).cast_const() }),
+            None => send_ptr(c, i),
+        }
+    };
+    if let Some(b) = staged {
+        for i in 0..c.bufs.len() {
+            // SAFETY: send spans of n blocks into distinct staging rows.
+            unsafe { copy(b.add(i * row as usize), send_ptr(c, i)?, row) };
+        }
+    }
+    for (i, (r, _)) in c.bufs.iter().enumerate() {
+        for q in 0..n {
+            let node = t.rank_node[q];
+            if node != t.me {
+                // SAFETY: block q of rank r's input.
+                unsafe {
+                    io.send(
+                        node,
+                        u64::from(*r) * n as u64 + q as u64,
+                        src(i)?.add(q * blk as usize),
+                        blk,
+                    )?
+                };
+            }
+        }
+    }
+    let mut rs = Vec::new();
+    for r in 0..n {
+        let node = t.rank_node[r];
+        if node == t.me {
+            continue;
+        }
+        for (qi, (q, _)) in c.bufs.iter().enumerate() {
+            // SAFETY: block r of rank q's recv span.
+            rs.push(unsafe {
+                io.recv(
+                    node,
+                    (r * n) as u64 + u64::from(*q),
+                    recv_ptr(c, qi)?.add(r * blk as usize),
+                    blk,
+                )?
+            });
+        }
+    }
+    for (i, (r, _)) in c.bufs.iter().enumerate() {
+        for (qi, (q, _)) in c.bufs.iter().enumerate() {
+            // SAFETY: block q of r's input into block r of q's output.
+            unsafe {
+                copy(
+                    recv_ptr(c, qi)?.add(*r as usize * blk as usize),
+                    src(i)?.add(*q as usize * blk as usize),
+                    blk,
+                )
+            };
+        }
+    }
+    io.wait(&rs)
+}
+
+fn broadcast_direct(io: &mut Io<'_>, c: &Coll) -> Result<(), NetError> {
+    let t = io.t;
+    let blk = c.count * c.dtype.size();
+    let root_node = t.rank_node[c.root as usize];
+    if t.me == root_node {
+        let i = local_index(c, c.root).ok_or_else(|| local_err("root not local"))?;
+        let src = send_ptr(c, i)?;
+        for node in 0..t.nodes.len() {
+            if node != t.me {
+                // SAFETY: the root's send span lives until the op completes.
+                unsafe { io.send(node, 0, src, blk)? };
+            }
+        }
+        for j in 0..c.bufs.len() {
+            // SAFETY: recv spans of count elements.
+            unsafe { copy(recv_ptr(c, j)?, src, blk) };
+        }
+        return Ok(());
+    }
+    let first = recv_ptr(c, 0)?;
+    // SAFETY: the first local recv span holds blk bytes.
+    let id = unsafe { io.recv(root_node, 0, first, blk)? };
+    io.wait(&[id])?;
+    for j in 1..c.bufs.len() {
+        // SAFETY: recv spans of count elements.
+        unsafe { copy(recv_ptr(c, j)?, first, blk) };
+    }
+    Ok(())
+}
+
+fn broadcast_chain(io: &mut Io<'_>, c: &Coll, chunk: u64) -> Result<(), NetError> {
+    let t = io.t;
+    let blk = c.count * c.dtype.size();
+    let root_node = t.rank_node[c.root as usize];
+    let nn = t.nodes.len();
+    let order: Vec<usize> = (0..nn).map(|i| (root_node + i) % nn).collect();
+    let pos = order.iter().position(|&x| x == t.me).unwrap_or(0);
+    let cb = (chunk / c.dtype.size()).max(1) * c.dtype.size();
+    let nchunks = blk.div_ceil(cb).max(1);
+    let range = |ci: u64| (ci * cb, ((ci + 1) * cb).min(blk));
+    let (buf, ids) = if pos == 0 {
+        let i = local_index(c, c.root).ok_or_else(|| local_err("root not local"))?;
+        (send_ptr(c, i)?.cast_mut(), Vec::new())
+    } else {
+        let first = recv_ptr(c, 0)?;
+        let mut ids = Vec::new();
+        for ci in 0..nchunks {
+            let (a, b) = range(ci);
+            // SAFETY: inside the first local recv span.
+            ids.push(unsafe { io.recv(order[pos - 1], ci, first.add(a as usize), b - a)? });
+        }
+        (first, ids)
+    };
+    for ci in 0..nchunks {
+        let (a, b) = range(ci);
+        if pos > 0 {
+            io.wait(&[ids[ci as usize]])?;
+        }
+        if pos + 1 < nn {
+            // SAFETY: the chunk is final and not written again during the op.
+            unsafe { io.send(order[pos + 1], ci, buf.add(a as usize), b - a)? };
+        }
+    }
+    for j in 0..c.bufs.len() {
+        // SAFETY: recv spans of count elements (the root's source is its send span).
+        unsafe { copy(recv_ptr(c, j)?, buf, blk) };
+    }
+    Ok(())
+}

@@ -1,0 +1,605 @@
+//! Across nodes: the daemon-wide network context (node id, data listener and connection pool),
+//! and one thread per multi-node communicator that owns its [`wire::Wire`] and runs everything of
+//! that communicator in posting order: collectives through the hierarchical algorithms of
+//! [`algo`], cross-node sends and receives, and intra-node steps that must stay ordered with them.
+//!
+//! Failure model: any error on the wire (peer closed, silent for `peer_timeout`, mismatched
+//! collective, op timeout) fails the op with a message naming the node and its ranks, tells every
+//! peer (ABORT with the message), and breaks the communicator on this node; the peers do the same
+//! when they receive the ABORT, so every rank learns within the peer timeout. Other communicators
+//! have their own threads and streams and keep running.
+
+pub mod algo;
+pub mod conn;
+pub mod wire;
+
+use std::collections::VecDeque;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use commd_proto::desc::{OpKind, status};
+
+use crate::comm::Posted;
+use algo::{Coll, Scratch, Topo, Tuning};
+use conn::DataPlane;
+use wire::{CLASS_P2P, NetError, PeerLinks, RecvId, SendId, Sig, Wire};
+
+/// Daemon-wide network state (absent when the peer service is off).
+#[derive(Debug)]
+pub struct NetCtx {
+    /// This node's id: its advertised peer-service address.
+    pub node: String,
+    pub data: Arc<DataPlane>,
+    pub streams: usize,
+    pub peer_timeout: Duration,
+    pub tuning: Tuning,
+}
+
+/// Work for a communicator's net thread, run in the order submitted.
+pub enum Cmd {
+    /// A matched collective: this node's ops (ascending rank) and the plan input.
+    Coll { coll: Coll, ops: Vec<Posted> },
+    /// A send to, or receive from, a rank on another node.
+    P2p(Posted),
+    /// An intra-node step that must stay ordered with the network work.
+    Run(Box<dyn FnOnce() + Send>),
+    /// This node gives up on the communicator (a local rank died, shutdown): tell the peers.
+    Abort(String),
+    /// Every local rank left: end cleanly (peers see END, connections go back to the pool).
+    End,
+}
+
+/// The communicator's handle on its net thread.
+pub struct NetHandle {
+    tx: Mutex<mpsc::Sender<Cmd>>,
+    wake: Arc<OwnedFd>,
+    pub topo: Topo,
+    ended: AtomicBool,
+}
+
+impl std::fmt::Debug for NetHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "NetHandle(node {} of {})",
+            self.topo.me,
+            self.topo.nodes.len()
+        )
+    }
+}
+
+impl NetHandle {
+    /// Queues `c`; gives it back if the thread is gone (the caller fails its ops).
+    pub fn submit(&self, c: Cmd) -> Result<(), Cmd> {
+        let r = self
+            .tx
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(c)
+            .map_err(|e| e.0);
+        let _ = rustix::io::write(&*self.wake, &1u64.to_ne_bytes());
+        r
+    }
+
+    pub fn end(&self) {
+        if !self.ended.swap(true, Ordering::AcqRel) {
+            let _ = self.submit(Cmd::End);
+        }
+    }
+}
+
+/// Per-communicator parameters for [`start`].
+pub struct Setup {
+    pub token: [u8; 16],
+    pub topo: Topo,
+    /// Peer data addresses by node.
+    pub data_addrs: Vec<String>,
+    pub label: String,
+    pub comm_id: u64,
+    pub op_timeout: Duration,
+    /// Breaks the communicator on this node (fails queued and later ops).
+    pub on_fail: Box<dyn Fn(u32, String) + Send>,
+}
+
+/// Starts the communicator's net thread; it connects to the peers first (queued work waits).
+pub fn start(ctx: &Arc<NetCtx>, s: Setup) -> std::io::Result<NetHandle> {
+    let (tx, rx) = mpsc::channel();
+    let wake = Arc::new(rustix::event::eventfd(
+        0,
+        rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+    )?);
+    let h = NetHandle {
+        tx: Mutex::new(tx),
+        wake: wake.clone(),
+        topo: s.topo.clone(),
+        ended: AtomicBool::new(false),
+    };
+    let ctx = ctx.clone();
+    std::thread::Builder::new()
+        .name(format!("commd-net-{}", s.comm_id))
+        .spawn(move || Thread::run(ctx, s, rx, wake))?;
+    Ok(h)
+}
+
+struct Inflight {
+    p: Posted,
+    send: Option<SendId>,
+    recv: Option<RecvId>,
+    since: Instant,
+}
+
+struct Thread {
+    ctx: Arc<NetCtx>,
+    s: Setup,
+    broken: Option<(u32, String)>,
+    inflight: Vec<Inflight>,
+    scratch: Scratch,
+}
+
+fn p2p_sig(p: &Posted) -> Sig {
+    Sig {
+        op: OpKind::Send.code() as u8,
+        dtype: p.op.dtype.code(),
+        redop: 0xff,
+        root: 0,
+        count: p.op.count,
+    }
+}
+
+fn wake_dup(fd: &Arc<OwnedFd>) -> std::io::Result<OwnedFd> {
+    Ok(rustix::io::fcntl_dupfd_cloexec(&**fd, 0)?)
+}
+
+impl Thread {
+    fn run(ctx: Arc<NetCtx>, s: Setup, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>) {
+        let mut t = Thread {
+            ctx,
+            s,
+            broken: None,
+            inflight: Vec::new(),
+            scratch: Scratch::default(),
+        };
+        let mut wire = match t.connect(&wake) {
+            Ok(w) => Some(w),
+            Err(why) => {
+                let msg = format!("{}: connecting to the other nodes failed: {why}", t.s.label);
+                tracing::warn!(target: "commd::net", "{msg}");
+                t.break_comm(status::PEER_LOST, msg);
+                None
+            }
+        };
+        let mut queue: VecDeque<Cmd> = VecDeque::new();
+        let mut disconnected = false;
+        loop {
+            loop {
+                match rx.try_recv() {
+                    Ok(c) => queue.push_back(c),
+                    Err(mpsc::TryRecvError::Empty) => break,
+                    Err(mpsc::TryRecvError::Disconnected) => {
+                        disconnected = true;
+                        break;
+                    }
+                }
+            }
+            if disconnected && queue.is_empty() {
+                queue.push_back(Cmd::End);
+            }
+            while let Some(c) = queue.front() {
+                let blocked =
+                    matches!(c, Cmd::Coll { .. }) && !t.inflight.is_empty() && t.broken.is_none();
+                if blocked {
+                    break;
+                }
+                let Some(c) = queue.pop_front() else { break };
+                match c {
+                    Cmd::End => {
+                        t.fail_queue(&mut queue);
+                        if let Some(w) = wire.take() {
+                            t.end(w);
+                        }
+                        return;
+                    }
+                    Cmd::Abort(msg) => {
+                        if t.broken.is_none() {
+                            if let Some(w) = wire.as_mut() {
+                                w.abort(&msg, Duration::from_millis(500));
+                            }
+                            t.broken = Some((status::ABORTED, msg.clone()));
+                            t.fail_inflight();
+                        }
+                    }
+                    Cmd::Run(f) => f(),
+                    Cmd::P2p(p) => t.post_p2p(wire.as_mut(), p),
+                    Cmd::Coll { coll, ops } => t.coll(wire.as_mut(), coll, ops),
+                }
+            }
+            match wire.as_mut() {
+                Some(w) if t.broken.is_none() => {
+                    let r = w.pump(
+                        Some(Instant::now() + Duration::from_secs(1)),
+                        algo::sig_text,
+                    );
+                    let r = r.and_then(|()| t.check_inflight(w));
+                    if let Err(e) = r {
+                        t.fail(w, "", e);
+                    }
+                }
+                _ => {
+                    // Broken or never connected: only wait for commands to fail or End.
+                    let mut fds = [rustix::event::PollFd::new(
+                        &*wake,
+                        rustix::event::PollFlags::IN,
+                    )];
+                    let ts = rustix::event::Timespec {
+                        tv_sec: 1,
+                        tv_nsec: 0,
+                    };
+                    let _ = rustix::event::poll(&mut fds, Some(&ts));
+                    let mut b = [0u8; 8];
+                    let _ = rustix::io::read(&*wake, &mut b);
+                }
+            }
+        }
+    }
+
+    fn connect(&mut self, wake: &Arc<OwnedFd>) -> Result<Wire, String> {
+        let topo = &self.s.topo;
+        let n = topo.nodes.len();
+        let mut links: Vec<Option<PeerLinks>> = (0..n).map(|_| None).collect();
+        // Dial everyone first (the peers accept on their listener threads), then collect.
+        let mut txs: Vec<Option<Vec<std::net::TcpStream>>> = (0..n).map(|_| None).collect();
+        for (i, slot) in txs.iter_mut().enumerate() {
+            if i == topo.me {
+                continue;
+            }
+            let s = self
+                .ctx
+                .data
+                .dial(
+                    &self.s.data_addrs[i],
+                    &self.s.token,
+                    &self.ctx.node,
+                    self.ctx.streams,
+                )
+                .map_err(|e| format!("{}: {e}", topo.label(i)))?;
+            *slot = Some(s);
+        }
+        let deadline = Instant::now() + self.ctx.peer_timeout.max(Duration::from_secs(10));
+        let mut nics: Vec<String> = vec!["-".into(); n];
+        for (i, tx) in txs.into_iter().enumerate() {
+            let Some(tx) = tx else { continue };
+            if let Some(a) = tx.first().and_then(|s| s.local_addr().ok()) {
+                nics[i] = a.ip().to_string();
+            }
+            let rx = self
+                .ctx
+                .data
+                .take_incoming(&self.s.token, &topo.nodes[i], self.ctx.streams, deadline)
+                .map_err(|e| format!("{}: {e}", topo.label(i)))?;
+            links[i] = Some(PeerLinks { tx, rx });
+        }
+        let wake = wake_dup(wake).map_err(|e| e.to_string())?;
+        let mut w = Wire::new(
+            topo.me,
+            links,
+            self.ctx.tuning.chunk,
+            self.ctx.peer_timeout,
+            wake,
+        )
+        .map_err(|e| e.to_string())?;
+        // One link per peer daemon, shared by every communicator to it (commd stat -l).
+        for i in (0..n).filter(|&i| i != topo.me) {
+            w.links[i] = Some(crate::telemetry::register_link(
+                crate::telemetry::LinkDesc {
+                    name: &format!("tcp:{}", topo.nodes[i]),
+                    kind: "tcp",
+                    peer: &topo.nodes[i],
+                    nic: &nics[i],
+                },
+            ));
+        }
+        let peers: Vec<String> = (0..n)
+            .filter(|&i| i != topo.me)
+            .map(|i| topo.label(i))
+            .collect();
+        tracing::info!(
+            target: "commd::net",
+            "{}: node {} of {}, local {}; path to {}: TCP, {} stream(s) per direction (no RDMA transport in this build)",
+            self.s.label,
+            topo.me,
+            n,
+            algo::ranks_text(topo.local()),
+            peers.join(", "),
+            self.ctx.streams
+        );
+        Ok(w)
+    }
+
+    fn end(&mut self, mut w: Wire) {
+        w.end(Duration::from_secs(1));
+        // Give the peers a moment to end too, so their streams come back clean for reuse.
+        let until = Instant::now() + Duration::from_millis(300);
+        let n = self.s.topo.nodes.len();
+        while Instant::now() < until && (0..n).any(|i| i != w.me() && !w.peer_ended(i)) {
+            if w.pump(Some(until), algo::sig_text).is_err() {
+                break;
+            }
+        }
+        for (peer, tx, rx) in w.into_streams() {
+            self.ctx.data.give_back(&self.s.data_addrs[peer], tx);
+            for (s, clean) in rx {
+                if clean {
+                    self.ctx.data.clone().await_bind(s);
+                }
+            }
+        }
+        tracing::debug!(target: "commd::net", "{}: ended", self.s.label);
+    }
+
+    fn break_comm(&mut self, st: u32, msg: String) {
+        if self.broken.is_none() {
+            self.broken = Some((st, msg.clone()));
+            self.fail_inflight();
+            (self.s.on_fail)(
+                status::ABORTED,
+                format!("aborted after an earlier error: {msg}"),
+            );
+        }
+    }
+
+    fn fail_inflight(&mut self) {
+        let (st, msg) = self
+            .broken
+            .clone()
+            .unwrap_or((status::ABORTED, String::new()));
+        for f in self.inflight.drain(..) {
+            let c = f.p.op.comm;
+            f.p.complete(c, st, Some(msg.clone()));
+        }
+    }
+
+    fn fail_queue(&mut self, q: &mut VecDeque<Cmd>) {
+        let msg = self
+            .broken
+            .clone()
+            .map(|b| b.1)
+            .unwrap_or_else(|| format!("{}: communicator destroyed", self.s.label));
+        for c in q.drain(..) {
+            match c {
+                Cmd::Coll { ops, .. } => {
+                    for p in ops {
+                        let c = p.op.comm;
+                        p.complete(c, status::ABORTED, Some(msg.clone()));
+                    }
+                }
+                Cmd::P2p(p) => {
+                    let c = p.op.comm;
+                    p.complete(c, status::ABORTED, Some(msg.clone()));
+                }
+                Cmd::Run(f) => f(),
+                Cmd::Abort(_) | Cmd::End => {}
+            }
+        }
+        self.fail_inflight();
+    }
+
+    /// The error text of `e`, naming nodes by their ranks.
+    fn describe(&self, what: &str, e: &NetError) -> (u32, String) {
+        let t = &self.s.topo;
+        let pre = if what.is_empty() {
+            self.s.label.clone()
+        } else {
+            format!("{}: {what}", self.s.label)
+        };
+        match e {
+            NetError::PeerLost { node, why } => (
+                status::PEER_LOST,
+                format!("{pre}: lost {}: {why}", t.label(*node)),
+            ),
+            NetError::Aborted { node, msg } => (
+                status::ABORTED,
+                format!("{msg} (reported by {})", t.label(*node)),
+            ),
+            NetError::Mismatch(m) => (
+                status::MISMATCH,
+                format!(
+                    "{pre}: mismatched collective across nodes: {}",
+                    name_nodes(t, m)
+                ),
+            ),
+            NetError::Timeout(m) => (status::TIMEOUT, format!("{pre}: {m}")),
+            NetError::Local(m) => (status::INTERNAL, format!("{pre}: {m}")),
+        }
+    }
+
+    fn fail(&mut self, w: &mut Wire, what: &str, e: NetError) {
+        let (st, msg) = self.describe(what, &e);
+        tracing::warn!(target: "commd::net", "{msg}");
+        if !matches!(e, NetError::Aborted { .. }) {
+            w.abort(&msg, Duration::from_millis(500));
+        }
+        self.break_comm(st, msg);
+    }
+
+    fn post_p2p(&mut self, w: Option<&mut Wire>, p: Posted) {
+        let (Some(w), None) = (w, &self.broken) else {
+            let msg = self
+                .broken
+                .clone()
+                .map(|b| b.1)
+                .unwrap_or_else(|| format!("{}: not connected", self.s.label));
+            let c = p.op.comm;
+            p.complete(c, status::ABORTED, Some(msg));
+            return;
+        };
+        let t = &self.s.topo;
+        let peer_rank = p.op.peer;
+        let node = t.rank_node[peer_rank as usize];
+        let sig = p2p_sig(&p);
+        let (src, dst) = if p.op.kind == OpKind::Send {
+            (p.rank, peer_rank)
+        } else {
+            (peer_rank, p.rank)
+        };
+        let a = (u64::from(src) << 32) | u64::from(dst);
+        let bytes = p.op.count * p.op.dtype.size();
+        let r = if p.op.kind == OpKind::Send {
+            let ptr = p
+                .bufs
+                .send
+                .as_ref()
+                .map_or(std::ptr::NonNull::<u8>::dangling().as_ptr(), |s| s.ptr());
+            // SAFETY: the span stays alive with the Posted op until it completes.
+            unsafe { w.send(node, CLASS_P2P, a, p.seq, &sig, ptr, bytes as usize) }
+                .map(|id| (Some(id), None))
+        } else {
+            let ptr = p
+                .bufs
+                .recv
+                .as_ref()
+                .map_or(std::ptr::NonNull::<u8>::dangling().as_ptr(), |s| s.ptr());
+            // SAFETY: as above; nothing else writes the recv span while the op is pending.
+            unsafe {
+                w.recv(
+                    node,
+                    CLASS_P2P,
+                    a,
+                    p.seq,
+                    Some(sig),
+                    ptr,
+                    bytes,
+                    algo::sig_text,
+                )
+            }
+            .map(|id| (None, Some(id)))
+        };
+        match r {
+            Ok((send, recv)) => self.inflight.push(Inflight {
+                p,
+                send,
+                recv,
+                since: Instant::now(),
+            }),
+            Err(e) => {
+                let what = p2p_what(&p);
+                let c = p.op.comm;
+                let (st, msg) = self.describe(&what, &e);
+                p.complete(c, st, Some(msg));
+            }
+        }
+    }
+
+    fn check_inflight(&mut self, w: &mut Wire) -> Result<(), NetError> {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.inflight.len() {
+            let f = &self.inflight[i];
+            let done = f.send.is_none_or(|s| w.send_done(s))
+                && f.recv.as_ref().is_none_or(|r| w.recv_done(r));
+            if done {
+                let f = self.inflight.swap_remove(i);
+                if let Some(s) = f.send {
+                    w.release_send(s);
+                }
+                if let Some(r) = &f.recv {
+                    w.release_recv(r);
+                }
+                let c = f.p.op.comm;
+                f.p.complete(c, status::OK, None);
+                continue;
+            }
+            if let Some(r) = &f.recv
+                && w.peer_ended(r.peer)
+            {
+                return Err(NetError::PeerLost {
+                    node: r.peer,
+                    why: format!(
+                        "it left the communicator while {} was pending",
+                        p2p_what(&f.p)
+                    ),
+                });
+            }
+            if now.duration_since(f.since) > self.s.op_timeout {
+                return Err(NetError::Timeout(format!(
+                    "{} timed out after {:.1} s: rank {} never posted the matching {}",
+                    p2p_what(&f.p),
+                    self.s.op_timeout.as_secs_f64(),
+                    f.p.op.peer,
+                    if f.p.op.kind == OpKind::Send {
+                        "recv"
+                    } else {
+                        "send"
+                    }
+                )));
+            }
+            i += 1;
+        }
+        Ok(())
+    }
+
+    fn coll(&mut self, w: Option<&mut Wire>, coll: Coll, ops: Vec<Posted>) {
+        let (Some(w), None) = (w, &self.broken) else {
+            let msg = self
+                .broken
+                .clone()
+                .map(|b| b.1)
+                .unwrap_or_else(|| format!("{}: not connected", self.s.label));
+            for p in ops {
+                let c = p.op.comm;
+                p.complete(c, status::ABORTED, Some(msg.clone()));
+            }
+            return;
+        };
+        let what = format!("{} seq {}", coll.kind.name(), coll.seq);
+        w.progress = coll.seq + 1;
+        let t0 = Instant::now();
+        let deadline = t0 + self.s.op_timeout;
+        let topo = self.s.topo.clone();
+        let tuning = self.ctx.tuning;
+        match algo::run(
+            w,
+            &topo,
+            &coll,
+            &mut self.scratch,
+            &tuning,
+            deadline,
+            what.clone(),
+        ) {
+            Ok(alg) => {
+                tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = alg, transport = "tcp", us = t0.elapsed().as_micros() as u64, "executed");
+                for p in ops {
+                    let c = p.op.comm;
+                    p.complete(c, status::OK, None);
+                }
+            }
+            Err(e) => {
+                let (st, msg) = self.describe(&what, &e);
+                for p in ops {
+                    let c = p.op.comm;
+                    p.complete(c, st, Some(msg.clone()));
+                }
+                self.fail(w, &what, e);
+            }
+        }
+    }
+}
+
+fn p2p_what(p: &Posted) -> String {
+    if p.op.kind == OpKind::Send {
+        format!("send rank {} -> rank {} #{}", p.rank, p.op.peer, p.seq)
+    } else {
+        format!("recv rank {} <- rank {} #{}", p.rank, p.op.peer, p.seq)
+    }
+}
+
+/// Replaces "node N" in wire messages by the node's label (ranks and address).
+fn name_nodes(t: &Topo, m: &str) -> String {
+    let mut out = m.to_string();
+    for i in (0..t.nodes.len()).rev() {
+        out = out.replace(&format!("node {i} "), &format!("{} ", t.label(i)));
+    }
+    out
+}

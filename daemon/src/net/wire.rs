@@ -1,0 +1,1002 @@
+//! The inter-node wire of one communicator: nonblocking TCP streams to every peer node, tagged
+//! chunked messages, posted receives that land directly in their destination, buffering of data
+//! that arrives before its receive is posted, heartbeats, and abort notices.
+//!
+//! Driven by exactly one thread (the communicator's net thread) through [`Wire::pump`]; algorithms
+//! post sends and receives and [`Wire::wait`] for them. Nothing here allocates per chunk in the
+//! steady state (early chunks borrow buffers from a pool that is recycled).
+//!
+//! Frame: a 64-byte header (little endian) then `len` payload bytes.
+//! `magic u32 | kind u8 | class u8 | op u8 | dtype u8 | a u64 | b u64 | count u64 | offset u64 |
+//!  total u64 | len u32 | root u32 | redop u8 | 7 reserved`.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use thiserror::Error;
+
+pub const HDR: usize = 64;
+const MAGIC: u32 = u32::from_le_bytes(*b"cmNT");
+pub const KIND_DATA: u8 = 1;
+pub const KIND_HEARTBEAT: u8 = 2;
+pub const KIND_ABORT: u8 = 3;
+pub const KIND_END: u8 = 4;
+/// Message classes (tag spaces).
+pub const CLASS_COLL: u8 = 0;
+pub const CLASS_P2P: u8 = 1;
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+/// Early-arriving data buffered per communicator before the wire stops reading (backpressure).
+const MAX_UNEXPECTED: u64 = 512 << 20;
+/// Longest abort text accepted.
+const MAX_ABORT_TEXT: u32 = 64 << 10;
+
+/// What a collective message claims to be part of; receivers compare it with their own op, so
+/// nodes that disagree fail with an error instead of corrupting data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct Sig {
+    pub op: u8,
+    pub dtype: u8,
+    pub redop: u8,
+    pub root: u32,
+    pub count: u64,
+}
+
+#[derive(Debug, Error, Clone)]
+pub enum NetError {
+    #[error("lost node {node}: {why}")]
+    PeerLost { node: usize, why: String },
+    #[error("{msg}")]
+    Aborted { node: usize, msg: String },
+    #[error("{0}")]
+    Mismatch(String),
+    #[error("{0}")]
+    Timeout(String),
+    #[error("{0}")]
+    Local(String),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct Key {
+    pub peer: usize,
+    pub class: u8,
+    pub a: u64,
+    pub b: u64,
+}
+
+struct TxItem {
+    hdr: [u8; HDR],
+    ptr: *const u8,
+    len: usize,
+    /// Bytes written so far (header included).
+    pos: usize,
+    send: Option<usize>,
+    /// Payload owned by the item (abort text).
+    owned: Option<Vec<u8>>,
+}
+
+struct RxCur {
+    key: Key,
+    offset: u64,
+    total: u64,
+    len: usize,
+    pos: usize,
+    /// Into a posted receive, or into a pooled buffer (early data).
+    dest: *mut u8,
+    early: Option<Vec<u8>>,
+    sig: Sig,
+}
+
+struct Rx {
+    sock: TcpStream,
+    hdr: [u8; HDR],
+    hpos: usize,
+    cur: Option<RxCur>,
+    eof: bool,
+    /// Got END: the stream is clean and can be reused.
+    ended: bool,
+}
+
+struct Tx {
+    sock: TcpStream,
+    q: VecDeque<TxItem>,
+}
+
+pub struct PeerLinks {
+    pub tx: Vec<TcpStream>,
+    pub rx: Vec<TcpStream>,
+}
+
+struct Peer {
+    tx: Vec<Tx>,
+    rx: Vec<Rx>,
+    next: usize,
+    last_rx: Instant,
+    last_hb: Instant,
+    /// The peer said END (it destroyed its side of the communicator).
+    ended: bool,
+    /// Latest progress the peer reported in a heartbeat (its ranks' lowest posted collective).
+    progress: u64,
+}
+
+struct Posted {
+    ptr: *mut u8,
+    total: u64,
+    got: u64,
+    /// Chunks arrived (a message of 0 bytes still has one).
+    arrived: u32,
+    sig: Option<Sig>,
+}
+
+/// Counters a communicator exposes (bytes and frames per peer and direction).
+#[derive(Default, Clone, Debug)]
+pub struct LinkStats {
+    pub tx_bytes: u64,
+    pub rx_bytes: u64,
+    pub tx_frames: u64,
+    pub rx_frames: u64,
+}
+
+pub struct Wire {
+    me: usize,
+    peers: Vec<Option<Peer>>,
+    chunk: usize,
+    peer_timeout: Duration,
+    posted: HashMap<Key, Posted>,
+    early: HashMap<Key, Vec<Early>>,
+    early_bytes: u64,
+    pool: Vec<Vec<u8>>,
+    sends: Vec<usize>,
+    free_sends: Vec<usize>,
+    wake: OwnedFd,
+    /// Reported in heartbeats.
+    pub progress: u64,
+    pub stats: Vec<LinkStats>,
+    /// Per node: the daemon-wide link counters of `commd stat -l` and /metrics (set by the
+    /// caller after `new`; `None` for this node).
+    pub links: Vec<Option<crate::telemetry::Link>>,
+}
+
+pub type RecvId = Key;
+
+/// A chunk that arrived before its receive was posted.
+struct Early {
+    offset: u64,
+    len: u64,
+    buf: Vec<u8>,
+    sig: Sig,
+    total: u64,
+}
+
+fn check_sig(
+    peer: usize,
+    posted: &Posted,
+    sig: &Sig,
+    total: u64,
+    fmt: SigFmt,
+) -> Result<(), NetError> {
+    if let Some(s) = &posted.sig
+        && s != sig
+    {
+        return Err(NetError::Mismatch(format!(
+            "node {peer} posted {} where this node posted {}",
+            fmt(sig),
+            fmt(s)
+        )));
+    }
+    if total != posted.total {
+        return Err(NetError::Mismatch(format!(
+            "node {peer} sends {total} bytes where this node expects {} ({})",
+            posted.total,
+            fmt(sig)
+        )));
+    }
+    Ok(())
+}
+pub type SendId = usize;
+
+fn put_hdr(kind: u8, key: &Key, sig: &Sig, offset: u64, total: u64, len: u32) -> [u8; HDR] {
+    let mut h = [0u8; HDR];
+    h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    h[4] = kind;
+    h[5] = key.class;
+    h[6] = sig.op;
+    h[7] = sig.dtype;
+    h[8..16].copy_from_slice(&key.a.to_le_bytes());
+    h[16..24].copy_from_slice(&key.b.to_le_bytes());
+    h[24..32].copy_from_slice(&sig.count.to_le_bytes());
+    h[32..40].copy_from_slice(&offset.to_le_bytes());
+    h[40..48].copy_from_slice(&total.to_le_bytes());
+    h[48..52].copy_from_slice(&len.to_le_bytes());
+    h[52..56].copy_from_slice(&sig.root.to_le_bytes());
+    h[56] = sig.redop;
+    h
+}
+
+fn u64_at(h: &[u8; HDR], i: usize) -> u64 {
+    let mut b = [0u8; 8];
+    b.copy_from_slice(&h[i..i + 8]);
+    u64::from_le_bytes(b)
+}
+
+fn u32_at(h: &[u8; HDR], i: usize) -> u32 {
+    let mut b = [0u8; 4];
+    b.copy_from_slice(&h[i..i + 4]);
+    u32::from_le_bytes(b)
+}
+
+fn sig_of(h: &[u8; HDR]) -> Sig {
+    Sig {
+        op: h[6],
+        dtype: h[7],
+        redop: h[56],
+        root: u32_at(h, 52),
+        count: u64_at(h, 24),
+    }
+}
+
+/// Describes a signature for mismatch errors.
+pub type SigFmt = fn(&Sig) -> String;
+
+impl Wire {
+    /// `links[i]` are the streams to node i (`None` for this node, `me`).
+    pub fn new(
+        me: usize,
+        links: Vec<Option<PeerLinks>>,
+        chunk: u64,
+        peer_timeout: Duration,
+        wake: OwnedFd,
+    ) -> std::io::Result<Self> {
+        let now = Instant::now();
+        let n = links.len();
+        let mut peers = Vec::with_capacity(n);
+        for l in links {
+            peers.push(match l {
+                None => None,
+                Some(l) => {
+                    for s in l.tx.iter().chain(l.rx.iter()) {
+                        s.set_nonblocking(true)?;
+                        s.set_nodelay(true)?;
+                    }
+                    Some(Peer {
+                        tx: l
+                            .tx
+                            .into_iter()
+                            .map(|sock| Tx {
+                                sock,
+                                q: VecDeque::new(),
+                            })
+                            .collect(),
+                        rx: l
+                            .rx
+                            .into_iter()
+                            .map(|sock| Rx {
+                                sock,
+                                hdr: [0; HDR],
+                                hpos: 0,
+                                cur: None,
+                                eof: false,
+                                ended: false,
+                            })
+                            .collect(),
+                        next: 0,
+                        last_rx: now,
+                        last_hb: now,
+                        ended: false,
+                        progress: 0,
+                    })
+                }
+            });
+        }
+        Ok(Self {
+            me,
+            peers,
+            chunk: chunk.max(4096) as usize,
+            peer_timeout,
+            posted: HashMap::new(),
+            early: HashMap::new(),
+            early_bytes: 0,
+            pool: Vec::new(),
+            sends: Vec::new(),
+            free_sends: Vec::new(),
+            wake,
+            progress: 0,
+            stats: vec![LinkStats::default(); n],
+            links: vec![None; n],
+        })
+    }
+
+    pub fn me(&self) -> usize {
+        self.me
+    }
+
+    pub fn peer_progress(&self, node: usize) -> Option<u64> {
+        self.peers.get(node)?.as_ref().map(|p| p.progress)
+    }
+
+    /// Queues `len` bytes at `ptr` for node `peer` under `key`'s tag, cut into chunks spread
+    /// over the peer's streams.
+    ///
+    /// # Safety
+    /// `ptr` must stay valid for `len` reads until the send completes (or the wire is dropped).
+    pub unsafe fn send(
+        &mut self,
+        peer: usize,
+        class: u8,
+        a: u64,
+        b: u64,
+        sig: &Sig,
+        ptr: *const u8,
+        len: usize,
+    ) -> Result<SendId, NetError> {
+        let chunk = self.chunk;
+        let id = match self.free_sends.pop() {
+            Some(i) => i,
+            None => {
+                self.sends.push(0);
+                self.sends.len() - 1
+            }
+        };
+        let key = Key {
+            peer: self.me,
+            class,
+            a,
+            b,
+        };
+        let p = self.peer_mut(peer)?;
+        let mut off = 0usize;
+        let mut chunks = 0;
+        loop {
+            let n = chunk.min(len - off);
+            let s = p.next % p.tx.len();
+            p.next += 1;
+            p.tx[s].q.push_back(TxItem {
+                hdr: put_hdr(KIND_DATA, &key, sig, off as u64, len as u64, n as u32),
+                // SAFETY: off <= len; the caller keeps ptr valid for len bytes.
+                ptr: unsafe { ptr.add(off) },
+                len: n,
+                pos: 0,
+                send: Some(id),
+                owned: None,
+            });
+            chunks += 1;
+            off += n;
+            if off >= len {
+                break;
+            }
+        }
+        self.sends[id] = chunks;
+        Ok(id)
+    }
+
+    pub fn send_done(&self, id: SendId) -> bool {
+        self.sends[id] == 0
+    }
+
+    /// Releases a completed send id for reuse.
+    pub fn release_send(&mut self, id: SendId) {
+        if self.sends[id] == 0 {
+            self.free_sends.push(id);
+        }
+    }
+
+    /// Posts a receive of exactly `total` bytes from node `peer` into `ptr`.
+    ///
+    /// # Safety
+    /// `ptr` must stay valid for `total` writes, and not be read by anyone else, until the
+    /// receive completes (or the wire is dropped).
+    pub unsafe fn recv(
+        &mut self,
+        peer: usize,
+        class: u8,
+        a: u64,
+        b: u64,
+        sig: Option<Sig>,
+        ptr: *mut u8,
+        total: u64,
+        fmt: SigFmt,
+    ) -> Result<RecvId, NetError> {
+        self.peer_mut(peer)?;
+        let key = Key { peer, class, a, b };
+        let mut slot = Posted {
+            ptr,
+            total,
+            got: 0,
+            arrived: 0,
+            sig,
+        };
+        if let Some(chunks) = self.early.remove(&key) {
+            for e in chunks {
+                self.early_bytes -= e.len;
+                check_sig(peer, &slot, &e.sig, e.total, fmt)?;
+                // SAFETY: offset + len <= total (checked when the header came, and total equals
+                // the posted size, checked above); ptr is valid for total writes (caller).
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        e.buf.as_ptr(),
+                        ptr.add(e.offset as usize),
+                        e.len as usize,
+                    )
+                };
+                slot.got += e.len;
+                slot.arrived += 1;
+                self.pool.push(e.buf);
+            }
+        }
+        self.posted.insert(key, slot);
+        Ok(key)
+    }
+
+    pub fn recv_done(&self, id: &RecvId) -> bool {
+        self.posted
+            .get(id)
+            .is_some_and(|p| p.got >= p.total && p.arrived > 0)
+    }
+
+    /// Forgets a completed receive.
+    pub fn release_recv(&mut self, id: &RecvId) {
+        self.posted.remove(id);
+    }
+
+    /// Pumps until every listed send and receive is complete. `deadline` bounds the wait for
+    /// data from peers that are alive (op timeout); a silent peer fails after `peer_timeout`.
+    pub fn wait(
+        &mut self,
+        sends: &[SendId],
+        recvs: &[RecvId],
+        deadline: Instant,
+        fmt: SigFmt,
+        what: &dyn Fn(&[usize]) -> String,
+    ) -> Result<(), NetError> {
+        loop {
+            let done = sends.iter().all(|s| self.sends[*s] == 0)
+                && recvs.iter().all(|r| self.recv_done(r));
+            if done {
+                return Ok(());
+            }
+            if let Some(r) = recvs
+                .iter()
+                .find(|r| !self.recv_done(r) && self.peer_ended(r.peer))
+            {
+                return Err(NetError::PeerLost {
+                    node: r.peer,
+                    why: "it left the communicator (its ranks destroyed it) while this node still waits for its data".into(),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let mut waiting: Vec<usize> = recvs
+                    .iter()
+                    .filter(|r| !self.recv_done(r))
+                    .map(|r| r.peer)
+                    .collect();
+                waiting.sort_unstable();
+                waiting.dedup();
+                return Err(NetError::Timeout(what(&waiting)));
+            }
+            self.pump(Some(deadline.min(now + Duration::from_millis(250))), fmt)?;
+        }
+    }
+
+    fn peer_mut(&mut self, peer: usize) -> Result<&mut Peer, NetError> {
+        match self.peers.get_mut(peer) {
+            Some(Some(p)) => Ok(p),
+            _ => Err(NetError::Local(format!("no link to node {peer}"))),
+        }
+    }
+
+    /// One round of I/O: waits (until `until`, or returns at once with `None`) for readable or
+    /// writable streams or the wake fd, then moves bytes. Also sends heartbeats and checks peer
+    /// liveness.
+    pub fn pump(&mut self, until: Option<Instant>, fmt: SigFmt) -> Result<(), NetError> {
+        use rustix::event::{PollFd, PollFlags};
+        let now = Instant::now();
+        self.heartbeats(now);
+        let read_ok = self.early_bytes < MAX_UNEXPECTED;
+        let mut idx: Vec<(usize, bool, usize)> = Vec::new();
+        {
+            let mut fds: Vec<PollFd<'_>> = Vec::new();
+            fds.push(PollFd::new(&self.wake, PollFlags::IN));
+            for (pi, p) in self.peers.iter().enumerate() {
+                let Some(p) = p else { continue };
+                for (si, t) in p.tx.iter().enumerate() {
+                    if !t.q.is_empty() {
+                        fds.push(PollFd::from_borrowed_fd(t.sock.as_fd(), PollFlags::OUT));
+                        idx.push((pi, true, si));
+                    }
+                }
+                for (si, r) in p.rx.iter().enumerate() {
+                    if !r.eof && (read_ok || r.cur.as_ref().is_some_and(|c| c.early.is_none())) {
+                        fds.push(PollFd::from_borrowed_fd(r.sock.as_fd(), PollFlags::IN));
+                        idx.push((pi, false, si));
+                    }
+                }
+            }
+            let timeout = until.map(|u| {
+                let d = u.saturating_duration_since(now).min(HEARTBEAT_EVERY);
+                rustix::event::Timespec {
+                    tv_sec: d.as_secs() as i64,
+                    tv_nsec: d.subsec_nanos() as i64,
+                }
+            });
+            let zero = rustix::event::Timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            match rustix::event::poll(&mut fds, Some(timeout.as_ref().unwrap_or(&zero))) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(NetError::Local(format!("poll: {e}"))),
+            }
+            let ready: Vec<bool> = fds.iter().map(|f| !f.revents().is_empty()).collect();
+            if ready[0] {
+                let mut b = [0u8; 8];
+                let _ = rustix::io::read(&self.wake, &mut b);
+            }
+            idx = idx
+                .into_iter()
+                .zip(ready.into_iter().skip(1))
+                .filter(|(_, r)| *r)
+                .map(|(i, _)| i)
+                .collect();
+        }
+        for (pi, is_tx, si) in idx {
+            if is_tx {
+                self.write_stream(pi, si)?;
+            } else {
+                self.read_stream(pi, si, fmt)?;
+            }
+        }
+        self.check_liveness(Instant::now())
+    }
+
+    fn heartbeats(&mut self, now: Instant) {
+        let progress = self.progress;
+        for p in self.peers.iter_mut().flatten() {
+            if now.duration_since(p.last_hb) >= HEARTBEAT_EVERY {
+                p.last_hb = now;
+                let key = Key {
+                    peer: 0,
+                    class: 0,
+                    a: progress,
+                    b: 0,
+                };
+                // On the least loaded stream, so it is not stuck behind bulk data.
+                if let Some(t) = p.tx.iter_mut().min_by_key(|t| t.q.len())
+                    && t.q.len() < 4
+                {
+                    t.q.push_back(TxItem {
+                        hdr: put_hdr(KIND_HEARTBEAT, &key, &Sig::default(), 0, 0, 0),
+                        ptr: std::ptr::null(),
+                        len: 0,
+                        pos: 0,
+                        send: None,
+                        owned: None,
+                    });
+                }
+            }
+        }
+    }
+
+    fn check_liveness(&self, now: Instant) -> Result<(), NetError> {
+        for (i, p) in self.peers.iter().enumerate() {
+            let Some(p) = p else { continue };
+            // A stream we stopped reading (backpressure) says nothing about the peer.
+            if self.early_bytes >= MAX_UNEXPECTED {
+                continue;
+            }
+            let quiet = now.saturating_duration_since(p.last_rx);
+            if quiet > self.peer_timeout && !p.ended {
+                return Err(NetError::PeerLost {
+                    node: i,
+                    why: format!(
+                        "nothing received for {:.1} s (no heartbeat; peer_timeout_ms={})",
+                        quiet.as_secs_f64(),
+                        self.peer_timeout.as_millis()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn write_stream(&mut self, pi: usize, si: usize) -> Result<(), NetError> {
+        let Some(Some(p)) = self.peers.get_mut(pi) else {
+            return Ok(());
+        };
+        let t = &mut p.tx[si];
+        let st = &mut self.stats[pi];
+        while let Some(it) = t.q.front_mut() {
+            let total = HDR + it.len;
+            let payload: &[u8] = if it.len == 0 {
+                &[]
+            } else if let Some(o) = &it.owned {
+                &o[..it.len]
+            } else {
+                // SAFETY: the sender keeps ptr valid for len bytes until completion (send()).
+                unsafe { std::slice::from_raw_parts(it.ptr, it.len) }
+            };
+            let r = if it.pos < HDR {
+                t.sock
+                    .write_vectored(&[IoSlice::new(&it.hdr[it.pos..]), IoSlice::new(payload)])
+            } else {
+                t.sock.write(&payload[it.pos - HDR..])
+            };
+            match r {
+                Ok(0) => {
+                    return Err(NetError::PeerLost {
+                        node: pi,
+                        why: "connection closed while sending".into(),
+                    });
+                }
+                Ok(n) => {
+                    it.pos += n;
+                    st.tx_bytes += n as u64;
+                    let link = self.links.get(pi).and_then(Option::as_ref);
+                    if let Some(l) = link {
+                        l.tx(n as u64, 0);
+                    }
+                    if it.pos == total {
+                        st.tx_frames += 1;
+                        if let Some(l) = link {
+                            l.tx(0, 1);
+                        }
+                        if let Some(s) = it.send {
+                            self.sends[s] -= 1;
+                        }
+                        t.q.pop_front();
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(NetError::PeerLost {
+                        node: pi,
+                        why: format!("send failed: {e}"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn read_stream(&mut self, pi: usize, si: usize, fmt: SigFmt) -> Result<(), NetError> {
+        loop {
+            let Some(Some(p)) = self.peers.get_mut(pi) else {
+                return Ok(());
+            };
+            let r = &mut p.rx[si];
+            if r.eof {
+                return Ok(());
+            }
+            if let Some(c) = &mut r.cur {
+                if c.pos < c.len {
+                    let buf: &mut [u8] = match &mut c.early {
+                        Some(v) => &mut v[c.pos..c.len],
+                        // SAFETY: dest was checked to hold offset+len bytes of a posted receive
+                        // whose owner keeps it valid until completion.
+                        None => unsafe {
+                            std::slice::from_raw_parts_mut(c.dest.add(c.pos), c.len - c.pos)
+                        },
+                    };
+                    match r.sock.read(buf) {
+                        Ok(0) => return self.lost(pi, si, "connection closed mid-message"),
+                        Ok(n) => {
+                            c.pos += n;
+                            p.last_rx = Instant::now();
+                            self.stats[pi].rx_bytes += n as u64;
+                            if let Some(Some(l)) = self.links.get(pi) {
+                                l.rx(n as u64, 0);
+                            }
+                        }
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                        Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                        Err(e) => return self.lost(pi, si, &format!("receive failed: {e}")),
+                    }
+                }
+                let Some(Some(p)) = self.peers.get_mut(pi) else {
+                    return Ok(());
+                };
+                let r = &mut p.rx[si];
+                let Some(c) = &r.cur else { continue };
+                if c.pos >= c.len {
+                    let c = r.cur.take().unwrap_or_else(|| unreachable!());
+                    self.stats[pi].rx_frames += 1;
+                    if let Some(Some(l)) = self.links.get(pi) {
+                        l.rx(0, 1);
+                    }
+                    self.finish_chunk(pi, c, fmt)?;
+                }
+                continue;
+            }
+            // Reading a header.
+            match r.sock.read(&mut r.hdr[r.hpos..]) {
+                Ok(0) => {
+                    if r.hpos == 0 && p.ended {
+                        r.eof = true;
+                        return Ok(());
+                    }
+                    return self.lost(pi, si, "connection closed (daemon exited or link cut)");
+                }
+                Ok(n) => {
+                    r.hpos += n;
+                    p.last_rx = Instant::now();
+                    self.stats[pi].rx_bytes += n as u64;
+                    if let Some(Some(l)) = self.links.get(pi) {
+                        l.rx(n as u64, 0);
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return self.lost(pi, si, &format!("receive failed: {e}")),
+            }
+            if r.hpos < HDR {
+                continue;
+            }
+            r.hpos = 0;
+            let h = r.hdr;
+            self.on_header(pi, si, &h, fmt)?;
+        }
+    }
+
+    fn lost(&self, pi: usize, _si: usize, why: &str) -> Result<(), NetError> {
+        Err(NetError::PeerLost {
+            node: pi,
+            why: why.to_string(),
+        })
+    }
+
+    fn on_header(
+        &mut self,
+        pi: usize,
+        si: usize,
+        h: &[u8; HDR],
+        fmt: SigFmt,
+    ) -> Result<(), NetError> {
+        if u32_at(h, 0) != MAGIC {
+            return Err(NetError::PeerLost {
+                node: pi,
+                why: "protocol error: bad frame magic".into(),
+            });
+        }
+        let kind = h[4];
+        let len = u32_at(h, 48);
+        let key = Key {
+            peer: pi,
+            class: h[5],
+            a: u64_at(h, 8),
+            b: u64_at(h, 16),
+        };
+        let Some(Some(p)) = self.peers.get_mut(pi) else {
+            return Ok(());
+        };
+        match kind {
+            KIND_HEARTBEAT => {
+                p.progress = key.a;
+                return Ok(());
+            }
+            KIND_END => {
+                // The peer is done with this communicator on this stream; nothing after it
+                // belongs to us (the connection may be bound to another communicator next).
+                p.rx[si].eof = true;
+                p.rx[si].ended = true;
+                p.ended = p.rx.iter().all(|r| r.ended);
+                return Ok(());
+            }
+            KIND_ABORT => {
+                if len > MAX_ABORT_TEXT {
+                    return Err(NetError::PeerLost {
+                        node: pi,
+                        why: "protocol error: abort text too long".into(),
+                    });
+                }
+                let mut buf = vec![0u8; len as usize];
+                // The text is short: read it here, blocking briefly if it is split.
+                let sock = &mut p.rx[si].sock;
+                let _ = sock.set_nonblocking(false);
+                let _ = sock.set_read_timeout(Some(Duration::from_secs(1)));
+                let r = sock.read_exact(&mut buf);
+                let _ = sock.set_nonblocking(true);
+                let msg = match r {
+                    Ok(()) => String::from_utf8_lossy(&buf).into_owned(),
+                    Err(e) => format!("(abort text unreadable: {e})"),
+                };
+                return Err(NetError::Aborted { node: pi, msg });
+            }
+            KIND_DATA => {}
+            k => {
+                return Err(NetError::PeerLost {
+                    node: pi,
+                    why: format!("protocol error: frame kind {k}"),
+                });
+            }
+        }
+        let offset = u64_at(h, 32);
+        let total = u64_at(h, 40);
+        let len64 = u64::from(len);
+        if offset.checked_add(len64).is_none_or(|e| e > total) {
+            return Err(NetError::PeerLost {
+                node: pi,
+                why: "protocol error: chunk outside its message".into(),
+            });
+        }
+        let hsig = sig_of(h);
+        let cur = match self.posted.get_mut(&key) {
+            Some(slot) => {
+                check_sig(pi, slot, &hsig, total, fmt)?;
+                RxCur {
+                    key,
+                    offset,
+                    total,
+                    len: len as usize,
+                    pos: 0,
+                    // SAFETY: offset + len <= total == the posted receive's size.
+                    dest: unsafe { slot.ptr.add(offset as usize) },
+                    early: None,
+                    sig: hsig,
+                }
+            }
+            None => {
+                let mut buf = self.pool.pop().unwrap_or_default();
+                buf.clear();
+                buf.resize(len as usize, 0);
+                self.early_bytes += len64;
+                RxCur {
+                    key,
+                    offset,
+                    total,
+                    len: len as usize,
+                    pos: 0,
+                    dest: std::ptr::null_mut(),
+                    early: Some(buf),
+                    sig: hsig,
+                }
+            }
+        };
+        let Some(Some(p)) = self.peers.get_mut(pi) else {
+            return Ok(());
+        };
+        p.rx[si].cur = Some(cur);
+        Ok(())
+    }
+
+    fn finish_chunk(&mut self, pi: usize, c: RxCur, fmt: SigFmt) -> Result<(), NetError> {
+        let len = c.len as u64;
+        match c.early {
+            Some(buf) => {
+                // The receive may have been posted while this chunk was arriving.
+                if let Some(slot) = self.posted.get_mut(&c.key) {
+                    check_sig(pi, slot, &c.sig, c.total, fmt)?;
+                    self.early_bytes -= len;
+                    // SAFETY: offset + len <= total == slot.total (checked when the header came).
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            buf.as_ptr(),
+                            slot.ptr.add(c.offset as usize),
+                            c.len,
+                        )
+                    };
+                    slot.got += len;
+                    slot.arrived += 1;
+                    self.pool.push(buf);
+                } else {
+                    self.early.entry(c.key).or_default().push(Early {
+                        offset: c.offset,
+                        len,
+                        buf,
+                        sig: c.sig,
+                        total: c.total,
+                    });
+                }
+            }
+            None => {
+                if let Some(slot) = self.posted.get_mut(&c.key) {
+                    slot.got += len;
+                    slot.arrived += 1;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Best effort: tells every peer why this node gives up on the communicator, drops queued
+    /// data that has not started, and flushes for up to `flush`.
+    pub fn abort(&mut self, msg: &str, flush: Duration) {
+        let text = msg.as_bytes()[..msg.len().min(MAX_ABORT_TEXT as usize)].to_vec();
+        self.enqueue_control(KIND_ABORT, Some(text));
+        self.flush(flush);
+    }
+
+    /// Graceful end: tells peers this node leaves the communicator.
+    pub fn end(&mut self, flush: Duration) {
+        self.enqueue_control(KIND_END, None);
+        self.flush(flush);
+    }
+
+    fn enqueue_control(&mut self, kind: u8, text: Option<Vec<u8>>) {
+        let key = Key {
+            peer: 0,
+            class: 0,
+            a: 0,
+            b: 0,
+        };
+        for p in self.peers.iter_mut().flatten() {
+            for t in &mut p.tx {
+                t.q.retain(|it| it.pos > 0);
+                let len = text.as_ref().map_or(0, |t| t.len());
+                t.q.push_back(TxItem {
+                    hdr: put_hdr(kind, &key, &Sig::default(), 0, len as u64, len as u32),
+                    ptr: std::ptr::null(),
+                    len,
+                    pos: 0,
+                    send: None,
+                    owned: text.clone(),
+                });
+            }
+        }
+        for s in &mut self.sends {
+            *s = 0;
+        }
+    }
+
+    fn flush(&mut self, within: Duration) {
+        let until = Instant::now() + within;
+        let fmt: SigFmt = |_| String::new();
+        while Instant::now() < until
+            && self
+                .peers
+                .iter()
+                .flatten()
+                .any(|p| p.tx.iter().any(|t| !t.q.is_empty()))
+        {
+            let mut progressed = false;
+            for pi in 0..self.peers.len() {
+                let n = self.peers[pi].as_ref().map_or(0, |p| p.tx.len());
+                for si in 0..n {
+                    if self.write_stream(pi, si).is_err() {
+                        if let Some(Some(p)) = self.peers.get_mut(pi) {
+                            p.tx[si].q.clear();
+                        }
+                    } else {
+                        progressed = true;
+                    }
+                }
+            }
+            let _ = fmt;
+            if progressed {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// True if the peer ended its side (END on every stream).
+    pub fn peer_ended(&self, node: usize) -> bool {
+        self.peers
+            .get(node)
+            .and_then(|p| p.as_ref())
+            .is_some_and(|p| p.ended)
+    }
+
+    /// The streams after the communicator ended: per peer, its clean tx streams (every queued
+    /// frame written) and its rx streams with whether each saw END.
+    pub fn into_streams(self) -> Vec<(usize, Vec<TcpStream>, Vec<(TcpStream, bool)>)> {
+        self.peers
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, p)| {
+                let p = p?;
+                let tx =
+                    p.tx.into_iter()
+                        .filter(|t| t.q.is_empty())
+                        .map(|t| t.sock)
+                        .collect();
+                let rx =
+                    p.rx.into_iter()
+                        .map(|r| (r.sock, r.ended && r.cur.is_none()))
+                        .collect();
+                Some((i, tx, rx))
+            })
+            .collect()
+    }
+}

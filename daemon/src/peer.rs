@@ -1,0 +1,117 @@
+//! The peer service between daemons (gRPC over TCP, `proto/commd/v1/peer.proto`): the root
+//! daemon of a communicator collects every rank's join (authorized by the communicator token)
+//! and answers all of them with the membership. Also the client side used by non-root daemons,
+//! and the choice of the address this node advertises.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use commd_proto::pb;
+use commd_proto::pb::peer_client::PeerClient;
+use tonic::{Request, Response, Status};
+
+use crate::daemon::{Daemon, DaemonError};
+
+pub struct PeerService {
+    pub daemon: Arc<Daemon>,
+}
+
+#[tonic::async_trait]
+impl pb::peer_server::Peer for PeerService {
+    async fn join(
+        &self,
+        req: Request<pb::PeerJoinRequest>,
+    ) -> Result<Response<pb::PeerJoinReply>, Status> {
+        let from = req.remote_addr().map(|a| a.to_string()).unwrap_or_default();
+        let r = req.into_inner();
+        tracing::debug!(target: "commd::net", "peer join: rank {} of {} from node {} ({from})", r.rank, r.nranks, r.node);
+        let rx = self.daemon.peer_join(&r)?;
+        let wait = Duration::from_millis(r.timeout_ms.max(1));
+        let t0 = Instant::now();
+        match tokio::time::timeout(wait, rx).await {
+            Ok(Ok(Ok(reply))) => Ok(Response::new(reply)),
+            Ok(Ok(Err(e))) => Err(e.into()),
+            Ok(Err(_)) => Err(Status::unavailable("root daemon is shutting down")),
+            Err(_) => Err(Status::deadline_exceeded(self.daemon.peer_join_timed_out(
+                &r.token,
+                r.rank,
+                t0.elapsed(),
+            ))),
+        }
+    }
+
+    async fn ping(&self, _req: Request<pb::PeerPing>) -> Result<Response<pb::PeerPing>, Status> {
+        Ok(Response::new(pb::PeerPing {
+            node: self.daemon.node_id().unwrap_or_default(),
+        }))
+    }
+}
+
+fn from_status(root: &str, s: Status) -> DaemonError {
+    use tonic::Code;
+    let m = s.message().to_string();
+    match s.code() {
+        Code::InvalidArgument => DaemonError::InvalidArgument(m),
+        Code::NotFound => DaemonError::NotFound(m),
+        Code::PermissionDenied => {
+            DaemonError::PermissionDenied(format!("root daemon {root} refused the join: {m}"))
+        }
+        Code::AlreadyExists => DaemonError::AlreadyExists(m),
+        Code::ResourceExhausted => DaemonError::ResourceExhausted(m),
+        Code::DeadlineExceeded => DaemonError::DeadlineExceeded(m),
+        Code::Unavailable => DaemonError::Unavailable(format!("root daemon {root}: {m}")),
+        _ => DaemonError::Internal(format!("root daemon {root}: {m}")),
+    }
+}
+
+/// Joins a rank at the root daemon `root` (`host:port`); resolves with the membership.
+pub async fn join(
+    root: &str,
+    req: pb::PeerJoinRequest,
+    wait: Duration,
+) -> Result<pb::PeerJoinReply, DaemonError> {
+    let unreachable = |e: String| {
+        DaemonError::Unavailable(format!(
+            "cannot reach the root daemon {root} of this communicator (the address in the unique id): {e}"
+        ))
+    };
+    let ep = tonic::transport::Endpoint::from_shared(format!("http://{root}"))
+        .map_err(|e| unreachable(e.to_string()))?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(wait + Duration::from_secs(1));
+    let ch = ep
+        .connect()
+        .await
+        .map_err(|e| unreachable(format!("{e} ({e:?})")))?;
+    let mut c = PeerClient::new(ch);
+    match c.join(req).await {
+        Ok(r) => Ok(r.into_inner()),
+        Err(s) => Err(from_status(root, s)),
+    }
+}
+
+/// The IP this node advertises: the configured one, else the listen IP, else the IP of the
+/// interface holding the default route (no packet is sent), else loopback (with a warning).
+pub fn advertise_ip(configured: &str, listen: IpAddr) -> (IpAddr, Option<u16>) {
+    if let Ok(sa) = configured.parse::<SocketAddr>() {
+        return (sa.ip(), Some(sa.port()));
+    }
+    if let Ok(ip) = configured.parse::<IpAddr>() {
+        return (ip, None);
+    }
+    if !listen.is_unspecified() {
+        return (listen, None);
+    }
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0").and_then(|s| {
+        s.connect("192.0.2.1:9")?;
+        s.local_addr()
+    });
+    match probe {
+        Ok(a) if !a.ip().is_unspecified() => (a.ip(), None),
+        _ => {
+            tracing::warn!(target: "commd::init", "no default route to pick an address to advertise; advertising 127.0.0.1 (set advertise / COMMD_ADVERTISE for multi-node use)");
+            (IpAddr::from([127, 0, 0, 1]), None)
+        }
+    }
+}
