@@ -308,7 +308,7 @@ class NsDaemon(Daemon):
     """A daemon in a network namespace (its Unix socket is still reachable from the host)."""
 
     def __init__(self, tmp_path, netns, ip, **kw):
-        super().__init__(tmp_path, "--set", f"peer_listen={ip}:7461", **kw)
+        super().__init__(tmp_path, "--set", f"peer_listen={ip}:7400", **kw)
         self.netns = netns
 
     def start(self, timeout=10.0):
@@ -370,4 +370,62 @@ def test_netns_nodes_exact_under_delay_and_loss_then_cut_link_errors(netns_pair,
             assert f"node {other}" in errs[0]["message"], errs[0]
     finally:
         for d in nodes:
+            d.stop()
+
+
+# ---- mutual TLS on the peer service ------------------------------------------------------
+
+def _openssl(*args, cwd):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _make_ca(d, name):
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name}",
+             "-keyout", f"{name}.key", "-out", f"{name}.pem", cwd=d)
+
+
+def _make_cert(d, ca, name):
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", f"{name}.key",
+             "-out", f"{name}.csr", cwd=d)
+    (Path(d) / f"{name}.ext").write_text("subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
+             "-CAcreateserial", "-days", "2", "-extfile", f"{name}.ext", "-out", f"{name}.pem", cwd=d)
+
+
+def test_mutual_tls_peer_service(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.fail("openssl is needed to generate the test CA")
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    _make_ca(pki, "ca")
+    _make_ca(pki, "rogueca")
+    for n in ("a", "b"):
+        _make_cert(pki, "ca", n)
+    _make_cert(pki, "rogueca", "rogue")
+
+    def tls_env(name, ca="ca"):
+        return {"COMMD_PEER_TLS_CERT": str(pki / f"{name}.pem"), "COMMD_PEER_TLS_KEY": str(pki / f"{name}.key"),
+                "COMMD_PEER_TLS_CA": str(pki / f"{ca}.pem")}
+
+    root = start_nodes(tmp_path / "a", 1, env=tls_env("a"))[0]
+    good = start_nodes(tmp_path / "b", 1, env=tls_env("b"))[0]
+    plain = start_nodes(tmp_path / "p", 1)[0]
+    rogue = start_nodes(tmp_path / "r", 1, env=tls_env("rogue", ca="ca"))[0]
+    try:
+        assert "peer service requires mutual TLS" in root.log()
+        assert_all_pass(run_multi([root, good], [0, 0, 1, 1],
+                                  [{"op": "all_reduce", "dtype": "f32", "count": 100_001, "redop": "sum"},
+                                   {"op": "all_gather", "dtype": "i32", "count": 77}]))
+        # A daemon without TLS, and one whose certificate another CA signed, cannot join.
+        for d in (plain, rogue):
+            uid = root.uid()
+            a = Rank(root, [f"{uid}:0:2:600000:4000"], [{"op": "barrier"}])
+            b = Rank(d, [f"{uid}:1:2:600000:4000"], [{"op": "barrier"}]).wait(30)
+            a.wait(30)
+            assert b.code == 2, (b.out, b.err)
+            fatal = json.loads(b.out.splitlines()[0])["fatal"]
+            assert "root daemon" in fatal, fatal
+            assert a.code == 2
+    finally:
+        for d in (root, good, plain, rogue):
             d.stop()

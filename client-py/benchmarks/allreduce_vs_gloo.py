@@ -8,7 +8,10 @@ busbw = algbw * 2 (n-1) / n) for both, and the ratio. Results are checked (sum o
     python client-py/benchmarks/allreduce_vs_gloo.py [--nranks 4] [--socket PATH]
         [--min-bytes 4096] [--max-bytes 67108864] [--iters N] [--registered] [--json FILE]
 
-Needs a running daemon (``commd serve``) or ``--start-daemon PATH_TO_COMMD``.
+Needs a running daemon (``commd serve``) or ``--start-daemon PATH_TO_COMMD``. With
+``--nodes K`` (and ``--start-daemon``) it starts K daemons on this host as separate nodes (own
+sockets, peer ports on loopback) and spreads the ranks over them in contiguous blocks, so commd's
+inter-node path (TCP between daemons) runs against gloo with the same processes on loopback.
 ``--registered`` also measures commd on tensors allocated in commd shared memory
 (``commd.torch.empty``), which skip the staging copies.
 """
@@ -109,8 +112,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
 def report(rows: list[dict], n: int, args: argparse.Namespace) -> None:
     cols = ["gloo", "commd"] + (["commd-registered"] if args.registered else [])
-    print(f"# all_reduce f32, {n} ranks, torch.distributed; median over iterations of the "
-          f"slowest rank; busbw = algbw*2(n-1)/n")
+    print(f"# all_reduce f32, {n} ranks on {args.nodes} commd node(s), torch.distributed; median "
+          f"over iterations of the slowest rank; busbw = algbw*2(n-1)/n")
     hdr = f"{'bytes':>10} {'iters':>5}"
     for c in cols:
         hdr += f" | {c + ' us':>14} {c[:5] + ' busbw':>12}"
@@ -143,36 +146,50 @@ def main() -> None:
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--iters", type=int, default=0, help="iterations per size (0: by size)")
     ap.add_argument("--registered", action="store_true")
+    ap.add_argument("--nodes", type=int, default=1, help="daemons as separate nodes (needs --start-daemon)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rank_main:
         rank_main(args)
         return
-    daemon = None
+    daemons = []
+    sockets = []
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.nranks))
+    if args.nodes > 1 and not args.start_daemon:
+        raise SystemExit("--nodes > 1 needs --start-daemon PATH_TO_COMMD")
     if args.start_daemon:
         tmp = tempfile.mkdtemp(prefix="commd-bench-")
-        args.socket = os.path.join(tmp, "commd.sock")
-        daemon = subprocess.Popen([args.start_daemon, "serve", "--socket", args.socket],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(200):
-            if os.path.exists(args.socket):
-                break
-            time.sleep(0.05)
-    if args.socket:
-        env["COMMD_SOCKET"] = args.socket
+        for i in range(args.nodes):
+            sock = os.path.join(tmp, f"node{i}.sock")
+            daemons.append(subprocess.Popen(
+                [args.start_daemon, "serve", "--socket", sock, "--set", "peer_listen=127.0.0.1:0"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            sockets.append(sock)
+        for sock in sockets:
+            for _ in range(200):
+                if os.path.exists(sock):
+                    break
+                time.sleep(0.05)
+    elif args.socket:
+        sockets = [args.socket]
     fwd = [a for a in sys.argv[1:] if a != "--start-daemon" and a != args.start_daemon]
-    procs = [subprocess.Popen([sys.executable, __file__, "--rank-main", *fwd],
-                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)))
+
+    def rank_env(r: int) -> dict:
+        e = dict(env, RANK=str(r), LOCAL_RANK=str(r))
+        if sockets:
+            e["COMMD_SOCKET"] = sockets[r * len(sockets) // args.nranks]
+        return e
+
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank-main", *fwd], env=rank_env(r))
              for r in range(args.nranks)]
     code = 0
     for p in procs:
         code |= p.wait()
-    if daemon is not None:
-        daemon.terminate()
-        daemon.wait()
+    for d in daemons:
+        d.terminate()
+        d.wait()
     sys.exit(code)
 
 

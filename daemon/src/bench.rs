@@ -22,9 +22,13 @@ pub struct BenchArgs {
     /// all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, sendrecv
     #[arg(long, default_value = "all_reduce")]
     pub op: String,
-    /// Local client processes (ranks).
+    /// Client processes (ranks), over all nodes.
     #[arg(long, default_value_t = 4)]
     pub ranks: u32,
+    /// Embedded daemons acting as separate nodes (own sockets and peer ports on loopback); the
+    /// ranks are spread over them in contiguous blocks and the inter-node steps go over TCP.
+    #[arg(long, default_value_t = 1)]
+    pub nodes: u32,
     /// Smallest size (bytes; K, M, G suffixes).
     #[arg(long, default_value = "8", value_parser = parse_size)]
     pub min_bytes: u64,
@@ -113,6 +117,9 @@ fn select(a: &BenchArgs) -> Result<Sel, String> {
             "--root {} is out of range for {} ranks",
             a.root, a.ranks
         ));
+    }
+    if a.nodes == 0 || a.nodes > a.ranks {
+        return Err("--nodes must be in 1..=--ranks".into());
     }
     if a.step_factor < 2 {
         return Err("--step-factor must be at least 2".into());
@@ -209,17 +216,34 @@ pub fn run(
     embedded_cfg: Option<crate::config::Config>,
 ) -> Result<bool, String> {
     let sel = select(a)?;
-    let _embedded;
-    let socket = match socket {
-        Some(s) => s,
+    let mut _embedded = Vec::new();
+    let sockets: Vec<PathBuf> = match socket {
+        Some(s) if a.nodes == 1 => vec![s],
+        Some(_) => {
+            return Err("--nodes > 1 runs its own embedded daemons; do not pass --socket".into());
+        }
         None => {
             let cfg = embedded_cfg.ok_or("no daemon configuration")?;
-            let s = cfg.socket.clone();
-            _embedded = crate::serve::start(cfg)
-                .map_err(|e| format!("starting the embedded daemon: {e}"))?;
-            s
+            let mut v = Vec::new();
+            for i in 0..a.nodes {
+                let mut c = cfg.clone();
+                if a.nodes > 1 {
+                    c.socket = cfg.socket.with_file_name(format!("node{i}.sock"));
+                    c.peer_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+                    c.peer_listen_explicit = true;
+                    c.advertise = String::new();
+                }
+                v.push(c.socket.clone());
+                _embedded.push(
+                    crate::serve::start(c)
+                        .map_err(|e| format!("starting embedded daemon {i}: {e}"))?,
+                );
+            }
+            v
         }
     };
+    let node_of = |r: u32| (u64::from(r) * u64::from(a.nodes) / u64::from(a.ranks)) as usize;
+    let socket = sockets[0].clone();
     let client = Client::connect(Some(&socket)).map_err(|e| e.to_string())?;
     let uid = client.unique_id().map_err(|e| e.to_string())?;
     let uid_hex: String = uid.iter().map(|b| format!("{b:02x}")).collect();
@@ -230,7 +254,7 @@ pub fn run(
         let c = Command::new(&exe)
             .arg("bench-worker")
             .arg("--socket")
-            .arg(&socket)
+            .arg(&sockets[node_of(r)])
             .arg("--uid")
             .arg(&uid_hex)
             .arg("--rank")
@@ -249,12 +273,18 @@ pub fn run(
     if !a.json {
         let _ = writeln!(
             out,
-            "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {})",
+            "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {}, nodes: {}{})",
             a.op,
             a.ranks,
             sel.dtype.name(),
             sel.redop.map(|r| r.name()).unwrap_or("none"),
-            a.ranks
+            a.ranks,
+            a.nodes,
+            if a.nodes > 1 {
+                ", embedded daemons on loopback TCP"
+            } else {
+                ""
+            }
         );
         let _ = writeln!(
             out,
@@ -336,7 +366,7 @@ pub fn run(
         }
         if a.json {
             for (t, m, al, bu, w, ip) in &cols {
-                let j = serde_json::json!({"op": a.op, "ranks": a.ranks, "dtype": sel.dtype.name(), "size": sz, "count": count, "inplace": ip,
+                let j = serde_json::json!({"op": a.op, "ranks": a.ranks, "nodes": a.nodes, "dtype": sel.dtype.name(), "size": sz, "count": count, "inplace": ip,
                     "time_us": t, "median_us": m, "algbw": al, "busbw": bu, "wrong": w, "memcpy_gbps": mb});
                 let _ = writeln!(out, "{j}");
             }

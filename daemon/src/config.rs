@@ -147,7 +147,7 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "peer_listen",
         env: "COMMD_PEER_LISTEN",
-        default: Some("0.0.0.0:7461"),
+        default: Some("0.0.0.0:7400"),
         help: "address of the peer service (gRPC over TCP, multi-node rendezvous), or 'off' for a single-node daemon; port 0 picks a free port. When the default port is busy the daemon warns and serves single-node; an explicitly set address that cannot be bound stops it",
         kind: Kind::Str,
     },
@@ -156,6 +156,27 @@ pub static KEYS: &[Key] = &[
         env: "COMMD_ADVERTISE",
         default: Some(""),
         help: "the IP (or IP:port) other daemons reach this one at; empty: the listen IP, or when that is 0.0.0.0 the IP of the interface holding the default route (Kubernetes passes status.hostIP here)",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "peer_tls_cert",
+        env: "COMMD_PEER_TLS_CERT",
+        default: Some(""),
+        help: "mutual TLS for the peer service: this daemon's certificate (PEM; with peer_tls_key and peer_tls_ca, all three or none). Its SAN must hold the advertised IP. Empty: plain TCP",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "peer_tls_key",
+        env: "COMMD_PEER_TLS_KEY",
+        default: Some(""),
+        help: "mutual TLS: the private key of peer_tls_cert (PEM)",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "peer_tls_ca",
+        env: "COMMD_PEER_TLS_CA",
+        default: Some(""),
+        help: "mutual TLS: the CA (PEM) that signs every daemon's certificate; peers without one are refused",
         kind: Kind::Str,
     },
     Key {
@@ -332,6 +353,8 @@ pub struct Config {
     /// Whether `peer_listen` was set explicitly (a bind failure is then fatal).
     pub peer_listen_explicit: bool,
     pub advertise: String,
+    /// (cert, key, ca) paths when mutual TLS is configured.
+    pub peer_tls: Option<(PathBuf, PathBuf, PathBuf)>,
     pub data_port: u16,
     pub tcp_streams: usize,
     pub peer_timeout: Duration,
@@ -424,7 +447,7 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
             "peer_listen" => value
                 .parse::<std::net::SocketAddr>()
                 .map(|_| ())
-                .map_err(|_| bad("expected IP:PORT (e.g. 0.0.0.0:7461) or 'off'".into())),
+                .map_err(|_| bad("expected IP:PORT (e.g. 0.0.0.0:7400) or 'off'".into())),
             "advertise" if value.is_empty() => Ok(()),
             "advertise" => {
                 if value.parse::<std::net::IpAddr>().is_ok()
@@ -553,6 +576,25 @@ impl Config {
             },
             peer_listen_explicit: eff["peer_listen"].1 != Source::Default,
             advertise: s("advertise"),
+            peer_tls: {
+                let t = [s("peer_tls_cert"), s("peer_tls_key"), s("peer_tls_ca")];
+                match t.iter().filter(|x| !x.is_empty()).count() {
+                    0 => None,
+                    3 => Some((
+                        PathBuf::from(&t[0]),
+                        PathBuf::from(&t[1]),
+                        PathBuf::from(&t[2]),
+                    )),
+                    _ => {
+                        return Err(ConfigError::Invalid {
+                            key: "peer_tls_cert".into(),
+                            value: t.join(", "),
+                            origin: eff["peer_tls_cert"].1.to_string(),
+                            why: "peer_tls_cert, peer_tls_key and peer_tls_ca go together: set all three or none".into(),
+                        });
+                    }
+                }
+            },
             data_port: u("data_port")? as u16,
             tcp_streams: u("tcp_streams")? as usize,
             peer_timeout: ms("peer_timeout_ms")?,

@@ -652,7 +652,7 @@ impl Daemon {
         };
         let d = self.clone();
         tokio::spawn(async move {
-            match crate::peer::join(&uid.root, req, wait).await {
+            match crate::peer::join(&uid.root, req, wait, net.tls.as_ref()).await {
                 Ok(reply) => d.form_remote(&uid, reply),
                 Err(e) => {
                     let j = lock(&d.remote_joins)

@@ -70,16 +70,27 @@ pub async fn join(
     root: &str,
     req: pb::PeerJoinRequest,
     wait: Duration,
+    tls: Option<&crate::net::PeerTls>,
 ) -> Result<pb::PeerJoinReply, DaemonError> {
     let unreachable = |e: String| {
         DaemonError::Unavailable(format!(
             "cannot reach the root daemon {root} of this communicator (the address in the unique id): {e}"
         ))
     };
-    let ep = tonic::transport::Endpoint::from_shared(format!("http://{root}"))
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut ep = tonic::transport::Endpoint::from_shared(format!("{scheme}://{root}"))
         .map_err(|e| unreachable(e.to_string()))?
         .connect_timeout(Duration::from_secs(5))
         .timeout(wait + Duration::from_secs(1));
+    if let Some(t) = tls {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        let c = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&t.ca))
+            .identity(Identity::from_pem(&t.cert, &t.key));
+        ep = ep
+            .tls_config(c)
+            .map_err(|e| unreachable(format!("TLS configuration: {e}")))?;
+    }
     let ch = ep
         .connect()
         .await

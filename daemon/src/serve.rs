@@ -246,8 +246,17 @@ pub fn run(
             let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
             let svc = commd_proto::pb::peer_server::PeerServer::new(crate::peer::PeerService { daemon: daemon.clone() });
             let d = daemon.clone();
+            let mut builder = tonic::transport::Server::builder();
+            if let Some(t) = daemon.net().and_then(|n| n.tls.clone()) {
+                use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+                let c = ServerTlsConfig::new()
+                    .identity(Identity::from_pem(&t.cert, &t.key))
+                    .client_ca_root(Certificate::from_pem(&t.ca));
+                builder = builder.tls_config(c).map_err(|e| ServeError::Runtime(format!("peer TLS configuration: {e}")))?;
+                tracing::info!(target: "commd::init", "peer service requires mutual TLS");
+            }
             tokio::spawn(async move {
-                let r = tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(incoming, async move {
+                let r = builder.add_service(svc).serve_with_incoming_shutdown(incoming, async move {
                     while !d.is_shutting_down() {
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
@@ -323,6 +332,22 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
     };
     l.set_nonblocking(true).map_err(setup)?;
     let bound = l.local_addr().map_err(setup)?;
+    let tls = match &cfg.peer_tls {
+        None => None,
+        Some((c, k, a)) => {
+            let read = |p: &PathBuf| {
+                std::fs::read(p).map_err(|err| ServeError::Setup {
+                    path: p.clone(),
+                    err,
+                })
+            };
+            Some(crate::net::PeerTls {
+                cert: read(c)?,
+                key: read(k)?,
+                ca: read(a)?,
+            })
+        }
+    };
     let (ip, port) = crate::peer::advertise_ip(&cfg.advertise, bound.ip());
     let node = std::net::SocketAddr::new(ip, port.unwrap_or(bound.port())).to_string();
     let data = crate::net::conn::DataPlane::start(bound.ip(), cfg.data_port, ip).map_err(setup)?;
@@ -337,6 +362,7 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
         data,
         streams: cfg.tcp_streams,
         peer_timeout: cfg.peer_timeout,
+        tls,
         tuning: crate::net::algo::Tuning {
             chunk: cfg.net_chunk_bytes,
             small: cfg.net_small_bytes,

@@ -872,4 +872,78 @@ mod tests {
         };
         assert_eq!(from_bytes(DType::F16, &out)[0], 2052.0);
     }
+
+    /// A reduction split into chained steps (as across nodes: ranks 0..2, then 2..3, then 3..5)
+    /// produces exactly the bytes of the single-step reduction, for every dtype and op, on data
+    /// where the order of rounding matters.
+    #[test]
+    fn chained_steps_are_bitwise_identical_to_one_reduction() {
+        let n = CHUNK + 77;
+        let ranks = 5usize;
+        let mut state = 0x1234_5678_9abc_def0u64;
+        let mut rnd = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for &dtype in ALL_DTYPES.iter() {
+            for &op in ALL_REDOPS.iter() {
+                let Ok(k) = Kernel::new(dtype, op) else {
+                    continue;
+                };
+                let es = dtype.size() as usize;
+                let inputs: Vec<Vec<u8>> = (0..ranks)
+                    .map(|_| {
+                        let vals: Vec<f64> = (0..n)
+                            .map(|_| {
+                                let r = rnd();
+                                if dtype.is_float() {
+                                    (r % 100_000) as f64 / 7.3 - 6000.0
+                                } else {
+                                    (r % 200) as f64 - 100.0
+                                }
+                            })
+                            .collect();
+                        to_bytes(dtype, &vals)
+                    })
+                    .collect();
+                let ptrs: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr()).collect();
+                let mut want = vec![0u8; n * es];
+                // SAFETY: every buffer holds n elements; outputs are distinct from the inputs.
+                unsafe { reduce(k, ranks as u32, &ptrs, &[want.as_mut_ptr()], n, false) };
+                let acc = k.acc_size();
+                let mut a1 = vec![0u8; n * acc];
+                let mut a2 = vec![0u8; n * acc];
+                let mut got = vec![0u8; n * es];
+                let start = Chain {
+                    acc_in: std::ptr::null(),
+                    acc_out: a1.as_mut_ptr(),
+                };
+                let mid = Chain {
+                    acc_in: a1.as_ptr(),
+                    acc_out: a2.as_mut_ptr(),
+                };
+                let end = Chain {
+                    acc_in: a2.as_ptr(),
+                    acc_out: std::ptr::null_mut(),
+                };
+                // SAFETY: as above; accumulator buffers hold n accumulators each.
+                unsafe {
+                    reduce_chain(k, ranks as u32, start, &ptrs[0..2], &[], n, false);
+                    reduce_chain(k, ranks as u32, mid, &ptrs[2..3], &[], n, false);
+                    reduce_chain(
+                        k,
+                        ranks as u32,
+                        end,
+                        &ptrs[3..5],
+                        &[got.as_mut_ptr()],
+                        n,
+                        true,
+                    );
+                }
+                assert!(got == want, "{dtype:?} {op:?}: chained result differs");
+            }
+        }
+    }
 }

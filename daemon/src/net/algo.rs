@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use commd_proto::desc::{DType, OpKind, RedOp};
 
-use super::wire::{CLASS_COLL, NetError, RecvId, SendId, Sig, Wire};
+use super::wire::{CLASS_COLL, NetError, RecvId, SendId, Sig, Tag, Wire};
 use crate::engine::RankBufs;
 use crate::engine::reduce::{self, Chain, Kernel};
 
@@ -59,7 +59,7 @@ impl Topo {
         &self.node_ranks[self.me]
     }
 
-    /// "node 1 (10.0.0.2:7461, ranks 2,3)".
+    /// "node 1 (10.0.0.2:7400, ranks 2,3)".
     pub fn label(&self, node: usize) -> String {
         let Some(id) = self.nodes.get(node) else {
             return format!("node {node}");
@@ -171,8 +171,17 @@ impl Io<'_> {
         let sig = self.sig;
         // SAFETY: forwarded.
         let id = unsafe {
-            self.w
-                .send(node, CLASS_COLL, self.seq, msg, &sig, ptr, len as usize)?
+            self.w.send(
+                node,
+                Tag {
+                    class: CLASS_COLL,
+                    a: self.seq,
+                    b: msg,
+                },
+                &sig,
+                ptr,
+                len as usize,
+            )?
         };
         self.sends.push(id);
         Ok(())
@@ -192,9 +201,11 @@ impl Io<'_> {
         unsafe {
             self.w.recv(
                 node,
-                CLASS_COLL,
-                self.seq,
-                msg,
+                Tag {
+                    class: CLASS_COLL,
+                    a: self.seq,
+                    b: msg,
+                },
                 Some(sig),
                 ptr,
                 len,
@@ -470,10 +481,13 @@ fn chain_reduce(
     let final_remote = c.kind == OpKind::Reduce && t.me == last_node && root_node != t.me;
     let total = region * 2 * mine.len() as u64 + if final_remote { c.count * es } else { 0 };
     let base = scratch.get(total);
-    // SAFETY (for the pointer arithmetic below): every offset stays inside `total` bytes.
-    let acc_in = |m: usize| unsafe { base.add((2 * m) as usize * region as usize) };
-    let acc_out = |m: usize| unsafe { base.add((2 * m + 1) as usize * region as usize) };
-    let final_buf = unsafe { base.add(region as usize * 2 * mine.len()) };
+    let region_at = |k: usize| -> *mut u8 {
+        // SAFETY: k <= 2 * mine.len(), so the offset stays inside the `total` bytes requested.
+        unsafe { base.add(k * region as usize) }
+    };
+    let acc_in = |m: usize| region_at(2 * m);
+    let acc_out = |m: usize| region_at(2 * m + 1);
+    let final_buf = region_at(2 * mine.len());
     let range = |ci: u64| {
         let e0 = ci * celems;
         (e0, (e0 + celems).min(c.count))

@@ -238,8 +238,8 @@ mod tests {
     #[test]
     fn bind_round_trip_and_rejects() {
         let t = [7u8; 16];
-        let b = encode_bind(&t, "10.0.0.1:7461", 3);
-        assert_eq!(decode_bind(&b), Some((t, "10.0.0.1:7461".to_string(), 3)));
+        let b = encode_bind(&t, "10.0.0.1:7400", 3);
+        assert_eq!(decode_bind(&b), Some((t, "10.0.0.1:7400".to_string(), 3)));
         let mut bad = b;
         bad[0] = 0;
         assert_eq!(decode_bind(&bad), None);

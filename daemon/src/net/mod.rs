@@ -25,7 +25,7 @@ use commd_proto::desc::{OpKind, status};
 use crate::comm::Posted;
 use algo::{Coll, Scratch, Topo, Tuning};
 use conn::DataPlane;
-use wire::{CLASS_P2P, NetError, PeerLinks, RecvId, SendId, Sig, Wire};
+use wire::{CLASS_P2P, NetError, PeerLinks, RecvId, SendId, Sig, Tag, Wire};
 
 /// Daemon-wide network state (absent when the peer service is off).
 #[derive(Debug)]
@@ -36,6 +36,22 @@ pub struct NetCtx {
     pub streams: usize,
     pub peer_timeout: Duration,
     pub tuning: Tuning,
+    /// Mutual TLS for the peer service (PEM contents), when configured.
+    pub tls: Option<PeerTls>,
+}
+
+/// PEM contents of this daemon's certificate, key and the CA all daemons trust.
+#[derive(Clone)]
+pub struct PeerTls {
+    pub cert: Vec<u8>,
+    pub key: Vec<u8>,
+    pub ca: Vec<u8>,
+}
+
+impl std::fmt::Debug for PeerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PeerTls(..)")
+    }
 }
 
 /// Work for a communicator's net thread, run in the order submitted.
@@ -73,6 +89,7 @@ impl std::fmt::Debug for NetHandle {
 
 impl NetHandle {
     /// Queues `c`; gives it back if the thread is gone (the caller fails its ops).
+    #[allow(clippy::result_large_err)] // the command itself is the error: its ops must complete
     pub fn submit(&self, c: Cmd) -> Result<(), Cmd> {
         let r = self
             .tx
@@ -453,8 +470,20 @@ impl Thread {
                 .as_ref()
                 .map_or(std::ptr::NonNull::<u8>::dangling().as_ptr(), |s| s.ptr());
             // SAFETY: the span stays alive with the Posted op until it completes.
-            unsafe { w.send(node, CLASS_P2P, a, p.seq, &sig, ptr, bytes as usize) }
-                .map(|id| (Some(id), None))
+            unsafe {
+                w.send(
+                    node,
+                    Tag {
+                        class: CLASS_P2P,
+                        a,
+                        b: p.seq,
+                    },
+                    &sig,
+                    ptr,
+                    bytes as usize,
+                )
+            }
+            .map(|id| (Some(id), None))
         } else {
             let ptr = p
                 .bufs
@@ -465,9 +494,11 @@ impl Thread {
             unsafe {
                 w.recv(
                     node,
-                    CLASS_P2P,
-                    a,
-                    p.seq,
+                    Tag {
+                        class: CLASS_P2P,
+                        a,
+                        b: p.seq,
+                    },
                     Some(sig),
                     ptr,
                     bytes,

@@ -161,6 +161,18 @@ pub struct Wire {
 
 pub type RecvId = Key;
 
+/// A message's tag: its class (tag space) and two words (collective: seq and message index;
+/// p2p: (src << 32 | dst) and the pair's sequence number).
+#[derive(Clone, Copy, Debug)]
+pub struct Tag {
+    pub class: u8,
+    pub a: u64,
+    pub b: u64,
+}
+
+/// What [`Wire::into_streams`] hands back per peer: (node, tx streams, rx streams with "clean").
+pub type PeerStreams = (usize, Vec<TcpStream>, Vec<(TcpStream, bool)>);
+
 /// A chunk that arrived before its receive was posted.
 struct Early {
     offset: u64,
@@ -324,9 +336,7 @@ impl Wire {
     pub unsafe fn send(
         &mut self,
         peer: usize,
-        class: u8,
-        a: u64,
-        b: u64,
+        tag: Tag,
         sig: &Sig,
         ptr: *const u8,
         len: usize,
@@ -341,9 +351,9 @@ impl Wire {
         };
         let key = Key {
             peer: self.me,
-            class,
-            a,
-            b,
+            class: tag.class,
+            a: tag.a,
+            b: tag.b,
         };
         let p = self.peer_mut(peer)?;
         let mut off = 0usize;
@@ -390,16 +400,19 @@ impl Wire {
     pub unsafe fn recv(
         &mut self,
         peer: usize,
-        class: u8,
-        a: u64,
-        b: u64,
+        tag: Tag,
         sig: Option<Sig>,
         ptr: *mut u8,
         total: u64,
         fmt: SigFmt,
     ) -> Result<RecvId, NetError> {
         self.peer_mut(peer)?;
-        let key = Key { peer, class, a, b };
+        let key = Key {
+            peer,
+            class: tag.class,
+            a: tag.a,
+            b: tag.b,
+        };
         let mut slot = Posted {
             ptr,
             total,
@@ -980,7 +993,7 @@ impl Wire {
 
     /// The streams after the communicator ended: per peer, its clean tx streams (every queued
     /// frame written) and its rx streams with whether each saw END.
-    pub fn into_streams(self) -> Vec<(usize, Vec<TcpStream>, Vec<(TcpStream, bool)>)> {
+    pub fn into_streams(self) -> Vec<PeerStreams> {
         self.peers
             .into_iter()
             .enumerate()
