@@ -28,6 +28,8 @@ class Daemon:
         self.args = list(args)
         self.env = dict(os.environ, **(env or {}))
         self.env.setdefault("COMMD_DEBUG", "INFO")
+        # Tests run daemons side by side: an ephemeral metrics port each (see `metrics_url`).
+        self.env.setdefault("COMMD_METRICS_LISTEN", "127.0.0.1:0")
         # Private ephemeral peer port: tests run many daemons side by side.
         self.env.setdefault("COMMD_PEER_LISTEN", "127.0.0.1:0")
         self.proc = None

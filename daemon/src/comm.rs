@@ -45,6 +45,8 @@ pub struct Posted {
     /// GPU ops: the doorbell, and the resolved device buffers.
     pub cuda: Option<CudaTicket>,
     pub gbufs: GpuBufs,
+    /// How its data moves, for metrics (`telemetry::transport`; GPU ops are `cuda_ce`).
+    pub transport: &'static str,
 }
 
 impl Posted {
@@ -102,6 +104,12 @@ impl Posted {
                 st,
             );
         }
+        let transport = if self.cuda.is_some() {
+            crate::telemetry::transport::CUDA
+        } else {
+            self.transport
+        };
+        crate::telemetry::op_done(&self.op, transport, st, self.posted_at.elapsed());
         self.session
             .complete(self.op.user_data, comm, self.seq, st, msg);
     }
@@ -259,8 +267,9 @@ impl Comm {
             (Some(_), Step::Run { plan, ops }) => {
                 let label = self.label();
                 let workers = self.workers;
+                let span = crate::telemetry::op_span(self, &ops, "direct", "shm");
                 Step::Net(net::Cmd::Run(Box::new(move || {
-                    run_plan(&label, plan, ops, workers)
+                    run_plan(&label, plan, ops, workers, span)
                 })))
             }
             (_, s) => s,
@@ -289,7 +298,10 @@ impl Comm {
                     }
                 }
             }
-            Step::Run { plan, ops } => run_plan(&self.label(), plan, ops, self.workers),
+            Step::Run { plan, ops } => {
+                let span = crate::telemetry::op_span(self, &ops, "direct", "shm");
+                run_plan(&self.label(), plan, ops, self.workers, span)
+            }
             Step::Gpu(job) => match cuda::get() {
                 Ok(c) => c.submit(job),
                 Err(why) => {
@@ -372,6 +384,8 @@ impl Comm {
                             abort: None,
                         });
                     }
+                    let mut p = p;
+                    p.transport = crate::telemetry::transport::TCP;
                     return Some(Step::Net(net::Cmd::P2p(p)));
                 }
             }
@@ -493,6 +507,10 @@ impl Comm {
                 seq,
                 bufs: ops.iter().map(|p| (p.rank, p.bufs.clone())).collect(),
             };
+            let mut ops = ops;
+            for p in &mut ops {
+                p.transport = crate::telemetry::transport::TCP;
+            }
             return Step::Net(net::Cmd::Coll { coll, ops });
         }
         if o.cuda_ticket.is_some() {
@@ -612,6 +630,7 @@ impl Comm {
             });
         }
         Step::Gpu(cuda::GpuJob {
+            span: crate::telemetry::op_span(self, &ops, "ce_push", "cuda_ce"),
             comm_id: self.id,
             label,
             bells,
@@ -903,15 +922,73 @@ impl Comm {
         }
     }
 
+    /// What the communicator waits for, read-only (`commd status`, `/metrics`): per rank its
+    /// posted collectives and queued ops, and the oldest queued op with the local ranks that have
+    /// and have not posted it (the facts `check_timeout` reports once that op times out).
+    pub fn waiting(&self, now: Instant) -> Waiting {
+        let g = self.lock();
+        let n = self.nranks as usize;
+        let ranks = (0..n)
+            .map(|r| RankWait {
+                posted: g.coll_next[r],
+                queued: g.queues[r].len(),
+                oldest: g.queues[r].front().map(|p| p.describe()),
+            })
+            .collect();
+        let oldest = g
+            .queues
+            .iter()
+            .flat_map(|q| q.iter())
+            .min_by_key(|p| p.posted_at)
+            .map(|p| {
+                let (posted, missing) = if p.op.kind.is_p2p() {
+                    (vec![p.rank], vec![p.op.peer])
+                } else {
+                    let by = |f: &dyn Fn(u64) -> bool| {
+                        (0..n)
+                            .filter(|&r| self.members[r].local && f(g.coll_next[r]))
+                            .map(|r| r as u32)
+                            .collect::<Vec<u32>>()
+                    };
+                    (by(&|c| c > p.seq), by(&|c| c <= p.seq))
+                };
+                Stuck {
+                    op: p.op.kind.name(),
+                    seq: p.seq,
+                    p2p: p.op.kind.is_p2p(),
+                    what: p.describe(),
+                    rank: p.rank,
+                    age: now.saturating_duration_since(p.posted_at),
+                    posted,
+                    missing,
+                }
+            });
+        Waiting {
+            queued: g.queues.iter().map(|q| q.len()).sum(),
+            ranks,
+            oldest,
+            broken: g.broken.as_ref().map(|b| b.1.clone()),
+        }
+    }
+
     pub fn queued(&self) -> usize {
         self.lock().queues.iter().map(|q| q.len()).sum()
     }
 }
 
 /// Runs a host-memory plan and completes its ops.
-fn run_plan(label: &str, plan: engine::Plan, ops: Vec<Posted>, workers: usize) {
+fn run_plan(
+    label: &str,
+    plan: engine::Plan,
+    ops: Vec<Posted>,
+    workers: usize,
+    span: tracing::Span,
+) {
+    let _entered = span.enter();
+    let traffic = plan.traffic();
     let t0 = Instant::now();
     let res = engine::execute(plan, workers);
+    crate::telemetry::op_executed(&span, &traffic, res.is_ok());
     tracing::trace!(target: "commd::engine", op = ops[0].op.kind.name(), seq = ops[0].seq, us = t0.elapsed().as_micros() as u64, "executed");
     for p in ops {
         let c = p.op.comm;
@@ -924,6 +1001,41 @@ fn run_plan(label: &str, plan: engine::Plan, ops: Vec<Posted>, workers: usize) {
             ),
         }
     }
+}
+
+/// A communicator's waits, from [`Comm::waiting`].
+#[derive(Clone, Debug, Default)]
+pub struct Waiting {
+    /// Ops queued (posted, not yet matched or run), over all ranks.
+    pub queued: usize,
+    pub ranks: Vec<RankWait>,
+    pub oldest: Option<Stuck>,
+    /// Why the communicator is unusable, once it is.
+    pub broken: Option<String>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct RankWait {
+    /// Collectives this rank has posted so far.
+    pub posted: u64,
+    pub queued: usize,
+    /// This rank's oldest queued op, described.
+    pub oldest: Option<String>,
+}
+
+/// The oldest queued op of a communicator.
+#[derive(Clone, Debug)]
+pub struct Stuck {
+    pub op: &'static str,
+    pub seq: u64,
+    pub p2p: bool,
+    pub what: String,
+    /// The rank that posted it first.
+    pub rank: u32,
+    pub age: Duration,
+    /// Ranks that have posted it and ranks that have not (a send/recv: its peer).
+    pub posted: Vec<u32>,
+    pub missing: Vec<u32>,
 }
 
 /// Renders one field of an op for mismatch reports.

@@ -241,12 +241,58 @@ pub static KEYS: &[Key] = &[
         name: "debug_subsys",
         env: "COMMD_DEBUG_SUBSYS",
         default: Some("ALL"),
-        help: "comma-separated subsystems to log: INIT, CTRL, SESSION, COMM, ENGINE, NET, BENCH, or ALL",
+        help: "comma-separated subsystems to log: INIT, CTRL, SESSION, COMM, ENGINE, NET, BENCH, CUDA, TELEMETRY, or ALL",
+        kind: Kind::Str,
+    },
+    // Observability (telemetry module; docs/observability.md).
+    Key {
+        name: "log_format",
+        env: "COMMD_LOG_FORMAT",
+        default: Some("text"),
+        help: "log line format on stderr: text, or json (one object per line)",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "metrics_listen",
+        env: "COMMD_METRICS_LISTEN",
+        default: Some("127.0.0.1:9464"),
+        help: "TCP address (IP:PORT) serving Prometheus /metrics, or off",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "otlp_endpoint",
+        env: "COMMD_OTLP_ENDPOINT",
+        default: Some(""),
+        help: "OpenTelemetry collector URL (http://HOST:PORT) for trace export; empty: no export",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "otlp_protocol",
+        env: "COMMD_OTLP_PROTOCOL",
+        default: Some("http/protobuf"),
+        help: "OTLP protocol: http/protobuf or http/json (collector port 4318), or grpc (port 4317)",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "otlp_sample_ratio",
+        env: "COMMD_OTLP_SAMPLE_RATIO",
+        default: Some("1"),
+        help: "fraction of op traces exported (0..1); sessions and communicator init are always kept",
         kind: Kind::Str,
     },
 ];
 
-pub const SUBSYSTEMS: &[&str] = &["INIT", "CTRL", "SESSION", "COMM", "ENGINE", "NET", "BENCH"];
+pub const SUBSYSTEMS: &[&str] = &[
+    "INIT",
+    "CTRL",
+    "SESSION",
+    "COMM",
+    "ENGINE",
+    "NET",
+    "BENCH",
+    "CUDA",
+    "TELEMETRY",
+];
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
@@ -317,6 +363,7 @@ pub struct Config {
     pub net_algo: String,
     pub debug: String,
     pub debug_subsys: Vec<String>,
+    pub telemetry: crate::telemetry::Settings,
     /// Every key's effective value (as text) and source, for `commd config`.
     pub effective: BTreeMap<&'static str, (String, Source)>,
     pub file: Option<PathBuf>,
@@ -415,7 +462,7 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
                 "auto" | "oneshot" | "chain" => Ok(()),
                 _ => Err(bad("expected auto, oneshot or chain".into())),
             },
-            _ => Ok(()),
+            other => crate::telemetry::validate_key(other, value).map_err(bad),
         },
     }
 }
@@ -559,6 +606,7 @@ impl Config {
                 .split(',')
                 .map(|x| x.trim().to_ascii_uppercase())
                 .collect(),
+            telemetry: crate::telemetry::Settings::from_values(s),
             effective: eff,
             file,
         })

@@ -296,6 +296,7 @@ impl Cuda {
         let us = t0.elapsed().as_micros() as u64;
         self.stats.opens.fetch_add(1, Ordering::Relaxed);
         self.stats.open_us.fetch_add(us, Ordering::Relaxed);
+        crate::telemetry::metrics().ipc_open(t0.elapsed());
         self.stats.open_now.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(target: "commd::cuda", gpu, bytes, us, "opened IPC handle");
         Ok(DevMem {
@@ -800,6 +801,8 @@ pub fn fail_doorbell(s: &Session, slot: u32, last_ticket: u32, st: u32) {
 
 /// A matched GPU op, ready for the executor.
 pub struct GpuJob {
+    /// The op's trace span (`telemetry::op_span`); it ends when the job is dropped.
+    pub span: tracing::Span,
     pub comm_id: u64,
     pub label: String,
     pub bells: Vec<Bell>,
@@ -988,6 +991,7 @@ fn phase_done(slots: &mut Slots, a: &mut Active) -> (bool, bool) {
 /// Completes every op of the job (a failure also releases the streams through the doorbells,
 /// in `Posted::complete`).
 fn finish(a: &mut Active, st: u32, msg: Option<String>) {
+    crate::telemetry::op_status(&a.job.span, st);
     for p in a.job.ops.drain(..) {
         let c = p.op.comm;
         p.complete(c, st, msg.clone());
@@ -1011,6 +1015,7 @@ fn issue(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, C
             unsafe { sys::cuMemcpyAsync(dst, src, c.src.bytes as usize, g.streams[to]) },
             "cuMemcpyAsync",
         )?;
+        crate::telemetry::links::gpu_copy(from, to, c.src.bytes);
         if !used.contains(&(from, to)) {
             used.push((from, to));
         }

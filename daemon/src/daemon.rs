@@ -215,6 +215,7 @@ impl Daemon {
         let s = Arc::new(s);
         sessions.insert(id, s.clone());
         tracing::info!(target: "commd::session", session = id, uid, pid, "session opened");
+        crate::telemetry::session_opened(id, uid, pid, &s.name);
         Ok(s)
     }
 
@@ -239,6 +240,10 @@ impl Daemon {
         lock(&self.sessions).values().cloned().collect()
     }
 
+    pub fn comms(&self) -> Vec<Arc<Comm>> {
+        lock(&self.comms).values().cloned().collect()
+    }
+
     /// Ends a session: its communicators fail for the other ranks with "peer lost" (or the
     /// given status), and its memory, rings and registrations are freed.
     pub fn close_session(&self, id: u64, st: u32, reason: &str) {
@@ -249,6 +254,7 @@ impl Daemon {
             return;
         }
         tracing::info!(target: "commd::session", session = id, pid = s.pid, "session closed: {reason}");
+        crate::telemetry::session_closed(id, reason);
         let comms: Vec<(Arc<Comm>, u32)> = {
             let mut t = s.tables();
             let c = t.comms.drain().map(|(_, v)| v).collect();
@@ -358,6 +364,7 @@ impl Daemon {
                 )));
             }
             let op_timeout = op_timeout.unwrap_or(self.cfg.op_timeout);
+            crate::telemetry::comm_joining(&uid.token, nranks);
             e.insert(PendingJoin {
                 nranks,
                 op_timeout,
@@ -551,6 +558,7 @@ impl Daemon {
             reply.nodes.len().max(1),
             crate::net::algo::ranks_text(&mine)
         );
+        crate::telemetry::comm_formed(&comm, &uid.token);
         for rank in mine {
             let Some(m) = local.remove(&rank) else {
                 continue;
@@ -927,6 +935,7 @@ impl Daemon {
         let span = crate::cuda::GpuSpan::new(Arc::new(mem), 0, bytes)
             .ok_or_else(|| DaemonError::Internal("scratch span".into()))?;
         sc[rank as usize] = Some(span);
+        crate::telemetry::comm_device(&comm, rank, &sc);
         Ok((h, c.slot_bytes, bytes))
     }
 

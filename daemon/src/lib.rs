@@ -8,6 +8,7 @@
 //! - [`engine`]: plans and their host-memory execution; [`shm`]: registered memory.
 //! - [`bench`]: `commd bench`.
 //! - [`notify`]: readiness notification to systemd; [`health`]: `commd health`.
+//! - [`telemetry`]: metrics, traces, logs, link counters, the admin service, `commd stat`.
 
 pub mod bench;
 pub mod comm;
@@ -24,3 +25,4 @@ pub mod peer;
 pub mod serve;
 pub mod session;
 pub mod shm;
+pub mod telemetry;

@@ -38,6 +38,11 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Live traffic per link (shared memory, GPU paths, peers, NICs): rates every second, totals on exit.
+    Stat {
+        #[command(flatten)]
+        args: commd_daemon::telemetry::cli::StatArgs,
+    },
     /// The daemon's GPUs, their peer matrix and copy engines, and the path each GPU pair uses.
     Topo {
         #[arg(long)]
@@ -76,22 +81,8 @@ fn load_config(cli: &Cli) -> Result<Config, String> {
     Config::load(&Inputs::from_process(cli.config.clone(), flags)).map_err(|e| e.to_string())
 }
 
-fn init_logging(cfg: &Config) {
-    let level = cfg.debug.to_ascii_lowercase();
-    let filter = if cfg.debug_subsys.iter().any(|s| s == "ALL") {
-        format!("warn,commd={level}")
-    } else {
-        let mut f = String::from("warn");
-        for s in &cfg.debug_subsys {
-            f.push_str(&format!(",commd::{}={level}", s.to_ascii_lowercase()));
-        }
-        f
-    };
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .with_thread_names(true)
-        .try_init();
+fn init_logging(cfg: &Config, serving: bool) {
+    commd_daemon::telemetry::logging::init(cfg, serving);
 }
 
 fn main() -> ExitCode {
@@ -118,7 +109,7 @@ fn main() -> ExitCode {
                     return ExitCode::from(exit::USAGE as u8);
                 }
             };
-            init_logging(&cfg);
+            init_logging(&cfg, matches!(cli.cmd, Cmd::Serve));
             run(&cli, cfg)
         }
     };
@@ -138,8 +129,17 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
             print!("{}", cfg.render());
             exit::OK
         }
-        Cmd::Status { json } => status(&cfg, *json),
-        Cmd::Topo { json } => topo(&cfg, *json),
+        Cmd::Status { json } => {
+            commd_daemon::telemetry::cli::status(&cfg, *json).unwrap_or_else(|| status(&cfg, *json))
+        }
+        Cmd::Stat { args } => commd_daemon::telemetry::cli::stat(&cfg, args),
+        Cmd::Topo { json } => match topo(&cfg, *json) {
+            exit::OK if !*json => {
+                commd_daemon::telemetry::cli::print_links(&cfg);
+                exit::OK
+            }
+            code => code,
+        },
         Cmd::Health { timeout_ms } => {
             let timeout = std::time::Duration::from_millis(*timeout_ms);
             match commd_daemon::health::check(&cfg.socket, timeout) {

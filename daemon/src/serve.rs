@@ -223,6 +223,8 @@ pub fn run(
         let listener = tokio::net::UnixListener::from_std(std_listener).map_err(|e| ServeError::Runtime(e.to_string()))?;
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
         let svc = commd_proto::pb::local_server::LocalServer::new(LocalService { daemon: daemon.clone() });
+        let admin = commd_proto::pb::admin_server::AdminServer::new(crate::telemetry::admin::AdminService::new(daemon.clone()));
+        crate::telemetry::start(&daemon);
         let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
         let d = daemon.clone();
         let n = notifier.clone();
@@ -264,7 +266,7 @@ pub fn run(
                 }
             });
         }
-        let server = tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(incoming, async {
+        let server = tonic::transport::Server::builder().add_service(svc).add_service(admin).serve_with_incoming_shutdown(incoming, async {
             let _ = sig_rx.await;
             // Let clients read their failed completions before the sockets go away.
             tokio::time::sleep(Duration::from_millis(200)).await;
@@ -302,6 +304,7 @@ pub fn run(
         }
     });
     rt.shutdown_timeout(Duration::from_millis(200));
+    crate::telemetry::shutdown();
     drop(lock);
     result
 }

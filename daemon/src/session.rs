@@ -392,6 +392,7 @@ impl Session {
             invalid,
             cuda,
             gbufs,
+            transport: crate::telemetry::transport::SHM,
         });
     }
 

@@ -203,8 +203,11 @@ def test_daemonset_defaults():
     assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
     assert env["COMMD_ADVERTISE"]["value"] == "$(HOST_IP)"
     assert env["COMMD_PEER_LISTEN"]["value"] == "$(HOST_IP):7400"
-    assert "COMMD_METRICS_LISTEN" not in env
-    assert "prometheus.io/scrape" not in ds["spec"]["template"]["metadata"]["annotations"]
+    # The daemon serves /metrics on the node's IP; annotation-based scrapers find it.
+    assert env["COMMD_METRICS_LISTEN"]["value"] == "$(HOST_IP):9478"
+    ann = ds["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/port"] == "9478"
+    assert {"name": "metrics", "containerPort": 9478, "protocol": "TCP"} in c["ports"]
     # The socket directory is a host directory, and the daemon serves in it.
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["socket-dir"]["hostPath"] == {"path": "/run/commd", "type": "DirectoryOrCreate"}
@@ -281,7 +284,7 @@ def test_daemon_serves_the_rendered_config_and_the_probe_passes(name, tmp_path):
             env[e["name"]] = e["value"]
     env["COMMD_CONFIG"] = str(cfg)
     # The host socket directory is not ours to write: override the socket (flags beat the file).
-    # Variables the daemon does not know yet (peer, metrics) are passed too: it must ignore them.
+    # Multi-node variables are passed too (a daemon without them must ignore them).
     env["COMMD_PEER_LISTEN"] = env.get("COMMD_PEER_LISTEN", "127.0.0.1:7400")
     env["COMMD_ADVERTISE"] = "127.0.0.1"
     env["COMMD_SOCKET"] = str(sock)
@@ -316,7 +319,7 @@ BAD_VALUES = [
     ("config:\n  socket: /tmp/x.sock\n", "socket"),
     ("rdma:\n  resources:\n    rdma/hca: 0\n", "rdma/hca"),
     ("updateStrategy:\n  type: RollingUpdate\n  rollingUpdate:\n    maxSurge: 1\n", "maxSurge must be 0"),
-    ("metrics:\n  serviceMonitor:\n    enabled: true\n", "need metrics.enabled=true"),
+    ("metrics:\n  enabled: false\n  serviceMonitor:\n    enabled: true\n", "need metrics.enabled=true"),
     ("metrics:\n  enabled: true\n  port: 7400\n", "the daemon needs two ports"),
     ("socket:\n  hostDir: run/commd\n", "socket.hostDir"),
     ("securityContext:\n  capabilities: [IPC_LOK]\n", "capabilities"),

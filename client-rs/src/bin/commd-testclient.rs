@@ -10,6 +10,7 @@
 //! "peer": 1, "inplace": false, "comm": 0, "seed": 7, "expect": "ok", "bad": null,
 //! "check_stride": 1}`, `{"group": [step, ...]}` (post all, then wait all), `{"sleep_ms": 100}`,
 //! `{"touch": "/path"}`, `{"fuzz": 100}` (random raw descriptors; each must fail as invalid).
+//! `"repeat": N` on a step runs it N times.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -71,6 +72,8 @@ struct Step {
     sleep_ms: Option<u64>,
     touch: Option<String>,
     fuzz: Option<u32>,
+    /// Run this step this many times (load loops without a huge --steps argument).
+    repeat: Option<usize>,
 }
 
 fn d_dtype() -> String {
@@ -150,6 +153,13 @@ fn main() {
 
 fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String> {
     let steps: Vec<Step> = serde_json::from_str(steps).map_err(|e| format!("bad --steps: {e}"))?;
+    let steps: Vec<Step> = steps
+        .into_iter()
+        .flat_map(|s| {
+            let n = s.repeat.unwrap_or(1);
+            std::iter::repeat_n(s, n)
+        })
+        .collect();
     let client = Client::connect(Some(&socket)).map_err(|e| e.to_string())?;
     let mut comms = Vec::new();
     for j in &joins {

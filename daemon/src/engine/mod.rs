@@ -105,6 +105,45 @@ pub struct Plan {
     pub tasks: Vec<Task>,
 }
 
+/// What a plan reads from and writes into registered memory: bytes and buffer ranges (for the
+/// `shm` link counters of `telemetry`; staging copies are not counted).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Traffic {
+    pub read_bytes: u64,
+    pub read_ranges: u64,
+    pub written_bytes: u64,
+    pub written_ranges: u64,
+}
+
+impl Plan {
+    pub fn traffic(&self) -> Traffic {
+        let es = self.dtype.size();
+        let mut t = Traffic::default();
+        for task in &self.tasks {
+            match task {
+                Task::Copy { src, dst } => {
+                    t.read_bytes += src.bytes;
+                    t.written_bytes += dst.bytes;
+                    t.read_ranges += 1;
+                    t.written_ranges += 1;
+                }
+                Task::Reduce {
+                    inputs,
+                    outputs,
+                    elems,
+                    ..
+                } => {
+                    t.read_bytes += elems * es * inputs.len() as u64;
+                    t.written_bytes += elems * es * outputs.len() as u64;
+                    t.read_ranges += inputs.len() as u64;
+                    t.written_ranges += outputs.len() as u64;
+                }
+            }
+        }
+        t
+    }
+}
+
 /// One rank's buffers for a matched collective.
 #[derive(Clone, Debug, Default)]
 pub struct RankBufs {

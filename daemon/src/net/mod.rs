@@ -285,8 +285,12 @@ impl Thread {
             *slot = Some(s);
         }
         let deadline = Instant::now() + self.ctx.peer_timeout.max(Duration::from_secs(10));
+        let mut nics: Vec<String> = vec!["-".into(); n];
         for (i, tx) in txs.into_iter().enumerate() {
             let Some(tx) = tx else { continue };
+            if let Some(a) = tx.first().and_then(|s| s.local_addr().ok()) {
+                nics[i] = a.ip().to_string();
+            }
             let rx = self
                 .ctx
                 .data
@@ -295,7 +299,7 @@ impl Thread {
             links[i] = Some(PeerLinks { tx, rx });
         }
         let wake = wake_dup(wake).map_err(|e| e.to_string())?;
-        let w = Wire::new(
+        let mut w = Wire::new(
             topo.me,
             links,
             self.ctx.tuning.chunk,
@@ -303,6 +307,17 @@ impl Thread {
             wake,
         )
         .map_err(|e| e.to_string())?;
+        // One link per peer daemon, shared by every communicator to it (commd stat -l).
+        for i in (0..n).filter(|&i| i != topo.me) {
+            w.links[i] = Some(crate::telemetry::register_link(
+                crate::telemetry::LinkDesc {
+                    name: &format!("tcp:{}", topo.nodes[i]),
+                    kind: "tcp",
+                    peer: &topo.nodes[i],
+                    nic: &nics[i],
+                },
+            ));
+        }
         let peers: Vec<String> = (0..n)
             .filter(|&i| i != topo.me)
             .map(|i| topo.label(i))

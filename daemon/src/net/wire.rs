@@ -154,6 +154,9 @@ pub struct Wire {
     /// Reported in heartbeats.
     pub progress: u64,
     pub stats: Vec<LinkStats>,
+    /// Per node: the daemon-wide link counters of `commd stat -l` and /metrics (set by the
+    /// caller after `new`; `None` for this node).
+    pub links: Vec<Option<crate::telemetry::Link>>,
 }
 
 pub type RecvId = Key;
@@ -313,6 +316,7 @@ impl Wire {
             wake,
             progress: 0,
             stats: vec![LinkStats::default(); n],
+            links: vec![None; n],
         })
     }
 
@@ -642,8 +646,15 @@ impl Wire {
                 Ok(n) => {
                     it.pos += n;
                     st.tx_bytes += n as u64;
+                    let link = self.links.get(pi).and_then(Option::as_ref);
+                    if let Some(l) = link {
+                        l.tx(n as u64, 0);
+                    }
                     if it.pos == total {
                         st.tx_frames += 1;
+                        if let Some(l) = link {
+                            l.tx(0, 1);
+                        }
                         if let Some(s) = it.send {
                             self.sends[s] -= 1;
                         }
@@ -688,6 +699,9 @@ impl Wire {
                             c.pos += n;
                             p.last_rx = Instant::now();
                             self.stats[pi].rx_bytes += n as u64;
+                            if let Some(Some(l)) = self.links.get(pi) {
+                                l.rx(n as u64, 0);
+                            }
                         }
                         Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
                         Err(e) if e.kind() == ErrorKind::Interrupted => continue,
@@ -702,6 +716,9 @@ impl Wire {
                 if c.pos >= c.len {
                     let c = r.cur.take().unwrap_or_else(|| unreachable!());
                     self.stats[pi].rx_frames += 1;
+                    if let Some(Some(l)) = self.links.get(pi) {
+                        l.rx(0, 1);
+                    }
                     self.finish_chunk(pi, c, fmt)?;
                 }
                 continue;
@@ -719,6 +736,9 @@ impl Wire {
                     r.hpos += n;
                     p.last_rx = Instant::now();
                     self.stats[pi].rx_bytes += n as u64;
+                    if let Some(Some(l)) = self.links.get(pi) {
+                        l.rx(n as u64, 0);
+                    }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
