@@ -163,22 +163,7 @@ impl Client {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let p = path.clone();
-        let channel = rt
-            .block_on(async move {
-                // The URI is required by the API but unused: the connector dials the Unix socket.
-                Endpoint::try_from("http://commd.invalid")?
-                    .connect_with_connector(tower::service_fn(move |_: Uri| {
-                        let p = p.clone();
-                        async move {
-                            Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                                tokio::net::UnixStream::connect(p).await?,
-                            ))
-                        }
-                    }))
-                    .await
-            })
-            .map_err(|e| unavailable(source_chain(&e)))?;
+        let channel = uds_channel(&rt, &path).map_err(unavailable)?;
         let mut rpc = LocalClient::new(channel).max_decoding_message_size(16 << 20);
         let hello = pb::HelloRequest {
             client_version: commd_proto::VERSION.to_string(),
@@ -430,6 +415,29 @@ impl Client {
     pub fn wait(&self, user_data: u64) -> Result<()> {
         self.inner.wait(user_data, None).map(|_| ())
     }
+}
+
+/// A gRPC channel to the daemon's Unix socket `path`, connected on `rt` (the daemon's CLI uses
+/// it for the admin service too). The error text includes every cause.
+pub fn uds_channel(
+    rt: &tokio::runtime::Runtime,
+    path: &Path,
+) -> std::result::Result<Channel, String> {
+    let p = path.to_path_buf();
+    rt.block_on(async move {
+        // The URI is required by the API but unused: the connector dials the Unix socket.
+        Endpoint::try_from("http://commd.invalid")?
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let p = p.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                        tokio::net::UnixStream::connect(p).await?,
+                    ))
+                }
+            }))
+            .await
+    })
+    .map_err(|e| source_chain(&e))
 }
 
 fn source_chain(e: &dyn std::error::Error) -> String {

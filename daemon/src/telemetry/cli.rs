@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use commd_proto::pb::{self, admin_client::AdminClient};
 use serde_json::json;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::Channel;
 
 use crate::config::Config;
 use crate::serve::exit;
@@ -17,33 +17,12 @@ fn connect(socket: &Path) -> Result<(tokio::runtime::Runtime, AdminClient<Channe
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let p = socket.to_path_buf();
-    let ch = rt
-        .block_on(async move {
-            // The URI is required by the API but unused: the connector dials the Unix socket.
-            Endpoint::try_from("http://commd.invalid")?
-                .connect_with_connector(tower::service_fn(move |_: Uri| {
-                    let p = p.clone();
-                    async move {
-                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                            tokio::net::UnixStream::connect(p).await?,
-                        ))
-                    }
-                }))
-                .await
-        })
-        .map_err(|e| {
-            let mut m = e.to_string();
-            let mut src = std::error::Error::source(&e);
-            while let Some(s) = src {
-                m = format!("{m}: {s}");
-                src = s.source();
-            }
-            format!(
-                "cannot reach the commd daemon at {}: {m} (is `commd serve` running? --socket/COMMD_SOCKET pick another)",
-                socket.display()
-            )
-        })?;
+    let ch = commd_client::uds_channel(&rt, socket).map_err(|m| {
+        format!(
+            "cannot reach the commd daemon at {}: {m} (is `commd serve` running? --socket/COMMD_SOCKET pick another)",
+            socket.display()
+        )
+    })?;
     Ok((rt, AdminClient::new(ch).max_decoding_message_size(64 << 20)))
 }
 
