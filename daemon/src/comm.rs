@@ -362,23 +362,16 @@ impl Comm {
                 if let Some(i) = remote
                     && let Some(p) = g.queues[a as usize].remove(i)
                 {
-                    if let Some(why) = &p.invalid {
-                        let msg = format!(
-                            "{}: {} on rank {a}: invalid op: {why}",
-                            self.label(),
-                            p.describe()
-                        );
-                        return Some(Step::Fail {
-                            ops: vec![(p, status::INVALID, msg)],
-                            abort: None,
-                        });
-                    }
-                    if p.cuda.is_some() {
-                        let msg = format!(
-                            "{}: {}: GPU memory across nodes is not supported yet; use host tensors for inter-node send/recv",
-                            self.label(),
-                            p.describe()
-                        );
+                    let refuse = match (&p.invalid, p.cuda.is_some()) {
+                        (Some(why), _) => Some(format!("invalid op: {why}")),
+                        (None, true) => Some(
+                            "GPU memory across nodes is not supported yet; use host tensors for inter-node send/recv"
+                                .to_string(),
+                        ),
+                        (None, false) => None,
+                    };
+                    if let Some(why) = refuse {
+                        let msg = format!("{}: {} on rank {a}: {why}", self.label(), p.describe());
                         return Some(Step::Fail {
                             ops: vec![(p, status::INVALID, msg)],
                             abort: None,

@@ -313,18 +313,7 @@ fn status(cfg: &Config, json: bool) -> i32 {
             s.ops_failed
         );
         for x in others {
-            println!(
-                "  session {:>4} pid {:>7} uid {:>5} comms {:>2} regs {:>3} ({} B) ops {}/{} {}",
-                x.session_id,
-                x.pid,
-                x.uid,
-                x.communicators,
-                x.registrations,
-                x.mapped_bytes,
-                x.ops_completed,
-                x.ops_failed,
-                x.name
-            );
+            println!("{}", commd_daemon::telemetry::cli::session_line(x));
         }
     }
     exit::OK

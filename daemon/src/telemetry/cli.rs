@@ -137,19 +137,7 @@ pub fn status_text(r: &pb::AdminStatusReply) -> String {
     };
     let _ = writeln!(o, "metrics: {metrics}; traces: {traces}");
     for x in &d.session_list {
-        let _ = writeln!(
-            o,
-            "  session {:>4} pid {:>7} uid {:>5} comms {:>2} regs {:>3} ({} B) ops {}/{} {}",
-            x.session_id,
-            x.pid,
-            x.uid,
-            x.communicators,
-            x.registrations,
-            x.mapped_bytes,
-            x.ops_completed,
-            x.ops_failed,
-            x.name
-        );
+        let _ = writeln!(o, "{}", session_line(x));
     }
     for c in &r.communicators {
         let _ = writeln!(
@@ -500,6 +488,22 @@ pub fn print_links(cfg: &Config) {
         };
         println!("  {:<20} {:<12} {what}", l.name, l.kind);
     }
+}
+
+/// One session's line in `commd status` (admin and plain views alike).
+pub fn session_line(x: &commd_proto::pb::SessionInfo) -> String {
+    format!(
+        "  session {:>4} pid {:>7} uid {:>5} comms {:>2} regs {:>3} ({} B) ops {}/{} {}",
+        x.session_id,
+        x.pid,
+        x.uid,
+        x.communicators,
+        x.registrations,
+        x.mapped_bytes,
+        x.ops_completed,
+        x.ops_failed,
+        x.name
+    )
 }
 
 #[cfg(test)]
