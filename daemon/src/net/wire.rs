@@ -1,4 +1,5 @@
-//! The inter-node wire of one communicator: nonblocking TCP streams to every peer node, tagged
+//! The inter-node wire of one communicator: nonblocking streams (TCP sockets or RDMA queue
+//! pairs, see [`super::link::Link`]) to every peer node, tagged
 //! chunked messages, posted receives that land directly in their destination, buffering of data
 //! that arrives before its receive is posted, heartbeats, and abort notices.
 //!
@@ -11,12 +12,13 @@
 //!  total u64 | len u32 | root u32 | redop u8 | 7 reserved`.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{ErrorKind, IoSlice, Read, Write};
-use std::net::TcpStream;
-use std::os::fd::{AsFd, OwnedFd};
+use std::io::{ErrorKind, IoSlice};
+use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
+
+use super::link::Link;
 
 pub const HDR: usize = 64;
 const MAGIC: u32 = u32::from_le_bytes(*b"cmNT");
@@ -90,7 +92,7 @@ struct RxCur {
 }
 
 struct Rx {
-    sock: TcpStream,
+    sock: Link,
     hdr: [u8; HDR],
     hpos: usize,
     cur: Option<RxCur>,
@@ -100,13 +102,13 @@ struct Rx {
 }
 
 struct Tx {
-    sock: TcpStream,
+    sock: Link,
     q: VecDeque<TxItem>,
 }
 
 pub struct PeerLinks {
-    pub tx: Vec<TcpStream>,
-    pub rx: Vec<TcpStream>,
+    pub tx: Vec<Link>,
+    pub rx: Vec<Link>,
 }
 
 struct Peer {
@@ -171,7 +173,7 @@ pub struct Tag {
 }
 
 /// What [`Wire::into_streams`] hands back per peer: (node, tx streams, rx streams with "clean").
-pub type PeerStreams = (usize, Vec<TcpStream>, Vec<(TcpStream, bool)>);
+pub type PeerStreams = (usize, Vec<Link>, Vec<(Link, bool)>);
 
 /// A chunk that arrived before its receive was posted.
 struct Early {
@@ -269,8 +271,7 @@ impl Wire {
                 None => None,
                 Some(l) => {
                     for s in l.tx.iter().chain(l.rx.iter()) {
-                        s.set_nonblocking(true)?;
-                        s.set_nodelay(true)?;
+                        s.setup()?;
                     }
                     Some(Peer {
                         tx: l
@@ -516,13 +517,15 @@ impl Wire {
                 let Some(p) = p else { continue };
                 for (si, t) in p.tx.iter().enumerate() {
                     if !t.q.is_empty() {
-                        fds.push(PollFd::from_borrowed_fd(t.sock.as_fd(), PollFlags::OUT));
+                        let (fd, ev) = t.sock.poll_fd(true);
+                        fds.push(PollFd::from_borrowed_fd(fd, ev));
                         idx.push((pi, true, si));
                     }
                 }
                 for (si, r) in p.rx.iter().enumerate() {
                     if !r.eof && (read_ok || r.cur.as_ref().is_some_and(|c| c.early.is_none())) {
-                        fds.push(PollFd::from_borrowed_fd(r.sock.as_fd(), PollFlags::IN));
+                        let (fd, ev) = r.sock.poll_fd(false);
+                        fds.push(PollFd::from_borrowed_fd(fd, ev));
                         idx.push((pi, false, si));
                     }
                 }
@@ -806,11 +809,9 @@ impl Wire {
                 }
                 let mut buf = vec![0u8; len as usize];
                 // The text is short: read it here, blocking briefly if it is split.
-                let sock = &mut p.rx[si].sock;
-                let _ = sock.set_nonblocking(false);
-                let _ = sock.set_read_timeout(Some(Duration::from_secs(1)));
-                let r = sock.read_exact(&mut buf);
-                let _ = sock.set_nonblocking(true);
+                let r = p.rx[si]
+                    .sock
+                    .read_exact_timeout(&mut buf, Duration::from_secs(1));
                 let msg = match r {
                     Ok(()) => String::from_utf8_lossy(&buf).into_owned(),
                     Err(e) => format!("(abort text unreadable: {e})"),
