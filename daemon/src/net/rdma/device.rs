@@ -128,7 +128,21 @@ fn mtu_bytes(m: sideway::ibverbs::device_context::Mtu) -> u32 {
 
 /// Every port of every RDMA device on this host, or why there are none.
 pub fn probe() -> Result<Vec<PortInfo>, String> {
-    libibverbs_loadable()?;
+    let sys = std::path::Path::new("/sys/class/infiniband");
+    let names: Vec<String> = std::fs::read_dir(sys)
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    if names.is_empty() {
+        return Err(format!(
+            "no RDMA devices ({} is empty or absent: no RDMA NIC driver loaded, and no rxe/siw link configured)",
+            sys.display()
+        ));
+    }
+    libibverbs_loadable().map_err(|e| format!("RDMA devices {} present, but {e}", names.join(",")))?;
     let list = DeviceList::new().map_err(|e| {
         format!("listing RDMA devices failed: {e} (is the ib_uverbs module loaded?)")
     })?;
@@ -201,6 +215,56 @@ pub fn probe() -> Result<Vec<PortInfo>, String> {
         }
     }
     Ok(out)
+}
+
+/// `commd topo`'s RDMA section: devices, ports, state, link layer, MTUs and GID tables, plus
+/// the GID this host's daemon would pick for `ip` and the warnings.
+pub fn topo_text(choice: &GidChoice, ip: IpAddr) -> String {
+    let ports = match probe() {
+        Ok(p) => p,
+        Err(why) => return format!("RDMA: {why}; inter-node data uses TCP\n"),
+    };
+    let mut out = format!("RDMA: {} port(s)\n", ports.len());
+    for p in &ports {
+        out.push_str(&format!(
+            "  {}:{} {} {} active MTU {} (max {}){}\n",
+            p.device,
+            p.port,
+            p.state,
+            p.link,
+            p.active_mtu,
+            p.max_mtu,
+            if p.is_ib() {
+                format!(" LID {}", p.lid)
+            } else {
+                String::new()
+            }
+        ));
+        let pick = pick_gid(p, choice, ip);
+        for g in &p.gids {
+            let mark = match &pick {
+                Ok((i, _)) if *i == g.index => "  <- used",
+                _ => "",
+            };
+            out.push_str(&format!(
+                "    GID[{}] {:<40} {:<8} {}{mark}\n",
+                g.index,
+                g.gid.to_string(),
+                g.kind.name(),
+                g.netdev
+            ));
+        }
+        match &pick {
+            Ok((i, note)) => {
+                out.push_str(&format!("    selected GID[{i}]: {note}\n"));
+                for w in port_warnings(p, *i) {
+                    out.push_str(&format!("    warning: {w}\n"));
+                }
+            }
+            Err(e) => out.push_str(&format!("    not usable: {e}\n")),
+        }
+    }
+    out
 }
 
 /// The GID to use on `port` for a daemon advertising `ip`: `(index, note)` or why none fits.
