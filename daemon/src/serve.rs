@@ -374,6 +374,19 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
             advertise: ip,
         }),
     };
+    match &rdma {
+        Ok(r) => crate::net::rdma::set_summary(
+            "RDMA/TCP",
+            format!(
+                "RDMA ({}) to nodes that have it too (transport={}), else pooled TCP streams; the network thread logs each pair's choice",
+                r.desc, cfg.transport
+            ),
+        ),
+        Err(why) => crate::net::rdma::set_summary(
+            "TCP",
+            format!("pooled TCP streams between the daemons (no RDMA here: {why})"),
+        ),
+    }
     match (&rdma, cfg.transport.as_str()) {
         (Ok(r), _) => {
             tracing::info!(target: "commd::init", "RDMA transport: {} ({} QP(s) per peer and direction)", r.desc, r.qps_per_peer)

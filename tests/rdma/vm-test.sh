@@ -78,7 +78,7 @@ mkdir -p "$IR/lib64"; cp -Ln /lib64/ld-linux-x86-64.so.2 "$IR/lib64/" 2>/dev/nul
 echo "root:x:0:0:root:/:/bin/sh" > "$IR/etc/passwd"
 cp "$ROOT/tests/rdma/init.sh" "$IR/init"; chmod +x "$IR/init"
 cp "$ROOT/tests/rdma/scenario.sh" "$IR/test/scenario.sh"
-# Steps for the clients: every collective, dtype and reduction (the pytest suite's list) plus
+# Steps for the clients: every collective and reduction (from the pytest suite's list) plus
 # large chunked ops that wrap the registered rings, and cross-node send/recv.
 python3 - "$IR/test" <<'PY'
 import json, sys
@@ -86,6 +86,9 @@ sys.path.insert(0, "tests")
 from test_collectives import steps_for
 out = sys.argv[1]
 n = 4
+# Every collective and reduction on three dtypes (float, 16-bit float, integer): TCG emulation
+# runs ~0.5 s per step, so the full 8-dtype list (288 steps) would not fit the time budget.
+coll = [s for s in steps_for(n, 1001) if s["dtype"] in ("f32", "bf16", "i32")]
 big = [{"op": "all_reduce", "dtype": "f32", "count": 3_000_001, "redop": "sum", "seed": 91},
        {"op": "all_gather", "dtype": "bf16", "count": 1_000_003, "seed": 92},
        {"op": "broadcast", "dtype": "i64", "count": 700_001, "root": 3, "seed": 93},
@@ -95,7 +98,7 @@ for r in range(n):
     p2p = [{"group": [{"op": "send", "dtype": "i32", "count": 100_001, "peer": other, "seed": 10 + r},
                       {"op": "recv", "dtype": "i32", "count": 100_001, "peer": other, "seed": 10 + other}]}]
     with open(f"{out}/steps{r}.json", "w") as f:
-        json.dump(steps_for(n, 1001) + big + p2p, f)
+        json.dump(coll + big + p2p, f)
 kill = [{"op": "all_reduce", "dtype": "f32", "count": 1000},
         {"op": "all_reduce", "dtype": "f32", "count": 100_000, "expect": "any", "repeat": 400}]
 with open(f"{out}/kill.json", "w") as f:

@@ -399,6 +399,22 @@ impl RdmaCtx {
     }
 }
 
+static SUMMARY: std::sync::OnceLock<(&'static str, String)> = std::sync::OnceLock::new();
+
+/// Records this daemon's inter-node transport for the communicator-init log (set once at start).
+pub fn set_summary(kind: &'static str, why: String) {
+    let _ = SUMMARY.set((kind, why));
+}
+
+/// `(transport, reason)` for the communicator-init log: `TCP` (why no RDMA) or `RDMA/TCP`
+/// (chosen per node pair when the network thread connects; its "path to" line says which).
+pub fn summary() -> (&'static str, String) {
+    SUMMARY.get().cloned().unwrap_or((
+        "TCP",
+        "pooled TCP streams between the daemons".to_string(),
+    ))
+}
+
 /// The transport for one node pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Transport {
