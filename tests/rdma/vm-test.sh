@@ -77,7 +77,8 @@ cp /etc/libibverbs.d/rxe.driver "$IR/etc/libibverbs.d/"
 mkdir -p "$IR/lib64"; cp -Ln /lib64/ld-linux-x86-64.so.2 "$IR/lib64/" 2>/dev/null || true
 echo "root:x:0:0:root:/:/bin/sh" > "$IR/etc/passwd"
 cp "$ROOT/tests/rdma/init.sh" "$IR/init"; chmod +x "$IR/init"
-cp "$ROOT/tests/rdma/scenario.sh" "$IR/test/scenario.sh"
+# COMMD_VM_SCENARIO: another script to run instead (debugging).
+cp "${COMMD_VM_SCENARIO:-$ROOT/tests/rdma/scenario.sh}" "$IR/test/scenario.sh"
 # Steps for the clients: every collective and reduction (from the pytest suite's list) plus
 # large chunked ops that wrap the registered rings, and cross-node send/recv.
 python3 - "$IR/test" <<'PY'

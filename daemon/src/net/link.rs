@@ -60,6 +60,16 @@ impl Link {
         }
     }
 
+    /// True when the stream can move bytes right now without waiting for its fd: an RDMA
+    /// stream's eventfd is an edge (a completion happened), not a level like a socket's
+    /// readiness, so the wire asks here before it sleeps in `poll`.
+    pub fn ready(&self, write: bool) -> bool {
+        match self {
+            Link::Tcp(_) => false,
+            Link::Rdma(s) => s.ready(write),
+        }
+    }
+
     pub fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
             Link::Tcp(s) => s.read(buf),

@@ -510,6 +510,8 @@ impl Wire {
         self.heartbeats(now);
         let read_ok = self.early_bytes < MAX_UNEXPECTED;
         let mut idx: Vec<(usize, bool, usize)> = Vec::new();
+        // Streams that can move bytes without waiting (RDMA: see `Link::ready`).
+        let mut now_ready: Vec<bool> = Vec::new();
         {
             let mut fds: Vec<PollFd<'_>> = Vec::new();
             fds.push(PollFd::new(&self.wake, PollFlags::IN));
@@ -520,6 +522,7 @@ impl Wire {
                         let (fd, ev) = t.sock.poll_fd(true);
                         fds.push(PollFd::from_borrowed_fd(fd, ev));
                         idx.push((pi, true, si));
+                        now_ready.push(t.sock.ready(true));
                     }
                 }
                 for (si, r) in p.rx.iter().enumerate() {
@@ -527,9 +530,15 @@ impl Wire {
                         let (fd, ev) = r.sock.poll_fd(false);
                         fds.push(PollFd::from_borrowed_fd(fd, ev));
                         idx.push((pi, false, si));
+                        now_ready.push(r.sock.ready(false));
                     }
                 }
             }
+            let until = if now_ready.iter().any(|&r| r) {
+                None
+            } else {
+                until
+            };
             let timeout = until.map(|u| {
                 let d = u.saturating_duration_since(now).min(HEARTBEAT_EVERY);
                 rustix::event::Timespec {
@@ -552,8 +561,8 @@ impl Wire {
             }
             idx = idx
                 .into_iter()
-                .zip(ready.into_iter().skip(1))
-                .filter(|(_, r)| *r)
+                .zip(ready.into_iter().skip(1).zip(now_ready))
+                .filter(|(_, (r, n))| *r || *n)
                 .map(|(i, _)| i)
                 .collect();
         }

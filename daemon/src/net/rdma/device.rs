@@ -142,7 +142,8 @@ pub fn probe() -> Result<Vec<PortInfo>, String> {
             sys.display()
         ));
     }
-    libibverbs_loadable().map_err(|e| format!("RDMA devices {} present, but {e}", names.join(",")))?;
+    libibverbs_loadable()
+        .map_err(|e| format!("RDMA devices {} present, but {e}", names.join(",")))?;
     let list = DeviceList::new().map_err(|e| {
         format!("listing RDMA devices failed: {e} (is the ib_uverbs module loaded?)")
     })?;

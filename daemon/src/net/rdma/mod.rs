@@ -409,10 +409,10 @@ pub fn set_summary(kind: &'static str, why: String) {
 /// `(transport, reason)` for the communicator-init log: `TCP` (why no RDMA) or `RDMA/TCP`
 /// (chosen per node pair when the network thread connects; its "path to" line says which).
 pub fn summary() -> (&'static str, String) {
-    SUMMARY.get().cloned().unwrap_or((
-        "TCP",
-        "pooled TCP streams between the daemons".to_string(),
-    ))
+    SUMMARY
+        .get()
+        .cloned()
+        .unwrap_or(("TCP", "pooled TCP streams between the daemons".to_string()))
 }
 
 /// The transport for one node pair.

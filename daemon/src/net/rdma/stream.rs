@@ -158,6 +158,7 @@ impl Shared {
                     ));
                     continue;
                 }
+                tracing::trace!(target: "commd::rdma", "{}: completion wr {} opcode {} imm {}", self.label, wc.wr_id(), wc.opcode(), u32::from_be(wc.imm_data()));
                 match wc.wr_id() {
                     WR_SEND => {
                         self.sq_done.fetch_add(1, Ordering::AcqRel);
@@ -413,6 +414,19 @@ impl RdmaStream {
         self.sh.event.as_fd()
     }
 
+    /// Whether `write` (sender) or `read` (receiver) would make progress (or fail) now.
+    pub fn ready(&self, write: bool) -> bool {
+        if self.sh.failed.load(Ordering::Acquire) {
+            return true;
+        }
+        let avail = self.sh.avail.load(Ordering::Acquire);
+        if write {
+            self.role == Role::Send && self.len > self.pos - avail && self.sq_free() >= 2
+        } else {
+            self.role == Role::Recv && avail > self.pos
+        }
+    }
+
     fn drain_event(&self) {
         let mut b = [0u8; 8];
         let _ = rustix::io::read(&self.sh.event, &mut b);
@@ -502,6 +516,7 @@ impl RdmaStream {
             io::Error::other(format!("posting an RDMA write on {}: {e}", self.sh.label))
         })?;
         self.sq_posted += 1;
+        tracing::trace!(target: "commd::rdma", "{}: posted write of {len} at {at}", self.sh.label);
         Ok(())
     }
 
