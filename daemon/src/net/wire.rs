@@ -579,6 +579,11 @@ impl Wire {
     fn heartbeats(&mut self, now: Instant) {
         let progress = self.progress;
         for p in self.peers.iter_mut().flatten() {
+            // A peer that ended its side may have closed its streams (RDMA: destroyed its queue
+            // pairs, so a heartbeat would come back as a retry error, not a lost node).
+            if p.ended {
+                continue;
+            }
             if now.duration_since(p.last_hb) >= HEARTBEAT_EVERY {
                 p.last_hb = now;
                 let key = Key {
@@ -627,6 +632,21 @@ impl Wire {
     }
 
     fn write_stream(&mut self, pi: usize, si: usize) -> Result<(), NetError> {
+        let r = self.write_stream_inner(pi, si);
+        if r.is_err()
+            && let Some(Some(p)) = self.peers.get_mut(pi)
+            && p.ended
+            && p.tx[si].q.iter().all(|it| it.send.is_none())
+        {
+            // The peer left cleanly and no data of ours was pending: only control frames
+            // (heartbeat, END) were lost, which is not an error.
+            p.tx[si].q.clear();
+            return Ok(());
+        }
+        r
+    }
+
+    fn write_stream_inner(&mut self, pi: usize, si: usize) -> Result<(), NetError> {
         let Some(Some(p)) = self.peers.get_mut(pi) else {
             return Ok(());
         };
