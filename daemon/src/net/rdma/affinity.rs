@@ -163,7 +163,7 @@ mod tests {
             distance(g.as_ref().unwrap(), other.as_ref().unwrap()),
             usize::MAX
         );
-        let pick = nics_for_gpus(&[g.clone()], &[near.clone(), near, far]);
+        let pick = nics_for_gpus(std::slice::from_ref(&g), &[near.clone(), near, far]);
         assert_eq!(pick, vec![vec![0, 1]]);
     }
 

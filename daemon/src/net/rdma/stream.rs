@@ -43,25 +43,26 @@ const WR_RECV: u64 = 2;
 
 /// A registered host buffer (page aligned), pooled per device and reused across communicators.
 pub struct Staging {
-    pub map: memmap2::MmapMut,
+    // Field order matters: the MR is deregistered (dropped) before the mapping is unmapped.
     pub mr: Arc<MemoryRegion>,
+    pub map: memmap2::MmapMut,
 }
 
 impl Staging {
     pub fn new(nic: &Nic, len: usize) -> io::Result<Self> {
         let mut map = memmap2::MmapMut::map_anon(len)?;
         let ptr = map.as_mut_ptr() as usize;
-        // SAFETY: the mapping is valid for len bytes and lives in the same struct as the MR, which
-        // is dropped (deregistered) before the mapping (field order: map is dropped after mr?
-        // no — see Drop below, which drops the MR first).
+        // SAFETY: the mapping is valid for len bytes and lives in the same struct as the MR; the
+        // MR field is declared first, so it is deregistered before the mapping goes away.
         let mr = unsafe {
             nic.pd
                 .reg_mr(ptr, len, AccessFlags::LocalWrite | AccessFlags::RemoteWrite)
         }
         .map_err(|e| io::Error::other(format!("registering {len} bytes on {}: {e}", nic.name)))?;
-        Ok(Self { map, mr })
+        Ok(Self { mr, map })
     }
 
+    #[allow(clippy::len_without_is_empty)] // a ring is never empty
     pub fn len(&self) -> usize {
         self.map.len()
     }
