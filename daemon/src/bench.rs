@@ -26,7 +26,8 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 4)]
     pub ranks: u32,
     /// Embedded daemons acting as separate nodes (own sockets and peer ports on loopback); the
-    /// ranks are spread over them in contiguous blocks and the inter-node steps go over TCP.
+    /// ranks are spread over them in contiguous blocks and the inter-node steps go over the
+    /// configured transport (`--set transport=tcp|rdma|auto`; auto: RDMA when a device exists).
     #[arg(long, default_value_t = 1)]
     pub nodes: u32,
     /// Smallest size (bytes; K, M, G suffixes).
@@ -273,7 +274,7 @@ pub fn run(
     if !a.json {
         let _ = writeln!(
             out,
-            "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {}, nodes: {}{})",
+            "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {}, nodes: {}{}{})",
             a.op,
             a.ranks,
             sel.dtype.name(),
@@ -281,7 +282,12 @@ pub fn run(
             a.ranks,
             a.nodes,
             if a.nodes > 1 {
-                ", embedded daemons on loopback TCP"
+                ", embedded daemons on loopback, inter-node transport "
+            } else {
+                ""
+            },
+            if a.nodes > 1 {
+                crate::net::rdma::summary().0
             } else {
                 ""
             }

@@ -376,7 +376,11 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
     };
     match &rdma {
         Ok(r) => crate::net::rdma::set_summary(
-            "RDMA/TCP",
+            if cfg.transport == "rdma" {
+                "RDMA"
+            } else {
+                "RDMA/TCP"
+            },
             format!(
                 "RDMA ({}) to nodes that have it too (transport={}), else pooled TCP streams; the network thread logs each pair's choice",
                 r.desc, cfg.transport

@@ -29,9 +29,11 @@ pub use device::GidChoice;
 use stream::{Endpoint, Pending, RdmaStream, Role, Shared, Staging};
 
 const UNCLAIMED_TTL: Duration = Duration::from_secs(60);
-const MAX_UNCLAIMED: usize = 1024;
+/// Unclaimed incoming queue pairs (each holds a registered ring): bounds what an unauthenticated
+/// caller of `Peer.RdmaConnect` can pin (use `peer_tls_*` to authenticate peers).
+const MAX_UNCLAIMED: usize = 64;
 /// Idle staging rings kept per device.
-const MAX_POOLED: usize = 256;
+const MAX_POOLED: usize = 64;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
