@@ -38,6 +38,8 @@ use super::Nic;
 pub const RQ_DEPTH: u32 = 256;
 /// Send work requests in flight per QP.
 pub const SQ_DEPTH: u32 = 128;
+/// Inline data asked for at QP creation (bytes).
+const INLINE_MAX: usize = 64;
 const WR_SEND: u64 = 1;
 const WR_RECV: u64 = 2;
 
@@ -235,7 +237,7 @@ impl Pending {
         let mut qp = nic
             .pd
             .create_qp_builder()
-            .setup_max_inline_data(64)
+            .setup_max_inline_data(INLINE_MAX as u32)
             .setup_send_cq(GenericCompletionQueue::from(cq.clone()))
             .setup_recv_cq(GenericCompletionQueue::from(cq.clone()))
             .setup_max_send_wr(SQ_DEPTH)
@@ -503,13 +505,18 @@ impl RdmaStream {
             return Err(io::Error::other("queue pair gone"));
         };
         let mut guard = qp.start_post_send();
-        let wr = guard
-            .construct_wr(WR_SEND, WorkRequestFlags::Signaled)
-            .setup_write_imm(
-                self.remote_rkey,
-                self.remote_addr + at,
-                (len as u32).to_be(),
-            );
+        // Small writes (heartbeats, frame headers, control texts) go inline: the provider copies
+        // them into the work request, so the NIC does not fetch them from memory.
+        let flags = if len <= INLINE_MAX {
+            WorkRequestFlags::Signaled | WorkRequestFlags::Inline
+        } else {
+            WorkRequestFlags::Signaled
+        };
+        let wr = guard.construct_wr(WR_SEND, flags).setup_write_imm(
+            self.remote_rkey,
+            self.remote_addr + at,
+            (len as u32).to_be(),
+        );
         // SAFETY: [base+at, base+at+len) lies in the registered staging ring (lkey), which stays
         // registered until the QP is destroyed (Shared's Drop).
         unsafe { wr.setup_sge(self.lkey, self.base as u64 + at, len as u32) };
