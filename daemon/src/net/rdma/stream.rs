@@ -43,6 +43,25 @@ const INLINE_MAX: usize = 64;
 const WR_SEND: u64 = 1;
 const WR_RECV: u64 = 2;
 
+/// Bytes the sender may write into a ring of `len` bytes after writing `pos` in total, of which
+/// the receiver consumed `consumed`.
+fn ring_free(len: u64, pos: u64, consumed: u64) -> u64 {
+    len - (pos - consumed)
+}
+
+/// `n` bytes at ring offset `pos % len`: the lengths before and after the wrap.
+fn ring_split(len: u64, pos: u64, n: u64) -> (u64, u64) {
+    let at = pos % len;
+    let first = (len - at).min(n);
+    (first, n - first)
+}
+
+/// Whether the receiver returns `owed` consumed bytes as credits now: once an eighth of the
+/// ring, or anything when it has nothing left to read (so the sender never waits on a remainder).
+fn credit_due(owed: u64, len: u64, idle: bool) -> bool {
+    owed > 0 && (idle || owed >= len / 8)
+}
+
 /// A registered host buffer (page aligned), pooled per device and reused across communicators.
 pub struct Staging {
     // Field order matters: the MR is deregistered (dropped) before the mapping is unmapped.
@@ -424,7 +443,9 @@ impl RdmaStream {
         }
         let avail = self.sh.avail.load(Ordering::Acquire);
         if write {
-            self.role == Role::Send && self.len > self.pos - avail && self.sq_free() >= 2
+            self.role == Role::Send
+                && ring_free(self.len, self.pos, avail) > 0
+                && self.sq_free() >= 2
         } else {
             self.role == Role::Recv && avail > self.pos
         }
@@ -462,7 +483,7 @@ impl RdmaStream {
             return Ok(0);
         }
         let consumed = self.sh.avail.load(Ordering::Acquire);
-        let free = self.len - (self.pos - consumed);
+        let free = ring_free(self.len, self.pos, consumed);
         if free == 0 || self.sq_free() < 2 {
             return Err(would_block());
         }
@@ -489,11 +510,10 @@ impl RdmaStream {
             }
             copied += take;
         }
-        let start = self.pos % self.len;
-        let first = ((self.len - start) as usize).min(n);
-        self.post_write(start, first)?;
-        if first < n {
-            self.post_write(0, n - first)?;
+        let (first, second) = ring_split(self.len, self.pos, n as u64);
+        self.post_write(self.pos % self.len, first as usize)?;
+        if second > 0 {
+            self.post_write(0, second as usize)?;
         }
         self.pos += n as u64;
         Ok(n)
@@ -566,7 +586,7 @@ impl RdmaStream {
     /// anything) is pending.
     fn return_credits(&mut self, idle: bool) -> io::Result<()> {
         let owed = self.pos - self.credited;
-        if owed == 0 || (!idle && owed < self.len / 8) || self.sq_free() < 1 {
+        if !credit_due(owed, self.len, idle) || self.sq_free() < 1 {
             return Ok(());
         }
         let mut g = self.sh.qp.lock().unwrap_or_else(|e| e.into_inner());
@@ -618,5 +638,46 @@ impl Drop for RdmaStream {
         // The poller drops its reference on its next pass; the QP and ring go with the last.
         self.sh.failed.store(true, Ordering::Release);
         self.sh.nic.unwatch(&self.sh);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_arithmetic_wraps_and_never_overwrites_unread_bytes() {
+        let len = 1024;
+        assert_eq!(ring_free(len, 0, 0), 1024);
+        assert_eq!(ring_free(len, 1000, 200), 224);
+        assert_eq!(
+            ring_free(len, 5000, 3976),
+            0,
+            "full: the sender must wait for credits"
+        );
+        assert_eq!(ring_split(len, 1000, 100), (24, 76));
+        assert_eq!(ring_split(len, 1024, 100), (100, 0));
+        assert_eq!(ring_split(len, 3 * 1024 + 1023, 1), (1, 0));
+        // A sender that writes whatever is free and a receiver that consumes and credits keep
+        // the invariant 0 <= written - consumed <= len through many wraps.
+        let (mut pos, mut consumed, mut credited, mut read) = (0u64, 0u64, 0u64, 0u64);
+        for i in 0..10_000u64 {
+            let n = ring_free(len, pos, credited).min(1 + (i * 37) % 700);
+            let (a, b) = ring_split(len, pos, n);
+            assert_eq!(a + b, n);
+            pos += n;
+            assert!(pos - credited <= len);
+            let r = (pos - read).min(1 + (i * 53) % 500);
+            read += r;
+            consumed = consumed.max(read);
+            if credit_due(consumed - credited, len, read == pos) {
+                credited = consumed;
+            }
+        }
+        assert!(pos > 100 * len);
+        assert!(!credit_due(0, len, true));
+        assert!(!credit_due(len / 8 - 1, len, false));
+        assert!(credit_due(len / 8, len, false));
+        assert!(credit_due(1, len, true));
     }
 }
