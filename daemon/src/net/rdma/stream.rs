@@ -232,6 +232,10 @@ pub struct Pending {
     sh: Arc<Shared>,
     role: Role,
     psn: u32,
+    /// The ring (owned by `sh`): address, local key, size.
+    base: *mut u8,
+    lkey: u32,
+    len: u64,
     pub local: Endpoint,
 }
 
@@ -272,15 +276,14 @@ impl Pending {
             .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
         qp.modify(&attr)
             .map_err(|e| format!("queue pair to INIT on {}: {e}", nic.name))?;
-        let ring = match role {
-            Role::Recv => Some(nic.take_ring().map_err(|e| e.to_string())?),
-            Role::Send => Some(nic.take_ring().map_err(|e| e.to_string())?),
+        // Sender: the staging ring it copies from; receiver: the ring the peer writes into.
+        let ring = nic.take_ring().map_err(|e| e.to_string())?;
+        let (addr, rkey) = match role {
+            Role::Recv => (ring.addr(), ring.mr.rkey()),
+            Role::Send => (0, 0),
         };
-        let (addr, rkey, len) = match (&ring, role) {
-            (Some(r), Role::Recv) => (r.addr(), r.mr.rkey(), r.len() as u64),
-            (Some(r), Role::Send) => (0, 0, r.len() as u64),
-            _ => (0, 0, 0),
-        };
+        let len = ring.len() as u64;
+        let (base, lkey) = (ring.addr() as *mut u8, ring.mr.lkey());
         let qpn = qp.qp_number();
         let event = rustix::event::eventfd(
             0,
@@ -297,11 +300,14 @@ impl Pending {
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
             label: format!("{} QP {qpn:#x} ({label})", nic.name),
-            ring: Mutex::new(ring),
+            ring: Mutex::new(Some(ring)),
             nic: nic.clone(),
         });
         sh.post_recvs(RQ_DEPTH)?;
         Ok(Self {
+            base,
+            lkey,
+            len,
             local: Endpoint {
                 qpn,
                 psn,
@@ -362,28 +368,15 @@ impl Pending {
             qp.modify(&attr)
                 .map_err(|e| format!("queue pair {:#x} to RTS: {e}", self.local.qpn))?;
         }
-        let ring_len = self
-            .sh
-            .ring
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .map_or(0, |r| r.len() as u64);
-        let (base, lkey) = {
-            let g = self.sh.ring.lock().unwrap_or_else(|e| e.into_inner());
-            g.as_ref().map_or((std::ptr::null_mut(), 0), |r| {
-                (r.addr() as *mut u8, r.mr.lkey())
-            })
-        };
         nic.watch(self.sh.clone());
         Ok(RdmaStream {
             sh: self.sh,
             role: self.role,
-            base,
-            lkey,
+            base: self.base,
+            lkey: self.lkey,
             len: match self.role {
-                Role::Send => ring_len.min(remote.len),
-                Role::Recv => ring_len,
+                Role::Send => self.len.min(remote.len),
+                Role::Recv => self.len,
             },
             remote_addr: remote.addr,
             remote_rkey: remote.rkey,
