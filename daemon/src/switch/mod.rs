@@ -1,0 +1,181 @@
+//! Switch sessions: SwitchML-compatible in-network aggregation (see
+//! `../shared/specs/switchml.md` and docs/switch.md).
+//!
+//! - [`packet`]: the UDP packet format and block floating point.
+//! - [`agg`]: the switch's per-slot aggregation semantics (used by `commd switch`).
+//! - [`worker`]: this daemon's data-plane threads of a session.
+//! - [`session`]: session bring-up through the SwitchML controller API, checked.
+//! - [`server`]: `commd switch`, the software switch.
+//! - [`cores`]: host-wide CPU claims so polling threads never share a core.
+
+pub mod agg;
+pub mod cores;
+pub mod packet;
+pub mod server;
+pub mod session;
+pub mod worker;
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+    use std::time::Duration;
+
+    use super::packet::PacketSize;
+    use super::server::{self, SwitchArgs};
+    use super::session::{Want, bring_up};
+
+    fn switch(drop: f64, dup: f64, reorder: f64) -> (tokio::runtime::Runtime, server::Running) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let a = SwitchArgs {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            data: "127.0.0.1:0".parse().unwrap(),
+            metrics: "off".into(),
+            slots: 8192,
+            drop,
+            dup,
+            reorder,
+            seed: 7,
+            pin: "off".into(),
+        };
+        let r = server::start(&a, &rt).unwrap();
+        (rt, r)
+    }
+
+    /// `n` workers (threads, each with its own loopback IP) run `ops` all-reduces of `count`
+    /// elements; returns each worker's results.
+    fn run(
+        ctl: String,
+        n: u32,
+        size: PacketSize,
+        scope: &str,
+        ops: &[(bool, usize)],
+    ) -> Vec<Vec<Result<Vec<f64>, String>>> {
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let ctl = ctl.clone();
+                let scope = scope.to_string();
+                let ops = ops.to_vec();
+                std::thread::spawn(move || {
+                    let want = Want {
+                        controller: ctl,
+                        bind: Ipv4Addr::new(127, 0, 1, 2 + rank as u8),
+                        threads: 2,
+                        window: 16,
+                        size,
+                        timeout: Duration::from_millis(5),
+                        stall: Duration::from_secs(5),
+                        pin: false,
+                    };
+                    let mut w = bring_up(
+                        &want,
+                        rank,
+                        n,
+                        &scope,
+                        "test",
+                        None,
+                        Duration::from_secs(10),
+                    )
+                    .unwrap();
+                    ops.iter()
+                        .enumerate()
+                        .map(|(k, &(float, count))| {
+                            if float {
+                                let mut v: Vec<f32> = (0..count)
+                                    .map(|i| {
+                                        ((i * 31 + k * 7 + rank as usize * 13) % 1000) as f32
+                                            * 0.013
+                                            - 6.0
+                                    })
+                                    .collect();
+                                w.all_reduce_f32(&mut v)?;
+                                Ok(v.into_iter().map(f64::from).collect())
+                            } else {
+                                let mut v: Vec<i32> = (0..count)
+                                    .map(|i| {
+                                        (i as i32)
+                                            .wrapping_mul(7919)
+                                            .wrapping_add(rank as i32 * 1_000_003 + k as i32)
+                                    })
+                                    .collect();
+                                w.all_reduce_i32(&mut v)?;
+                                Ok(v.into_iter().map(f64::from).collect())
+                            }
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    fn check(n: u32, ops: &[(bool, usize)], got: &[Vec<Result<Vec<f64>, String>>]) {
+        for (k, &(float, count)) in ops.iter().enumerate() {
+            for i in 0..count {
+                let want: f64 = if float {
+                    (0..n)
+                        .map(|r| {
+                            f64::from(
+                                ((i * 31 + k * 7 + r as usize * 13) % 1000) as f32 * 0.013 - 6.0,
+                            )
+                        })
+                        .sum()
+                } else {
+                    f64::from((0..n).fold(0i32, |a, r| {
+                        a.wrapping_add(
+                            (i as i32)
+                                .wrapping_mul(7919)
+                                .wrapping_add(r as i32 * 1_000_003 + k as i32),
+                        )
+                    }))
+                };
+                for (r, res) in got.iter().enumerate() {
+                    let v = res[k].as_ref().unwrap()[i];
+                    if float {
+                        // Block exponent here <= 3 (|x| < 8): bound n^2/2 * 2^3 / INT32_MAX.
+                        assert!(
+                            (v - want).abs() < 1e-5,
+                            "op {k} worker {r} [{i}]: {v} vs {want}"
+                        );
+                    } else {
+                        assert_eq!(v, want, "op {k} worker {r} [{i}]");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn workers_through_the_software_switch_int32_exact_float32_bounded() {
+        let (_rt, sw) = switch(0.0, 0.0, 0.0);
+        let ops = [
+            (false, 1),
+            (false, 100_003),
+            (true, 77_777),
+            (false, 64),
+            (true, 5),
+        ];
+        let got = run(sw.listen.to_string(), 3, PacketSize::Mtu256, "a", &ops);
+        check(3, &ops, &got);
+    }
+
+    #[test]
+    fn drops_duplicates_and_reordering_do_not_change_results() {
+        let (_rt, sw) = switch(0.01, 0.01, 0.01);
+        let ops = [(false, 50_001), (true, 30_001), (false, 257)];
+        let got = run(sw.listen.to_string(), 4, PacketSize::Mtu1024, "b", &ops);
+        check(4, &ops, &got);
+        let m = sw.switch.metrics_text();
+        assert!(
+            m.contains("commd_switch_injected_total{fault=\"drop\"}"),
+            "{m}"
+        );
+        assert!(
+            !m.contains("commd_switch_injected_total{fault=\"drop\"} 0\n"),
+            "{m}"
+        );
+    }
+}
