@@ -144,7 +144,8 @@ impl Client {
     }
 
     /// Joins communicator `unique_id` as `rank` of `nranks`; returns once every rank joined.
-    #[pyo3(signature = (unique_id, rank, nranks, op_timeout=None, join_timeout=None))]
+    #[pyo3(signature = (unique_id, rank, nranks, op_timeout=None, join_timeout=None, switch=None))]
+    #[allow(clippy::too_many_arguments)]
     fn communicator(
         &self,
         py: Python<'_>,
@@ -153,6 +154,7 @@ impl Client {
         nranks: u32,
         op_timeout: Option<f64>,
         join_timeout: Option<f64>,
+        switch: Option<String>,
     ) -> PyResult<Communicator> {
         if rank >= nranks {
             return Err(PyValueError::new_err(format!(
@@ -162,6 +164,7 @@ impl Client {
         let o = commd_client::CommOptions {
             op_timeout: duration(op_timeout, "op_timeout")?,
             join_timeout: duration(join_timeout, "join_timeout")?,
+            switch,
         };
         let uid = unique_id.to_vec();
         let c = py

@@ -363,6 +363,11 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
         streams: cfg.tcp_streams,
         peer_timeout: cfg.peer_timeout,
         tls,
+        switch: cfg.switch.clone(),
+        switch_ip: match ip {
+            std::net::IpAddr::V4(a) if !a.is_unspecified() => Some(a),
+            _ => None,
+        },
         tuning: crate::net::algo::Tuning {
             chunk: cfg.net_chunk_bytes,
             small: cfg.net_small_bytes,

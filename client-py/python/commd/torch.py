@@ -258,7 +258,10 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             store.set(key, uid)
         else:
             uid = bytes(store.get(key))
-        self.comm = self.client.communicator(uid, rank, size, op_timeout=secs, join_timeout=secs)
+        # Per job: COMMD_COMM_SWITCH=off or HOST:PORT of a SwitchML controller (unset: the
+        # daemon's `switch` setting) for the inter-node step of all-reduce.
+        self.comm = self.client.communicator(uid, rank, size, op_timeout=secs, join_timeout=secs,
+                                             switch=os.environ.get("COMMD_COMM_SWITCH") or None)
         self._cuda: CudaOps | None = None
 
     @property

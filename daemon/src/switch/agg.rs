@@ -27,6 +27,8 @@ struct SetState {
     e0: i8,
     e1: i8,
     tsi: u32,
+    /// tsi of the last round completed on this set.
+    done_tsi: Option<u32>,
     vals: Vec<i32>,
 }
 
@@ -105,7 +107,11 @@ impl Pool {
         // A new round on a set always finds it empty (every worker left it for the other set
         // before anyone can come back), and all packets of one round carry the same tsi: a
         // packet that finds a completed set, or another round's tsi, is a late copy.
-        if !first && (cur.count >= self.workers || cur.tsi != h.tsi) {
+        // A late copy can also find the set empty again, once every worker left it: then it
+        // carries the tsi of the round last completed here.
+        if (!first && (cur.count >= self.workers || cur.tsi != h.tsi))
+            || (first && cur.done_tsi == Some(h.tsi))
+        {
             c.stale += 1;
             return Verdict::Stale;
         }
@@ -129,6 +135,7 @@ impl Pool {
             }
         }
         if cur.count == self.workers {
+            cur.done_tsi = Some(cur.tsi);
             c.completions += 1;
             Verdict::Complete
         } else {
@@ -227,10 +234,17 @@ mod tests {
         let (h, b) = pkt(0, 1, 0, &[2]);
         assert_eq!(p.on_packet(1, &h, &b), Verdict::Complete);
         assert_eq!(result(&p, &h).1[0], 42);
-        // Round 2 on set 0 again: bitmap 0 was cleared bit by bit, so the first packet writes.
-        let (h, b) = pkt(0, 0, 0, &[1000]);
+        // Round 2 on set 0 again (a new packet id): bitmap 0 was cleared bit by bit, so the
+        // first packet writes.
+        let round2 = |v: i32| {
+            let (mut h, mut b) = pkt(0, 0, 0, &[v]);
+            h.tsi = 2;
+            h.write(&mut b);
+            (h, b)
+        };
+        let (h, b) = round2(1000);
         assert_eq!(p.on_packet(1, &h, &b), Verdict::Absorbed);
-        let (h, b) = pkt(0, 0, 0, &[1]);
+        let (h, b) = round2(1);
         assert_eq!(p.on_packet(0, &h, &b), Verdict::Complete);
         assert_eq!(result(&p, &h).1[0], 1001);
     }
@@ -256,5 +270,17 @@ mod tests {
         h2.write(&mut b2);
         assert_eq!(p.on_packet(1, &h2, &b2), Verdict::Stale);
         assert_eq!(p.slot_counters[0].stale, 2);
+        // Once everyone left set 0, a late copy of its round finds it empty: still stale, and
+        // the next round on set 0 (another tsi) starts fresh.
+        let (h2, b2) = pkt(0, 1, 0, &[1]);
+        for w in 1..3 {
+            p.on_packet(w, &h2, &b2);
+        }
+        assert_eq!(p.on_packet(2, &h, &b), Verdict::Stale);
+        let (mut h3, mut b3) = pkt(0, 0, 0, &[4]);
+        h3.tsi = 1000;
+        h3.write(&mut b3);
+        assert_eq!(p.on_packet(2, &h3, &b3), Verdict::Absorbed);
+        assert_eq!(result(&p, &h3).1[0], 4);
     }
 }

@@ -15,6 +15,33 @@ pub mod server;
 pub mod session;
 pub mod worker;
 
+use std::time::Duration;
+
+/// The daemon's switch settings (config keys `switch*`).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Controller HOST:PORT, or "off".
+    pub controller: String,
+    /// Worker IPv4 ("" = the advertised IP).
+    pub bind: String,
+    pub threads: usize,
+    pub window: usize,
+    pub packet_bytes: usize,
+    pub timeout: Duration,
+    pub pin: bool,
+}
+
+/// Checks a `switch` value: "off" or HOST:PORT.
+pub fn check_controller(v: &str) -> Result<(), String> {
+    if v == "off" {
+        return Ok(());
+    }
+    match v.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0) => Ok(()),
+        _ => Err("expected HOST:PORT of a SwitchML controller (e.g. 10.0.0.9:50099) or 'off'".into()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::net::Ipv4Addr;
@@ -23,6 +50,11 @@ mod tests {
     use super::packet::PacketSize;
     use super::server::{self, SwitchArgs};
     use super::session::{Want, bring_up};
+
+    thread_local! {
+        static THREADS: std::cell::Cell<usize> = const { std::cell::Cell::new(2) };
+        static WINDOW: std::cell::Cell<usize> = const { std::cell::Cell::new(16) };
+    }
 
     fn switch(drop: f64, dup: f64, reorder: f64) -> (tokio::runtime::Runtime, server::Running) {
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -54,17 +86,21 @@ mod tests {
         scope: &str,
         ops: &[(bool, usize)],
     ) -> Vec<Vec<Result<Vec<f64>, String>>> {
+        let (threads, window) = (THREADS.with(|t| t.get()), WINDOW.with(|t| t.get()));
         let hs: Vec<_> = (0..n)
             .map(|rank| {
+                THREADS.with(|t| t.set(threads));
                 let ctl = ctl.clone();
                 let scope = scope.to_string();
                 let ops = ops.to_vec();
                 std::thread::spawn(move || {
+                    THREADS.with(|t| t.set(threads));
+                    WINDOW.with(|t| t.set(window));
                     let want = Want {
                         controller: ctl,
                         bind: Ipv4Addr::new(127, 0, 1, 2 + rank as u8),
-                        threads: 2,
-                        window: 16,
+                        threads: THREADS.with(|t| t.get()),
+                        window: WINDOW.with(|t| t.get()),
                         size,
                         timeout: Duration::from_millis(5),
                         stall: Duration::from_secs(5),
@@ -177,5 +213,15 @@ mod tests {
             !m.contains("commd_switch_injected_total{fault=\"drop\"} 0\n"),
             "{m}"
         );
+    }
+
+    #[test]
+    fn one_thread_wide_window_with_faults() {
+        THREADS.with(|t| t.set(1));
+        WINDOW.with(|t| t.set(128));
+        let (_rt, sw) = switch(0.01, 0.01, 0.01);
+        let ops = [(false, 300_007), (false, 300_007), (true, 5)];
+        let got = run(sw.listen.to_string(), 3, PacketSize::Mtu1024, "c", &ops);
+        check(3, &ops, &got);
     }
 }

@@ -322,6 +322,10 @@ struct Thread {
     rbuf: Vec<Vec<u8>>,
     vals: Vec<i32>,
     fvals: Vec<f32>,
+    /// First packet id of the current op: ids never repeat on a slot across ops, so the switch
+    /// can tell a late copy from a new round.
+    tsi_base: u32,
+    op_base: u32,
 }
 
 const BATCH: usize = 64;
@@ -355,6 +359,8 @@ impl Thread {
             rbuf: (0..BATCH).map(|_| vec![0u8; plen + 64]).collect(),
             vals: vec![0; p.size.values()],
             fvals: vec![0.0; p.size.values()],
+            tsi_base: 0,
+            op_base: 0,
         }
     }
 
@@ -366,6 +372,10 @@ impl Thread {
         let p0 = total * self.t / self.threads;
         let p1 = total * (self.t + 1) / self.threads;
         let np = p1 - p0;
+        // Every worker advances the ids by the same amount, whatever this thread's share.
+        let span = (job.count.div_ceil(v).div_ceil(self.threads) + 2) * self.threads * self.window;
+        self.op_base = self.tsi_base;
+        self.tsi_base = self.tsi_base.wrapping_add(span as u32);
         if np == 0 {
             return Ok(false);
         }
@@ -468,9 +478,10 @@ impl Thread {
         let set = s.next_set;
         s.next_set ^= 1;
         s.set = set;
-        // Same on every worker: (round, slot) numbered across the session's slots.
-        s.tsi = (r as u32)
-            .wrapping_mul((self.threads * self.window) as u32)
+        // Same on every worker: (op, round, slot) numbered across the session's slots.
+        s.tsi = self
+            .op_base
+            .wrapping_add((r as u32).wrapping_mul((self.threads * self.window) as u32))
             .wrapping_add((self.t * self.window + j) as u32);
         let (mut e0, mut e1) = (i8::MIN, i8::MIN);
         let elems = job.count;
