@@ -151,8 +151,8 @@ def test_drops_duplicates_and_reordering_leave_results_unchanged(tmp_path):
 def test_a_dead_worker_node_fails_the_others_with_an_error_not_a_hang(tmp_path, sw):
     nodes = switch_nodes(tmp_path, 3, sw.controller, tmp_path / "claims")
     try:
-        steps = [{"op": "all_reduce", "dtype": "i32", "count": 2_000_003, "redop": "sum",
-                  "seed": k, "inplace": True} for k in range(400)]
+        steps = [{"op": "all_reduce", "dtype": "i32", "count": 500_003, "redop": "sum",
+                  "seed": k, "inplace": True} for k in range(150)]
         ranks = start_multi(nodes, [0, 1, 2], steps, op_timeout_ms=60000)
         # Let it get going through the switch, then kill node 2's daemon.
         nodes[0].wait_status(lambda st: any("ops" in c["switch"] and " 0 ops" not in c["switch"]
@@ -160,15 +160,15 @@ def test_a_dead_worker_node_fails_the_others_with_an_error_not_a_hang(tmp_path, 
         t0 = time.monotonic()
         nodes[2].send_signal(signal.SIGKILL)
         for r in ranks[:2]:
-            r.wait(60)
-        took = time.monotonic() - t0
+            r.wait(120)
         for r in ranks[:2]:
             res = r.results()
             failed = [x for x in res if x["result"] != "ok"]
             assert failed, f"rank survived a dead node: {res[-1]}"
             msg = failed[0]["message"]
             assert "node 2" in msg, msg
-        assert took < 30, took
+            # The op in flight fails within the peer timeout (2 s here), not the op timeout.
+            assert failed[0]["ms"] < 15000, failed[0]
         ranks[2].wait(30)
     finally:
         stop_all(nodes)
