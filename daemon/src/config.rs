@@ -263,14 +263,20 @@ pub static KEYS: &[Key] = &[
         env: "COMMD_SWITCH_PACKET_BYTES",
         default: Some("1024"),
         help: "value payload per packet: 256 (64 values, the standard pipe) or 1024 (256 values, the folded pipe)",
-        kind: Kind::U64 { min: 256, max: 1024 },
+        kind: Kind::U64 {
+            min: 256,
+            max: 1024,
+        },
     },
     Key {
         name: "switch_timeout_ms",
         env: "COMMD_SWITCH_TIMEOUT_MS",
         default: Some("10"),
         help: "first retransmission timeout of a switch packet (doubled after every 100 timeouts, as SwitchML's client)",
-        kind: Kind::U64 { min: 1, max: 10_000 },
+        kind: Kind::U64 {
+            min: 1,
+            max: 10_000,
+        },
     },
     Key {
         name: "switch_pin",

@@ -441,9 +441,11 @@ pub fn run_switch(
                 "{what} timed out in the switch session via {via}"
             )))
         } else {
-            io.w
-                .pump(Some(deadline.min(now + std::time::Duration::from_millis(50))), sig_text)
-                .err()
+            io.w.pump(
+                Some(deadline.min(now + std::time::Duration::from_millis(50))),
+                sig_text,
+            )
+            .err()
         };
         if let Some(e) = err {
             op.cancel();

@@ -212,20 +212,12 @@ impl Thread {
             }
         };
         if let Some(w) = wire.as_mut() {
-            let wanted = t
-                .s
-                .switch
-                .clone()
-                .unwrap_or_else(|| t.ctx.switch.controller.clone());
+            let wanted =
+                t.s.switch
+                    .clone()
+                    .unwrap_or_else(|| t.ctx.switch.controller.clone());
             match switchpath::setup(
-                &t.ctx,
-                &t.s.topo,
-                w,
-                &wanted,
-                &t.s.token,
-                &t.s.label,
-                &wake,
-                &t.sw_info,
+                &t.ctx, &t.s.topo, w, &wanted, &t.s.token, &t.s.label, &wake, &t.sw_info,
             ) {
                 Ok(sw) => t.sw = sw,
                 Err(e) => t.fail(w, "switch session setup", e),

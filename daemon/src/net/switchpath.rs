@@ -7,9 +7,9 @@ use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use super::NetCtx;
 use super::algo::{self, Topo};
 use super::wire::{CLASS_COLL, NetError, Sig, Tag, Wire};
-use super::NetCtx;
 use crate::switch::packet::{MAX_WORKERS, PacketSize};
 use crate::switch::session::{Want, bring_up};
 use crate::switch::worker::{Stats, Worker};
@@ -101,13 +101,19 @@ fn exchange(
             recvs.push(w.recv(i, tag, None, b.as_mut_ptr(), TEXT as u64, algo::sig_text)?);
         }
     }
-    w.wait(&sends, &recvs, deadline, algo::sig_text, &|peers: &[usize]| {
-        let who: Vec<String> = peers.iter().map(|&p| t.label(p)).collect();
-        format!(
-            "switch session setup timed out waiting for {}",
-            who.join(", ")
-        )
-    })?;
+    w.wait(
+        &sends,
+        &recvs,
+        deadline,
+        algo::sig_text,
+        &|peers: &[usize]| {
+            let who: Vec<String> = peers.iter().map(|&p| t.label(p)).collect();
+            format!(
+                "switch session setup timed out waiting for {}",
+                who.join(", ")
+            )
+        },
+    )?;
     for s in sends {
         w.release_send(s);
     }
@@ -194,11 +200,22 @@ pub fn setup(
             let h = std::thread::Builder::new()
                 .name("commd-sw-setup".into())
                 .spawn(move || {
-                    bring_up(&want, rank, n as u32, &scope, &label2, Some(wake2), rpc_timeout)
+                    bring_up(
+                        &want,
+                        rank,
+                        n as u32,
+                        &scope,
+                        &label2,
+                        Some(wake2),
+                        rpc_timeout,
+                    )
                 })
                 .map_err(|e| NetError::Local(e.to_string()))?;
             while !h.is_finished() {
-                w.pump(Some(Instant::now() + Duration::from_millis(50)), algo::sig_text)?;
+                w.pump(
+                    Some(Instant::now() + Duration::from_millis(50)),
+                    algo::sig_text,
+                )?;
             }
             h.join()
                 .unwrap_or_else(|_| Err("switch bring-up thread panicked".into()))

@@ -13,6 +13,7 @@ pub mod cores;
 pub mod packet;
 pub mod server;
 pub mod session;
+pub mod udpio;
 pub mod worker;
 
 use std::time::Duration;
@@ -38,7 +39,9 @@ pub fn check_controller(v: &str) -> Result<(), String> {
     }
     match v.rsplit_once(':') {
         Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0) => Ok(()),
-        _ => Err("expected HOST:PORT of a SwitchML controller (e.g. 10.0.0.9:50099) or 'off'".into()),
+        _ => {
+            Err("expected HOST:PORT of a SwitchML controller (e.g. 10.0.0.9:50099) or 'off'".into())
+        }
     }
 }
 
@@ -223,5 +226,99 @@ mod tests {
         let ops = [(false, 300_007), (false, 300_007), (true, 5)];
         let got = run(sw.listen.to_string(), 3, PacketSize::Mtu1024, "c", &ops);
         check(3, &ops, &got);
+    }
+}
+
+/// `cargo test --release -p commd --lib switch_goodput -- --ignored --nocapture`: goodput of
+/// 4 in-process workers through an in-process switch, with the workers' counters.
+#[cfg(test)]
+mod perf {
+    use std::net::Ipv4Addr;
+    use std::sync::atomic::Ordering::Relaxed;
+    use std::time::{Duration, Instant};
+
+    use super::packet::PacketSize;
+    use super::server::{self, SwitchArgs};
+    use super::session::{Want, bring_up};
+
+    #[test]
+    #[ignore]
+    fn switch_goodput() {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let a = SwitchArgs {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            data: "127.0.0.1:0".parse().unwrap(),
+            metrics: "off".into(),
+            slots: 8192,
+            drop: 0.0,
+            dup: 0.0,
+            reorder: 0.0,
+            seed: 1,
+            pin: "off".into(),
+        };
+        let sw = server::start(&a, &rt).unwrap();
+        let n = 4u32;
+        let window: usize = std::env::var("W")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(128);
+        let bytes = 4usize << 20;
+        let hs: Vec<_> = (0..n)
+            .map(|rank| {
+                let ctl = sw.listen.to_string();
+                std::thread::spawn(move || {
+                    let want = Want {
+                        controller: ctl,
+                        bind: Ipv4Addr::new(127, 0, 2, 2 + rank as u8),
+                        threads: 1,
+                        window,
+                        size: PacketSize::Mtu1024,
+                        timeout: Duration::from_millis(10),
+                        stall: Duration::from_secs(10),
+                        pin: false,
+                    };
+                    let mut w =
+                        bring_up(&want, rank, n, "p", "perf", None, Duration::from_secs(10)).unwrap();
+                    let mut v = vec![1i32; bytes / 4];
+                    w.all_reduce_i32(&mut v).unwrap();
+                    let t = Instant::now();
+                    let iters = 10;
+                    for _ in 0..iters {
+                        w.all_reduce_i32(&mut v).unwrap();
+                    }
+                    let dt = t.elapsed().as_secs_f64() / f64::from(iters);
+                    let s = &w.stats;
+                    println!(
+                        "worker {rank}: {:.2} ms/op, {:.2} Gbps goodput; sent {} retrans {} results {} dropped {} sendmmsg {} recvmmsg {}",
+                        dt * 1e3,
+                        (bytes * 8) as f64 / dt / 1e9,
+                        s.packets_sent.load(Relaxed),
+                        s.retransmits.load(Relaxed),
+                        s.results.load(Relaxed),
+                        s.dropped_results.load(Relaxed),
+                        s.send_calls.load(Relaxed),
+                        s.recv_calls.load(Relaxed)
+                    );
+                })
+            })
+            .collect();
+        for h in hs {
+            h.join().unwrap();
+        }
+        println!(
+            "{}",
+            sw.switch
+                .metrics_text()
+                .lines()
+                .filter(|l| l.contains("syscalls")
+                    || l.contains("packets_sent")
+                    || l.contains("duplicates_total"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
     }
 }

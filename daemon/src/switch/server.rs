@@ -359,17 +359,14 @@ impl Switch {
         let claim = cores::claim("commd switch data plane", pin);
         *lock(&self.core) = claim.text();
         tracing::info!(target: "commd::switch", "data plane thread: {}", claim.text());
-        const B: usize = 64;
-        let mut bufs: Vec<Vec<u8>> = (0..B).map(|_| vec![0u8; 2048]).collect();
-        let mut addrs: Vec<SocketAddr> = Vec::with_capacity(B);
+        super::udpio::enable_gro(&sock);
+        let mut big: Vec<Vec<u8>> = Vec::new();
+        let mut pk: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
         let mut out: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
         let mut spare: Vec<Vec<u8>> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
-            for b in &mut bufs {
-                b.resize(2048, 0);
-            }
-            addrs.clear();
-            let n = match recv_from_batch(&sock, &mut bufs, &mut addrs, &self.stats) {
+            spare.extend(pk.drain(..).map(|x| x.0));
+            let n = match super::udpio::recv(&sock, &mut big, &mut pk, &mut spare, &self.stats) {
                 Ok(0) => {
                     let mut fds = [rustix::event::PollFd::new(
                         &sock,
@@ -389,7 +386,7 @@ impl Switch {
                     continue;
                 }
             };
-            let mut work: Vec<(usize, bool)> = Vec::with_capacity(n + 2);
+            let mut work: Vec<usize> = Vec::with_capacity(n + 2);
             {
                 let mut reg = lock(&self.reg);
                 let mut held_now: Option<(Vec<u8>, SocketAddr)> = None;
@@ -404,20 +401,20 @@ impl Switch {
                         && f.rng.random_bool(f.reorder)
                     {
                         reg.injected_reorders += 1;
-                        held_now = Some((bufs[i].clone(), addrs[i]));
+                        held_now = Some(pk[i].clone());
                         continue;
                     }
-                    work.push((i, false));
+                    work.push(i);
                     if f.dup > 0.0 && f.rng.random_bool(f.dup) {
                         reg.injected_dups += 1;
-                        work.push((i, false));
+                        work.push(i);
                     }
                 }
                 let held = f.held.take();
                 f.held = held_now;
-                for (i, _) in &work {
-                    let from = addrs[*i];
-                    self.handle(&mut reg, &bufs[*i], from, &mut out, &mut spare);
+                for i in &work {
+                    let (b, from) = &pk[*i];
+                    self.handle(&mut reg, b, *from, &mut out, &mut spare);
                 }
                 if let Some((b, from)) = held {
                     self.handle(&mut reg, &b, from, &mut out, &mut spare);
@@ -439,7 +436,24 @@ impl Switch {
                 }
             }
             if !out.is_empty() {
-                send_to_batch(&sock, &out, &self.stats);
+                // One GSO send per destination (a worker's IP and port).
+                out.sort_by_key(|o| (o.1, o.0.len()));
+                let mut i = 0;
+                while i < out.len() {
+                    let mut j = i + 1;
+                    while j < out.len() && out[j].1 == out[i].1 && out[j].0.len() == out[i].0.len()
+                    {
+                        j += 1;
+                    }
+                    let group: Vec<&[u8]> = out[i..j].iter().map(|o| &o.0[..]).collect();
+                    if let Err(e) = super::udpio::send(&sock, Some(out[i].1), &group, &self.stats) {
+                        tracing::debug!(target: "commd::switch", "sending results to {}: {e}", out[i].1);
+                    }
+                    self.stats
+                        .packets_sent
+                        .fetch_add((j - i) as u64, Ordering::Relaxed);
+                    i = j;
+                }
                 spare.extend(out.drain(..).map(|o| o.0));
             }
         }
@@ -643,129 +657,6 @@ impl Switch {
             lock(&self.core)
         );
         o
-    }
-}
-
-fn recv_from_batch(
-    sock: &UdpSocket,
-    bufs: &mut [Vec<u8>],
-    addrs: &mut Vec<SocketAddr>,
-    stats: &Stats,
-) -> Result<usize, String> {
-    use std::os::fd::AsRawFd;
-    let mut iov: Vec<libc::iovec> = bufs
-        .iter_mut()
-        .map(|b| libc::iovec {
-            iov_base: b.as_mut_ptr().cast(),
-            iov_len: b.len(),
-        })
-        .collect();
-    // SAFETY: sockaddr_in and mmsghdr are plain data; zero is valid for both.
-    let mut names: Vec<libc::sockaddr_in> = (0..bufs.len())
-        .map(|_| unsafe { std::mem::zeroed() })
-        .collect();
-    // SAFETY: as above.
-    let mut msgs: Vec<libc::mmsghdr> = (0..bufs.len())
-        .map(|_| unsafe { std::mem::zeroed() })
-        .collect();
-    for ((m, v), a) in msgs.iter_mut().zip(iov.iter_mut()).zip(names.iter_mut()) {
-        m.msg_hdr.msg_iov = v;
-        m.msg_hdr.msg_iovlen = 1;
-        m.msg_hdr.msg_name = (a as *mut libc::sockaddr_in).cast();
-        m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
-    }
-    stats.recv_calls.fetch_add(1, Ordering::Relaxed);
-    // SAFETY: every iovec and name points into live buffers of the stated sizes.
-    let r = unsafe {
-        libc::recvmmsg(
-            sock.as_raw_fd(),
-            msgs.as_mut_ptr(),
-            msgs.len() as u32,
-            libc::MSG_DONTWAIT,
-            std::ptr::null_mut(),
-        )
-    };
-    if r < 0 {
-        let e = std::io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::EAGAIN) | Some(libc::EINTR) | Some(libc::ECONNREFUSED) => Ok(0),
-            _ => Err(e.to_string()),
-        };
-    }
-    let n = r as usize;
-    for i in 0..n {
-        bufs[i].truncate(msgs[i].msg_len as usize);
-        let a = &names[i];
-        addrs.push(SocketAddr::new(
-            IpAddr::V4(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr))),
-            u16::from_be(a.sin_port),
-        ));
-    }
-    Ok(n)
-}
-
-fn send_to_batch(sock: &UdpSocket, out: &[(Vec<u8>, SocketAddr)], stats: &Stats) {
-    use std::os::fd::AsRawFd;
-    for chunk in out.chunks(64) {
-        let mut iov: Vec<libc::iovec> = chunk
-            .iter()
-            .map(|(b, _)| libc::iovec {
-                iov_base: b.as_ptr() as *mut libc::c_void,
-                iov_len: b.len(),
-            })
-            .collect();
-        let mut names: Vec<libc::sockaddr_in> = chunk
-            .iter()
-            .map(|(_, a)| {
-                // SAFETY: sockaddr_in is plain data.
-                let mut s: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-                s.sin_family = libc::AF_INET as u16;
-                s.sin_port = a.port().to_be();
-                if let IpAddr::V4(ip) = a.ip() {
-                    s.sin_addr.s_addr = u32::from(ip).to_be();
-                }
-                s
-            })
-            .collect();
-        // SAFETY: mmsghdr is plain data.
-        let mut msgs: Vec<libc::mmsghdr> = (0..chunk.len())
-            .map(|_| unsafe { std::mem::zeroed() })
-            .collect();
-        for ((m, v), a) in msgs.iter_mut().zip(iov.iter_mut()).zip(names.iter_mut()) {
-            m.msg_hdr.msg_iov = v;
-            m.msg_hdr.msg_iovlen = 1;
-            m.msg_hdr.msg_name = (a as *mut libc::sockaddr_in).cast();
-            m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
-        }
-        let mut off = 0;
-        let mut spins = 0;
-        while off < msgs.len() {
-            stats.send_calls.fetch_add(1, Ordering::Relaxed);
-            // SAFETY: msgs[off..] point at live iovecs and names.
-            let r = unsafe {
-                libc::sendmmsg(
-                    sock.as_raw_fd(),
-                    msgs.as_mut_ptr().add(off),
-                    (msgs.len() - off) as u32,
-                    0,
-                )
-            };
-            if r < 0 {
-                spins += 1;
-                if spins > 100 {
-                    // Lost: the worker's retransmission covers it.
-                    break;
-                }
-                // A worker socket that went away (ECONNREFUSED) costs only its own packet.
-                if std::io::Error::last_os_error().raw_os_error() == Some(libc::ECONNREFUSED) {
-                    off += 1;
-                }
-                std::thread::yield_now();
-                continue;
-            }
-            stats.packets_sent.fetch_add(r as u64, Ordering::Relaxed);
-            off += r as usize;
-        }
     }
 }
 

@@ -16,7 +16,7 @@
 //! [`Outcome::Unrepresentable`] on every worker alike, and the caller redoes it over TCP.
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
@@ -179,6 +179,7 @@ impl Worker {
             s.connect(p.switch)
                 .map_err(|e| format!("cannot reach the switch at {}: {e}", p.switch))?;
             s.set_nonblocking(true).map_err(|e| e.to_string())?;
+            super::udpio::enable_gro(&s);
             let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&s, 4 << 20);
             let _ = rustix::net::sockopt::set_socket_send_buffer_size(&s, 4 << 20);
             socks.push(s);
@@ -320,6 +321,8 @@ struct Thread {
     stats: Arc<Stats>,
     slots: Vec<SlotState>,
     rbuf: Vec<Vec<u8>>,
+    rx: Vec<(Vec<u8>, SocketAddr)>,
+    spare: Vec<Vec<u8>>,
     vals: Vec<i32>,
     fvals: Vec<f32>,
     /// First packet id of the current op: ids never repeat on a slot across ops, so the switch
@@ -327,8 +330,6 @@ struct Thread {
     tsi_base: u32,
     op_base: u32,
 }
-
-const BATCH: usize = 64;
 
 impl Thread {
     fn new(p: &Params, t: usize, sock: UdpSocket, stats: Arc<Stats>) -> Self {
@@ -356,7 +357,9 @@ impl Thread {
                 };
                 p.window
             ],
-            rbuf: (0..BATCH).map(|_| vec![0u8; plen + 64]).collect(),
+            rbuf: Vec::new(),
+            rx: Vec::new(),
+            spare: Vec::new(),
             vals: vec![0; p.size.values()],
             fvals: vec![0.0; p.size.values()],
             tsi_base: 0,
@@ -403,8 +406,7 @@ impl Thread {
             let got = self.recv_batch(timeout.min(Duration::from_millis(20)))?;
             let mut ready: Vec<usize> = Vec::new();
             for i in 0..got {
-                let len = self.rbuf[i].len();
-                let Ok(h) = Header::parse(&self.rbuf[i][..len]) else {
+                let Ok(h) = Header::parse(&self.rx[i].0) else {
                     self.stats.dropped_results.fetch_add(1, Ordering::Relaxed);
                     continue;
                 };
@@ -430,6 +432,7 @@ impl Thread {
                     ready.push(j);
                 }
             }
+            self.spare.extend(self.rx.drain(..).map(|x| x.0));
             if !ready.is_empty() {
                 self.send_slots(&ready)?;
             }
@@ -556,7 +559,7 @@ impl Thread {
         if let Some(pk) = vals_pkt {
             let a = ((p0 + pk) * v).min(job.count);
             let b = ((p0 + pk + 1) * v).min(job.count);
-            packet::get_values(&self.rbuf[i][HEADER_BYTES..], &mut self.vals);
+            packet::get_values(&self.rx[i].0[HEADER_BYTES..], &mut self.vals);
             if job.float {
                 let (ea, eb) = self.slots[j].exps;
                 let m = half.min(b - a);
@@ -590,10 +593,8 @@ impl Thread {
 
     fn send_slots(&mut self, js: &[usize]) -> Result<(), String> {
         let now = Instant::now();
-        for chunk in js.chunks(BATCH) {
-            let bufs: Vec<&[u8]> = chunk.iter().map(|&j| &self.slots[j].pkt[..]).collect();
-            send_batch(&self.sock, &bufs, &self.stats)?;
-        }
+        let bufs: Vec<&[u8]> = js.iter().map(|&j| &self.slots[j].pkt[..]).collect();
+        super::udpio::send(&self.sock, None, &bufs, &self.stats)?;
         for &j in js {
             self.slots[j].busy = true;
             self.slots[j].sent_at = now;
@@ -608,14 +609,15 @@ impl Thread {
         Ok(())
     }
 
-    /// Waits up to `wait` for results; returns how many landed in `rbuf` (each truncated to
-    /// its length).
+    /// Waits up to `wait` for results; returns how many landed in `rx`.
     fn recv_batch(&mut self, wait: Duration) -> Result<usize, String> {
-        let plen = HEADER_BYTES + self.size.bytes() + 64;
-        for b in &mut self.rbuf {
-            b.resize(plen, 0);
-        }
-        let n = recv_batch(&self.sock, &mut self.rbuf, &self.stats)?;
+        let n = super::udpio::recv(
+            &self.sock,
+            &mut self.rbuf,
+            &mut self.rx,
+            &mut self.spare,
+            &self.stats,
+        )?;
         if n > 0 {
             return Ok(n);
         }
@@ -628,103 +630,12 @@ impl Thread {
             tv_nsec: wait.subsec_nanos() as i64,
         };
         let _ = rustix::event::poll(&mut fds, Some(&ts));
-        recv_batch(&self.sock, &mut self.rbuf, &self.stats)
-    }
-}
-
-/// `sendmmsg` of `bufs` on a connected socket (one syscall per 64 packets).
-pub fn send_batch(sock: &impl AsFd, bufs: &[&[u8]], stats: &Stats) -> Result<(), String> {
-    use std::os::fd::AsRawFd;
-    let mut iov: Vec<libc::iovec> = bufs
-        .iter()
-        .map(|b| libc::iovec {
-            iov_base: b.as_ptr() as *mut libc::c_void,
-            iov_len: b.len(),
-        })
-        .collect();
-    // SAFETY: mmsghdr is plain data; zero is a valid empty header.
-    let mut msgs: Vec<libc::mmsghdr> = (0..bufs.len())
-        .map(|_| unsafe { std::mem::zeroed() })
-        .collect();
-    for (m, v) in msgs.iter_mut().zip(iov.iter_mut()) {
-        m.msg_hdr.msg_iov = v;
-        m.msg_hdr.msg_iovlen = 1;
-    }
-    let mut off = 0;
-    let mut spins = 0;
-    while off < msgs.len() {
-        stats.send_calls.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: msgs[off..] point at iovecs over live buffers for the duration of the call.
-        let r = unsafe {
-            libc::sendmmsg(
-                sock.as_fd().as_raw_fd(),
-                msgs.as_mut_ptr().add(off),
-                (msgs.len() - off) as u32,
-                0,
-            )
-        };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            match e.raw_os_error() {
-                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) => {
-                    spins += 1;
-                    if spins > 1000 {
-                        // Lost to the network: the retransmission timer covers it.
-                        return Ok(());
-                    }
-                    std::thread::yield_now();
-                    continue;
-                }
-                // The switch's port is closed (ICMP unreachable): retransmission retries; a
-                // switch that stays away fails the op through the stall timer.
-                Some(libc::ECONNREFUSED) => return Ok(()),
-                _ => return Err(format!("sending to the switch: {e}")),
-            }
-        }
-        off += r as usize;
-    }
-    Ok(())
-}
-
-/// `recvmmsg` without waiting into `bufs`; each received buffer is truncated to its length.
-pub fn recv_batch(sock: &impl AsFd, bufs: &mut [Vec<u8>], stats: &Stats) -> Result<usize, String> {
-    use std::os::fd::AsRawFd;
-    let mut iov: Vec<libc::iovec> = bufs
-        .iter_mut()
-        .map(|b| libc::iovec {
-            iov_base: b.as_mut_ptr().cast(),
-            iov_len: b.len(),
-        })
-        .collect();
-    // SAFETY: mmsghdr is plain data; zero is a valid empty header.
-    let mut msgs: Vec<libc::mmsghdr> = (0..bufs.len())
-        .map(|_| unsafe { std::mem::zeroed() })
-        .collect();
-    for (m, v) in msgs.iter_mut().zip(iov.iter_mut()) {
-        m.msg_hdr.msg_iov = v;
-        m.msg_hdr.msg_iovlen = 1;
-    }
-    stats.recv_calls.fetch_add(1, Ordering::Relaxed);
-    // SAFETY: every iovec points into a live buffer of its length.
-    let r = unsafe {
-        libc::recvmmsg(
-            sock.as_fd().as_raw_fd(),
-            msgs.as_mut_ptr(),
-            msgs.len() as u32,
-            libc::MSG_DONTWAIT,
-            std::ptr::null_mut(),
+        super::udpio::recv(
+            &self.sock,
+            &mut self.rbuf,
+            &mut self.rx,
+            &mut self.spare,
+            &self.stats,
         )
-    };
-    if r < 0 {
-        let e = std::io::Error::last_os_error();
-        return match e.raw_os_error() {
-            Some(libc::EAGAIN) | Some(libc::EINTR) | Some(libc::ECONNREFUSED) => Ok(0),
-            _ => Err(format!("receiving from the switch: {e}")),
-        };
     }
-    let n = r as usize;
-    for (b, m) in bufs.iter_mut().zip(&msgs).take(n) {
-        b.truncate(m.msg_len as usize);
-    }
-    Ok(n)
 }
