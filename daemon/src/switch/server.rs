@@ -390,7 +390,7 @@ impl Switch {
             {
                 let mut reg = lock(&self.reg);
                 let mut held_now: Option<(Vec<u8>, SocketAddr)> = None;
-                for i in 0..n {
+                for (i, item) in pk.iter().enumerate().take(n) {
                     if f.drop > 0.0 && f.rng.random_bool(f.drop) {
                         reg.injected_drops += 1;
                         continue;
@@ -401,7 +401,7 @@ impl Switch {
                         && f.rng.random_bool(f.reorder)
                     {
                         reg.injected_reorders += 1;
-                        held_now = Some(pk[i].clone());
+                        held_now = Some(item.clone());
                         continue;
                     }
                     work.push(i);

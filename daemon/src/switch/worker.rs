@@ -447,7 +447,7 @@ impl Thread {
                     .fetch_add(late.len() as u64, Ordering::Relaxed);
                 for _ in &late {
                     timeouts += 1;
-                    if timeouts % 100 == 0 {
+                    if timeouts.is_multiple_of(100) {
                         timeout = (timeout * 2).min(Duration::from_secs(1));
                     }
                 }
