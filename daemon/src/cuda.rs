@@ -811,8 +811,62 @@ pub struct GpuJob {
 }
 
 enum State {
-    Waiting { since: Instant },
-    InFlight { events: Vec<(usize, sys::CUevent)> },
+    Waiting {
+        since: Instant,
+    },
+    InFlight {
+        events: Vec<(usize, sys::CUevent)>,
+        issued: Instant,
+    },
+}
+
+/// Where the executor's time per phase goes, summed and logged (target `commd::cuda`, level
+/// INFO) every `PHASES_PER_REPORT` phases with copies: from the phase's turn (previous phase
+/// done, or the job at the front of its queue) until every rank's ready counter is seen, the
+/// time spent issuing its copies (driver calls), and from then until the copies' events
+/// complete.
+#[derive(Default)]
+struct PhaseTimes {
+    phases: u64,
+    completed: u64,
+    copies: u64,
+    wait_ns: u64,
+    issue_ns: u64,
+    copy_ns: u64,
+    bytes: u64,
+}
+
+const PHASES_PER_REPORT: u64 = 5000;
+
+impl PhaseTimes {
+    fn issued(&mut self, wait: Duration, issue: Duration, copies: usize, bytes: u64) {
+        self.phases += 1;
+        self.copies += copies as u64;
+        self.wait_ns += wait.as_nanos() as u64;
+        self.issue_ns += issue.as_nanos() as u64;
+        self.bytes += bytes;
+    }
+
+    fn completed(&mut self, copy: Duration) {
+        self.completed += 1;
+        self.copy_ns += copy.as_nanos() as u64;
+        if self.completed < PHASES_PER_REPORT {
+            return;
+        }
+        let n = self.phases.max(1) as f64;
+        tracing::info!(
+            target: "commd::cuda",
+            "executor, last {} phases with copies ({} copies, {:.0} KiB per phase): mean us per phase: waiting for ready counters {:.1}, issuing copies {:.1} ({:.2} per copy), copies until their events complete {:.1}",
+            self.phases,
+            self.copies,
+            self.bytes as f64 / n / 1024.0,
+            self.wait_ns as f64 / n / 1e3,
+            self.issue_ns as f64 / n / 1e3,
+            self.issue_ns as f64 / (self.copies.max(1) as f64) / 1e3,
+            self.copy_ns as f64 / (self.completed as f64) / 1e3,
+        );
+        *self = Self::default();
+    }
 }
 
 struct Active {
@@ -839,15 +893,25 @@ impl Executor {
     /// The `commd-gpu` loop: polls ready counters (CPU polling: 3.7 us round trips on our H200s
     /// versus 12.4 us for a daemon stream waiting on the client's counter), issues the pushes,
     /// polls their events, writes done counters, and completes the ops. Jobs of one
-    /// communicator run in order; different communicators progress independently.
+    /// communicator run in order; different communicators progress independently. With
+    /// nothing queued it keeps looking for `IDLE_SPIN` before sleeping on its condition
+    /// variable, so a stream of ops (the next one is usually matched within microseconds) does
+    /// not pay a thread wake-up per op.
     fn run(&self, cuda: &'static Cuda) {
+        const IDLE_SPIN: Duration = Duration::from_millis(1);
         let mut queues: HashMap<u64, VecDeque<Active>> = HashMap::new();
         let mut slots = Slots::default();
+        let mut times = PhaseTimes::default();
         let mut idle_since = Instant::now();
         loop {
             {
                 let mut inc = self.incoming.lock().unwrap_or_else(|e| e.into_inner());
                 if queues.is_empty() && inc.is_empty() {
+                    if idle_since.elapsed() < IDLE_SPIN {
+                        drop(inc);
+                        std::thread::yield_now();
+                        continue;
+                    }
                     inc = self
                         .cv
                         .wait_timeout(inc, Duration::from_millis(100))
@@ -867,7 +931,7 @@ impl Executor {
             let mut progressed = false;
             for q in queues.values_mut() {
                 while let Some(front) = q.front_mut() {
-                    let (moved, finished) = step(cuda, &mut slots, front);
+                    let (moved, finished) = step(cuda, &mut slots, &mut times, front);
                     progressed |= moved;
                     if finished {
                         q.pop_front();
@@ -890,7 +954,12 @@ impl Executor {
 }
 
 /// Advances one job; returns (made progress, finished).
-fn step(cuda: &'static Cuda, slots: &mut Slots, a: &mut Active) -> (bool, bool) {
+fn step(
+    cuda: &'static Cuda,
+    slots: &mut Slots,
+    times: &mut PhaseTimes,
+    a: &mut Active,
+) -> (bool, bool) {
     match &mut a.state {
         State::Waiting { since } => {
             let phase = a.phase as u32;
@@ -931,10 +1000,16 @@ fn step(cuda: &'static Cuda, slots: &mut Slots, a: &mut Active) -> (bool, bool) 
                 }
                 return (false, false);
             }
+            let t0 = Instant::now();
+            let waited = t0.duration_since(*since);
             match issue(cuda, &a.job.phases[a.phase]) {
                 Ok(events) if events.is_empty() => phase_done(slots, a),
                 Ok(events) => {
-                    a.state = State::InFlight { events };
+                    let issued = Instant::now();
+                    let copies = &a.job.phases[a.phase];
+                    let bytes = copies.iter().map(|c| c.src.bytes).sum();
+                    times.issued(waited, issued - t0, copies.len(), bytes);
+                    a.state = State::InFlight { events, issued };
                     (true, false)
                 }
                 Err(e) => {
@@ -944,7 +1019,7 @@ fn step(cuda: &'static Cuda, slots: &mut Slots, a: &mut Active) -> (bool, bool) 
                 }
             }
         }
-        State::InFlight { events } => {
+        State::InFlight { events, issued } => {
             let mut pending = false;
             let mut failed = None;
             for (_, e) in events.iter() {
@@ -959,6 +1034,7 @@ fn step(cuda: &'static Cuda, slots: &mut Slots, a: &mut Active) -> (bool, bool) 
             if pending && failed.is_none() {
                 return (false, false);
             }
+            times.completed(issued.elapsed());
             for (g, e) in events.drain(..) {
                 cuda.recycle(g, e);
             }

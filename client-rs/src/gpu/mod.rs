@@ -123,10 +123,8 @@ impl CudaEvent {
     /// `stream` must be a live stream of the event's device.
     pub unsafe fn record(&self, stream: sys::CUstream) -> Result<()> {
         // SAFETY: the caller passes a live stream of this event's device.
-        ck(
-            unsafe { sys::cuEventRecord(self.ev, stream) },
-            "cuEventRecord",
-        )?;
+        let r = unsafe { sys::cuEventRecord(self.ev, stream) };
+        ck(r, "cuEventRecord")?;
         Ok(())
     }
 
