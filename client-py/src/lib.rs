@@ -586,6 +586,7 @@ impl Communicator {
             stream,
             device: posted.device,
             deferred: args.defer_wait && kind.is_p2p(),
+            last_ticket: posted.last_ticket,
             done: std::sync::Mutex::new(posted.done.map(Arc::new)),
             stash: self.stash.clone(),
         })
@@ -645,13 +646,14 @@ struct CudaRequest {
     stream: usize,
     device: i32,
     deferred: bool,
+    last_ticket: u32,
     done: std::sync::Mutex<Option<Arc<commd_client::gpu::CudaEvent>>>,
     stash: Arc<Stash>,
 }
 
 impl CudaRequest {
-    /// The event after the op on its stream: recorded by `cuda_op`, or now (deferred p2p ops:
-    /// after enqueueing the group's wait).
+    /// The event after the op on its stream: recorded by `cuda_op`, or now (an op posted
+    /// without one: recorded now, it also covers what was queued on that stream since).
     fn event(&self) -> PyResult<Arc<commd_client::gpu::CudaEvent>> {
         let mut d = self.done.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = d.as_ref() {
@@ -660,13 +662,7 @@ impl CudaRequest {
         let s = self.stream as CuStream;
         // SAFETY: `s` is the live stream the op was posted on (the caller keeps it alive, as
         // for `cuda_op`), of the op's device.
-        let e = unsafe {
-            if self.deferred {
-                self.comm.cuda_flush(s).map_err(to_py)?;
-            }
-            self.comm.cuda_record(s, self.device).map_err(to_py)?
-        };
-        let e = Arc::new(e);
+        let e = Arc::new(unsafe { self.comm.cuda_record(s, self.device) }.map_err(to_py)?);
         *d = Some(e.clone());
         Ok(e)
     }
@@ -686,17 +682,24 @@ impl CudaRequest {
         py.detach(move || r.test()).map_err(to_py)
     }
 
-    /// Enqueues the wait of a deferred send/recv group on the op's stream (a no-op otherwise).
-    fn flush(&self) -> PyResult<()> {
-        self.event().map(|_| ())
-    }
-
     /// Makes `stream` wait on the GPU for the op (the CPU does not wait), then raises the op's
-    /// error if it already failed.
+    /// error if it already failed. A deferred send/recv: `stream` waits for the op's done
+    /// ticket (one stream operation, no event); an op posted on `stream` itself without
+    /// deferral: nothing to enqueue; otherwise `stream` waits for the op's event.
     fn cuda_wait(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
-        let e = self.event()?;
+        let flushed = self.done.lock().unwrap_or_else(|e| e.into_inner()).clone();
         // SAFETY: `stream` is a live stream handle from the caller (torch's current stream).
-        unsafe { e.wait_on(stream as CuStream) }.map_err(to_py)?;
+        unsafe {
+            match flushed {
+                Some(e) => e.wait_on(stream as CuStream).map_err(to_py)?,
+                None if self.deferred => self
+                    .comm
+                    .cuda_wait_ticket(stream as CuStream, self.last_ticket)
+                    .map_err(to_py)?,
+                None if stream == self.stream => {}
+                None => self.event()?.wait_on(stream as CuStream).map_err(to_py)?,
+            }
+        }
         self.stash.reap(py);
         self.inner.test().map(|_| ()).map_err(to_py)
     }

@@ -10,10 +10,16 @@ op done, so the caching allocator cannot hand their memory out early.
 
 The common cases (contiguous tensors: send, recv, all_gather_into_tensor, all_reduce, reduce,
 broadcast, reduce_scatter_tensor) take a fast path: one native call (``Communicator.cuda_op``)
-orders the communication stream after the current one, posts the op, enqueues the doorbells and
-records the done event, and keeps the tensors referenced until the daemon reports the op done
-(no ``record_stream``, no torch events, no Python-side bookkeeping per op); ``Work.wait()`` is one
-more native call that makes the current stream wait for that event.
+posts the op, enqueues its doorbells, and keeps the tensors referenced until the daemon reports
+the op done (no ``record_stream``, no torch events, no Python-side bookkeeping per op):
+- async collectives run on the communication stream, ordered after the current stream and
+  followed by a done event (both enqueued natively); ``Work.wait()`` makes the current stream
+  wait for that event;
+- blocking collectives (``async_op=False``: torch waits at once) run on the current stream
+  itself, like NCCL's for such calls: no stream hop at all;
+- send and recv signal "ready" on the current stream (so work queued after them keeps running)
+  and ``Work.wait()`` enqueues the wait for the op's done counter on whatever stream is current
+  then: one stream operation each, no event.
 """
 
 from __future__ import annotations
@@ -65,7 +71,6 @@ class FastCudaWork(_Work):
         return self._h
 
     def is_completed(self) -> bool:
-        self._req.flush()
         return self._handle().is_completed()
 
     def is_success(self) -> bool:
@@ -78,14 +83,12 @@ class FastCudaWork(_Work):
         return self._result
 
     def synchronize(self) -> None:
-        self._req.flush()
         self._handle().wait()
         self._req.cuda_wait(_raw_stream(self._dev))
 
     def get_future(self) -> Future:
         from .torch import _flat_tensors, _progress
 
-        self._req.flush()
         if self._fut is None:
             self._fut = Future()
             _progress.watch(self._handle(), self._fut, _flat_tensors(self._result))
@@ -175,9 +178,11 @@ class CudaOps:
     # -- the fast path -------------------------------------------------------------------
 
     def _code(self, op: str, t: torch.Tensor, redop: str | None = None,
-              dt: str | None = None, defer: bool = False) -> tuple[int, int]:
-        """(cuda_op code, element multiplier) for ``op`` on ``t``'s dtype (cached)."""
-        key = (op, t.dtype, redop, dt, defer)
+              dt: str | None = None, defer: bool = False,
+              cur: bool = False) -> tuple[int, int]:
+        """(cuda_op code, element multiplier) for ``op`` on ``t``'s dtype (cached). ``cur``:
+        the op runs on the current stream (no ordering event, no done event)."""
+        key = (op, t.dtype, redop, dt, defer, cur)
         c = self._codes.get(key)
         if c is None:
             mult = 1
@@ -188,21 +193,27 @@ class CudaOps:
                     dt, mult = "u8", es
             elif t.is_complex():
                 mult = 2
-            c = (self._native.cuda_code(op, dt, redop, defer_wait=defer), mult)
+            c = (self._native.cuda_code(op, dt, redop, defer_wait=defer, order_after=not cur,
+                                        record=not cur), mult)
             self._codes[key] = c
         return c
 
     def fast(self, code: tuple[int, int], t: torch.Tensor, send: int, recv: int, peer: int,
-             result: Any, keep: Any) -> FastCudaWork:
-        """Posts one op on ``t``'s device through ``cuda_op``: ordered after the current
-        stream, on the communication stream; ``keep`` stays referenced until it is done."""
+             result: Any, keep: Any, cur: bool = False) -> FastCudaWork:
+        """Posts one op on ``t``'s device through ``cuda_op``: on the current stream (``cur``,
+        with a code made with ``cur``), else on the communication stream ordered after the
+        current one; ``keep`` stays referenced until the daemon reports the op done."""
         dev = t.get_device()
-        s = self._raw.get(dev)
-        if s is None:
-            self.stream(t.device)
-            s = self._raw[dev]
-        req = self._native.cuda_op(code[0], peer, t.numel() * code[1],
-                                   (send, recv, s, _raw_stream(dev)), keep)
+        now = _raw_stream(dev)
+        if cur:
+            s = now
+        else:
+            s = self._raw.get(dev)
+            if s is None:
+                self.stream(t.device)
+                s = self._raw[dev]
+        req = self._native.cuda_op(code[0], peer, t.numel() * code[1], (send, recv, s, now),
+                                   keep)
         return FastCudaWork(req, dev, result)
 
     def run(self, tensors: list[torch.Tensor], result: Any,
@@ -274,16 +285,19 @@ class CudaOps:
     # -- ops -----------------------------------------------------------------------------
 
     def reduce_like(self, op: str, t: torch.Tensor, dt: str, red: str, root: int,
-                    out: torch.Tensor | None, result: Any) -> CudaWork | FastCudaWork:
+                    out: torch.Tensor | None, result: Any,
+                    sync: bool = False) -> CudaWork | FastCudaWork:
         """all_reduce / reduce in place on ``t`` (``out`` None), or reduce-scatter of ``t`` into
-        ``out``."""
+        ``out``. ``sync``: torch waits at once (``async_op=False``): run on the current
+        stream."""
         if FAST and t.is_contiguous() and (
                 out is None or (out.is_contiguous() and out.device == t.device)):
             if out is None:
                 p = t.data_ptr()
-                return self.fast(self._code(op, t, red, dt), t, p, p, root, result, t)
-            return self.fast(self._code(op, out, red, dt), out, t.data_ptr(), out.data_ptr(), 0,
-                             result, (t, out))
+                return self.fast(self._code(op, t, red, dt, cur=sync), t, p, p, root, result, t,
+                                 sync)
+            return self.fast(self._code(op, out, red, dt, cur=sync), out, t.data_ptr(),
+                             out.data_ptr(), 0, result, (t, out), sync)
         src, back = self.flat(t)
         count = src.numel() * (2 if src.is_complex() else 1)
         if out is None:
@@ -301,10 +315,12 @@ class CudaOps:
         after = (lambda: out.copy_(dst)) if back_o else None
         return self.run([t, src, out, dst], result, post_rs, after)
 
-    def broadcast(self, t: torch.Tensor, root: int, result: Any) -> CudaWork | FastCudaWork:
+    def broadcast(self, t: torch.Tensor, root: int, result: Any,
+                  sync: bool = False) -> CudaWork | FastCudaWork:
         if FAST and t.is_contiguous():
             p = t.data_ptr()
-            return self.fast(self._code("broadcast", t), t, p, p, root, result, t)
+            return self.fast(self._code("broadcast", t, cur=sync), t, p, p, root, result, t,
+                             sync)
         src, back = self.flat(t)
         dt, count = self.move_dtype(src)
 
@@ -315,11 +331,12 @@ class CudaOps:
         return self.run([t, src], result, post, after)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, result: Any,
-                   outs: list[torch.Tensor] | None = None) -> CudaWork | FastCudaWork:
+                   outs: list[torch.Tensor] | None = None,
+                   sync: bool = False) -> CudaWork | FastCudaWork:
         if (FAST and outs is None and t.is_contiguous() and out.is_contiguous()
                 and out.device == t.device):
-            return self.fast(self._code("all_gather", t), t, t.data_ptr(), out.data_ptr(), 0,
-                             result, (t, out))
+            return self.fast(self._code("all_gather", t, cur=sync), t, t.data_ptr(),
+                             out.data_ptr(), 0, result, (t, out), sync)
         src, _ = self.flat(t)
         dst, back = self.flat(out)
         dt, count = self.move_dtype(src)
@@ -361,8 +378,8 @@ class CudaOps:
             if t.is_contiguous():
                 kind = "send" if sends else "recv"
                 p = t.data_ptr()
-                return self.fast(self._code(kind, t, defer=True), t, p if sends else 0,
-                                 0 if sends else p, peer, result, t)
+                return self.fast(self._code(kind, t, defer=True, cur=True), t,
+                                 p if sends else 0, 0 if sends else p, peer, result, t, True)
         fixed: list[tuple[torch.Tensor, torch.Tensor]] = []
         plan: list[tuple[str, torch.Tensor, int]] = []
         for t, peer in sends:

@@ -231,13 +231,15 @@ impl CudaOpArgs {
     }
 }
 
-/// A posted stream-ordered op: its request, the event recorded after it (if asked for), and
-/// the device ordinal of its buffers.
+/// A posted stream-ordered op: its request, the event recorded after it (if asked for), the
+/// device ordinal of its buffers, and its last doorbell ticket (a stream that waits for the
+/// done counter to reach it waits for the op: see [`Communicator::cuda_wait_ticket`]).
 #[derive(Debug)]
 pub struct CudaPosted {
     pub request: Request,
     pub done: Option<CudaEvent>,
     pub device: i32,
+    pub last_ticket: u32,
 }
 
 // SAFETY: the stream handle is a driver object that any thread may use.
@@ -509,6 +511,32 @@ impl Communicator {
         unsafe { self.post_cuda_ordered(a) }.map(|p| p.request)
     }
 
+    /// Enqueues on `stream` a wait for this communicator's done counter to reach `ticket` (the
+    /// `last_ticket` of a posted op): the stream then waits for that op and every op posted
+    /// before it on this communicator (done counters advance contiguously). This is how a
+    /// deferred send/recv is waited for on whatever stream is current at `wait()` time, with
+    /// no event and no communication stream.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream.
+    pub unsafe fn cuda_wait_ticket(&self, stream: sys::CUstream, ticket: u32) -> Result<()> {
+        let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
+        let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
+        ck(
+            // SAFETY: `done` is a device-mapped address of the registered doorbell page.
+            unsafe {
+                sys::cuStreamWaitValue32_v2(
+                    stream,
+                    done,
+                    ticket,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            },
+            "cuStreamWaitValue32",
+        )?;
+        Ok(())
+    }
+
     /// Records an event of the session's pool on `stream` (a stream of `device`), e.g. after
     /// [`Communicator::cuda_flush`] for deferred p2p ops.
     ///
@@ -697,6 +725,10 @@ impl Communicator {
                 } else {
                     wait(ticket)?;
                 }
+                if let Some(e) = &done_ev {
+                    // SAFETY: `s` was validated above and is of the event's device.
+                    unsafe { e.record(s)? };
+                }
                 return Ok(());
             }
             let sc = scratch.unwrap_or(Scratch {
@@ -757,6 +789,7 @@ impl Communicator {
             request: req,
             done: done_ev,
             device: dev,
+            last_ticket: ticket.wrapping_add(phases as u32).wrapping_sub(1),
         })
     }
 }
