@@ -67,6 +67,8 @@ pub struct Cuda {
     pub driver_version: i32,
     pub stats: IpcStats,
     pub slot_bytes: u64,
+    /// Pushes of at least this many bytes go as two halves on two streams (0: never).
+    pub split_bytes: u64,
     exec: Executor,
 }
 
@@ -80,13 +82,14 @@ static CUDA: OnceLock<Result<&'static Cuda, String>> = OnceLock::new();
 
 /// Initializes CUDA once (`enabled` false: never touch the driver). Returns why it is
 /// unavailable otherwise; the caller logs that once.
-pub fn init(enabled: bool, slot_bytes: u64) -> Result<&'static Cuda, String> {
+pub fn init(enabled: bool, slot_bytes: u64, split_bytes: u64) -> Result<&'static Cuda, String> {
     CUDA.get_or_init(|| {
         if !enabled {
             return Err("disabled by configuration (cuda = 0)".into());
         }
         cu::driver()?;
-        let c = Cuda::probe(slot_bytes).map_err(|e| e.to_string())?;
+        let mut c = Cuda::probe(slot_bytes).map_err(|e| e.to_string())?;
+        c.split_bytes = split_bytes;
         let c: &'static Cuda = Box::leak(Box::new(c));
         let exec = &c.exec;
         std::thread::Builder::new()
@@ -249,6 +252,7 @@ impl Cuda {
             driver_version,
             stats: IpcStats::default(),
             slot_bytes,
+            split_bytes: 0,
             exec: Executor::default(),
         })
     }
@@ -816,56 +820,61 @@ enum State {
     },
     InFlight {
         events: Vec<(usize, sys::CUevent)>,
+        /// When the phase's turn came, when every ready was seen, when its copies were issued.
+        turn: Instant,
+        ready: Instant,
         issued: Instant,
     },
 }
 
-/// Where the executor's time per phase goes, summed and logged (target `commd::cuda`, level
-/// INFO) every `PHASES_PER_REPORT` phases with copies: from the phase's turn (previous phase
-/// done, or the job at the front of its queue) until every rank's ready counter is seen, the
-/// time spent issuing its copies (driver calls), and from then until the copies' events
-/// complete.
+/// Where the executor's time per phase goes, by phase shape (number of copies, bytes), logged
+/// (target `commd::cuda`, level INFO) when the executor goes idle: from the phase's turn (the
+/// previous phase of its communicator done, or the job reaching the front of its queue) until
+/// every rank's ready counter is seen (in a steady stream of ops: the clients' streams passing
+/// the previous op's done counter and signalling the next one), the time spent issuing its
+/// copies (driver calls), and from then until the copies' events are seen complete.
 #[derive(Default)]
 struct PhaseTimes {
+    by_shape: HashMap<(usize, u64), PhaseAcc>,
+}
+
+#[derive(Default, Clone, Copy)]
+struct PhaseAcc {
     phases: u64,
-    completed: u64,
-    copies: u64,
     wait_ns: u64,
     issue_ns: u64,
     copy_ns: u64,
-    bytes: u64,
 }
 
-const PHASES_PER_REPORT: u64 = 5000;
-
 impl PhaseTimes {
-    fn issued(&mut self, wait: Duration, issue: Duration, copies: usize, bytes: u64) {
-        self.phases += 1;
-        self.copies += copies as u64;
-        self.wait_ns += wait.as_nanos() as u64;
-        self.issue_ns += issue.as_nanos() as u64;
-        self.bytes += bytes;
+    fn add(&mut self, copies: usize, bytes: u64, wait: Duration, issue: Duration, copy: Duration) {
+        let a = self.by_shape.entry((copies, bytes)).or_default();
+        a.phases += 1;
+        a.wait_ns += wait.as_nanos() as u64;
+        a.issue_ns += issue.as_nanos() as u64;
+        a.copy_ns += copy.as_nanos() as u64;
     }
 
-    fn completed(&mut self, copy: Duration) {
-        self.completed += 1;
-        self.copy_ns += copy.as_nanos() as u64;
-        if self.completed < PHASES_PER_REPORT {
-            return;
+    /// Logs and clears the shapes with enough phases to mean something.
+    fn report(&mut self) {
+        let mut shapes: Vec<_> = self.by_shape.drain().collect();
+        shapes.sort_by_key(|((c, b), _)| (*b, *c));
+        for ((copies, bytes), a) in shapes {
+            if a.phases < 20 {
+                continue;
+            }
+            let n = a.phases as f64;
+            tracing::info!(
+                target: "commd::cuda",
+                "executor: {} phases of {} copies, {} KiB: mean us per phase: until every ready counter was seen {:.1}, issuing the copies {:.1}, copies until their events were seen complete {:.1}",
+                a.phases,
+                copies,
+                bytes / 1024,
+                a.wait_ns as f64 / n / 1e3,
+                a.issue_ns as f64 / n / 1e3,
+                a.copy_ns as f64 / n / 1e3,
+            );
         }
-        let n = self.phases.max(1) as f64;
-        tracing::info!(
-            target: "commd::cuda",
-            "executor, last {} phases with copies ({} copies, {:.0} KiB per phase): mean us per phase: waiting for ready counters {:.1}, issuing copies {:.1} ({:.2} per copy), copies until their events complete {:.1}",
-            self.phases,
-            self.copies,
-            self.bytes as f64 / n / 1024.0,
-            self.wait_ns as f64 / n / 1e3,
-            self.issue_ns as f64 / n / 1e3,
-            self.issue_ns as f64 / (self.copies.max(1) as f64) / 1e3,
-            self.copy_ns as f64 / (self.completed as f64) / 1e3,
-        );
-        *self = Self::default();
     }
 }
 
@@ -912,6 +921,11 @@ impl Executor {
                         std::thread::yield_now();
                         continue;
                     }
+                    if !times.by_shape.is_empty() {
+                        drop(inc);
+                        times.report();
+                        continue;
+                    }
                     inc = self
                         .cv
                         .wait_timeout(inc, Duration::from_millis(100))
@@ -935,6 +949,16 @@ impl Executor {
                     progressed |= moved;
                     if finished {
                         q.pop_front();
+                        // The next job's turn starts now (its timeout and phase times count
+                        // from here, not from when it was queued).
+                        if let Some(Active {
+                            phase: 0,
+                            state: State::Waiting { since },
+                            ..
+                        }) = q.front_mut()
+                        {
+                            *since = Instant::now();
+                        }
                     } else {
                         break;
                     }
@@ -1000,16 +1024,17 @@ fn step(
                 }
                 return (false, false);
             }
-            let t0 = Instant::now();
-            let waited = t0.duration_since(*since);
+            let turn = *since;
+            let ready = Instant::now();
             match issue(cuda, &a.job.phases[a.phase]) {
                 Ok(events) if events.is_empty() => phase_done(slots, a),
                 Ok(events) => {
-                    let issued = Instant::now();
-                    let copies = &a.job.phases[a.phase];
-                    let bytes = copies.iter().map(|c| c.src.bytes).sum();
-                    times.issued(waited, issued - t0, copies.len(), bytes);
-                    a.state = State::InFlight { events, issued };
+                    a.state = State::InFlight {
+                        events,
+                        turn,
+                        ready,
+                        issued: Instant::now(),
+                    };
                     (true, false)
                 }
                 Err(e) => {
@@ -1019,7 +1044,12 @@ fn step(
                 }
             }
         }
-        State::InFlight { events, issued } => {
+        State::InFlight {
+            events,
+            turn,
+            ready,
+            issued,
+        } => {
             let mut pending = false;
             let mut failed = None;
             for (_, e) in events.iter() {
@@ -1034,7 +1064,14 @@ fn step(
             if pending && failed.is_none() {
                 return (false, false);
             }
-            times.completed(issued.elapsed());
+            let copies = &a.job.phases[a.phase];
+            times.add(
+                copies.len(),
+                copies.iter().map(|c| c.src.bytes).sum(),
+                *ready - *turn,
+                *issued - *ready,
+                issued.elapsed(),
+            );
             for (g, e) in events.drain(..) {
                 cuda.recycle(g, e);
             }
@@ -1085,6 +1122,15 @@ fn push_stream(from: usize, to: usize, ngpus: usize) -> usize {
     }
 }
 
+/// The second stream of a push split in two halves: another stream of the source GPU than
+/// `push_stream`'s (with two GPUs, the one of its local copies). `None` for local copies.
+fn second_push_stream(from: usize, to: usize, ngpus: usize) -> Option<usize> {
+    if from == to || ngpus < 2 {
+        return None;
+    }
+    Some(if ngpus >= 3 { (from + 2) % ngpus } else { from })
+}
+
 /// Issues one phase's copies as pushes and records one event per stream used. Pushes are issued
 /// in rounds, each GPU first to its next GPU, then to the one after, ...: a permutation per
 /// round, so no GPU receives from several at once while another idles.
@@ -1101,17 +1147,34 @@ fn issue(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, C
         let src = c.src.mem.ptr_on(from)? + c.src.off;
         let dst = c.dst.mem.ptr_on(from)? + c.dst.off;
         cu::set_current(g.ctx)?;
-        ck(
-            // SAFETY: both spans were bounds-checked against live mappings (valid in the source
-            // GPU's context, see `ptr_on`) that the job keeps alive until its events complete; the
-            // stream belongs to the source GPU's context.
-            unsafe { sys::cuMemcpyAsync(dst, src, c.src.bytes as usize, g.streams[si]) },
-            "cuMemcpyAsync",
-        )?;
-        crate::telemetry::links::gpu_copy(from, to, c.src.bytes);
-        if !used.contains(&(from, si)) {
-            used.push((from, si));
+        // A large push between GPUs may go as two halves on two streams (two copy engines).
+        let half = match second_push_stream(from, to, ng) {
+            Some(s2) if cuda.split_bytes > 0 && c.src.bytes >= cuda.split_bytes => {
+                Some((s2, c.src.bytes / 2 / 4096 * 4096))
+            }
+            _ => None,
+        };
+        let mut parts = [(si, 0, c.src.bytes), (0, 0, 0)];
+        if let Some((s2, h)) = half {
+            parts = [(si, 0, h), (s2, h, c.src.bytes - h)];
         }
+        for (s, at, len) in parts {
+            if len == 0 {
+                continue;
+            }
+            ck(
+                // SAFETY: both spans were bounds-checked against live mappings (valid in the
+                // source GPU's context, see `ptr_on`) that the job keeps alive until its events
+                // complete, and `[at, at + len)` lies inside them; the stream belongs to the
+                // source GPU's context.
+                unsafe { sys::cuMemcpyAsync(dst + at, src + at, len as usize, g.streams[s]) },
+                "cuMemcpyAsync",
+            )?;
+            if !used.contains(&(from, s)) {
+                used.push((from, s));
+            }
+        }
+        crate::telemetry::links::gpu_copy(from, to, c.src.bytes);
     }
     let mut events = Vec::with_capacity(used.len());
     for (from, si) in used {
@@ -1149,7 +1212,7 @@ mod tests {
     #[test]
     fn init_without_cuda_gives_a_reason() {
         // On CI there is no libcuda: init must return the reason, not panic.
-        match init(true, 1 << 20) {
+        match init(true, 1 << 20, 0) {
             Ok(c) => assert!(!c.gpus.is_empty()),
             Err(why) => assert!(!why.is_empty()),
         }
