@@ -118,16 +118,6 @@ pub static KEYS: &[Key] = &[
         },
     },
     Key {
-        name: "gpu_push_split_bytes",
-        env: "COMMD_GPU_PUSH_SPLIT_BYTES",
-        default: Some("0"),
-        help: "GPU copies: a push between two GPUs of at least this many bytes is split in two halves issued on two streams (two copy engines) of the source GPU; 0: never split",
-        kind: Kind::U64 {
-            min: 0,
-            max: 1 << 40,
-        },
-    },
-    Key {
         name: "ring_entries",
         env: "COMMD_RING_ENTRIES",
         default: Some("1024"),
@@ -354,7 +344,6 @@ pub struct Config {
     pub workers: usize,
     pub cuda: bool,
     pub gpu_scratch_slot_bytes: u64,
-    pub gpu_push_split_bytes: u64,
     pub poll_spin: Duration,
     pub ring_entries: u32,
     pub max_sessions: usize,
@@ -576,7 +565,6 @@ impl Config {
             workers: u("workers")? as usize,
             cuda: u("cuda")? == 1,
             gpu_scratch_slot_bytes: u("gpu_scratch_slot_bytes")? / 256 * 256,
-            gpu_push_split_bytes: u("gpu_push_split_bytes")?,
             poll_spin: Duration::from_micros(u("poll_spin_us")?),
             ring_entries: u("ring_entries")? as u32,
             max_sessions: u("max_sessions")? as usize,

@@ -134,11 +134,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Daemon {
     pub fn new(cfg: Config) -> Arc<Self> {
-        match crate::cuda::init(
-            cfg.cuda,
-            cfg.gpu_scratch_slot_bytes,
-            cfg.gpu_push_split_bytes,
-        ) {
+        match crate::cuda::init(cfg.cuda, cfg.gpu_scratch_slot_bytes) {
             Ok(c) => {
                 tracing::info!(target: "commd::init", "CUDA: {} GPU(s), driver {}", c.gpus.len(), c.driver_version);
                 c.log_topology();
