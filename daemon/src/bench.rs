@@ -26,8 +26,9 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 4)]
     pub ranks: u32,
     /// Embedded daemons acting as separate nodes (own sockets and peer ports on loopback); the
-    /// ranks are spread over them in contiguous blocks and the inter-node steps go over TCP
-    /// (or through a switch session, see --switch).
+    /// ranks are spread over them in contiguous blocks and the inter-node steps go over the
+    /// configured transport (`--set transport=tcp|rdma|auto`; auto: RDMA when a device exists),
+    /// or through a switch session for all-reduce (see --switch).
     #[arg(long, default_value_t = 1)]
     pub nodes: u32,
     /// With --nodes > 1: the switch for the inter-node step of int32/float32 all-reduce:
@@ -319,19 +320,30 @@ pub fn run(
     if !a.json {
         let _ = writeln!(
             out,
-            "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {}, nodes: {}{})",
+            "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {}, nodes: {}{}{})",
             a.op,
             a.ranks,
             sel.dtype.name(),
             sel.redop.map(|r| r.name()).unwrap_or("none"),
             a.ranks,
             a.nodes,
-            if a.nodes > 1 && a.switch != "off" {
-                ", embedded daemons on loopback, all-reduce across nodes through a switch session"
-            } else if a.nodes > 1 {
-                ", embedded daemons on loopback TCP"
+            if a.nodes > 1 {
+                ", embedded daemons on loopback, inter-node transport "
             } else {
                 ""
+            },
+            if a.nodes > 1 {
+                format!(
+                    "{}{}",
+                    crate::net::rdma::summary().0,
+                    if a.switch != "off" {
+                        ", all-reduce across nodes through a switch session"
+                    } else {
+                        ""
+                    }
+                )
+            } else {
+                String::new()
             }
         );
         let _ = writeln!(

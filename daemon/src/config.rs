@@ -286,6 +286,44 @@ pub static KEYS: &[Key] = &[
         kind: Kind::Str,
     },
     Key {
+        name: "transport",
+        env: "COMMD_TRANSPORT",
+        default: Some("auto"),
+        help: "inter-node transport: auto (RDMA verbs between two nodes that both have a usable RDMA device, else TCP, with the reason logged), tcp, or rdma (a node pair without RDMA fails its communicators with the reason)",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "rdma_device",
+        env: "COMMD_RDMA_DEVICE",
+        default: Some(""),
+        help: "RDMA device (and optional port) to use, e.g. mlx5_0 or mlx5_0:1; several separated by commas are striped over; empty: every device with an active port",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "rdma_gid",
+        env: "COMMD_RDMA_GID",
+        default: Some(""),
+        help: "GID to use, as a table index (e.g. 3) or an address (e.g. ::ffff:10.0.0.1 or fe80::...); empty: the RoCE v2 GID of the advertised IP (IB: index 0)",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "rdma_qps_per_peer",
+        env: "COMMD_RDMA_QPS_PER_PEER",
+        default: Some("2"),
+        help: "RC queue pairs per peer node and direction for each multi-node communicator (spread over the devices)",
+        kind: Kind::U64 { min: 1, max: 16 },
+    },
+    Key {
+        name: "rdma_buffer_bytes",
+        env: "COMMD_RDMA_BUFFER_BYTES",
+        default: Some("4194304"),
+        help: "registered staging ring per queue pair and direction (pooled and reused across communicators)",
+        kind: Kind::U64 {
+            min: 65536,
+            max: 1 << 30,
+        },
+    },
+    Key {
         name: "debug",
         env: "COMMD_DEBUG",
         default: Some("WARN"),
@@ -417,6 +455,12 @@ pub struct Config {
     pub net_small_bytes: u64,
     pub net_algo: String,
     pub switch: crate::switch::Settings,
+    /// `auto`, `tcp` or `rdma`.
+    pub transport: String,
+    pub rdma_device: String,
+    pub rdma_gid: String,
+    pub rdma_qps_per_peer: usize,
+    pub rdma_buffer_bytes: u64,
     pub debug: String,
     pub debug_subsys: Vec<String>,
     pub telemetry: crate::telemetry::Settings,
@@ -532,6 +576,14 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
                 "auto" | "off" => Ok(()),
                 _ => Err(bad("expected auto or off".into())),
             },
+            "transport" => match value {
+                "auto" | "tcp" | "rdma" => Ok(()),
+                _ => Err(bad("expected auto, tcp or rdma".into())),
+            },
+            "rdma_device" => Ok(()),
+            "rdma_gid" => crate::net::rdma::GidChoice::parse(value)
+                .map(|_| ())
+                .map_err(bad),
             other => crate::telemetry::validate_key(other, value).map_err(bad),
         },
     }
@@ -680,6 +732,11 @@ impl Config {
                 timeout: ms("switch_timeout_ms")?,
                 pin: s("switch_pin") != "off",
             },
+            transport: s("transport"),
+            rdma_device: s("rdma_device"),
+            rdma_gid: s("rdma_gid"),
+            rdma_qps_per_peer: u("rdma_qps_per_peer")? as usize,
+            rdma_buffer_bytes: u("rdma_buffer_bytes")?,
             debug: s("debug").to_ascii_uppercase(),
             debug_subsys: s("debug_subsys")
                 .split(',')

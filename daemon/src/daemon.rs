@@ -56,6 +56,7 @@ enum Slot {
     Remote {
         node: String,
         data_addr: String,
+        rdma: crate::net::rdma::Offer,
         pid: i32,
         tx: oneshot::Sender<Result<pb::PeerJoinReply, DaemonError>>,
     },
@@ -430,13 +431,17 @@ impl Daemon {
             .get()
             .map(|n| n.data.addr.to_string())
             .unwrap_or_default();
+        let my_rdma = self.net.get().map(|n| n.offer()).unwrap_or_default();
         let mut reply = pb::PeerJoinReply::default();
         for m in j.members.iter().flatten() {
-            let (node, data) = match m {
-                Slot::Local(_) => (me.clone(), my_data.clone()),
+            let (node, data, rdma) = match m {
+                Slot::Local(_) => (me.clone(), my_data.clone(), my_rdma.clone()),
                 Slot::Remote {
-                    node, data_addr, ..
-                } => (node.clone(), data_addr.clone()),
+                    node,
+                    data_addr,
+                    rdma,
+                    ..
+                } => (node.clone(), data_addr.clone(), rdma.clone()),
             };
             let idx = match reply.nodes.iter().position(|n| n.node == node) {
                 Some(i) => i,
@@ -444,6 +449,8 @@ impl Daemon {
                     reply.nodes.push(pb::PeerNode {
                         node,
                         data_addr: data,
+                        rdma: rdma.desc,
+                        rdma_off: rdma.off,
                     });
                     reply.nodes.len() - 1
                 }
@@ -553,6 +560,14 @@ impl Daemon {
                 token: uid.token,
                 topo,
                 data_addrs: reply.nodes.iter().map(|x| x.data_addr.clone()).collect(),
+                offers: reply
+                    .nodes
+                    .iter()
+                    .map(|x| crate::net::rdma::Offer {
+                        desc: x.rdma.clone(),
+                        off: x.rdma_off.clone(),
+                    })
+                    .collect(),
                 label: comm.label(),
                 comm_id: id,
                 op_timeout,
@@ -663,6 +678,8 @@ impl Daemon {
             rank,
             node: net.node.clone(),
             data_addr: net.data.addr.to_string(),
+            rdma: net.offer().desc,
+            rdma_off: net.offer().off,
             pid,
             // The root answers a little before the caller gives up, so its message (naming the
             // missing ranks) is the one the caller sees.
@@ -742,6 +759,10 @@ impl Daemon {
         j.members[rank as usize] = Some(Slot::Remote {
             node: r.node.clone(),
             data_addr: r.data_addr.clone(),
+            rdma: crate::net::rdma::Offer {
+                desc: r.rdma.clone(),
+                off: r.rdma_off.clone(),
+            },
             pid: r.pid,
             tx,
         });

@@ -190,10 +190,25 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
     }
 }
 
+/// The RDMA part of `commd topo`: probed by this command on this host (the same library and
+/// devices the daemon uses).
+fn rdma_topo(cfg: &Config) -> String {
+    let choice = commd_daemon::net::rdma::GidChoice::parse(&cfg.rdma_gid)
+        .unwrap_or(commd_daemon::net::rdma::GidChoice::Auto);
+    let listen = cfg
+        .peer_listen
+        .map_or(std::net::IpAddr::from([0, 0, 0, 0]), |a| a.ip());
+    let (ip, _) = commd_daemon::peer::advertise_ip(&cfg.advertise, listen);
+    commd_daemon::net::rdma::device::topo_text(&choice, ip)
+}
+
 fn topo(cfg: &Config, json: bool) -> i32 {
     let t = match commd_client::Client::connect(Some(&cfg.socket)).and_then(|c| c.topology()) {
         Ok(t) => t,
         Err(e) => {
+            if !json {
+                print!("{}", rdma_topo(cfg));
+            }
             eprintln!("commd topo: {e}");
             return exit::RUNTIME;
         }
@@ -206,7 +221,7 @@ fn topo(cfg: &Config, json: bool) -> i32 {
         let links: Vec<_> = t.links.iter().map(|l| serde_json::json!({"from": l.from, "to": l.to, "p2p": l.p2p,
             "path": l.path, "performance_rank": l.performance_rank, "native_atomics": l.native_atomics})).collect();
         let j = serde_json::json!({"cuda_available": t.cuda_available, "cuda_reason": t.cuda_reason,
-            "driver_version": t.driver_version, "gpus": gpus, "links": links});
+            "driver_version": t.driver_version, "gpus": gpus, "links": links, "rdma": rdma_topo(cfg)});
         println!("{j}");
         return exit::OK;
     }
@@ -215,6 +230,7 @@ fn topo(cfg: &Config, json: bool) -> i32 {
             "CUDA: unavailable ({}); the daemon serves host memory only",
             t.cuda_reason
         );
+        print!("{}", rdma_topo(cfg));
         return exit::OK;
     }
     println!("CUDA driver {}, {} GPU(s)", t.driver_version, t.gpus.len());
@@ -268,6 +284,7 @@ fn topo(cfg: &Config, json: bool) -> i32 {
             println!("  GPU{} -> GPU{}: {}", l.from, l.to, l.path);
         }
     }
+    print!("{}", rdma_topo(cfg));
     exit::OK
 }
 

@@ -41,6 +41,42 @@ impl pb::peer_server::Peer for PeerService {
         }
     }
 
+    async fn rdma_connect(
+        &self,
+        req: Request<pb::PeerRdmaConnect>,
+    ) -> Result<Response<pb::PeerRdmaEndpoint>, Status> {
+        let r = req.into_inner();
+        let Some(net) = self.daemon.net() else {
+            return Err(Status::failed_precondition(
+                "this daemon has no peer service",
+            ));
+        };
+        let rdma = match &net.rdma {
+            Ok(x) => x.clone(),
+            Err(why) => {
+                return Err(Status::failed_precondition(format!(
+                    "this daemon has no RDMA transport: {why}"
+                )));
+            }
+        };
+        let token: [u8; 16] = r
+            .token
+            .as_slice()
+            .try_into()
+            .map_err(|_| Status::permission_denied("malformed communicator token"))?;
+        let remote = endpoint_from_pb(&r.endpoint.unwrap_or_default());
+        // Verbs calls are short but blocking: keep them off the async workers.
+        let node = r.node.clone();
+        let ep = tokio::task::spawn_blocking(move || rdma.accept(token, &node, r.stream, &remote))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| {
+                tracing::warn!(target: "commd::net", "RDMA connect from node {}: {e}", r.node);
+                Status::internal(e)
+            })?;
+        Ok(Response::new(endpoint_to_pb(&ep)))
+    }
+
     async fn ping(&self, _req: Request<pb::PeerPing>) -> Result<Response<pb::PeerPing>, Status> {
         Ok(Response::new(pb::PeerPing {
             node: self.daemon.node_id().unwrap_or_default(),
@@ -65,6 +101,96 @@ fn from_status(root: &str, s: Status) -> DaemonError {
     }
 }
 
+pub fn endpoint_to_pb(e: &crate::net::rdma::stream::Endpoint) -> pb::PeerRdmaEndpoint {
+    pb::PeerRdmaEndpoint {
+        qpn: e.qpn,
+        psn: e.psn,
+        gid: e.gid.to_vec(),
+        lid: u32::from(e.lid),
+        mtu: e.mtu,
+        addr: e.addr,
+        rkey: e.rkey,
+        len: e.len,
+        device: e.device.clone(),
+    }
+}
+
+pub fn endpoint_from_pb(e: &pb::PeerRdmaEndpoint) -> crate::net::rdma::stream::Endpoint {
+    let mut gid = [0u8; 16];
+    if e.gid.len() == 16 {
+        gid.copy_from_slice(&e.gid);
+    }
+    crate::net::rdma::stream::Endpoint {
+        qpn: e.qpn,
+        psn: e.psn,
+        gid,
+        lid: e.lid as u16,
+        mtu: e.mtu,
+        addr: e.addr,
+        rkey: e.rkey,
+        len: e.len,
+        device: e.device.clone(),
+    }
+}
+
+/// Connects this node's RDMA streams to `peer` (its peer-service address): for each pending QP,
+/// `Peer.RdmaConnect` returns the peer's endpoint. Runs on the calling (net) thread.
+pub fn rdma_connect_blocking(
+    peer: &str,
+    token: &[u8; 16],
+    me: &str,
+    locals: &[crate::net::rdma::stream::Endpoint],
+    tls: Option<&crate::net::PeerTls>,
+) -> Result<Vec<crate::net::rdma::stream::Endpoint>, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async {
+        let ch = channel(peer, Duration::from_secs(10), tls)
+            .await
+            .map_err(|e| format!("cannot reach its peer service {peer}: {e}"))?;
+        let mut c = PeerClient::new(ch);
+        let mut out = Vec::with_capacity(locals.len());
+        for (i, l) in locals.iter().enumerate() {
+            let r = c
+                .rdma_connect(pb::PeerRdmaConnect {
+                    token: token.to_vec(),
+                    node: me.to_string(),
+                    stream: i as u32,
+                    endpoint: Some(endpoint_to_pb(l)),
+                })
+                .await
+                .map_err(|s| format!("RdmaConnect refused: {}", s.message()))?;
+            out.push(endpoint_from_pb(&r.into_inner()));
+        }
+        Ok(out)
+    })
+}
+
+/// A gRPC channel to a peer daemon's service (`host:port`), with mutual TLS when configured.
+async fn channel(
+    addr: &str,
+    wait: Duration,
+    tls: Option<&crate::net::PeerTls>,
+) -> Result<tonic::transport::Channel, String> {
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let mut ep = tonic::transport::Endpoint::from_shared(format!("{scheme}://{addr}"))
+        .map_err(|e| e.to_string())?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(wait + Duration::from_secs(1));
+    if let Some(t) = tls {
+        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
+        let c = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(&t.ca))
+            .identity(Identity::from_pem(&t.cert, &t.key));
+        ep = ep
+            .tls_config(c)
+            .map_err(|e| format!("TLS configuration: {e}"))?;
+    }
+    ep.connect().await.map_err(|e| format!("{e} ({e:?})"))
+}
+
 /// Joins a rank at the root daemon `root` (`host:port`); resolves with the membership.
 pub async fn join(
     root: &str,
@@ -77,24 +203,7 @@ pub async fn join(
             "cannot reach the root daemon {root} of this communicator (the address in the unique id): {e}"
         ))
     };
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    let mut ep = tonic::transport::Endpoint::from_shared(format!("{scheme}://{root}"))
-        .map_err(|e| unreachable(e.to_string()))?
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(wait + Duration::from_secs(1));
-    if let Some(t) = tls {
-        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
-        let c = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&t.ca))
-            .identity(Identity::from_pem(&t.cert, &t.key));
-        ep = ep
-            .tls_config(c)
-            .map_err(|e| unreachable(format!("TLS configuration: {e}")))?;
-    }
-    let ch = ep
-        .connect()
-        .await
-        .map_err(|e| unreachable(format!("{e} ({e:?})")))?;
+    let ch = channel(root, wait, tls).await.map_err(unreachable)?;
     let mut c = PeerClient::new(ch);
     match c.join(req).await {
         Ok(r) => Ok(r.into_inner()),

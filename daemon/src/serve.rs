@@ -23,6 +23,8 @@ pub mod exit {
     pub const USAGE: i32 = 2;
     pub const SOCKET_BUSY: i32 = 3;
     pub const SOCKET_SETUP: i32 = 4;
+    /// `transport=rdma` on a node without a usable RDMA device.
+    pub const NO_TRANSPORT: i32 = 5;
 }
 
 #[derive(Debug, Error)]
@@ -35,6 +37,10 @@ pub enum ServeError {
     Setup { path: PathBuf, err: std::io::Error },
     #[error("control plane failed: {0}")]
     Runtime(String),
+    #[error(
+        "transport=rdma, but this node cannot use RDMA: {0} (use transport=auto to fall back to TCP)"
+    )]
+    Rdma(String),
 }
 
 impl ServeError {
@@ -43,6 +49,7 @@ impl ServeError {
             ServeError::SocketBusy { .. } => exit::SOCKET_BUSY,
             ServeError::Setup { .. } => exit::SOCKET_SETUP,
             ServeError::Runtime(_) => exit::RUNTIME,
+            ServeError::Rdma(_) => exit::NO_TRANSPORT,
         }
     }
 }
@@ -357,6 +364,47 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
         _ => crate::net::algo::Algo::Auto,
     };
     tracing::info!(target: "commd::init", "peer service on {bound}, node id {node}, data listener {} ({} TCP stream(s) per peer)", data.addr, cfg.tcp_streams);
+    let rdma = match cfg.transport.as_str() {
+        "tcp" => Err("transport=tcp".to_string()),
+        _ => crate::net::rdma::RdmaCtx::open(&crate::net::rdma::Settings {
+            devices: &cfg.rdma_device,
+            gid: &cfg.rdma_gid,
+            qps_per_peer: cfg.rdma_qps_per_peer,
+            ring_bytes: cfg.rdma_buffer_bytes,
+            advertise: ip,
+        }),
+    };
+    match &rdma {
+        Ok(r) => crate::net::rdma::set_summary(
+            if cfg.transport == "rdma" {
+                "RDMA"
+            } else {
+                "RDMA/TCP"
+            },
+            format!(
+                "RDMA ({}) to nodes that have it too (transport={}), else pooled TCP streams; the network thread logs each pair's choice",
+                r.desc, cfg.transport
+            ),
+        ),
+        Err(why) => crate::net::rdma::set_summary(
+            "TCP",
+            format!("pooled TCP streams between the daemons (no RDMA here: {why})"),
+        ),
+    }
+    match (&rdma, cfg.transport.as_str()) {
+        (Ok(r), _) => {
+            tracing::info!(target: "commd::init", "RDMA transport: {} ({} QP(s) per peer and direction)", r.desc, r.qps_per_peer)
+        }
+        (Err(why), "rdma") => {
+            return Err(ServeError::Rdma(why.clone()));
+        }
+        (Err(why), "tcp") => {
+            tracing::info!(target: "commd::init", "RDMA transport off ({why}): inter-node data goes over TCP")
+        }
+        (Err(why), _) => {
+            tracing::info!(target: "commd::init", "RDMA transport unavailable, falling back to TCP: {why}")
+        }
+    }
     daemon.set_net(Arc::new(crate::net::NetCtx {
         node,
         data,
@@ -368,6 +416,8 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
             std::net::IpAddr::V4(a) if !a.is_unspecified() => Some(a),
             _ => None,
         },
+        transport: cfg.transport.clone(),
+        rdma,
         tuning: crate::net::algo::Tuning {
             chunk: cfg.net_chunk_bytes,
             small: cfg.net_small_bytes,

@@ -11,6 +11,8 @@
 
 pub mod algo;
 pub mod conn;
+pub mod link;
+pub mod rdma;
 pub mod switchpath;
 pub mod wire;
 
@@ -26,6 +28,8 @@ use commd_proto::desc::{OpKind, status};
 use crate::comm::Posted;
 use algo::{Coll, Scratch, Topo, Tuning};
 use conn::DataPlane;
+use link::Link;
+use rdma::{Offer, RdmaCtx, Transport};
 use wire::{CLASS_P2P, NetError, PeerLinks, RecvId, SendId, Sig, Tag, Wire};
 
 /// Daemon-wide network state (absent when the peer service is off).
@@ -42,6 +46,30 @@ pub struct NetCtx {
     /// Switch sessions (config `switch*`), and the advertised IPv4 workers send from by default.
     pub switch: crate::switch::Settings,
     pub switch_ip: Option<std::net::Ipv4Addr>,
+    /// `transport`: auto, tcp or rdma.
+    pub transport: String,
+    /// This daemon's RDMA transport, or why it has none.
+    pub rdma: Result<Arc<RdmaCtx>, String>,
+}
+
+impl NetCtx {
+    /// What this node tells the others about RDMA at rendezvous.
+    pub fn offer(&self) -> Offer {
+        match (&self.rdma, self.transport.as_str()) {
+            (_, "tcp") => Offer {
+                desc: String::new(),
+                off: "transport=tcp on that node".into(),
+            },
+            (Ok(r), _) => Offer {
+                desc: r.desc.clone(),
+                off: String::new(),
+            },
+            (Err(why), _) => Offer {
+                desc: String::new(),
+                off: why.clone(),
+            },
+        }
+    }
 }
 
 /// PEM contents of this daemon's certificate, key and the CA all daemons trust.
@@ -120,6 +148,8 @@ pub struct Setup {
     pub topo: Topo,
     /// Peer data addresses by node.
     pub data_addrs: Vec<String>,
+    /// What each node said about its RDMA transport.
+    pub offers: Vec<Offer>,
     pub label: String,
     pub comm_id: u64,
     pub op_timeout: Duration,
@@ -300,37 +330,89 @@ impl Thread {
     fn connect(&mut self, wake: &Arc<OwnedFd>) -> Result<Wire, String> {
         let topo = &self.s.topo;
         let n = topo.nodes.len();
+        let mine = self.ctx.offer();
+        let mut kinds = vec![Transport::Tcp; n];
+        let mut whys = vec![String::new(); n];
+        for i in (0..n).filter(|&i| i != topo.me) {
+            let theirs = self.s.offers.get(i).cloned().unwrap_or_default();
+            let (t, why) = rdma::choose(&self.ctx.transport, &mine, &theirs, &topo.label(i))?;
+            kinds[i] = t;
+            whys[i] = why;
+        }
+        let rd = || {
+            self.ctx
+                .rdma
+                .as_ref()
+                .map_err(|e| format!("no RDMA transport: {e}"))
+        };
         let mut links: Vec<Option<PeerLinks>> = (0..n).map(|_| None).collect();
-        // Dial everyone first (the peers accept on their listener threads), then collect.
-        let mut txs: Vec<Option<Vec<std::net::TcpStream>>> = (0..n).map(|_| None).collect();
+        // Dial everyone first (the peers accept on their listener threads or peer service),
+        // then collect what they opened to us.
+        let mut txs: Vec<Option<Vec<Link>>> = (0..n).map(|_| None).collect();
+        let mut nics: Vec<String> = vec!["-".into(); n];
         for (i, slot) in txs.iter_mut().enumerate() {
             if i == topo.me {
                 continue;
             }
-            let s = self
-                .ctx
-                .data
-                .dial(
-                    &self.s.data_addrs[i],
-                    &self.s.token,
-                    &self.ctx.node,
-                    self.ctx.streams,
-                )
-                .map_err(|e| format!("{}: {e}", topo.label(i)))?;
+            let label = topo.label(i);
+            let s = match kinds[i] {
+                Transport::Tcp => {
+                    let s = self
+                        .ctx
+                        .data
+                        .dial(
+                            &self.s.data_addrs[i],
+                            &self.s.token,
+                            &self.ctx.node,
+                            self.ctx.streams,
+                        )
+                        .map_err(|e| format!("{label}: {e}"))?;
+                    if let Some(a) = s.first().and_then(|s| s.local_addr().ok()) {
+                        nics[i] = a.ip().to_string();
+                    }
+                    s.into_iter().map(Link::Tcp).collect()
+                }
+                Transport::Rdma => {
+                    let r = rd()?;
+                    let pend = (0..r.qps_per_peer as u32)
+                        .map(|q| r.prepare(q, &topo.nodes[i]))
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| format!("{label}: {e}"))?;
+                    let locals: Vec<_> = pend.iter().map(|p| p.local.clone()).collect();
+                    let remotes = crate::peer::rdma_connect_blocking(
+                        &topo.nodes[i],
+                        &self.s.token,
+                        &self.ctx.node,
+                        &locals,
+                        self.ctx.tls.as_ref(),
+                    )
+                    .map_err(|e| format!("{label}: RDMA connection setup: {e}"))?;
+                    let mut devs: Vec<String> = locals.iter().map(|l| l.device.clone()).collect();
+                    devs.dedup();
+                    nics[i] = devs.join("+");
+                    pend.into_iter()
+                        .zip(remotes.iter())
+                        .map(|(p, r)| p.connect(r).map(Link::Rdma))
+                        .collect::<Result<Vec<_>, _>>()
+                        .map_err(|e| format!("{label}: {e}"))?
+                }
+            };
             *slot = Some(s);
         }
         let deadline = Instant::now() + self.ctx.peer_timeout.max(Duration::from_secs(10));
-        let mut nics: Vec<String> = vec!["-".into(); n];
         for (i, tx) in txs.into_iter().enumerate() {
             let Some(tx) = tx else { continue };
-            if let Some(a) = tx.first().and_then(|s| s.local_addr().ok()) {
-                nics[i] = a.ip().to_string();
+            let rx = match kinds[i] {
+                Transport::Tcp => self
+                    .ctx
+                    .data
+                    .take_incoming(&self.s.token, &topo.nodes[i], self.ctx.streams, deadline)
+                    .map(|v| v.into_iter().map(Link::Tcp).collect()),
+                Transport::Rdma => rd()?
+                    .take_incoming(&self.s.token, &topo.nodes[i], tx.len(), deadline)
+                    .map(|v| v.into_iter().map(Link::Rdma).collect()),
             }
-            let rx = self
-                .ctx
-                .data
-                .take_incoming(&self.s.token, &topo.nodes[i], self.ctx.streams, deadline)
-                .map_err(|e| format!("{}: {e}", topo.label(i)))?;
+            .map_err(|e| format!("{}: {e}", topo.label(i)))?;
             links[i] = Some(PeerLinks { tx, rx });
         }
         let wake = wake_dup(wake).map_err(|e| e.to_string())?;
@@ -342,30 +424,48 @@ impl Thread {
             wake,
         )
         .map_err(|e| e.to_string())?;
-        // One link per peer daemon, shared by every communicator to it (commd stat -l).
+        // One link per peer daemon and transport, shared by every communicator to it.
         for i in (0..n).filter(|&i| i != topo.me) {
+            let kind = match kinds[i] {
+                Transport::Tcp => "tcp",
+                Transport::Rdma => "rdma",
+            };
             w.links[i] = Some(crate::telemetry::register_link(
                 crate::telemetry::LinkDesc {
-                    name: &format!("tcp:{}", topo.nodes[i]),
-                    kind: "tcp",
+                    name: &format!("{kind}:{}", topo.nodes[i]),
+                    kind,
                     peer: &topo.nodes[i],
                     nic: &nics[i],
                 },
             ));
         }
-        let peers: Vec<String> = (0..n)
+        let paths: Vec<String> = (0..n)
             .filter(|&i| i != topo.me)
-            .map(|i| topo.label(i))
+            .map(|i| match kinds[i] {
+                Transport::Tcp => format!(
+                    "{}: TCP, {} stream(s) per direction ({})",
+                    topo.label(i),
+                    self.ctx.streams,
+                    whys[i]
+                ),
+                Transport::Rdma => format!(
+                    "{}: RDMA, {} RC QP(s) per direction on {} ({}); {}",
+                    topo.label(i),
+                    rd().map_or(0, |r| r.qps_per_peer),
+                    nics[i],
+                    whys[i],
+                    rd().map_or_else(|e| e.to_string(), |r| r.gpu_path_text())
+                ),
+            })
             .collect();
         tracing::info!(
             target: "commd::net",
-            "{}: node {} of {}, local {}; path to {}: TCP, {} stream(s) per direction (no RDMA transport in this build)",
+            "{}: node {} of {}, local {}; path to {}",
             self.s.label,
             topo.me,
             n,
             algo::ranks_text(topo.local()),
-            peers.join(", "),
-            self.ctx.streams
+            paths.join("; path to ")
         );
         Ok(w)
     }
@@ -381,9 +481,20 @@ impl Thread {
             }
         }
         for (peer, tx, rx) in w.into_streams() {
-            self.ctx.data.give_back(&self.s.data_addrs[peer], tx);
+            // TCP connections go back to the pool; RDMA queue pairs are closed here (their
+            // registered rings go back to the device's pool).
+            let tcp: Vec<_> = tx
+                .into_iter()
+                .filter_map(|l| match l {
+                    Link::Tcp(s) => Some(s),
+                    Link::Rdma(_) => None,
+                })
+                .collect();
+            if !tcp.is_empty() {
+                self.ctx.data.give_back(&self.s.data_addrs[peer], tcp);
+            }
             for (s, clean) in rx {
-                if clean {
+                if let (Link::Tcp(s), true) = (s, clean) {
                     self.ctx.data.clone().await_bind(s);
                 }
             }

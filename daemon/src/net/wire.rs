@@ -1,4 +1,5 @@
-//! The inter-node wire of one communicator: nonblocking TCP streams to every peer node, tagged
+//! The inter-node wire of one communicator: nonblocking streams (TCP sockets or RDMA queue
+//! pairs, see [`super::link::Link`]) to every peer node, tagged
 //! chunked messages, posted receives that land directly in their destination, buffering of data
 //! that arrives before its receive is posted, heartbeats, and abort notices.
 //!
@@ -11,12 +12,13 @@
 //!  total u64 | len u32 | root u32 | redop u8 | 7 reserved`.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::{ErrorKind, IoSlice, Read, Write};
-use std::net::TcpStream;
-use std::os::fd::{AsFd, OwnedFd};
+use std::io::{ErrorKind, IoSlice};
+use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
 use thiserror::Error;
+
+use super::link::Link;
 
 pub const HDR: usize = 64;
 const MAGIC: u32 = u32::from_le_bytes(*b"cmNT");
@@ -90,7 +92,7 @@ struct RxCur {
 }
 
 struct Rx {
-    sock: TcpStream,
+    sock: Link,
     hdr: [u8; HDR],
     hpos: usize,
     cur: Option<RxCur>,
@@ -100,13 +102,13 @@ struct Rx {
 }
 
 struct Tx {
-    sock: TcpStream,
+    sock: Link,
     q: VecDeque<TxItem>,
 }
 
 pub struct PeerLinks {
-    pub tx: Vec<TcpStream>,
-    pub rx: Vec<TcpStream>,
+    pub tx: Vec<Link>,
+    pub rx: Vec<Link>,
 }
 
 struct Peer {
@@ -171,7 +173,7 @@ pub struct Tag {
 }
 
 /// What [`Wire::into_streams`] hands back per peer: (node, tx streams, rx streams with "clean").
-pub type PeerStreams = (usize, Vec<TcpStream>, Vec<(TcpStream, bool)>);
+pub type PeerStreams = (usize, Vec<Link>, Vec<(Link, bool)>);
 
 /// A chunk that arrived before its receive was posted.
 struct Early {
@@ -269,8 +271,7 @@ impl Wire {
                 None => None,
                 Some(l) => {
                     for s in l.tx.iter().chain(l.rx.iter()) {
-                        s.set_nonblocking(true)?;
-                        s.set_nodelay(true)?;
+                        s.setup()?;
                     }
                     Some(Peer {
                         tx: l
@@ -509,6 +510,8 @@ impl Wire {
         self.heartbeats(now);
         let read_ok = self.early_bytes < MAX_UNEXPECTED;
         let mut idx: Vec<(usize, bool, usize)> = Vec::new();
+        // Streams that can move bytes without waiting (RDMA: see `Link::ready`).
+        let mut now_ready: Vec<bool> = Vec::new();
         {
             let mut fds: Vec<PollFd<'_>> = Vec::new();
             fds.push(PollFd::new(&self.wake, PollFlags::IN));
@@ -516,17 +519,26 @@ impl Wire {
                 let Some(p) = p else { continue };
                 for (si, t) in p.tx.iter().enumerate() {
                     if !t.q.is_empty() {
-                        fds.push(PollFd::from_borrowed_fd(t.sock.as_fd(), PollFlags::OUT));
+                        let (fd, ev) = t.sock.poll_fd(true);
+                        fds.push(PollFd::from_borrowed_fd(fd, ev));
                         idx.push((pi, true, si));
+                        now_ready.push(t.sock.ready(true));
                     }
                 }
                 for (si, r) in p.rx.iter().enumerate() {
                     if !r.eof && (read_ok || r.cur.as_ref().is_some_and(|c| c.early.is_none())) {
-                        fds.push(PollFd::from_borrowed_fd(r.sock.as_fd(), PollFlags::IN));
+                        let (fd, ev) = r.sock.poll_fd(false);
+                        fds.push(PollFd::from_borrowed_fd(fd, ev));
                         idx.push((pi, false, si));
+                        now_ready.push(r.sock.ready(false));
                     }
                 }
             }
+            let until = if now_ready.iter().any(|&r| r) {
+                None
+            } else {
+                until
+            };
             let timeout = until.map(|u| {
                 let d = u.saturating_duration_since(now).min(HEARTBEAT_EVERY);
                 rustix::event::Timespec {
@@ -549,8 +561,8 @@ impl Wire {
             }
             idx = idx
                 .into_iter()
-                .zip(ready.into_iter().skip(1))
-                .filter(|(_, r)| *r)
+                .zip(ready.into_iter().skip(1).zip(now_ready))
+                .filter(|(_, (r, n))| *r || *n)
                 .map(|(i, _)| i)
                 .collect();
         }
@@ -567,6 +579,11 @@ impl Wire {
     fn heartbeats(&mut self, now: Instant) {
         let progress = self.progress;
         for p in self.peers.iter_mut().flatten() {
+            // A peer that ended its side may have closed its streams (RDMA: destroyed its queue
+            // pairs, so a heartbeat would come back as a retry error, not a lost node).
+            if p.ended {
+                continue;
+            }
             if now.duration_since(p.last_hb) >= HEARTBEAT_EVERY {
                 p.last_hb = now;
                 let key = Key {
@@ -615,6 +632,21 @@ impl Wire {
     }
 
     fn write_stream(&mut self, pi: usize, si: usize) -> Result<(), NetError> {
+        let r = self.write_stream_inner(pi, si);
+        if r.is_err()
+            && let Some(Some(p)) = self.peers.get_mut(pi)
+            && p.ended
+            && p.tx[si].q.iter().all(|it| it.send.is_none())
+        {
+            // The peer left cleanly and no data of ours was pending: only control frames
+            // (heartbeat, END) were lost, which is not an error.
+            p.tx[si].q.clear();
+            return Ok(());
+        }
+        r
+    }
+
+    fn write_stream_inner(&mut self, pi: usize, si: usize) -> Result<(), NetError> {
         let Some(Some(p)) = self.peers.get_mut(pi) else {
             return Ok(());
         };
@@ -806,11 +838,9 @@ impl Wire {
                 }
                 let mut buf = vec![0u8; len as usize];
                 // The text is short: read it here, blocking briefly if it is split.
-                let sock = &mut p.rx[si].sock;
-                let _ = sock.set_nonblocking(false);
-                let _ = sock.set_read_timeout(Some(Duration::from_secs(1)));
-                let r = sock.read_exact(&mut buf);
-                let _ = sock.set_nonblocking(true);
+                let r = p.rx[si]
+                    .sock
+                    .read_exact_timeout(&mut buf, Duration::from_secs(1));
                 let msg = match r {
                     Ok(()) => String::from_utf8_lossy(&buf).into_owned(),
                     Err(e) => format!("(abort text unreadable: {e})"),

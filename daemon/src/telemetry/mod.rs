@@ -341,8 +341,8 @@ pub fn comm_formed(comm: &Comm, token: &[u8; 16]) {
         log_path(
             &label,
             &format!("{local_text} <-> ranks on {} other node(s)", nodes - 1),
-            "TCP",
-            "pooled TCP streams between the daemons (no RDMA transport in this build)",
+            crate::net::rdma::summary().0,
+            &crate::net::rdma::summary().1,
         );
     }
 }
