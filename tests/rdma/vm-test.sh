@@ -38,7 +38,8 @@ if [ ! -d "$KDIR/boot" ]; then
     pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
     [ -n "$pkg" ] || { apt-get update -qq >/dev/null 2>&1 || true; pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}'); }
     [ -n "$pkg" ] || exit 3
-    apt-get download -qq "$pkg" >/dev/null 2>&1 || exit 4
+    apt-get download -qq "$pkg" >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1; apt-get download -qq "$pkg" >/dev/null 2>&1; } || exit 4
     rm -rf x.tmp && mkdir x.tmp && dpkg-deb -x linux-image-*.deb x.tmp && mv x.tmp x
   ) || skip "cannot download/extract Debian's linux-image-amd64 kernel (no apt sources?)"
 fi
