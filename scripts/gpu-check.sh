@@ -3,7 +3,9 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|all] [OUTDIR]
+# COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
+# `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
 # ordering, a rank killed mid-op. Bench: send/recv (2 GPUs) and all_gather (4 GPUs) vs NCCL.
@@ -49,11 +51,16 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
   run kill-rank "${tr[@]}" 2 tests/gpu/kill_rank.py
 fi
+g=$(( ngpu >= 4 ? 4 : ngpu ))
+if [ "$what" = breakdown ]; then
+  run breakdown-sendrecv "${tr[@]}" 2 client-py/benchmarks/gpu_op_breakdown.py --op sendrecv --out "$out"
+  run breakdown-allgather "${tr[@]}" "$g" client-py/benchmarks/gpu_op_breakdown.py --op all_gather --out "$out"
+fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  run bench-sendrecv "${tr[@]}" 2 client-py/benchmarks/gpu_vs_nccl.py --op sendrecv --json "$out/bench.jsonl"
-  g=$(( ngpu >= 4 ? 4 : ngpu ))
-  run bench-allgather "${tr[@]}" "$g" client-py/benchmarks/gpu_vs_nccl.py --op all_gather --json "$out/bench.jsonl"
-  run bench-allreduce "${tr[@]}" "$g" client-py/benchmarks/gpu_vs_nccl.py --op all_reduce --json "$out/bench.jsonl"
+  for op in ${COMMD_BENCH_OPS:-sendrecv all_gather all_reduce}; do
+    n=$g; [ "$op" = sendrecv ] && n=2
+    run "bench-$op" "${tr[@]}" "$n" client-py/benchmarks/gpu_vs_nccl.py --op "$op" --json "$out/bench.jsonl"
+  done
 fi
 "$bin" status --socket "$COMMD_SOCKET" > "$out/status.txt" 2>&1 || true
 tail -50 "$out/daemon.log"

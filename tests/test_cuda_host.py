@@ -50,3 +50,25 @@ def test_gpu_op_without_cuda_is_a_clear_error(daemon):
     a = np.arange(8, dtype=np.float32)
     comm.all_reduce(a)
     assert np.array_equal(a, np.arange(8, dtype=np.float32))
+
+
+def test_cuda_op_fast_path_without_cuda_is_a_clear_error(daemon):
+    """The torch backend's one-call GPU path: codes round-trip, bad codes and a missing driver
+    are clear errors, and nothing stays kept alive for an op that was never posted."""
+    from commd import _native
+
+    c = commd.connect(str(daemon.socket))
+    comm = c.communicator(c.unique_id(), 0, 1)
+    code = _native.Communicator.cuda_code("all_gather", "f32")
+    assert code != _native.Communicator.cuda_code("all_gather", "f32", order_after=False)
+    assert code != _native.Communicator.cuda_code("all_reduce", "f32", "sum")
+    with pytest.raises(ValueError, match="unknown op"):
+        _native.Communicator.cuda_code("gather_all", "f32")
+    with pytest.raises(ValueError, match="invalid cuda_op code"):
+        comm._native.cuda_op(0xffff, 0, 16, (1 << 40, 1 << 40, 0, 0), None)
+    keep = object()
+    with pytest.raises(ValueError, match="CUDA is not available in this process"):
+        comm._native.cuda_op(code, 0, 16, (1 << 40, 1 << 41, 0, 0), keep)
+    assert comm._native.cuda_stash_len() == (0, 0)
+    st = json.loads(c._native.status_json())
+    assert st["ipc_opens"] == 0 and st["gpu_ops"] == 0

@@ -121,6 +121,7 @@ pub unsafe extern "C" fn commd_comm_init(
         let opts = CommOptions {
             op_timeout: ms(op_timeout_ms),
             join_timeout: ms(join_timeout_ms),
+            ..Default::default()
         };
         let comm = s.client.communicator_with(&id.bytes, rank, nranks, opts)?;
         let c = Box::into_raw(Box::new(commd_comm_t { comm }));

@@ -144,7 +144,8 @@ impl Client {
     }
 
     /// Joins communicator `unique_id` as `rank` of `nranks`; returns once every rank joined.
-    #[pyo3(signature = (unique_id, rank, nranks, op_timeout=None, join_timeout=None))]
+    #[pyo3(signature = (unique_id, rank, nranks, op_timeout=None, join_timeout=None, switch=None))]
+    #[allow(clippy::too_many_arguments)]
     fn communicator(
         &self,
         py: Python<'_>,
@@ -153,6 +154,7 @@ impl Client {
         nranks: u32,
         op_timeout: Option<f64>,
         join_timeout: Option<f64>,
+        switch: Option<String>,
     ) -> PyResult<Communicator> {
         if rank >= nranks {
             return Err(PyValueError::new_err(format!(
@@ -162,6 +164,7 @@ impl Client {
         let o = commd_client::CommOptions {
             op_timeout: duration(op_timeout, "op_timeout")?,
             join_timeout: duration(join_timeout, "join_timeout")?,
+            switch,
         };
         let uid = unique_id.to_vec();
         let c = py
@@ -171,6 +174,7 @@ impl Client {
             inner: std::sync::Mutex::new(Some(Arc::new(c))),
             rank,
             nranks,
+            stash: Arc::default(),
         })
     }
 
@@ -330,7 +334,54 @@ struct Communicator {
     inner: std::sync::Mutex<Option<Arc<commd_client::Communicator>>>,
     rank: u32,
     nranks: u32,
+    stash: Arc<Stash>,
 }
+
+/// Python objects (tensors) that GPU ops posted by `cuda_op` use, kept referenced until the
+/// daemon reports the op done, so torch's caching allocator cannot hand their memory out while
+/// the copies may still run, even when the caller drops the op's Work unwaited (no
+/// `record_stream` per tensor). Released in posting order, from the front, by later ops and
+/// waits; an op that failed keeps its objects until the communicator is closed (its stream may
+/// still run the op's kernels).
+#[derive(Default)]
+struct Stash {
+    live: std::sync::Mutex<std::collections::VecDeque<(Arc<commd_client::Request>, Py<PyAny>)>>,
+    failed: std::sync::Mutex<Vec<Py<PyAny>>>,
+}
+
+impl Stash {
+    /// Drops the references of the leading ops that completed. Needs the GIL (held by every
+    /// caller: the drops decrement reference counts).
+    fn reap(&self, _py: Python<'_>) {
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        while let Some((r, _)) = live.front() {
+            match r.test() {
+                Ok(false) => break,
+                Ok(true) => drop(live.pop_front()),
+                Err(_) => {
+                    if let Some((_, keep)) = live.pop_front() {
+                        self.failed
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(keep);
+                    }
+                }
+            }
+        }
+    }
+
+    fn push(&self, r: Arc<commd_client::Request>, keep: Py<PyAny>) {
+        self.live
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_back((r, keep));
+    }
+}
+
+/// Bits of `cuda_op`'s flags (see `cuda_code`).
+const CUDA_DEFER_WAIT: u64 = 1;
+const CUDA_ORDER_AFTER: u64 = 2;
+const CUDA_RECORD: u64 = 4;
 
 impl Communicator {
     fn get(&self) -> PyResult<Arc<commd_client::Communicator>> {
@@ -440,6 +491,8 @@ impl Communicator {
             recv,
             stream: stream as commd_client::gpu::cu::sys::CUstream,
             defer_wait,
+            after: None,
+            record: false,
         };
         let comm = self.get()?;
         let c = comm.clone();
@@ -453,6 +506,92 @@ impl Communicator {
             inner: Arc::new(req),
             _keep: Vec::new(),
             _comm: comm,
+        })
+    }
+
+    /// The op code for `cuda_op` (compute once, reuse): the op, dtype and reduction, and
+    /// flags: `defer_wait` (send/recv groups, as in `post_cuda`), `order_after` (the op's stream
+    /// first waits, on the GPU, for the work queued on the `after` stream), `record` (record an
+    /// event after the op, which `CudaRequest.cuda_wait` makes another stream wait on).
+    #[staticmethod]
+    #[pyo3(signature = (op, dtype, redop=None, defer_wait=false, order_after=true, record=true))]
+    fn cuda_code(
+        op: &str,
+        dtype: &str,
+        redop: Option<&str>,
+        defer_wait: bool,
+        order_after: bool,
+        record: bool,
+    ) -> PyResult<u64> {
+        let kind = parse_kind(op)?;
+        let dt = parse_dtype(dtype)?;
+        let red = redop.map(parse_redop).transpose()?;
+        let flags = (if defer_wait { CUDA_DEFER_WAIT } else { 0 })
+            | (if order_after { CUDA_ORDER_AFTER } else { 0 })
+            | (if record { CUDA_RECORD } else { 0 });
+        Ok(u64::from(kind.code())
+            | u64::from(dt.code()) << 16
+            | red.map_or(0, |r| u64::from(r.code()) + 1) << 24
+            | flags << 32)
+    }
+
+    /// The per-op GPU path in one call (the torch backend's fast path): posts op `code` (from
+    /// `cuda_code`) of `count` elements with `peer` (root or peer rank); `ptrs` is `(send,
+    /// recv, stream, after)`: device addresses (0: none), the stream the op runs on, and the
+    /// stream it is ordered after (with `order_after`). `keep` (e.g. the tensors) stays
+    /// referenced until the daemon reports the op done. Returns a `CudaRequest`.
+    #[pyo3(signature = (code, peer, count, ptrs, keep=None))]
+    fn cuda_op(
+        &self,
+        py: Python<'_>,
+        code: u64,
+        peer: u32,
+        count: u64,
+        ptrs: (u64, u64, usize, usize),
+        keep: Option<Py<PyAny>>,
+    ) -> PyResult<CudaRequest> {
+        let bad = || PyValueError::new_err(format!("invalid cuda_op code {code:#x}"));
+        let kind = OpKind::from_code((code & 0xffff) as u16).ok_or_else(bad)?;
+        let dtype = DType::from_code((code >> 16) as u8).ok_or_else(bad)?;
+        let redop = match (code >> 24) as u8 {
+            0 => None,
+            r => Some(RedOp::from_code(r - 1).ok_or_else(bad)?),
+        };
+        let flags = code >> 32;
+        let (send, recv, stream, after) = ptrs;
+        let args = commd_client::gpu::CudaOpArgs {
+            redop,
+            peer,
+            send: (send != 0).then_some(send),
+            recv: (recv != 0).then_some(recv),
+            defer_wait: flags & CUDA_DEFER_WAIT != 0,
+            after: (flags & CUDA_ORDER_AFTER != 0).then_some(after as CuStream),
+            record: flags & CUDA_RECORD != 0,
+            ..commd_client::gpu::CudaOpArgs::new(kind, dtype, count, stream as CuStream)
+        };
+        let comm = self.get()?;
+        self.stash.reap(py);
+        let c = comm.clone();
+        // SAFETY: the caller (commd.torch) passes live streams of the tensors' device and
+        // device addresses of tensors it keeps alive through `keep` (released only once the
+        // daemon reports the op done); the driver validates the stream before anything is
+        // posted.
+        let posted = py
+            .detach(move || unsafe { c.post_cuda_ordered(args) })
+            .map_err(to_py)?;
+        let req = Arc::new(posted.request);
+        if let Some(k) = keep {
+            self.stash.push(req.clone(), k);
+        }
+        Ok(CudaRequest {
+            inner: req,
+            comm,
+            stream,
+            device: posted.device,
+            deferred: args.defer_wait && kind.is_p2p(),
+            last_ticket: posted.last_ticket,
+            done: std::sync::Mutex::new(posted.done.map(Arc::new)),
+            stash: self.stash.clone(),
         })
     }
 
@@ -475,6 +614,102 @@ impl Communicator {
     fn close(&self, py: Python<'_>) {
         let c = self.inner.lock().unwrap_or_else(|e| e.into_inner()).take();
         py.detach(move || drop(c));
+        let live = std::mem::take(&mut *self.stash.live.lock().unwrap_or_else(|e| e.into_inner()));
+        let failed =
+            std::mem::take(&mut *self.stash.failed.lock().unwrap_or_else(|e| e.into_inner()));
+        drop((live, failed));
+    }
+
+    /// (ops whose objects `cuda_op` still keeps, failed ops' kept objects): for tests.
+    fn cuda_stash_len(&self, py: Python<'_>) -> (usize, usize) {
+        self.stash.reap(py);
+        (
+            self.stash
+                .live
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .len(),
+            self.stash
+                .failed
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .len(),
+        )
+    }
+}
+
+type CuStream = commd_client::gpu::cu::sys::CUstream;
+
+/// A GPU op posted by `Communicator.cuda_op`: a `Request` (wait/test on the CPU) that can also
+/// order another stream after the op on the GPU (`cuda_wait`).
+#[pyclass(module = "commd._native", frozen)]
+struct CudaRequest {
+    inner: Arc<commd_client::Request>,
+    comm: Arc<commd_client::Communicator>,
+    stream: usize,
+    device: i32,
+    deferred: bool,
+    last_ticket: u32,
+    done: std::sync::Mutex<Option<Arc<commd_client::gpu::CudaEvent>>>,
+    stash: Arc<Stash>,
+}
+
+impl CudaRequest {
+    /// The event after the op on its stream: recorded by `cuda_op`, or now (an op posted
+    /// without one: recorded now, it also covers what was queued on that stream since).
+    fn event(&self) -> PyResult<Arc<commd_client::gpu::CudaEvent>> {
+        let mut d = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = d.as_ref() {
+            return Ok(e.clone());
+        }
+        let s = self.stream as CuStream;
+        // SAFETY: `s` is the live stream the op was posted on (the caller keeps it alive, as
+        // for `cuda_op`), of the op's device.
+        let e = Arc::new(unsafe { self.comm.cuda_record(s, self.device) }.map_err(to_py)?);
+        *d = Some(e.clone());
+        Ok(e)
+    }
+}
+
+#[pymethods]
+impl CudaRequest {
+    /// Waits for the op on the CPU (as `Request.wait`).
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        wait_request(py, &self.inner, timeout)
+    }
+
+    /// True if the op completed (raises its error if it failed); never blocks.
+    fn test(&self, py: Python<'_>) -> PyResult<bool> {
+        let r = self.inner.clone();
+        py.detach(move || r.test()).map_err(to_py)
+    }
+
+    /// Makes `stream` wait on the GPU for the op (the CPU does not wait), then raises the op's
+    /// error if it already failed. A deferred send/recv: `stream` waits for the op's done
+    /// ticket (one stream operation, no event); an op posted on `stream` itself without
+    /// deferral: nothing to enqueue; otherwise `stream` waits for the op's event.
+    fn cuda_wait(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
+        let flushed = self.done.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        // SAFETY: `stream` is a live stream handle from the caller (torch's current stream).
+        unsafe {
+            match flushed {
+                Some(e) => e.wait_on(stream as CuStream).map_err(to_py)?,
+                None if self.deferred => self
+                    .comm
+                    .cuda_wait_ticket(stream as CuStream, self.last_ticket)
+                    .map_err(to_py)?,
+                None if stream == self.stream => {}
+                None => self.event()?.wait_on(stream as CuStream).map_err(to_py)?,
+            }
+        }
+        self.stash.reap(py);
+        self.inner.test().map(|_| ()).map_err(to_py)
+    }
+
+    #[getter]
+    fn op_id(&self) -> u64 {
+        self.inner.user_data()
     }
 }
 
@@ -492,22 +727,7 @@ impl Request {
     /// on timeout; raises the op's error if it failed (every time it is asked).
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let limit = duration(timeout, "timeout")?;
-        let t0 = Instant::now();
-        let slice = Duration::from_millis(100);
-        loop {
-            let left = limit.map(|l| l.saturating_sub(t0.elapsed()));
-            let step = left.map_or(slice, |l| l.min(slice));
-            let r = self.inner.clone();
-            let done = py.detach(move || r.wait_for(Some(step))).map_err(to_py)?;
-            if done {
-                return Ok(true);
-            }
-            if left.is_some_and(|l| l <= step) {
-                return Ok(false);
-            }
-            py.check_signals()?;
-        }
+        wait_request(py, &self.inner, timeout)
     }
 
     /// True if the op completed (raises its error if it failed); never blocks.
@@ -519,6 +739,30 @@ impl Request {
     #[getter]
     fn op_id(&self) -> u64 {
         self.inner.user_data()
+    }
+}
+
+/// Waits for `r` up to `timeout` seconds (None: until done), waking every 100 ms for signals.
+fn wait_request(
+    py: Python<'_>,
+    r: &Arc<commd_client::Request>,
+    timeout: Option<f64>,
+) -> PyResult<bool> {
+    let limit = duration(timeout, "timeout")?;
+    let t0 = Instant::now();
+    let slice = Duration::from_millis(100);
+    loop {
+        let left = limit.map(|l| l.saturating_sub(t0.elapsed()));
+        let step = left.map_or(slice, |l| l.min(slice));
+        let r = r.clone();
+        let done = py.detach(move || r.wait_for(Some(step))).map_err(to_py)?;
+        if done {
+            return Ok(true);
+        }
+        if left.is_some_and(|l| l <= step) {
+            return Ok(false);
+        }
+        py.check_signals()?;
     }
 }
 
@@ -541,6 +785,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Buffer>()?;
     m.add_class::<Communicator>()?;
     m.add_class::<Request>()?;
+    m.add_class::<CudaRequest>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(default_socket, m)?)?;
     m.add("CommError", py.get_type::<CommError>())?;

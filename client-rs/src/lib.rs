@@ -277,6 +277,7 @@ impl Client {
                 .join_timeout
                 .map(|d| d.as_millis().max(1) as u64)
                 .unwrap_or(0),
+            switch: o.switch.clone().unwrap_or_default(),
         };
         let r =
             i.rt.block_on(i.rpc.clone().create_communicator(req))
@@ -649,6 +650,9 @@ pub struct CommOptions {
     pub op_timeout: Option<Duration>,
     /// How long to wait for the other ranks to join (daemon default: `join_timeout_ms`).
     pub join_timeout: Option<Duration>,
+    /// Switch session for the inter-node step of all-reduce: `off` or a SwitchML controller
+    /// `HOST:PORT` (daemon default: its `switch` setting).
+    pub switch: Option<String>,
 }
 
 /// A host buffer in shared memory, registered with the daemon. Deregistered on drop.

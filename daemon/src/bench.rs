@@ -27,9 +27,16 @@ pub struct BenchArgs {
     pub ranks: u32,
     /// Embedded daemons acting as separate nodes (own sockets and peer ports on loopback); the
     /// ranks are spread over them in contiguous blocks and the inter-node steps go over the
-    /// configured transport (`--set transport=tcp|rdma|auto`; auto: RDMA when a device exists).
+    /// configured transport (`--set transport=tcp|rdma|auto`; auto: RDMA when a device exists),
+    /// or through a switch session for all-reduce (see --switch).
     #[arg(long, default_value_t = 1)]
     pub nodes: u32,
+    /// With --nodes > 1: the switch for the inter-node step of int32/float32 all-reduce:
+    /// `embedded` (a `commd switch` in this process), a SwitchML controller HOST:PORT, or `off`
+    /// (the daemons' `switch` setting). Each node's workers send from 127.0.0.(10 + node).
+    #[arg(long, default_value = "off")]
+    #[serde(default)]
+    pub switch: String,
     /// Smallest size (bytes; K, M, G suffixes).
     #[arg(long, default_value = "8", value_parser = parse_size)]
     pub min_bytes: u64,
@@ -218,6 +225,39 @@ pub fn run(
 ) -> Result<bool, String> {
     let sel = select(a)?;
     let mut _embedded = Vec::new();
+    let mut _switch_rt = None;
+    let mut _switch = None;
+    let switch_ctl = match a.switch.as_str() {
+        "off" => None,
+        _ if a.nodes < 2 => return Err("--switch needs --nodes 2 or more".into()),
+        "embedded" => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            let args = crate::switch::server::SwitchArgs {
+                listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                data: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                metrics: "off".into(),
+                slots: crate::switch::packet::SLOTS,
+                drop: 0.0,
+                dup: 0.0,
+                reorder: 0.0,
+                seed: 1,
+                pin: "on".into(),
+            };
+            let r = crate::switch::server::start(&args, &rt)?;
+            let ctl = r.listen.to_string();
+            _switch = Some(r);
+            _switch_rt = Some(rt);
+            Some(ctl)
+        }
+        x => {
+            crate::switch::check_controller(x).map_err(|e| format!("--switch {x}: {e}"))?;
+            Some(x.to_string())
+        }
+    };
     let sockets: Vec<PathBuf> = match socket {
         Some(s) if a.nodes == 1 => vec![s],
         Some(_) => {
@@ -233,6 +273,12 @@ pub fn run(
                     c.peer_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
                     c.peer_listen_explicit = true;
                     c.advertise = String::new();
+                    if let Some(ctl) = &switch_ctl {
+                        c.switch.controller = ctl.clone();
+                    }
+                    if c.switch.bind.is_empty() {
+                        c.switch.bind = format!("127.0.0.{}", 10 + i);
+                    }
                 }
                 v.push(c.socket.clone());
                 _embedded.push(
@@ -287,9 +333,17 @@ pub fn run(
                 ""
             },
             if a.nodes > 1 {
-                crate::net::rdma::summary().0
+                format!(
+                    "{}{}",
+                    crate::net::rdma::summary().0,
+                    if a.switch != "off" {
+                        ", all-reduce across nodes through a switch session"
+                    } else {
+                        ""
+                    }
+                )
             } else {
-                ""
+                String::new()
             }
         );
         let _ = writeln!(

@@ -231,6 +231,61 @@ pub static KEYS: &[Key] = &[
         kind: Kind::Str,
     },
     Key {
+        name: "switch",
+        env: "COMMD_SWITCH",
+        default: Some("off"),
+        help: "SwitchML controller (HOST:PORT, e.g. a `commd switch` or a Tofino's controller on port 50099) for the inter-node step of int32/float32 sum all-reduces, or 'off'. A communicator can override it at creation. Falls back to TCP, with the reason logged, when the switch is unreachable or the job does not fit",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "switch_bind",
+        env: "COMMD_SWITCH_BIND",
+        default: Some(""),
+        help: "IPv4 this node's switch workers send from (registered with the controller); empty: the advertised IP",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "switch_threads",
+        env: "COMMD_SWITCH_THREADS",
+        default: Some("1"),
+        help: "data-plane threads per switch session (each on its own UDP port, each pinned to a core no other polling thread on the host holds)",
+        kind: Kind::U64 { min: 1, max: 16 },
+    },
+    Key {
+        name: "switch_window",
+        env: "COMMD_SWITCH_WINDOW",
+        default: Some("128"),
+        help: "outstanding packets (switch slots) per data-plane thread",
+        kind: Kind::U64 { min: 1, max: 4096 },
+    },
+    Key {
+        name: "switch_packet_bytes",
+        env: "COMMD_SWITCH_PACKET_BYTES",
+        default: Some("1024"),
+        help: "value payload per packet: 256 (64 values, the standard pipe) or 1024 (256 values, the folded pipe)",
+        kind: Kind::U64 {
+            min: 256,
+            max: 1024,
+        },
+    },
+    Key {
+        name: "switch_timeout_ms",
+        env: "COMMD_SWITCH_TIMEOUT_MS",
+        default: Some("10"),
+        help: "first retransmission timeout of a switch packet (doubled after every 100 timeouts, as SwitchML's client)",
+        kind: Kind::U64 {
+            min: 1,
+            max: 10_000,
+        },
+    },
+    Key {
+        name: "switch_pin",
+        env: "COMMD_SWITCH_PIN",
+        default: Some("auto"),
+        help: "pin switch data-plane threads to free cores (auto) or not (off); a core is never given to two polling threads on the host",
+        kind: Kind::Str,
+    },
+    Key {
         name: "transport",
         env: "COMMD_TRANSPORT",
         default: Some("auto"),
@@ -399,6 +454,7 @@ pub struct Config {
     pub net_chunk_bytes: u64,
     pub net_small_bytes: u64,
     pub net_algo: String,
+    pub switch: crate::switch::Settings,
     /// `auto`, `tcp` or `rdma`.
     pub transport: String,
     pub rdma_device: String,
@@ -505,6 +561,20 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
             "net_algo" => match value {
                 "auto" | "oneshot" | "chain" => Ok(()),
                 _ => Err(bad("expected auto, oneshot or chain".into())),
+            },
+            "switch" => crate::switch::check_controller(value).map_err(bad),
+            "switch_bind" if value.is_empty() => Ok(()),
+            "switch_bind" => value
+                .parse::<std::net::Ipv4Addr>()
+                .map(|_| ())
+                .map_err(|_| bad("expected an IPv4 address".into())),
+            "switch_packet_bytes" => match value {
+                "256" | "1024" => Ok(()),
+                _ => Err(bad("expected 256 or 1024".into())),
+            },
+            "switch_pin" => match value {
+                "auto" | "off" => Ok(()),
+                _ => Err(bad("expected auto or off".into())),
             },
             "transport" => match value {
                 "auto" | "tcp" | "rdma" => Ok(()),
@@ -653,6 +723,15 @@ impl Config {
             net_chunk_bytes: u("net_chunk_bytes")?,
             net_small_bytes: u("net_small_bytes")?,
             net_algo: s("net_algo"),
+            switch: crate::switch::Settings {
+                controller: s("switch"),
+                bind: s("switch_bind"),
+                threads: u("switch_threads")? as usize,
+                window: u("switch_window")? as usize,
+                packet_bytes: u("switch_packet_bytes")? as usize,
+                timeout: ms("switch_timeout_ms")?,
+                pin: s("switch_pin") != "off",
+            },
             transport: s("transport"),
             rdma_device: s("rdma_device"),
             rdma_gid: s("rdma_gid"),

@@ -123,6 +123,7 @@ impl Local for LocalService {
             self.daemon.cfg.join_timeout
         };
         let t0 = Instant::now();
+        self.daemon.note_switch(&r.unique_id, &r.switch)?;
         let rx = self
             .daemon
             .join(s, &r.unique_id, r.rank, r.nranks, op_timeout, wait)?;

@@ -121,6 +121,8 @@ pub struct Daemon {
     issued: Mutex<HashMap<[u8; 16], Instant>>,
     joins: Mutex<HashMap<[u8; 16], PendingJoin>>,
     remote_joins: Mutex<HashMap<[u8; 16], RemoteJoin>>,
+    /// Per-communicator `switch` options of forming communicators (first local rank's).
+    switch_opts: Mutex<HashMap<[u8; 16], String>>,
     /// Set once the peer service and data listener are up (absent: single-node daemon).
     net: std::sync::OnceLock<Arc<NetCtx>>,
     next_id: AtomicU64,
@@ -152,6 +154,7 @@ impl Daemon {
             issued: Mutex::new(HashMap::new()),
             joins: Mutex::new(HashMap::new()),
             remote_joins: Mutex::new(HashMap::new()),
+            switch_opts: Mutex::new(HashMap::new()),
             net: std::sync::OnceLock::new(),
             next_id: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),
@@ -328,6 +331,24 @@ impl Daemon {
 
     /// Registers this rank for the communicator and returns a receiver that resolves once every
     /// rank has joined (or the communicator cannot form).
+    /// Records a rank's per-communicator `switch` option ("" = the daemon's setting) before it
+    /// joins; the first local rank that sets one decides for this node.
+    pub fn note_switch(&self, uid_bytes: &[u8], value: &str) -> Result<(), DaemonError> {
+        if value.is_empty() {
+            return Ok(());
+        }
+        crate::switch::check_controller(value)
+            .map_err(|e| DaemonError::InvalidArgument(format!("switch option '{value}': {e}")))?;
+        let uid =
+            UniqueId::decode(uid_bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
+        let mut m = lock(&self.switch_opts);
+        if m.len() > 4096 {
+            m.clear();
+        }
+        m.entry(uid.token).or_insert_with(|| value.to_string());
+        Ok(())
+    }
+
     pub fn join(
         self: &Arc<Self>,
         session: Arc<Session>,
@@ -550,6 +571,7 @@ impl Daemon {
                 label: comm.label(),
                 comm_id: id,
                 op_timeout,
+                switch: lock(&self.switch_opts).remove(&uid.token),
                 on_fail: Box::new(move |st, msg| {
                     if let Some(c) = weak.upgrade() {
                         c.abort_rank(None, st, msg);

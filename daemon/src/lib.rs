@@ -25,4 +25,5 @@ pub mod peer;
 pub mod serve;
 pub mod session;
 pub mod shm;
+pub mod switch;
 pub mod telemetry;

@@ -59,6 +59,11 @@ enum Cmd {
         #[command(flatten)]
         args: commd_daemon::bench::BenchArgs,
     },
+    /// A software SwitchML switch: the controller gRPC API and the UDP aggregation data plane.
+    Switch {
+        #[command(flatten)]
+        args: commd_daemon::switch::server::SwitchArgs,
+    },
     #[command(hide = true)]
     BenchWorker {
         #[arg(long)]
@@ -180,6 +185,7 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
                 }
             }
         }
+        Cmd::Switch { args } => commd_daemon::switch::server::main(args),
         Cmd::BenchWorker { .. } => exit::USAGE,
     }
 }

@@ -411,6 +411,11 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
         streams: cfg.tcp_streams,
         peer_timeout: cfg.peer_timeout,
         tls,
+        switch: cfg.switch.clone(),
+        switch_ip: match ip {
+            std::net::IpAddr::V4(a) if !a.is_unspecified() => Some(a),
+            _ => None,
+        },
         transport: cfg.transport.clone(),
         rdma,
         tuning: crate::net::algo::Tuning {

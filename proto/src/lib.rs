@@ -24,5 +24,11 @@ pub mod pb {
     tonic::include_proto!("commd.v1");
 }
 
+/// The SwitchML controller API (`package switchml_proto`), for switch sessions.
+#[allow(clippy::all, missing_docs)]
+pub mod switchml_pb {
+    tonic::include_proto!("switchml_proto");
+}
+
 /// Version of this crate; the client sends it in `Hello` and the daemon checks the major.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

@@ -20,7 +20,10 @@ dist.all_reduce(t)  # a healthy op first
 torch.cuda.synchronize()
 victim = world - 1
 if rank == victim:
-    torch.cuda._sleep(50_000_000)  # the stream is busy: the op is posted but not ready
+    # The stream is busy (~1 s) so the op is posted but not ready when the process exits. A
+    # shorter sleep (50M cycles, ~25 ms) raced with process exit: the driver ran the queued
+    # work to its end during teardown and the op completed before the daemon saw the exit.
+    torch.cuda._sleep(2_000_000_000)
     dist.all_reduce(t, async_op=True)
     os._exit(0)
 w = dist.all_reduce(t, async_op=True)

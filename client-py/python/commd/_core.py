@@ -279,10 +279,15 @@ class Client:
         *,
         op_timeout: float | None = None,
         join_timeout: float | None = None,
+        switch: str | None = None,
     ) -> Communicator:
         """Joins ``unique_id`` as ``rank`` of ``nranks`` (blocks until every rank joined).
-        Timeouts in seconds; None takes the daemon's defaults."""
-        c = self._native.communicator(bytes(unique_id), rank, nranks, op_timeout, join_timeout)
+        Timeouts in seconds; None takes the daemon's defaults. ``switch``: ``"off"`` or a
+        SwitchML controller ``"HOST:PORT"`` for the inter-node step of all-reduce (None: the
+        daemon's ``switch`` setting)."""
+        c = self._native.communicator(
+            bytes(unique_id), rank, nranks, op_timeout, join_timeout, switch
+        )
         return Communicator(self, c)
 
     def empty(self, shape: int | Sequence[int], dtype: Any = np.float32) -> np.ndarray:

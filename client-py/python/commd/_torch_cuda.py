@@ -7,6 +7,19 @@ engines; reductions run as kernels in this process, on that stream). ``Work.wait
 caller's current stream wait for the communication stream, like NCCL: the CPU never blocks.
 Tensors are recorded on the communication stream and kept referenced until the daemon reports the
 op done, so the caching allocator cannot hand their memory out early.
+
+The common cases (contiguous tensors: send, recv, all_gather_into_tensor, all_reduce, reduce,
+broadcast, reduce_scatter_tensor) take a fast path: one native call (``Communicator.cuda_op``)
+posts the op, enqueues its doorbells, and keeps the tensors referenced until the daemon reports
+the op done (no ``record_stream``, no torch events, no Python-side bookkeeping per op):
+- async collectives run on the communication stream, ordered after the current stream and
+  followed by a done event (both enqueued natively); ``Work.wait()`` makes the current stream
+  wait for that event;
+- blocking collectives (``async_op=False``: torch waits at once) run on the current stream
+  itself, like NCCL's for such calls: no stream hop at all;
+- send and recv signal "ready" on the current stream (so work queued after them keeps running)
+  and ``Work.wait()`` enqueues the wait for the op's done counter on whatever stream is current
+  then: one stream operation each, no event.
 """
 
 from __future__ import annotations
@@ -22,6 +35,64 @@ from ._core import Handle
 
 # dtype name for data movement (the element size is all that matters) and for reductions.
 _MOVE = {1: "u8", 2: "f16", 4: "f32", 8: "f64"}
+
+# The fast path for contiguous tensors (False: every op takes the general path; for
+# benchmarks that compare the two).
+FAST = True
+
+try:  # the raw cudaStream_t of the current stream, without making a Stream object
+    _raw_stream: Callable[[int], int] = torch._C._cuda_getCurrentRawStream
+except AttributeError:  # pragma: no cover - older torch
+    def _raw_stream(dev: int) -> int:
+        return torch.cuda.current_stream(dev).cuda_stream
+
+
+class FastCudaWork(_Work):
+    """Work of an op posted by ``Communicator.cuda_op``: ``wait`` makes the caller's current
+    stream wait (on the GPU) for the op's done event; the CPU never blocks."""
+
+    def __init__(self, req: Any, dev: int, result: Any) -> None:
+        super().__init__()
+        self._req = req  # commd._native.CudaRequest
+        self._dev = dev
+        self._result = result
+        self._fut: Future | None = None
+        self._h: Handle | None = None
+
+    def wait(self, timeout: Any = None) -> bool:
+        # Raises the op's error if it already failed; one still running reports through its
+        # stream (released with the error word set) and through is_completed()/get_future().
+        self._req.cuda_wait(_raw_stream(self._dev))
+        return True
+
+    def _handle(self) -> Handle:
+        if self._h is None:
+            self._h = Handle([self._req], result=self._result)
+        return self._h
+
+    def is_completed(self) -> bool:
+        return self._handle().is_completed()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._handle().exception() is None
+
+    def exception(self) -> Any:
+        return self._handle().exception()
+
+    def result(self) -> Any:
+        return self._result
+
+    def synchronize(self) -> None:
+        self._handle().wait()
+        self._req.cuda_wait(_raw_stream(self._dev))
+
+    def get_future(self) -> Future:
+        from .torch import _flat_tensors, _progress
+
+        if self._fut is None:
+            self._fut = Future()
+            _progress.watch(self._handle(), self._fut, _flat_tensors(self._result))
+        return self._fut
 
 
 class CudaWork(_Work):
@@ -92,6 +163,8 @@ class CudaOps:
         self._rank = rank
         self._size = size
         self._streams: dict[int, torch.cuda.Stream] = {}
+        self._raw: dict[int, int] = {}  # device index -> raw handle of its communication stream
+        self._codes: dict[tuple[Any, ...], tuple[int, int]] = {}
 
     def stream(self, dev: torch.device) -> torch.cuda.Stream:
         i = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -99,7 +172,49 @@ class CudaOps:
         if s is None:
             s = torch.cuda.Stream(device=i)
             self._streams[i] = s
+            self._raw[i] = s.cuda_stream
         return s
+
+    # -- the fast path -------------------------------------------------------------------
+
+    def _code(self, op: str, t: torch.Tensor, redop: str | None = None,
+              dt: str | None = None, defer: bool = False,
+              cur: bool = False) -> tuple[int, int]:
+        """(cuda_op code, element multiplier) for ``op`` on ``t``'s dtype (cached). ``cur``:
+        the op runs on the current stream (no ordering event, no done event)."""
+        key = (op, t.dtype, redop, dt, defer, cur)
+        c = self._codes.get(key)
+        if c is None:
+            mult = 1
+            if dt is None:
+                es = t.element_size()
+                dt = _MOVE.get(es)
+                if dt is None:
+                    dt, mult = "u8", es
+            elif t.is_complex():
+                mult = 2
+            c = (self._native.cuda_code(op, dt, redop, defer_wait=defer, order_after=not cur,
+                                        record=not cur), mult)
+            self._codes[key] = c
+        return c
+
+    def fast(self, code: tuple[int, int], t: torch.Tensor, send: int, recv: int, peer: int,
+             result: Any, keep: Any, cur: bool = False) -> FastCudaWork:
+        """Posts one op on ``t``'s device through ``cuda_op``: on the current stream (``cur``,
+        with a code made with ``cur``), else on the communication stream ordered after the
+        current one; ``keep`` stays referenced until the daemon reports the op done."""
+        dev = t.get_device()
+        now = _raw_stream(dev)
+        if cur:
+            s = now
+        else:
+            s = self._raw.get(dev)
+            if s is None:
+                self.stream(t.device)
+                s = self._raw[dev]
+        req = self._native.cuda_op(code[0], peer, t.numel() * code[1], (send, recv, s, now),
+                                   keep)
+        return FastCudaWork(req, dev, result)
 
     def run(self, tensors: list[torch.Tensor], result: Any,
             post: Callable[[int], list[Any]],
@@ -170,9 +285,19 @@ class CudaOps:
     # -- ops -----------------------------------------------------------------------------
 
     def reduce_like(self, op: str, t: torch.Tensor, dt: str, red: str, root: int,
-                    out: torch.Tensor | None, result: Any) -> CudaWork:
+                    out: torch.Tensor | None, result: Any,
+                    sync: bool = False) -> CudaWork | FastCudaWork:
         """all_reduce / reduce in place on ``t`` (``out`` None), or reduce-scatter of ``t`` into
-        ``out``."""
+        ``out``. ``sync``: torch waits at once (``async_op=False``): run on the current
+        stream."""
+        if FAST and t.is_contiguous() and (
+                out is None or (out.is_contiguous() and out.device == t.device)):
+            if out is None:
+                p = t.data_ptr()
+                return self.fast(self._code(op, t, red, dt, cur=sync), t, p, p, root, result, t,
+                                 sync)
+            return self.fast(self._code(op, out, red, dt, cur=sync), out, t.data_ptr(),
+                             out.data_ptr(), 0, result, (t, out), sync)
         src, back = self.flat(t)
         count = src.numel() * (2 if src.is_complex() else 1)
         if out is None:
@@ -190,7 +315,12 @@ class CudaOps:
         after = (lambda: out.copy_(dst)) if back_o else None
         return self.run([t, src, out, dst], result, post_rs, after)
 
-    def broadcast(self, t: torch.Tensor, root: int, result: Any) -> CudaWork:
+    def broadcast(self, t: torch.Tensor, root: int, result: Any,
+                  sync: bool = False) -> CudaWork | FastCudaWork:
+        if FAST and t.is_contiguous():
+            p = t.data_ptr()
+            return self.fast(self._code("broadcast", t, cur=sync), t, p, p, root, result, t,
+                             sync)
         src, back = self.flat(t)
         dt, count = self.move_dtype(src)
 
@@ -201,7 +331,12 @@ class CudaOps:
         return self.run([t, src], result, post, after)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, result: Any,
-                   outs: list[torch.Tensor] | None = None) -> CudaWork:
+                   outs: list[torch.Tensor] | None = None,
+                   sync: bool = False) -> CudaWork | FastCudaWork:
+        if (FAST and outs is None and t.is_contiguous() and out.is_contiguous()
+                and out.device == t.device):
+            return self.fast(self._code("all_gather", t, cur=sync), t, t.data_ptr(),
+                             out.data_ptr(), 0, result, (t, out), sync)
         src, _ = self.flat(t)
         dst, back = self.flat(out)
         dt, count = self.move_dtype(src)
@@ -234,10 +369,17 @@ class CudaOps:
         return self.run([t, src, out, dst], result, post, after)
 
     def p2p(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]],
-            result: Any, group: bool = True) -> CudaWork:
+            result: Any, group: bool = True) -> CudaWork | FastCudaWork:
         """Sends and recvs: every readiness signal first, then one wait, so their order cannot
         deadlock. ``group`` False (single isend/irecv, e.g. from ``batch_isend_irecv``): the wait
         is enqueued at the first ``wait``/``is_completed`` of any Work of the communicator."""
+        if FAST and not group and len(sends) + len(recvs) == 1:
+            t, peer = sends[0] if sends else recvs[0]
+            if t.is_contiguous():
+                kind = "send" if sends else "recv"
+                p = t.data_ptr()
+                return self.fast(self._code(kind, t, defer=True, cur=True), t,
+                                 p if sends else 0, 0 if sends else p, peer, result, t, True)
         fixed: list[tuple[torch.Tensor, torch.Tensor]] = []
         plan: list[tuple[str, torch.Tensor, int]] = []
         for t, peer in sends:

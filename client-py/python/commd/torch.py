@@ -81,7 +81,13 @@ def _check_tensor(t: torch.Tensor, what: str, cuda: bool = False) -> None:
 
 
 def _is_cuda(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "cuda"
+    return isinstance(t, torch.Tensor) and t.is_cuda
+
+
+def _sync(opts: Any) -> bool:
+    """Whether torch waits for the op at once (``async_op=False``): such GPU ops run on the
+    current stream itself."""
+    return not getattr(opts, "asyncOp", True)
 
 
 def _np(t: torch.Tensor, what: str = "op") -> np.ndarray:
@@ -258,7 +264,10 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             store.set(key, uid)
         else:
             uid = bytes(store.get(key))
-        self.comm = self.client.communicator(uid, rank, size, op_timeout=secs, join_timeout=secs)
+        # Per job: COMMD_COMM_SWITCH=off or HOST:PORT of a SwitchML controller (unset: the
+        # daemon's `switch` setting) for the inter-node step of all-reduce.
+        self.comm = self.client.communicator(uid, rank, size, op_timeout=secs, join_timeout=secs,
+                                             switch=os.environ.get("COMMD_COMM_SWITCH") or None)
         self._cuda: CudaOps | None = None
 
     @property
@@ -329,7 +338,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         t = _one(tensors, "allreduce")
         if _is_cuda(t):
             dt, red = _reduce_names(t, opts.reduceOp, "allreduce")
-            return self.gpu.reduce_like("all_reduce", t, dt, red, 0, None, tensors)
+            return self.gpu.reduce_like("all_reduce", t, dt, red, 0, None, tensors,
+                                        _sync(opts))
         a, dt, red = _reduce_args(t, opts.reduceOp, "allreduce")
         return self._work(self.comm.all_reduce(a, op=red, dtype=dt, async_op=True), tensors, opts)
 
@@ -352,7 +362,7 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
     def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(tensors, "broadcast")
         if _is_cuda(t):
-            return self.gpu.broadcast(t, opts.rootRank, tensors)
+            return self.gpu.broadcast(t, opts.rootRank, tensors, _sync(opts))
         h = self.comm.broadcast(_np(t, "broadcast"), opts.rootRank, async_op=True)
         return self._work(h, tensors, opts)
 
@@ -360,7 +370,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         t = _one(tensors, "reduce")
         if _is_cuda(t):
             dt, red = _reduce_names(t, opts.reduceOp, "reduce")
-            return self.gpu.reduce_like("reduce", t, dt, red, opts.rootRank, None, tensors)
+            return self.gpu.reduce_like("reduce", t, dt, red, opts.rootRank, None, tensors,
+                                        _sync(opts))
         a, dt, red = _reduce_args(t, opts.reduceOp, "reduce")
         h = self.comm.reduce(a, opts.rootRank, op=red, dtype=dt, async_op=True)
         return self._work(h, tensors, opts)
@@ -401,9 +412,11 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
         if _is_cuda(input):
-            self._cuda_check([output, input], "all_gather_into_tensor")
-            _check_sizes(output, input, self._size, "all_gather_into_tensor")
-            return self.gpu.all_gather(output, input, [output])
+            if not (output.is_cuda and output.dtype == input.dtype and not output.is_sparse
+                    and not input.is_sparse and output.numel() == self._size * input.numel()):
+                self._cuda_check([output, input], "all_gather_into_tensor")
+                _check_sizes(output, input, self._size, "all_gather_into_tensor")
+            return self.gpu.all_gather(output, input, [output], sync=_sync(opts))
         return self._work(self._allgather_base_h(output, input), [output], opts)
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
@@ -443,7 +456,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             self._cuda_check([input], what)
             _check_sizes(input, output, self._size, what)
             dt, red = _reduce_names(output, opts.reduceOp, what)
-            return self.gpu.reduce_like("reduce_scatter", input, dt, red, 0, output, [output])
+            return self.gpu.reduce_like("reduce_scatter", input, dt, red, 0, output, [output],
+                                        _sync(opts))
         return self._work(self._reduce_scatter_base_h(output, input, opts.reduceOp), [output],
                           opts)
 

@@ -1,7 +1,7 @@
 //! commd-testclient: a scriptable client process for the end-to-end tests (`tests/`).
 //!
 //! `commd-testclient uid --socket S` prints a fresh unique id (hex).
-//! `commd-testclient run --socket S --join HEX:RANK:NRANKS[:OP_TIMEOUT_MS[:JOIN_TIMEOUT_MS]] ... --steps JSON` joins
+//! `commd-testclient run --socket S --join HEX:RANK:NRANKS[:OP_TIMEOUT_MS[:JOIN_TIMEOUT_MS[:SWITCH]]] ... --steps JSON` joins
 //! the communicators, runs the steps, and prints one JSON line per step. Exit status 0 when every
 //! step ended as its `expect` said (default "ok"; "error": any failure; "any": either), 1
 //! otherwise, 2 on bad usage.
@@ -187,6 +187,8 @@ fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String>
                 CommOptions {
                     op_timeout,
                     join_timeout: Some(join_timeout),
+                    // Everything after the 5th field: "off" or a controller HOST:PORT.
+                    switch: (parts.len() > 5).then(|| parts[5..].join(":")),
                 },
             )
             .map_err(|e| format!("join {}: {e}", parts[1]))?;

@@ -4,9 +4,10 @@
 
 pub mod cu;
 pub mod kernels;
+pub mod regcache;
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use commd_proto::desc::{DType, OpKind, RedOp, SubmitDesc, doorbell, flags};
 use commd_proto::pb;
@@ -26,25 +27,130 @@ impl From<kernels::KernelError> for Error {
     }
 }
 
-/// One registered allocation (client side of the handle cache).
-#[derive(Clone, Copy, Debug)]
-struct Reg {
-    base: sys::CUdeviceptr,
-    size: u64,
-    mem_id: u32,
-    device: i32,
-}
+use regcache::{RangeCache, Reg};
 
-/// Per-session CUDA state: the doorbell page's device address, the registration cache keyed by
-/// `CU_POINTER_ATTRIBUTE_BUFFER_ID` (unique per allocation for the process lifetime, so a freed
-/// and re-allocated range is never mistaken for the old one), and the reduction kernels.
+/// Per-session CUDA state: the doorbell page's device address, the registration cache (by
+/// address range, each hit validated by the allocation's `CU_POINTER_ATTRIBUTE_BUFFER_ID`,
+/// unique per allocation for the process lifetime, so a freed and re-allocated range is never
+/// mistaken for the old one), the event pool, and the reduction kernels.
 #[derive(Default)]
 pub(crate) struct SessionGpu {
     doorbell_dev: Option<sys::CUdeviceptr>,
-    regs: HashMap<u64, Reg>,
+    regs: RangeCache,
     kernels: Option<kernels::Kernels>,
+    events: Arc<EventPool>,
     pub(crate) registrations: u64,
     pub(crate) cache_hits: u64,
+}
+
+/// Free CUDA events (created with timing disabled) per device ordinal. Events are created in
+/// the device's primary context, the one torch's streams live in.
+#[derive(Default)]
+pub(crate) struct EventPool {
+    free: Mutex<HashMap<i32, Vec<usize>>>,
+}
+
+impl EventPool {
+    fn get(self: &Arc<Self>, device: i32) -> Result<CudaEvent> {
+        let reused = lock(&self.free).get_mut(&device).and_then(|v| v.pop());
+        let ev = match reused {
+            Some(e) => e as sys::CUevent,
+            None => create_event(device)?,
+        };
+        Ok(CudaEvent {
+            ev,
+            device,
+            pool: self.clone(),
+        })
+    }
+}
+
+fn create_event(device: i32) -> Result<sys::CUevent> {
+    let mut dev = 0;
+    // SAFETY: valid out pointer.
+    ck(unsafe { sys::cuDeviceGet(&mut dev, device) }, "cuDeviceGet")?;
+    let ctx = cu::primary_ctx(dev)?;
+    // SAFETY: `ctx` is a retained primary context; it is popped again below.
+    ck(unsafe { sys::cuCtxPushCurrent_v2(ctx) }, "cuCtxPushCurrent")?;
+    let mut e = std::ptr::null_mut();
+    let r = ck(
+        // SAFETY: valid out pointer; the device's context is current.
+        unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
+        "cuEventCreate",
+    );
+    let mut prev = std::ptr::null_mut();
+    // SAFETY: pops the context pushed above. The retain of `primary_ctx` is kept: the context
+    // must outlive the pooled event.
+    unsafe { sys::cuCtxPopCurrent_v2(&mut prev) };
+    r?;
+    Ok(e)
+}
+
+/// A CUDA event of the session's pool: recorded on a stream after an op, so another stream can
+/// wait for the op with no CPU involvement. Goes back to the pool when dropped (an event may be
+/// recorded again while streams still wait on an earlier record: each wait keeps the record it
+/// saw).
+pub struct CudaEvent {
+    ev: sys::CUevent,
+    device: i32,
+    pool: Arc<EventPool>,
+}
+
+// SAFETY: an event handle is a driver object usable from any thread.
+unsafe impl Send for CudaEvent {}
+// SAFETY: as above; the methods only pass the handle to the driver.
+unsafe impl Sync for CudaEvent {}
+
+impl std::fmt::Debug for CudaEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaEvent(device {})", self.device)
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        lock(&self.pool.free)
+            .entry(self.device)
+            .or_default()
+            .push(self.ev as usize);
+    }
+}
+
+impl CudaEvent {
+    /// Records the event on `stream`.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the event's device.
+    pub unsafe fn record(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller passes a live stream of this event's device.
+        let r = unsafe { sys::cuEventRecord(self.ev, stream) };
+        ck(r, "cuEventRecord")?;
+        Ok(())
+    }
+
+    /// Makes `stream` wait (on the GPU) for the work recorded before the event.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream.
+    pub unsafe fn wait_on(&self, stream: sys::CUstream) -> Result<()> {
+        ck(
+            // SAFETY: live stream (caller) and event (owned here).
+            unsafe { sys::cuStreamWaitEvent(stream, self.ev, 0) },
+            "cuStreamWaitEvent",
+        )?;
+        Ok(())
+    }
+
+    /// Whether the recorded work completed (never blocks).
+    pub fn done(&self) -> Result<bool> {
+        // SAFETY: the event is owned here and live.
+        let r = unsafe { sys::cuEventQuery(self.ev) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        ck(r, "cuEventQuery")?;
+        Ok(true)
+    }
 }
 
 // SAFETY: the raw pointers inside are driver handles / device addresses, usable from any thread.
@@ -58,12 +164,14 @@ struct Scratch {
     device: i32,
 }
 
-/// Per-communicator CUDA state: the next doorbell ticket, the scratch, and the last ticket of
-/// p2p ops whose wait is deferred to the end of their group.
+/// Per-communicator CUDA state: the next doorbell ticket, the scratch, the last ticket of
+/// p2p ops whose wait is deferred to the end of their group, and the last stream the driver
+/// accepted (so the per-op stream check is skipped while ops keep using that stream).
 pub(crate) struct CommGpu {
     next_ticket: u32,
     scratch: Option<Scratch>,
     deferred: Option<u32>,
+    checked_stream: Option<usize>,
 }
 
 impl Default for CommGpu {
@@ -73,6 +181,7 @@ impl Default for CommGpu {
             next_ticket: 1,
             scratch: None,
             deferred: None,
+            checked_stream: None,
         }
     }
 }
@@ -94,6 +203,43 @@ pub struct CudaOpArgs {
     /// [`Communicator::cuda_flush`] at the end of the group (so a group's sends and recvs can
     /// match in any order without the stream blocking on the first).
     pub defer_wait: bool,
+    /// Order the op after the work already queued on this stream (e.g. the caller's current
+    /// stream, when `stream` is a communication stream): an event recorded there, waited on by
+    /// `stream`, all on the GPU.
+    pub after: Option<sys::CUstream>,
+    /// Record an event on `stream` after the op (not for deferred p2p ops: their event belongs
+    /// after the group's wait, see [`Communicator::cuda_record`]).
+    pub record: bool,
+}
+
+impl CudaOpArgs {
+    /// An op on `stream` with no buffers, no ordering stream and no event.
+    pub fn new(kind: OpKind, dtype: DType, count: u64, stream: sys::CUstream) -> Self {
+        Self {
+            kind,
+            dtype,
+            redop: None,
+            count,
+            peer: 0,
+            send: None,
+            recv: None,
+            stream,
+            defer_wait: false,
+            after: None,
+            record: false,
+        }
+    }
+}
+
+/// A posted stream-ordered op: its request, the event recorded after it (if asked for), the
+/// device ordinal of its buffers, and its last doorbell ticket (a stream that waits for the
+/// done counter to reach it waits for the op: see [`Communicator::cuda_wait_ticket`]).
+#[derive(Debug)]
+pub struct CudaPosted {
+    pub request: Request,
+    pub done: Option<CudaEvent>,
+    pub device: i32,
+    pub last_ticket: u32,
 }
 
 // SAFETY: the stream handle is a driver object that any thread may use.
@@ -154,6 +300,21 @@ fn pointer_info(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, u64, u64, i3
     Ok((base, size as u64, id, ordinal))
 }
 
+/// The driver's buffer id of the allocation holding `ptr` (one attribute: the cheap check that
+/// a cached registration still describes the allocation at that address).
+fn buffer_id(ptr: sys::CUdeviceptr) -> Option<u64> {
+    let mut id: u64 = 0;
+    // SAFETY: BUFFER_ID writes one u64 to the valid out pointer.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut id as *mut u64).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+            ptr,
+        )
+    };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(id)
+}
+
 fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
     let mut dev = 0;
     ck(
@@ -201,6 +362,14 @@ impl Inner {
         ptr: sys::CUdeviceptr,
         bytes: u64,
     ) -> Result<(u32, u64, i32)> {
+        // Fast path: a cached allocation holds the range and the driver still reports the same
+        // allocation there (one attribute query, no allocation, no RPC).
+        if let Some(r) = g.regs.lookup(ptr, bytes)
+            && buffer_id(ptr) == Some(r.buffer_id)
+        {
+            g.cache_hits += 1;
+            return Ok((r.mem_id, ptr - r.base, r.device));
+        }
         let (base, size, id, ordinal) = pointer_info(ptr)?;
         let off = ptr - base;
         if off + bytes > size {
@@ -208,27 +377,15 @@ impl Inner {
                 "GPU buffer at {ptr:#x} ({bytes} bytes) runs past the end of its allocation ({size} bytes at {base:#x})"
             )));
         }
-        if let Some(r) = g.regs.get(&id) {
-            g.cache_hits += 1;
-            return Ok((r.mem_id, off, r.device));
-        }
         // A new allocation overlapping a cached one means the old one was freed: drop it so the
         // daemon closes its mapping (and the memory can really be released).
-        let stale: Vec<u64> = g
-            .regs
-            .iter()
-            .filter(|(_, r)| r.base < base + size && base < r.base + r.size)
-            .map(|(k, _)| *k)
-            .collect();
-        for k in stale {
-            if let Some(r) = g.regs.remove(&k) {
-                let _ = self
-                    .rt
-                    .block_on(self.rpc.clone().deregister_memory(pb::MemRef {
-                        session_id: self.session_id,
-                        mem_id: r.mem_id,
-                    }));
-            }
+        for r in g.regs.remove_overlapping(base, size) {
+            let _ = self
+                .rt
+                .block_on(self.rpc.clone().deregister_memory(pb::MemRef {
+                    session_id: self.session_id,
+                    mem_id: r.mem_id,
+                }));
         }
         ensure_context(ordinal)?;
         let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
@@ -253,15 +410,13 @@ impl Inner {
             .map_err(|s| Error::rpc("register_cuda_memory", s))?
             .into_inner();
         g.registrations += 1;
-        g.regs.insert(
-            id,
-            Reg {
-                base,
-                size,
-                mem_id: rep.mem_id,
-                device: ordinal,
-            },
-        );
+        g.regs.insert(Reg {
+            base,
+            size,
+            buffer_id: id,
+            mem_id: rep.mem_id,
+            device: ordinal,
+        });
         Ok((rep.mem_id, off, ordinal))
     }
 }
@@ -352,6 +507,56 @@ impl Communicator {
     /// allocated until the request completes, and `stream` must be a live stream of the device's
     /// context (current on this thread, or the device's primary context is made current).
     pub unsafe fn post_cuda(&self, a: CudaOpArgs) -> Result<Request> {
+        // SAFETY: same contract as ours.
+        unsafe { self.post_cuda_ordered(a) }.map(|p| p.request)
+    }
+
+    /// Enqueues on `stream` a wait for this communicator's done counter to reach `ticket` (the
+    /// `last_ticket` of a posted op): the stream then waits for that op and every op posted
+    /// before it on this communicator (done counters advance contiguously). This is how a
+    /// deferred send/recv is waited for on whatever stream is current at `wait()` time, with
+    /// no event and no communication stream.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream.
+    pub unsafe fn cuda_wait_ticket(&self, stream: sys::CUstream, ticket: u32) -> Result<()> {
+        let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
+        let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
+        ck(
+            // SAFETY: `done` is a device-mapped address of the registered doorbell page.
+            unsafe {
+                sys::cuStreamWaitValue32_v2(
+                    stream,
+                    done,
+                    ticket,
+                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            },
+            "cuStreamWaitValue32",
+        )?;
+        Ok(())
+    }
+
+    /// Records an event of the session's pool on `stream` (a stream of `device`), e.g. after
+    /// [`Communicator::cuda_flush`] for deferred p2p ops.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of `device`.
+    pub unsafe fn cuda_record(&self, stream: sys::CUstream, device: i32) -> Result<CudaEvent> {
+        let pool = lock(&self.client.gpu).events.clone();
+        let ev = pool.get(device)?;
+        // SAFETY: the caller's contract.
+        unsafe { ev.record(stream)? };
+        Ok(ev)
+    }
+
+    /// [`Communicator::post_cuda`], also ordered after `a.after` and returning the event
+    /// recorded after the op when `a.record` is set: everything one op needs from the stream
+    /// in one call (the per-op path of the torch backend).
+    ///
+    /// # Safety
+    /// As [`Communicator::post_cuda`]; `a.after`, if any, must be a live stream.
+    pub unsafe fn post_cuda_ordered(&self, a: CudaOpArgs) -> Result<CudaPosted> {
         let i = &self.client;
         i.check_owner()?;
         driver()?;
@@ -428,12 +633,43 @@ impl Communicator {
             // posted, so a compile error fails the call cleanly.
             k.prepare(a.dtype, op)?;
         }
-        // An invalid stream fails here, before the op is posted.
-        // SAFETY: cuStreamQuery only reads the handle; the driver validates it.
-        let q = unsafe { sys::cuStreamQuery(a.stream) };
-        if q != sys::CUresult::CUDA_SUCCESS && q != sys::CUresult::CUDA_ERROR_NOT_READY {
-            ck(q, "cuStreamQuery(stream of the op)")?;
+        // An invalid stream fails here, before the op is posted (checked once per stream: a
+        // communicator's ops normally all use one communication stream).
+        if c.checked_stream != Some(a.stream as usize) {
+            // SAFETY: cuStreamQuery only reads the handle; the driver validates it.
+            let q = unsafe { sys::cuStreamQuery(a.stream) };
+            if q != sys::CUresult::CUDA_SUCCESS && q != sys::CUresult::CUDA_ERROR_NOT_READY {
+                ck(q, "cuStreamQuery(stream of the op)")?;
+            }
+            c.checked_stream = Some(a.stream as usize);
         }
+        let dev = match device {
+            Some(d) => d,
+            None if a.after.is_some() || a.record => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} on this rank has no GPU buffer, so no device to order its stream on",
+                    a.kind.name()
+                )));
+            }
+            None => 0,
+        };
+        let pool = g.events.clone();
+        // The op's stream waits for the work queued on `after` (GPU-side; the event goes back
+        // to the pool at once: the wait keeps the record it saw).
+        if let Some(after) = a.after
+            && after != a.stream
+        {
+            let ev = pool.get(dev)?;
+            // SAFETY: `after` is live (caller) and of the op's device.
+            unsafe { ev.record(after)? };
+            // SAFETY: `a.stream` was validated above.
+            unsafe { ev.wait_on(a.stream)? };
+        }
+        let done_ev = if a.record && !(a.defer_wait && a.kind.is_p2p()) {
+            Some(pool.get(dev)?)
+        } else {
+            None
+        };
         let d = SubmitDesc {
             user_data: 0,
             opcode: a.kind.code(),
@@ -489,6 +725,10 @@ impl Communicator {
                 } else {
                     wait(ticket)?;
                 }
+                if let Some(e) = &done_ev {
+                    // SAFETY: `s` was validated above and is of the event's device.
+                    unsafe { e.record(s)? };
+                }
                 return Ok(());
             }
             let sc = scratch.unwrap_or(Scratch {
@@ -539,9 +779,18 @@ impl Communicator {
                 write(t.wrapping_add(1))?;
                 wait(t.wrapping_add(1))?;
             }
+            if let Some(e) = &done_ev {
+                // SAFETY: `s` was validated above and is of the event's device.
+                unsafe { e.record(s)? };
+            }
             Ok(())
         })();
-        enq.map(|()| req)
+        enq.map(|()| CudaPosted {
+            request: req,
+            done: done_ev,
+            device: dev,
+            last_ticket: ticket.wrapping_add(phases as u32).wrapping_sub(1),
+        })
     }
 }
 

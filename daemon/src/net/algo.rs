@@ -355,6 +355,135 @@ pub fn run(
     Ok(name)
 }
 
+/// Message id of the zero-length signature check that travels beside a switch all-reduce.
+const SWITCH_SIG_MSG: u64 = u64::MAX - 3;
+
+/// Whether a switch session can aggregate `c`: an all-reduce summing int32 (exact) or
+/// float32 (sum or avg, block floating point). Otherwise the reason.
+pub fn switch_fits(c: &Coll) -> Result<bool, String> {
+    if c.kind != OpKind::AllReduce || c.count == 0 {
+        return Ok(false);
+    }
+    match (c.dtype, c.redop) {
+        (DType::I32, Some(RedOp::Sum)) => Ok(true),
+        (DType::F32, Some(RedOp::Sum | RedOp::Avg)) => Ok(true),
+        (d, r) => Err(format!(
+            "the switch aggregates int32 sums and float32 sums/averages, not {}/{}",
+            d.name(),
+            r.map_or("?", |r| r.name())
+        )),
+    }
+}
+
+/// How a switch all-reduce ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SwitchRun {
+    Done,
+    /// A float32 block held a value the switch cannot carry: redo the op over TCP (every node
+    /// sees this for the same op, and no output was written).
+    Unrepresentable,
+}
+
+/// Hierarchical all-reduce through a switch session: this node's ranks are reduced locally (in
+/// rank order) into the scratch, the switch sums the nodes' partials, and the result goes to
+/// every local output. A zero-length message to every node carries the op's signature beside
+/// the switch traffic, so a collective that differs across nodes fails instead of mixing data,
+/// and a lost node is noticed by the wire while the switch waits.
+#[allow(clippy::too_many_arguments)]
+pub fn run_switch(
+    w: &mut Wire,
+    t: &Topo,
+    c: &Coll,
+    scratch: &mut Scratch,
+    sw: &mut crate::switch::worker::Worker,
+    deadline: Instant,
+    what: String,
+    via: &str,
+) -> Result<SwitchRun, NetError> {
+    let mut io = Io {
+        w,
+        t,
+        sig: c.sig(),
+        seq: c.seq,
+        sends: Vec::new(),
+        deadline,
+        what: what.clone(),
+    };
+    let dangling = std::ptr::NonNull::<u8>::dangling().as_ptr();
+    let mut rs = Vec::new();
+    for n in (0..t.nodes.len()).filter(|&n| n != t.me) {
+        // SAFETY: zero-length transfers touch no memory.
+        unsafe { io.send(n, SWITCH_SIG_MSG, dangling, 0)? };
+        // SAFETY: as above.
+        rs.push(unsafe { io.recv(n, SWITCH_SIG_MSG, dangling, 0)? });
+    }
+    let float = c.dtype == DType::F32;
+    let count = c.count as usize;
+    let acc = scratch.get(c.count * 4);
+    let k = Kernel::new(c.dtype, RedOp::Sum).map_err(|e| local_err(&e.to_string()))?;
+    let mut inputs = Vec::with_capacity(c.bufs.len());
+    for i in 0..c.bufs.len() {
+        inputs.push(send_ptr(c, i)?);
+    }
+    // SAFETY: inputs are valid registered spans of count elements (aligned); the scratch holds
+    // count * 4 bytes, 16-byte aligned, and overlaps no registration.
+    unsafe { reduce::reduce(k, inputs.len() as u32, &inputs, &[acc], count, false) };
+    // SAFETY: the scratch stays untouched by anyone else until the op completes (we wait for it
+    // below, cancelling it first on any error).
+    let op = unsafe { sw.start_op(acc, count, float) };
+    let r = loop {
+        if let Some(r) = op.result() {
+            break r;
+        }
+        let now = Instant::now();
+        let err = if now >= deadline {
+            Some(NetError::Timeout(format!(
+                "{what} timed out in the switch session via {via}"
+            )))
+        } else {
+            io.w.pump(
+                Some(deadline.min(now + std::time::Duration::from_millis(50))),
+                sig_text,
+            )
+            .err()
+        };
+        if let Some(e) = err {
+            op.cancel();
+            while op.result().is_none() {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            return Err(e);
+        }
+    };
+    let outcome = r.map_err(|e| NetError::Timeout(format!("switch session via {via}: {e}")))?;
+    io.wait(&rs)?;
+    io.finish()?;
+    if outcome == super::super::switch::worker::Outcome::Unrepresentable {
+        return Ok(SwitchRun::Unrepresentable);
+    }
+    let avg = c.redop == Some(RedOp::Avg);
+    let n = t.nranks() as f32;
+    for i in 0..c.bufs.len() {
+        let out = recv_ptr(c, i)?;
+        if avg {
+            // SAFETY: acc holds count f32; out is a registered span of count f32, disjoint from it.
+            let (src, dst) = unsafe {
+                (
+                    std::slice::from_raw_parts(acc.cast::<f32>().cast_const(), count),
+                    std::slice::from_raw_parts_mut(out.cast::<f32>(), count),
+                )
+            };
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = *s / n;
+            }
+        } else {
+            // SAFETY: both spans hold count * 4 bytes and do not overlap.
+            unsafe { copy(out, acc, c.count * 4) };
+        }
+    }
+    Ok(SwitchRun::Done)
+}
+
 fn send_ptr(c: &Coll, i: usize) -> Result<*const u8, NetError> {
     c.bufs[i]
         .1

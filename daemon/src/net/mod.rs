@@ -13,6 +13,7 @@ pub mod algo;
 pub mod conn;
 pub mod link;
 pub mod rdma;
+pub mod switchpath;
 pub mod wire;
 
 use std::collections::VecDeque;
@@ -42,6 +43,9 @@ pub struct NetCtx {
     pub tuning: Tuning,
     /// Mutual TLS for the peer service (PEM contents), when configured.
     pub tls: Option<PeerTls>,
+    /// Switch sessions (config `switch*`), and the advertised IPv4 workers send from by default.
+    pub switch: crate::switch::Settings,
+    pub switch_ip: Option<std::net::Ipv4Addr>,
     /// `transport`: auto, tcp or rdma.
     pub transport: String,
     /// This daemon's RDMA transport, or why it has none.
@@ -102,6 +106,8 @@ pub struct NetHandle {
     wake: Arc<OwnedFd>,
     pub topo: Topo,
     ended: AtomicBool,
+    /// The communicator's switch session, for `commd status`.
+    pub switch: Arc<Mutex<switchpath::SwitchInfo>>,
 }
 
 impl std::fmt::Debug for NetHandle {
@@ -147,6 +153,8 @@ pub struct Setup {
     pub label: String,
     pub comm_id: u64,
     pub op_timeout: Duration,
+    /// The communicator's `switch` option (None: the daemon's `switch` setting).
+    pub switch: Option<String>,
     /// Breaks the communicator on this node (fails queued and later ops).
     pub on_fail: Box<dyn Fn(u32, String) + Send>,
 }
@@ -163,11 +171,13 @@ pub fn start(ctx: &Arc<NetCtx>, s: Setup) -> std::io::Result<NetHandle> {
         wake: wake.clone(),
         topo: s.topo.clone(),
         ended: AtomicBool::new(false),
+        switch: Arc::new(Mutex::new(switchpath::SwitchInfo::default())),
     };
     let ctx = ctx.clone();
+    let info = h.switch.clone();
     std::thread::Builder::new()
         .name(format!("commd-net-{}", s.comm_id))
-        .spawn(move || Thread::run(ctx, s, rx, wake))?;
+        .spawn(move || Thread::run(ctx, s, rx, wake, info))?;
     Ok(h)
 }
 
@@ -184,6 +194,10 @@ struct Thread {
     broken: Option<(u32, String)>,
     inflight: Vec<Inflight>,
     scratch: Scratch,
+    sw: Option<crate::switch::worker::Worker>,
+    sw_info: Arc<Mutex<switchpath::SwitchInfo>>,
+    /// Reasons already logged for ops the switch cannot take.
+    sw_skipped: std::collections::HashSet<String>,
 }
 
 fn p2p_sig(p: &Posted) -> Sig {
@@ -201,13 +215,22 @@ fn wake_dup(fd: &Arc<OwnedFd>) -> std::io::Result<OwnedFd> {
 }
 
 impl Thread {
-    fn run(ctx: Arc<NetCtx>, s: Setup, rx: mpsc::Receiver<Cmd>, wake: Arc<OwnedFd>) {
+    fn run(
+        ctx: Arc<NetCtx>,
+        s: Setup,
+        rx: mpsc::Receiver<Cmd>,
+        wake: Arc<OwnedFd>,
+        sw_info: Arc<Mutex<switchpath::SwitchInfo>>,
+    ) {
         let mut t = Thread {
             ctx,
             s,
             broken: None,
             inflight: Vec::new(),
             scratch: Scratch::default(),
+            sw: None,
+            sw_info,
+            sw_skipped: Default::default(),
         };
         let mut wire = match t.connect(&wake) {
             Ok(w) => Some(w),
@@ -218,6 +241,18 @@ impl Thread {
                 None
             }
         };
+        if let Some(w) = wire.as_mut() {
+            let wanted =
+                t.s.switch
+                    .clone()
+                    .unwrap_or_else(|| t.ctx.switch.controller.clone());
+            match switchpath::setup(
+                &t.ctx, &t.s.topo, w, &wanted, &t.s.token, &t.s.label, &wake, &t.sw_info,
+            ) {
+                Ok(sw) => t.sw = sw,
+                Err(e) => t.fail(w, "switch session setup", e),
+            }
+        }
         let mut queue: VecDeque<Cmd> = VecDeque::new();
         let mut disconnected = false;
         loop {
@@ -701,6 +736,37 @@ impl Thread {
         let deadline = t0 + self.s.op_timeout;
         let topo = self.s.topo.clone();
         let tuning = self.ctx.tuning;
+        let mut transport = "tcp";
+        if self.sw.is_some() {
+            match algo::switch_fits(&coll) {
+                Ok(true) => match self.switch_op(w, &coll, deadline, &what) {
+                    Ok(true) => {
+                        tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = "switch", transport = "switch", us = t0.elapsed().as_micros() as u64, "executed");
+                        for p in ops {
+                            let c = p.op.comm;
+                            p.complete(c, status::OK, None);
+                        }
+                        return;
+                    }
+                    Ok(false) => transport = "tcp (switch could not carry the values)",
+                    Err(e) => {
+                        let (st, msg) = self.describe(&what, &e);
+                        for p in ops {
+                            let c = p.op.comm;
+                            p.complete(c, st, Some(msg.clone()));
+                        }
+                        self.fail(w, &what, e);
+                        return;
+                    }
+                },
+                Ok(false) => {}
+                Err(why) => {
+                    if self.sw_skipped.insert(why.clone()) {
+                        tracing::info!(target: "commd::net", "{}: {why}; such all-reduces go over TCP", self.s.label);
+                    }
+                }
+            }
+        }
         match algo::run(
             w,
             &topo,
@@ -711,7 +777,7 @@ impl Thread {
             what.clone(),
         ) {
             Ok(alg) => {
-                tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = alg, transport = "tcp", us = t0.elapsed().as_micros() as u64, "executed");
+                tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = alg, transport = transport, us = t0.elapsed().as_micros() as u64, "executed");
                 for p in ops {
                     let c = p.op.comm;
                     p.complete(c, status::OK, None);
@@ -726,6 +792,42 @@ impl Thread {
                 self.fail(w, &what, e);
             }
         }
+    }
+}
+
+impl Thread {
+    /// Runs `coll` through the switch session: `Ok(false)` when a float32 block could not be
+    /// carried (every node redoes the op over TCP).
+    fn switch_op(
+        &mut self,
+        w: &mut Wire,
+        coll: &Coll,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<bool, NetError> {
+        let Some(sw) = self.sw.as_mut() else {
+            return Ok(false);
+        };
+        let via = self
+            .s
+            .switch
+            .clone()
+            .unwrap_or_else(|| self.ctx.switch.controller.clone());
+        let r = algo::run_switch(
+            w,
+            &self.s.topo,
+            coll,
+            &mut self.scratch,
+            sw,
+            deadline,
+            what.to_string(),
+            &via,
+        )?;
+        if r == algo::SwitchRun::Unrepresentable {
+            tracing::warn!(target: "commd::net", "{}: {what}: a float32 value is NaN, infinite or too large (>= 2^126) for the switch's block floating point; redoing it over TCP", self.s.label);
+            return Ok(false);
+        }
+        Ok(true)
     }
 }
 

@@ -102,6 +102,11 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
             rank: s.rank,
         }),
         broken: w.broken.unwrap_or_default(),
+        switch: c
+            .net
+            .get()
+            .map(|h| h.switch.lock().unwrap_or_else(|e| e.into_inner()).text())
+            .unwrap_or_default(),
     }
 }
 
@@ -133,6 +138,10 @@ impl Admin for AdminService {
                 .unwrap_or_default(),
             otlp_endpoint: t.otlp_endpoint.clone().unwrap_or_default(),
             communicators: comms,
+            cpu_claims: crate::switch::cores::host_claims()
+                .into_iter()
+                .map(|(c, p, t, l)| format!("core {c}: pid {p} tid {t} {l}"))
+                .collect(),
         }))
     }
 

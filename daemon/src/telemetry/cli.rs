@@ -97,14 +97,15 @@ pub fn status_json(r: &pb::AdminStatusReply) -> serde_json::Value {
                 "what": s.what, "age_ms": s.age_ms, "rank": s.rank, "posted": s.posted, "missing": s.missing}));
             json!({"comm_id": c.comm_id, "unique_id": c.unique_id, "label": c.label, "nranks": c.nranks,
                 "local_ranks": c.local_ranks, "nodes": c.nodes, "op_timeout_ms": c.op_timeout_ms,
-                "pending_ops": c.pending_ops, "broken": c.broken, "ranks": ranks, "oldest": oldest})
+                "pending_ops": c.pending_ops, "broken": c.broken, "switch": c.switch, "ranks": ranks, "oldest": oldest})
         })
         .collect();
     json!({"daemon_version": d.daemon_version, "pid": d.pid, "daemon_uid": r.daemon_uid, "uptime_ms": d.uptime_ms,
         "sessions": d.session_list.len(), "communicators": d.communicators, "registrations": d.registrations,
         "mapped_bytes": d.mapped_bytes, "ops_completed": d.ops_completed, "ops_failed": d.ops_failed,
         "pending_joins": d.pending_joins, "workers": d.workers, "session_list": sessions,
-        "metrics_listen": r.metrics_listen, "otlp_endpoint": r.otlp_endpoint, "communicator_list": comms})
+        "metrics_listen": r.metrics_listen, "otlp_endpoint": r.otlp_endpoint, "communicator_list": comms,
+        "cpu_claims": r.cpu_claims})
 }
 
 pub fn status_text(r: &pb::AdminStatusReply) -> String {
@@ -139,6 +140,12 @@ pub fn status_text(r: &pb::AdminStatusReply) -> String {
     for x in &d.session_list {
         let _ = writeln!(o, "{}", session_line(x));
     }
+    if !r.cpu_claims.is_empty() {
+        let _ = writeln!(o, "polling threads pinned on this host:");
+        for c in &r.cpu_claims {
+            let _ = writeln!(o, "  {c}");
+        }
+    }
     for c in &r.communicators {
         let _ = writeln!(
             o,
@@ -165,6 +172,9 @@ pub fn status_text(r: &pb::AdminStatusReply) -> String {
                 "  rank {:>3} pid {:>7} session {:>4}{gpu}: {} collectives posted, {} queued{pending}",
                 k.rank, k.pid, k.session_id, k.collectives_posted, k.queued
             );
+        }
+        if !c.switch.is_empty() {
+            let _ = writeln!(o, "  switch: {}", c.switch);
         }
         if !c.broken.is_empty() {
             let _ = writeln!(o, "  BROKEN: {}", c.broken);

@@ -12,13 +12,22 @@ const MAX_HEAD: usize = 16 * 1024;
 const READ_DEADLINE: Duration = Duration::from_secs(10);
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
-/// Serves until the runtime stops.
+/// The body of `/metrics`: rendered per scrape.
+pub type Body = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
+
+/// Serves the daemon's metrics until the runtime stops.
 pub async fn serve(listener: TcpListener) {
+    serve_with(listener, std::sync::Arc::new(|| super::metrics().encode())).await
+}
+
+/// Serves `body` at `/metrics` until the runtime stops (also used by `commd switch`).
+pub async fn serve_with(listener: TcpListener, body: Body) {
     loop {
         match listener.accept().await {
             Ok((s, _)) => {
+                let body = body.clone();
                 tokio::spawn(async move {
-                    let _ = tokio::time::timeout(READ_DEADLINE, handle(s)).await;
+                    let _ = tokio::time::timeout(READ_DEADLINE, handle(s, &*body)).await;
                 });
             }
             Err(e) => {
@@ -29,7 +38,10 @@ pub async fn serve(listener: TcpListener) {
     }
 }
 
-async fn handle(mut s: TcpStream) -> std::io::Result<()> {
+async fn handle(
+    mut s: TcpStream,
+    body: &(dyn Fn() -> String + Send + Sync),
+) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 2048];
     while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
@@ -51,12 +63,12 @@ async fn handle(mut s: TcpStream) -> std::io::Result<()> {
     }
     let line = buf.split(|b| *b == b'\r').next().unwrap_or_default();
     let line = String::from_utf8_lossy(line);
-    let (status, ctype, body, head) = route(&line);
+    let (status, ctype, body, head) = route(&line, body);
     respond(&mut s, status, ctype, &body, head).await
 }
 
 /// (status, content type, body, HEAD request) for a request line.
-fn route(line: &str) -> (u16, &'static str, Vec<u8>, bool) {
+fn route(line: &str, body: &dyn Fn() -> String) -> (u16, &'static str, Vec<u8>, bool) {
     let mut parts = line.split(' ');
     let method = parts.next().unwrap_or("");
     let target = parts.next().unwrap_or("");
@@ -66,12 +78,7 @@ fn route(line: &str) -> (u16, &'static str, Vec<u8>, bool) {
         return (405, "text/plain", b"only GET\n".to_vec(), false);
     }
     match path {
-        "/metrics" => (
-            200,
-            CONTENT_TYPE,
-            super::metrics().encode().into_bytes(),
-            head,
-        ),
+        "/metrics" => (200, CONTENT_TYPE, body().into_bytes(), head),
         "/" => (
             200,
             "text/plain",
@@ -115,14 +122,18 @@ async fn respond(
 mod tests {
     use super::*;
 
+    fn route_daemon(line: &str) -> (u16, &'static str, Vec<u8>, bool) {
+        route(line, &|| super::super::metrics().encode())
+    }
+
     #[test]
     fn routes() {
-        let (st, ct, body, head) = route("GET /metrics HTTP/1.1");
+        let (st, ct, body, head) = route_daemon("GET /metrics HTTP/1.1");
         assert_eq!((st, ct, head), (200, CONTENT_TYPE, false));
         assert!(String::from_utf8(body).unwrap().contains("# EOF"));
-        assert!(route("HEAD /metrics?x=1 HTTP/1.1").3);
-        assert_eq!(route("GET /nope HTTP/1.1").0, 404);
-        assert_eq!(route("POST /metrics HTTP/1.1").0, 405);
+        assert!(route_daemon("HEAD /metrics?x=1 HTTP/1.1").3);
+        assert_eq!(route_daemon("GET /nope HTTP/1.1").0, 404);
+        assert_eq!(route_daemon("POST /metrics HTTP/1.1").0, 405);
     }
 
     #[test]

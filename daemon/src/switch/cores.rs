@@ -1,0 +1,213 @@
+//! Host-wide CPU claims for data-plane polling threads.
+//!
+//! The deployment we learned from ran at 0.06 Gbps instead of ~90 because thread `i` of every
+//! worker process was pinned to core `i`, so busy-polling threads of different workers shared
+//! cores. Here every polling thread (of any session, in any commd process on the host: daemons
+//! and `commd switch`) claims a core in one host-wide registry file under an exclusive `flock`;
+//! a core is pinned by at most one live thread. When no core is free the thread stays unpinned
+//! (the scheduler spreads it) and says so. Claims of dead processes are reclaimed.
+
+use std::fs::OpenOptions;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::path::PathBuf;
+
+/// Where the claims live: `COMMD_CPU_CLAIMS`, else `/dev/shm/commd-cpu-claims` (tmpfs: gone at
+/// reboot, shared by every process of the host or container).
+pub fn registry_path() -> PathBuf {
+    std::env::var_os("COMMD_CPU_CLAIMS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/dev/shm/commd-cpu-claims"))
+}
+
+/// A thread's core, released on drop.
+#[derive(Debug)]
+pub struct Claim {
+    pub core: Option<usize>,
+    /// Why the thread is not pinned (when `core` is `None`).
+    pub why: String,
+    tid: i32,
+}
+
+/// Cores this process may run on.
+pub fn allowed_cores() -> Vec<usize> {
+    match rustix::thread::sched_getaffinity(None) {
+        Ok(set) => (0..rustix::thread::CpuSet::MAX_CPU)
+            .filter(|&c| set.is_set(c))
+            .collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+fn alive(pid: i32, tid: i32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
+}
+
+fn with_registry<T>(f: impl FnOnce(&mut Vec<(usize, i32, i32, String)>) -> T) -> Result<T, String> {
+    let path = registry_path();
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(|e| format!("cannot open the CPU claim registry {}: {e}", path.display()))?;
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)
+        .map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
+    let mut text = String::new();
+    let _ = file.read_to_string(&mut text);
+    let mut rows: Vec<(usize, i32, i32, String)> = text
+        .lines()
+        .filter_map(|l| {
+            let mut it = l.splitn(4, ' ');
+            let core = it.next()?.parse().ok()?;
+            let pid = it.next()?.parse().ok()?;
+            let tid = it.next()?.parse().ok()?;
+            Some((core, pid, tid, it.next().unwrap_or("").to_string()))
+        })
+        .filter(|&(_, pid, tid, _)| alive(pid, tid))
+        .collect();
+    let out = f(&mut rows);
+    let mut body = String::new();
+    for (c, p, t, l) in &rows {
+        body.push_str(&format!("{c} {p} {t} {l}\n"));
+    }
+    let _ = file.set_len(0);
+    let _ = file.seek(SeekFrom::Start(0));
+    let _ = file.write_all(body.as_bytes());
+    Ok(out)
+}
+
+/// Claims a free core for the calling thread and pins it there, or explains why not.
+/// `pin = false` only records nothing and returns unpinned.
+pub fn claim(label: &str, pin: bool) -> Claim {
+    let tid = rustix::thread::gettid().as_raw_nonzero().get();
+    if !pin {
+        return Claim {
+            core: None,
+            why: "pinning is off (switch_pin=off)".into(),
+            tid,
+        };
+    }
+    let pid = std::process::id() as i32;
+    let allowed = allowed_cores();
+    let label = label.replace(['\n', ' '], "_");
+    let picked = with_registry(|rows| {
+        // Prefer the highest free core: core 0 tends to carry interrupts and housekeeping.
+        let free = allowed
+            .iter()
+            .rev()
+            .copied()
+            .find(|c| !rows.iter().any(|r| r.0 == *c));
+        if let Some(c) = free {
+            rows.push((c, pid, tid, label.clone()));
+        }
+        free
+    });
+    match picked {
+        Ok(Some(core)) => {
+            let mut set = rustix::thread::CpuSet::new();
+            set.set(core);
+            match rustix::thread::sched_setaffinity(None, &set) {
+                Ok(()) => Claim {
+                    core: Some(core),
+                    why: String::new(),
+                    tid,
+                },
+                Err(e) => {
+                    release(tid);
+                    Claim {
+                        core: None,
+                        why: format!("sched_setaffinity({core}): {e}"),
+                        tid,
+                    }
+                }
+            }
+        }
+        Ok(None) => Claim {
+            core: None,
+            why: format!(
+                "every allowed core ({}) is already claimed by another polling thread on this host",
+                allowed.len()
+            ),
+            tid,
+        },
+        Err(why) => Claim {
+            core: None,
+            why,
+            tid,
+        },
+    }
+}
+
+fn release(tid: i32) {
+    let pid = std::process::id() as i32;
+    let _ = with_registry(|rows| rows.retain(|r| !(r.1 == pid && r.2 == tid)));
+}
+
+impl Claim {
+    /// "core 3" or "unpinned (why)".
+    pub fn text(&self) -> String {
+        match self.core {
+            Some(c) => format!("core {c}"),
+            None => format!("unpinned ({})", self.why),
+        }
+    }
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.core.is_some() {
+            release(self.tid);
+        }
+    }
+}
+
+/// Every live claim on the host: (core, pid, tid, label).
+pub fn host_claims() -> Vec<(usize, i32, i32, String)> {
+    with_registry(|rows| rows.clone()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn threads_never_share_a_core_and_claims_go_away_with_them() {
+        let dir = std::env::temp_dir().join(format!("commd-cores-{}", std::process::id()));
+        // SAFETY: this test is the only user of the variable in this test binary.
+        unsafe { std::env::set_var("COMMD_CPU_CLAIMS", &dir) };
+        let n = allowed_cores().len();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stop = std::sync::Arc::new(std::sync::Barrier::new(n + 2));
+        let hs: Vec<_> = (0..n + 1)
+            .map(|i| {
+                let tx = tx.clone();
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    let c = claim(&format!("t{i}"), true);
+                    tx.send(c.core).unwrap();
+                    stop.wait();
+                })
+            })
+            .collect();
+        let got: Vec<Option<usize>> = (0..n + 1).map(|_| rx.recv().unwrap()).collect();
+        let mut pinned: Vec<usize> = got.iter().flatten().copied().collect();
+        pinned.sort_unstable();
+        let before = pinned.len();
+        pinned.dedup();
+        assert_eq!(
+            before,
+            pinned.len(),
+            "two threads pinned to one core: {got:?}"
+        );
+        assert_eq!(pinned.len(), n, "every allowed core used once: {got:?}");
+        assert_eq!(got.iter().filter(|c| c.is_none()).count(), 1);
+        assert_eq!(host_claims().len(), n);
+        stop.wait();
+        for h in hs {
+            h.join().unwrap();
+        }
+        assert!(host_claims().is_empty(), "{:?}", host_claims());
+        let _ = std::fs::remove_file(&dir);
+    }
+}

@@ -1,0 +1,296 @@
+//! Batched UDP I/O for the switch data plane: generic segmentation offload on send
+//! (`UDP_SEGMENT`: up to 63 same-size packets to one destination in one `sendmsg`, one trip
+//! through the stack) and generic receive offload (`UDP_GRO`: the kernel hands back runs of
+//! packets from one source as one buffer), with `sendmmsg`/`recvmmsg` as the fallback where the
+//! kernel lacks either. Per packet this saves most of the kernel's work, which is what bounds a
+//! software switch and its workers (see docs/benchmarks.md, switch sessions).
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::fd::{AsFd, AsRawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::worker::Stats;
+
+const UDP_SEGMENT: libc::c_int = 103;
+const UDP_GRO: libc::c_int = 104;
+/// Largest UDP payload of one GSO send.
+const MAX_GSO_BYTES: usize = 65_000;
+/// Receive buffer per message (a GRO run is at most 64 KiB).
+pub const RECV_BUF: usize = 65_536;
+
+/// Whether GSO sends work on this host (cleared at the first refusal).
+static GSO_OK: AtomicBool = AtomicBool::new(true);
+
+/// Turns on GRO for `sock`; false where the kernel does not support it.
+pub fn enable_gro(sock: &impl AsFd) -> bool {
+    let one: libc::c_int = 1;
+    // SAFETY: setsockopt reads sizeof(int) bytes from a live int.
+    let r = unsafe {
+        libc::setsockopt(
+            sock.as_fd().as_raw_fd(),
+            libc::SOL_UDP,
+            UDP_GRO,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as u32,
+        )
+    };
+    r == 0
+}
+
+fn sockaddr(a: SocketAddr) -> libc::sockaddr_in {
+    // SAFETY: sockaddr_in is plain data; zero is valid.
+    let mut s: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    s.sin_family = libc::AF_INET as u16;
+    s.sin_port = a.port().to_be();
+    if let IpAddr::V4(ip) = a.ip() {
+        s.sin_addr.s_addr = u32::from(ip).to_be();
+    }
+    s
+}
+
+/// Sends `pkts` (all of one size, except that the last may be shorter) to `dst` (None: the
+/// connected peer). Losses (full buffers, unreachable ports) are left to retransmission.
+pub fn send(
+    sock: &impl AsFd,
+    dst: Option<SocketAddr>,
+    pkts: &[&[u8]],
+    stats: &Stats,
+) -> Result<(), String> {
+    if pkts.is_empty() {
+        return Ok(());
+    }
+    let seg = pkts[0].len();
+    let per = (MAX_GSO_BYTES / seg.max(1)).clamp(1, 63);
+    if GSO_OK.load(Ordering::Relaxed) && pkts.len() > 1 {
+        for chunk in pkts.chunks(per) {
+            match send_gso(sock, dst, chunk, seg, stats) {
+                Ok(()) => {}
+                Err(e)
+                    if e.raw_os_error() == Some(libc::EIO)
+                        || e.raw_os_error() == Some(libc::EINVAL) =>
+                {
+                    GSO_OK.store(false, Ordering::Relaxed);
+                    tracing::info!(target: "commd::switch", "UDP GSO unavailable ({e}); sending packets one by one with sendmmsg");
+                    return send_mmsg(sock, dst, pkts, stats);
+                }
+                Err(e) => return lost_or_err(e),
+            }
+        }
+        return Ok(());
+    }
+    send_mmsg(sock, dst, pkts, stats)
+}
+
+fn lost_or_err(e: std::io::Error) -> Result<(), String> {
+    match e.raw_os_error() {
+        Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) | Some(libc::ECONNREFUSED) => {
+            Ok(())
+        }
+        _ => Err(format!("UDP send: {e}")),
+    }
+}
+
+fn send_gso(
+    sock: &impl AsFd,
+    dst: Option<SocketAddr>,
+    pkts: &[&[u8]],
+    seg: usize,
+    stats: &Stats,
+) -> std::io::Result<()> {
+    let mut iov: Vec<libc::iovec> = pkts
+        .iter()
+        .map(|b| libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        })
+        .collect();
+    let mut name = dst.map(sockaddr);
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
+    let mut ctrl = vec![0u64; space.div_ceil(8)];
+    // SAFETY: msghdr is plain data; zero is valid.
+    let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+    m.msg_iov = iov.as_mut_ptr();
+    m.msg_iovlen = iov.len();
+    if let Some(n) = name.as_mut() {
+        m.msg_name = (n as *mut libc::sockaddr_in).cast();
+        m.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+    }
+    m.msg_control = ctrl.as_mut_ptr().cast();
+    m.msg_controllen = space;
+    // SAFETY: the control buffer holds one cmsg of a u16, as sized above.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&m);
+        (*c).cmsg_level = libc::SOL_UDP;
+        (*c).cmsg_type = UDP_SEGMENT;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), seg as u16);
+    }
+    let mut spins = 0;
+    loop {
+        stats.send_calls.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: m points at live iovecs, name and control for the duration of the call.
+        let r = unsafe { libc::sendmsg(sock.as_fd().as_raw_fd(), &m, 0) };
+        if r >= 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::EAGAIN) && spins < 1000 {
+            spins += 1;
+            std::thread::yield_now();
+            continue;
+        }
+        return Err(e);
+    }
+}
+
+fn send_mmsg(
+    sock: &impl AsFd,
+    dst: Option<SocketAddr>,
+    pkts: &[&[u8]],
+    stats: &Stats,
+) -> Result<(), String> {
+    let mut iov: Vec<libc::iovec> = pkts
+        .iter()
+        .map(|b| libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        })
+        .collect();
+    let mut name = dst.map(sockaddr);
+    // SAFETY: mmsghdr is plain data; zero is a valid empty header.
+    let mut msgs: Vec<libc::mmsghdr> = (0..pkts.len())
+        .map(|_| unsafe { std::mem::zeroed() })
+        .collect();
+    for (m, v) in msgs.iter_mut().zip(iov.iter_mut()) {
+        m.msg_hdr.msg_iov = v;
+        m.msg_hdr.msg_iovlen = 1;
+        if let Some(n) = name.as_mut() {
+            m.msg_hdr.msg_name = (n as *mut libc::sockaddr_in).cast();
+            m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        }
+    }
+    let mut off = 0;
+    let mut spins = 0;
+    while off < msgs.len() {
+        stats.send_calls.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: msgs[off..] point at iovecs over live buffers for the duration of the call.
+        let r = unsafe {
+            libc::sendmmsg(
+                sock.as_fd().as_raw_fd(),
+                msgs.as_mut_ptr().add(off),
+                (msgs.len() - off) as u32,
+                0,
+            )
+        };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) if spins < 1000 => {
+                    spins += 1;
+                    std::thread::yield_now();
+                    continue;
+                }
+                // A closed port answered (ICMP): skip that packet, retransmission covers it.
+                Some(libc::ECONNREFUSED) => {
+                    off += 1;
+                    continue;
+                }
+                _ => return lost_or_err(e),
+            }
+        }
+        off += r as usize;
+    }
+    Ok(())
+}
+
+/// Receives without waiting: every packet (GRO runs split at their segment size) is appended to
+/// `out` as (bytes, source). `big` holds the receive buffers (reused).
+pub fn recv(
+    sock: &impl AsFd,
+    big: &mut Vec<Vec<u8>>,
+    out: &mut Vec<(Vec<u8>, SocketAddr)>,
+    spare: &mut Vec<Vec<u8>>,
+    stats: &Stats,
+) -> Result<usize, String> {
+    const MSGS: usize = 16;
+    big.resize_with(MSGS, || vec![0u8; RECV_BUF]);
+    let mut iov: Vec<libc::iovec> = big
+        .iter_mut()
+        .map(|b| libc::iovec {
+            iov_base: b.as_mut_ptr().cast(),
+            iov_len: b.len(),
+        })
+        .collect();
+    // SAFETY: sockaddr_in and mmsghdr are plain data; zero is valid for both.
+    let mut names: Vec<libc::sockaddr_in> =
+        (0..MSGS).map(|_| unsafe { std::mem::zeroed() }).collect();
+    // SAFETY: a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let mut ctrl = vec![0u64; space.div_ceil(8) * MSGS];
+    let stride = space.div_ceil(8);
+    // SAFETY: as above.
+    let mut msgs: Vec<libc::mmsghdr> = (0..MSGS).map(|_| unsafe { std::mem::zeroed() }).collect();
+    for (i, ((m, v), a)) in msgs
+        .iter_mut()
+        .zip(iov.iter_mut())
+        .zip(names.iter_mut())
+        .enumerate()
+    {
+        m.msg_hdr.msg_iov = v;
+        m.msg_hdr.msg_iovlen = 1;
+        m.msg_hdr.msg_name = (a as *mut libc::sockaddr_in).cast();
+        m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        // SAFETY: each message gets its own `space`-byte slice of ctrl.
+        m.msg_hdr.msg_control = unsafe { ctrl.as_mut_ptr().add(i * stride) }.cast();
+        m.msg_hdr.msg_controllen = space;
+    }
+    stats.recv_calls.fetch_add(1, Ordering::Relaxed);
+    // SAFETY: every iovec, name and control area points into live buffers of the stated sizes.
+    let r = unsafe {
+        libc::recvmmsg(
+            sock.as_fd().as_raw_fd(),
+            msgs.as_mut_ptr(),
+            MSGS as u32,
+            libc::MSG_DONTWAIT,
+            std::ptr::null_mut(),
+        )
+    };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EAGAIN) | Some(libc::EINTR) | Some(libc::ECONNREFUSED) => Ok(0),
+            _ => Err(format!("UDP receive: {e}")),
+        };
+    }
+    let before = out.len();
+    for (i, m) in msgs.iter().enumerate().take(r as usize) {
+        let len = m.msg_len as usize;
+        let mut seg = len;
+        // SAFETY: the kernel filled msg_control up to msg_controllen with valid cmsgs.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&m.msg_hdr);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_UDP && (*c).cmsg_type == UDP_GRO {
+                    let g = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>());
+                    if g > 0 {
+                        seg = g as usize;
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&m.msg_hdr, c);
+            }
+        }
+        let a = &names[i];
+        let from = SocketAddr::new(
+            IpAddr::V4(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr))),
+            u16::from_be(a.sin_port),
+        );
+        for chunk in big[i][..len].chunks(seg.max(1)) {
+            let mut b = spare.pop().unwrap_or_default();
+            b.clear();
+            b.extend_from_slice(chunk);
+            out.push((b, from));
+        }
+    }
+    Ok(out.len() - before)
+}
