@@ -254,7 +254,7 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "switch_window",
         env: "COMMD_SWITCH_WINDOW",
-        default: Some("128"),
+        default: Some("256"),
         help: "outstanding packets (switch slots) per data-plane thread",
         kind: Kind::U64 { min: 1, max: 4096 },
     },
@@ -272,7 +272,7 @@ pub static KEYS: &[Key] = &[
         name: "switch_timeout_ms",
         env: "COMMD_SWITCH_TIMEOUT_MS",
         default: Some("10"),
-        help: "first retransmission timeout of a switch packet (doubled after every 100 timeouts, as SwitchML's client)",
+        help: "smallest retransmission timeout of a switch packet: the timeout follows the measured round trip (smoothed RTT + 4 deviations) but never goes below this; doubled after every 100 timeouts, as SwitchML's client",
         kind: Kind::U64 {
             min: 1,
             max: 10_000,

@@ -409,6 +409,7 @@ pub fn run_switch(
         deadline,
         what: what.clone(),
     };
+    let t0 = Instant::now();
     let dangling = std::ptr::NonNull::<u8>::dangling().as_ptr();
     let mut rs = Vec::new();
     for n in (0..t.nodes.len()).filter(|&n| n != t.me) {
@@ -419,17 +420,31 @@ pub fn run_switch(
     }
     let float = c.dtype == DType::F32;
     let count = c.count as usize;
-    let acc = scratch.get(c.count * 4);
-    let k = Kernel::new(c.dtype, RedOp::Sum).map_err(|e| local_err(&e.to_string()))?;
     let mut inputs = Vec::with_capacity(c.bufs.len());
     for i in 0..c.bufs.len() {
         inputs.push(send_ptr(c, i)?);
     }
-    // SAFETY: inputs are valid registered spans of count elements (aligned); the scratch holds
-    // count * 4 bytes, 16-byte aligned, and overlaps no registration.
-    unsafe { reduce::reduce(k, inputs.len() as u32, &inputs, &[acc], count, false) };
-    // SAFETY: the scratch stays untouched by anyone else until the op completes (we wait for it
-    // below, cancelling it first on any error).
+    // The switch works in place on one buffer. Rank 0's output serves when it is not an input
+    // (the inputs stay intact for a float32 redo over TCP), or when an in-place int32 op has a
+    // single local rank (int32 is never redone): that saves a copy in and a copy out of the
+    // whole tensor. Otherwise a scratch buffer.
+    let out0 = recv_ptr(c, 0)?;
+    let aliased = inputs.iter().any(|&p| p == out0.cast_const());
+    let acc = if !aliased || (!float && inputs.len() == 1) {
+        out0
+    } else {
+        scratch.get(c.count * 4)
+    };
+    if !(aliased && inputs.len() == 1 && acc == out0) {
+        let k = Kernel::new(c.dtype, RedOp::Sum).map_err(|e| local_err(&e.to_string()))?;
+        // SAFETY: inputs are valid registered spans of count elements (aligned); acc is rank 0's
+        // output (count elements, aliasing no input) or the scratch (count * 4 bytes, 16-byte
+        // aligned, overlapping no registration).
+        unsafe { reduce::reduce(k, inputs.len() as u32, &inputs, &[acc], count, false) };
+    }
+    let t1 = Instant::now();
+    // SAFETY: acc stays untouched by anyone else until the op completes (we wait for it below,
+    // cancelling it first on any error).
     let op = unsafe { sw.start_op(acc, count, float) };
     let r = loop {
         if let Some(r) = op.result() {
@@ -455,17 +470,28 @@ pub fn run_switch(
             return Err(e);
         }
     };
+    let t2 = Instant::now();
     let outcome = r.map_err(|e| NetError::Timeout(format!("switch session via {via}: {e}")))?;
     io.wait(&rs)?;
     io.finish()?;
+    let t3 = Instant::now();
+    tracing::debug!(target: "commd::switch", "{what}: local {:?}, switch {:?}, signatures {:?}", t1 - t0, t2 - t1, t3 - t2);
     if outcome == super::super::switch::worker::Outcome::Unrepresentable {
         return Ok(SwitchRun::Unrepresentable);
     }
     let avg = c.redop == Some(RedOp::Avg);
     let n = t.nranks() as f32;
+    if avg && acc == out0 {
+        // SAFETY: acc is rank 0's output, count f32, touched by no one else until we return.
+        let v = unsafe { std::slice::from_raw_parts_mut(acc.cast::<f32>(), count) };
+        v.iter_mut().for_each(|x| *x /= n);
+    }
     for i in 0..c.bufs.len() {
         let out = recv_ptr(c, i)?;
-        if avg {
+        if out == acc {
+            continue;
+        }
+        if avg && acc != out0 {
             // SAFETY: acc holds count f32; out is a registered span of count f32, disjoint from it.
             let (src, dst) = unsafe {
                 (

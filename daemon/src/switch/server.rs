@@ -353,6 +353,102 @@ struct Faults {
     held: Option<(Vec<u8>, SocketAddr)>,
 }
 
+impl Faults {
+    /// Whether outgoing packets are subject to drop or duplication (then every copy of a
+    /// multicast result is decided on its own).
+    fn on_output(&self) -> bool {
+        self.drop > 0.0 || self.dup > 0.0
+    }
+}
+
+/// Where a group of result packets goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Dest {
+    /// Every member of a session, at one source port (multicast emulated by unicasts of the
+    /// same buffer).
+    Members(u64, u16),
+    One(SocketAddr),
+}
+
+/// Result packets of one receive batch, grouped by destination and packet size so that each
+/// group leaves in GSO sends of one contiguous buffer. Buffers are kept across batches: the
+/// data plane allocates nothing per packet.
+#[derive(Default)]
+struct OutQueue {
+    groups: Vec<OutGroup>,
+}
+
+struct OutGroup {
+    dest: Dest,
+    seg: usize,
+    bytes: Vec<u8>,
+    dsts: Vec<SocketAddr>,
+}
+
+impl OutQueue {
+    /// Appends a packet of `seg` bytes to `dest`'s group and returns it to be written.
+    fn push(
+        &mut self,
+        dest: Dest,
+        seg: usize,
+        dsts: impl FnOnce(&mut Vec<SocketAddr>),
+    ) -> &mut [u8] {
+        let i = match self
+            .groups
+            .iter()
+            .position(|g| g.dest == dest && g.seg == seg && !g.bytes.is_empty())
+        {
+            Some(i) => i,
+            None => match self.groups.iter().position(|g| g.bytes.is_empty()) {
+                Some(i) => {
+                    let g = &mut self.groups[i];
+                    g.dest = dest;
+                    g.seg = seg;
+                    i
+                }
+                None => {
+                    self.groups.push(OutGroup {
+                        dest,
+                        seg,
+                        bytes: Vec::new(),
+                        dsts: Vec::new(),
+                    });
+                    self.groups.len() - 1
+                }
+            },
+        };
+        let g = &mut self.groups[i];
+        if g.bytes.is_empty() {
+            g.dsts.clear();
+            match dest {
+                Dest::One(a) => g.dsts.push(a),
+                Dest::Members(..) => dsts(&mut g.dsts),
+            }
+        }
+        let at = g.bytes.len();
+        g.bytes.resize(at + seg, 0);
+        &mut g.bytes[at..]
+    }
+
+    /// Sends every group to each of its destinations; returns the packets sent.
+    fn flush(&mut self, sock: &UdpSocket, stats: &Stats) -> u64 {
+        let mut sent = 0u64;
+        for g in &mut self.groups {
+            if g.bytes.is_empty() {
+                continue;
+            }
+            for d in &g.dsts {
+                if let Err(e) = super::udpio::send_contig(sock, Some(*d), &g.bytes, g.seg, stats) {
+                    tracing::debug!(target: "commd::switch", "sending results to {d}: {e}");
+                }
+                sent += g.bytes.len().div_ceil(g.seg) as u64;
+            }
+            g.bytes.clear();
+        }
+        sent
+    }
+}
+
 impl Switch {
     /// The data-plane loop: receive a batch, aggregate under one lock, send the replies.
     fn data_plane(self: &Arc<Self>, sock: UdpSocket, mut f: Faults, pin: bool) {
@@ -360,23 +456,13 @@ impl Switch {
         *lock(&self.core) = claim.text();
         tracing::info!(target: "commd::switch", "data plane thread: {}", claim.text());
         super::udpio::enable_gro(&sock);
-        let mut big: Vec<Vec<u8>> = Vec::new();
-        let mut pk: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
-        let mut out: Vec<(Vec<u8>, SocketAddr)> = Vec::new();
-        let mut spare: Vec<Vec<u8>> = Vec::new();
+        let mut rb = super::udpio::RecvBufs::new();
+        let mut out = OutQueue::default();
+        let mut scratch: Vec<u8> = Vec::new();
         while !self.stop.load(Ordering::Acquire) {
-            spare.extend(pk.drain(..).map(|x| x.0));
-            let n = match super::udpio::recv(&sock, &mut big, &mut pk, &mut spare, &self.stats) {
+            let n = match super::udpio::recv(&sock, &mut rb, &self.stats) {
                 Ok(0) => {
-                    let mut fds = [rustix::event::PollFd::new(
-                        &sock,
-                        rustix::event::PollFlags::IN,
-                    )];
-                    let ts = rustix::event::Timespec {
-                        tv_sec: 0,
-                        tv_nsec: 100_000_000,
-                    };
-                    let _ = rustix::event::poll(&mut fds, Some(&ts));
+                    super::udpio::wait_readable(&sock, Duration::from_millis(100));
                     continue;
                 }
                 Ok(n) => n,
@@ -386,11 +472,11 @@ impl Switch {
                     continue;
                 }
             };
-            let mut work: Vec<usize> = Vec::with_capacity(n + 2);
             {
                 let mut reg = lock(&self.reg);
                 let mut held_now: Option<(Vec<u8>, SocketAddr)> = None;
-                for (i, item) in pk.iter().enumerate().take(n) {
+                for i in 0..n {
+                    let (b, from) = rb.packet(i);
                     if f.drop > 0.0 && f.rng.random_bool(f.drop) {
                         reg.injected_drops += 1;
                         continue;
@@ -401,71 +487,38 @@ impl Switch {
                         && f.rng.random_bool(f.reorder)
                     {
                         reg.injected_reorders += 1;
-                        held_now = Some(item.clone());
+                        held_now = Some((b.to_vec(), from));
                         continue;
                     }
-                    work.push(i);
-                    if f.dup > 0.0 && f.rng.random_bool(f.dup) {
+                    let copies = if f.dup > 0.0 && f.rng.random_bool(f.dup) {
                         reg.injected_dups += 1;
-                        work.push(i);
+                        2
+                    } else {
+                        1
+                    };
+                    for _ in 0..copies {
+                        self.handle(&mut reg, b, from, &mut out, &mut f, &mut scratch);
                     }
                 }
-                let held = f.held.take();
+                if let Some((b, from)) = f.held.take() {
+                    self.handle(&mut reg, &b, from, &mut out, &mut f, &mut scratch);
+                }
                 f.held = held_now;
-                for i in &work {
-                    let (b, from) = &pk[*i];
-                    self.handle(&mut reg, b, *from, &mut out, &mut spare);
-                }
-                if let Some((b, from)) = held {
-                    self.handle(&mut reg, &b, from, &mut out, &mut spare);
-                }
-                if !out.is_empty() && (f.drop > 0.0 || f.dup > 0.0) {
-                    let mut kept = Vec::with_capacity(out.len());
-                    for o in out.drain(..) {
-                        if f.drop > 0.0 && f.rng.random_bool(f.drop) {
-                            reg.injected_drops += 1;
-                            continue;
-                        }
-                        if f.dup > 0.0 && f.rng.random_bool(f.dup) {
-                            reg.injected_dups += 1;
-                            kept.push((o.0.clone(), o.1));
-                        }
-                        kept.push(o);
-                    }
-                    out = kept;
-                }
             }
-            if !out.is_empty() {
-                // One GSO send per destination (a worker's IP and port).
-                out.sort_by_key(|o| (o.1, o.0.len()));
-                let mut i = 0;
-                while i < out.len() {
-                    let mut j = i + 1;
-                    while j < out.len() && out[j].1 == out[i].1 && out[j].0.len() == out[i].0.len()
-                    {
-                        j += 1;
-                    }
-                    let group: Vec<&[u8]> = out[i..j].iter().map(|o| &o.0[..]).collect();
-                    if let Err(e) = super::udpio::send(&sock, Some(out[i].1), &group, &self.stats) {
-                        tracing::debug!(target: "commd::switch", "sending results to {}: {e}", out[i].1);
-                    }
-                    self.stats
-                        .packets_sent
-                        .fetch_add((j - i) as u64, Ordering::Relaxed);
-                    i = j;
-                }
-                spare.extend(out.drain(..).map(|o| o.0));
-            }
+            let sent = out.flush(&sock, &self.stats);
+            self.stats.packets_sent.fetch_add(sent, Ordering::Relaxed);
         }
     }
 
+    /// Applies one packet and queues its replies in `out`.
     fn handle(
         &self,
         reg: &mut Registry,
         pkt: &[u8],
         from: SocketAddr,
-        out: &mut Vec<(Vec<u8>, SocketAddr)>,
-        spare: &mut Vec<Vec<u8>>,
+        out: &mut OutQueue,
+        f: &mut Faults,
+        scratch: &mut Vec<u8>,
     ) {
         let SocketAddr::V4(from4) = from else {
             reg.unknown += 1;
@@ -499,33 +552,63 @@ impl Switch {
         wc.packets += 1;
         wc.bytes += pkt.len() as u64;
         let v = s.pool.on_packet(rank, &h, pkt);
-        let mut reply = || {
-            let mut b = spare.pop().unwrap_or_default();
-            b.resize(h.wire_len(), 0);
-            s.pool.write_result(&h, &mut b);
-            b
-        };
+        let len = h.wire_len();
         match v {
             Verdict::Absorbed => {}
             Verdict::Complete => {
                 s.completions += 1;
-                // Multicast, emulated by unicasts: every worker's IP, the completing packet's
-                // source port.
-                let b = reply();
-                let members: Vec<Ipv4Addr> = s.members.iter().flatten().copied().collect();
-                for (k, ip) in members.iter().enumerate() {
-                    if let Some(wc) = s.workers.get_mut(k) {
+                for (k, m) in s.members.iter().enumerate() {
+                    if m.is_some()
+                        && let Some(wc) = s.workers.get_mut(k)
+                    {
                         wc.results += 1;
                     }
-                    out.push((b.clone(), SocketAddr::new(IpAddr::V4(*ip), from4.port())));
                 }
-                spare.push(b);
+                // Multicast, emulated by unicasts: every worker's IP, the completing packet's
+                // source port.
+                let port = from4.port();
+                if !f.on_output() {
+                    let members = &s.members;
+                    let b = out.push(Dest::Members(sid, port), len, |d| {
+                        d.extend(
+                            members
+                                .iter()
+                                .flatten()
+                                .map(|ip| SocketAddr::new(IpAddr::V4(*ip), port)),
+                        )
+                    });
+                    s.pool.write_result(&h, b);
+                    return;
+                }
+                scratch.resize(len, 0);
+                s.pool.write_result(&h, scratch);
+                for ip in s.members.iter().flatten() {
+                    let to = SocketAddr::new(IpAddr::V4(*ip), port);
+                    if f.rng.random_bool(f.drop) {
+                        reg.injected_drops += 1;
+                        continue;
+                    }
+                    let copies = if f.dup > 0.0 && f.rng.random_bool(f.dup) {
+                        reg.injected_dups += 1;
+                        2
+                    } else {
+                        1
+                    };
+                    for _ in 0..copies {
+                        out.push(Dest::One(to), len, |_| {})
+                            .copy_from_slice(scratch);
+                    }
+                }
             }
             Verdict::Resend => {
-                let b = reply();
                 s.workers[rank as usize].duplicates += 1;
                 s.workers[rank as usize].results += 1;
-                out.push((b, from));
+                if f.on_output() && f.rng.random_bool(f.drop) {
+                    reg.injected_drops += 1;
+                    return;
+                }
+                let b = out.push(Dest::One(from), len, |_| {});
+                s.pool.write_result(&h, b);
             }
             Verdict::DupDropped => s.workers[rank as usize].duplicates += 1,
             Verdict::Stale => s.workers[rank as usize].stale += 1,
@@ -684,8 +767,7 @@ pub fn start(a: &SwitchArgs, rt: &tokio::runtime::Runtime) -> Result<Running, St
     let sock = UdpSocket::bind(a.data).map_err(|e| format!("cannot bind UDP {}: {e}", a.data))?;
     let data = sock.local_addr().map_err(|e| e.to_string())?;
     sock.set_nonblocking(true).map_err(|e| e.to_string())?;
-    let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&sock, 16 << 20);
-    let _ = rustix::net::sockopt::set_socket_send_buffer_size(&sock, 16 << 20);
+    super::udpio::size_buffers(&sock, 32 << 20);
     let listener = rt
         .block_on(tokio::net::TcpListener::bind(a.listen))
         .map_err(|e| format!("cannot listen on {}: {e}", a.listen))?;

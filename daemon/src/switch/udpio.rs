@@ -37,6 +37,43 @@ pub fn enable_gro(sock: &impl AsFd) -> bool {
     r == 0
 }
 
+/// Sets the socket's receive and send buffers to `bytes`: beyond `net.core.rmem_max` /
+/// `wmem_max` where the process may (`SO_RCVBUFFORCE`, CAP_NET_ADMIN), else up to those limits.
+/// A window of in-flight packets larger than the buffers is lost to overflow and then waits for
+/// retransmission, so the buffers bound the useful window. Returns the receive buffer the
+/// kernel granted.
+pub fn size_buffers(sock: &impl AsFd, bytes: usize) -> usize {
+    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    for (force, plain) in [
+        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
+        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
+    ] {
+        // SAFETY: setsockopt reads sizeof(int) bytes from a live int.
+        let r = unsafe {
+            libc::setsockopt(
+                sock.as_fd().as_raw_fd(),
+                libc::SOL_SOCKET,
+                force,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as u32,
+            )
+        };
+        if r != 0 {
+            // SAFETY: as above.
+            unsafe {
+                libc::setsockopt(
+                    sock.as_fd().as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    plain,
+                    (&v as *const libc::c_int).cast(),
+                    std::mem::size_of::<libc::c_int>() as u32,
+                )
+            };
+        }
+    }
+    rustix::net::sockopt::socket_recv_buffer_size(sock).unwrap_or(0)
+}
+
 fn sockaddr(a: SocketAddr) -> libc::sockaddr_in {
     // SAFETY: sockaddr_in is plain data; zero is valid.
     let mut s: libc::sockaddr_in = unsafe { std::mem::zeroed() };
@@ -79,6 +116,42 @@ pub fn send(
         return Ok(());
     }
     send_mmsg(sock, dst, pkts, stats)
+}
+
+/// Sends `buf`, packets of `seg` bytes back to back (the last may be shorter), to `dst`: one
+/// GSO `sendmsg` per up to 63 packets, without gathering them first.
+pub fn send_contig(
+    sock: &impl AsFd,
+    dst: Option<SocketAddr>,
+    buf: &[u8],
+    seg: usize,
+    stats: &Stats,
+) -> Result<(), String> {
+    let seg = seg.max(1);
+    if buf.is_empty() {
+        return Ok(());
+    }
+    if GSO_OK.load(Ordering::Relaxed) && buf.len() > seg {
+        let per = (MAX_GSO_BYTES / seg).clamp(1, 63) * seg;
+        for chunk in buf.chunks(per) {
+            match send_gso(sock, dst, &[chunk], seg, stats) {
+                Ok(()) => {}
+                Err(e)
+                    if e.raw_os_error() == Some(libc::EIO)
+                        || e.raw_os_error() == Some(libc::EINVAL) =>
+                {
+                    GSO_OK.store(false, Ordering::Relaxed);
+                    tracing::info!(target: "commd::switch", "UDP GSO unavailable ({e}); sending packets one by one with sendmmsg");
+                    let pkts: Vec<&[u8]> = buf.chunks(seg).collect();
+                    return send_mmsg(sock, dst, &pkts, stats);
+                }
+                Err(e) => return lost_or_err(e),
+            }
+        }
+        return Ok(());
+    }
+    let pkts: Vec<&[u8]> = buf.chunks(seg).collect();
+    send_mmsg(sock, dst, &pkts, stats)
 }
 
 fn lost_or_err(e: std::io::Error) -> Result<(), String> {
@@ -204,18 +277,54 @@ fn send_mmsg(
     Ok(())
 }
 
-/// Receives without waiting: every packet (GRO runs split at their segment size) is appended to
-/// `out` as (bytes, source). `big` holds the receive buffers (reused).
-pub fn recv(
-    sock: &impl AsFd,
-    big: &mut Vec<Vec<u8>>,
-    out: &mut Vec<(Vec<u8>, SocketAddr)>,
-    spare: &mut Vec<Vec<u8>>,
-    stats: &Stats,
-) -> Result<usize, String> {
+/// Receive buffers and the packets of the last [`recv`]: each GRO run is split at its segment
+/// size into packets that are read in place (no per-packet copy or allocation).
+pub struct RecvBufs {
+    big: Vec<Vec<u8>>,
+    /// (buffer, offset, length, source) of each packet received by the last call.
+    pkts: Vec<(usize, usize, usize, SocketAddr)>,
+}
+
+impl Default for RecvBufs {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RecvBufs {
+    /// Messages per `recvmmsg`.
     const MSGS: usize = 16;
-    big.resize_with(MSGS, || vec![0u8; RECV_BUF]);
-    let mut iov: Vec<libc::iovec> = big
+
+    pub fn new() -> Self {
+        Self {
+            big: (0..Self::MSGS).map(|_| vec![0u8; RECV_BUF]).collect(),
+            pkts: Vec::new(),
+        }
+    }
+
+    /// Packets received by the last call.
+    pub fn len(&self) -> usize {
+        self.pkts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.pkts.is_empty()
+    }
+
+    /// Packet `i` of the last call and its source.
+    pub fn packet(&self, i: usize) -> (&[u8], SocketAddr) {
+        let (b, off, len, from) = self.pkts[i];
+        (&self.big[b][off..off + len], from)
+    }
+}
+
+/// Receives without waiting: up to 16 messages (GRO runs), split into packets in `rb`; returns
+/// how many packets arrived.
+pub fn recv(sock: &impl AsFd, rb: &mut RecvBufs, stats: &Stats) -> Result<usize, String> {
+    const MSGS: usize = RecvBufs::MSGS;
+    rb.pkts.clear();
+    let mut iov: Vec<libc::iovec> = rb
+        .big
         .iter_mut()
         .map(|b| libc::iovec {
             iov_base: b.as_mut_ptr().cast(),
@@ -223,14 +332,14 @@ pub fn recv(
         })
         .collect();
     // SAFETY: sockaddr_in and mmsghdr are plain data; zero is valid for both.
-    let mut names: Vec<libc::sockaddr_in> =
-        (0..MSGS).map(|_| unsafe { std::mem::zeroed() }).collect();
+    let mut names: [libc::sockaddr_in; MSGS] = unsafe { std::mem::zeroed() };
     // SAFETY: a pure size computation.
     let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
-    let mut ctrl = vec![0u64; space.div_ceil(8) * MSGS];
     let stride = space.div_ceil(8);
+    let mut ctrl = [0u64; 64];
+    debug_assert!(stride * MSGS <= ctrl.len());
     // SAFETY: as above.
-    let mut msgs: Vec<libc::mmsghdr> = (0..MSGS).map(|_| unsafe { std::mem::zeroed() }).collect();
+    let mut msgs: [libc::mmsghdr; MSGS] = unsafe { std::mem::zeroed() };
     for (i, ((m, v), a)) in msgs
         .iter_mut()
         .zip(iov.iter_mut())
@@ -263,7 +372,6 @@ pub fn recv(
             _ => Err(format!("UDP receive: {e}")),
         };
     }
-    let before = out.len();
     for (i, m) in msgs.iter().enumerate().take(r as usize) {
         let len = m.msg_len as usize;
         let mut seg = len;
@@ -285,12 +393,26 @@ pub fn recv(
             IpAddr::V4(Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr))),
             u16::from_be(a.sin_port),
         );
-        for chunk in big[i][..len].chunks(seg.max(1)) {
-            let mut b = spare.pop().unwrap_or_default();
-            b.clear();
-            b.extend_from_slice(chunk);
-            out.push((b, from));
+        let seg = seg.max(1);
+        let mut off = 0;
+        while off < len {
+            let l = seg.min(len - off);
+            rb.pkts.push((i, off, l, from));
+            off += l;
         }
     }
-    Ok(out.len() - before)
+    Ok(rb.pkts.len())
+}
+
+/// Waits up to `wait` for `sock` to become readable.
+pub fn wait_readable(sock: &impl AsFd, wait: std::time::Duration) {
+    let mut fds = [rustix::event::PollFd::new(
+        sock,
+        rustix::event::PollFlags::IN,
+    )];
+    let ts = rustix::event::Timespec {
+        tv_sec: wait.as_secs() as i64,
+        tv_nsec: wait.subsec_nanos() as i64,
+    };
+    let _ = rustix::event::poll(&mut fds, Some(&ts));
 }

@@ -180,8 +180,11 @@ impl Worker {
                 .map_err(|e| format!("cannot reach the switch at {}: {e}", p.switch))?;
             s.set_nonblocking(true).map_err(|e| e.to_string())?;
             super::udpio::enable_gro(&s);
-            let _ = rustix::net::sockopt::set_socket_recv_buffer_size(&s, 4 << 20);
-            let _ = rustix::net::sockopt::set_socket_send_buffer_size(&s, 4 << 20);
+            // Room for two windows of results (GRO runs of up to 64 KiB each).
+            super::udpio::size_buffers(
+                &s,
+                (2 * p.window * (HEADER_BYTES + p.size.bytes())).max(4 << 20),
+            );
             socks.push(s);
         }
         let stats = Arc::new(Stats::default());
@@ -292,6 +295,59 @@ impl Drop for Worker {
     }
 }
 
+/// Retransmission timeout, adapted to the measured round trip (RFC 6298's estimator: smoothed
+/// RTT plus four deviations), never below the configured timeout (the reference worker's fixed
+/// 10 ms), at most 1 s. A window's round trip grows with the window (the switch answers a slot
+/// only when every worker's packet is in), so a fixed timeout below it retransmits whole
+/// windows for nothing; see docs/benchmarks.md. Backs off by doubling, as the reference does
+/// after every 100 timeouts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rto {
+    floor: Duration,
+    srtt: Option<f64>,
+    rttvar: f64,
+    backoff: u32,
+}
+
+impl Rto {
+    pub(crate) fn new(floor: Duration) -> Self {
+        Self {
+            floor,
+            srtt: None,
+            rttvar: 0.0,
+            backoff: 0,
+        }
+    }
+
+    /// A round trip measured on a packet sent once.
+    pub(crate) fn sample(&mut self, rtt: Duration) {
+        let r = rtt.as_secs_f64();
+        match self.srtt {
+            None => {
+                self.srtt = Some(r);
+                self.rttvar = r / 2.0;
+            }
+            Some(s) => {
+                self.rttvar = 0.75 * self.rttvar + 0.25 * (s - r).abs();
+                self.srtt = Some(0.875 * s + 0.125 * r);
+            }
+        }
+        self.backoff = 0;
+    }
+
+    pub(crate) fn back_off(&mut self) {
+        self.backoff = (self.backoff + 1).min(10);
+    }
+
+    pub(crate) fn timeout(&self) -> Duration {
+        let est = self
+            .srtt
+            .map(|s| Duration::from_secs_f64(s + 4.0 * self.rttvar))
+            .unwrap_or(Duration::ZERO);
+        (est.max(self.floor) * (1u32 << self.backoff)).min(Duration::from_secs(1))
+    }
+}
+
 /// Per-slot state of a thread; persists across ops because the switch's sets do.
 #[derive(Clone)]
 struct SlotState {
@@ -304,6 +360,9 @@ struct SlotState {
     /// Round index on this slot within the op.
     round: usize,
     sent_at: Instant,
+    /// Whether the packet in flight was sent more than once (its RTT is then ambiguous and not
+    /// sampled: Karn's rule).
+    resent: bool,
     /// Agreed exponents of the packet whose values this slot sends in its current round.
     exps: (i8, i8),
     pkt: Vec<u8>,
@@ -315,20 +374,19 @@ struct Thread {
     window: usize,
     size: PacketSize,
     workers: u32,
-    timeout0: Duration,
     stall: Duration,
     sock: UdpSocket,
     stats: Arc<Stats>,
     slots: Vec<SlotState>,
-    rbuf: Vec<Vec<u8>>,
-    rx: Vec<(Vec<u8>, SocketAddr)>,
-    spare: Vec<Vec<u8>>,
+    rx: super::udpio::RecvBufs,
     vals: Vec<i32>,
     fvals: Vec<f32>,
     /// First packet id of the current op: ids never repeat on a slot across ops, so the switch
     /// can tell a late copy from a new round.
     tsi_base: u32,
     op_base: u32,
+    /// Kept across ops: the round trip does not change between them.
+    rto: Rto,
 }
 
 impl Thread {
@@ -340,7 +398,6 @@ impl Thread {
             window: p.window,
             size: p.size,
             workers: p.workers,
-            timeout0: p.timeout,
             stall: p.stall,
             sock,
             stats,
@@ -352,18 +409,18 @@ impl Thread {
                     tsi: 0,
                     round: 0,
                     sent_at: Instant::now(),
+                    resent: false,
                     exps: (0, 0),
                     pkt: vec![0; plen],
                 };
                 p.window
             ],
-            rbuf: Vec::new(),
-            rx: Vec::new(),
-            spare: Vec::new(),
+            rx: super::udpio::RecvBufs::new(),
             vals: vec![0; p.size.values()],
             fvals: vec![0.0; p.size.values()],
             tsi_base: 0,
             op_base: 0,
+            rto: Rto::new(p.timeout),
         }
     }
 
@@ -394,8 +451,7 @@ impl Thread {
             left += rounds(j);
             out.push(j);
         }
-        self.send_slots(&out)?;
-        let mut timeout = self.timeout0;
+        self.send_slots(&out, false)?;
         let mut timeouts = 0u64;
         let mut last_progress = Instant::now();
         let slot_base = self.t * self.window;
@@ -403,10 +459,12 @@ impl Thread {
             if job.op.cancel.load(Ordering::Acquire) {
                 return Err("cancelled".into());
             }
+            let timeout = self.rto.timeout();
             let got = self.recv_batch(timeout.min(Duration::from_millis(20)))?;
+            let now = Instant::now();
             let mut ready: Vec<usize> = Vec::new();
             for i in 0..got {
-                let Ok(h) = Header::parse(&self.rx[i].0) else {
+                let Ok(h) = Header::parse(self.rx.packet(i).0) else {
                     self.stats.dropped_results.fetch_add(1, Ordering::Relaxed);
                     continue;
                 };
@@ -424,7 +482,10 @@ impl Thread {
                 self.stats.results.fetch_add(1, Ordering::Relaxed);
                 self.accept(job, p0, w, j, i, &h, &mut unrep);
                 left -= 1;
-                last_progress = Instant::now();
+                last_progress = now;
+                if !self.slots[j].resent {
+                    self.rto.sample(now - self.slots[j].sent_at);
+                }
                 self.slots[j].busy = false;
                 self.slots[j].round += 1;
                 if self.slots[j].round < rounds(j) {
@@ -432,12 +493,12 @@ impl Thread {
                     ready.push(j);
                 }
             }
-            self.spare.extend(self.rx.drain(..).map(|x| x.0));
             if !ready.is_empty() {
-                self.send_slots(&ready)?;
+                self.send_slots(&ready, false)?;
             }
             // Retransmit what timed out.
             let now = Instant::now();
+            let timeout = self.rto.timeout();
             let late: Vec<usize> = (0..w)
                 .filter(|&j| self.slots[j].busy && now - self.slots[j].sent_at >= timeout)
                 .collect();
@@ -448,10 +509,10 @@ impl Thread {
                 for _ in &late {
                     timeouts += 1;
                     if timeouts.is_multiple_of(100) {
-                        timeout = (timeout * 2).min(Duration::from_secs(1));
+                        self.rto.back_off();
                     }
                 }
-                self.send_slots(&late)?;
+                self.send_slots(&late, true)?;
             }
             if last_progress.elapsed() > self.stall {
                 return Err(format!(
@@ -559,7 +620,7 @@ impl Thread {
         if let Some(pk) = vals_pkt {
             let a = ((p0 + pk) * v).min(job.count);
             let b = ((p0 + pk + 1) * v).min(job.count);
-            packet::get_values(&self.rx[i].0[HEADER_BYTES..], &mut self.vals);
+            packet::get_values(&self.rx.packet(i).0[HEADER_BYTES..], &mut self.vals);
             if job.float {
                 let (ea, eb) = self.slots[j].exps;
                 let m = half.min(b - a);
@@ -591,13 +652,14 @@ impl Thread {
         }
     }
 
-    fn send_slots(&mut self, js: &[usize]) -> Result<(), String> {
+    fn send_slots(&mut self, js: &[usize], resend: bool) -> Result<(), String> {
         let now = Instant::now();
         let bufs: Vec<&[u8]> = js.iter().map(|&j| &self.slots[j].pkt[..]).collect();
         super::udpio::send(&self.sock, None, &bufs, &self.stats)?;
         for &j in js {
             self.slots[j].busy = true;
             self.slots[j].sent_at = now;
+            self.slots[j].resent = resend;
         }
         self.stats
             .packets_sent
@@ -611,31 +673,54 @@ impl Thread {
 
     /// Waits up to `wait` for results; returns how many landed in `rx`.
     fn recv_batch(&mut self, wait: Duration) -> Result<usize, String> {
-        let n = super::udpio::recv(
-            &self.sock,
-            &mut self.rbuf,
-            &mut self.rx,
-            &mut self.spare,
-            &self.stats,
-        )?;
+        let n = super::udpio::recv(&self.sock, &mut self.rx, &self.stats)?;
         if n > 0 {
             return Ok(n);
         }
-        let mut fds = [rustix::event::PollFd::new(
-            &self.sock,
-            rustix::event::PollFlags::IN,
-        )];
-        let ts = rustix::event::Timespec {
-            tv_sec: wait.as_secs() as i64,
-            tv_nsec: wait.subsec_nanos() as i64,
-        };
-        let _ = rustix::event::poll(&mut fds, Some(&ts));
-        super::udpio::recv(
-            &self.sock,
-            &mut self.rbuf,
-            &mut self.rx,
-            &mut self.spare,
-            &self.stats,
-        )
+        super::udpio::wait_readable(&self.sock, wait);
+        super::udpio::recv(&self.sock, &mut self.rx, &self.stats)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rto;
+    use std::time::Duration;
+
+    #[test]
+    fn rto_follows_the_round_trip_but_not_below_the_floor() {
+        let ms = Duration::from_millis;
+        let mut r = Rto::new(ms(10));
+        assert_eq!(r.timeout(), ms(10), "no sample yet: the floor");
+        for _ in 0..50 {
+            r.sample(ms(1));
+        }
+        assert_eq!(r.timeout(), ms(10), "a fast path keeps the floor");
+        for _ in 0..50 {
+            r.sample(ms(30));
+        }
+        let t = r.timeout();
+        assert!(
+            t >= ms(30) && t < ms(60),
+            "whole-window round trips of 30 ms: {t:?}"
+        );
+        // Jittery samples widen the margin beyond the mean.
+        let mut j = Rto::new(ms(1));
+        for i in 0..100 {
+            j.sample(ms(if i % 2 == 0 { 10 } else { 30 }));
+        }
+        assert!(j.timeout() > ms(40), "{:?}", j.timeout());
+        r.back_off();
+        assert!(
+            r.timeout() >= 2 * t - ms(1),
+            "backoff doubles: {:?} vs {t:?}",
+            r.timeout()
+        );
+        for _ in 0..20 {
+            r.back_off();
+        }
+        assert_eq!(r.timeout(), Duration::from_secs(1), "capped at 1 s");
+        r.sample(ms(30));
+        assert!(r.timeout() < ms(100), "a fresh sample ends the backoff");
     }
 }
