@@ -334,7 +334,7 @@ pub static KEYS: &[Key] = &[
         name: "debug_subsys",
         env: "COMMD_DEBUG_SUBSYS",
         default: Some("ALL"),
-        help: "comma-separated subsystems to log: INIT, CTRL, SESSION, COMM, ENGINE, NET, BENCH, CUDA, TELEMETRY, or ALL",
+        help: "comma-separated subsystems to log: INIT, CTRL, SESSION, COMM, ENGINE, NET, BENCH, CUDA, TELEMETRY, SWITCH, RDMA, or ALL",
         kind: Kind::Str,
     },
     // Observability (telemetry module; docs/observability.md).
@@ -385,6 +385,8 @@ pub const SUBSYSTEMS: &[&str] = &[
     "BENCH",
     "CUDA",
     "TELEMETRY",
+    "SWITCH",
+    "RDMA",
 ];
 
 #[derive(Debug, Error)]
