@@ -87,6 +87,9 @@ impl Posted {
         if o.cuda_ticket.is_some() {
             s.push_str(", memory=cuda");
         }
+        if o.one_shot {
+            s.push_str(", algo=one-shot");
+        }
         s.push(')');
         s
     }
@@ -554,10 +557,11 @@ impl Comm {
         };
         let phases = if o.kind.is_p2p() {
             match (ops[0].gbufs.send.clone(), ops[1].gbufs.recv.clone()) {
-                (Some(src), Some(dst)) if src.bytes > 0 => {
-                    Ok(vec![vec![cuda::CopyOp { src, dst }]])
-                }
-                _ => Ok(vec![vec![]]),
+                (Some(src), Some(dst)) if src.bytes > 0 => Ok(vec![cuda::Phase {
+                    early: Vec::new(),
+                    main: vec![cuda::CopyOp { src, dst }],
+                }]),
+                _ => Ok(vec![cuda::Phase::default()]),
             }
         } else {
             let bufs: Vec<GpuBufs> = ops.iter().map(|p| p.gbufs.clone()).collect();
@@ -591,6 +595,7 @@ impl Comm {
                 &bufs,
                 &scratch,
                 c.slot_bytes,
+                o.one_shot,
             )
         };
         let phases = match phases {

@@ -570,9 +570,27 @@ pub struct GpuBufs {
     pub recv: Option<GpuSpan>,
 }
 
-/// Builds the copies of every phase of a matched GPU op (see `commd_proto::desc::cuda_phases`
-/// for the phase structure the client mirrors on its stream). `scratch[r]` is rank r's scratch
-/// of `(nranks - 1) * slot_bytes` bytes (reductions only). Errors are messages for every rank.
+/// The copies of one doorbell phase. `main` copies start once every rank's stream has reached
+/// the phase (its ready counter); `early` copies only fill the scratch buffer that the previous
+/// round's kernel does not read, so the executor issues them one phase ahead, when the previous
+/// phase starts (the copy engines then keep moving data while the clients' kernels run). The
+/// phase is done when both are.
+#[derive(Clone, Debug, Default)]
+pub struct Phase {
+    pub early: Vec<CopyOp>,
+    pub main: Vec<CopyOp>,
+}
+
+impl Phase {
+    pub fn copies(&self) -> impl Iterator<Item = &CopyOp> {
+        self.early.iter().chain(self.main.iter())
+    }
+}
+
+/// Builds the copies of every phase of a matched GPU op (see `commd_proto::desc::CudaShape` for
+/// the round and phase structure the client mirrors on its stream). `scratch[r]` is rank r's
+/// scratch of `cuda_scratch_bytes(nranks, slot_bytes)` bytes (reductions only). Errors are
+/// messages for every rank.
 #[allow(clippy::too_many_arguments)]
 pub fn plan(
     kind: OpKind,
@@ -583,7 +601,8 @@ pub fn plan(
     bufs: &[GpuBufs],
     scratch: &[Option<GpuSpan>],
     slot_bytes: u64,
-) -> Result<Vec<Vec<CopyOp>>, String> {
+    one_shot: bool,
+) -> Result<Vec<Phase>, String> {
     let n = bufs.len();
     let es = dtype.size();
     let blk = count * es;
@@ -594,7 +613,6 @@ pub fn plan(
         s.sub(at, len)
             .ok_or_else(|| "buffer range out of bounds (internal error)".to_string())
     };
-    let mut phases: Vec<Vec<CopyOp>> = Vec::new();
     let push = |v: &mut Vec<CopyOp>, src: GpuSpan, dst: GpuSpan| {
         if src.bytes > 0 && !src.same_range(&dst) {
             v.push(CopyOp { src, dst });
@@ -602,6 +620,13 @@ pub fn plan(
     };
     if kind.reduces() {
         let _ = redop.ok_or("reduction op missing (internal error)")?;
+        if one_shot && !commd_proto::desc::cuda_one_shot_fits(kind, count, es, slot_bytes) {
+            return Err(format!(
+                "one-shot {} of {} bytes does not fit the {slot_bytes}-byte scratch slot",
+                kind.name(),
+                blk
+            ));
+        }
         let scratch_of = |r: usize| -> Result<GpuSpan, String> {
             if n == 1 {
                 return Err("no scratch needed".into());
@@ -610,27 +635,42 @@ pub fn plan(
                 format!("rank {r} has no GPU scratch for this communicator: the client must call GetCommScratch before posting a GPU reduction")
             })
         };
-        // Slot of peer k in rank r's scratch.
-        let slot = |k: usize, r: usize| (if k < r { k } else { k - 1 }) as u64 * slot_bytes;
-        let round = commd_proto::desc::cuda_round_elems(kind, es, n as u32, slot_bytes);
-        let rounds = commd_proto::desc::cuda_rounds(kind, count, es, n as u32, slot_bytes);
-        for j in 0..rounds {
-            let s0 = j * round;
-            let len = round.min(count - s0.min(count));
-            let mut a = Vec::new();
-            let mut b = Vec::new();
+        // Slot of peer k in rank r's scratch, in round j's buffer.
+        let slot = |j: u64, k: usize, r: usize| {
+            let i = if k < r { k } else { k - 1 } as u64;
+            commd_proto::desc::cuda_scratch_off(j, i, n as u32, slot_bytes)
+        };
+        let shape = commd_proto::desc::cuda_shape(kind, count, es, n as u32, slot_bytes, one_shot);
+        let mut phases = vec![Phase::default(); shape.phases as usize];
+        for j in 0..shape.rounds {
+            let s0 = j * shape.round_elems;
+            let len = shape.round_elems.min(count - s0.min(count));
+            let (head, tail) = phases.split_at_mut(j as usize + 1);
+            let a = &mut head[j as usize].early;
+            let b = &mut tail[0].main;
             match kind {
+                OpKind::AllReduce if one_shot => {
+                    for r in 0..n {
+                        for k in (0..n).filter(|&k| k != r) {
+                            push(
+                                a,
+                                sub(&send(k)?, s0 * es, len * es)?,
+                                sub(&scratch_of(r)?, slot(j, k, r), len * es)?,
+                            );
+                        }
+                    }
+                }
                 OpKind::AllReduce => {
                     for r in 0..n {
                         let (ps, pl) = piece(s0, len, n as u64, r as u64);
                         for k in (0..n).filter(|&k| k != r) {
                             push(
-                                &mut a,
+                                a,
                                 sub(&send(k)?, ps * es, pl * es)?,
-                                sub(&scratch_of(r)?, slot(k, r), pl * es)?,
+                                sub(&scratch_of(r)?, slot(j, k, r), pl * es)?,
                             );
                             push(
-                                &mut b,
+                                b,
                                 sub(&recv(r)?, ps * es, pl * es)?,
                                 sub(&recv(k)?, ps * es, pl * es)?,
                             );
@@ -641,9 +681,9 @@ pub fn plan(
                     let t = root as usize;
                     for k in (0..n).filter(|&k| k != t) {
                         push(
-                            &mut a,
+                            a,
                             sub(&send(k)?, s0 * es, len * es)?,
-                            sub(&scratch_of(t)?, slot(k, t), len * es)?,
+                            sub(&scratch_of(t)?, slot(j, k, t), len * es)?,
                         );
                     }
                 }
@@ -651,17 +691,15 @@ pub fn plan(
                     for r in 0..n {
                         for k in (0..n).filter(|&k| k != r) {
                             push(
-                                &mut a,
+                                a,
                                 sub(&send(k)?, r as u64 * blk + s0 * es, len * es)?,
-                                sub(&scratch_of(r)?, slot(k, r), len * es)?,
+                                sub(&scratch_of(r)?, slot(j, k, r), len * es)?,
                             );
                         }
                     }
                 }
                 _ => unreachable_kind(kind)?,
             }
-            phases.push(a);
-            phases.push(b);
         }
         return Ok(phases);
     }
@@ -708,8 +746,10 @@ pub fn plan(
             ));
         }
     }
-    phases.push(a);
-    Ok(phases)
+    Ok(vec![Phase {
+        early: Vec::new(),
+        main: a,
+    }])
 }
 
 fn unreachable_kind(kind: OpKind) -> Result<(), String> {
@@ -805,7 +845,7 @@ pub struct GpuJob {
     pub comm_id: u64,
     pub label: String,
     pub bells: Vec<Bell>,
-    pub phases: Vec<Vec<CopyOp>>,
+    pub phases: Vec<Phase>,
     pub ops: Vec<Posted>,
     pub timeout: Duration,
 }
@@ -878,6 +918,8 @@ struct Active {
     job: GpuJob,
     phase: usize,
     state: State,
+    /// Events of the current phase's `early` copies, issued when the previous phase started.
+    ahead: Vec<(usize, sys::CUevent)>,
 }
 
 #[derive(Default)]
@@ -935,6 +977,7 @@ impl Executor {
                         state: State::Waiting {
                             since: Instant::now(),
                         },
+                        ahead: Vec::new(),
                     });
                 }
             }
@@ -988,7 +1031,7 @@ fn step(
                     "{}: rank {} (pid {}) was lost during the op",
                     a.job.label, lost.rank, lost.session.pid
                 );
-                finish(a, status::PEER_LOST, Some(msg));
+                finish(cuda, a, status::PEER_LOST, Some(msg));
                 return (true, true);
             }
             if !a.job.bells.iter().all(|b| b.ready(phase)) {
@@ -1015,16 +1058,33 @@ fn step(
                         late.join(", ")
                     );
                     tracing::warn!(target: "commd::cuda", "{msg}");
-                    finish(a, status::TIMEOUT, Some(msg));
+                    finish(cuda, a, status::TIMEOUT, Some(msg));
                     return (true, true);
                 }
                 return (false, false);
             }
             let turn = *since;
             let ready = Instant::now();
-            match issue(cuda, &a.job.phases[a.phase]) {
-                Ok(events) if events.is_empty() => phase_done(slots, a),
-                Ok(events) => {
+            // This phase's copies (its early ones too on the first phase), then the next
+            // phase's early ones: per source GPU one push stream, so they run in that order.
+            let p = a.phase;
+            let mut events = std::mem::take(&mut a.ahead);
+            let issued = (|| -> Result<Vec<(usize, sys::CUevent)>, CuError> {
+                if p == 0 {
+                    events.extend(issue(cuda, &a.job.phases[0].early)?);
+                }
+                events.extend(issue(cuda, &a.job.phases[p].main)?);
+                match a.job.phases.get(p + 1) {
+                    Some(next) => issue(cuda, &next.early),
+                    None => Ok(Vec::new()),
+                }
+            })();
+            match issued {
+                Ok(ahead) => {
+                    a.ahead = ahead;
+                    if events.is_empty() {
+                        return phase_done(cuda, slots, a);
+                    }
                     a.state = State::InFlight {
                         events,
                         turn,
@@ -1034,8 +1094,9 @@ fn step(
                     (true, false)
                 }
                 Err(e) => {
+                    a.ahead.extend(events);
                     let msg = format!("{}: issuing copies failed: {e}", a.job.label);
-                    finish(a, status::INTERNAL, Some(msg));
+                    finish(cuda, a, status::INTERNAL, Some(msg));
                     (true, true)
                 }
             }
@@ -1060,10 +1121,10 @@ fn step(
             if pending && failed.is_none() {
                 return (false, false);
             }
-            let copies = &a.job.phases[a.phase];
+            let ph = &a.job.phases[a.phase];
             times.add(
-                copies.len(),
-                copies.iter().map(|c| c.src.bytes).sum(),
+                ph.early.len() + ph.main.len(),
+                ph.copies().map(|c| c.src.bytes).sum(),
                 *ready - *turn,
                 *issued - *ready,
                 issued.elapsed(),
@@ -1073,21 +1134,21 @@ fn step(
             }
             if let Some(why) = failed {
                 let msg = format!("{}: a copy failed on the GPU: {why}", a.job.label);
-                finish(a, status::INTERNAL, Some(msg));
+                finish(cuda, a, status::INTERNAL, Some(msg));
                 return (true, true);
             }
-            phase_done(slots, a)
+            phase_done(cuda, slots, a)
         }
     }
 }
 
-fn phase_done(slots: &mut Slots, a: &mut Active) -> (bool, bool) {
+fn phase_done(cuda: &Cuda, slots: &mut Slots, a: &mut Active) -> (bool, bool) {
     for b in &a.job.bells {
         slots.signal(b, b.ticket.wrapping_add(a.phase as u32));
     }
     a.phase += 1;
     if a.phase == a.job.phases.len() {
-        finish(a, status::OK, None);
+        finish(cuda, a, status::OK, None);
         return (true, true);
     }
     a.state = State::Waiting {
@@ -1097,8 +1158,14 @@ fn phase_done(slots: &mut Slots, a: &mut Active) -> (bool, bool) {
 }
 
 /// Completes every op of the job (a failure also releases the streams through the doorbells,
-/// in `Posted::complete`).
-fn finish(a: &mut Active, st: u32, msg: Option<String>) {
+/// in `Posted::complete`). Copies issued ahead are waited for first: they read the clients'
+/// buffers, which must stay valid until they are done.
+fn finish(cuda: &Cuda, a: &mut Active, st: u32, msg: Option<String>) {
+    for (g, e) in a.ahead.drain(..) {
+        // SAFETY: the event was recorded by us and is not destroyed while in a job.
+        let _ = unsafe { sys::cuEventSynchronize(e) };
+        cuda.recycle(g, e);
+    }
     crate::telemetry::op_status(&a.job.span, st);
     for p in a.job.ops.drain(..) {
         let c = p.op.comm;

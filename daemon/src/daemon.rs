@@ -954,9 +954,8 @@ impl Daemon {
                 s.id
             ))
         })?;
-        let peers = u64::from(comm.nranks.saturating_sub(1));
-        let bytes = peers * c.slot_bytes;
-        if peers == 0 {
+        let bytes = commd_proto::desc::cuda_scratch_bytes(comm.nranks, c.slot_bytes);
+        if bytes == 0 {
             return Ok((Vec::new(), c.slot_bytes, 0));
         }
         let gpu = c.gpu_by_uuid(uuid);

@@ -254,8 +254,14 @@ impl Session {
             .copied()
             .unwrap_or(commd_proto::desc::doorbell::NO_SLOT);
         let slot_bytes = crate::cuda::get().map(|c| c.slot_bytes).unwrap_or(1 << 20);
-        let phases =
-            commd_proto::desc::cuda_phases(op.kind, op.count, op.dtype.size(), nranks, slot_bytes);
+        let phases = commd_proto::desc::cuda_phases(
+            op.kind,
+            op.count,
+            op.dtype.size(),
+            nranks,
+            slot_bytes,
+            op.one_shot,
+        );
         Some(CudaTicket {
             slot,
             ticket,

@@ -93,8 +93,14 @@ pub mod flags {
     /// counter, and writes `ticket + p` into its done counter when the phase's copies are done
     /// (DESIGN.md contract 4). The number of phases is [`cuda_phases`](super::cuda_phases).
     pub const CUDA: u32 = 1;
+    /// With [`CUDA`], all-reduce only: the one-shot algorithm (every rank's whole input goes to
+    /// every other rank's scratch, each rank reduces everything itself: one copy phase instead
+    /// of reduce-scatter + all-gather). The client picks the algorithm (see
+    /// [`cuda_one_shot_fits`](super::cuda_one_shot_fits)); every rank of the op must pick the
+    /// same, else the op fails as a mismatch.
+    pub const ONE_SHOT: u32 = 2;
     /// Every flag bit this ABI version knows; the daemon rejects others.
-    pub const KNOWN: u32 = CUDA;
+    pub const KNOWN: u32 = CUDA | ONE_SHOT;
 }
 
 /// Doorbell page layout (at `RingHeader::doorbell_off`, one 4 KiB page): per communicator slot
@@ -109,38 +115,81 @@ pub mod doorbell {
     pub const NO_SLOT: u32 = u32::MAX;
 }
 
-/// Elements one round of a CUDA reduction covers, given the daemon's per-peer scratch slot of
-/// `slot_bytes` (`GetCommScratch`): all-reduce splits a round's segment over the ranks (each
-/// rank reduces one piece), reduce and reduce-scatter reduce one slot-sized segment per round.
-pub fn cuda_round_elems(kind: OpKind, esize: u64, nranks: u32, slot_bytes: u64) -> u64 {
+/// How a GPU reduction moves through the daemon's scratch (all-reduce, reduce, reduce-scatter;
+/// other ops have one phase and no rounds). Client and daemon both derive it from the op, so they
+/// agree on tickets and scratch offsets.
+///
+/// The op runs in `rounds` rounds of at most `round_elems` elements. Round `j` uses scratch
+/// buffer `j % 2` (see [`cuda_scratch_off`]): while the client's kernel reduces round `j`, the
+/// daemon already fills the other buffer with round `j + 1`. There are `rounds + 1` doorbell
+/// phases: phase `p` ends when round `p`'s inputs are in the scratch (the client then runs the
+/// kernel of round `p`) and, for all-reduce with reduce-scatter + all-gather, round `p - 1`'s
+/// reduced pieces have been pushed out; the last phase only pushes out the last round (or, for
+/// the others, signals that the last kernel has run, so the op's completion follows it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CudaShape {
+    pub rounds: u64,
+    pub round_elems: u64,
+    pub phases: u64,
+}
+
+/// Whether the one-shot all-reduce fits the scratch: the whole input in one slot.
+pub fn cuda_one_shot_fits(kind: OpKind, count: u64, esize: u64, slot_bytes: u64) -> bool {
+    kind == OpKind::AllReduce && count.saturating_mul(esize) <= slot_bytes
+}
+
+/// The round structure of a GPU op (see [`CudaShape`]); `one_shot` as [`flags::ONE_SHOT`].
+pub fn cuda_shape(
+    kind: OpKind,
+    count: u64,
+    esize: u64,
+    nranks: u32,
+    slot_bytes: u64,
+    one_shot: bool,
+) -> CudaShape {
+    if !kind.reduces() {
+        return CudaShape {
+            rounds: 1,
+            round_elems: count,
+            phases: 1,
+        };
+    }
     let per_slot = (slot_bytes / esize.max(1)).max(1);
-    match kind {
+    let round_elems = match kind {
+        OpKind::AllReduce if one_shot => count.max(1),
+        // Each rank reduces its piece of the round: a slot holds one peer's piece.
         OpKind::AllReduce => per_slot.saturating_mul(u64::from(nranks.max(1))),
         _ => per_slot,
+    };
+    let rounds = count.div_ceil(round_elems).max(1);
+    CudaShape {
+        rounds,
+        round_elems,
+        phases: rounds + 1,
     }
 }
 
-/// Rounds of a CUDA op: reductions go through the daemon's scratch in rounds, everything else
-/// moves in one round.
-pub fn cuda_rounds(kind: OpKind, count: u64, esize: u64, nranks: u32, slot_bytes: u64) -> u64 {
-    if !kind.reduces() {
-        return 1;
-    }
-    count
-        .div_ceil(cuda_round_elems(kind, esize, nranks, slot_bytes))
-        .max(1)
+/// Doorbell phases of a GPU op (tickets `ticket .. ticket + phases`): [`CudaShape::phases`].
+pub fn cuda_phases(
+    kind: OpKind,
+    count: u64,
+    esize: u64,
+    nranks: u32,
+    slot_bytes: u64,
+    one_shot: bool,
+) -> u64 {
+    cuda_shape(kind, count, esize, nranks, slot_bytes, one_shot).phases
 }
 
-/// Doorbell phases of a CUDA op (tickets `ticket .. ticket + phases`). A reduction has two per
-/// round: (A) the daemon moves inputs into the reducing ranks' scratch, then the client's stream
-/// runs the reduction kernel, (B) the daemon moves the reduced pieces out (all-reduce; a no-op
-/// for reduce and reduce-scatter). Every other op has one phase: the daemon's copies.
-pub fn cuda_phases(kind: OpKind, count: u64, esize: u64, nranks: u32, slot_bytes: u64) -> u64 {
-    if kind.reduces() {
-        2 * cuda_rounds(kind, count, esize, nranks, slot_bytes)
-    } else {
-        1
-    }
+/// Bytes of a rank's GPU scratch for a communicator of `nranks`: two buffers (rounds alternate)
+/// of one `slot_bytes` slot per peer.
+pub fn cuda_scratch_bytes(nranks: u32, slot_bytes: u64) -> u64 {
+    2 * u64::from(nranks.saturating_sub(1)) * slot_bytes
+}
+
+/// Offset in a rank's scratch of peer slot `slot` (0 ..= nranks - 2) of round `round`'s buffer.
+pub fn cuda_scratch_off(round: u64, slot: u64, nranks: u32, slot_bytes: u64) -> u64 {
+    ((round % 2) * u64::from(nranks.saturating_sub(1)) + slot) * slot_bytes
 }
 
 /// Completion status codes. A failed op still completes (DESIGN.md contract 5); its message is
@@ -478,6 +527,8 @@ pub enum DescError {
     UnexpectedRedop(u8, &'static str),
     #[error("unknown flag bits {0:#x}")]
     Flags(u32),
+    #[error("the one-shot flag is for GPU all-reduce only (got {0})")]
+    OneShot(&'static str),
     #[error("ticket field is {0:#x}, must be 0 for host ops and below 2^32 for CUDA ops")]
     Ticket(u64),
     #[error("count {0} exceeds the maximum {MAX_COUNT}")]
@@ -503,6 +554,8 @@ pub struct Op {
     pub recv_off: u64,
     /// `Some(first ticket)` for a stream-ordered GPU op ([`flags::CUDA`]).
     pub cuda_ticket: Option<u32>,
+    /// [`flags::ONE_SHOT`].
+    pub one_shot: bool,
 }
 
 impl Op {
@@ -535,6 +588,10 @@ impl SubmitDesc {
             return Err(DescError::Flags(self.flags & !flags::KNOWN));
         }
         let cuda = self.flags & flags::CUDA != 0;
+        let one_shot = self.flags & flags::ONE_SHOT != 0;
+        if one_shot && (!cuda || kind != OpKind::AllReduce) {
+            return Err(DescError::OneShot(kind.name()));
+        }
         if (!cuda && self.ticket != 0) || self.ticket > u64::from(u32::MAX) {
             return Err(DescError::Ticket(self.ticket));
         }
@@ -558,6 +615,7 @@ impl SubmitDesc {
             send_off: self.send_off,
             recv_off: self.recv_off,
             cuda_ticket: cuda.then_some(self.ticket as u32),
+            one_shot,
         })
     }
 }
@@ -582,7 +640,7 @@ mod tests {
                 opcode: op % 12,
                 dtype: dt % 10,
                 redop: ro % 10,
-                flags: if fl % 4 == 0 { fl } else { fl & 1 },
+                flags: if fl % 4 == 0 { fl } else { fl & 3 },
                 comm: cm,
                 peer: pe,
                 count: if w[1] % 3 == 0 { w[1] } else { w[1] % 4096 },
@@ -594,6 +652,83 @@ mod tests {
             })
     }
 
+    #[test]
+    fn cuda_shape_covers_the_op_and_alternates_scratch_buffers() {
+        let slot = 1 << 20;
+        for (kind, one_shot) in [
+            (OpKind::AllReduce, false),
+            (OpKind::AllReduce, true),
+            (OpKind::ReduceScatter, false),
+            (OpKind::Reduce, false),
+        ] {
+            for n in [2u32, 3, 4, 8] {
+                for count in [0u64, 1, 1000, 262_144, 262_145, 3 << 20, 10_000_001] {
+                    if one_shot && !cuda_one_shot_fits(kind, count, 4, slot) {
+                        continue;
+                    }
+                    let s = cuda_shape(kind, count, 4, n, slot, one_shot);
+                    assert!(s.rounds >= 1 && s.phases == s.rounds + 1, "{kind:?} {s:?}");
+                    assert!(
+                        s.rounds * s.round_elems >= count,
+                        "{kind:?} n={n} {count}: {s:?}"
+                    );
+                    assert!((s.rounds - 1) * s.round_elems < count.max(1), "{s:?}");
+                    // A rank's part of a round fits one slot.
+                    let part = match kind {
+                        OpKind::AllReduce if !one_shot => s.round_elems.div_ceil(u64::from(n)),
+                        _ => s.round_elems.min(count),
+                    };
+                    assert!(part * 4 <= slot, "{kind:?} n={n} {count}: {s:?}");
+                }
+            }
+        }
+        assert_eq!(
+            cuda_shape(OpKind::AllGather, 5, 4, 4, slot, false).phases,
+            1
+        );
+        // Two buffers of n - 1 slots; consecutive rounds never share a slot.
+        let n = 4;
+        assert_eq!(cuda_scratch_bytes(n, slot), 6 * slot);
+        let offs: Vec<u64> = (0..2)
+            .flat_map(|j| (0..3).map(move |k| cuda_scratch_off(j, k, n, slot)))
+            .collect();
+        for (i, a) in offs.iter().enumerate() {
+            assert!(a + slot <= cuda_scratch_bytes(n, slot));
+            for b in &offs[i + 1..] {
+                assert!(a.abs_diff(*b) >= slot, "{offs:?}");
+            }
+        }
+        assert_eq!(
+            cuda_scratch_off(2, 1, n, slot),
+            cuda_scratch_off(0, 1, n, slot)
+        );
+        assert!(!cuda_one_shot_fits(OpKind::ReduceScatter, 1, 4, slot));
+        assert!(!cuda_one_shot_fits(
+            OpKind::AllReduce,
+            (slot / 4) + 1,
+            4,
+            slot
+        ));
+    }
+
+    #[test]
+    fn one_shot_flag_only_on_gpu_all_reduce() {
+        let mut d = SubmitDesc {
+            opcode: opcode::ALL_REDUCE,
+            dtype: dtype::F32,
+            redop: redop::SUM,
+            flags: flags::CUDA | flags::ONE_SHOT,
+            count: 4,
+            ..Default::default()
+        };
+        assert!(d.decode().unwrap().one_shot);
+        d.flags = flags::ONE_SHOT;
+        assert!(matches!(d.decode(), Err(DescError::OneShot(_))));
+        d.flags = flags::CUDA | flags::ONE_SHOT;
+        d.opcode = opcode::REDUCE_SCATTER;
+        assert!(matches!(d.decode(), Err(DescError::OneShot(_))));
+    }
+
     proptest! {
         #[test]
         fn decode_never_panics_and_accepts_only_valid(d in arb_desc()) {
@@ -601,8 +736,10 @@ mod tests {
                 prop_assert!(OpKind::from_code(d.opcode).is_some());
                 prop_assert!(DType::from_code(d.dtype).is_some());
                 prop_assert!(d.count <= MAX_COUNT);
-                prop_assert_eq!(d.flags & !flags::CUDA, 0);
+                prop_assert_eq!(d.flags & !flags::KNOWN, 0);
                 let cuda = d.flags & flags::CUDA != 0;
+                prop_assert_eq!(op.one_shot, d.flags & flags::ONE_SHOT != 0);
+                prop_assert!(!op.one_shot || (cuda && op.kind == OpKind::AllReduce));
                 let ticket_ok = if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 };
                 prop_assert!(ticket_ok);
                 prop_assert_eq!(op.cuda_ticket.map(u64::from), cuda.then_some(d.ticket));

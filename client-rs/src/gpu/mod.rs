@@ -2,6 +2,7 @@
 //! doorbell protocol on the caller's stream (DESIGN.md contract 4), and reduction kernels
 //! launched in the caller's context between doorbells.
 
+pub mod algo;
 pub mod cu;
 pub mod kernels;
 pub mod regcache;
@@ -447,6 +448,16 @@ impl Communicator {
             }))
             .map_err(|s| Error::rpc("get_comm_scratch", s))?
             .into_inner();
+        let need = commd_proto::desc::cuda_scratch_bytes(self.nranks, rep.slot_bytes);
+        if !rep.ipc_handle.is_empty() && rep.bytes < need {
+            return Err(Error::InvalidArgument(format!(
+                "the daemon's GPU scratch for communicator {} has {} bytes, this client needs {need} (two buffers of {} peer slots of {} bytes): client and daemon versions differ",
+                self.comm_id,
+                rep.bytes,
+                self.nranks.saturating_sub(1),
+                rep.slot_bytes
+            )));
+        }
         let ptr = if rep.ipc_handle.is_empty() {
             0
         } else {
@@ -617,7 +628,10 @@ impl Communicator {
             )));
         }
         let slot_bytes = scratch.map(|s| s.slot_bytes).unwrap_or(1 << 20);
-        let phases = commd_proto::desc::cuda_phases(a.kind, a.count, es, self.nranks, slot_bytes);
+        let one_shot = algo::one_shot(a.kind, a.count, es, self.nranks, slot_bytes)?;
+        let shape =
+            commd_proto::desc::cuda_shape(a.kind, a.count, es, self.nranks, slot_bytes, one_shot);
+        let phases = shape.phases;
         let ticket = c.next_ticket;
         // Build the stream work first, so a failure here leaves nothing posted.
         let kernels = if a.kind.reduces() {
@@ -675,7 +689,7 @@ impl Communicator {
             opcode: a.kind.code(),
             dtype: a.dtype.code(),
             redop: a.redop.map(|r| r.code()).unwrap_or(0),
-            flags: flags::CUDA,
+            flags: flags::CUDA | if one_shot { flags::ONE_SHOT } else { 0 },
             comm: self.handle,
             peer: a.peer,
             count: a.count,
@@ -740,16 +754,20 @@ impl Communicator {
             let op = a
                 .redop
                 .ok_or_else(|| Error::InvalidArgument("reduction op missing".into()))?;
-            let round = commd_proto::desc::cuda_round_elems(a.kind, es, self.nranks, slot_bytes);
-            let rounds = phases / 2;
-            for j in 0..rounds {
-                let t = ticket.wrapping_add(2 * j as u32);
+            // Phase j: round j's inputs are in the scratch (and, for all-reduce, round j - 1's
+            // pieces are out); then this rank's kernel reduces round j. The last phase follows
+            // the last kernel (see `commd_proto::desc::CudaShape`).
+            for j in 0..shape.rounds {
+                let t = ticket.wrapping_add(j as u32);
                 write(t)?;
                 wait(t)?;
-                let s0 = j * round;
-                let len = round.min(a.count - s0.min(a.count));
+                let s0 = j * shape.round_elems;
+                let len = shape.round_elems.min(a.count - s0.min(a.count));
                 // This rank's piece of the round and where its inputs sit.
                 let (start, plen, src_base, dst_base, reduces_here) = match a.kind {
+                    OpKind::AllReduce if one_shot => {
+                        (s0, len, a.send.unwrap_or(0), a.recv.unwrap_or(0), true)
+                    }
                     OpKind::AllReduce => {
                         let (ps, pl) = piece(s0, len, n, u64::from(self.rank));
                         (ps, pl, a.send.unwrap_or(0), a.recv.unwrap_or(0), true)
@@ -769,16 +787,25 @@ impl Communicator {
                 if reduces_here && plen > 0 {
                     let mut ins = vec![src_base + start * es];
                     let dst = dst_base + start * es;
-                    for k in 0..self.nranks.saturating_sub(1) {
-                        ins.push(sc.ptr + u64::from(k) * sc.slot_bytes);
+                    for k in 0..u64::from(self.nranks.saturating_sub(1)) {
+                        ins.push(
+                            sc.ptr
+                                + commd_proto::desc::cuda_scratch_off(
+                                    j,
+                                    k,
+                                    self.nranks,
+                                    sc.slot_bytes,
+                                ),
+                        );
                     }
                     // SAFETY: every pointer addresses `plen` elements inside the op's buffers
                     // or this rank's scratch (checked above / sized by the daemon).
                     unsafe { k.launch(s, a.dtype, op, dst, &ins, plen, self.nranks)? };
                 }
-                write(t.wrapping_add(1))?;
-                wait(t.wrapping_add(1))?;
             }
+            let last = ticket.wrapping_add(shape.rounds as u32);
+            write(last)?;
+            wait(last)?;
             if let Some(e) = &done_ev {
                 // SAFETY: `s` was validated above and is of the event's device.
                 unsafe { e.record(s)? };

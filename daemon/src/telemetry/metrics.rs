@@ -400,6 +400,7 @@ mod tests {
             recv_mem: 0,
             recv_off: 0,
             cuda_ticket: None,
+            one_shot: false,
         }
     }
 

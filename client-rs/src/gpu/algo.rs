@@ -1,0 +1,129 @@
+//! Which algorithm a GPU all-reduce uses. The client decides and tells the daemon with
+//! [`flags::ONE_SHOT`](commd_proto::desc::flags::ONE_SHOT); every rank must decide the same
+//! (the daemon fails the op as a mismatch otherwise), so the choice depends only on the op and
+//! the communicator, and on two environment variables that a job sets the same on every rank:
+//!
+//! - `COMMD_ALLREDUCE_ALGO`: `auto` (default), `oneshot` or `rsag`, for benchmarking. `oneshot`
+//!   falls back to `rsag` when the input does not fit one scratch slot
+//!   (`gpu_scratch_slot_bytes` of the daemon, 16 MiB by default).
+//! - `COMMD_ONESHOT_MAX_BYTES`: with `auto`, the largest input (bytes per rank) that goes
+//!   one-shot (default 2 MiB).
+//!
+//! One-shot: every rank pushes its whole input into every other rank's scratch and each rank
+//! reduces everything itself: one copy phase, (n - 1) x S bytes out of each GPU. Reduce-scatter +
+//! all-gather (rsag): each rank reduces 1/n of every round and pushes it out again: two copy
+//! phases per round but 2 (n - 1) / n x S bytes out of each GPU, pipelined over rounds. Small
+//! messages are bound by the phases' fixed costs (a doorbell turnaround and the driver calls,
+//! ~10-20 us each), large ones by the copy engines' bandwidth. Both variables are read once per
+//! process.
+
+use std::sync::OnceLock;
+
+use commd_proto::desc::OpKind;
+
+use crate::{Error, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Algo {
+    Auto,
+    OneShot,
+    Rsag,
+}
+
+/// Default `COMMD_ONESHOT_MAX_BYTES`.
+pub const ONESHOT_MAX_BYTES: u64 = 2 << 20;
+
+fn parse_algo(v: Option<&str>) -> std::result::Result<Algo, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("auto") => Ok(Algo::Auto),
+        Some("oneshot") | Some("one-shot") | Some("one_shot") => Ok(Algo::OneShot),
+        Some("rsag") => Ok(Algo::Rsag),
+        Some(x) => Err(format!(
+            "COMMD_ALLREDUCE_ALGO={x}: expected auto, oneshot or rsag"
+        )),
+    }
+}
+
+fn parse_max(v: Option<&str>) -> std::result::Result<u64, String> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(ONESHOT_MAX_BYTES),
+        Some(x) => x
+            .parse::<u64>()
+            .map_err(|_| format!("COMMD_ONESHOT_MAX_BYTES={x}: expected a number of bytes")),
+    }
+}
+
+fn settings() -> &'static std::result::Result<(Algo, u64), String> {
+    static S: OnceLock<std::result::Result<(Algo, u64), String>> = OnceLock::new();
+    S.get_or_init(|| {
+        let algo = parse_algo(std::env::var("COMMD_ALLREDUCE_ALGO").ok().as_deref())?;
+        let max = parse_max(std::env::var("COMMD_ONESHOT_MAX_BYTES").ok().as_deref())?;
+        Ok((algo, max))
+    })
+}
+
+/// The choice for given settings (pure, for tests).
+pub fn choose(algo: Algo, max: u64, kind: OpKind, count: u64, es: u64, slot_bytes: u64) -> bool {
+    if !commd_proto::desc::cuda_one_shot_fits(kind, count, es, slot_bytes) {
+        return false;
+    }
+    match algo {
+        Algo::OneShot => true,
+        Algo::Rsag => false,
+        Algo::Auto => count.saturating_mul(es) <= max,
+    }
+}
+
+/// Whether this op goes one-shot (see the module docs). `nranks` is kept for a choice that
+/// depends on the GPU count once measurements say it should.
+pub fn one_shot(kind: OpKind, count: u64, es: u64, _nranks: u32, slot_bytes: u64) -> Result<bool> {
+    if kind != OpKind::AllReduce {
+        return Ok(false);
+    }
+    let (algo, max) = settings()
+        .as_ref()
+        .map_err(|e| Error::InvalidArgument(e.clone()))?;
+    Ok(choose(*algo, *max, kind, count, es, slot_bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_parse_and_refuse_garbage() {
+        assert_eq!(parse_algo(None), Ok(Algo::Auto));
+        assert_eq!(parse_algo(Some("oneshot")), Ok(Algo::OneShot));
+        assert_eq!(parse_algo(Some(" rsag ")), Ok(Algo::Rsag));
+        assert!(
+            parse_algo(Some("ring"))
+                .unwrap_err()
+                .contains("expected auto")
+        );
+        assert_eq!(parse_max(None), Ok(ONESHOT_MAX_BYTES));
+        assert_eq!(parse_max(Some("4096")), Ok(4096));
+        assert!(parse_max(Some("4k")).is_err());
+    }
+
+    #[test]
+    fn choice_by_size_override_and_fit() {
+        let slot = 16 << 20;
+        let ar = OpKind::AllReduce;
+        // auto: up to the threshold
+        assert!(choose(Algo::Auto, 2 << 20, ar, (2 << 20) / 4, 4, slot));
+        assert!(!choose(Algo::Auto, 2 << 20, ar, (2 << 20) / 4 + 1, 4, slot));
+        // forced one-shot falls back when the input exceeds one slot
+        assert!(choose(Algo::OneShot, 0, ar, (16 << 20) / 4, 4, slot));
+        assert!(!choose(Algo::OneShot, 0, ar, (16 << 20) / 4 + 1, 4, slot));
+        assert!(!choose(Algo::Rsag, u64::MAX, ar, 1, 4, slot));
+        // only all-reduce has a one-shot form
+        assert!(!choose(
+            Algo::OneShot,
+            u64::MAX,
+            OpKind::ReduceScatter,
+            1,
+            4,
+            slot
+        ));
+    }
+}
