@@ -8,7 +8,8 @@
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
-# ordering, a rank killed mid-op. Bench: send/recv (2 GPUs) and all_gather (4 GPUs) vs NCCL.
+# ordering, a rank killed mid-op; reductions in many rounds with both all-reduce algorithms
+# (tests/gpu/gpu_rounds.py against a second daemon with a 64 KiB scratch slot). Bench: send/recv (2 GPUs) and all_gather (4 GPUs) vs NCCL.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -50,6 +51,20 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     [ "$n" -le "$ngpu" ] && run "ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
   done
   run kill-rank "${tr[@]}" 2 tests/gpu/kill_rank.py
+  # Reductions in many rounds (scratch buffers alternating, copies issued a phase ahead), with
+  # both all-reduce algorithms: a second daemon with a 64 KiB scratch slot.
+  sock2=$sockdir/small.sock
+  "$bin" serve --socket "$sock2" --set gpu_scratch_slot_bytes=65536 --set metrics_listen=off \
+    --set peer_listen=off >"$out/daemon-small-slots.log" 2>&1 &
+  d2=$!
+  for _ in $(seq 100); do [ -S "$sock2" ] && break; sleep 0.1; done
+  for n in 2 4; do
+    for algo in rsag oneshot; do
+      [ "$n" -le "$ngpu" ] && COMMD_SOCKET=$sock2 COMMD_ALLREDUCE_ALGO=$algo \
+        run "rounds-$n-gpus-$algo" "${tr[@]}" "$n" tests/gpu/gpu_rounds.py
+    done
+  done
+  kill $d2 2>/dev/null; wait $d2 2>/dev/null
 fi
 g=$(( ngpu >= 4 ? 4 : ngpu ))
 if [ "$what" = breakdown ]; then
