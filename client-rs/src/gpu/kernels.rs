@@ -269,6 +269,7 @@ pub fn source(dtype: DType, op: RedOp) -> Result<String, KernelError> {
     }
     // `write!` to a String cannot fail.
     let unroll_m1 = UNROLL - 1;
+    let vec = 16 / dtype.size();
     let _ = write!(
         src,
         r#"
@@ -280,10 +281,49 @@ static __device__ __forceinline__ {elem} commd_finish({acc} a, u32 divisor) {{
     return {store};
 }}
 
+struct alignas(16) commd_v16 {{ u32 w[4]; }};
+union commd_vec {{ commd_v16 q; {elem} e[{vec}]; }};
+
 extern "C" __global__ void __launch_bounds__({THREADS}) {name}({elem} *out, struct commd_ins ins, u64 count, u32 divisor) {{
     const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
     const u32 m = ins.m;
-    u64 i = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
+    const u64 tid = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
+    u64 i = tid;
+    /* 16-byte loads and stores ({vec} elements) where every pointer is 16-byte aligned; the
+       rest (a tail, or unaligned pointers) element by element below. */
+    bool aligned = (((u64)out) & 15u) == 0u;
+#pragma unroll
+    for (u32 k = 0; k < {MAX_INPUTS}; ++k) {{
+        if (k < m) {{
+            aligned = aligned && ((((u64)ins.p[k]) & 15u) == 0u);
+        }}
+    }}
+    if (aligned) {{
+        const u64 nv = count / {vec};
+        for (u64 j = tid; j < nv; j += stride) {{
+            union commd_vec v[{MAX_INPUTS}];
+#pragma unroll
+            for (u32 k = 0; k < {MAX_INPUTS}; ++k) {{
+                if (k < m) {{
+                    v[k].q = ((const commd_v16 *)ins.p[k])[j];
+                }}
+            }}
+            union commd_vec o;
+#pragma unroll
+            for (u32 u = 0; u < {vec}; ++u) {{
+                {acc} a = commd_load(v[0].e[u]);
+#pragma unroll
+                for (u32 k = 1; k < {MAX_INPUTS}; ++k) {{
+                    if (k < m) {{
+                        a = commd_combine(a, commd_load(v[k].e[u]));
+                    }}
+                }}
+                o.e[u] = commd_finish(a, divisor);
+            }}
+            ((commd_v16 *)out)[j] = o.q;
+        }}
+        i = nv * {vec} + tid;
+    }}
     /* {UNROLL} elements per thread and step, every load issued before any value is used. */
     for (; i + {unroll_m1} * stride < count; i += {UNROLL} * stride) {{
         {elem} v[{MAX_INPUTS}][{UNROLL}];

@@ -18,6 +18,15 @@ fn valid_pairs() -> Vec<(DType, RedOp)> {
         .collect()
 }
 
+/// Whether the PTX has a 16-byte `ld` or `st` (4 x 32 or 2 x 64 bits) to global memory.
+fn moves_16_bytes(ptx: &str, what: &str) -> bool {
+    let v4 = format!("{what}.global.v4.");
+    let v2 = format!("{what}.global.v2.");
+    ptx.lines().any(|l| {
+        l.contains(&v4) || (l.contains(&v2) && ["64 ", "64\t"].iter().any(|t| l.contains(t)))
+    })
+}
+
 #[test]
 fn every_kernel_compiles_with_nvrtc() {
     if !nvrtc_present() {
@@ -44,6 +53,15 @@ fn every_kernel_compiles_with_nvrtc() {
                 "{d:?} {op:?}: no entry point in the PTX"
             );
             assert!(ptx.contains(&format!(".target sm_{}{}", arch.0, arch.1)));
+            // The aligned path moves 16 bytes per load and store.
+            assert!(
+                moves_16_bytes(&ptx, "ld"),
+                "{d:?} {op:?}: no 16-byte loads in the PTX"
+            );
+            assert!(
+                moves_16_bytes(&ptx, "st"),
+                "{d:?} {op:?}: no 16-byte stores in the PTX"
+            );
         }
         // The run-time path: SASS for the device's exact architecture.
         let cubin = compile_cubin(d, op, (9, 0)).unwrap_or_else(|e| panic!("{e}"));
