@@ -17,6 +17,7 @@ pub mod control;
 pub mod cuda;
 pub mod daemon;
 pub mod engine;
+pub mod fanout;
 pub mod fdsock;
 pub mod health;
 pub mod net;
