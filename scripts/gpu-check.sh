@@ -3,9 +3,20 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|all] [OUTDIR]
 # COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
+# `allreduce` (GPU data path II): client-py/benchmarks/gpu_vs_nccl.py for all_reduce and
+# reduce_scatter, float32 and bfloat16, 8 KiB .. 1 GiB, each result checked against NCCL, on 2
+# GPUs and on 4 when there are 4 (~2-3 min on 4x H200): allreduce-N-gpus.log and
+# allreduce.jsonl. COMMD_ALLREDUCE_ALGO=oneshot|rsag in the environment forces commd's
+# all-reduce algorithm (the output records the value in effect).
+# `interference`: client-py/benchmarks/gemm_interference.py on all GPUs up to 4: a bf16 GEMM
+# alone and under a 256 MiB all-reduce loop through NCCL, through commd uncapped and at the
+# pacing caps in COMMD_PACING (GB/s, default 0,300,200,100,50,25; ~2 min):
+# interference-N-gpus.log and interference.jsonl. `all` (the default) is tests + bench; the
+# two modes above are slower and run only by name; they print the time each section took.
+# COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
 # ordering, a rank killed mid-op; reductions in many rounds with both all-reduce algorithms
@@ -13,10 +24,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
+case $what in
+  tests|bench|breakdown|allreduce|interference|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference or all"
+     exit 2 ;;
+esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
+[ -n "${COMMD_COMMIT:-}" ] || COMMD_COMMIT=$(git rev-parse --short HEAD 2>/dev/null) || true
+export COMMD_COMMIT
 bin=${COMMD_BIN:-target/release/commd}
 [ -x "$bin" ] || bin=.gpu/commd
 [ -x "$bin" ] || bin=$(command -v commd || true)
@@ -39,10 +57,18 @@ trap 'kill $dpid 2>/dev/null; wait $dpid 2>/dev/null' EXIT
 for _ in $(seq 100); do [ -S "$COMMD_SOCKET" ] && break; sleep 0.1; done
 "$bin" topo --socket "$COMMD_SOCKET" 2>&1 | tee "$out/topo.txt" || true
 rc=0
+run_timeout=900 # seconds for one command of `run`
 run() { # name, command...
   local name=$1; shift
   echo "== $name"
-  if ! timeout 900 "$@" 2>&1 | tee "$out/$name.log"; then rc=1; echo "FAILED: $name"; fi
+  if ! timeout "$run_timeout" "$@" 2>&1 | tee "$out/$name.log"; then rc=1; echo "FAILED: $name"; fi
+}
+timed() { # seconds, name, command...: `run` under that time limit, then the time it took
+  local limit=$1 name=$2 t0=$SECONDS; shift
+  run_timeout=$limit
+  run "$@"
+  run_timeout=900
+  echo "-- $name: $((SECONDS - t0)) s"
 }
 # (not a shell function: `timeout` runs programs)
 tr=(python3 -m torch.distributed.run --standalone --nproc_per_node)
@@ -76,6 +102,19 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     n=$g; [ "$op" = sendrecv ] && n=2
     run "bench-$op" "${tr[@]}" "$n" client-py/benchmarks/gpu_vs_nccl.py --op "$op" --json "$out/bench.jsonl"
   done
+fi
+if [ "$what" = allreduce ]; then
+  t_mode=$SECONDS
+  for n in 2 4; do
+    [ "$n" -le "$ngpu" ] || continue
+    timed 300 "allreduce-$n-gpus" "${tr[@]}" "$n" client-py/benchmarks/gpu_vs_nccl.py \
+      --op all_reduce,reduce_scatter --dtypes float32,bfloat16 --json "$out/allreduce.jsonl"
+  done
+  echo "-- allreduce: $((SECONDS - t_mode)) s in all"
+fi
+if [ "$what" = interference ]; then
+  timed 300 "interference-$g-gpus" "${tr[@]}" "$g" client-py/benchmarks/gemm_interference.py \
+    --pacing "${COMMD_PACING:-0,300,200,100,50,25}" --json "$out/interference.jsonl"
 fi
 "$bin" status --socket "$COMMD_SOCKET" > "$out/status.txt" 2>&1 || true
 tail -50 "$out/daemon.log"
