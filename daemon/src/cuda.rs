@@ -1217,11 +1217,21 @@ fn issue(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, C
     let sources = (0..ng)
         .filter(|&g| order.iter().any(|c| c.src.mem.gpu == g))
         .count();
-    let Some(pool) = cuda.issuers.as_ref().filter(|_| sources > 1 && order.len() >= 4) else {
+    let Some(pool) = cuda
+        .issuers
+        .as_ref()
+        .filter(|_| sources > 1 && order.len() >= 4)
+    else {
         return issue_from(cuda, &order);
     };
     let lists: Vec<Vec<&CopyOp>> = (0..ng)
-        .map(|g| order.iter().copied().filter(|c| c.src.mem.gpu == g).collect())
+        .map(|g| {
+            order
+                .iter()
+                .copied()
+                .filter(|c| c.src.mem.gpu == g)
+                .collect()
+        })
         .collect();
     // Events cross threads as addresses: CUevent is a raw pointer, and the driver lets any
     // thread use it.

@@ -106,7 +106,9 @@ impl Fanout {
 }
 
 fn helper(sh: &Shared, index: usize) {
-    let mut seen = sh.epoch.load(Ordering::Acquire);
+    // Epoch 0 is the pool's creation: every later one must be run, even one bumped before this
+    // thread got to read the counter.
+    let mut seen = 0;
     let mut idle_since = Instant::now();
     loop {
         if sh.stop.load(Ordering::Acquire) {
@@ -163,7 +165,11 @@ mod tests {
             })
             .unwrap();
             for (i, h) in hits.iter().enumerate() {
-                assert_eq!(h.load(Ordering::Relaxed), u32::from(i < n), "round {round} i {i}");
+                assert_eq!(
+                    h.load(Ordering::Relaxed),
+                    u32::from(i < n),
+                    "round {round} i {i}"
+                );
             }
             if round == 1000 {
                 // Let the helpers park, then wake them again.
