@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -91,6 +92,14 @@ def test_cap_set_at_creation_and_by_any_rank_shows_in_status(daemon):
     other = create(daemon, [1, 1])
     assert pacing(daemon, other[0].id) == GB
     assert pacing(daemon, cid) == GB // 2
+    # /metrics: the cap and the held-back time, per communicator.
+    with urllib.request.urlopen(f"http://{daemon.status()['metrics_listen']}/metrics",
+                                timeout=10) as r:
+        text = r.read().decode()
+    for c, cap in ((cid, GB // 2), (other[0].id, GB)):
+        labels = f'{{comm="{c}",unique_id="{comm_status(daemon, c)["unique_id"]}"}}'
+        assert f"commd_gpu_pacing_bytes_per_second{labels} {cap}\n" in text, text
+        assert f"commd_gpu_pacing_delay_seconds_total{labels} 0.0\n" in text, text
     for c in comms + other:
         c.close()
 
