@@ -7,9 +7,11 @@ raises (non-zero exit) with the op, dtype and first differing element.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -381,6 +383,63 @@ def scenario_error(kind: str) -> None:
     os._exit(4)
 
 
+def pacing_in_status(comm_id: int) -> int | None:
+    """This communicator's GPU pacing cap (bytes/s, None: uncapped) as `commd status` shows it."""
+    out = subprocess.run([os.environ["COMMD_BIN"], "status", "--json", "--socket",
+                          os.environ["COMMD_SOCKET"]],
+                         capture_output=True, text=True, timeout=10, check=True)
+    for c in json.loads(out.stdout)["communicator_list"]:
+        if c["comm_id"] == comm_id:
+            return c["pacing_bytes_per_sec"]
+    raise AssertionError(f"communicator {comm_id} is not in commd status: {out.stdout}")
+
+
+def scenario_pacing(gloo: dist.ProcessGroup, created_gbps: float) -> None:
+    """COMMD_COMM_PACING_GBPS at creation, then commd.torch.set_pacing from either rank."""
+    rank = dist.get_rank()
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    comm_id = backend.comm.id
+
+    def expect(gbps: float | None) -> None:
+        want = None if gbps is None else round(gbps * 1e9)
+        got = pacing_in_status(comm_id)
+        if got != want:
+            raise AssertionError(f"commd status shows pacing {got}, expected {want}")
+
+    expect(created_gbps)
+    dist.barrier()
+    if rank == 1:
+        commd.torch.set_pacing(6.5)
+    dist.barrier()
+    expect(6.5)
+    dist.barrier()
+    if rank == 0:
+        commd.torch.set_pacing(None, group=dist.group.WORLD)
+    dist.barrier()
+    expect(None)
+    for bad in (-1.0, float("nan")):
+        try:
+            commd.torch.set_pacing(bad)
+        except ValueError as e:
+            assert "GB/s" in str(e), e
+        else:
+            raise AssertionError(f"set_pacing({bad}) did not raise")
+    try:
+        commd.torch.set_pacing(1.0, group=gloo)
+    except ValueError as e:
+        assert "does not use the commd backend" in str(e), e
+    else:
+        raise AssertionError("set_pacing on a gloo group did not raise")
+    # CPU collectives are not paced, and run as before under a cap.
+    commd.torch.set_pacing(0.5)
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    check("all_reduce under a cap", t, torch.full((1000,), 3.0))
+    dist.barrier()
+    expect(0.5)
+    log("pacing: creation value, set_pacing from both ranks and errors checked")
+
+
 def main() -> None:
     scenario = sys.argv[1]
     dist.init_process_group("commd", timeout=timedelta(seconds=60))
@@ -393,6 +452,8 @@ def main() -> None:
         scenario_ops(gloo)
     elif scenario == "ddp":
         scenario_ddp(gloo, int(sys.argv[2]) if len(sys.argv) > 2 else 20)
+    elif scenario == "pacing":
+        scenario_pacing(gloo, float(sys.argv[2]))
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     dist.barrier()

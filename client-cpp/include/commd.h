@@ -308,6 +308,18 @@ enum commd_status_t commd_comm_rank(const struct commd_comm_t *comm, uint32_t *r
 enum commd_status_t commd_comm_size(const struct commd_comm_t *comm, uint32_t *nranks);
 
 /**
+ * Caps the bandwidth of the daemon's GPU copies for `comm` at `bytes_per_sec` bytes per second
+ * (0: uncapped; otherwise at least 1000000, i.e. 1 MB/s, else COMMD_INVALID_ARGUMENT). Applies
+ * to every rank of the communicator on this node from its next copy phase on; any rank may
+ * call it. Use it to keep background collectives from slowing the job's compute. Host-memory
+ * ops are not paced.
+ *
+ * # Safety
+ * `comm` is NULL or a communicator handle.
+ */
+enum commd_status_t commd_comm_set_pacing(const struct commd_comm_t *comm, uint64_t bytes_per_sec);
+
+/**
  * Allocates `bytes` (> 0) of host memory shared with the daemon, zero-filled. Ops may only
  * name buffers of the session that runs them.
  *

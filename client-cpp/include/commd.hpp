@@ -388,6 +388,11 @@ class Communicator {
     detail::check(commd_comm_size(h_, &n));
     return n;
   }
+  /// Caps the daemon's GPU copies for this communicator at bytes_per_sec (0: uncapped), for
+  /// every rank on this node (see commd_comm_set_pacing).
+  void set_pacing(std::uint64_t bytes_per_sec) const {
+    detail::check(commd_comm_set_pacing(h_, bytes_per_sec));
+  }
 
   // All-reduce: recv (count elements) = reduction over ranks of send.
   Request all_reduce_async(At send, At recv, std::size_t count, DType t, RedOp op) const {

@@ -184,6 +184,27 @@ pub unsafe extern "C" fn commd_comm_size(
     })
 }
 
+/// Caps the bandwidth of the daemon's GPU copies for `comm` at `bytes_per_sec` bytes per second
+/// (0: uncapped; otherwise at least 1000000, i.e. 1 MB/s, else COMMD_INVALID_ARGUMENT). Applies
+/// to every rank of the communicator on this node from its next copy phase on; any rank may
+/// call it. Use it to keep background collectives from slowing the job's compute. Host-memory
+/// ops are not paced.
+///
+/// # Safety
+/// `comm` is NULL or a communicator handle.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn commd_comm_set_pacing(
+    comm: *const commd_comm_t,
+    bytes_per_sec: u64,
+) -> commd_status_t {
+    ffi("commd_comm_set_pacing", || {
+        // SAFETY: the caller passes NULL or a valid communicator handle.
+        let c = unsafe { handle(comm, "comm")? };
+        c.comm.set_pacing(Some(bytes_per_sec))?;
+        Ok(COMMD_OK)
+    })
+}
+
 /// Allocates `bytes` (> 0) of host memory shared with the daemon, zero-filled. Ops may only
 /// name buffers of the session that runs them.
 ///

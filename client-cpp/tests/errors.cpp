@@ -136,6 +136,15 @@ void invalid_arguments() {
       "root out of range", [&] { comm.broadcast<float>(b, b, 4, 5); });
   CHECK_THAT(contains(root.what(), "out of range"), root.what());
 
+  // GPU pacing: 0 and >= 1 MB/s are accepted; a smaller nonzero cap is refused by the daemon.
+  comm.set_pacing(2'000'000'000);
+  comm.set_pacing(0);
+  auto slow = expect_throw<commd::InvalidArgumentError>("pacing below 1 MB/s",
+                                                        [&] { comm.set_pacing(5); });
+  CHECK_THAT(contains(slow.what(), "minimum"), slow.what());
+  CHECK_THAT(commd_comm_set_pacing(nullptr, 0) == COMMD_INVALID_ARGUMENT, "NULL comm");
+  CHECK_THAT(contains(commd_last_error(), "comm is NULL"), commd_last_error());
+
   // The communicator still works after all that.
   for (int i = 0; i < 16; i++) b.as<float>()[i] = static_cast<float>(i);
   commd::Buffer out = session.alloc_array<float>(16);

@@ -104,6 +104,27 @@ fn duration(secs: Option<f64>, what: &str) -> PyResult<Option<Duration>> {
     }
 }
 
+/// A GPU pacing cap in GB/s (1e9 bytes/s) as bytes/s: `None` stays `None`, 0 means uncapped;
+/// negative, non-finite and nonzero values below the daemon's minimum (1 MB/s) are refused here
+/// (the daemon checks the minimum too, for every client).
+fn pacing(gbps: Option<f64>, what: &str) -> PyResult<Option<u64>> {
+    let min = commd_client::MIN_PACING_BYTES_PER_SEC;
+    match gbps {
+        None => Ok(None),
+        Some(g) if !g.is_finite() || g < 0.0 => Err(PyValueError::new_err(format!(
+            "{what} must be a non-negative number of GB/s (0 or None: uncapped), got {g}"
+        ))),
+        // `as` saturates: absurdly large caps become u64::MAX bytes/s, i.e. no limit in effect.
+        Some(g) => match (g * 1e9).round() as u64 {
+            b if b > 0 && b < min => Err(PyValueError::new_err(format!(
+                "{what}={g} GB/s is below the minimum of {} GB/s (1 MB/s); the cap is in GB/s, and 0 or None means uncapped",
+                min as f64 / 1e9
+            ))),
+            b => Ok(Some(b)),
+        },
+    }
+}
+
 /// A session with the local daemon.
 #[pyclass(module = "commd._native", frozen)]
 struct Client {
@@ -144,8 +165,10 @@ impl Client {
     }
 
     /// Joins communicator `unique_id` as `rank` of `nranks`; returns once every rank joined.
-    #[pyo3(signature = (unique_id, rank, nranks, op_timeout=None, join_timeout=None, switch=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// `pacing_gbps`: cap on the daemon's GPU copies for it, GB/s (None: the daemon's default,
+    /// 0: uncapped).
+    #[pyo3(signature = (unique_id, rank, nranks, op_timeout=None, join_timeout=None, switch=None, pacing_gbps=None))]
+    #[allow(clippy::too_many_arguments)] // the Python keyword arguments, one to one
     fn communicator(
         &self,
         py: Python<'_>,
@@ -155,6 +178,7 @@ impl Client {
         op_timeout: Option<f64>,
         join_timeout: Option<f64>,
         switch: Option<String>,
+        pacing_gbps: Option<f64>,
     ) -> PyResult<Communicator> {
         if rank >= nranks {
             return Err(PyValueError::new_err(format!(
@@ -165,6 +189,7 @@ impl Client {
             op_timeout: duration(op_timeout, "op_timeout")?,
             join_timeout: duration(join_timeout, "join_timeout")?,
             switch,
+            pacing_bytes_per_sec: pacing(pacing_gbps, "pacing_gbps")?,
         };
         let uid = unique_id.to_vec();
         let c = py
@@ -411,6 +436,15 @@ impl Communicator {
     #[getter]
     fn id(&self) -> PyResult<u64> {
         Ok(self.get()?.id())
+    }
+
+    /// Caps the daemon's GPU copies for this communicator at `gbps` GB/s (None or 0:
+    /// uncapped), for every rank on this node, from the next copy phase on.
+    #[pyo3(signature = (gbps))]
+    fn set_pacing(&self, py: Python<'_>, gbps: Option<f64>) -> PyResult<()> {
+        let rate = pacing(gbps, "gbps")?;
+        let comm = self.get()?;
+        py.detach(|| comm.set_pacing(rate)).map_err(to_py)
     }
 
     /// Posts one op. `send`/`recv` are `(Buffer, byte_offset)` or None; `peer` is the root

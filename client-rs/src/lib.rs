@@ -34,6 +34,7 @@ use commd_proto::ring::Ring;
 use memmap2::{MmapOptions, MmapRaw};
 use tonic::transport::{Channel, Endpoint, Uri};
 
+pub use commd_proto::MIN_PACING_BYTES_PER_SEC;
 pub use commd_proto::desc;
 pub use error::{Error, OpErrorKind, Result};
 
@@ -278,6 +279,7 @@ impl Client {
                 .map(|d| d.as_millis().max(1) as u64)
                 .unwrap_or(0),
             switch: o.switch.clone().unwrap_or_default(),
+            pacing_bytes_per_sec: o.pacing_bytes_per_sec,
         };
         let r =
             i.rt.block_on(i.rpc.clone().create_communicator(req))
@@ -653,6 +655,12 @@ pub struct CommOptions {
     /// Switch session for the inter-node step of all-reduce: `off` or a SwitchML controller
     /// `HOST:PORT` (daemon default: its `switch` setting).
     pub switch: Option<String>,
+    /// Cap on the bandwidth of the daemon's GPU copies for this communicator on this node, in
+    /// bytes per second: `None` = the daemon's `gpu_pacing_gbps`, `Some(0)` = uncapped, else at
+    /// least 1 MB/s ([`commd_proto::MIN_PACING_BYTES_PER_SEC`]). Every rank on a node must end
+    /// up with the same cap (`None` counts as the daemon's default), else creation fails naming
+    /// both values. Host-memory ops are not paced.
+    pub pacing_bytes_per_sec: Option<u64>,
 }
 
 /// A host buffer in shared memory, registered with the daemon. Deregistered on drop.
@@ -856,6 +864,21 @@ impl Communicator {
     }
     pub fn handle(&self) -> u32 {
         self.handle
+    }
+
+    /// Caps the bandwidth of the daemon's GPU copies for this communicator at `bytes_per_sec`
+    /// (`None` or `Some(0)`: uncapped; else at least 1 MB/s). Applies to every rank of the
+    /// communicator on this node, from its next copy phase on; any rank may call it.
+    pub fn set_pacing(&self, bytes_per_sec: Option<u64>) -> Result<()> {
+        let i = &self.client;
+        i.check_owner()?;
+        i.rt.block_on(i.rpc.clone().set_comm_pacing(pb::SetCommPacingRequest {
+            session_id: i.session_id,
+            comm: self.handle,
+            bytes_per_sec: bytes_per_sec.unwrap_or(0),
+        }))
+        .map_err(|s| Error::rpc("set_comm_pacing", s))?;
+        Ok(())
     }
 
     /// Posts an op; every buffer it names must belong to this client.

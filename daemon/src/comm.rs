@@ -20,6 +20,7 @@ use commd_proto::desc::{Op, OpKind, status};
 use crate::cuda::{self, GpuBufs, GpuSpan};
 use crate::engine::{self, RankBufs};
 use crate::net;
+use crate::pacing::Pacer;
 use crate::session::Session;
 
 /// A stream-ordered GPU op's doorbell: its session slot and tickets `ticket .. ticket + phases`.
@@ -164,6 +165,9 @@ pub struct Comm {
     pub local: Vec<u32>,
     /// Multi-node communicators: the net thread that runs every step in order.
     pub net: std::sync::OnceLock<net::NetHandle>,
+    /// The cap on this communicator's GPU copies on this node, shared with the executor through
+    /// every [`cuda::GpuJob`]; set at creation and by `SetCommPacing`.
+    pub pacer: Arc<Pacer>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -179,6 +183,7 @@ impl Comm {
         members: Vec<Member>,
         op_timeout: Duration,
         workers: usize,
+        pacing: Option<u64>,
     ) -> Self {
         let n = members.len();
         let local = (0..n as u32)
@@ -203,6 +208,7 @@ impl Comm {
             scratch: Mutex::new(vec![None; n]),
             local,
             net: std::sync::OnceLock::new(),
+            pacer: Arc::new(Pacer::new(pacing)),
         }
     }
 
@@ -635,6 +641,7 @@ impl Comm {
             phases,
             ops,
             timeout: self.op_timeout,
+            pacer: self.pacer.clone(),
         })
     }
 

@@ -13,13 +13,18 @@ use thiserror::Error;
 
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/commd/commd.toml";
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
     Path,
     /// Unsigned integer within `[min, max]`.
     U64 {
         min: u64,
         max: u64,
+    },
+    /// Finite decimal number within `[min, max]` (TOML integers and floats both parse).
+    F64 {
+        min: f64,
+        max: f64,
     },
     Str,
 }
@@ -116,6 +121,13 @@ pub static KEYS: &[Key] = &[
             min: 65536,
             max: 1 << 34,
         },
+    },
+    Key {
+        name: "gpu_pacing_gbps",
+        env: "COMMD_GPU_PACING_GBPS",
+        default: Some("0"),
+        help: "default cap on the bandwidth of each new communicator's GPU copies on this node, in GB/s (1e9 bytes/s; decimals allowed; at least 0.001), so background collectives leave room for compute; 0: uncapped. A communicator can set its own at creation and change it at run time (SetCommPacing); host-memory ops are not paced",
+        kind: Kind::F64 { min: 0.0, max: 1e6 },
     },
     Key {
         name: "ring_entries",
@@ -439,6 +451,8 @@ pub struct Config {
     pub workers: usize,
     pub cuda: bool,
     pub gpu_scratch_slot_bytes: u64,
+    /// Default GPU copy pacing of new communicators, bytes/s (`None`: uncapped).
+    pub gpu_pacing: Option<u64>,
     pub poll_spin: Duration,
     pub ring_entries: u32,
     pub max_sessions: usize,
@@ -529,6 +543,20 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
             }
             Ok(())
         }
+        Kind::F64 { min, max } => {
+            let v: f64 = value
+                .parse()
+                .ok()
+                .filter(|v: &f64| v.is_finite())
+                .ok_or_else(|| bad("not a decimal number".into()))?;
+            if v < min || v > max {
+                return Err(bad(format!("must be in {min}..={max}")));
+            }
+            if k.name == "gpu_pacing_gbps" {
+                gbps_to_rate(v).map_err(bad)?;
+            }
+            Ok(())
+        }
         Kind::Str => match k.name {
             "debug" => match value.to_ascii_uppercase().as_str() {
                 "ERROR" | "WARN" | "INFO" | "DEBUG" | "TRACE" => Ok(()),
@@ -589,6 +617,17 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
             other => crate::telemetry::validate_key(other, value).map_err(bad),
         },
     }
+}
+
+/// A cap in GB/s (1e9 bytes/s; 0: uncapped) as a pacing rate in bytes/s.
+fn gbps_to_rate(gbps: f64) -> Result<Option<u64>, String> {
+    // `as` saturates; the registry bounds keep the product far below u64::MAX anyway.
+    crate::pacing::check_rate((gbps * 1e9).round() as u64).map_err(|_| {
+        format!(
+            "a nonzero cap must be at least {} GB/s (0 means uncapped)",
+            crate::pacing::gbps_text(crate::pacing::MIN_RATE)
+        )
+    })
 }
 
 /// The default socket path for the current user (shared with clients).
@@ -680,6 +719,18 @@ impl Config {
             })
         };
         let ms = |n: &str| u(n).map(Duration::from_millis);
+        let gbps = |n: &str| -> Result<Option<u64>, ConfigError> {
+            let invalid = |why: String| ConfigError::Invalid {
+                key: n.to_string(),
+                value: s(n),
+                origin: eff[n].1.to_string(),
+                why,
+            };
+            let v: f64 = s(n)
+                .parse()
+                .map_err(|_| invalid("not a decimal number".into()))?;
+            gbps_to_rate(v).map_err(invalid)
+        };
         Ok(Self {
             socket: PathBuf::from(s("socket")),
             op_timeout: ms("op_timeout_ms")?,
@@ -689,6 +740,7 @@ impl Config {
             workers: u("workers")? as usize,
             cuda: u("cuda")? == 1,
             gpu_scratch_slot_bytes: u("gpu_scratch_slot_bytes")? / 256 * 256,
+            gpu_pacing: gbps("gpu_pacing_gbps")?,
             poll_spin: Duration::from_micros(u("poll_spin_us")?),
             ring_entries: u("ring_entries")? as u32,
             max_sessions: u("max_sessions")? as usize,
@@ -852,6 +904,28 @@ mod tests {
     }
 
     #[test]
+    fn gpu_pacing_is_a_decimal_number_of_gb_per_second() {
+        let c = Config::load(&inputs(None, &[], &[])).unwrap();
+        assert_eq!(c.gpu_pacing, None, "uncapped by default");
+        let c = Config::load(&inputs(None, &[("COMMD_GPU_PACING_GBPS", "12.5")], &[])).unwrap();
+        assert_eq!(c.gpu_pacing, Some(12_500_000_000));
+        assert!(c.render().contains("gpu_pacing_gbps"));
+        let c = Config::load(&inputs(None, &[], &[("gpu_pacing_gbps", "0")])).unwrap();
+        assert_eq!(c.gpu_pacing, None);
+        let c = Config::load(&inputs(None, &[], &[("gpu_pacing_gbps", "0.001")])).unwrap();
+        assert_eq!(c.gpu_pacing, Some(1_000_000));
+        // TOML: an integer or a float.
+        for (text, want) in [
+            ("gpu_pacing_gbps = 40\n", 40e9),
+            ("gpu_pacing_gbps = 2.5\n", 2.5e9),
+        ] {
+            let (p, _d) = tmp_toml(text);
+            let c = Config::load(&inputs(Some(p), &[], &[])).unwrap();
+            assert_eq!(c.gpu_pacing, Some(want as u64), "{text}");
+        }
+    }
+
+    #[test]
     fn rejects_bad_values_by_name() {
         let e = Config::load(&inputs(None, &[("COMMD_WORKERS", "zero")], &[])).unwrap_err();
         assert!(
@@ -878,6 +952,15 @@ mod tests {
         let e =
             Config::load(&inputs(None, &[("COMMD_DEBUG_SUBSYS", "INIT,BOGUS")], &[])).unwrap_err();
         assert!(e.to_string().contains("BOGUS"));
+        for bad in ["-1", "NaN", "inf", "fast", "0.0001", "2e6"] {
+            let e = Config::load(&inputs(None, &[("COMMD_GPU_PACING_GBPS", bad)], &[]))
+                .expect_err(bad)
+                .to_string();
+            assert!(
+                e.contains("gpu_pacing_gbps") && e.contains("COMMD_GPU_PACING_GBPS"),
+                "{e}"
+            );
+        }
         assert!(parse_set("novalue").is_err());
         assert_eq!(parse_set("a = b").unwrap(), ("a".into(), "b".into()));
     }

@@ -116,7 +116,10 @@ impl Local for LocalService {
     ) -> Result<Response<pb::CreateCommunicatorReply>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
         let r = req.into_inner();
-        let op_timeout = (r.op_timeout_ms > 0).then(|| Duration::from_millis(r.op_timeout_ms));
+        let opts = crate::daemon::JoinOpts {
+            op_timeout: (r.op_timeout_ms > 0).then(|| Duration::from_millis(r.op_timeout_ms)),
+            pacing: self.daemon.resolve_pacing(r.pacing_bytes_per_sec)?,
+        };
         let wait = if r.join_timeout_ms > 0 {
             Duration::from_millis(r.join_timeout_ms)
         } else {
@@ -126,7 +129,7 @@ impl Local for LocalService {
         self.daemon.note_switch(&r.unique_id, &r.switch)?;
         let rx = self
             .daemon
-            .join(s, &r.unique_id, r.rank, r.nranks, op_timeout, wait)?;
+            .join(s, &r.unique_id, r.rank, r.nranks, opts, wait)?;
         match tokio::time::timeout(wait, rx).await {
             Ok(Ok(Ok((comm, comm_id, doorbell_slot)))) => {
                 Ok(Response::new(pb::CreateCommunicatorReply {
@@ -151,6 +154,16 @@ impl Local for LocalService {
     ) -> Result<Response<pb::Empty>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
         self.daemon.destroy_comm(&s, req.get_ref().comm)?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
+    async fn set_comm_pacing(
+        &self,
+        req: Request<pb::SetCommPacingRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let r = req.get_ref();
+        self.daemon.set_comm_pacing(&s, r.comm, r.bytes_per_sec)?;
         Ok(Response::new(pb::Empty {}))
     }
 

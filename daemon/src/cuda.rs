@@ -862,6 +862,8 @@ pub struct GpuJob {
     pub phases: Vec<Phase>,
     pub ops: Vec<Posted>,
     pub timeout: Duration,
+    /// The communicator's GPU copy pacing: ask `admit` before issuing each phase's copies.
+    pub pacer: std::sync::Arc<crate::pacing::Pacer>,
 }
 
 enum State {

@@ -93,6 +93,7 @@ struct PendingJoin {
     nranks: u32,
     op_timeout: Duration,
     members: Vec<Option<Slot>>,
+    pacing: Option<PacingVote>,
 }
 
 /// This node's ranks of a communicator rooted at another node, waiting for the root's answer.
@@ -101,6 +102,47 @@ struct RemoteJoin {
     op_timeout: Duration,
     root: String,
     local: HashMap<u32, Joiner>,
+    pacing: Option<PacingVote>,
+}
+
+/// A rank's creation-time options from `CreateCommunicatorRequest`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct JoinOpts {
+    /// `None`: the daemon's `op_timeout_ms`.
+    pub op_timeout: Option<Duration>,
+    /// GPU copy pacing in bytes/s as resolved by [`Daemon::resolve_pacing`] (`None`: uncapped).
+    pub pacing: Option<u64>,
+}
+
+/// The GPU pacing the first local rank of a forming communicator asked for. Pacing is per node
+/// (one [`crate::pacing::Pacer`] in this daemon for all its ranks), so only this node's ranks
+/// must agree; ranks on other nodes are paced by their own daemon.
+#[derive(Clone, Copy, Debug)]
+struct PacingVote {
+    rank: u32,
+    rate: Option<u64>,
+}
+
+/// Records `rank`'s pacing in `vote`, or refuses it if an earlier local rank asked for another.
+fn vote_pacing(
+    vote: &mut Option<PacingVote>,
+    short: &str,
+    rank: u32,
+    rate: Option<u64>,
+) -> Result<(), DaemonError> {
+    match *vote {
+        Some(v) if v.rate != rate => Err(DaemonError::InvalidArgument(format!(
+            "rank {rank} joins communicator {short} with GPU pacing {}, but rank {} joined with {}; every rank of a communicator on a node must ask for the same pacing (pacing_bytes_per_sec; unset means the daemon's gpu_pacing_gbps)",
+            crate::pacing::describe(rate),
+            v.rank,
+            crate::pacing::describe(v.rate)
+        ))),
+        Some(_) => Ok(()),
+        None => {
+            *vote = Some(PacingVote { rank, rate });
+            Ok(())
+        }
+    }
 }
 
 /// Counters for `Status`.
@@ -355,7 +397,7 @@ impl Daemon {
         uid_bytes: &[u8],
         rank: u32,
         nranks: u32,
-        op_timeout: Option<Duration>,
+        opts: JoinOpts,
         wait: Duration,
     ) -> Result<oneshot::Receiver<JoinResult>, DaemonError> {
         if self.is_shutting_down() {
@@ -375,7 +417,7 @@ impl Daemon {
             )));
         }
         if !uid.root.is_empty() && Some(&uid.root) != self.node_id().as_ref() {
-            return self.join_via_root(session, uid, rank, nranks, op_timeout, wait);
+            return self.join_via_root(session, uid, rank, nranks, opts, wait);
         }
         let mut joins = lock(&self.joins);
         if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(uid.token) {
@@ -385,12 +427,13 @@ impl Daemon {
                     uid.short()
                 )));
             }
-            let op_timeout = op_timeout.unwrap_or(self.cfg.op_timeout);
+            let op_timeout = opts.op_timeout.unwrap_or(self.cfg.op_timeout);
             crate::telemetry::comm_joining(&uid.token, nranks);
             e.insert(PendingJoin {
                 nranks,
                 op_timeout,
                 members: (0..nranks).map(|_| None).collect(),
+                pacing: None,
             });
         }
         let Some(j) = joins.get_mut(&uid.token) else {
@@ -411,6 +454,7 @@ impl Daemon {
                 m.pid()
             )));
         }
+        vote_pacing(&mut j.pacing, &uid.short(), rank, opts.pacing)?;
         let (tx, rx) = oneshot::channel();
         j.members[rank as usize] = Some(Slot::Local(Joiner { session, tx }));
         if j.members.iter().all(Option::is_some)
@@ -470,7 +514,8 @@ impl Daemon {
             }
         }
         if !local.is_empty() {
-            self.form_local(&uid, &reply, &me, j.op_timeout, local);
+            let pacing = j.pacing.map_or(self.cfg.gpu_pacing, |v| v.rate);
+            self.form_local(&uid, &reply, &me, (j.op_timeout, pacing), local);
         }
     }
 
@@ -480,17 +525,20 @@ impl Daemon {
             return;
         };
         let me = self.node_id().unwrap_or_default();
-        self.form_local(uid, &reply, &me, rj.op_timeout, rj.local);
+        let pacing = rj.pacing.map_or(self.cfg.gpu_pacing, |v| v.rate);
+        self.form_local(uid, &reply, &me, (rj.op_timeout, pacing), rj.local);
     }
 
+    /// `limits`: the communicator's op timeout and GPU pacing (bytes/s, `None`: uncapped).
     fn form_local(
         &self,
         uid: &UniqueId,
         reply: &pb::PeerJoinReply,
         me: &str,
-        op_timeout: Duration,
+        limits: (Duration, Option<u64>),
         mut local: HashMap<u32, Joiner>,
     ) {
+        let (op_timeout, pacing) = limits;
         let n = reply.rank_node.len();
         let my_node = reply.nodes.iter().position(|x| x.node == me);
         let bad = |why: String, local: HashMap<u32, Joiner>| {
@@ -542,6 +590,7 @@ impl Daemon {
             members,
             op_timeout,
             self.cfg.workers,
+            pacing,
         ));
         if reply.nodes.len() > 1 {
             let Some(ctx) = self.net.get() else {
@@ -590,10 +639,11 @@ impl Daemon {
         lock(&self.comms).insert(id, comm.clone());
         tracing::info!(
             target: "commd::comm",
-            "{} formed: {} node(s), local {}",
+            "{} formed: {} node(s), local {}, GPU pacing {}",
             comm.label(),
             reply.nodes.len().max(1),
-            crate::net::algo::ranks_text(&mine)
+            crate::net::algo::ranks_text(&mine),
+            crate::pacing::describe(pacing)
         );
         crate::telemetry::comm_formed(&comm, &uid.token);
         for rank in mine {
@@ -636,7 +686,7 @@ impl Daemon {
         uid: UniqueId,
         rank: u32,
         nranks: u32,
-        op_timeout: Option<Duration>,
+        opts: JoinOpts,
         wait: Duration,
     ) -> Result<oneshot::Receiver<JoinResult>, DaemonError> {
         let Some(net) = self.net.get().cloned() else {
@@ -646,7 +696,7 @@ impl Daemon {
                 uid.root
             )));
         };
-        let op_timeout = op_timeout.unwrap_or(self.cfg.op_timeout);
+        let op_timeout = opts.op_timeout.unwrap_or(self.cfg.op_timeout);
         let (tx, rx) = oneshot::channel();
         let pid = session.pid;
         {
@@ -656,6 +706,7 @@ impl Daemon {
                 op_timeout,
                 root: uid.root.clone(),
                 local: HashMap::new(),
+                pacing: None,
             });
             if e.nranks != nranks {
                 return Err(DaemonError::InvalidArgument(format!(
@@ -670,6 +721,7 @@ impl Daemon {
                     uid.short()
                 )));
             }
+            vote_pacing(&mut e.pacing, &uid.short(), rank, opts.pacing)?;
             e.local.insert(rank, Joiner { session, tx });
         }
         let req = pb::PeerJoinRequest {
@@ -737,6 +789,7 @@ impl Daemon {
                 nranks,
                 op_timeout: Duration::from_millis(r.op_timeout_ms.max(1)),
                 members: (0..nranks).map(|_| None).collect(),
+                pacing: None,
             });
         }
         let Some(j) = joins.get_mut(&token) else {
@@ -796,6 +849,9 @@ impl Daemon {
         };
         if let Some(rj) = lock(&self.remote_joins).get_mut(&uid.token) {
             rj.local.remove(&rank);
+            if rj.local.is_empty() {
+                rj.pacing = None;
+            }
             return format!(
                 "communicator {} (rooted at {}) did not form within {:.1} s; the root daemon did not answer in time",
                 uid.short(),
@@ -832,6 +888,15 @@ impl Daemon {
         if let Some(m) = j.members.get_mut(rank as usize) {
             *m = None;
         }
+        // The pacing was this node's ranks' choice: with none of them left, the next decides.
+        if !j
+            .members
+            .iter()
+            .flatten()
+            .any(|m| matches!(m, Slot::Local(_)))
+        {
+            j.pacing = None;
+        }
         if j.members.iter().all(Option::is_none) {
             joins.remove(token);
         }
@@ -861,6 +926,44 @@ impl Daemon {
         if comm.leave(rank, msg) {
             lock(&self.comms).remove(&comm.id);
         }
+        Ok(())
+    }
+
+    /// A communicator's GPU pacing request (`pacing_bytes_per_sec`: absent = the daemon's
+    /// `gpu_pacing_gbps`, 0 = uncapped) as a rate in bytes/s (`None`: uncapped).
+    pub fn resolve_pacing(&self, requested: Option<u64>) -> Result<Option<u64>, DaemonError> {
+        match requested {
+            None => Ok(self.cfg.gpu_pacing),
+            Some(r) => crate::pacing::check_rate(r).map_err(DaemonError::InvalidArgument),
+        }
+    }
+
+    /// `SetCommPacing`: caps the GPU copies of `s`'s communicator `handle` at `bytes_per_sec`
+    /// (0: uncapped), for every rank on this node, from its next copy phase on.
+    pub fn set_comm_pacing(
+        &self,
+        s: &Session,
+        handle: u32,
+        bytes_per_sec: u64,
+    ) -> Result<(), DaemonError> {
+        let (comm, rank) = s.tables().comms.get(&handle).cloned().ok_or_else(|| {
+            DaemonError::NotFound(format!(
+                "no communicator handle {handle} in session {} (destroyed, or never created here)",
+                s.id
+            ))
+        })?;
+        let rate = crate::pacing::check_rate(bytes_per_sec)
+            .map_err(|e| DaemonError::InvalidArgument(format!("{}: {e}", comm.label())))?;
+        let was = comm.pacer.rate();
+        comm.pacer.set_rate(rate);
+        tracing::info!(
+            target: "commd::comm",
+            "{}: rank {rank} (pid {}) set GPU pacing to {} (was {})",
+            comm.label(),
+            s.pid,
+            crate::pacing::describe(rate),
+            crate::pacing::describe(was)
+        );
         Ok(())
     }
 
@@ -1074,3 +1177,6 @@ impl Daemon {
 fn j_nranks(a: &[String], b: &[String]) -> usize {
     a.len() + b.len()
 }
+
+#[cfg(test)]
+mod tests;

@@ -4,7 +4,8 @@
 //! - [`serve`]: start/stop of the daemon (sockets, threads, signals, exit codes).
 //! - [`control`]: the local gRPC service; [`fdsock`]: the fd socket.
 //! - [`daemon`]: daemon-wide state; [`session`]: per-client sessions and ring pollers;
-//!   [`comm`]: communicators, matching and failure reports.
+//!   [`comm`]: communicators, matching and failure reports; [`pacing`]: the per-communicator
+//!   cap on GPU copy bandwidth.
 //! - [`engine`]: plans and their host-memory execution; [`shm`]: registered memory.
 //! - [`bench`]: `commd bench`.
 //! - [`notify`]: readiness notification to systemd; [`health`]: `commd health`.
@@ -22,6 +23,7 @@ pub mod fdsock;
 pub mod health;
 pub mod net;
 pub mod notify;
+pub mod pacing;
 pub mod peer;
 pub mod serve;
 pub mod session;

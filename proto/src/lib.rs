@@ -30,5 +30,11 @@ pub mod switchml_pb {
     tonic::include_proto!("switchml_proto");
 }
 
+/// The smallest nonzero GPU pacing cap (bytes per second) the daemon accepts, in
+/// `CreateCommunicatorRequest.pacing_bytes_per_sec`, `SetCommPacingRequest` and its
+/// `gpu_pacing_gbps` setting: anything lower is almost certainly a unit mistake (GB/s passed as
+/// bytes/s) and would stall the communicator's GPU ops until they time out.
+pub const MIN_PACING_BYTES_PER_SEC: u64 = 1_000_000;
+
 /// Version of this crate; the client sends it in `Hello` and the daemon checks the major.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");

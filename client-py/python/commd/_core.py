@@ -280,13 +280,23 @@ class Client:
         op_timeout: float | None = None,
         join_timeout: float | None = None,
         switch: str | None = None,
+        pacing_gbps: float | None = None,
     ) -> Communicator:
         """Joins ``unique_id`` as ``rank`` of ``nranks`` (blocks until every rank joined).
         Timeouts in seconds; None takes the daemon's defaults. ``switch``: ``"off"`` or a
         SwitchML controller ``"HOST:PORT"`` for the inter-node step of all-reduce (None: the
-        daemon's ``switch`` setting)."""
+        daemon's ``switch`` setting).
+
+        ``pacing_gbps``: a cap, in GB/s (1e9 bytes/s), on the bandwidth the daemon's GPU copies
+        for this communicator use on this node, so that its collectives leave room for compute
+        (full-rate copies slow a concurrent GEMM). None: the daemon's ``gpu_pacing_gbps``
+        setting (uncapped unless configured); 0: uncapped; otherwise at least 0.001 (1 MB/s).
+        Every rank on a node must ask for the same cap (None counts as the daemon's default),
+        else this raises :class:`CommError` naming both values. Negative or NaN values raise
+        ValueError. Host (numpy) ops are not paced. Change it later with
+        :meth:`Communicator.set_pacing`."""
         c = self._native.communicator(
-            bytes(unique_id), rank, nranks, op_timeout, join_timeout, switch
+            bytes(unique_id), rank, nranks, op_timeout, join_timeout, switch, pacing_gbps
         )
         return Communicator(self, c)
 
@@ -404,6 +414,15 @@ class Communicator:
     def close(self) -> None:
         """Destroys the communicator (other ranks' later ops fail with PeerLostError)."""
         self._native.close()
+
+    def set_pacing(self, gbps: float | None) -> None:
+        """Caps the bandwidth of the daemon's GPU copies for this communicator at ``gbps`` GB/s
+        (1e9 bytes/s); None or 0: uncapped; otherwise at least 0.001 (1 MB/s). Any rank may
+        call it; it applies to every rank of the communicator on this node (the daemon holds
+        one cap per communicator and node) from its next copy phase on, and ``commd status``
+        shows it. Negative or NaN values raise ValueError; a value the daemon refuses raises
+        :class:`CommError` with its reason."""
+        self._native.set_pacing(gbps)
 
     def __enter__(self) -> Communicator:
         return self

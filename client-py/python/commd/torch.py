@@ -34,7 +34,7 @@ from . import _core, _native
 from ._core import Handle
 from ._torch_cuda import CudaOps
 
-__all__ = ["CommdBackend", "register", "empty", "BACKEND"]
+__all__ = ["CommdBackend", "register", "empty", "set_pacing", "BACKEND"]
 
 BACKEND = "commd"
 
@@ -265,9 +265,12 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         else:
             uid = bytes(store.get(key))
         # Per job: COMMD_COMM_SWITCH=off or HOST:PORT of a SwitchML controller (unset: the
-        # daemon's `switch` setting) for the inter-node step of all-reduce.
+        # daemon's `switch` setting) for the inter-node step of all-reduce, and
+        # COMMD_COMM_PACING_GBPS, the cap on the daemon's GPU copies (unset: the daemon's
+        # `gpu_pacing_gbps`; 0: uncapped).
         self.comm = self.client.communicator(uid, rank, size, op_timeout=secs, join_timeout=secs,
-                                             switch=os.environ.get("COMMD_COMM_SWITCH") or None)
+                                             switch=os.environ.get("COMMD_COMM_SWITCH") or None,
+                                             pacing_gbps=_env_gbps("COMMD_COMM_PACING_GBPS"))
         self._cuda: CudaOps | None = None
 
     @property
@@ -712,6 +715,49 @@ def _split_rows(a: np.ndarray, splits: list[int], n: int, side: str,
         out.append(a[off:off + s])
         off += s
     return out
+
+
+def _env_gbps(name: str) -> float | None:
+    """A GB/s value from the environment variable ``name`` (unset or empty: None)."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise ValueError(f"{name}={v!r}: expected a number of GB/s (0: uncapped)") from None
+
+
+def set_pacing(gbps: float | None, group: Any = None) -> None:
+    """Caps the bandwidth of the commd daemon's GPU copies for the process group ``group``
+    (default: the default group) at ``gbps`` GB/s (1e9 bytes/s); None or 0: uncapped; otherwise
+    at least 0.001. Use it to keep background collectives (e.g. gradient all-reduces overlapping
+    the backward pass) from slowing the job's compute. It applies to every rank of the group on
+    this node from the next copy phase on, so calling it on one rank per node is enough (calling
+    it on every rank is fine). The cap at creation comes from ``COMMD_COMM_PACING_GBPS`` (unset:
+    the daemon's ``gpu_pacing_gbps``). CPU tensors are not paced. Raises ValueError for
+    negative or NaN values or a group that does not use the commd backend; does nothing on a
+    rank that is not a member of ``group``, like torch's collectives."""
+    if group is None:
+        group = dist.distributed_c10d._get_default_group()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    backends: list[CommdBackend] = []
+    if isinstance(group, CommdBackend):
+        backends.append(group)
+    else:
+        for dev in ("cpu", "cuda"):
+            try:
+                b = group._get_backend(torch.device(dev))
+            except RuntimeError:  # no backend for that device type
+                continue
+            if isinstance(b, CommdBackend) and all(b is not x for x in backends):
+                backends.append(b)
+    if not backends:
+        raise ValueError("commd.torch.set_pacing: this process group does not use the commd "
+                         "backend (init_process_group(\"commd\") or new_group(backend=\"commd\"))")
+    for b in backends:
+        b.comm.set_pacing(gbps)
 
 
 def empty(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

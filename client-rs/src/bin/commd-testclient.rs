@@ -189,6 +189,7 @@ fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String>
                     join_timeout: Some(join_timeout),
                     // Everything after the 5th field: "off" or a controller HOST:PORT.
                     switch: (parts.len() > 5).then(|| parts[5..].join(":")),
+                    ..Default::default()
                 },
             )
             .map_err(|e| format!("join {}: {e}", parts[1]))?;

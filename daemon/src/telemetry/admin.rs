@@ -107,6 +107,8 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
             .get()
             .map(|h| h.switch.lock().unwrap_or_else(|e| e.into_inner()).text())
             .unwrap_or_default(),
+        pacing_bytes_per_sec: c.pacer.rate().unwrap_or(0),
+        pacing_delayed_us: c.pacer.delayed().as_micros() as u64,
     }
 }
 

@@ -97,7 +97,9 @@ pub fn status_json(r: &pb::AdminStatusReply) -> serde_json::Value {
                 "what": s.what, "age_ms": s.age_ms, "rank": s.rank, "posted": s.posted, "missing": s.missing}));
             json!({"comm_id": c.comm_id, "unique_id": c.unique_id, "label": c.label, "nranks": c.nranks,
                 "local_ranks": c.local_ranks, "nodes": c.nodes, "op_timeout_ms": c.op_timeout_ms,
-                "pending_ops": c.pending_ops, "broken": c.broken, "switch": c.switch, "ranks": ranks, "oldest": oldest})
+                "pending_ops": c.pending_ops, "broken": c.broken, "switch": c.switch,
+                "pacing_bytes_per_sec": (c.pacing_bytes_per_sec > 0).then_some(c.pacing_bytes_per_sec),
+                "pacing_delayed_us": c.pacing_delayed_us, "ranks": ranks, "oldest": oldest})
         })
         .collect();
     json!({"daemon_version": d.daemon_version, "pid": d.pid, "daemon_uid": r.daemon_uid, "uptime_ms": d.uptime_ms,
@@ -147,9 +149,17 @@ pub fn status_text(r: &pb::AdminStatusReply) -> String {
         }
     }
     for c in &r.communicators {
+        let pacing = match c.pacing_bytes_per_sec {
+            0 => "uncapped".to_string(),
+            r => format!(
+                "{} GB/s, held back {:.3} s",
+                crate::pacing::gbps_text(r),
+                c.pacing_delayed_us as f64 / 1e6
+            ),
+        };
         let _ = writeln!(
             o,
-            "{}: {} local ranks on {} node(s), {} ops pending, op timeout {:.1} s",
+            "{}: {} local ranks on {} node(s), {} ops pending, op timeout {:.1} s, GPU pacing {pacing}",
             c.label,
             c.local_ranks,
             c.nodes,

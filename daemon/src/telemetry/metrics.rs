@@ -296,12 +296,35 @@ impl Collector for StateCollector {
         )?;
         let now = std::time::Instant::now();
         let (mut pending, mut oldest) = (0u64, Duration::ZERO);
+        let (mut pacing_cap, mut pacing_delay) = (Vec::new(), Vec::new());
         for comm in d.comms() {
             let w = comm.waiting(now);
             pending += w.queued as u64;
             if let Some(s) = &w.oldest {
                 oldest = oldest.max(s.age);
             }
+            let labels = vec![
+                ("comm", comm.id.to_string()),
+                ("unique_id", comm.uid_short.clone()),
+            ];
+            let cap = comm.pacer.rate().unwrap_or(0);
+            pacing_cap.push((labels.clone(), i64::try_from(cap).unwrap_or(i64::MAX)));
+            pacing_delay.push((labels, comm.pacer.delayed().as_secs_f64()));
+        }
+        gauge_rows(
+            &mut enc,
+            "commd_gpu_pacing_bytes_per_second",
+            "Cap on each communicator's GPU copy bandwidth on this node (0: uncapped)",
+            &pacing_cap,
+        )?;
+        let mut m = enc.encode_descriptor(
+            "commd_gpu_pacing_delay_seconds",
+            "Time each communicator's GPU copy phases were held back by its pacing cap",
+            None,
+            MetricType::Counter,
+        )?;
+        for (labels, v) in &pacing_delay {
+            ConstCounter::new(*v).encode(m.encode_family(labels)?)?;
         }
         gauge(
             &mut enc,
