@@ -1079,11 +1079,17 @@ fn step(
                 }
                 return (false, false);
             }
+            // Pacing: the phase starts once the communicator's cap allows its bytes (the
+            // busiest source GPU's, which is what competes with that GPU's compute).
+            let p = a.phase;
+            let bytes = paced_bytes(&a.job.phases, p, cuda.gpus.len());
+            if bytes > 0 && a.job.pacer.admit(bytes, Instant::now()).is_err() {
+                return (false, false);
+            }
             let turn = *since;
             let ready = Instant::now();
             // This phase's copies (its early ones too on the first phase), then the next
             // phase's early ones: per source GPU one push stream, so they run in that order.
-            let p = a.phase;
             let mut events = std::mem::take(&mut a.ahead);
             let issued = (|| -> Result<Vec<(usize, sys::CUevent)>, CuError> {
                 if p == 0 {
@@ -1156,6 +1162,27 @@ fn step(
             phase_done(cuda, slots, a)
         }
     }
+}
+
+/// Bytes that starting phase `p` issues (its copies, its early ones on the first phase, and the
+/// next phase's early ones), counted on the source GPU that pushes the most of them.
+fn paced_bytes(phases: &[Phase], p: usize, ngpus: usize) -> u64 {
+    let mut per = vec![0u64; ngpus.max(1)];
+    let mut add = |cs: &[CopyOp]| {
+        for c in cs {
+            if let Some(b) = per.get_mut(c.src.mem.gpu) {
+                *b += c.src.bytes;
+            }
+        }
+    };
+    if p == 0 {
+        add(&phases[0].early);
+    }
+    add(&phases[p].main);
+    if let Some(next) = phases.get(p + 1) {
+        add(&next.early);
+    }
+    per.into_iter().max().unwrap_or(0)
 }
 
 fn phase_done(cuda: &Cuda, slots: &mut Slots, a: &mut Active) -> (bool, bool) {
