@@ -51,7 +51,9 @@ ngpu=$(nvidia-smi -L | wc -l)
 echo "== $(nvidia-smi -L | head -1) x $ngpu; $("$bin" --version)"
 sockdir=$(mktemp -d)
 export COMMD_SOCKET=$sockdir/commd.sock
-COMMD_DEBUG=INFO "$bin" serve --socket "$COMMD_SOCKET" >"$out/daemon.log" 2>&1 &
+# COMMD_SERVE_ARGS: extra daemon flags, e.g. "--set gpu_scratch_slot_bytes=67108864".
+# shellcheck disable=SC2086
+COMMD_DEBUG=INFO "$bin" serve --socket "$COMMD_SOCKET" ${COMMD_SERVE_ARGS:-} >"$out/daemon-$what.log" 2>&1 &
 dpid=$!
 trap 'kill $dpid 2>/dev/null; wait $dpid 2>/dev/null' EXIT
 for _ in $(seq 100); do [ -S "$COMMD_SOCKET" ] && break; sleep 0.1; done
@@ -76,7 +78,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   for n in 2 4; do
     [ "$n" -le "$ngpu" ] && run "ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
   done
-  run kill-rank "${tr[@]}" 2 tests/gpu/kill_rank.py
+  run kill-rank tests/gpu/kill_rank.sh
   # Reductions in many rounds (scratch buffers alternating, copies issued a phase ahead), with
   # both all-reduce algorithms: a second daemon with a 64 KiB scratch slot.
   sock2=$sockdir/small.sock
@@ -117,5 +119,5 @@ if [ "$what" = interference ]; then
     --pacing "${COMMD_PACING:-0,300,200,100,50,25}" --json "$out/interference.jsonl"
 fi
 "$bin" status --socket "$COMMD_SOCKET" > "$out/status.txt" 2>&1 || true
-tail -50 "$out/daemon.log"
+tail -50 "$out/daemon-$what.log"
 exit $rc

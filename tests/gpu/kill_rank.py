@@ -4,6 +4,7 @@ hang (run under torchrun by scripts/gpu-check.sh; the last rank exits right afte
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -20,12 +21,12 @@ dist.all_reduce(t)  # a healthy op first
 torch.cuda.synchronize()
 victim = world - 1
 if rank == victim:
-    # The stream is busy (~1 s) so the op is posted but not ready when the process exits. A
-    # shorter sleep (50M cycles, ~25 ms) raced with process exit: the driver ran the queued
-    # work to its end during teardown and the op completed before the daemon saw the exit.
-    torch.cuda._sleep(2_000_000_000)
+    # The stream is busy (~3 s) so the op is posted but not ready when the process dies, and the
+    # process is SIGKILLed: no teardown of its own. (os._exit after a ~1 s sleep raced: the op
+    # then sometimes ran to its end, with the victim's data, before the daemon saw the exit.)
+    torch.cuda._sleep(6_000_000_000)
     dist.all_reduce(t, async_op=True)
-    os._exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
 w = dist.all_reduce(t, async_op=True)
 w.wait()
 t0 = time.perf_counter()
