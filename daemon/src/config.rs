@@ -115,8 +115,8 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "gpu_scratch_slot_bytes",
         env: "COMMD_GPU_SCRATCH_SLOT_BYTES",
-        default: Some("16777216"),
-        help: "GPU reductions: device scratch per peer and round for each rank of a communicator (the daemon allocates (nranks-1) slots per rank on first use); larger ops run in rounds",
+        default: Some("67108864"),
+        help: "GPU reductions: device scratch per peer and round for each rank of a communicator (the daemon allocates two buffers of (nranks-1) slots per rank on first use: 384 MiB per rank on 4 GPUs at the default); larger ops run in rounds. 64 MiB: on 4x H200, 16 MiB slots gave 0.82x NCCL's all-reduce busbw at 512 MiB, 64 MiB slots 1.00x (docs/benchmarks.md)",
         kind: Kind::U64 {
             min: 65536,
             max: 1 << 34,
