@@ -159,7 +159,7 @@ mod tests {
         for round in 0..2000u32 {
             let n = 1 + (round as usize % 4);
             let hits: Vec<AtomicU32> = (0..4).map(|_| AtomicU32::new(0)).collect();
-            let local = vec![round; 4]; // borrowed by the task
+            let local = [round; 4]; // borrowed by the task
             pool.run(n, &|i| {
                 hits[i].fetch_add(local[i] - round + 1, Ordering::Relaxed);
             })

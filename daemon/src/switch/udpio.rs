@@ -21,20 +21,24 @@ pub const RECV_BUF: usize = 65_536;
 /// Whether GSO sends work on this host (cleared at the first refusal).
 static GSO_OK: AtomicBool = AtomicBool::new(true);
 
-/// Turns on GRO for `sock`; false where the kernel does not support it.
-pub fn enable_gro(sock: &impl AsFd) -> bool {
-    let one: libc::c_int = 1;
+/// `setsockopt(level, opt, v)` for an int option; true on success.
+fn set_int(sock: &impl AsFd, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> bool {
     // SAFETY: setsockopt reads sizeof(int) bytes from a live int.
     let r = unsafe {
         libc::setsockopt(
             sock.as_fd().as_raw_fd(),
-            libc::SOL_UDP,
-            UDP_GRO,
-            (&one as *const libc::c_int).cast(),
+            level,
+            opt,
+            (&v as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as u32,
         )
     };
     r == 0
+}
+
+/// Turns on GRO for `sock`; false where the kernel does not support it.
+pub fn enable_gro(sock: &impl AsFd) -> bool {
+    set_int(sock, libc::SOL_UDP, UDP_GRO, 1)
 }
 
 /// Sets the socket's receive and send buffers to `bytes`: beyond `net.core.rmem_max` /
@@ -48,27 +52,8 @@ pub fn size_buffers(sock: &impl AsFd, bytes: usize) -> usize {
         (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
         (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
     ] {
-        // SAFETY: setsockopt reads sizeof(int) bytes from a live int.
-        let r = unsafe {
-            libc::setsockopt(
-                sock.as_fd().as_raw_fd(),
-                libc::SOL_SOCKET,
-                force,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as u32,
-            )
-        };
-        if r != 0 {
-            // SAFETY: as above.
-            unsafe {
-                libc::setsockopt(
-                    sock.as_fd().as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    plain,
-                    (&v as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as u32,
-                )
-            };
+        if !set_int(sock, libc::SOL_SOCKET, force, v) {
+            set_int(sock, libc::SOL_SOCKET, plain, v);
         }
     }
     rustix::net::sockopt::socket_recv_buffer_size(sock).unwrap_or(0)
