@@ -417,6 +417,8 @@ def scenario_pacing(gloo: dist.ProcessGroup, created_gbps: float) -> None:
         commd.torch.set_pacing(None, group=dist.group.WORLD)
     dist.barrier()
     expect(None)
+    # Both ranks have read "uncapped" before either sets the next cap.
+    dist.barrier()
     for bad in (-1.0, float("nan")):
         try:
             commd.torch.set_pacing(bad)
