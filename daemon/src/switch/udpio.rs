@@ -78,29 +78,20 @@ pub fn send(
     pkts: &[&[u8]],
     stats: &Stats,
 ) -> Result<(), String> {
-    if pkts.is_empty() {
+    let Some(first) = pkts.first() else {
         return Ok(());
-    }
-    let seg = pkts[0].len();
-    let per = (MAX_GSO_BYTES / seg.max(1)).clamp(1, 63);
-    if GSO_OK.load(Ordering::Relaxed) && pkts.len() > 1 {
-        for chunk in pkts.chunks(per) {
-            match send_gso(sock, dst, chunk, seg, stats) {
-                Ok(()) => {}
-                Err(e)
-                    if e.raw_os_error() == Some(libc::EIO)
-                        || e.raw_os_error() == Some(libc::EINVAL) =>
-                {
-                    GSO_OK.store(false, Ordering::Relaxed);
-                    tracing::info!(target: "commd::switch", "UDP GSO unavailable ({e}); sending packets one by one with sendmmsg");
-                    return send_mmsg(sock, dst, pkts, stats);
-                }
-                Err(e) => return lost_or_err(e),
-            }
-        }
-        return Ok(());
-    }
-    send_mmsg(sock, dst, pkts, stats)
+    };
+    let seg = first.len().max(1);
+    let per = (MAX_GSO_BYTES / seg).clamp(1, 63);
+    send_batched(
+        sock,
+        dst,
+        seg,
+        stats,
+        pkts.len() > 1,
+        pkts.chunks(per),
+        || pkts.to_vec(),
+    )
 }
 
 /// Sends `buf`, packets of `seg` bytes back to back (the last may be shorter), to `dst`: one
@@ -116,27 +107,48 @@ pub fn send_contig(
     if buf.is_empty() {
         return Ok(());
     }
-    if GSO_OK.load(Ordering::Relaxed) && buf.len() > seg {
-        let per = (MAX_GSO_BYTES / seg).clamp(1, 63) * seg;
-        for chunk in buf.chunks(per) {
-            match send_gso(sock, dst, &[chunk], seg, stats) {
-                Ok(()) => {}
-                Err(e)
-                    if e.raw_os_error() == Some(libc::EIO)
-                        || e.raw_os_error() == Some(libc::EINVAL) =>
-                {
-                    GSO_OK.store(false, Ordering::Relaxed);
-                    tracing::info!(target: "commd::switch", "UDP GSO unavailable ({e}); sending packets one by one with sendmmsg");
-                    let pkts: Vec<&[u8]> = buf.chunks(seg).collect();
-                    return send_mmsg(sock, dst, &pkts, stats);
-                }
-                Err(e) => return lost_or_err(e),
-            }
-        }
-        return Ok(());
+    let per = (MAX_GSO_BYTES / seg).clamp(1, 63) * seg;
+    send_batched(
+        sock,
+        dst,
+        seg,
+        stats,
+        buf.len() > seg,
+        buf.chunks(per).map(|c| [c]),
+        || buf.chunks(seg).collect(),
+    )
+}
+
+/// One GSO `sendmsg` per batch (each the iovecs of up to 63 segments of `seg` bytes) when GSO
+/// works and `batching` is worth it; else, or once the kernel refuses GSO, every packet
+/// (`packets()`) by `sendmmsg`.
+fn send_batched<'a, B: AsRef<[&'a [u8]]>>(
+    sock: &impl AsFd,
+    dst: Option<SocketAddr>,
+    seg: usize,
+    stats: &Stats,
+    batching: bool,
+    batches: impl Iterator<Item = B>,
+    packets: impl Fn() -> Vec<&'a [u8]>,
+) -> Result<(), String> {
+    if !(GSO_OK.load(Ordering::Relaxed) && batching) {
+        return send_mmsg(sock, dst, &packets(), stats);
     }
-    let pkts: Vec<&[u8]> = buf.chunks(seg).collect();
-    send_mmsg(sock, dst, &pkts, stats)
+    for batch in batches {
+        match send_gso(sock, dst, batch.as_ref(), seg, stats) {
+            Ok(()) => {}
+            Err(e)
+                if e.raw_os_error() == Some(libc::EIO)
+                    || e.raw_os_error() == Some(libc::EINVAL) =>
+            {
+                GSO_OK.store(false, Ordering::Relaxed);
+                tracing::info!(target: "commd::switch", "UDP GSO unavailable ({e}); sending packets one by one with sendmmsg");
+                return send_mmsg(sock, dst, &packets(), stats);
+            }
+            Err(e) => return lost_or_err(e),
+        }
+    }
+    Ok(())
 }
 
 fn lost_or_err(e: std::io::Error) -> Result<(), String> {
