@@ -292,6 +292,7 @@ impl Client {
             rank,
             nranks,
             doorbell_slot: r.doorbell_slot,
+            nodes: r.nodes.max(1),
             gpu: Mutex::new(gpu::CommGpu::default()),
         })
     }
@@ -813,6 +814,8 @@ pub struct Communicator {
     rank: u32,
     nranks: u32,
     doorbell_slot: u32,
+    /// Nodes the communicator spans (its GPU ops are host-staged above 1).
+    nodes: u32,
     gpu: Mutex<gpu::CommGpu>,
 }
 
@@ -858,6 +861,11 @@ impl Communicator {
     }
     pub fn nranks(&self) -> u32 {
         self.nranks
+    }
+    /// Nodes (daemons) this communicator spans: above 1, its GPU ops go through host staging
+    /// in the daemons (see `commd_proto::desc::flags::HOST_STAGED`).
+    pub fn nodes(&self) -> u32 {
+        self.nodes
     }
     pub fn id(&self) -> u64 {
         self.comm_id

@@ -23,6 +23,10 @@ use crate::net;
 use crate::pacing::Pacer;
 use crate::session::Session;
 
+/// A GPU op on a multi-node communicator without `flags::HOST_STAGED`: its client library
+/// would run the single-node phases and kernels, which the daemons do not serve across nodes.
+const STAGED_MISSING: &str = "GPU op on a communicator that spans nodes without the host-staged flag (a client library older than this daemon?); update the client library, or use host tensors";
+
 /// A stream-ordered GPU op's doorbell: its session slot and tickets `ticket .. ticket + phases`.
 #[derive(Clone, Copy, Debug)]
 pub struct CudaTicket {
@@ -90,6 +94,9 @@ impl Posted {
         }
         if o.one_shot {
             s.push_str(", algo=one-shot");
+        }
+        if o.staged {
+            s.push_str(", host-staged");
         }
         s.push(')');
         s
@@ -373,11 +380,8 @@ impl Comm {
                 {
                     let refuse = match (&p.invalid, p.cuda.is_some()) {
                         (Some(why), _) => Some(format!("invalid op: {why}")),
-                        (None, true) => Some(
-                            "GPU memory across nodes is not supported yet; use host tensors for inter-node send/recv"
-                                .to_string(),
-                        ),
-                        (None, false) => None,
+                        (None, true) if !p.op.staged => Some(STAGED_MISSING.to_string()),
+                        _ => None,
                     };
                     if let Some(why) = refuse {
                         let msg = format!("{}: {} on rank {a}: {why}", self.label(), p.describe());
@@ -485,21 +489,19 @@ impl Comm {
             };
         }
         let o = &ops[0].op;
+        if let Some(why) = self.staging_mismatch(o) {
+            let msg = format!("{}: {} seq {seq}: {why}", self.label(), kind.name());
+            return Step::Fail {
+                ops: ops
+                    .into_iter()
+                    .map(|p| (p, status::INVALID, msg.clone()))
+                    .collect(),
+                abort: None,
+            };
+        }
         if self.net.get().is_some() {
-            if o.cuda_ticket.is_some() {
-                let msg = format!(
-                    "{}: {} seq {seq}: GPU memory in a communicator that spans nodes is not supported yet; use host tensors",
-                    self.label(),
-                    kind.name()
-                );
-                return Step::Fail {
-                    ops: ops
-                        .into_iter()
-                        .map(|p| (p, status::INVALID, msg.clone()))
-                        .collect(),
-                    abort: None,
-                };
-            }
+            // GPU ops: the net thread stages them through host memory and fills in the
+            // buffers (`net::staging`).
             let coll = net::algo::Coll {
                 kind,
                 dtype: o.dtype,
@@ -540,6 +542,18 @@ impl Comm {
 
     /// A matched GPU op (collective: one op per rank in rank order; p2p: `[send, recv]`) becomes a
     /// job for the copy-engine executor.
+    /// Why a GPU op's `HOST_STAGED` flag does not fit this communicator, if it does not.
+    fn staging_mismatch(&self, o: &Op) -> Option<&'static str> {
+        o.cuda_ticket?;
+        match (self.net.get().is_some(), o.staged) {
+            (true, false) => Some(STAGED_MISSING),
+            (false, true) => Some(
+                "GPU op flagged host-staged on a communicator within one node (client and daemon disagree on the communicator's nodes)",
+            ),
+            _ => None,
+        }
+    }
+
     fn gpu_step(&self, ops: Vec<Posted>) -> Step {
         let o = ops[0].op;
         let what = ops[0].describe();
@@ -551,6 +565,9 @@ impl Comm {
                 abort: None,
             }
         };
+        if let Some(why) = ops.iter().find_map(|p| self.staging_mismatch(&p.op)) {
+            return fail(ops, status::INVALID, why.to_string());
+        }
         let c = match cuda::get() {
             Ok(c) => c,
             Err(why) => {

@@ -131,11 +131,12 @@ impl Local for LocalService {
             .daemon
             .join(s, &r.unique_id, r.rank, r.nranks, opts, wait)?;
         match tokio::time::timeout(wait, rx).await {
-            Ok(Ok(Ok((comm, comm_id, doorbell_slot)))) => {
+            Ok(Ok(Ok((comm, comm_id, doorbell_slot, nodes)))) => {
                 Ok(Response::new(pb::CreateCommunicatorReply {
                     comm,
                     comm_id,
                     doorbell_slot,
+                    nodes,
                 }))
             }
             Ok(Ok(Err(e))) => Err(e.into()),

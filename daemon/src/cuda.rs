@@ -387,6 +387,112 @@ impl Cuda {
         Ok(e)
     }
 
+    /// Pins `bytes` of host memory at `ptr` for copy-engine DMA from every GPU's context
+    /// (`cuMemHostRegister`, portable). Undo with [`Cuda::host_unregister`].
+    ///
+    /// # Safety
+    /// `ptr .. ptr + bytes` must be a live, page-aligned mapping of this process that stays
+    /// mapped until it is unregistered.
+    pub unsafe fn host_register(&self, ptr: *mut u8, bytes: u64) -> Result<(), CuError> {
+        let Some(g) = self.gpus.first() else {
+            return ck(sys::CUresult::CUDA_ERROR_NO_DEVICE, "host staging");
+        };
+        cu::set_current(g.ctx)?;
+        ck(
+            // SAFETY: the caller's contract; PORTABLE makes it usable from every context.
+            unsafe {
+                sys::cuMemHostRegister_v2(
+                    ptr.cast(),
+                    bytes as usize,
+                    sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
+                )
+            },
+            "cuMemHostRegister",
+        )
+    }
+
+    /// Unpins memory pinned by [`Cuda::host_register`].
+    ///
+    /// # Safety
+    /// `ptr` was registered with `host_register` and no copy still uses it.
+    pub unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<(), CuError> {
+        let Some(g) = self.gpus.first() else {
+            return ck(sys::CUresult::CUDA_ERROR_NO_DEVICE, "host staging");
+        };
+        cu::set_current(g.ctx)?;
+        // SAFETY: the caller's contract.
+        ck(
+            unsafe { sys::cuMemHostUnregister(ptr.cast()) },
+            "cuMemHostUnregister",
+        )
+    }
+
+    /// Copies between `span` and host memory at `host` (`to_gpu`: host -> GPU) on the span's
+    /// GPU's stream for local copies, and records an event after it: poll it with
+    /// [`Cuda::event_done`], then give it back with [`Cuda::release_event`].
+    ///
+    /// # Safety
+    /// `host .. host + span.bytes` must stay valid (and, to overlap, pinned) until the event
+    /// completes; nothing else may write the destination meanwhile.
+    pub unsafe fn copy_host(
+        &self,
+        span: &GpuSpan,
+        host: *mut u8,
+        to_gpu: bool,
+    ) -> Result<(usize, sys::CUevent), CuError> {
+        let gi = span.mem.gpu;
+        let g = &self.gpus[gi];
+        let dev = span.mem.ptr_on(gi)? + span.off;
+        let stream = g.streams[push_stream(gi, gi, self.gpus.len())];
+        cu::set_current(g.ctx)?;
+        let (dst, src) = if to_gpu {
+            (dev, host as sys::CUdeviceptr)
+        } else {
+            (host as sys::CUdeviceptr, dev)
+        };
+        ck(
+            // SAFETY: `span` was bounds-checked against a live mapping of this GPU's context that
+            // the caller's op keeps alive; `host` as the caller promises (unified addressing).
+            unsafe { sys::cuMemcpyAsync(dst, src, span.bytes as usize, stream) },
+            "cuMemcpyAsync (host staging)",
+        )?;
+        let e = self.event(gi)?;
+        cu::set_current(g.ctx)?;
+        // SAFETY: event and stream belong to this GPU's context.
+        if let Err(err) = ck(unsafe { sys::cuEventRecord(e, stream) }, "cuEventRecord") {
+            self.recycle(gi, e);
+            return Err(err);
+        }
+        Ok((gi, e))
+    }
+
+    /// Whether an event from [`Cuda::copy_host`] has completed (an error if its work failed).
+    pub fn event_done(&self, e: &(usize, sys::CUevent)) -> Result<bool, CuError> {
+        // SAFETY: the event was created by us and is live until released.
+        let r = unsafe { sys::cuEventQuery(e.1) };
+        if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        ck(r, "cuEventQuery").map(|()| true)
+    }
+
+    /// Waits for an event from [`Cuda::copy_host`] and gives it back.
+    pub fn wait_event(&self, e: (usize, sys::CUevent)) -> Result<(), CuError> {
+        // SAFETY: as in `event_done`.
+        let r = ck(
+            unsafe { sys::cuEventSynchronize(e.1) },
+            "cuEventSynchronize",
+        );
+        self.recycle(e.0, e.1);
+        r
+    }
+
+    /// Gives back an event of [`Cuda::copy_host`] (after `event_done` said so, or to abandon
+    /// it once its work is known to be over).
+    pub fn release_event(&self, e: (usize, sys::CUevent)) {
+        self.recycle(e.0, e.1);
+    }
+
     fn recycle(&self, gpu: usize, e: sys::CUevent) {
         self.gpus[gpu]
             .events
@@ -783,7 +889,18 @@ pub struct Bell {
 }
 
 impl Bell {
-    fn ready(&self, phase: u32) -> bool {
+    /// The doorbell of a posted GPU op (`None` for host ops).
+    pub fn of(p: &Posted) -> Option<Self> {
+        p.cuda.map(|c| Self {
+            session: p.session.clone(),
+            rank: p.rank,
+            slot: c.slot,
+            ticket: c.ticket,
+        })
+    }
+
+    /// Whether the rank's stream has reached phase `phase` of the op (its ready counter).
+    pub fn ready(&self, phase: u32) -> bool {
         match self.session.ring.doorbell(self.slot) {
             Some((ready, _, _)) => {
                 let want = self.ticket.wrapping_add(phase);
@@ -793,7 +910,7 @@ impl Bell {
         }
     }
 
-    fn ready_value(&self) -> u32 {
+    pub fn ready_value(&self) -> u32 {
         self.session
             .ring
             .doorbell(self.slot)
@@ -804,10 +921,23 @@ impl Bell {
 
 /// Done counters advance contiguously: a p2p group's ops may match in another order than the
 /// client posted them (their tickets), and the client's stream waits once for the group's last
-/// ticket, so ticket `t` is published only once every ticket before it is done.
+/// ticket, so ticket `t` is published only once every ticket before it is done. One tracker for
+/// the daemon: a group's ops can finish on the GPU executor (within the node) and on a net
+/// thread (host-staged, across nodes).
 #[derive(Default)]
 struct Slots {
     pending: HashMap<(u64, u32), Vec<u32>>,
+}
+
+static SLOTS: OnceLock<Mutex<Slots>> = OnceLock::new();
+
+/// Publishes ticket `t` of `b`'s doorbell as done once every earlier ticket is (see `Slots`).
+pub fn signal_done(b: &Bell, t: u32) {
+    SLOTS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .signal(b, t);
 }
 
 impl Slots {
@@ -963,7 +1093,6 @@ impl Executor {
     fn run(&self, cuda: &'static Cuda) {
         const IDLE_SPIN: Duration = Duration::from_millis(1);
         let mut queues: HashMap<u64, VecDeque<Active>> = HashMap::new();
-        let mut slots = Slots::default();
         let mut times = PhaseTimes::default();
         let mut idle_since = Instant::now();
         loop {
@@ -1000,7 +1129,7 @@ impl Executor {
             let mut progressed = false;
             for q in queues.values_mut() {
                 while let Some(front) = q.front_mut() {
-                    let (moved, finished) = step(cuda, &mut slots, &mut times, front);
+                    let (moved, finished) = step(cuda, &mut times, front);
                     progressed |= moved;
                     if finished {
                         q.pop_front();
@@ -1033,12 +1162,7 @@ impl Executor {
 }
 
 /// Advances one job; returns (made progress, finished).
-fn step(
-    cuda: &'static Cuda,
-    slots: &mut Slots,
-    times: &mut PhaseTimes,
-    a: &mut Active,
-) -> (bool, bool) {
+fn step(cuda: &'static Cuda, times: &mut PhaseTimes, a: &mut Active) -> (bool, bool) {
     match &mut a.state {
         State::Waiting { since } => {
             let phase = a.phase as u32;
@@ -1105,7 +1229,7 @@ fn step(
                 Ok(ahead) => {
                     a.ahead = ahead;
                     if events.is_empty() {
-                        return phase_done(cuda, slots, a);
+                        return phase_done(cuda, a);
                     }
                     a.state = State::InFlight {
                         events,
@@ -1159,7 +1283,7 @@ fn step(
                 finish(cuda, a, status::INTERNAL, Some(msg));
                 return (true, true);
             }
-            phase_done(cuda, slots, a)
+            phase_done(cuda, a)
         }
     }
 }
@@ -1185,9 +1309,9 @@ fn paced_bytes(phases: &[Phase], p: usize, ngpus: usize) -> u64 {
     per.into_iter().max().unwrap_or(0)
 }
 
-fn phase_done(cuda: &Cuda, slots: &mut Slots, a: &mut Active) -> (bool, bool) {
+fn phase_done(cuda: &Cuda, a: &mut Active) -> (bool, bool) {
     for b in &a.job.bells {
-        slots.signal(b, b.ticket.wrapping_add(a.phase as u32));
+        signal_done(b, b.ticket.wrapping_add(a.phase as u32));
     }
     a.phase += 1;
     if a.phase == a.job.phases.len() {

@@ -43,7 +43,8 @@ pub enum DaemonError {
 }
 
 /// (communicator handle, daemon-wide id, doorbell slot).
-type JoinResult = Result<(u32, u64, u32), DaemonError>;
+/// A joined rank's communicator handle, daemon-wide id, doorbell slot, and node count.
+type JoinResult = Result<(u32, u64, u32, u32), DaemonError>;
 
 struct Joiner {
     session: Arc<Session>,
@@ -675,7 +676,8 @@ impl Daemon {
                     format!("{}: rank {rank} exited while joining", comm.label()),
                 );
             }
-            let _ = m.tx.send(Ok((handle, id, slot)));
+            let _ =
+                m.tx.send(Ok((handle, id, slot, reply.nodes.len().max(1) as u32)));
         }
     }
 

@@ -254,14 +254,19 @@ impl Session {
             .copied()
             .unwrap_or(commd_proto::desc::doorbell::NO_SLOT);
         let slot_bytes = crate::cuda::get().map(|c| c.slot_bytes).unwrap_or(1 << 20);
-        let phases = commd_proto::desc::cuda_phases(
-            op.kind,
-            op.count,
-            op.dtype.size(),
-            nranks,
-            slot_bytes,
-            op.one_shot,
-        );
+        // Host-staged (multi-node) GPU ops have one phase (`flags::HOST_STAGED`).
+        let phases = if op.staged {
+            1
+        } else {
+            commd_proto::desc::cuda_phases(
+                op.kind,
+                op.count,
+                op.dtype.size(),
+                nranks,
+                slot_bytes,
+                op.one_shot,
+            )
+        };
         Some(CudaTicket {
             slot,
             ticket,

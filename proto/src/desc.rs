@@ -99,8 +99,16 @@ pub mod flags {
     /// [`cuda_one_shot_fits`](super::cuda_one_shot_fits)); every rank of the op must pick the
     /// same, else the op fails as a mismatch.
     pub const ONE_SHOT: u32 = 2;
+    /// With [`CUDA`]: the op runs on a communicator that spans nodes, through host staging in
+    /// the daemon (GPU -> pinned host memory -> the inter-node transport -> GPU). Such an op has
+    /// one doorbell phase: the daemon starts once the stream has written `ticket`, and writes
+    /// `ticket` into the done counter when the results are in the GPU buffers; reductions run
+    /// in the daemon, so the client launches no kernel. The client sets it on every GPU op of a
+    /// communicator whose `CreateCommunicatorReply.nodes` is above 1; the daemon fails an op
+    /// whose flag disagrees with the communicator.
+    pub const HOST_STAGED: u32 = 4;
     /// Every flag bit this ABI version knows; the daemon rejects others.
-    pub const KNOWN: u32 = CUDA | ONE_SHOT;
+    pub const KNOWN: u32 = CUDA | ONE_SHOT | HOST_STAGED;
 }
 
 /// Doorbell page layout (at `RingHeader::doorbell_off`, one 4 KiB page): per communicator slot
@@ -529,6 +537,8 @@ pub enum DescError {
     Flags(u32),
     #[error("the one-shot flag is for GPU all-reduce only (got {0})")]
     OneShot(&'static str),
+    #[error("the host-staged flag is for GPU ops only, and not with the one-shot flag")]
+    Staged,
     #[error("ticket field is {0:#x}, must be 0 for host ops and below 2^32 for CUDA ops")]
     Ticket(u64),
     #[error("count {0} exceeds the maximum {MAX_COUNT}")]
@@ -556,6 +566,8 @@ pub struct Op {
     pub cuda_ticket: Option<u32>,
     /// [`flags::ONE_SHOT`].
     pub one_shot: bool,
+    /// [`flags::HOST_STAGED`].
+    pub staged: bool,
 }
 
 impl Op {
@@ -592,6 +604,10 @@ impl SubmitDesc {
         if one_shot && (!cuda || kind != OpKind::AllReduce) {
             return Err(DescError::OneShot(kind.name()));
         }
+        let staged = self.flags & flags::HOST_STAGED != 0;
+        if staged && (!cuda || one_shot) {
+            return Err(DescError::Staged);
+        }
         if (!cuda && self.ticket != 0) || self.ticket > u64::from(u32::MAX) {
             return Err(DescError::Ticket(self.ticket));
         }
@@ -616,6 +632,7 @@ impl SubmitDesc {
             recv_off: self.recv_off,
             cuda_ticket: cuda.then_some(self.ticket as u32),
             one_shot,
+            staged,
         })
     }
 }
@@ -729,6 +746,27 @@ mod tests {
         assert!(matches!(d.decode(), Err(DescError::OneShot(_))));
     }
 
+    #[test]
+    fn host_staged_flag_only_on_gpu_ops_without_one_shot() {
+        let mut d = SubmitDesc {
+            opcode: opcode::ALL_GATHER,
+            dtype: dtype::BF16,
+            flags: flags::CUDA | flags::HOST_STAGED,
+            count: 7,
+            ..Default::default()
+        };
+        let op = d.decode().unwrap();
+        assert!(op.staged && !op.one_shot);
+        d.flags = flags::HOST_STAGED;
+        assert!(matches!(d.decode(), Err(DescError::Staged)));
+        d.opcode = opcode::ALL_REDUCE;
+        d.redop = redop::SUM;
+        d.flags = flags::CUDA | flags::HOST_STAGED | flags::ONE_SHOT;
+        assert!(matches!(d.decode(), Err(DescError::Staged)));
+        d.flags = flags::CUDA;
+        assert!(!d.decode().unwrap().staged);
+    }
+
     proptest! {
         #[test]
         fn decode_never_panics_and_accepts_only_valid(d in arb_desc()) {
@@ -740,6 +778,8 @@ mod tests {
                 let cuda = d.flags & flags::CUDA != 0;
                 prop_assert_eq!(op.one_shot, d.flags & flags::ONE_SHOT != 0);
                 prop_assert!(!op.one_shot || (cuda && op.kind == OpKind::AllReduce));
+                prop_assert_eq!(op.staged, d.flags & flags::HOST_STAGED != 0);
+                prop_assert!(!op.staged || (cuda && !op.one_shot));
                 let ticket_ok = if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 };
                 prop_assert!(ticket_ok);
                 prop_assert_eq!(op.cuda_ticket.map(u64::from), cuda.then_some(d.ticket));

@@ -616,25 +616,35 @@ impl Communicator {
         let slot = u64::from(self.doorbell_slot);
         let ready = db + doorbell::READY_OFF + 4 * slot;
         let done = db + doorbell::DONE_OFF + 4 * slot;
-        let scratch = if a.kind.reduces() {
+        // Across nodes the daemons reduce in host memory: one phase, no scratch, no kernel.
+        let staged = self.nodes > 1;
+        let kernel_reduces = a.kind.reduces() && !staged;
+        let scratch = if kernel_reduces {
             Some(self.scratch(&mut c, device.unwrap_or(0))?)
         } else {
             None
         };
-        if a.kind.reduces() && self.nranks > 8 {
+        if kernel_reduces && self.nranks > 8 {
             return Err(Error::InvalidArgument(format!(
                 "GPU reductions support up to 8 ranks per communicator (this one has {})",
                 self.nranks
             )));
         }
         let slot_bytes = scratch.map(|s| s.slot_bytes).unwrap_or(1 << 20);
-        let one_shot = algo::one_shot(a.kind, a.count, es, self.nranks, slot_bytes)?;
-        let shape =
-            commd_proto::desc::cuda_shape(a.kind, a.count, es, self.nranks, slot_bytes, one_shot);
+        let one_shot = !staged && algo::one_shot(a.kind, a.count, es, self.nranks, slot_bytes)?;
+        let shape = if staged {
+            commd_proto::desc::CudaShape {
+                rounds: 1,
+                round_elems: a.count,
+                phases: 1,
+            }
+        } else {
+            commd_proto::desc::cuda_shape(a.kind, a.count, es, self.nranks, slot_bytes, one_shot)
+        };
         let phases = shape.phases;
         let ticket = c.next_ticket;
         // Build the stream work first, so a failure here leaves nothing posted.
-        let kernels = if a.kind.reduces() {
+        let kernels = if kernel_reduces {
             if g.kernels.is_none() {
                 g.kernels = Some(kernels::Kernels::new());
             }
@@ -689,7 +699,9 @@ impl Communicator {
             opcode: a.kind.code(),
             dtype: a.dtype.code(),
             redop: a.redop.map(|r| r.code()).unwrap_or(0),
-            flags: flags::CUDA | if one_shot { flags::ONE_SHOT } else { 0 },
+            flags: flags::CUDA
+                | if one_shot { flags::ONE_SHOT } else { 0 }
+                | if staged { flags::HOST_STAGED } else { 0 },
             comm: self.handle,
             peer: a.peer,
             count: a.count,
@@ -732,7 +744,7 @@ impl Communicator {
         // for ready counters that never come, so later phases are signalled anyway (the error
         // is returned, and the daemon's timeout would catch a stream that never runs).
         let enq = (|| -> Result<()> {
-            if !a.kind.reduces() {
+            if !kernel_reduces {
                 write(ticket)?;
                 if a.defer_wait && a.kind.is_p2p() {
                     c.deferred = Some(ticket);

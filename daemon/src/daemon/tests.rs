@@ -69,7 +69,7 @@ fn create(
         out.push(match joined {
             Err(e) => Err(e.to_string()),
             Ok(mut rx) => match rx.try_recv() {
-                Ok(Ok((h, _, _))) => {
+                Ok(Ok((h, _, _, _))) => {
                     comm = s.tables().comms.get(&h).map(|(c, _)| c.clone());
                     Ok(h)
                 }
@@ -162,7 +162,7 @@ fn set_comm_pacing_applies_to_every_rank_and_validates() {
             Duration::from_secs(5),
         )
         .expect("join");
-    let (h1, _, _) = rx1.try_recv().expect("formed").expect("joined");
+    let (h1, _, _, _) = rx1.try_recv().expect("formed").expect("joined");
     let comm = s1.tables().comms.get(&h1).expect("comm").0.clone();
     // Rank 1 changes it; it is the communicator's one pacer (rank 0 sees the same).
     d.set_comm_pacing(&s1, h1, 7 * GB).expect("set");

@@ -13,6 +13,7 @@ pub mod algo;
 pub mod conn;
 pub mod link;
 pub mod rdma;
+pub mod staging;
 pub mod switchpath;
 pub mod wire;
 
@@ -186,6 +187,18 @@ struct Inflight {
     send: Option<SendId>,
     recv: Option<RecvId>,
     since: Instant,
+    /// GPU p2p: the host staging buffer the wire reads or writes.
+    stage: Option<staging::Pinned>,
+}
+
+/// A host-staged GPU send or recv outside the wire: a send waits for its stream and its copy
+/// to host memory before it is posted; a received message waits for the receiver's stream (its
+/// buffer free) and its copy to the GPU before the op completes.
+struct StagedP2p {
+    p: Posted,
+    buf: staging::Pinned,
+    copy: Option<(usize, commd_client::gpu::cu::sys::CUevent)>,
+    since: Instant,
 }
 
 struct Thread {
@@ -193,6 +206,9 @@ struct Thread {
     s: Setup,
     broken: Option<(u32, String)>,
     inflight: Vec<Inflight>,
+    /// Host-staged GPU p2p ops waiting for a stream or a copy (see `StagedP2p`).
+    staged: Vec<StagedP2p>,
+    pool: staging::Pool,
     scratch: Scratch,
     sw: Option<crate::switch::worker::Worker>,
     sw_info: Arc<Mutex<switchpath::SwitchInfo>>,
@@ -227,6 +243,8 @@ impl Thread {
             s,
             broken: None,
             inflight: Vec::new(),
+            staged: Vec::new(),
+            pool: staging::Pool::default(),
             scratch: Scratch::default(),
             sw: None,
             sw_info,
@@ -270,8 +288,9 @@ impl Thread {
                 queue.push_back(Cmd::End);
             }
             while let Some(c) = queue.front() {
-                let blocked =
-                    matches!(c, Cmd::Coll { .. }) && !t.inflight.is_empty() && t.broken.is_none();
+                let blocked = matches!(c, Cmd::Coll { .. })
+                    && !(t.inflight.is_empty() && t.staged.is_empty())
+                    && t.broken.is_none();
                 if blocked {
                     break;
                 }
@@ -300,11 +319,16 @@ impl Thread {
             }
             match wire.as_mut() {
                 Some(w) if t.broken.is_none() => {
-                    let r = w.pump(
-                        Some(Instant::now() + Duration::from_secs(1)),
-                        algo::sig_text,
-                    );
-                    let r = r.and_then(|()| t.check_inflight(w));
+                    // Staged GPU ops wait on streams and copies, not sockets: poll those often.
+                    let wait = if t.staged.is_empty() {
+                        Duration::from_secs(1)
+                    } else {
+                        Duration::from_micros(100)
+                    };
+                    let r = w.pump(Some(Instant::now() + wait), algo::sig_text);
+                    let r = r
+                        .and_then(|()| t.check_inflight(w))
+                        .and_then(|()| t.progress_staged(w));
                     if let Err(e) = r {
                         t.fail(w, "", e);
                     }
@@ -518,9 +542,22 @@ impl Thread {
             .broken
             .clone()
             .unwrap_or((status::ABORTED, String::new()));
-        for f in self.inflight.drain(..) {
+        // Staging buffers go back to the pool, not away: the wire may still point into them
+        // until it is dropped (before the pool), and a copy may still be running.
+        for f in std::mem::take(&mut self.inflight) {
             let c = f.p.op.comm;
             f.p.complete(c, st, Some(msg.clone()));
+            if let Some(b) = f.stage {
+                self.pool.give(b);
+            }
+        }
+        for s in std::mem::take(&mut self.staged) {
+            if let (Some(e), Ok(cuda)) = (s.copy, crate::cuda::get()) {
+                let _ = cuda.wait_event(e);
+            }
+            let c = s.p.op.comm;
+            s.p.complete(c, st, Some(msg.clone()));
+            self.pool.give(s.buf);
         }
     }
 
@@ -575,6 +612,7 @@ impl Thread {
             ),
             NetError::Timeout(m) => (status::TIMEOUT, format!("{pre}: {m}")),
             NetError::Local(m) => (status::INTERNAL, format!("{pre}: {m}")),
+            NetError::LocalRank(st, m) => (*st, format!("{pre}: {m}")),
         }
     }
 
@@ -598,6 +636,33 @@ impl Thread {
             p.complete(c, status::ABORTED, Some(msg));
             return;
         };
+        if p.cuda.is_some() {
+            // Host staging: a send goes to the wire once its stream is there and its data is
+            // in host memory (`progress_staged`); a recv lands in host memory first.
+            let bytes = p.op.count * p.op.dtype.size();
+            let buf = crate::cuda::get().and_then(|c| self.pool.take(c, bytes));
+            match buf {
+                Ok(buf) if p.op.kind == OpKind::Send => self.staged.push(StagedP2p {
+                    p,
+                    buf,
+                    copy: None,
+                    since: Instant::now(),
+                }),
+                Ok(buf) => self.post_wire(w, p, Some(buf)),
+                Err(why) => {
+                    let msg = format!("{}: {}: host staging: {why}", self.s.label, p2p_what(&p));
+                    let c = p.op.comm;
+                    p.complete(c, status::INTERNAL, Some(msg));
+                }
+            }
+            return;
+        }
+        self.post_wire(w, p, None);
+    }
+
+    /// Posts a p2p op's message to the wire, from or into its host buffer (`stage` for a
+    /// host-staged GPU op).
+    fn post_wire(&mut self, w: &mut Wire, p: Posted, stage: Option<staging::Pinned>) {
         let t = &self.s.topo;
         let peer_rank = p.op.peer;
         let node = t.rank_node[peer_rank as usize];
@@ -609,12 +674,13 @@ impl Thread {
         };
         let a = (u64::from(src) << 32) | u64::from(dst);
         let bytes = p.op.count * p.op.dtype.size();
+        let host = |s: &Option<crate::engine::Span>| match (&stage, s) {
+            (Some(b), _) => b.ptr(),
+            (None, Some(s)) => s.ptr(),
+            (None, None) => std::ptr::NonNull::<u8>::dangling().as_ptr(),
+        };
         let r = if p.op.kind == OpKind::Send {
-            let ptr = p
-                .bufs
-                .send
-                .as_ref()
-                .map_or(std::ptr::NonNull::<u8>::dangling().as_ptr(), |s| s.ptr());
+            let ptr = host(&p.bufs.send);
             // SAFETY: the span stays alive with the Posted op until it completes.
             unsafe {
                 w.send(
@@ -631,11 +697,7 @@ impl Thread {
             }
             .map(|id| (Some(id), None))
         } else {
-            let ptr = p
-                .bufs
-                .recv
-                .as_ref()
-                .map_or(std::ptr::NonNull::<u8>::dangling().as_ptr(), |s| s.ptr());
+            let ptr = host(&p.bufs.recv);
             // SAFETY: as above; nothing else writes the recv span while the op is pending.
             unsafe {
                 w.recv(
@@ -659,14 +721,117 @@ impl Thread {
                 send,
                 recv,
                 since: Instant::now(),
+                stage,
             }),
             Err(e) => {
                 let what = p2p_what(&p);
                 let c = p.op.comm;
                 let (st, msg) = self.describe(&what, &e);
                 p.complete(c, st, Some(msg));
+                if let Some(b) = stage {
+                    self.pool.give(b);
+                }
             }
         }
+    }
+
+    /// Moves host-staged GPU p2p ops along: a send whose stream has reached it gets its copy
+    /// to host memory, then goes to the wire; a received message whose receiver's stream has
+    /// reached the recv gets its copy to the GPU, then the op completes. An error (a local
+    /// rank lost, a stream that never arrives, a failed copy) breaks the communicator.
+    fn progress_staged(&mut self, w: &mut Wire) -> Result<(), NetError> {
+        if self.staged.is_empty() {
+            return Ok(());
+        }
+        let cuda = crate::cuda::get().map_err(NetError::Local)?;
+        let mut i = 0;
+        while i < self.staged.len() {
+            let s = &mut self.staged[i];
+            let send = s.p.op.kind == OpKind::Send;
+            if let Some(e) = &s.copy {
+                let done = cuda.event_done(e);
+                if matches!(done, Ok(false)) {
+                    i += 1;
+                    continue;
+                }
+                let s = self.staged.swap_remove(i);
+                if let Some(e) = s.copy {
+                    cuda.release_event(e);
+                }
+                if let Err(e) = done {
+                    let what = p2p_what(&s.p);
+                    self.staged.push(s);
+                    return Err(NetError::Local(format!("{what}: host staging copy: {e}")));
+                }
+                if send {
+                    self.post_wire(w, s.p, Some(s.buf));
+                } else {
+                    self.pool.give(s.buf);
+                    staged_done(s.p);
+                }
+                continue;
+            }
+            let Some(b) = crate::cuda::Bell::of(&s.p) else {
+                i += 1;
+                continue;
+            };
+            if b.session.is_closed() {
+                return Err(NetError::LocalRank(
+                    status::PEER_LOST,
+                    format!(
+                        "rank {} (pid {}) was lost during {}",
+                        b.rank,
+                        b.session.pid,
+                        p2p_what(&s.p)
+                    ),
+                ));
+            }
+            if !b.ready(0) {
+                if s.since.elapsed() > self.s.op_timeout {
+                    return Err(NetError::LocalRank(
+                        status::TIMEOUT,
+                        format!(
+                            "{} timed out after {:.1} s: rank {}'s stream never reached it (it signalled {}, the op needs {})",
+                            p2p_what(&s.p),
+                            s.since.elapsed().as_secs_f64(),
+                            b.rank,
+                            b.ready_value(),
+                            b.ticket
+                        ),
+                    ));
+                }
+                i += 1;
+                continue;
+            }
+            let g = if send {
+                &s.p.gbufs.send
+            } else {
+                &s.p.gbufs.recv
+            };
+            match g.as_ref().filter(|g| g.bytes > 0) {
+                Some(g) => {
+                    // SAFETY: the buffer stays in `self.staged` (or, on failure, in the pool)
+                    // until the copy's event completes; the GPU span lives with the op.
+                    let e = unsafe { cuda.copy_host(g, s.buf.ptr(), !send) }.map_err(|e| {
+                        NetError::Local(format!("{}: host staging copy: {e}", p2p_what(&s.p)))
+                    })?;
+                    s.copy = Some(e);
+                    s.since = Instant::now();
+                    i += 1;
+                }
+                None => {
+                    // Nothing to copy: on to the wire, or done.
+                    let s = self.staged.swap_remove(i);
+                    if send {
+                        self.post_wire(w, s.p, Some(s.buf));
+                    } else {
+                        self.pool.give(s.buf);
+                        staged_done(s.p);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn check_inflight(&mut self, w: &mut Wire) -> Result<(), NetError> {
@@ -684,8 +849,23 @@ impl Thread {
                 if let Some(r) = &f.recv {
                     w.release_recv(r);
                 }
-                let c = f.p.op.comm;
-                f.p.complete(c, status::OK, None);
+                match f.stage {
+                    None => {
+                        let c = f.p.op.comm;
+                        f.p.complete(c, status::OK, None);
+                    }
+                    Some(buf) if f.p.op.kind == OpKind::Send => {
+                        self.pool.give(buf);
+                        staged_done(f.p);
+                    }
+                    // The data is in host memory; its copy to the GPU waits for the stream.
+                    Some(buf) => self.staged.push(StagedP2p {
+                        p: f.p,
+                        buf,
+                        copy: None,
+                        since: Instant::now(),
+                    }),
+                }
                 continue;
             }
             if let Some(r) = &f.recv
@@ -717,7 +897,7 @@ impl Thread {
         Ok(())
     }
 
-    fn coll(&mut self, w: Option<&mut Wire>, coll: Coll, ops: Vec<Posted>) {
+    fn coll(&mut self, w: Option<&mut Wire>, mut coll: Coll, ops: Vec<Posted>) {
         let (Some(w), None) = (w, &self.broken) else {
             let msg = self
                 .broken
@@ -734,51 +914,30 @@ impl Thread {
         w.progress = coll.seq + 1;
         let t0 = Instant::now();
         let deadline = t0 + self.s.op_timeout;
-        let topo = self.s.topo.clone();
-        let tuning = self.ctx.tuning;
-        let mut transport = "tcp";
-        if self.sw.is_some() {
-            match algo::switch_fits(&coll) {
-                Ok(true) => match self.switch_op(w, &coll, deadline, &what) {
-                    Ok(true) => {
-                        tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = "switch", transport = "switch", us = t0.elapsed().as_micros() as u64, "executed");
-                        for p in ops {
-                            let c = p.op.comm;
-                            p.complete(c, status::OK, None);
-                        }
-                        return;
-                    }
-                    Ok(false) => transport = "tcp (switch could not carry the values)",
-                    Err(e) => {
-                        let (st, msg) = self.describe(&what, &e);
-                        for p in ops {
-                            let c = p.op.comm;
-                            p.complete(c, st, Some(msg.clone()));
-                        }
-                        self.fail(w, &what, e);
-                        return;
-                    }
-                },
-                Ok(false) => {}
-                Err(why) => {
-                    if self.sw_skipped.insert(why.clone()) {
-                        tracing::info!(target: "commd::net", "{}: {why}; such all-reduces go over TCP", self.s.label);
-                    }
-                }
-            }
+        let gpu = ops.iter().any(|p| p.cuda.is_some());
+        let mut stage = Vec::new();
+        let r = if gpu {
+            self.stage_in(w, &mut coll, &ops, deadline, &mut stage)
+        } else {
+            Ok(())
+        };
+        let staged_in = t0.elapsed();
+        let mut r = r
+            .and_then(|()| self.exec_coll(w, &coll, deadline, &what))
+            .map(|(alg, transport)| (alg, transport, t0.elapsed()));
+        if gpu && let Ok(x) = r {
+            r = self.stage_out(&ops, &stage).map(|()| x);
         }
-        match algo::run(
-            w,
-            &topo,
-            &coll,
-            &mut self.scratch,
-            &tuning,
-            deadline,
-            what.clone(),
-        ) {
-            Ok(alg) => {
-                tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = alg, transport = transport, us = t0.elapsed().as_micros() as u64, "executed");
+        for (_, b) in stage {
+            self.pool.give(b);
+        }
+        match r {
+            Ok((alg, transport, ran)) => {
+                tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = alg, transport = transport, staged_in_us = staged_in.as_micros() as u64, ran_us = ran.as_micros() as u64, us = t0.elapsed().as_micros() as u64, "executed");
                 for p in ops {
+                    if let Some(b) = crate::cuda::Bell::of(&p) {
+                        crate::cuda::signal_done(&b, b.ticket);
+                    }
                     let c = p.op.comm;
                     p.complete(c, status::OK, None);
                 }
@@ -792,6 +951,191 @@ impl Thread {
                 self.fail(w, &what, e);
             }
         }
+    }
+
+    /// Runs a matched collective on host buffers: through the switch session when it can
+    /// carry it, else the TCP/RDMA algorithms. Returns the algorithm and transport used.
+    fn exec_coll(
+        &mut self,
+        w: &mut Wire,
+        coll: &Coll,
+        deadline: Instant,
+        what: &str,
+    ) -> Result<(&'static str, &'static str), NetError> {
+        let mut transport = "tcp";
+        if self.sw.is_some() {
+            match algo::switch_fits(coll) {
+                Ok(true) => {
+                    if self.switch_op(w, coll, deadline, what)? {
+                        return Ok(("switch", "switch"));
+                    }
+                    transport = "tcp (switch could not carry the values)";
+                }
+                Ok(false) => {}
+                Err(why) => {
+                    if self.sw_skipped.insert(why.clone()) {
+                        tracing::info!(target: "commd::net", "{}: {why}; such all-reduces go over TCP", self.s.label);
+                    }
+                }
+            }
+        }
+        let topo = self.s.topo.clone();
+        let tuning = self.ctx.tuning;
+        let alg = algo::run(
+            w,
+            &topo,
+            coll,
+            &mut self.scratch,
+            &tuning,
+            deadline,
+            what.to_string(),
+        )?;
+        Ok((alg, transport))
+    }
+
+    /// Host staging of a GPU collective, before it runs: waits until every local rank's
+    /// stream has reached the op (pumping the wire meanwhile), copies each rank's input into
+    /// a pinned host buffer, and points `coll`'s buffers at host memory. `stage` receives the
+    /// buffers (rank, input or output) for `stage_out` and the pool.
+    fn stage_in(
+        &mut self,
+        w: &mut Wire,
+        coll: &mut Coll,
+        ops: &[Posted],
+        deadline: Instant,
+        stage: &mut Vec<(bool, staging::Pinned)>,
+    ) -> Result<(), NetError> {
+        let cuda = crate::cuda::get().map_err(NetError::Local)?;
+        let bells: Vec<crate::cuda::Bell> = ops.iter().filter_map(crate::cuda::Bell::of).collect();
+        let t0 = Instant::now();
+        loop {
+            if let Some(b) = bells.iter().find(|b| b.session.is_closed()) {
+                return Err(NetError::LocalRank(
+                    status::PEER_LOST,
+                    format!(
+                        "rank {} (pid {}) was lost during the op",
+                        b.rank, b.session.pid
+                    ),
+                ));
+            }
+            if bells.iter().all(|b| b.ready(0)) {
+                break;
+            }
+            if Instant::now() > deadline {
+                let late: Vec<String> = bells
+                    .iter()
+                    .filter(|b| !b.ready(0))
+                    .map(|b| {
+                        format!(
+                            "rank {} (pid {}: its stream signalled {}, the op needs {})",
+                            b.rank,
+                            b.session.pid,
+                            b.ready_value(),
+                            b.ticket
+                        )
+                    })
+                    .collect();
+                return Err(NetError::LocalRank(
+                    status::TIMEOUT,
+                    format!(
+                        "timed out after {:.1} s waiting for the GPU streams of {} to reach the op; is that rank's stream blocked behind other work?",
+                        t0.elapsed().as_secs_f64(),
+                        late.join(", ")
+                    ),
+                ));
+            }
+            // Spin briefly (a stream usually arrives within microseconds), then keep the
+            // sockets moving at a gentler pace.
+            let wait = if t0.elapsed() < Duration::from_millis(1) {
+                None
+            } else {
+                Some(Instant::now() + Duration::from_micros(200))
+            };
+            w.pump(wait, algo::sig_text)?;
+        }
+        let local =
+            |e: commd_client::gpu::cu::CuError| NetError::Local(format!("host staging: {e}"));
+        let mut copies = Vec::new();
+        let mut r = Ok(());
+        'ops: for (p, (rank, bufs)) in ops.iter().zip(coll.bufs.iter_mut()) {
+            debug_assert_eq!(p.rank, *rank);
+            for (recv, g) in [(false, &p.gbufs.send), (true, &p.gbufs.recv)] {
+                let Some(g) = g else { continue };
+                let (b, span) = match self.pool.take(cuda, g.bytes) {
+                    Ok(b) => match b.span(g.bytes) {
+                        Some(span) => (b, span),
+                        None => {
+                            r = Err(NetError::Local("host staging buffer too small".into()));
+                            self.pool.give(b);
+                            break 'ops;
+                        }
+                    },
+                    Err(why) => {
+                        r = Err(NetError::Local(why));
+                        break 'ops;
+                    }
+                };
+                if !recv && g.bytes > 0 {
+                    // SAFETY: `b` is kept (in `stage`) until the copy's event is waited for
+                    // below; the GPU span is bounds-checked and kept alive by the op.
+                    match unsafe { cuda.copy_host(g, b.ptr(), false) } {
+                        Ok(e) => copies.push(e),
+                        Err(e) => r = Err(local(e)),
+                    }
+                }
+                if recv {
+                    bufs.recv = Some(span);
+                } else {
+                    bufs.send = Some(span);
+                }
+                stage.push((recv, b));
+                if r.is_err() {
+                    break 'ops;
+                }
+            }
+        }
+        for e in copies {
+            if let Err(e) = cuda.wait_event(e) {
+                r = r.and(Err(local(e)));
+            }
+        }
+        r
+    }
+
+    /// Host staging of a GPU collective, after it ran: copies each rank's output from its
+    /// host buffer into its GPU buffer and waits for the copies.
+    fn stage_out(&self, ops: &[Posted], stage: &[(bool, staging::Pinned)]) -> Result<(), NetError> {
+        let cuda = crate::cuda::get().map_err(NetError::Local)?;
+        let mut outs = stage.iter().filter(|(recv, _)| *recv).map(|(_, b)| b);
+        let mut copies = Vec::new();
+        let mut r = Ok(());
+        for p in ops {
+            let Some(g) = &p.gbufs.recv else { continue };
+            let Some(b) = outs.next() else {
+                r = Err(NetError::Local(
+                    "host staging: an output buffer is missing".into(),
+                ));
+                break;
+            };
+            if g.bytes == 0 {
+                continue;
+            }
+            // SAFETY: the host buffer is held by the caller until this returns, after the
+            // copies are waited for; the GPU span is bounds-checked and kept alive by the op.
+            match unsafe { cuda.copy_host(g, b.ptr(), true) } {
+                Ok(e) => copies.push(e),
+                Err(e) => {
+                    r = Err(NetError::Local(format!("host staging: {e}")));
+                    break;
+                }
+            }
+        }
+        for e in copies {
+            if let Err(e) = cuda.wait_event(e) {
+                r = r.and(Err(NetError::Local(format!("host staging: {e}"))));
+            }
+        }
+        r
     }
 }
 
@@ -829,6 +1173,16 @@ impl Thread {
         }
         Ok(true)
     }
+}
+
+/// Completes a host-staged GPU op whose results are in place: its done counter, then its
+/// completion.
+fn staged_done(p: Posted) {
+    if let Some(b) = crate::cuda::Bell::of(&p) {
+        crate::cuda::signal_done(&b, b.ticket);
+    }
+    let c = p.op.comm;
+    p.complete(c, status::OK, None);
 }
 
 fn p2p_what(p: &Posted) -> String {

@@ -58,6 +58,9 @@ pub enum NetError {
     Timeout(String),
     #[error("{0}")]
     Local(String),
+    /// A rank on this node died, or its GPU stream never reached the op.
+    #[error("{1}")]
+    LocalRank(u32, String),
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]

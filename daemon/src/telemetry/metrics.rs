@@ -424,6 +424,7 @@ mod tests {
             recv_off: 0,
             cuda_ticket: None,
             one_shot: false,
+            staged: false,
         }
     }
 
