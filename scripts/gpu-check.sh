@@ -3,7 +3,7 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|all] [OUTDIR]
 # COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
 # `allreduce` (GPU data path II): client-py/benchmarks/gpu_vs_nccl.py for all_reduce and
@@ -16,6 +16,11 @@
 # pacing caps in COMMD_PACING (GB/s, default 0,300,200,100,50,25; ~2 min):
 # interference-N-gpus.log and interference.jsonl. `all` (the default) is tests + bench; the
 # two modes above are slower and run only by name; they print the time each section took.
+# `multinode` (also part of `tests`): two more daemons on this machine act as two nodes
+# (loopback TCP between them), and tests/gpu/gpu_ops.py runs every op and dtype on 2 and 4 GPUs
+# across them (GPU ops through host staging, flags::HOST_STAGED), then gpu_vs_nccl.py measures
+# all_reduce/all_gather that way (NCCL in the same run stays within the node over NVLink: a
+# reference, not a peer): multinode-*.log, multinode.jsonl.
 # COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
@@ -25,8 +30,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference or all"
+  tests|bench|breakdown|allreduce|interference|multinode|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -95,6 +100,30 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   kill $d2 2>/dev/null; wait $d2 2>/dev/null
 fi
 g=$(( ngpu >= 4 ? 4 : ngpu ))
+if [ "$what" = tests ] || [ "$what" = multinode ] || [ "$what" = all ]; then
+  t_mode=$SECONDS
+  nodes=()
+  for i in a b; do
+    "$bin" serve --socket "$sockdir/node-$i.sock" --set peer_listen=127.0.0.1:0 \
+      --set metrics_listen=off >"$out/daemon-node-$i.log" 2>&1 &
+    nodes+=($!)
+  done
+  for i in a b; do
+    for _ in $(seq 100); do [ -S "$sockdir/node-$i.sock" ] && break; sleep 0.1; done
+  done
+  export COMMD_NODE_SOCKETS=$sockdir/node-a.sock,$sockdir/node-b.sock
+  for n in 2 4; do
+    [ "$n" -le "$ngpu" ] && run "multinode-ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
+  done
+  if [ "$what" = multinode ]; then
+    timed 300 "multinode-bench-$g-gpus" "${tr[@]}" "$g" client-py/benchmarks/gpu_vs_nccl.py \
+      --op all_reduce,all_gather --dtypes float32 --sizes 64K,1M,16M,64M,256M \
+      --json "$out/multinode.jsonl"
+  fi
+  unset COMMD_NODE_SOCKETS
+  kill "${nodes[@]}" 2>/dev/null; wait "${nodes[@]}" 2>/dev/null
+  echo "-- multinode: $((SECONDS - t_mode)) s"
+fi
 if [ "$what" = breakdown ]; then
   run breakdown-sendrecv "${tr[@]}" 2 client-py/benchmarks/gpu_op_breakdown.py --op sendrecv --out "$out"
   run breakdown-allgather "${tr[@]}" "$g" client-py/benchmarks/gpu_op_breakdown.py --op all_gather --out "$out"

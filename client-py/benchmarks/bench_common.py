@@ -23,6 +23,18 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 
 
+def node_socket(rank: int, world: int) -> str | None:
+    """Several daemons on one machine acting as nodes: ``COMMD_NODE_SOCKETS=a.sock,b.sock``
+    puts ranks ``0 .. world/2 - 1`` on the first daemon, the rest on the second (contiguous
+    blocks), by setting ``COMMD_SOCKET`` before commd connects. Returns the socket chosen."""
+    socks = [s for s in os.environ.get("COMMD_NODE_SOCKETS", "").split(",") if s]
+    if not socks:
+        return None
+    per = -(-world // len(socks))
+    os.environ["COMMD_SOCKET"] = socks[min(rank // per, len(socks) - 1)]
+    return os.environ["COMMD_SOCKET"]
+
+
 def parse_size(text: str) -> int:
     """Bytes from ``4096``, ``8K``, ``8KiB``, ``2M``, ``1G`` (binary units, case-insensitive)."""
     m = _SIZE.match(text)

@@ -397,6 +397,7 @@ def main() -> None:
     local = int(os.environ.get("LOCAL_RANK", rank))
     torch.cuda.set_device(local)
     dev = torch.device("cuda", local)
+    bc.node_socket(rank, world)  # COMMD_NODE_SOCKETS: daemons as nodes (host staging)
     dist.init_process_group("commd")
     if "sendrecv" in a.op and world < 2:
         raise SystemExit("sendrecv needs at least 2 ranks")

@@ -22,6 +22,12 @@ import commd.torch  # noqa: F401  (registers the backend)
 
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
+# COMMD_NODE_SOCKETS=a.sock,b.sock: two daemons on this machine act as two nodes (contiguous
+# blocks of ranks), so every op crosses "nodes" through host staging in the daemons.
+SOCKS = [s for s in os.environ.get("COMMD_NODE_SOCKETS", "").split(",") if s]
+if SOCKS:
+    per = -(-world // len(SOCKS))
+    os.environ["COMMD_SOCKET"] = SOCKS[min(rank // per, len(SOCKS) - 1)]
 local = int(os.environ.get("LOCAL_RANK", rank))
 torch.cuda.set_device(local)
 dev = torch.device("cuda", local)
