@@ -104,7 +104,8 @@ if [ "$what" = tests ] || [ "$what" = multinode ] || [ "$what" = all ]; then
   t_mode=$SECONDS
   nodes=()
   for i in a b; do
-    "$bin" serve --socket "$sockdir/node-$i.sock" --set peer_listen=127.0.0.1:0 \
+    COMMD_DEBUG=${COMMD_NODE_DEBUG:-INFO} COMMD_DEBUG_SUBSYS=${COMMD_NODE_SUBSYS:-NET} \
+      "$bin" serve --socket "$sockdir/node-$i.sock" --set peer_listen=127.0.0.1:0 \
       --set metrics_listen=off >"$out/daemon-node-$i.log" 2>&1 &
     nodes+=($!)
   done
@@ -116,6 +117,9 @@ if [ "$what" = tests ] || [ "$what" = multinode ] || [ "$what" = all ]; then
     [ "$n" -le "$ngpu" ] && run "multinode-ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
   done
   if [ "$what" = multinode ]; then
+    # The host-memory path between the same two kinds of daemons, for reference.
+    run multinode-host-bench env -u COMMD_SOCKET "$bin" bench --nodes 2 --ranks 4 --min-bytes 64K --max-bytes 256M \
+      --step-factor 4
     timed 300 "multinode-bench-$g-gpus" "${tr[@]}" "$g" client-py/benchmarks/gpu_vs_nccl.py \
       --op all_reduce,all_gather --dtypes float32 --sizes 64K,1M,16M,64M,256M \
       --json "$out/multinode.jsonl"

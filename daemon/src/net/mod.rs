@@ -287,6 +287,11 @@ impl Thread {
             if disconnected && queue.is_empty() {
                 queue.push_back(Cmd::End);
             }
+            // Commands that arrive while one runs find the wake fd already drained (the op's
+            // own `pump` calls read it): after running any, look at the channel again before
+            // sleeping. (Without this a stream of GPU ops, which clients post ahead of their
+            // streams, stalled up to 1 s between ops.)
+            let mut ran = false;
             while let Some(c) = queue.front() {
                 let blocked = matches!(c, Cmd::Coll { .. })
                     && !(t.inflight.is_empty() && t.staged.is_empty())
@@ -295,6 +300,7 @@ impl Thread {
                     break;
                 }
                 let Some(c) = queue.pop_front() else { break };
+                ran = true;
                 match c {
                     Cmd::End => {
                         t.fail_queue(&mut queue);
@@ -320,12 +326,14 @@ impl Thread {
             match wire.as_mut() {
                 Some(w) if t.broken.is_none() => {
                     // Staged GPU ops wait on streams and copies, not sockets: poll those often.
-                    let wait = if t.staged.is_empty() {
-                        Duration::from_secs(1)
+                    let wait = if ran {
+                        None
+                    } else if t.staged.is_empty() {
+                        Some(Instant::now() + Duration::from_secs(1))
                     } else {
-                        Duration::from_micros(100)
+                        Some(Instant::now() + Duration::from_micros(100))
                     };
-                    let r = w.pump(Some(Instant::now() + wait), algo::sig_text);
+                    let r = w.pump(wait, algo::sig_text);
                     let r = r
                         .and_then(|()| t.check_inflight(w))
                         .and_then(|()| t.progress_staged(w));

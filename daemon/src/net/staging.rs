@@ -34,10 +34,14 @@ impl Pinned {
             MemRegion::anonymous(bytes)
                 .map_err(|e| format!("allocating {bytes} bytes of host staging: {e}"))?,
         );
+        let t0 = std::time::Instant::now();
         // SAFETY: the region is a live, page-aligned private mapping; `Drop` unregisters it
         // before the region can go away (the pool holds the last use of its spans).
         let pinned = match unsafe { cuda.host_register(region.base(), bytes) } {
-            Ok(()) => true,
+            Ok(()) => {
+                tracing::info!(target: "commd::net", "host staging: pinned a {} KiB buffer in {:.1} ms", bytes >> 10, t0.elapsed().as_secs_f64() * 1e3);
+                true
+            }
             Err(e) => {
                 tracing::warn!(target: "commd::net", "host staging buffer of {bytes} bytes not pinned ({e}); GPU copies through it are slower");
                 false

@@ -158,6 +158,11 @@ pub struct Wire {
     wake: OwnedFd,
     /// Reported in heartbeats.
     pub progress: u64,
+    /// This side sent END: no more heartbeats. The peer hands a stream whose END it read to
+    /// the pool, where the next bytes must be a BIND: a heartbeat after END made it reject
+    /// the pooled connection, and the next communicator between the two nodes then failed to
+    /// connect (seen on 4x H200: "opened 1 of 2 data connections ... in time").
+    sent_end: bool,
     pub stats: Vec<LinkStats>,
     /// Per node: the daemon-wide link counters of `commd stat -l` and /metrics (set by the
     /// caller after `new`; `None` for this node).
@@ -314,6 +319,7 @@ impl Wire {
             posted: HashMap::new(),
             early: HashMap::new(),
             early_bytes: 0,
+            sent_end: false,
             pool: Vec::new(),
             sends: Vec::new(),
             free_sends: Vec::new(),
@@ -580,6 +586,9 @@ impl Wire {
     }
 
     fn heartbeats(&mut self, now: Instant) {
+        if self.sent_end {
+            return;
+        }
         let progress = self.progress;
         for p in self.peers.iter_mut().flatten() {
             // A peer that ended its side may have closed its streams (RDMA: destroyed its queue
@@ -956,6 +965,7 @@ impl Wire {
 
     /// Graceful end: tells peers this node leaves the communicator.
     pub fn end(&mut self, flush: Duration) {
+        self.sent_end = true;
         self.enqueue_control(KIND_END, None);
         self.flush(flush);
     }
