@@ -665,7 +665,7 @@ impl GpuSpan {
         })
     }
 
-    fn same_range(&self, o: &GpuSpan) -> bool {
+    pub fn same_range(&self, o: &GpuSpan) -> bool {
         Arc::ptr_eq(&self.mem, &o.mem) && self.off == o.off && self.bytes == o.bytes
     }
 

@@ -1067,8 +1067,21 @@ impl Thread {
         let mut r = Ok(());
         'ops: for (p, (rank, bufs)) in ops.iter().zip(coll.bufs.iter_mut()) {
             debug_assert_eq!(p.rank, *rank);
+            // In place (the same GPU range in and out): one host buffer serves both, and the
+            // host algorithms run in place too (less memory traffic).
+            let in_place = matches!(
+                coll.kind,
+                OpKind::AllReduce | OpKind::Broadcast | OpKind::Reduce
+            ) && matches!((&p.gbufs.send, &p.gbufs.recv), (Some(s), Some(r)) if s.same_range(r));
             for (recv, g) in [(false, &p.gbufs.send), (true, &p.gbufs.recv)] {
                 let Some(g) = g else { continue };
+                if recv && in_place {
+                    bufs.recv = bufs.send.clone();
+                    if let Some((flag, _)) = stage.last_mut() {
+                        *flag = true; // the input's buffer is also the output's
+                    }
+                    continue;
+                }
                 let (b, span) = match self.pool.take(cuda, g.bytes) {
                     Ok(b) => match b.span(g.bytes) {
                         Some(span) => (b, span),
