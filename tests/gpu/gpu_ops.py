@@ -210,6 +210,24 @@ if not torch.all(t == world).item():
 checks += 1
 say(f"Work.wait() returned after {cpu * 1e3:.2f} ms of CPU time while the GPU was busy")
 
+if SOCKS:
+    # Across nodes GPU ops are posted ahead of the streams, so they reach a daemon's net thread
+    # while it runs the previous one: it once missed them and slept up to 1 s per op (~200 ms
+    # per 1 MiB op). 50 ops take ~50 ms; the bound only catches stalls.
+    t = torch.ones(1 << 18, device=dev)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        dist.all_reduce(t, group=cg)
+    torch.cuda.synchronize()
+    el = time.perf_counter() - t0
+    checks += 1
+    say(f"50 x 1 MiB all_reduce across nodes: {el * 1e3:.1f} ms")
+    if el > 2.5:
+        failures.append(f"50 all-reduces across nodes took {el:.2f} s (stalls between ops?)")
+    if not torch.all(t == world ** 50).item():
+        failures.append("50 chained all-reduces across nodes gave wrong data")
+
 # IPC handle cache: one open per allocation across 100 ops and two communicators.
 pg = dist.distributed_c10d._get_default_group()
 backend = pg if hasattr(pg, "client") else pg._get_backend(dev)
