@@ -225,7 +225,7 @@ if SOCKS:
     say(f"50 x 1 MiB all_reduce across nodes: {el * 1e3:.1f} ms")
     if el > 2.5:
         failures.append(f"50 all-reduces across nodes took {el:.2f} s (stalls between ops?)")
-    if not torch.all(t == world ** 50).item():
+    if not torch.all(t == float(world) ** 50).item():
         failures.append("50 chained all-reduces across nodes gave wrong data")
 
 # IPC handle cache: one open per allocation across 100 ops and two communicators.
