@@ -1427,9 +1427,6 @@ fn issue(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, C
 fn issue_from(cuda: &Cuda, copies: &[&CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, CuError> {
     let ng = cuda.gpus.len();
     let mut used: Vec<(usize, usize)> = Vec::new();
-    if batch_copies(cuda) {
-        return issue_batched(cuda, copies);
-    }
     for c in copies {
         let (from, to) = (c.src.mem.gpu, c.dst.mem.gpu);
         let si = push_stream(from, to, ng);
@@ -1458,86 +1455,6 @@ fn issue_from(cuda: &Cuda, copies: &[&CopyOp]) -> Result<Vec<(usize, sys::CUeven
             unsafe { sys::cuEventRecord(e, cuda.gpus[from].streams[si]) },
             "cuEventRecord",
         )?;
-        events.push((from, e));
-    }
-    Ok(events)
-}
-
-/// Whether to issue each stream's copies of a phase with one `cuMemcpyBatchAsync_v2` call
-/// (CUDA 13 drivers) instead of one `cuMemcpyAsync` each: `COMMD_GPU_BATCH_COPIES=1`
-/// (experimental, off by default; see docs/benchmarks.md).
-fn batch_copies(cuda: &Cuda) -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        std::env::var("COMMD_GPU_BATCH_COPIES").is_ok_and(|v| v == "1")
-            && cuda.driver_version >= 13000
-    })
-}
-
-/// [`issue_from`] with one batched driver call per stream (copies keep their order in it).
-fn issue_batched(cuda: &Cuda, copies: &[&CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, CuError> {
-    let ng = cuda.gpus.len();
-    let mut groups: Vec<((usize, usize), Vec<&CopyOp>)> = Vec::new();
-    for c in copies {
-        let key = (c.src.mem.gpu, push_stream(c.src.mem.gpu, c.dst.mem.gpu, ng));
-        match groups.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, v)) => v.push(c),
-            None => groups.push((key, vec![c])),
-        }
-    }
-    let mut events = Vec::with_capacity(groups.len());
-    for ((from, si), cs) in groups {
-        let g = &cuda.gpus[from];
-        let mut dsts = Vec::with_capacity(cs.len());
-        let mut srcs = Vec::with_capacity(cs.len());
-        let mut sizes = Vec::with_capacity(cs.len());
-        for c in &cs {
-            srcs.push(c.src.mem.ptr_on(from)? + c.src.off);
-            dsts.push(c.dst.mem.ptr_on(from)? + c.dst.off);
-            sizes.push(c.src.bytes as usize);
-            crate::telemetry::links::gpu_copy(from, c.dst.mem.gpu, c.src.bytes);
-        }
-        let loc = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: g.ordinal,
-        };
-        let mut attrs = [sys::CUmemcpyAttributes {
-            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            srcLocHint: loc,
-            dstLocHint: loc,
-            flags: 0,
-        }];
-        let mut idx = [0usize];
-        cu::set_current(g.ctx)?;
-        ck(
-            // SAFETY: as in `issue_from`; the arrays hold `cs.len()` entries each and one
-            // attribute that applies from copy 0 on.
-            unsafe {
-                sys::cuMemcpyBatchAsync_v2(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    cs.len(),
-                    attrs.as_mut_ptr(),
-                    idx.as_mut_ptr(),
-                    1,
-                    g.streams[si],
-                )
-            },
-            "cuMemcpyBatchAsync",
-        )?;
-        let e = cuda.event(from)?;
-        cu::set_current(g.ctx)?;
-        // SAFETY: event and stream belong to the source GPU's context.
-        if let Err(err) = ck(unsafe { sys::cuEventRecord(e, g.streams[si]) }, "cuEventRecord") {
-            cuda.recycle(from, e);
-            for (gi, ev) in events {
-                // SAFETY: recorded above; the copies must finish before the op fails.
-                let _ = unsafe { sys::cuEventSynchronize(ev) };
-                cuda.recycle(gi, ev);
-            }
-            return Err(err);
-        }
         events.push((from, e));
     }
     Ok(events)
