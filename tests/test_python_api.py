@@ -285,3 +285,38 @@ def test_wait_timeout_and_interrupt_leave_the_op_running(daemon):
     h.wait(timeout=10)
     np.testing.assert_array_equal(x, np.full(8, 3, np.float32))
     np.testing.assert_array_equal(y, np.full(8, 3, np.float32))
+
+
+def test_communicator_reports_the_nodes_it_spans(tmp_path):
+    # Two daemons as two nodes: a communicator over both says 2 (its GPU ops are host-staged),
+    # one within a node says 1; the data still adds up across the nodes.
+    from conftest import Daemon
+
+    for i in range(2):
+        (tmp_path / f"n{i}").mkdir()
+    nodes = [Daemon(tmp_path / f"n{i}").start() for i in range(2)]
+    try:
+        uid = commd.Client(str(nodes[0].socket)).unique_id()
+        q = CTX.Queue()
+
+        def body(rank):
+            try:
+                c = commd.connect(str(nodes[rank].socket))
+                comm = c.communicator(uid, rank, 2, op_timeout=30)
+                x = np.full(1001, rank + 1.0, dtype=np.float32)
+                comm.all_reduce(x)
+                solo = c.communicator(c.unique_id(), 0, 1)
+                q.put((rank, comm.nodes, solo.nodes, float(x[0]), float(x[-1])))
+            except BaseException as e:  # noqa: BLE001 - reported to the test
+                q.put((rank, f"{type(e).__name__}: {e}", None, None, None))
+
+        procs = [CTX.Process(target=body, args=(r,)) for r in range(2)]
+        for p in procs:
+            p.start()
+        got = sorted(q.get(timeout=60) for _ in procs)
+        for p in procs:
+            p.join(10)
+        assert got == [(0, 2, 1, 3.0, 3.0), (1, 2, 1, 3.0, 3.0)], got
+    finally:
+        for d in nodes:
+            d.stop()

@@ -432,6 +432,13 @@ impl Communicator {
         self.nranks
     }
 
+    /// Nodes (daemons) the communicator spans; above 1, its GPU ops are staged through host
+    /// memory by the daemons (docs/multinode.md).
+    #[getter]
+    fn nodes(&self) -> PyResult<u32> {
+        Ok(self.get()?.nodes())
+    }
+
     /// The daemon's id for this communicator (as shown in error messages and `commd status`).
     #[getter]
     fn id(&self) -> PyResult<u64> {

@@ -411,6 +411,12 @@ class Communicator:
     def id(self) -> int:
         return self._native.id
 
+    @property
+    def nodes(self) -> int:
+        """Nodes (daemons) this communicator spans; above 1 its GPU ops are staged through host
+        memory by the daemons (see docs/multinode.md)."""
+        return self._native.nodes
+
     def close(self) -> None:
         """Destroys the communicator (other ranks' later ops fail with PeerLostError)."""
         self._native.close()
