@@ -27,6 +27,17 @@ use crate::session::Session;
 /// would run the single-node phases and kernels, which the daemons do not serve across nodes.
 const STAGED_MISSING: &str = "GPU op on a communicator that spans nodes without the host-staged flag (a client library older than this daemon?); update the client library, or use host tensors";
 
+/// Fails every op of a step as invalid with one message.
+fn invalid_all(ops: Vec<Posted>, msg: String) -> Step {
+    Step::Fail {
+        ops: ops
+            .into_iter()
+            .map(|p| (p, status::INVALID, msg.clone()))
+            .collect(),
+        abort: None,
+    }
+}
+
 /// A stream-ordered GPU op's doorbell: its session slot and tickets `ticket .. ticket + phases`.
 #[derive(Clone, Copy, Debug)]
 pub struct CudaTicket {
@@ -473,13 +484,7 @@ impl Comm {
                 bad.rank,
                 bad.invalid.clone().unwrap_or_default()
             );
-            return Step::Fail {
-                ops: ops
-                    .into_iter()
-                    .map(|p| (p, status::INVALID, msg.clone()))
-                    .collect(),
-                abort: None,
-            };
+            return invalid_all(ops, msg);
         }
         let sig0 = ops[0].signature();
         if ops.iter().any(|p| p.signature() != sig0) {
@@ -491,13 +496,7 @@ impl Comm {
         let o = &ops[0].op;
         if let Some(why) = self.staging_mismatch(o) {
             let msg = format!("{}: {} seq {seq}: {why}", self.label(), kind.name());
-            return Step::Fail {
-                ops: ops
-                    .into_iter()
-                    .map(|p| (p, status::INVALID, msg.clone()))
-                    .collect(),
-                abort: None,
-            };
+            return invalid_all(ops, msg);
         }
         if self.net.get().is_some() {
             // GPU ops: the net thread stages them through host memory and fills in the

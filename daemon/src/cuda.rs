@@ -919,6 +919,24 @@ impl Bell {
     }
 }
 
+/// The ranks of `bells` whose streams have not reached phase `phase`, with their counters, for
+/// a timeout message.
+pub fn late_streams(bells: &[Bell], phase: u32) -> Vec<String> {
+    bells
+        .iter()
+        .filter(|b| !b.ready(phase))
+        .map(|b| {
+            format!(
+                "rank {} (pid {}: its stream signalled {}, the op needs {})",
+                b.rank,
+                b.session.pid,
+                b.ready_value(),
+                b.ticket.wrapping_add(phase)
+            )
+        })
+        .collect()
+}
+
 /// Done counters advance contiguously: a p2p group's ops may match in another order than the
 /// client posted them (their tickets), and the client's stream waits once for the group's last
 /// ticket, so ticket `t` is published only once every ticket before it is done. One tracker for
@@ -1176,21 +1194,7 @@ fn step(cuda: &'static Cuda, times: &mut PhaseTimes, a: &mut Active) -> (bool, b
             }
             if !a.job.bells.iter().all(|b| b.ready(phase)) {
                 if since.elapsed() > a.job.timeout {
-                    let late: Vec<String> = a
-                        .job
-                        .bells
-                        .iter()
-                        .filter(|b| !b.ready(phase))
-                        .map(|b| {
-                            format!(
-                                "rank {} (pid {}: its stream signalled {}, the op needs {})",
-                                b.rank,
-                                b.session.pid,
-                                b.ready_value(),
-                                b.ticket.wrapping_add(phase)
-                            )
-                        })
-                        .collect();
+                    let late = late_streams(&a.job.bells, phase);
                     let msg = format!(
                         "{}: timed out after {:.1} s waiting for the GPU streams of {} to reach the op (phase {phase}); is that rank's stream blocked behind other work?",
                         a.job.label,

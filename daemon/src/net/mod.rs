@@ -1030,19 +1030,7 @@ impl Thread {
                 break;
             }
             if Instant::now() > deadline {
-                let late: Vec<String> = bells
-                    .iter()
-                    .filter(|b| !b.ready(0))
-                    .map(|b| {
-                        format!(
-                            "rank {} (pid {}: its stream signalled {}, the op needs {})",
-                            b.rank,
-                            b.session.pid,
-                            b.ready_value(),
-                            b.ticket
-                        )
-                    })
-                    .collect();
+                let late = crate::cuda::late_streams(&bells, 0);
                 return Err(NetError::LocalRank(
                     status::TIMEOUT,
                     format!(
