@@ -18,7 +18,8 @@
 # two modes above are slower and run only by name; they print the time each section took.
 # `multinode` (also part of `tests`): two more daemons on this machine act as two nodes
 # (loopback TCP between them), and tests/gpu/gpu_ops.py runs every op and dtype on 2 and 4 GPUs
-# across them (GPU ops through host staging, flags::HOST_STAGED), then gpu_vs_nccl.py measures
+# across them (GPU ops through host staging, flags::HOST_STAGED), tests/gpu/kill_rank.sh kills a
+# rank on one node, then (multinode mode only) gpu_vs_nccl.py measures
 # all_reduce/all_gather that way (NCCL in the same run stays within the node over NVLink: a
 # reference, not a peer): multinode-*.log, multinode.jsonl.
 # COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
@@ -116,6 +117,8 @@ if [ "$what" = tests ] || [ "$what" = multinode ] || [ "$what" = all ]; then
   for n in 2 4; do
     [ "$n" -le "$ngpu" ] && run "multinode-ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
   done
+  # A rank killed on one node: the other node's rank gets an error naming it, stream released.
+  run multinode-kill-rank tests/gpu/kill_rank.sh
   if [ "$what" = multinode ]; then
     # The host-memory path between the same two kinds of daemons, for reference.
     run multinode-host-bench env -u COMMD_SOCKET "$bin" bench --nodes 2 --ranks 4 --min-bytes 64K --max-bytes 256M \

@@ -25,6 +25,10 @@ import torch.distributed as dist
 import commd.torch  # noqa: F401
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+# COMMD_NODE_SOCKETS=a.sock,b.sock: the ranks on two daemons acting as nodes (host staging).
+SOCKS = [s for s in os.environ.get("COMMD_NODE_SOCKETS", "").split(",") if s]
+if SOCKS:
+    os.environ["COMMD_SOCKET"] = SOCKS[min(rank * len(SOCKS) // world, len(SOCKS) - 1)]
 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
 dist.init_process_group("commd")
 t = torch.ones(1 << 24, device="cuda")
