@@ -304,6 +304,7 @@ impl Thread {
                 match c {
                     Cmd::End => {
                         t.fail_queue(&mut queue);
+                        t.settle_staged();
                         if let Some(w) = wire.take() {
                             t.end(w);
                         }
@@ -534,6 +535,17 @@ impl Thread {
         tracing::debug!(target: "commd::net", "{}: ended", self.s.label);
     }
 
+    /// Waits for the staging copies still running (every local rank has left): their host
+    /// buffers are unpinned and freed with the thread.
+    fn settle_staged(&mut self) {
+        let Ok(cuda) = crate::cuda::get() else { return };
+        for s in &mut self.staged {
+            if let Some(e) = s.copy.take() {
+                let _ = cuda.wait_event(e);
+            }
+        }
+    }
+
     fn break_comm(&mut self, st: u32, msg: String) {
         if self.broken.is_none() {
             self.broken = Some((st, msg.clone()));
@@ -762,8 +774,8 @@ impl Thread {
                     i += 1;
                     continue;
                 }
-                let s = self.staged.swap_remove(i);
-                if let Some(e) = s.copy {
+                let mut s = self.staged.swap_remove(i);
+                if let Some(e) = s.copy.take() {
                     cuda.release_event(e);
                 }
                 if let Err(e) = done {
