@@ -3,7 +3,7 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|all] [OUTDIR]
 # COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
 # `allreduce` (GPU data path II): client-py/benchmarks/gpu_vs_nccl.py for all_reduce and
@@ -22,6 +22,10 @@
 # rank on one node, then (multinode mode only) gpu_vs_nccl.py measures
 # all_reduce/all_gather that way (NCCL in the same run stays within the node over NVLink: a
 # reference, not a peer): multinode-*.log, multinode.jsonl.
+# `waitcmp`: how client streams wait for done counters (client-rs/src/gpu/wait.rs), compared in
+# one run: send/recv (2 GPUs) and f32 all_reduce (2 and 4 GPUs) vs NCCL with COMMD_GPU_WAIT=memop
+# and =kernel, alternating, ${COMMD_WAITCMP_ROUNDS:-2} rounds (~1 min a round on 2 GPUs):
+# waitcmp-*.log and waitcmp.jsonl (each line's "env" has the mode).
 # COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
@@ -31,8 +35,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -84,6 +88,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   for n in 2 4; do
     [ "$n" -le "$ngpu" ] && run "ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
   done
+  # The other way streams wait for done counters (cuStreamWaitValue32; the default is a polling
+  # kernel, client-rs/src/gpu/wait.rs).
+  COMMD_GPU_WAIT=memop run "ops-2-gpus-memop" "${tr[@]}" 2 tests/gpu/gpu_ops.py
   run kill-rank tests/gpu/kill_rank.sh
   # Reductions in many rounds (scratch buffers alternating, copies issued a phase ahead), with
   # both all-reduce algorithms: a second daemon with a 64 KiB scratch slot.
@@ -149,6 +156,19 @@ if [ "$what" = allreduce ]; then
       --op all_reduce,reduce_scatter --dtypes float32,bfloat16 --json "$out/allreduce.jsonl"
   done
   echo "-- allreduce: $((SECONDS - t_mode)) s in all"
+fi
+if [ "$what" = waitcmp ]; then
+  for r in $(seq "${COMMD_WAITCMP_ROUNDS:-2}"); do
+    for w in memop kernel; do
+      COMMD_GPU_WAIT=$w timed 300 "waitcmp-sendrecv-$w-$r" "${tr[@]}" 2 client-py/benchmarks/gpu_vs_nccl.py \
+        --op sendrecv --json "$out/waitcmp.jsonl"
+      for n in 2 4; do
+        [ "$n" -le "$ngpu" ] || continue
+        COMMD_GPU_WAIT=$w timed 300 "waitcmp-allreduce-$n-$w-$r" "${tr[@]}" "$n" client-py/benchmarks/gpu_vs_nccl.py \
+          --op all_reduce --dtypes float32 --sizes 64K,1M,16M,64M,256M --json "$out/waitcmp.jsonl"
+      done
+    done
+  done
 fi
 if [ "$what" = interference ]; then
   timed 300 "interference-$g-gpus" "${tr[@]}" "$g" client-py/benchmarks/gemm_interference.py \

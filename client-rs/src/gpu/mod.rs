@@ -6,6 +6,7 @@ pub mod algo;
 pub mod cu;
 pub mod kernels;
 pub mod regcache;
+pub mod wait;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -493,18 +494,8 @@ impl Communicator {
         };
         let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
         let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
-        ck(
-            // SAFETY: `done` is a device-mapped address of the registered doorbell page.
-            unsafe {
-                sys::cuStreamWaitValue32_v2(
-                    stream,
-                    done,
-                    t,
-                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                )
-            },
-            "cuStreamWaitValue32",
-        )?;
+        // SAFETY: `done` is a device-mapped address of the registered doorbell page.
+        unsafe { wait::wait_geq(stream, done, t)? };
         Ok(())
     }
 
@@ -533,18 +524,8 @@ impl Communicator {
     pub unsafe fn cuda_wait_ticket(&self, stream: sys::CUstream, ticket: u32) -> Result<()> {
         let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
         let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
-        ck(
-            // SAFETY: `done` is a device-mapped address of the registered doorbell page.
-            unsafe {
-                sys::cuStreamWaitValue32_v2(
-                    stream,
-                    done,
-                    ticket,
-                    sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                )
-            },
-            "cuStreamWaitValue32",
-        )?;
+        // SAFETY: `done` is a device-mapped address of the registered doorbell page.
+        unsafe { wait::wait_geq(stream, done, ticket)? };
         Ok(())
     }
 
@@ -719,20 +700,8 @@ impl Communicator {
                 "cuStreamWriteValue32",
             )
         };
-        let wait = |v: u32| {
-            ck(
-                // SAFETY: as above for `done`.
-                unsafe {
-                    sys::cuStreamWaitValue32_v2(
-                        s,
-                        done,
-                        v,
-                        sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                    )
-                },
-                "cuStreamWaitValue32",
-            )
-        };
+        // SAFETY: as above for `done`.
+        let wait = |v: u32| unsafe { wait::wait_geq(s, done, v) };
         let user_data = i.post(d)?;
         c.next_ticket = ticket.wrapping_add(phases as u32);
         let req = Request {

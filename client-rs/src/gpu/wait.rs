@@ -1,0 +1,213 @@
+//! How the caller's stream waits for a done counter (DESIGN.md contract 4): a one-thread kernel
+//! that polls the counter in host memory, or `cuStreamWaitValue32`.
+//!
+//! Why a kernel: measured on 2x H200 (`scripts/probes/copy_doorbell.py`, docs/benchmarks.md
+//! "Waiting for done"), a stream blocked in `cuStreamWaitValue32` is slow to resume once the
+//! daemon has submitted any work to the same GPU while it waited: the doorbell round trip is
+//! 5.1-5.4 us when the daemon only writes counters from the CPU, but 15.6 us as soon as it also
+//! records an event or issues a copy there, with or without MPS. A kernel polling the counter
+//! keeps the stream running, and the round trip with the daemon's copy in between drops to
+//! 7.5-9 us (send/recv 64 KiB: 16.3 -> 13.4-14 us per op; 16 MiB: 61.8-63 -> 56.4-58 us).
+//!
+//! The kernel is one thread of one block, runs only while the stream would otherwise sit in the
+//! memory-op wait, reads the counter with `ld.acquire.sys` (wrap-aware `>=`, as
+//! `CU_STREAM_WAIT_VALUE_GEQ`), and is hand-written PTX, so it needs no NVRTC: the driver
+//! compiles it once per context. `COMMD_GPU_WAIT=memop` selects `cuStreamWaitValue32`; so does
+//! a context where the module does not load (a GPU older than sm_70), with one warning.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::sys::{self as cu_sys, CUdeviceptr, CUfunction, CUmodule, CUstream};
+
+use super::cu::{self, CuError};
+
+/// `commd_wait_geq(addr, value)`: returns once `(int)(*addr - value) >= 0`.
+const PTX: &str = "
+.version 6.0
+.target sm_70
+.address_size 64
+.visible .entry commd_wait_geq(.param .u64 p, .param .u32 v)
+{
+  .reg .u64 %a;
+  .reg .u32 %x, %w, %d;
+  .reg .pred %q;
+  ld.param.u64 %a, [p];
+  ld.param.u32 %w, [v];
+  cvta.to.global.u64 %a, %a;
+WAIT:
+  ld.acquire.sys.global.u32 %x, [%a];
+  sub.u32 %d, %x, %w;
+  setp.lt.s32 %q, %d, 0;
+  @%q bra WAIT;
+  ret;
+}
+\0";
+
+/// How streams wait for done counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WaitMode {
+    /// The polling kernel (the default).
+    Kernel,
+    /// `cuStreamWaitValue32`.
+    MemOp,
+}
+
+impl WaitMode {
+    /// Parses `COMMD_GPU_WAIT`'s value.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "" | "kernel" => Ok(Self::Kernel),
+            "memop" => Ok(Self::MemOp),
+            other => Err(format!(
+                "COMMD_GPU_WAIT={other:?}: expected \"kernel\" (the default) or \"memop\""
+            )),
+        }
+    }
+
+    /// The process's mode, from `COMMD_GPU_WAIT` (read once; an invalid value is an error on
+    /// every GPU op rather than a silent default).
+    pub fn current() -> Result<Self, String> {
+        static MODE: OnceLock<Result<WaitMode, String>> = OnceLock::new();
+        MODE.get_or_init(|| WaitMode::parse(&std::env::var("COMMD_GPU_WAIT").unwrap_or_default()))
+            .clone()
+    }
+}
+
+/// The loaded kernel per context id (`None`: it did not load there; use the memory op).
+static FUNCS: OnceLock<Mutex<HashMap<u64, Option<usize>>>> = OnceLock::new();
+
+/// The polling kernel for `stream`, or `None` where the memory op is used: the mode says so, the
+/// stream is not of the current context (a launch needs its function's context current), or the
+/// module does not load in this context.
+fn kernel_for(stream: CUstream) -> Result<Option<CUfunction>, CuError> {
+    if WaitMode::current().map_err(|e| CuError {
+        what: "COMMD_GPU_WAIT".into(),
+        code: 0,
+        name: "invalid".into(),
+        text: e,
+    })? == WaitMode::MemOp
+    {
+        return Ok(None);
+    }
+    let mut cur: cu_sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the driver is initialized (callers went through `driver()`); valid out pointer.
+    cu::ck(unsafe { cu_sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
+    if cur.is_null() {
+        return Ok(None);
+    }
+    let mut sctx: cu_sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: the caller vouches for `stream`; `sctx` is a valid out pointer.
+    cu::ck(
+        unsafe { cu_sys::cuStreamGetCtx(stream, &mut sctx) },
+        "cuStreamGetCtx",
+    )?;
+    if sctx != cur {
+        return Ok(None);
+    }
+    let mut id: std::ffi::c_ulonglong = 0;
+    // SAFETY: `cur` is the live current context; `id` is a valid out pointer.
+    cu::ck(unsafe { cu_sys::cuCtxGetId(cur, &mut id) }, "cuCtxGetId")?;
+    let mut map = FUNCS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(f) = map.get(&id) {
+        return Ok(f.map(|f| f as CUfunction));
+    }
+    let loaded = load();
+    if let Err(e) = &loaded {
+        // The library has no logger; this happens at most once per context.
+        eprintln!(
+            "commd: the done-counter polling kernel did not load in this CUDA context ({e}); streams wait with cuStreamWaitValue32 there"
+        );
+    }
+    let f = loaded.ok().map(|f| f as usize);
+    map.insert(id, f);
+    Ok(f.map(|f| f as CUfunction))
+}
+
+/// Loads the module in the current context.
+fn load() -> Result<CUfunction, CuError> {
+    let mut module: CUmodule = std::ptr::null_mut();
+    // SAFETY: a context is current; `PTX` is NUL-terminated text that lives for the program.
+    cu::ck(
+        unsafe { cu_sys::cuModuleLoadData(&mut module, PTX.as_ptr().cast()) },
+        "cuModuleLoadData(commd_wait_geq)",
+    )?;
+    let mut func: CUfunction = std::ptr::null_mut();
+    // SAFETY: `module` was just loaded; the name is NUL-terminated; `func` is a valid out pointer.
+    let r = unsafe { cu_sys::cuModuleGetFunction(&mut func, module, c"commd_wait_geq".as_ptr()) };
+    if let Err(e) = cu::ck(r, "cuModuleGetFunction(commd_wait_geq)") {
+        // SAFETY: `module` was loaded above and nothing refers to it.
+        let _ = unsafe { cu_sys::cuModuleUnload(module) };
+        return Err(e);
+    }
+    Ok(func)
+}
+
+/// Enqueues on `stream` a wait until the counter at `addr` reaches `value` (wrap-aware `>=`).
+///
+/// # Safety
+/// `stream` is a live stream; `addr` is the device-mapped address of a 4-byte word of host
+/// memory registered in `stream`'s context, which stays mapped while the stream may run.
+pub unsafe fn wait_geq(stream: CUstream, addr: CUdeviceptr, value: u32) -> Result<(), CuError> {
+    if let Some(f) = kernel_for(stream)? {
+        let mut a = addr;
+        let mut v = value;
+        let mut params: [*mut c_void; 2] = [(&raw mut a).cast(), (&raw mut v).cast()];
+        // SAFETY: `f` was loaded in the current context, which is `stream`'s (checked in
+        // `kernel_for`); `params` points at the kernel's two parameters (u64, u32), copied by
+        // the driver before it returns; the caller vouches for `addr`.
+        let r = unsafe {
+            cu_sys::cuLaunchKernel(
+                f,
+                1,
+                1,
+                1,
+                1,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        return cu::ck(r, "cuLaunchKernel(commd_wait_geq)");
+    }
+    // SAFETY: the caller's contract.
+    let r = unsafe {
+        cu_sys::cuStreamWaitValue32_v2(
+            stream,
+            addr,
+            value,
+            cu_sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+        )
+    };
+    cu::ck(r, "cuStreamWaitValue32")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_mode() {
+        assert_eq!(WaitMode::parse("").unwrap(), WaitMode::Kernel);
+        assert_eq!(WaitMode::parse("kernel").unwrap(), WaitMode::Kernel);
+        assert_eq!(WaitMode::parse(" MemOp ").unwrap(), WaitMode::MemOp);
+        let e = WaitMode::parse("spin").unwrap_err();
+        assert!(e.contains("\"spin\"") && e.contains("memop"), "{e}");
+    }
+
+    #[test]
+    fn ptx_is_terminated_and_names_the_entry() {
+        assert!(PTX.ends_with('\0'));
+        assert_eq!(PTX.matches('\0').count(), 1);
+        assert!(PTX.contains(".entry commd_wait_geq("));
+        // The wrap-aware comparison the daemon's counters need (as CU_STREAM_WAIT_VALUE_GEQ).
+        assert!(PTX.contains("setp.lt.s32"));
+    }
+}
