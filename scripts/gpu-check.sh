@@ -23,9 +23,10 @@
 # all_reduce/all_gather that way (NCCL in the same run stays within the node over NVLink: a
 # reference, not a peer): multinode-*.log, multinode.jsonl.
 # `waitcmp`: how client streams wait for done counters (client-rs/src/gpu/wait.rs), compared in
-# one run: send/recv (2 GPUs) and f32 all_reduce (2 and 4 GPUs) vs NCCL with COMMD_GPU_WAIT=memop
-# and =kernel, alternating, ${COMMD_WAITCMP_ROUNDS:-2} rounds (~1 min a round on 2 GPUs):
-# waitcmp-*.log and waitcmp.jsonl (each line's "env" has the mode).
+# one run: send/recv (2 GPUs) and f32 all_reduce (2 and 4 GPUs) vs NCCL for each
+# COMMD_GPU_WAIT value in $COMMD_WAITCMP_MODES (default "memop auto"), alternating,
+# $COMMD_WAITCMP_ROUNDS rounds (default 2; ~1 min per mode and round on 2 GPUs): waitcmp-*.log
+# and waitcmp.jsonl (each line's "gpu_wait" has the mode).
 # COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
@@ -88,8 +89,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   for n in 2 4; do
     [ "$n" -le "$ngpu" ] && run "ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
   done
-  # The other way streams wait for done counters (cuStreamWaitValue32; the default is a polling
-  # kernel, client-rs/src/gpu/wait.rs).
+  # Both ways streams wait for done counters (client-rs/src/gpu/wait.rs; the default, auto,
+  # mixes them by op size): every op with the polling kernel, and with cuStreamWaitValue32.
+  COMMD_GPU_WAIT=kernel run "ops-2-gpus-kernel" "${tr[@]}" 2 tests/gpu/gpu_ops.py
   COMMD_GPU_WAIT=memop run "ops-2-gpus-memop" "${tr[@]}" 2 tests/gpu/gpu_ops.py
   run kill-rank tests/gpu/kill_rank.sh
   # Reductions in many rounds (scratch buffers alternating, copies issued a phase ahead), with
@@ -159,7 +161,7 @@ if [ "$what" = allreduce ]; then
 fi
 if [ "$what" = waitcmp ]; then
   for r in $(seq "${COMMD_WAITCMP_ROUNDS:-2}"); do
-    for w in memop kernel; do
+    for w in ${COMMD_WAITCMP_MODES:-memop auto}; do
       COMMD_GPU_WAIT=$w timed 300 "waitcmp-sendrecv-$w-$r" "${tr[@]}" 2 client-py/benchmarks/gpu_vs_nccl.py \
         --op sendrecv --json "$out/waitcmp.jsonl"
       for n in 2 4; do

@@ -359,7 +359,7 @@ def json_record(info: dict, op: str, dt: torch.dtype, nbytes: int, row: dict) ->
                                if math.isfinite(row["check_err_over_tol"]) else None),
         "algo": algo_in_effect(),
         "oneshot_max_bytes": os.environ.get("COMMD_ONESHOT_MAX_BYTES", ""),
-        "gpu_wait": os.environ.get("COMMD_GPU_WAIT", "") or "kernel",
+        "gpu_wait": os.environ.get("COMMD_GPU_WAIT", "") or "auto",
         "bytes_def": BYTES_DEF[op], "busbw_def": bc.BUSBW_DEF[op],
         **{k: info[k] for k in ("date", "gpu", "torch", "nccl", "commit", "nvls")},
     }
@@ -372,7 +372,7 @@ def print_header(a: argparse.Namespace, info: dict) -> None:
           f"commit {info['commit']}; {info['date']}")
     src = " (--algo)" if a.algo else ""
     print(f"# {ALGO_ENV}={algo_in_effect()}{src}; COMMD_GPU_WAIT="
-          f"{os.environ.get('COMMD_GPU_WAIT', '') or 'kernel'}; NCCL_NVLS_ENABLE={info['nvls']}")
+          f"{os.environ.get('COMMD_GPU_WAIT', '') or 'auto'}; NCCL_NVLS_ENABLE={info['nvls']}")
     for op in ops:
         print(f"# {op}: {BYTES_DEF[op]}; {bc.BUSBW_DEF[op]}")
     print("# us: wall time per op over `iters` eager calls, from before the first to after "

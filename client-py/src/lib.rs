@@ -631,6 +631,7 @@ impl Communicator {
             device: posted.device,
             deferred: args.defer_wait && kind.is_p2p(),
             last_ticket: posted.last_ticket,
+            bytes: posted.bytes,
             done: std::sync::Mutex::new(posted.done.map(Arc::new)),
             stash: self.stash.clone(),
         })
@@ -691,6 +692,7 @@ struct CudaRequest {
     device: i32,
     deferred: bool,
     last_ticket: u32,
+    bytes: u64,
     done: std::sync::Mutex<Option<Arc<commd_client::gpu::CudaEvent>>>,
     stash: Arc<Stash>,
 }
@@ -738,7 +740,7 @@ impl CudaRequest {
                 Some(e) => e.wait_on(stream as CuStream).map_err(to_py)?,
                 None if self.deferred => self
                     .comm
-                    .cuda_wait_ticket(stream as CuStream, self.last_ticket)
+                    .cuda_wait_ticket(stream as CuStream, self.last_ticket, self.bytes)
                     .map_err(to_py)?,
                 None if stream == self.stream => {}
                 None => self.event()?.wait_on(stream as CuStream).map_err(to_py)?,

@@ -172,7 +172,9 @@ struct Scratch {
 pub(crate) struct CommGpu {
     next_ticket: u32,
     scratch: Option<Scratch>,
-    deferred: Option<u32>,
+    /// The last deferred p2p op's ticket, and the largest of those ops' bytes (how the stream
+    /// waits for them, `wait::wait_geq`).
+    deferred: Option<(u32, u64)>,
     checked_stream: Option<usize>,
 }
 
@@ -234,14 +236,16 @@ impl CudaOpArgs {
 }
 
 /// A posted stream-ordered op: its request, the event recorded after it (if asked for), the
-/// device ordinal of its buffers, and its last doorbell ticket (a stream that waits for the
-/// done counter to reach it waits for the op: see [`Communicator::cuda_wait_ticket`]).
+/// device ordinal of its buffers, its last doorbell ticket (a stream that waits for the
+/// done counter to reach it waits for the op: see [`Communicator::cuda_wait_ticket`]), and its
+/// bytes per rank (count x element size: how a stream waits for it, `wait::wait_geq`).
 #[derive(Debug)]
 pub struct CudaPosted {
     pub request: Request,
     pub done: Option<CudaEvent>,
     pub device: i32,
     pub last_ticket: u32,
+    pub bytes: u64,
 }
 
 // SAFETY: the stream handle is a driver object that any thread may use.
@@ -489,13 +493,13 @@ impl Communicator {
     /// `stream` must be a live stream of the current context.
     pub unsafe fn cuda_flush(&self, stream: sys::CUstream) -> Result<()> {
         let mut c = lock(&self.gpu);
-        let Some(t) = c.deferred.take() else {
+        let Some((t, bytes)) = c.deferred.take() else {
             return Ok(());
         };
         let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
         let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
         // SAFETY: `done` is a device-mapped address of the registered doorbell page.
-        unsafe { wait::wait_geq(stream, done, t)? };
+        unsafe { wait::wait_geq(stream, done, t, bytes)? };
         Ok(())
     }
 
@@ -517,15 +521,20 @@ impl Communicator {
     /// `last_ticket` of a posted op): the stream then waits for that op and every op posted
     /// before it on this communicator (done counters advance contiguously). This is how a
     /// deferred send/recv is waited for on whatever stream is current at `wait()` time, with
-    /// no event and no communication stream.
+    /// no event and no communication stream. `bytes` is the op's [`CudaPosted::bytes`].
     ///
     /// # Safety
     /// `stream` must be a live stream.
-    pub unsafe fn cuda_wait_ticket(&self, stream: sys::CUstream, ticket: u32) -> Result<()> {
+    pub unsafe fn cuda_wait_ticket(
+        &self,
+        stream: sys::CUstream,
+        ticket: u32,
+        bytes: u64,
+    ) -> Result<()> {
         let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
         let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
         // SAFETY: `done` is a device-mapped address of the registered doorbell page.
-        unsafe { wait::wait_geq(stream, done, ticket)? };
+        unsafe { wait::wait_geq(stream, done, ticket, bytes)? };
         Ok(())
     }
 
@@ -700,8 +709,9 @@ impl Communicator {
                 "cuStreamWriteValue32",
             )
         };
+        let op_bytes = a.count.saturating_mul(es);
         // SAFETY: as above for `done`.
-        let wait = |v: u32| unsafe { wait::wait_geq(s, done, v) };
+        let wait = |v: u32| unsafe { wait::wait_geq(s, done, v, op_bytes) };
         let user_data = i.post(d)?;
         c.next_ticket = ticket.wrapping_add(phases as u32);
         let req = Request {
@@ -716,7 +726,8 @@ impl Communicator {
             if !kernel_reduces {
                 write(ticket)?;
                 if a.defer_wait && a.kind.is_p2p() {
-                    c.deferred = Some(ticket);
+                    let most = c.deferred.map_or(0, |(_, b)| b).max(op_bytes);
+                    c.deferred = Some((ticket, most));
                 } else {
                     wait(ticket)?;
                 }
@@ -798,6 +809,7 @@ impl Communicator {
             done: done_ev,
             device: dev,
             last_ticket: ticket.wrapping_add(phases as u32).wrapping_sub(1),
+            bytes: op_bytes,
         })
     }
 }

@@ -6,14 +6,21 @@
 //! daemon has submitted any work to the same GPU while it waited: the doorbell round trip is
 //! 5.1-5.4 us when the daemon only writes counters from the CPU, but 15.6 us as soon as it also
 //! records an event or issues a copy there, with or without MPS. A kernel polling the counter
-//! keeps the stream running, and the round trip with the daemon's copy in between drops to
-//! 7.5-9 us (send/recv 64 KiB: 16.3 -> 13.4-14 us per op; 16 MiB: 61.8-63 -> 56.4-58 us).
+//! keeps the stream running: in the probe a send/recv of 64 KiB took 13.4-14 instead of 16.3 us
+//! of GPU time per op, 16 MiB 56.4-58 instead of 61.8-63 us.
+//!
+//! Why not always: launching the kernel costs the CPU ~2-3 us more per op than the memory op
+//! (torch send/recv below 2 MiB, which the CPU's issue rate bounds: 18.6-20.9 against
+//! 15.9-19.7 us per op). So the default (`auto`) polls with the kernel for ops of at least
+//! [`AUTO_KERNEL_MIN_BYTES`] and on streams being captured into a CUDA graph (replays cost no
+//! CPU), and uses `cuStreamWaitValue32` for smaller eager ops. `COMMD_GPU_WAIT=kernel|memop`
+//! forces one way.
 //!
 //! The kernel is one thread of one block, runs only while the stream would otherwise sit in the
 //! memory-op wait, reads the counter with `ld.acquire.sys` (wrap-aware `>=`, as
 //! `CU_STREAM_WAIT_VALUE_GEQ`), and is hand-written PTX, so it needs no NVRTC: the driver
-//! compiles it once per context. `COMMD_GPU_WAIT=memop` selects `cuStreamWaitValue32`; so does
-//! a context where the module does not load (a GPU older than sm_70), with one warning.
+//! compiles it once per context. A context where the module does not load (a GPU older than
+//! sm_70) uses the memory op, with one warning.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -45,10 +52,18 @@ WAIT:
 }
 \0";
 
+/// Ops of at least this many bytes (per rank: count x element size) wait with the kernel in the
+/// `auto` mode: from 4 MiB the kernel was 3-4 us faster per send/recv (24.3-25.1 against 28.1
+/// us), at 1 MiB the two were even (18.6-20.6 against 19.1-19.7).
+pub const AUTO_KERNEL_MIN_BYTES: u64 = 2 << 20;
+
 /// How streams wait for done counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WaitMode {
-    /// The polling kernel (the default).
+    /// The kernel for ops of at least [`AUTO_KERNEL_MIN_BYTES`] and on capturing streams, the
+    /// memory op otherwise (the default).
+    Auto,
+    /// The polling kernel.
     Kernel,
     /// `cuStreamWaitValue32`.
     MemOp,
@@ -58,10 +73,11 @@ impl WaitMode {
     /// Parses `COMMD_GPU_WAIT`'s value.
     pub fn parse(s: &str) -> Result<Self, String> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "" | "kernel" => Ok(Self::Kernel),
+            "" | "auto" => Ok(Self::Auto),
+            "kernel" => Ok(Self::Kernel),
             "memop" => Ok(Self::MemOp),
             other => Err(format!(
-                "COMMD_GPU_WAIT={other:?}: expected \"kernel\" (the default) or \"memop\""
+                "COMMD_GPU_WAIT={other:?}: expected \"auto\" (the default), \"kernel\" or \"memop\""
             )),
         }
     }
@@ -78,22 +94,43 @@ impl WaitMode {
 /// The loaded kernel per context id (`None`: it did not load there; use the memory op).
 static FUNCS: OnceLock<Mutex<HashMap<u64, Option<usize>>>> = OnceLock::new();
 
-/// The polling kernel for `stream`, or `None` where the memory op is used: the mode says so, the
-/// stream is not of the current context (a launch needs its function's context current), or the
-/// module does not load in this context.
-fn kernel_for(stream: CUstream) -> Result<Option<CUfunction>, CuError> {
-    if WaitMode::current().map_err(|e| CuError {
+/// Whether a wait for an op of `bytes` on `stream` uses the kernel under `mode`.
+fn wants_kernel(mode: WaitMode, bytes: u64, stream: CUstream) -> Result<bool, CuError> {
+    Ok(match mode {
+        WaitMode::Kernel => true,
+        WaitMode::MemOp => false,
+        WaitMode::Auto if bytes >= AUTO_KERNEL_MIN_BYTES => true,
+        WaitMode::Auto => {
+            let mut st = cu_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+            // SAFETY: the caller vouches for `stream`; `st` is a valid out pointer.
+            cu::ck(
+                unsafe { cu_sys::cuStreamIsCapturing(stream, &mut st) },
+                "cuStreamIsCapturing",
+            )?;
+            st != cu_sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE
+        }
+    })
+}
+
+/// The polling kernel for a wait of an op of `bytes` on `stream`, or `None` where the memory op
+/// is used: the mode says so, the stream is not of the current context (a launch needs its
+/// function's context current), or the module does not load in this context.
+fn kernel_for(stream: CUstream, bytes: u64) -> Result<Option<CUfunction>, CuError> {
+    let mode = WaitMode::current().map_err(|e| CuError {
         what: "COMMD_GPU_WAIT".into(),
         code: 0,
         name: "invalid".into(),
         text: e,
-    })? == WaitMode::MemOp
-    {
+    })?;
+    if !wants_kernel(mode, bytes, stream)? {
         return Ok(None);
     }
     let mut cur: cu_sys::CUcontext = std::ptr::null_mut();
     // SAFETY: the driver is initialized (callers went through `driver()`); valid out pointer.
-    cu::ck(unsafe { cu_sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
+    cu::ck(
+        unsafe { cu_sys::cuCtxGetCurrent(&mut cur) },
+        "cuCtxGetCurrent",
+    )?;
     if cur.is_null() {
         return Ok(None);
     }
@@ -147,13 +184,19 @@ fn load() -> Result<CUfunction, CuError> {
     Ok(func)
 }
 
-/// Enqueues on `stream` a wait until the counter at `addr` reaches `value` (wrap-aware `>=`).
+/// Enqueues on `stream` a wait until the counter at `addr` reaches `value` (wrap-aware `>=`),
+/// for an op of `bytes` per rank (which way it waits, see the module docs).
 ///
 /// # Safety
 /// `stream` is a live stream; `addr` is the device-mapped address of a 4-byte word of host
 /// memory registered in `stream`'s context, which stays mapped while the stream may run.
-pub unsafe fn wait_geq(stream: CUstream, addr: CUdeviceptr, value: u32) -> Result<(), CuError> {
-    if let Some(f) = kernel_for(stream)? {
+pub unsafe fn wait_geq(
+    stream: CUstream,
+    addr: CUdeviceptr,
+    value: u32,
+    bytes: u64,
+) -> Result<(), CuError> {
+    if let Some(f) = kernel_for(stream, bytes)? {
         let mut a = addr;
         let mut v = value;
         let mut params: [*mut c_void; 2] = [(&raw mut a).cast(), (&raw mut v).cast()];
@@ -195,11 +238,21 @@ mod tests {
 
     #[test]
     fn parses_the_mode() {
-        assert_eq!(WaitMode::parse("").unwrap(), WaitMode::Kernel);
+        assert_eq!(WaitMode::parse("").unwrap(), WaitMode::Auto);
+        assert_eq!(WaitMode::parse("AUTO").unwrap(), WaitMode::Auto);
         assert_eq!(WaitMode::parse("kernel").unwrap(), WaitMode::Kernel);
         assert_eq!(WaitMode::parse(" MemOp ").unwrap(), WaitMode::MemOp);
         let e = WaitMode::parse("spin").unwrap_err();
         assert!(e.contains("\"spin\"") && e.contains("memop"), "{e}");
+    }
+
+    #[test]
+    fn auto_picks_by_size_without_asking_the_driver_for_large_ops() {
+        // A null stream is never queried here: the size alone decides (no driver on CI).
+        let null = std::ptr::null_mut();
+        assert!(wants_kernel(WaitMode::Auto, AUTO_KERNEL_MIN_BYTES, null).unwrap());
+        assert!(wants_kernel(WaitMode::Kernel, 0, null).unwrap());
+        assert!(!wants_kernel(WaitMode::MemOp, u64::MAX, null).unwrap());
     }
 
     #[test]
