@@ -93,6 +93,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # mixes them by op size): every op with the polling kernel, and with cuStreamWaitValue32.
   COMMD_GPU_WAIT=kernel run "ops-2-gpus-kernel" "${tr[@]}" 2 tests/gpu/gpu_ops.py
   COMMD_GPU_WAIT=memop run "ops-2-gpus-memop" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+  # Small (memory-op wait) and large (kernel wait) ops alternating on one stream, no CPU sync.
+  for n in 1 2; do
+    [ "$n" -le "$ngpu" ] && run "wait-mix-$n-gpus" "${tr[@]}" "$n" tests/gpu/wait_mix.py
+  done
   run kill-rank tests/gpu/kill_rank.sh
   # Reductions in many rounds (scratch buffers alternating, copies issued a phase ahead), with
   # both all-reduce algorithms: a second daemon with a 64 KiB scratch slot.
