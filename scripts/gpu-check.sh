@@ -91,8 +91,10 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   done
   # Both ways streams wait for done counters (client-rs/src/gpu/wait.rs; the default, auto,
   # mixes them by op size): every op with the polling kernel, and with cuStreamWaitValue32.
-  COMMD_GPU_WAIT=kernel run "ops-2-gpus-kernel" "${tr[@]}" 2 tests/gpu/gpu_ops.py
-  COMMD_GPU_WAIT=memop run "ops-2-gpus-memop" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+  if [ "$ngpu" -ge 2 ]; then
+    COMMD_GPU_WAIT=kernel run "ops-2-gpus-kernel" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+    COMMD_GPU_WAIT=memop run "ops-2-gpus-memop" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+  fi
   # Small (memory-op wait) and large (kernel wait) ops alternating on one stream, no CPU sync.
   for n in 1 2; do
     [ "$n" -le "$ngpu" ] && run "wait-mix-$n-gpus" "${tr[@]}" "$n" tests/gpu/wait_mix.py
