@@ -119,19 +119,15 @@ fn kernel_for(stream: CUstream, bytes: u64) -> Result<Option<CUfunction>, CuErro
     }
     let mut cur: cu_sys::CUcontext = std::ptr::null_mut();
     // SAFETY: the driver is initialized (callers went through `driver()`); valid out pointer.
-    cu::ck(
-        unsafe { cu_sys::cuCtxGetCurrent(&mut cur) },
-        "cuCtxGetCurrent",
-    )?;
+    let r = unsafe { cu_sys::cuCtxGetCurrent(&mut cur) };
+    cu::ck(r, "cuCtxGetCurrent")?;
     if cur.is_null() {
         return Ok(None);
     }
     let mut sctx: cu_sys::CUcontext = std::ptr::null_mut();
     // SAFETY: the caller vouches for `stream`; `sctx` is a valid out pointer.
-    cu::ck(
-        unsafe { cu_sys::cuStreamGetCtx(stream, &mut sctx) },
-        "cuStreamGetCtx",
-    )?;
+    let r = unsafe { cu_sys::cuStreamGetCtx(stream, &mut sctx) };
+    cu::ck(r, "cuStreamGetCtx")?;
     if sctx != cur {
         return Ok(None);
     }
@@ -161,10 +157,8 @@ fn kernel_for(stream: CUstream, bytes: u64) -> Result<Option<CUfunction>, CuErro
 fn load() -> Result<CUfunction, CuError> {
     let mut module: CUmodule = std::ptr::null_mut();
     // SAFETY: a context is current; `PTX` is NUL-terminated text that lives for the program.
-    cu::ck(
-        unsafe { cu_sys::cuModuleLoadData(&mut module, PTX.as_ptr().cast()) },
-        "cuModuleLoadData(commd_wait_geq)",
-    )?;
+    let r = unsafe { cu_sys::cuModuleLoadData(&mut module, PTX.as_ptr().cast()) };
+    cu::ck(r, "cuModuleLoadData(commd_wait_geq)")?;
     let mut func: CUfunction = std::ptr::null_mut();
     // SAFETY: `module` was just loaded; the name is NUL-terminated; `func` is a valid out pointer.
     let r = unsafe { cu_sys::cuModuleGetFunction(&mut func, module, c"commd_wait_geq".as_ptr()) };
