@@ -16,6 +16,7 @@ with the copy engine and releases both clients. Modes (how the daemon does one o
   gpu    copies pre-issued behind cuStreamWaitValue32 on the clients' own ready counters; no CPU
 
 Prints the GPU time per op seen by client A's stream (events around N ops, all pre-enqueued).
+--cpu-costs: CPU time per call of the client's per-op driver calls (one GPU), then exit.
 --fused: one kernel per op writes ready and polls done.
 --spin: the clients wait for done with a one-warp kernel polling the host word instead of
 cuStreamWaitValue32. Only libcuda through ctypes; no torch. Usage: copy_doorbell.py [sizes...] (bytes, default
@@ -352,8 +353,47 @@ def solo(size, n):
         print(f"  solo {size:>10} {name}: issue+record {issue * 1e6 / n:.2f} us, issue-to-event-seen {wait * 1e6 / n:.2f} us per copy", flush=True)
 
 
+def cpu_costs(n=4000):
+    """CPU time per call of what a client enqueues per op (one GPU; counters already satisfied)."""
+    ctx_on(0)
+    path = f"/dev/shm/commd-probe-cpu-{os.getpid()}"
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    m, addr, dptr = map_page(path)
+    s = stream()
+    spin = spin_kernel()
+    cur = ctypes.c_void_p()
+    sctx = ctypes.c_void_p()
+    cid = ctypes.c_ulonglong()
+    calls = {
+        "cuStreamWriteValue32": lambda: write_value(s, dptr, 0),
+        "cuStreamWaitValue32": lambda: wait_value(s, dptr + 64, 0),
+        "cuLaunchKernel(spin)": lambda: spin(s, dptr + 64, 0),
+        "cuCtxGetCurrent": lambda: cu().cuCtxGetCurrent(ctypes.byref(cur)),
+        "cuStreamGetCtx": lambda: cu().cuStreamGetCtx(s, ctypes.byref(sctx)),
+        "cuCtxGetId": lambda: cu().cuCtxGetId(cur, ctypes.byref(cid)),
+        "ctypes no-op (cuDriverGetVersion)": lambda: cu().cuDriverGetVersion(ctypes.byref(cid)),
+    }
+    for name, f in calls.items():
+        for _ in range(200):
+            f()
+        ck(cu().cuStreamSynchronize(s), "sync")
+        dt = 0.0
+        for _ in range(n // 250):  # in batches: a full launch queue would make the CPU wait
+            t = time.perf_counter()
+            for _ in range(250):
+                f()
+            dt += time.perf_counter() - t
+            ck(cu().cuStreamSynchronize(s), "sync")
+        print(f"  cpu {name}: {dt * 1e6 / (n // 250 * 250):.2f} us per call", flush=True)
+    os.unlink(path)
+
+
 def main():
     args = sys.argv[1:]
+    if "--cpu-costs" in args:
+        cpu_costs()
+        return
     modes = ["event", "write", "gate", "gpu"]
     n = 200
     sizes = []
