@@ -210,8 +210,20 @@ def daemon(path, mode, size, n, q):
     done = [word(addr, o) for o in OFF_DONE]
     gate = word(addr, OFF_GATE)
 
+    gexec = None
+    if mode == "graph":  # the copy captured once into a graph, launched per op
+        g = ctypes.c_void_p()
+        gexec = ctypes.c_void_p()
+        ck(cu().cuStreamBeginCapture_v2(s_graph := stream(), 2), "cuStreamBeginCapture")
+        ck(cu().cuMemcpyAsync(ctypes.c_uint64(dst.value), ctypes.c_uint64(src.value), ctypes.c_size_t(size), s_graph), "cuMemcpyAsync(capture)")
+        ck(cu().cuStreamEndCapture(s_graph, ctypes.byref(g)), "cuStreamEndCapture")
+        ck(cu().cuGraphInstantiateWithFlags(ctypes.byref(gexec), g, ctypes.c_ulonglong(0)), "cuGraphInstantiate")
+
     def copy():
         if mode in ("nocopy", "cpuonly"):
+            return
+        if gexec is not None:
+            ck(cu().cuGraphLaunch(gexec, s), "cuGraphLaunch")
             return
         ck(cu().cuMemcpyAsync(ctypes.c_uint64(dst.value), ctypes.c_uint64(src.value), ctypes.c_size_t(size), s_pull if mode == "pull" else s), "cuMemcpyAsync")
 
@@ -263,7 +275,7 @@ def daemon(path, mode, size, n, q):
         else:
             t1 = time.perf_counter()
             copy()
-            if mode in ("event", "nocopy", "pull"):
+            if mode in ("event", "nocopy", "pull", "graph"):
                 ck(cu().cuEventRecord(ev, s_pull if mode == "pull" else s), "cuEventRecord")
             t2 = time.perf_counter()
             while mode != "cpuonly":
