@@ -14,13 +14,18 @@ with the copy engine and releases both clients. Modes (how the daemon does one o
   gate   copies pre-issued (a window ahead) behind a cuStreamWaitValue32 on a daemon-owned gate
          word; the CPU polls both ready counters and writes the gate; the stream writes done
   gpu    copies pre-issued behind cuStreamWaitValue32 on the clients' own ready counters; no CPU
+  graph  as event, the copy captured once into a CUDA graph and issued with cuGraphLaunch
+  streamquery  as event, completion polled with cuStreamQuery (no event)
+  pull   as event, the copy issued on the destination GPU (a pull)
+  nocopy as event without the copy (an event record alone); cpuonly: no GPU work at all
+  solo   the daemon's copy alone (no clients): issue cost and latency of three memcpy calls
 
 Prints the GPU time per op seen by client A's stream (events around N ops, all pre-enqueued).
 --cpu-costs: CPU time per call of the client's per-op driver calls (one GPU), then exit.
 --fused: one kernel per op writes ready and polls done.
 --spin: the clients wait for done with a one-warp kernel polling the host word instead of
 cuStreamWaitValue32. Only libcuda through ctypes; no torch. Usage: copy_doorbell.py [sizes...] (bytes, default
-64Ki 1Mi 16Mi) [--modes event,write,gate,gpu] [--n N].
+64Ki 1Mi 16Mi) [--modes event,write,gate,gpu] [--n N] [--spin|--fused] [--cpu-costs].
 """
 
 import ctypes
