@@ -182,8 +182,9 @@ def client(path, side, n, q, spin=False):
     q.put((side, ms.value * 1e3 / n))
 
 
-def daemon(path, mode, size, n, q):
-    ctx0 = ctx_on(1)
+def peer_buffers(size):
+    """`size` bytes on GPU 1 (dst) and GPU 0 (src), GPU 0's context current with access to GPU 1."""
+    ctx_on(1)
     dst = ctypes.c_uint64()
     ck(cu().cuMemAlloc_v2(ctypes.byref(dst), ctypes.c_size_t(size)), "cuMemAlloc dst")
     ctx0 = ctx_on(0)
@@ -196,6 +197,11 @@ def daemon(path, mode, size, n, q):
     r = cu().cuCtxEnablePeerAccess(ctx1, 0)
     if r not in (0, 704):  # 704: already enabled
         ck(r, "cuCtxEnablePeerAccess")
+    return ctx0, ctx1, src, dst
+
+
+def daemon(path, mode, size, n, q):
+    ctx0, ctx1, src, dst = peer_buffers(size)
     m, addr, dptr = map_page(path)
     s_pull = None
     if mode == "pull":  # the copy on the destination GPU's stream (a pull)
@@ -328,26 +334,10 @@ def run(mode, size, n, spin=False):
 
 def solo(size, n):
     """The daemon's copy alone: issue, event, poll, per op (no clients, no doorbells)."""
-    ctx_on(1)
-    dst = ctypes.c_uint64()
-    ck(cu().cuMemAlloc_v2(ctypes.byref(dst), ctypes.c_size_t(size)), "cuMemAlloc dst")
-    ctx_on(0)
-    src = ctypes.c_uint64()
-    ck(cu().cuMemAlloc_v2(ctypes.byref(src), ctypes.c_size_t(size)), "cuMemAlloc src")
-    ctx1 = ctypes.c_void_p()
-    dev1 = ctypes.c_int()
-    ck(cu().cuDeviceGet(ctypes.byref(dev1), 1), "cuDeviceGet")
-    ck(cu().cuDevicePrimaryCtxRetain(ctypes.byref(ctx1), dev1), "retain 1")
-    r = cu().cuCtxEnablePeerAccess(ctx1, 0)
-    if r not in (0, 704):
-        ck(r, "cuCtxEnablePeerAccess")
+    ctx0, ctx1, src, dst = peer_buffers(size)
     s = stream()
     ev = ctypes.c_void_p()
     ck(cu().cuEventCreate(ctypes.byref(ev), 2), "cuEventCreate")
-    dev0 = ctypes.c_int()
-    ck(cu().cuDeviceGet(ctypes.byref(dev0), 0), "cuDeviceGet")
-    ctx0 = ctypes.c_void_p()
-    ck(cu().cuCtxGetCurrent(ctypes.byref(ctx0)), "cuCtxGetCurrent")
     d, sr, sz = ctypes.c_uint64(dst.value), ctypes.c_uint64(src.value), ctypes.c_size_t(size)
     variants = {
         "cuMemcpyAsync": lambda: cu().cuMemcpyAsync(d, sr, sz, s),
