@@ -710,6 +710,8 @@ impl Communicator {
             )
         };
         let op_bytes = a.count.saturating_mul(es);
+        // SAFETY: `s` was validated above.
+        unsafe { wait::prepare(s, op_bytes)? };
         // SAFETY: as above for `done`.
         let wait = |v: u32| unsafe { wait::wait_geq(s, done, v, op_bytes) };
         let user_data = i.post(d)?;

@@ -170,6 +170,16 @@ fn load() -> Result<CUfunction, CuError> {
     Ok(func)
 }
 
+/// Checks `COMMD_GPU_WAIT` and loads the kernel in this context if an op of `bytes` on `stream`
+/// will use it, so that a bad setting fails an op before it is posted, and the first wait does
+/// no module loading.
+///
+/// # Safety
+/// `stream` is a live stream.
+pub unsafe fn prepare(stream: CUstream, bytes: u64) -> Result<(), CuError> {
+    kernel_for(stream, bytes).map(|_| ())
+}
+
 /// Enqueues on `stream` a wait until the counter at `addr` reaches `value` (wrap-aware `>=`),
 /// for an op of `bytes` per rank (which way it waits, see the module docs).
 ///
