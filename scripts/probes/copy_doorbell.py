@@ -18,6 +18,8 @@ with the copy engine and releases both clients. Modes (how the daemon does one o
   streamquery  as event, completion polled with cuStreamQuery (no event)
   pull   as event, the copy issued on the destination GPU (a pull)
   nocopy as event without the copy (an event record alone); cpuonly: no GPU work at all
+  client no daemon work: the sender's own stream waits for the receiver's ready, pushes into a
+         buffer on the receiver's GPU that its process mapped, and writes the receiver's done
   solo   the daemon's copy alone (no clients): issue cost and latency of three memcpy calls
 
 Prints the GPU time per op seen by client A's stream (events around N ops, all pre-enqueued).
@@ -157,8 +159,11 @@ def spin_kernel():
     return wait
 
 
-def client(path, side, n, q, spin=False):
-    ctx_on(side)
+def client(path, side, n, q, spin=False, mode="event", size=0):
+    if mode == "client" and side == 0:
+        ctx0, ctx1, src, dst = peer_buffers(size)
+    else:
+        ctx_on(side)
     m, addr, dptr = map_page(path)
     wait_done = spin_kernel() if spin else wait_value
     s = stream()
@@ -168,6 +173,12 @@ def client(path, side, n, q, spin=False):
     wait_value(s, dptr + OFF_START, 1)
     ck(cu().cuEventRecord(e0, s), "cuEventRecord")
     for k in range(1, n + 1):
+        if mode == "client" and side == 0:
+            # The sender's own stream: wait for the receiver's ready, push, release it.
+            wait_done(s, dptr + OFF_READY[1], k)
+            ck(cu().cuMemcpyAsync(ctypes.c_uint64(dst.value), ctypes.c_uint64(src.value), ctypes.c_size_t(size), s), "cuMemcpyAsync")
+            write_value(s, dptr + OFF_DONE[1], k)
+            continue
         if spin == "fused":
             wait_done.fused(s, dptr + OFF_READY[side], dptr + OFF_DONE[side], k)
             continue
@@ -201,6 +212,15 @@ def peer_buffers(size):
 
 
 def daemon(path, mode, size, n, q):
+    if mode == "client":  # the sender's stream does it all; only start the clients
+        m = mmap.mmap(os.open(path, os.O_RDWR), 4096)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        while word(addr, OFF_ARMED).value == 0 or word(addr, OFF_ARMED + 4).value == 0:
+            time.sleep(0.001)
+        word(addr, OFF_START).value = 1
+        q.put(("daemon", float("nan")))
+        q.put(("spans", [0.0, 0.0, 0.0]))
+        return
     ctx0, ctx1, src, dst = peer_buffers(size)
     m, addr, dptr = map_page(path)
     s_pull = None
@@ -315,7 +335,7 @@ def run(mode, size, n, spin=False):
     c = mp.get_context("spawn")
     q = c.Queue()
     ps = [c.Process(target=daemon, args=(path, mode, size, n, q))]
-    ps += [c.Process(target=client, args=(path, side, n, q, spin)) for side in (0, 1)]
+    ps += [c.Process(target=client, args=(path, side, n, q, spin, mode, size)) for side in (0, 1)]
     for p in ps:
         p.start()
     got = {}
