@@ -710,10 +710,11 @@ impl Communicator {
             )
         };
         let op_bytes = a.count.saturating_mul(es);
+        // Resolved once for the op's waits (a reduction waits rounds + 1 times).
         // SAFETY: `s` was validated above.
-        unsafe { wait::prepare(s, op_bytes)? };
-        // SAFETY: as above for `done`.
-        let wait = |v: u32| unsafe { wait::wait_geq(s, done, v, op_bytes) };
+        let waiter = unsafe { wait::Waiter::new(s, op_bytes)? };
+        // SAFETY: as above for `done`; `waiter` was made for `s`.
+        let wait = |v: u32| unsafe { waiter.enqueue(s, done, v) };
         let user_data = i.post(d)?;
         c.next_ticket = ticket.wrapping_add(phases as u32);
         let req = Request {

@@ -170,62 +170,84 @@ fn load() -> Result<CUfunction, CuError> {
     Ok(func)
 }
 
-/// Checks `COMMD_GPU_WAIT` and loads the kernel in this context if an op of `bytes` on `stream`
-/// will use it, so that a bad setting fails an op before it is posted, and the first wait does
-/// no module loading.
-///
-/// # Safety
-/// `stream` is a live stream.
-pub unsafe fn prepare(stream: CUstream, bytes: u64) -> Result<(), CuError> {
-    kernel_for(stream, bytes).map(|_| ())
+/// How one op's waits are enqueued: the polling kernel (loaded in the stream's context) or the
+/// memory op. Resolve it once per op ([`Waiter::new`]), then enqueue each of its waits.
+#[derive(Debug, Clone, Copy)]
+pub struct Waiter(Option<usize>);
+
+impl Waiter {
+    /// Checks `COMMD_GPU_WAIT` and, if an op of `bytes` on `stream` waits with the kernel, loads
+    /// it in this context: a bad setting fails an op before it is posted, and no wait loads a
+    /// module.
+    ///
+    /// # Safety
+    /// `stream` is a live stream.
+    pub unsafe fn new(stream: CUstream, bytes: u64) -> Result<Self, CuError> {
+        Ok(Self(kernel_for(stream, bytes)?.map(|f| f as usize)))
+    }
+
+    /// Enqueues on `stream` (the one given to [`Waiter::new`]) a wait until the counter at
+    /// `addr` reaches `value` (wrap-aware `>=`).
+    ///
+    /// # Safety
+    /// `stream` is the live stream this waiter was made for; `addr` is the device-mapped address
+    /// of a 4-byte word of host memory registered in `stream`'s context, which stays mapped while
+    /// the stream may run.
+    pub unsafe fn enqueue(
+        self,
+        stream: CUstream,
+        addr: CUdeviceptr,
+        value: u32,
+    ) -> Result<(), CuError> {
+        if let Some(f) = self.0 {
+            let mut a = addr;
+            let mut v = value;
+            let mut params: [*mut c_void; 2] = [(&raw mut a).cast(), (&raw mut v).cast()];
+            // SAFETY: `f` was loaded in the current context, which is `stream`'s (checked in
+            // `kernel_for`); `params` points at the kernel's two parameters (u64, u32), copied by
+            // the driver before it returns; the caller vouches for `addr`.
+            let r = unsafe {
+                cu_sys::cuLaunchKernel(
+                    f as CUfunction,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    0,
+                    stream,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            };
+            return cu::ck(r, "cuLaunchKernel(commd_wait_geq)");
+        }
+        // SAFETY: the caller's contract.
+        let r = unsafe {
+            cu_sys::cuStreamWaitValue32_v2(
+                stream,
+                addr,
+                value,
+                cu_sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        };
+        cu::ck(r, "cuStreamWaitValue32")
+    }
 }
 
-/// Enqueues on `stream` a wait until the counter at `addr` reaches `value` (wrap-aware `>=`),
-/// for an op of `bytes` per rank (which way it waits, see the module docs).
+/// One wait for an op of `bytes` per rank: [`Waiter::new`] then [`Waiter::enqueue`].
 ///
 /// # Safety
-/// `stream` is a live stream; `addr` is the device-mapped address of a 4-byte word of host
-/// memory registered in `stream`'s context, which stays mapped while the stream may run.
+/// As [`Waiter::enqueue`].
 pub unsafe fn wait_geq(
     stream: CUstream,
     addr: CUdeviceptr,
     value: u32,
     bytes: u64,
 ) -> Result<(), CuError> {
-    if let Some(f) = kernel_for(stream, bytes)? {
-        let mut a = addr;
-        let mut v = value;
-        let mut params: [*mut c_void; 2] = [(&raw mut a).cast(), (&raw mut v).cast()];
-        // SAFETY: `f` was loaded in the current context, which is `stream`'s (checked in
-        // `kernel_for`); `params` points at the kernel's two parameters (u64, u32), copied by
-        // the driver before it returns; the caller vouches for `addr`.
-        let r = unsafe {
-            cu_sys::cuLaunchKernel(
-                f,
-                1,
-                1,
-                1,
-                1,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        return cu::ck(r, "cuLaunchKernel(commd_wait_geq)");
-    }
     // SAFETY: the caller's contract.
-    let r = unsafe {
-        cu_sys::cuStreamWaitValue32_v2(
-            stream,
-            addr,
-            value,
-            cu_sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-        )
-    };
-    cu::ck(r, "cuStreamWaitValue32")
+    unsafe { Waiter::new(stream, bytes)?.enqueue(stream, addr, value) }
 }
 
 #[cfg(test)]
