@@ -3,7 +3,7 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|all] [OUTDIR]
 # COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
 # `allreduce` (GPU data path II): client-py/benchmarks/gpu_vs_nccl.py for all_reduce and
@@ -27,6 +27,10 @@
 # COMMD_GPU_WAIT value in $COMMD_WAITCMP_MODES (default "memop auto"), alternating,
 # $COMMD_WAITCMP_ROUNDS rounds (default 2; ~1 min per mode and round on 2 GPUs): waitcmp-*.log
 # and waitcmp.jsonl (each line's "gpu_wait" has the mode).
+# `vmm` (also part of `tests`): cuMem memory, PyTorch's expandable segments
+# (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), registered by POSIX-fd export:
+# tests/gpu/vmm_remap.py on 1 and 2 GPUs (tensors spanning many pieces, pieces unmapped and
+# mapped again), and tests/gpu/gpu_ops.py on 2 GPUs with that allocator.
 # COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
@@ -36,8 +40,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -100,6 +104,19 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     [ "$n" -le "$ngpu" ] && run "wait-mix-$n-gpus" "${tr[@]}" "$n" tests/gpu/wait_mix.py
   done
   run kill-rank tests/gpu/kill_rank.sh
+fi
+if [ "$what" = tests ] || [ "$what" = vmm ] || [ "$what" = all ]; then
+  # cuMem memory (expandable segments): POSIX-fd registration, many pieces, remapped pieces;
+  # the same test on ordinary (cudaMalloc) memory first, as the reference.
+  [ "$ngpu" -ge 2 ] && run "remap-2-gpus-legacy" "${tr[@]}" 2 tests/gpu/vmm_remap.py
+  for n in 1 2; do
+    [ "$n" -le "$ngpu" ] && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+      run "vmm-$n-gpus" "${tr[@]}" "$n" tests/gpu/vmm_remap.py
+  done
+  [ "$ngpu" -ge 2 ] && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+    run "ops-2-gpus-vmm" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+fi
+if [ "$what" = tests ] || [ "$what" = all ]; then
   # Reductions in many rounds (scratch buffers alternating, copies issued a phase ahead), with
   # both all-reduce algorithms: a second daemon with a 64 KiB scratch slot.
   sock2=$sockdir/small.sock

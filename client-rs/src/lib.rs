@@ -327,47 +327,7 @@ impl Client {
     pub fn register_fd(&self, fd: std::os::fd::BorrowedFd<'_>, bytes: u64) -> Result<u32> {
         let i = &self.inner;
         i.check_owner()?;
-        let token = i.next_token.fetch_add(1, Ordering::Relaxed);
-        {
-            let sock = lock(&i.fd_sock);
-            let gone = |e: std::io::Error| {
-                i.lost(&format!(
-                    "the daemon's fd socket failed ({e}): the daemon exited or closed this session"
-                ))
-            };
-            fdproto::send(
-                sock.as_fd(),
-                &FdMsg {
-                    kind: kind::STAGE,
-                    session_id: i.session_id,
-                    token,
-                    ..Default::default()
-                },
-                Some(fd),
-            )
-            .map_err(gone)?;
-            match fdproto::recv(sock.as_fd()).map_err(gone)? {
-                Some((m, _)) if m.kind == kind::STAGE_OK && m.token == token => {}
-                Some((m, _)) if m.kind == kind::ERROR => {
-                    return Err(Error::InvalidArgument(format!(
-                        "daemon refused the buffer fd: {}",
-                        m.text
-                    )));
-                }
-                Some(_) => {
-                    return Err(Error::DaemonLost {
-                        session: i.session_id,
-                        reason: "unexpected fd-socket reply".into(),
-                    });
-                }
-                None => {
-                    return Err(Error::DaemonLost {
-                        session: i.session_id,
-                        reason: "fd socket closed".into(),
-                    });
-                }
-            }
-        }
+        let token = i.stage_fd(fd)?;
         let req = pb::RegisterMemoryRequest {
             session_id: i.session_id,
             fd_token: token,
@@ -460,6 +420,43 @@ fn source_chain(e: &dyn std::error::Error) -> String {
 }
 
 impl Inner {
+    /// Passes `fd` to the daemon on the fd socket; returns the token a registration names it by.
+    fn stage_fd(&self, fd: std::os::fd::BorrowedFd<'_>) -> Result<u64> {
+        let token = self.next_token.fetch_add(1, Ordering::Relaxed);
+        let sock = lock(&self.fd_sock);
+        let gone = |e: std::io::Error| {
+            self.lost(&format!(
+                "the daemon's fd socket failed ({e}): the daemon exited or closed this session"
+            ))
+        };
+        fdproto::send(
+            sock.as_fd(),
+            &FdMsg {
+                kind: kind::STAGE,
+                session_id: self.session_id,
+                token,
+                ..Default::default()
+            },
+            Some(fd),
+        )
+        .map_err(gone)?;
+        match fdproto::recv(sock.as_fd()).map_err(gone)? {
+            Some((m, _)) if m.kind == kind::STAGE_OK && m.token == token => Ok(token),
+            Some((m, _)) if m.kind == kind::ERROR => Err(Error::InvalidArgument(format!(
+                "daemon refused the fd: {}",
+                m.text
+            ))),
+            Some(_) => Err(Error::DaemonLost {
+                session: self.session_id,
+                reason: "unexpected fd-socket reply".into(),
+            }),
+            None => Err(Error::DaemonLost {
+                session: self.session_id,
+                reason: "fd socket closed".into(),
+            }),
+        }
+    }
+
     fn owned_here(&self) -> bool {
         self.pid == std::process::id()
     }

@@ -187,7 +187,7 @@ impl Local for LocalService {
         let d = self.daemon.clone();
         // cuIpcOpenMemHandle takes 70-240 us (ms elsewhere): off the async runtime.
         let (mem_id, cached, open_us) = tokio::task::spawn_blocking(move || {
-            d.register_cuda(&s, &r.ipc_handle, &r.device_uuid, r.bytes)
+            d.register_cuda(&s, &r.ipc_handle, &r.device_uuid, r.bytes, r.vmm)
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
@@ -196,6 +196,25 @@ impl Local for LocalService {
             cached,
             open_us,
         }))
+    }
+
+    async fn map_cuda_pieces(
+        &self,
+        req: Request<pb::MapCudaPiecesRequest>,
+    ) -> Result<Response<pb::MapCudaPiecesReply>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let r = req.into_inner();
+        let pieces: Vec<(u64, u64, u64)> = r
+            .pieces
+            .iter()
+            .map(|p| (p.offset, p.bytes, p.fd_token))
+            .collect();
+        let d = self.daemon.clone();
+        // Imports and maps take tens of microseconds each; a replacement may wait for ops.
+        let map_us = tokio::task::spawn_blocking(move || d.map_cuda_pieces(&s, r.mem_id, &pieces))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
+        Ok(Response::new(pb::MapCudaPiecesReply { map_us }))
     }
 
     async fn get_comm_scratch(

@@ -11,7 +11,8 @@
 //! with copy-engine *pushes* (the copy is issued on a stream of the source GPU); reductions run
 //! in the client's context, between doorbells.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -321,6 +322,7 @@ impl Cuda {
             open_us: us,
             handle: Some(handle.to_vec()),
             views: Mutex::new(Vec::new()),
+            vmm: None,
         })
     }
 
@@ -344,7 +346,152 @@ impl Cuda {
             open_us: 0,
             handle: None,
             views: Mutex::new(Vec::new()),
+            vmm: None,
         })
+    }
+
+    /// Reserves the daemon's mirror of a client's cuMem address range of `bytes` on the GPU
+    /// with `uuid`; its pieces are mapped later ([`Cuda::map_pieces`]).
+    pub fn reserve_vmm(&'static self, uuid: &[u8], bytes: u64) -> Result<DevMem, String> {
+        if bytes > MAX_VMM_RANGE {
+            return Err(format!(
+                "a cuMem address range of {bytes} bytes is larger than the {MAX_VMM_RANGE} bytes the daemon mirrors"
+            ));
+        }
+        let gpu = self.gpu_for(uuid)?;
+        cu::set_current(self.gpus[gpu].ctx).map_err(|e| e.to_string())?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        ck(
+            // SAFETY: valid out pointer; default alignment, no fixed address, no flags.
+            unsafe { sys::cuMemAddressReserve(&mut ptr, bytes as usize, 0, 0, 0) },
+            "cuMemAddressReserve",
+        )
+        .map_err(|e| e.to_string())?;
+        Ok(DevMem {
+            cuda: self,
+            gpu,
+            ptr,
+            len: bytes,
+            owned: false,
+            open_us: 0,
+            handle: None,
+            views: Mutex::new(Vec::new()),
+            vmm: Some(Mutex::new(BTreeMap::new())),
+        })
+    }
+
+    /// Maps `pieces` (offset, bytes, exported POSIX fd) into the mirror `mem`, replacing the
+    /// pieces they overlap (the client remapped that part of its range). A replacement waits
+    /// until no op in flight holds `mem` (at most [`REMAP_WAIT`]): unmapping memory a copy
+    /// engine still writes would fault the daemon's context. Returns the microseconds spent.
+    pub fn map_pieces(
+        &self,
+        mem: &Arc<DevMem>,
+        pieces: Vec<(u64, u64, OwnedFd)>,
+    ) -> Result<u64, String> {
+        let Some(table) = &mem.vmm else {
+            return Err("MapCudaPieces on a registration that is not a cuMem range".into());
+        };
+        let t0 = Instant::now();
+        for (off, bytes, _) in &pieces {
+            if *bytes == 0 || !commd_proto::desc::range_in_bounds(*off, *bytes, mem.len) {
+                return Err(format!(
+                    "piece at offset {off} of {bytes} bytes lies outside the registered range of {} bytes",
+                    mem.len
+                ));
+            }
+        }
+        cu::set_current(self.gpus[mem.gpu].ctx).map_err(|e| e.to_string())?;
+        // Pieces to replace must have no op in flight on them (their pins): wait for that.
+        let deadline = Instant::now() + REMAP_WAIT;
+        let mut t = loop {
+            let t = table.lock().unwrap_or_else(|e| e.into_inner());
+            let busy = pieces.iter().any(|(o, b, _)| {
+                overlapping_pieces(&t, *o, *b)
+                    .iter()
+                    .any(|(_, s)| s.pins > 0)
+            });
+            if !busy {
+                break t;
+            }
+            drop(t);
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "cannot replace a piece of a cuMem range while ops still use it after {REMAP_WAIT:?}: the client unmapped memory an op in flight was using"
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        for (off, bytes, fd) in pieces {
+            for (o, old) in overlapping_pieces(&t, off, bytes) {
+                // SAFETY: [o, o + len) of the mirror was mapped by this function; no op holds
+                // it (no pins, checked under this lock).
+                let r = unsafe { sys::cuMemUnmap(mem.ptr + o, old.bytes as usize) };
+                ck(r, "cuMemUnmap").map_err(|e| e.to_string())?;
+                t.remove(&o);
+            }
+            let mut h: sys::CUmemGenericAllocationHandle = 0;
+            let r = ck(
+                // SAFETY: valid out pointer; for POSIX fds the driver takes the fd's value as
+                // the "pointer" argument (it does not take ownership: `fd` is closed on drop).
+                unsafe {
+                    sys::cuMemImportFromShareableHandle(
+                        &mut h,
+                        fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    )
+                },
+                "cuMemImportFromShareableHandle",
+            );
+            r.map_err(|e| e.to_string())?;
+            // SAFETY: the range lies inside the reservation (checked above) and is unmapped.
+            let r = unsafe { sys::cuMemMap(mem.ptr + off, bytes as usize, 0, h, 0) };
+            let mapped = ck(r, "cuMemMap");
+            // SAFETY: `h` came from the import above; a mapping keeps the memory alive.
+            unsafe { sys::cuMemRelease(h) };
+            mapped.map_err(|e| {
+                format!("{e} (piece at offset {off}, {bytes} bytes: it must be a whole allocation, mapped from its offset 0)")
+            })?;
+            t.insert(off, Slot { bytes, pins: 0 });
+            if let Err(e) = self.grant_access(mem.gpu, mem.ptr + off, bytes) {
+                // SAFETY: mapped just above; nothing uses it yet.
+                unsafe { sys::cuMemUnmap(mem.ptr + off, bytes as usize) };
+                t.remove(&off);
+                return Err(e);
+            }
+            self.stats.opens.fetch_add(1, Ordering::Relaxed);
+        }
+        let us = t0.elapsed().as_micros() as u64;
+        self.stats.open_us.fetch_add(us, Ordering::Relaxed);
+        crate::telemetry::metrics().ipc_open(t0.elapsed());
+        tracing::debug!(target: "commd::cuda", gpu = mem.gpu, us, "mapped cuMem pieces");
+        Ok(us)
+    }
+
+    /// Read-write access to `[ptr, ptr + bytes)` for the owner GPU (required) and every GPU
+    /// with peer access to it (the pushes run on the source GPU's context).
+    fn grant_access(&self, owner: usize, ptr: sys::CUdeviceptr, bytes: u64) -> Result<(), String> {
+        for (i, g) in self.gpus.iter().enumerate() {
+            let peer = i != owner
+                && self
+                    .links
+                    .iter()
+                    .any(|l| l.from == i && l.to == owner && l.p2p);
+            if i != owner && !peer {
+                continue;
+            }
+            let desc = sys::CUmemAccessDesc {
+                location: sys::CUmemLocation {
+                    type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                    id: g.ordinal,
+                },
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            // SAFETY: the range is mapped; one descriptor.
+            let r = unsafe { sys::cuMemSetAccess(ptr, bytes as usize, &desc, 1) };
+            ck(r, "cuMemSetAccess").map_err(|e| e.to_string())?;
+        }
+        Ok(())
     }
 
     /// The IPC handle of daemon-owned memory (the same bytes for every call on one allocation).
@@ -568,6 +715,73 @@ pub struct DevMem {
     /// host memory at 37.7 GB/s instead of ~390 GB/s over NVLink.
     handle: Option<Vec<u8>>,
     views: Mutex<Vec<Option<sys::CUdeviceptr>>>,
+    /// A mirror of a client's cuMem range (`ptr` is the daemon's reservation): the pieces
+    /// mapped in it, offset -> bytes. Reachable from every GPU granted access, so no views.
+    vmm: Option<Mutex<BTreeMap<u64, Slot>>>,
+}
+
+/// A piece mapped in a cuMem mirror: its size, and how many resolved buffers of ops in flight
+/// lie (partly) in it ([`PiecePin`]); a piece is only replaced while it has none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Slot {
+    pub bytes: u64,
+    pub pins: u32,
+}
+
+/// Keeps the pieces under an op's buffer mapped: taken when the daemon resolves the buffer,
+/// released when the op's last copy of the span is dropped.
+#[derive(Debug)]
+pub struct PiecePin {
+    mem: Arc<DevMem>,
+    offs: Vec<u64>,
+}
+
+impl Drop for PiecePin {
+    fn drop(&mut self) {
+        if let Some(t) = &self.mem.vmm {
+            let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+            for o in &self.offs {
+                if let Some(s) = t.get_mut(o) {
+                    s.pins = s.pins.saturating_sub(1);
+                }
+            }
+        }
+    }
+}
+
+/// The largest cuMem range the daemon mirrors (address space only, nothing is allocated).
+pub const MAX_VMM_RANGE: u64 = 1 << 40;
+
+/// How long replacing a piece of a cuMem range waits for the ops still using the range.
+pub const REMAP_WAIT: Duration = Duration::from_secs(10);
+
+/// The pieces of `t` (by offset, disjoint) overlapping `[off, off + bytes)`.
+pub fn overlapping_pieces(t: &BTreeMap<u64, Slot>, off: u64, bytes: u64) -> Vec<(u64, Slot)> {
+    let end = off.saturating_add(bytes);
+    // Walking down from `end`: once a piece ends at or before `off`, every earlier one does.
+    t.range(..end)
+        .rev()
+        .take_while(|(o, s)| o.saturating_add(s.bytes) > off)
+        .map(|(o, s)| (*o, *s))
+        .collect()
+}
+
+/// The offsets of the pieces of `t` that together cover all of `[off, off + bytes)`; `None`
+/// if part of it is not mapped.
+pub fn covering_pieces(t: &BTreeMap<u64, Slot>, off: u64, bytes: u64) -> Option<Vec<u64>> {
+    let end = off.checked_add(bytes)?;
+    let mut at = off;
+    let mut out = Vec::new();
+    while at < end {
+        match t.range(..=at).next_back() {
+            Some((o, s)) if at < o.saturating_add(s.bytes) => {
+                out.push(*o);
+                at = o.saturating_add(s.bytes);
+            }
+            _ => return None,
+        }
+    }
+    Some(out)
 }
 
 impl std::fmt::Debug for DevMem {
@@ -579,6 +793,25 @@ impl std::fmt::Debug for DevMem {
 impl Drop for DevMem {
     fn drop(&mut self) {
         let g = &self.cuda.gpus[self.gpu];
+        if let Some(table) = self.vmm.take() {
+            let table = table.into_inner().unwrap_or_else(|e| e.into_inner());
+            let r = cu::set_current(g.ctx).and_then(|()| {
+                for (o, slot) in table {
+                    // SAFETY: mapped by `map_pieces`; the last reference is gone.
+                    let r = unsafe { sys::cuMemUnmap(self.ptr + o, slot.bytes as usize) };
+                    ck(r, "cuMemUnmap")?;
+                }
+                // SAFETY: reserved by `reserve_vmm`, freed once, here.
+                ck(
+                    unsafe { sys::cuMemAddressFree(self.ptr, self.len as usize) },
+                    "cuMemAddressFree",
+                )
+            });
+            if let Err(e) = r {
+                tracing::warn!(target: "commd::cuda", "releasing a cuMem mirror: {e}");
+            }
+            return;
+        }
         let r = cu::set_current(g.ctx).and_then(|()| {
             if self.owned {
                 // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once, here.
@@ -615,6 +848,31 @@ impl Drop for DevMem {
 }
 
 impl DevMem {
+    /// Checks that `[off, off + bytes)` is backed by memory in the daemon and keeps it so:
+    /// always for IPC and daemon memory (`None`); for a cuMem mirror, when its mapped pieces
+    /// cover the range, which then stay mapped while the returned pin lives. `Err` when part
+    /// of the range is not mapped.
+    pub fn pin(self: &Arc<Self>, off: u64, bytes: u64) -> Result<Option<Arc<PiecePin>>, ()> {
+        let Some(t) = &self.vmm else {
+            return Ok(None);
+        };
+        let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
+        let offs = covering_pieces(&t, off, bytes).ok_or(())?;
+        for o in &offs {
+            if let Some(s) = t.get_mut(o) {
+                s.pins += 1;
+            }
+        }
+        Ok(Some(Arc::new(PiecePin {
+            mem: self.clone(),
+            offs,
+        })))
+    }
+
+    pub fn is_vmm(&self) -> bool {
+        self.vmm.is_some()
+    }
+
     /// This memory's address as seen from GPU `gpu`'s context: the owner's mapping, daemon
     /// memory (reachable through peer access), or a mapping of the IPC handle opened in that
     /// context on first use.
@@ -650,11 +908,18 @@ pub struct GpuSpan {
     pub mem: Arc<DevMem>,
     pub off: u64,
     pub bytes: u64,
+    /// A client's cuMem memory: keeps the pieces under the span mapped (see [`DevMem::pin`]).
+    pub pin: Option<Arc<PiecePin>>,
 }
 
 impl GpuSpan {
     pub fn new(mem: Arc<DevMem>, off: u64, bytes: u64) -> Option<Self> {
-        commd_proto::desc::range_in_bounds(off, bytes, mem.len).then_some(Self { mem, off, bytes })
+        commd_proto::desc::range_in_bounds(off, bytes, mem.len).then_some(Self {
+            mem,
+            off,
+            bytes,
+            pin: None,
+        })
     }
 
     pub fn sub(&self, at: u64, bytes: u64) -> Option<Self> {
@@ -662,6 +927,7 @@ impl GpuSpan {
             mem: self.mem.clone(),
             off: self.off + at,
             bytes,
+            pin: self.pin.clone(),
         })
     }
 
@@ -1467,6 +1733,75 @@ fn issue_from(cuda: &Cuda, copies: &[&CopyOp]) -> Result<Vec<(usize, sys::CUeven
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn table(p: &[(u64, u64)]) -> BTreeMap<u64, Slot> {
+        p.iter()
+            .map(|(o, b)| (*o, Slot { bytes: *b, pins: 0 }))
+            .collect()
+    }
+
+    fn pieces_cover(t: &BTreeMap<u64, Slot>, off: u64, bytes: u64) -> bool {
+        covering_pieces(t, off, bytes).is_some()
+    }
+
+    fn overlaps(t: &BTreeMap<u64, Slot>, off: u64, bytes: u64) -> Vec<(u64, u64)> {
+        let mut v: Vec<_> = overlapping_pieces(t, off, bytes)
+            .into_iter()
+            .map(|(o, s)| (o, s.bytes))
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn vmm_pieces_cover_only_mapped_ranges() {
+        let t = table(&[(0, 10), (10, 10), (30, 10)]);
+        assert!(pieces_cover(&t, 0, 20));
+        assert!(pieces_cover(&t, 5, 10), "across two adjacent pieces");
+        assert!(pieces_cover(&t, 35, 5));
+        assert!(pieces_cover(&t, 25, 0), "an empty range needs nothing");
+        assert!(!pieces_cover(&t, 15, 10), "runs into the hole at 20..30");
+        assert!(!pieces_cover(&t, 20, 1));
+        assert!(!pieces_cover(&t, 35, 6), "past the last piece");
+        assert!(!pieces_cover(&t, 5, u64::MAX), "overflow");
+        assert!(!pieces_cover(&BTreeMap::new(), 0, 1));
+    }
+
+    #[test]
+    fn vmm_overlapping_pieces_are_found_exactly() {
+        let t = table(&[(0, 10), (10, 10), (30, 10), (50, 10)]);
+        let mut o = overlapping_pieces(&t, 5, 30);
+        o.sort();
+        assert_eq!(o, vec![(0, 10), (10, 10), (30, 10)]);
+        assert_eq!(overlapping_pieces(&t, 20, 10), vec![], "exactly the hole");
+        assert_eq!(overlapping_pieces(&t, 40, 10), vec![], "between pieces");
+        assert_eq!(overlapping_pieces(&t, 59, 1), vec![(50, 10)]);
+        assert_eq!(
+            overlapping_pieces(&t, 10, 10),
+            vec![(10, 10)],
+            "the same piece"
+        );
+        // Against a linear model.
+        let mut s: u64 = 12345;
+        let mut next = |m: u64| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1);
+            (s >> 33) % m
+        };
+        let t = table(&[(0, 4), (4, 2), (9, 3), (20, 8), (28, 1), (40, 5)]);
+        for _ in 0..2000 {
+            let (off, bytes) = (next(50), next(20) + 1);
+            let got = overlaps(&t, off, bytes);
+            let want: Vec<_> = t
+                .iter()
+                .filter(|(o, s)| **o < off + bytes && off < **o + s.bytes)
+                .map(|(o, s)| (*o, s.bytes))
+                .collect();
+            assert_eq!(got, want, "({off}, {bytes})");
+            let covered =
+                (off..off + bytes).all(|x| t.iter().any(|(o, s)| x >= *o && x < o + s.bytes));
+            assert_eq!(pieces_cover(&t, off, bytes), covered, "({off}, {bytes})");
+        }
+    }
 
     #[test]
     fn pieces_tile_the_segment() {

@@ -1006,13 +1006,16 @@ impl Daemon {
     }
 
     /// Registers a client's device allocation by IPC handle; returns (mem id, cached, open us).
-    /// The same handle registered again by the session returns the open mapping.
+    /// The same handle registered again by the session returns the open mapping. With `vmm`,
+    /// `handle` is empty and the registration is a mirror of the client's cuMem address range
+    /// of `bytes`, its pieces mapped by [`Daemon::map_cuda_pieces`].
     pub fn register_cuda(
         &self,
         s: &Session,
         handle: &[u8],
         uuid: &[u8],
         bytes: u64,
+        vmm: bool,
     ) -> Result<(u32, bool, u64), DaemonError> {
         let c = crate::cuda::get()
             .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
@@ -1020,6 +1023,21 @@ impl Daemon {
             return Err(DaemonError::InvalidArgument(
                 "registration of 0 bytes".into(),
             ));
+        }
+        if vmm {
+            if !handle.is_empty() {
+                return Err(DaemonError::InvalidArgument(
+                    "a cuMem range registration carries no IPC handle".into(),
+                ));
+            }
+            let mem = c
+                .reserve_vmm(uuid, bytes)
+                .map_err(DaemonError::InvalidArgument)?;
+            let mut t = s.tables();
+            t.next_mem += 1;
+            let id = t.next_mem;
+            t.cuda_mems.insert(id, Arc::new(mem));
+            return Ok((id, false, 0));
         }
         if let Some(id) = s.tables().ipc_cache.get(handle).copied() {
             c.stats.hits.fetch_add(1, Ordering::Relaxed);
@@ -1041,6 +1059,47 @@ impl Daemon {
         t.cuda_mems.insert(id, Arc::new(mem));
         t.ipc_cache.insert(handle.to_vec(), id);
         Ok((id, false, us))
+    }
+
+    /// Maps pieces (offset, bytes, staged fd token) into the session's cuMem mirror `mem`;
+    /// returns the microseconds spent. Every staged fd named is consumed, even on failure.
+    pub fn map_cuda_pieces(
+        &self,
+        s: &Session,
+        mem: u32,
+        pieces: &[(u64, u64, u64)],
+    ) -> Result<u64, DaemonError> {
+        let c = crate::cuda::get()
+            .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
+        let (m, fds) = {
+            let mut t = s.tables();
+            let fds: Vec<Option<OwnedFd>> = pieces.iter().map(|p| t.staged.remove(&p.2)).collect();
+            (t.cuda_mems.get(&mem).cloned(), fds)
+        };
+        let m = m.ok_or_else(|| {
+            DaemonError::NotFound(format!("no GPU memory handle {mem} in session {}", s.id))
+        })?;
+        if !m.is_vmm() {
+            return Err(DaemonError::InvalidArgument(format!(
+                "GPU memory handle {mem} is an IPC registration, not a cuMem range"
+            )));
+        }
+        let mut list = Vec::with_capacity(pieces.len());
+        for (p, fd) in pieces.iter().zip(fds) {
+            let fd = fd.ok_or_else(|| {
+                DaemonError::NotFound(format!(
+                    "no fd staged under token {}: stage it on the fd socket first",
+                    p.2
+                ))
+            })?;
+            list.push((p.0, p.1, fd));
+        }
+        let us = c
+            .map_pieces(&m, list)
+            .map_err(DaemonError::InvalidArgument)?;
+        s.ipc_opens
+            .fetch_add(pieces.len() as u64, Ordering::Relaxed);
+        Ok(us)
     }
 
     /// The device scratch of `s`'s rank of communicator `handle` on the GPU `uuid` (allocated on

@@ -8,7 +8,8 @@ pub mod kernels;
 pub mod regcache;
 pub mod wait;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use commd_proto::desc::{DType, OpKind, RedOp, SubmitDesc, doorbell, flags};
@@ -29,7 +30,15 @@ impl From<kernels::KernelError> for Error {
     }
 }
 
-use regcache::{RangeCache, Reg};
+use regcache::{Piece, RangeCache, Reg};
+
+/// At most this many cuMem pieces are registered by one call (the daemon holds at most 256
+/// staged fds per session).
+const PIECES_PER_CALL: usize = 64;
+
+/// The most cuMem pieces one buffer may need registered at once (PyTorch's pieces are 2 or
+/// 20 MiB: 16384 covers a 320 GiB tensor).
+const MAX_NEW_PIECES: usize = 16384;
 
 /// Per-session CUDA state: the doorbell page's device address, the registration cache (by
 /// address range, each hit validated by the allocation's `CU_POINTER_ATTRIBUTE_BUFFER_ID`,
@@ -39,6 +48,8 @@ use regcache::{RangeCache, Reg};
 pub(crate) struct SessionGpu {
     doorbell_dev: Option<sys::CUdeviceptr>,
     regs: RangeCache,
+    /// The pieces registered in each cuMem range registration (by its mem id), by offset.
+    vmm: HashMap<u32, BTreeMap<u64, Piece>>,
     kernels: Option<kernels::Kernels>,
     events: Arc<EventPool>,
     pub(crate) registrations: u64,
@@ -271,31 +282,51 @@ fn driver() -> Result<()> {
     })
 }
 
-/// What the driver knows of a device pointer: (allocation base, size, buffer id, device ordinal).
-fn pointer_info(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, u64, u64, i32)> {
+/// What the driver knows of a device pointer.
+struct PtrInfo {
+    /// The allocation (or, for cuMem memory, the reserved address range) holding it.
+    base: sys::CUdeviceptr,
+    size: u64,
+    buffer_id: u64,
+    ordinal: i32,
+    /// cuIpcGetMemHandle works on it (cudaMalloc memory).
+    legacy_ipc: bool,
+    /// cuMem memory: the handle types its allocation may be exported as.
+    handle_types: u32,
+}
+
+fn pointer_info(ptr: sys::CUdeviceptr) -> Result<PtrInfo> {
     use sys::CUpointer_attribute as P;
     let mut base: sys::CUdeviceptr = 0;
     let mut size: usize = 0;
     let mut id: u64 = 0;
     let mut ordinal: i32 = -1;
     let mut mtype: u32 = 0;
+    // Read into zeroed 64-bit slots: the driver writes ALLOWED_HANDLE_TYPES as 8 bytes (a
+    // 4-byte variable had its neighbour on the stack overwritten, measured on driver 580).
+    let mut legacy: u64 = 0;
+    let mut types: u64 = 0;
     let mut attrs = [
         P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
         P::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
         P::CU_POINTER_ATTRIBUTE_BUFFER_ID,
         P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
         P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+        P::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+        P::CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
     ];
-    let mut data: [*mut std::ffi::c_void; 5] = [
+    let mut data: [*mut std::ffi::c_void; 7] = [
         (&mut base as *mut sys::CUdeviceptr).cast(),
         (&mut size as *mut usize).cast(),
         (&mut id as *mut u64).cast(),
         (&mut ordinal as *mut i32).cast(),
         (&mut mtype as *mut u32).cast(),
+        (&mut legacy as *mut u64).cast(),
+        (&mut types as *mut u64).cast(),
     ];
     ck(
         // SAFETY: each data pointer points to a variable of the type the attribute writes.
-        unsafe { sys::cuPointerGetAttributes(5, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) },
+        unsafe { sys::cuPointerGetAttributes(7, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) },
         "cuPointerGetAttributes",
     )?;
     if mtype != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || ordinal < 0 || base == 0 {
@@ -303,7 +334,64 @@ fn pointer_info(ptr: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, u64, u64, i3
             "address {ptr:#x} is not CUDA device memory of this process (memory type {mtype}); GPU ops need tensors allocated on a CUDA device"
         )));
     }
-    Ok((base, size as u64, id, ordinal))
+    Ok(PtrInfo {
+        base,
+        size: size as u64,
+        buffer_id: id,
+        ordinal,
+        legacy_ipc: legacy & 0xffff_ffff != 0,
+        handle_types: types as u32,
+    })
+}
+
+/// The cuMem mapping holding `ptr`: (mapping base, size, buffer id).
+fn mapping_info(ptr: sys::CUdeviceptr) -> std::result::Result<regcache::Mapping, String> {
+    use sys::CUpointer_attribute as P;
+    let mut base: sys::CUdeviceptr = 0;
+    let mut size: usize = 0;
+    let mut id: u64 = 0;
+    let mut attrs = [
+        P::CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
+        P::CU_POINTER_ATTRIBUTE_MAPPING_SIZE,
+        P::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+    ];
+    let mut data: [*mut std::ffi::c_void; 3] = [
+        (&mut base as *mut sys::CUdeviceptr).cast(),
+        (&mut size as *mut usize).cast(),
+        (&mut id as *mut u64).cast(),
+    ];
+    // SAFETY: each data pointer points to a variable of the type the attribute writes.
+    let r = unsafe { sys::cuPointerGetAttributes(3, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+    ck(r, "cuPointerGetAttributes(mapping)").map_err(|e| format!("{ptr:#x}: {e}"))?;
+    Ok((base, size as u64, id))
+}
+
+/// Exports the cuMem allocation mapped at `addr` as a POSIX fd.
+fn export_piece(addr: sys::CUdeviceptr) -> Result<OwnedFd> {
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: valid out pointer; `addr` lies in a mapping of this process (the driver checks).
+    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, addr as usize as *mut _) };
+    ck(r, "cuMemRetainAllocationHandle")?;
+    let mut fd: std::ffi::c_int = -1;
+    // SAFETY: for POSIX fds the out parameter is an int; `h` is the handle retained above.
+    let r = unsafe {
+        sys::cuMemExportToShareableHandle(
+            (&mut fd as *mut std::ffi::c_int).cast(),
+            h,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    };
+    // SAFETY: releases the retain above (the mapping keeps the allocation alive).
+    unsafe { sys::cuMemRelease(h) };
+    ck(r, "cuMemExportToShareableHandle")?;
+    if fd < 0 {
+        return Err(Error::InvalidArgument(format!(
+            "cuMemExportToShareableHandle gave no fd for {addr:#x}"
+        )));
+    }
+    // SAFETY: the driver returned a new fd that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// The driver's buffer id of the allocation holding `ptr` (one attribute: the cheap check that
@@ -369,14 +457,26 @@ impl Inner {
         bytes: u64,
     ) -> Result<(u32, u64, i32)> {
         // Fast path: a cached allocation holds the range and the driver still reports the same
-        // allocation there (one attribute query, no allocation, no RPC).
-        if let Some(r) = g.regs.lookup(ptr, bytes)
-            && buffer_id(ptr) == Some(r.buffer_id)
-        {
-            g.cache_hits += 1;
-            return Ok((r.mem_id, ptr - r.base, r.device));
+        // allocation there (one attribute query, no allocation, no RPC). A cuMem range checks
+        // the pieces the range spans instead (one query each), registering any it lacks.
+        if let Some(r) = g.regs.lookup(ptr, bytes) {
+            if r.vmm {
+                match self.vmm_pieces(g, r, ptr, bytes) {
+                    Ok(()) => {
+                        g.cache_hits += 1;
+                        return Ok((r.mem_id, ptr - r.base, r.device));
+                    }
+                    // The range may have been released and reserved anew: start over below.
+                    Err(Error::InvalidArgument(_)) => self.drop_regs(g, r.base, r.size),
+                    Err(e) => return Err(e),
+                }
+            } else if buffer_id(ptr) == Some(r.buffer_id) {
+                g.cache_hits += 1;
+                return Ok((r.mem_id, ptr - r.base, r.device));
+            }
         }
-        let (base, size, id, ordinal) = pointer_info(ptr)?;
+        let info = pointer_info(ptr)?;
+        let (base, size, ordinal) = (info.base, info.size, info.ordinal);
         let off = ptr - base;
         if off + bytes > size {
             return Err(Error::InvalidArgument(format!(
@@ -385,7 +485,62 @@ impl Inner {
         }
         // A new allocation overlapping a cached one means the old one was freed: drop it so the
         // daemon closes its mapping (and the memory can really be released).
+        self.drop_regs(g, base, size);
+        ensure_context(ordinal)?;
+        let posix_fd = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR.0;
+        let vmm = !info.legacy_ipc && info.handle_types & posix_fd != 0;
+        let ipc_handle = if vmm {
+            Vec::new()
+        } else {
+            let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+            // SAFETY: valid out struct; `base` is the start of a device allocation of this
+            // process.
+            let r = unsafe { sys::cuIpcGetMemHandle(&mut h, base) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                let (name, _) = cu::describe(r);
+                return Err(Error::InvalidArgument(format!(
+                    "cannot export the allocation at {base:#x} for the daemon (cuIpcGetMemHandle: {name}; exportable handle types {:#x}): cuMem memory must allow POSIX-fd export (CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, as PyTorch's expandable segments do), and managed memory cannot be shared",
+                    info.handle_types
+                )));
+            }
+            h.reserved.iter().map(|c| *c as u8).collect()
+        };
+        let req = pb::RegisterCudaMemoryRequest {
+            session_id: self.session_id,
+            ipc_handle,
+            device_uuid: device_uuid(ordinal)?.to_vec(),
+            bytes: size,
+            buffer_id: info.buffer_id,
+            vmm,
+        };
+        let rep = self
+            .rt
+            .block_on(self.rpc.clone().register_cuda_memory(req))
+            .map_err(|s| Error::rpc("register_cuda_memory", s))?
+            .into_inner();
+        let r = Reg {
+            base,
+            size,
+            buffer_id: if vmm { 0 } else { info.buffer_id },
+            mem_id: rep.mem_id,
+            device: ordinal,
+            vmm,
+        };
+        g.regs.insert(r);
+        if vmm {
+            g.vmm.insert(r.mem_id, BTreeMap::new());
+            self.vmm_pieces(g, r, ptr, bytes)?;
+        } else {
+            g.registrations += 1;
+        }
+        Ok((rep.mem_id, off, ordinal))
+    }
+
+    /// Drops the cached registrations overlapping `[base, base + size)` (their memory was freed)
+    /// and tells the daemon, so it closes its mappings.
+    fn drop_regs(&self, g: &mut SessionGpu, base: u64, size: u64) {
         for r in g.regs.remove_overlapping(base, size) {
+            g.vmm.remove(&r.mem_id);
             let _ = self
                 .rt
                 .block_on(self.rpc.clone().deregister_memory(pb::MemRef {
@@ -393,37 +548,48 @@ impl Inner {
                     mem_id: r.mem_id,
                 }));
         }
-        ensure_context(ordinal)?;
-        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-        // SAFETY: valid out struct; `base` is the start of a device allocation of this process.
-        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, base) };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            let (name, _) = cu::describe(r);
-            return Err(Error::InvalidArgument(format!(
-                "cannot export the allocation at {base:#x} for the daemon (cuIpcGetMemHandle: {name}); memory from cuMemCreate/VMM pools (e.g. PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or managed memory cannot be shared this way"
-            )));
+    }
+
+    /// Makes sure the daemon has every piece of the cuMem range `r` that `[ptr, ptr + bytes)`
+    /// spans, as mapped now: exports the missing or remapped ones as POSIX fds and maps them
+    /// into the daemon's mirror (one call per [`PIECES_PER_CALL`] pieces).
+    fn vmm_pieces(&self, g: &mut SessionGpu, r: Reg, ptr: u64, bytes: u64) -> Result<()> {
+        let cached = g.vmm.entry(r.mem_id).or_default();
+        let need = regcache::missing_pieces(
+            cached,
+            (r.base, r.size),
+            ptr,
+            bytes,
+            buffer_id,
+            mapping_info,
+            MAX_NEW_PIECES,
+        )
+        .map_err(|e| Error::InvalidArgument(format!("registering cuMem memory: {e}")))?;
+        for batch in need.chunks(PIECES_PER_CALL) {
+            let mut pieces = Vec::with_capacity(batch.len());
+            for (off, p) in batch {
+                let fd = export_piece(r.base + off)?;
+                let fd_token = self.stage_fd(fd.as_fd())?;
+                pieces.push(pb::CudaPiece {
+                    offset: *off,
+                    bytes: p.bytes,
+                    fd_token,
+                });
+            }
+            self.rt
+                .block_on(self.rpc.clone().map_cuda_pieces(pb::MapCudaPiecesRequest {
+                    session_id: self.session_id,
+                    mem_id: r.mem_id,
+                    pieces,
+                }))
+                .map_err(|s| Error::rpc("map_cuda_pieces", s))?;
+            let cached = g.vmm.entry(r.mem_id).or_default();
+            for (off, p) in batch {
+                regcache::insert_piece(cached, *off, *p);
+            }
+            g.registrations += batch.len() as u64;
         }
-        let req = pb::RegisterCudaMemoryRequest {
-            session_id: self.session_id,
-            ipc_handle: h.reserved.iter().map(|c| *c as u8).collect(),
-            device_uuid: device_uuid(ordinal)?.to_vec(),
-            bytes: size,
-            buffer_id: id,
-        };
-        let rep = self
-            .rt
-            .block_on(self.rpc.clone().register_cuda_memory(req))
-            .map_err(|s| Error::rpc("register_cuda_memory", s))?
-            .into_inner();
-        g.registrations += 1;
-        g.regs.insert(Reg {
-            base,
-            size,
-            buffer_id: id,
-            mem_id: rep.mem_id,
-            device: ordinal,
-        });
-        Ok((rep.mem_id, off, ordinal))
+        Ok(())
     }
 }
 

@@ -5,7 +5,12 @@
 //! An entry also keeps the allocation's `CU_POINTER_ATTRIBUTE_BUFFER_ID` (unique per allocation
 //! for the process lifetime): the caller validates a hit by reading that one attribute, so a
 //! range that was freed and re-allocated is never taken for the old registration. This module
-//! owns only the map; it makes no driver calls.
+//! owns only the maps; it makes no driver calls.
+//!
+//! cuMem memory (PyTorch's expandable segments) is registered as its whole reserved address
+//! range (`Reg::vmm`), plus the physical pieces mapped in it, which the daemon maps at the same
+//! offsets of its mirror. [`missing_pieces`] finds the pieces a buffer needs that the daemon
+//! does not have yet (or has stale: the client unmapped and remapped that part).
 
 use std::collections::BTreeMap;
 
@@ -17,6 +22,94 @@ pub struct Reg {
     pub buffer_id: u64,
     pub mem_id: u32,
     pub device: i32,
+    /// A cuMem reserved range (no buffer id of its own: its pieces are checked instead).
+    pub vmm: bool,
+}
+
+/// A piece of a cuMem range as last registered: its size and the driver's buffer id of its
+/// mapping (a remapped piece gets a new one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Piece {
+    pub bytes: u64,
+    pub buffer_id: u64,
+}
+
+/// What the driver reports of the mapping holding an address: (mapping base, size, buffer id).
+pub type Mapping = (u64, u64, u64);
+
+/// The pieces (offset in the range `(base, size)`, piece) that `[ptr, ptr + bytes)`
+/// needs and `cached` lacks or holds stale. `current_id(addr)` is the buffer id the driver
+/// reports at `addr` now (`None`: nothing mapped); `mapping(addr)` describes the mapping
+/// holding `addr`. At most `max` pieces; more is an error, as is a mapping that does not hold
+/// `addr` or lies outside the range.
+pub fn missing_pieces(
+    cached: &BTreeMap<u64, Piece>,
+    (base, size): (u64, u64),
+    ptr: u64,
+    bytes: u64,
+    mut current_id: impl FnMut(u64) -> Option<u64>,
+    mut mapping: impl FnMut(u64) -> Result<Mapping, String>,
+    max: usize,
+) -> Result<Vec<(u64, Piece)>, String> {
+    let end = ptr
+        .checked_add(bytes)
+        .filter(|e| ptr >= base && *e <= base.saturating_add(size))
+        .ok_or_else(|| {
+            format!(
+                "[{ptr:#x}, +{bytes}) is not inside the cuMem range at {base:#x} of {size} bytes"
+            )
+        })?;
+    let mut out = Vec::new();
+    let mut at = ptr;
+    while at < end {
+        if let Some((off, p)) = cached.range(..=at - base).next_back()
+            && at - base < off.saturating_add(p.bytes)
+            && current_id(base + off) == Some(p.buffer_id)
+        {
+            at = base + off + p.bytes;
+            continue;
+        }
+        let (mb, ms, id) = mapping(at)?;
+        if ms == 0 || mb > at || at >= mb.saturating_add(ms) {
+            return Err(format!(
+                "the driver's mapping for {at:#x} ({ms} bytes at {mb:#x}) does not hold it"
+            ));
+        }
+        if mb < base || mb.saturating_add(ms) > base.saturating_add(size) {
+            return Err(format!(
+                "the mapping of {ms} bytes at {mb:#x} lies outside its cuMem range at {base:#x} of {size} bytes"
+            ));
+        }
+        if out.len() == max {
+            return Err(format!(
+                "the buffer spans more than {max} cuMem pieces not yet registered"
+            ));
+        }
+        out.push((
+            mb - base,
+            Piece {
+                bytes: ms,
+                buffer_id: id,
+            },
+        ));
+        at = mb + ms;
+    }
+    Ok(out)
+}
+
+/// Records `p` at `off` in `cached`, dropping the cached pieces it overlaps.
+pub fn insert_piece(cached: &mut BTreeMap<u64, Piece>, off: u64, p: Piece) {
+    let end = off.saturating_add(p.bytes);
+    let stale: Vec<u64> = cached
+        .range(..end)
+        .rev()
+        .take_while(|(o, q)| o.saturating_add(q.bytes) > off)
+        .map(|(o, _)| *o)
+        .collect();
+    for o in stale {
+        cached.remove(&o);
+    }
+    cached.insert(off, p);
 }
 
 impl Reg {
@@ -101,7 +194,137 @@ mod tests {
             buffer_id: id,
             mem_id: id as u32,
             device: 0,
+            vmm: false,
         }
+    }
+
+    /// A fake driver: mappings by base -> (size, buffer id).
+    struct FakeVmm(BTreeMap<u64, (u64, u64)>);
+
+    impl FakeVmm {
+        fn at(&self, a: u64) -> Option<(u64, u64, u64)> {
+            let (b, (s, id)) = self.0.range(..=a).next_back()?;
+            (a < b + s).then_some((*b, *s, *id))
+        }
+        fn walk(
+            &self,
+            cached: &BTreeMap<u64, Piece>,
+            ptr: u64,
+            bytes: u64,
+            max: usize,
+        ) -> Result<Vec<(u64, Piece)>, String> {
+            missing_pieces(
+                cached,
+                (0x1000, 0x1000),
+                ptr,
+                bytes,
+                |a| self.at(a).filter(|m| m.0 == a).map(|m| m.2),
+                |a| self.at(a).ok_or_else(|| format!("{a:#x} not mapped")),
+                max,
+            )
+        }
+    }
+
+    fn piece(bytes: u64, buffer_id: u64) -> Piece {
+        Piece { bytes, buffer_id }
+    }
+
+    #[test]
+    fn vmm_walk_registers_each_piece_once() {
+        // The range is [0x1000, 0x2000), pieces of 0x100 at 0x1000, 0x1100, 0x1200.
+        let drv = FakeVmm(
+            [
+                (0x1000, (0x100, 1)),
+                (0x1100, (0x100, 2)),
+                (0x1200, (0x100, 3)),
+            ]
+            .into(),
+        );
+        let mut cached = BTreeMap::new();
+        let need = drv.walk(&cached, 0x1080, 0x100, 8).unwrap();
+        assert_eq!(need, vec![(0, piece(0x100, 1)), (0x100, piece(0x100, 2))]);
+        for (o, p) in need {
+            insert_piece(&mut cached, o, p);
+        }
+        assert_eq!(
+            drv.walk(&cached, 0x1000, 0x200, 8).unwrap(),
+            vec![],
+            "all cached"
+        );
+        assert_eq!(
+            drv.walk(&cached, 0x1100, 0x180, 8).unwrap(),
+            vec![(0x200, piece(0x100, 3))],
+            "only the new piece"
+        );
+        assert_eq!(
+            drv.walk(&cached, 0x1050, 0, 8).unwrap(),
+            vec![],
+            "empty range"
+        );
+    }
+
+    #[test]
+    fn vmm_walk_replaces_remapped_pieces_and_rejects_bad_ranges() {
+        let mut drv = FakeVmm([(0x1000, (0x100, 1)), (0x1100, (0x100, 2))].into());
+        let mut cached = BTreeMap::new();
+        for (o, p) in drv.walk(&cached, 0x1000, 0x200, 8).unwrap() {
+            insert_piece(&mut cached, o, p);
+        }
+        // The client unmapped both pieces and mapped one of 0x200 (a new buffer id).
+        drv.0 = [(0x1000, (0x200, 9))].into();
+        let need = drv.walk(&cached, 0x1100, 0x10, 8).unwrap();
+        assert_eq!(need, vec![(0, piece(0x200, 9))]);
+        insert_piece(&mut cached, 0, need[0].1);
+        assert_eq!(cached.len(), 1, "both old pieces dropped");
+        assert_eq!(drv.walk(&cached, 0x1000, 0x200, 8).unwrap(), vec![]);
+        // Nothing mapped at 0x1300.
+        assert!(
+            drv.walk(&cached, 0x1180, 0x200, 8)
+                .unwrap_err()
+                .contains("not mapped")
+        );
+        // Outside the range, or overflowing.
+        assert!(drv.walk(&cached, 0xfff, 2, 8).is_err());
+        assert!(drv.walk(&cached, 0x1f00, 0x200, 8).is_err());
+        assert!(drv.walk(&cached, 0x1000, u64::MAX, 8).is_err());
+        // Too many new pieces.
+        drv.0 = (0..16)
+            .map(|i| (0x1000 + i * 0x10, (0x10, 100 + i)))
+            .collect();
+        assert!(
+            drv.walk(&BTreeMap::new(), 0x1000, 0x100, 4)
+                .unwrap_err()
+                .contains("more than 4")
+        );
+        assert_eq!(
+            drv.walk(&BTreeMap::new(), 0x1000, 0x100, 16).unwrap().len(),
+            16
+        );
+    }
+
+    #[test]
+    fn vmm_walk_rejects_a_mapping_outside_the_range() {
+        // A driver that reports a mapping straddling the range's end.
+        let r = missing_pieces(
+            &BTreeMap::new(),
+            (0x1000, 0x1000),
+            0x1f80,
+            0x10,
+            |_| None,
+            |_| Ok((0x1f00, 0x200, 5)),
+            8,
+        );
+        assert!(r.unwrap_err().contains("outside"));
+        let r = missing_pieces(
+            &BTreeMap::new(),
+            (0x1000, 0x1000),
+            0x1f80,
+            0x10,
+            |_| None,
+            |_| Ok((0x1000, 0x10, 5)),
+            8,
+        );
+        assert!(r.unwrap_err().contains("does not hold"));
     }
 
     #[test]
