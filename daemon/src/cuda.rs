@@ -852,12 +852,15 @@ impl DevMem {
     /// always for IPC and daemon memory (`None`); for a cuMem mirror, when its mapped pieces
     /// cover the range, which then stay mapped while the returned pin lives. `Err` when part
     /// of the range is not mapped.
-    pub fn pin(self: &Arc<Self>, off: u64, bytes: u64) -> Result<Option<Arc<PiecePin>>, ()> {
+    pub fn pin(self: &Arc<Self>, off: u64, bytes: u64) -> Result<Option<Arc<PiecePin>>, String> {
         let Some(t) = &self.vmm else {
             return Ok(None);
         };
         let mut t = t.lock().unwrap_or_else(|e| e.into_inner());
-        let offs = covering_pieces(&t, off, bytes).ok_or(())?;
+        let offs = covering_pieces(&t, off, bytes).ok_or_else(|| {
+            "it is not all mapped in the daemon's mirror of its cuMem range (map its pieces first)"
+                .to_string()
+        })?;
         for o in &offs {
             if let Some(s) = t.get_mut(o) {
                 s.pins += 1;

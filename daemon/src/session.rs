@@ -242,8 +242,8 @@ impl Session {
         let mut span = GpuSpan::new(m, off, bytes).ok_or_else(|| {
             format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes) lies outside its registration of {len} bytes")
         })?;
-        span.pin = span.mem.pin(off, bytes).map_err(|()| {
-            format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes) is not all mapped in the daemon's mirror of its cuMem range (map its pieces first)")
+        span.pin = span.mem.pin(off, bytes).map_err(|why| {
+            format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes): {why}")
         })?;
         Ok(span)
     }
