@@ -1773,17 +1773,12 @@ mod tests {
     #[test]
     fn vmm_overlapping_pieces_are_found_exactly() {
         let t = table(&[(0, 10), (10, 10), (30, 10), (50, 10)]);
-        let mut o = overlapping_pieces(&t, 5, 30);
-        o.sort();
-        assert_eq!(o, vec![(0, 10), (10, 10), (30, 10)]);
-        assert_eq!(overlapping_pieces(&t, 20, 10), vec![], "exactly the hole");
-        assert_eq!(overlapping_pieces(&t, 40, 10), vec![], "between pieces");
-        assert_eq!(overlapping_pieces(&t, 59, 1), vec![(50, 10)]);
-        assert_eq!(
-            overlapping_pieces(&t, 10, 10),
-            vec![(10, 10)],
-            "the same piece"
-        );
+        assert_eq!(overlaps(&t, 5, 30), vec![(0, 10), (10, 10), (30, 10)]);
+        assert_eq!(overlaps(&t, 20, 10), vec![], "exactly the hole");
+        assert_eq!(overlaps(&t, 40, 10), vec![], "between pieces");
+        assert_eq!(overlaps(&t, 59, 1), vec![(50, 10)]);
+        assert_eq!(overlaps(&t, 10, 10), vec![(10, 10)], "the same piece");
+        assert_eq!(covering_pieces(&t, 5, 10), Some(vec![0, 10]));
         // Against a linear model.
         let mut s: u64 = 12345;
         let mut next = |m: u64| {
