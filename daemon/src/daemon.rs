@@ -1069,13 +1069,13 @@ impl Daemon {
         mem: u32,
         pieces: &[(u64, u64, u64)],
     ) -> Result<u64, DaemonError> {
-        let c = crate::cuda::get()
-            .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
         let (m, fds) = {
             let mut t = s.tables();
             let fds: Vec<Option<OwnedFd>> = pieces.iter().map(|p| t.staged.remove(&p.2)).collect();
             (t.cuda_mems.get(&mem).cloned(), fds)
         };
+        let c = crate::cuda::get()
+            .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
         let m = m.ok_or_else(|| {
             DaemonError::NotFound(format!("no GPU memory handle {mem} in session {}", s.id))
         })?;

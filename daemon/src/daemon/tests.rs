@@ -183,3 +183,24 @@ fn set_comm_pacing_applies_to_every_rank_and_validates() {
     let e = d.set_comm_pacing(&s1, h1, GB).unwrap_err();
     assert!(matches!(e, DaemonError::NotFound(_)), "{e:?}");
 }
+
+#[test]
+fn cuda_ranges_and_pieces_without_cuda_are_refused_and_the_fds_released() {
+    let d = daemon(&[]);
+    let s = session(&d);
+    for token in [7u64, 8] {
+        let fd = rustix::fs::memfd_create("piece", rustix::fs::MemfdFlags::CLOEXEC).expect("memfd");
+        d.stage_fd(&s, token, fd).expect("stage");
+    }
+    let e = d
+        .map_cuda_pieces(&s, 1, &[(0, 2 << 20, 7), (2 << 20, 2 << 20, 8)])
+        .expect_err("no CUDA");
+    assert!(matches!(e, DaemonError::Unavailable(_)), "{e}");
+    assert!(e.to_string().contains("no CUDA"), "{e}");
+    assert!(s.tables().staged.is_empty(), "the staged fds were released");
+    let e = d
+        .register_cuda(&s, &[], &[0; 16], 1 << 30, true)
+        .expect_err("no CUDA");
+    assert!(matches!(e, DaemonError::Unavailable(_)), "{e}");
+    assert!(s.tables().cuda_mems.is_empty());
+}
