@@ -875,7 +875,8 @@ impl Communicator {
                 "cuStreamWriteValue32",
             )
         };
-        let op_bytes = a.count.saturating_mul(es);
+        // The size that picks how the stream waits (`wait::auto_bytes`), not the data moved.
+        let op_bytes = wait::auto_bytes(a.kind, a.count.saturating_mul(es));
         // Resolved once for the op's waits (a reduction waits rounds + 1 times).
         // SAFETY: `s` was validated above.
         let waiter = unsafe { wait::Waiter::new(s, op_bytes)? };

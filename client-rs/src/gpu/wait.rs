@@ -95,6 +95,22 @@ impl WaitMode {
 /// The loaded kernel per context id (`None`: it did not load there; use the memory op).
 static FUNCS: OnceLock<Mutex<HashMap<u64, Option<usize>>>> = OnceLock::new();
 
+/// The size the `auto` rule sees for an op of `kind` moving `bytes` per rank: 0 (the memory
+/// op) for ops whose daemon plan copies within a rank's own GPU (all_gather, broadcast,
+/// all_to_all: the rank's own block). A copy within one GPU runs as a kernel in the daemon's
+/// context, time-sliced against this context's polling kernel: measured on 4x H200
+/// (79b6f74), all_gather of 16-256 MiB took ~2.4 ms per op whatever the size (0.08x NCCL at 16
+/// MiB), one time slice. Send/recv between GPUs and the reductions (whose plans have no copy
+/// within a GPU) keep the kernel. Ranks sharing one GPU make send/recv such a copy too: use
+/// `COMMD_GPU_WAIT=memop` there.
+pub fn auto_bytes(kind: commd_proto::desc::OpKind, bytes: u64) -> u64 {
+    use commd_proto::desc::OpKind as K;
+    match kind {
+        K::AllGather | K::Broadcast | K::AllToAll => 0,
+        _ => bytes,
+    }
+}
+
 /// Whether a wait for an op of `bytes` uses the kernel under `mode`.
 fn wants_kernel(mode: WaitMode, bytes: u64) -> bool {
     match mode {
@@ -269,6 +285,24 @@ mod tests {
         assert!(!wants_kernel(WaitMode::Auto, 0));
         assert!(!wants_kernel(WaitMode::Auto, AUTO_KERNEL_MIN_BYTES - 1));
         assert!(wants_kernel(WaitMode::Auto, AUTO_KERNEL_MIN_BYTES));
+        use commd_proto::desc::OpKind as K;
+        for k in [K::AllGather, K::Broadcast, K::AllToAll] {
+            assert!(
+                !wants_kernel(WaitMode::Auto, auto_bytes(k, 1 << 30)),
+                "{k:?}"
+            );
+            assert!(wants_kernel(WaitMode::Kernel, auto_bytes(k, 1 << 30)));
+        }
+        for k in [K::Send, K::Recv, K::AllReduce, K::ReduceScatter, K::Reduce] {
+            assert!(
+                wants_kernel(WaitMode::Auto, auto_bytes(k, 1 << 30)),
+                "{k:?}"
+            );
+            assert!(
+                !wants_kernel(WaitMode::Auto, auto_bytes(k, 1 << 20)),
+                "{k:?}"
+            );
+        }
         assert!(wants_kernel(WaitMode::Kernel, 0));
         assert!(!wants_kernel(WaitMode::MemOp, u64::MAX));
     }
