@@ -246,7 +246,9 @@ impl Cuda {
                 g.streams.push(s);
             }
         }
-        let issuers = if gpus.len() > 1 {
+        // COMMD_GPU_ISSUE_THREADS=0: the executor issues every copy itself (for measurements).
+        let threads = std::env::var("COMMD_GPU_ISSUE_THREADS").map_or(true, |v| v != "0");
+        let issuers = if gpus.len() > 1 && threads {
             match crate::fanout::Fanout::new(gpus.len() - 1, "commd-gpu-issue") {
                 Ok(f) => Some(f),
                 Err(e) => {

@@ -12,8 +12,10 @@
 //! Why not always: launching the kernel costs the CPU ~2-3 us more per op than the memory op
 //! (torch send/recv below 2 MiB, which the CPU's issue rate bounds: 18.6-20.9 against
 //! 15.9-19.7 us per op). So the default (`auto`) polls with the kernel for ops of at least
-//! [`AUTO_KERNEL_MIN_BYTES`] and uses `cuStreamWaitValue32` for smaller ones.
-//! `COMMD_GPU_WAIT=kernel|memop` forces one way. (Ops replayed from a CUDA graph would cost no
+//! [`AUTO_KERNEL_MIN_BYTES`] and uses `cuStreamWaitValue32` for smaller ones, and for ops
+//! whose daemon plan copies within a GPU ([`auto_bytes`]: such a copy is a kernel in the
+//! daemon's context, which waits for a time slice while this context's kernel polls: ~2.4 ms
+//! per op on 4x H200). `COMMD_GPU_WAIT=kernel|memop` forces one way. (Ops replayed from a CUDA graph would cost no
 //! CPU per op and favour the kernel at every size; the doorbell protocol has no replayable ops
 //! yet, so nothing here depends on capture.)
 //!
