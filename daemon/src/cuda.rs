@@ -315,17 +315,10 @@ impl Cuda {
         crate::telemetry::metrics().ipc_open(t0.elapsed());
         self.stats.open_now.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(target: "commd::cuda", gpu, bytes, us, "opened IPC handle");
-        Ok(DevMem {
-            cuda: self,
-            gpu,
-            ptr,
-            len: bytes,
-            owned: false,
-            open_us: us,
-            handle: Some(handle.to_vec()),
-            views: Mutex::new(Vec::new()),
-            vmm: None,
-        })
+        let mut m = self.dev_mem(gpu, ptr, bytes);
+        m.open_us = us;
+        m.handle = Some(handle.to_vec());
+        Ok(m)
     }
 
     /// Allocates daemon-owned device memory on the GPU with `uuid`.
@@ -339,17 +332,25 @@ impl Cuda {
             "cuMemAlloc",
         )
         .map_err(|e| e.to_string())?;
-        Ok(DevMem {
+        let mut m = self.dev_mem(gpu, ptr, bytes);
+        m.owned = true;
+        Ok(m)
+    }
+
+    /// Device memory at `ptr` on GPU `gpu`, not owned, with no IPC handle, views or pieces
+    /// (the constructors set what differs).
+    fn dev_mem(&'static self, gpu: usize, ptr: sys::CUdeviceptr, len: u64) -> DevMem {
+        DevMem {
             cuda: self,
             gpu,
             ptr,
-            len: bytes,
-            owned: true,
+            len,
+            owned: false,
             open_us: 0,
             handle: None,
             views: Mutex::new(Vec::new()),
             vmm: None,
-        })
+        }
     }
 
     /// Reserves the daemon's mirror of a client's cuMem address range of `bytes` on the GPU
@@ -369,17 +370,9 @@ impl Cuda {
             "cuMemAddressReserve",
         )
         .map_err(|e| e.to_string())?;
-        Ok(DevMem {
-            cuda: self,
-            gpu,
-            ptr,
-            len: bytes,
-            owned: false,
-            open_us: 0,
-            handle: None,
-            views: Mutex::new(Vec::new()),
-            vmm: Some(Mutex::new(BTreeMap::new())),
-        })
+        let mut m = self.dev_mem(gpu, ptr, bytes);
+        m.vmm = Some(Mutex::new(BTreeMap::new()));
+        Ok(m)
     }
 
     /// Maps `pieces` (offset, bytes, exported POSIX fd) into the mirror `mem`, replacing the

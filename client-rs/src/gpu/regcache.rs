@@ -304,27 +304,23 @@ mod tests {
 
     #[test]
     fn vmm_walk_rejects_a_mapping_outside_the_range() {
-        // A driver that reports a mapping straddling the range's end.
-        let r = missing_pieces(
-            &BTreeMap::new(),
-            (0x1000, 0x1000),
-            0x1f80,
-            0x10,
-            |_| None,
-            |_| Ok((0x1f00, 0x200, 5)),
-            8,
-        );
-        assert!(r.unwrap_err().contains("outside"));
-        let r = missing_pieces(
-            &BTreeMap::new(),
-            (0x1000, 0x1000),
-            0x1f80,
-            0x10,
-            |_| None,
-            |_| Ok((0x1000, 0x10, 5)),
-            8,
-        );
-        assert!(r.unwrap_err().contains("does not hold"));
+        // A driver that reports a mapping straddling the range's end, or one that does not
+        // hold the address asked about.
+        for (m, why) in [
+            ((0x1f00, 0x200, 5), "outside"),
+            ((0x1000, 0x10, 5), "does not hold"),
+        ] {
+            let r = missing_pieces(
+                &BTreeMap::new(),
+                (0x1000, 0x1000),
+                0x1f80,
+                0x10,
+                |_| None,
+                |_| Ok(m),
+                8,
+            );
+            assert!(r.unwrap_err().contains(why), "{why}");
+        }
     }
 
     #[test]
