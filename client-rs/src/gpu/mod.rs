@@ -302,8 +302,8 @@ fn pointer_info(ptr: sys::CUdeviceptr) -> Result<PtrInfo> {
     let mut id: u64 = 0;
     let mut ordinal: i32 = -1;
     let mut mtype: u32 = 0;
-    // Read into zeroed 64-bit slots: the driver writes ALLOWED_HANDLE_TYPES as 8 bytes (a
-    // 4-byte variable had its neighbour on the stack overwritten, measured on driver 580).
+    // Zeroed 64-bit slots: the driver writes one of these two attributes as 8 bytes (with
+    // 4-byte variables the allocation base read back with its low 32 bits zeroed, driver 580).
     let mut legacy: u64 = 0;
     let mut types: u64 = 0;
     let mut attrs = [
