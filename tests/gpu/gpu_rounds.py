@@ -17,14 +17,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-import commd.torch  # noqa: F401  (registers the backend)
+import torchrun_env
 
-rank = int(os.environ["RANK"])
-world = int(os.environ["WORLD_SIZE"])
-local = int(os.environ.get("LOCAL_RANK", rank))
-torch.cuda.set_device(local)
-dev = torch.device("cuda", local)
-dist.init_process_group("commd")
+rank, world, dev = torchrun_env.start()
 cg = dist.group.WORLD
 ng = dist.new_group(backend="nccl")
 failures: list[str] = []

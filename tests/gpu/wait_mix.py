@@ -19,14 +19,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-import commd.torch  # noqa: F401  (registers the backend)
+import torchrun_env
 
-rank = int(os.environ["RANK"])
-world = int(os.environ["WORLD_SIZE"])
-local = int(os.environ.get("LOCAL_RANK", rank))
-torch.cuda.set_device(local)
-dev = torch.device("cuda", local)
-dist.init_process_group("commd")
+rank, world, dev = torchrun_env.start()
 print(f"rank {rank}: COMMD_GPU_WAIT={os.environ.get('COMMD_GPU_WAIT', '') or 'auto'}", flush=True)
 
 # Elements (f32): below and above the 2 MiB switch, alternating.
