@@ -78,7 +78,7 @@ pub(crate) fn classify(e: &Error) -> commd_status_t {
                 _ => COMMD_INTERNAL,
             }
         }
-        Error::InvalidArgument(_) => COMMD_INVALID_ARGUMENT,
+        Error::InvalidArgument(_) | Error::Unsupported(_) => COMMD_INVALID_ARGUMENT,
         Error::Io(_) | Error::Ring(_) => COMMD_INTERNAL,
     }
 }

@@ -73,6 +73,12 @@ create_exception!(
     CommError,
     "The daemon refused the op's arguments (bounds, dtype, reduction)."
 );
+create_exception!(
+    _native,
+    UnsupportedError,
+    CommError,
+    "commd cannot do this correctly yet (e.g. a GPU op during CUDA graph capture): refused."
+);
 
 /// Converts a client error to the matching Python exception.
 fn to_py(e: Error) -> PyErr {
@@ -81,6 +87,7 @@ fn to_py(e: Error) -> PyErr {
         Error::DaemonUnavailable { .. } => DaemonUnavailableError::new_err(msg),
         Error::DaemonLost { .. } => DaemonLostError::new_err(msg),
         Error::InvalidArgument(_) => PyValueError::new_err(msg),
+        Error::Unsupported(_) => UnsupportedError::new_err(msg),
         _ => match e.op_kind() {
             Some(OpErrorKind::Mismatch) => MismatchError::new_err(msg),
             Some(OpErrorKind::PeerLost) => PeerLostError::new_err(msg),
@@ -843,5 +850,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ShutdownError", py.get_type::<ShutdownError>())?;
     m.add("AbortedError", py.get_type::<AbortedError>())?;
     m.add("InvalidOpError", py.get_type::<InvalidOpError>())?;
+    m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     Ok(())
 }

@@ -60,6 +60,11 @@ pub enum Error {
     },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The call is valid but commd cannot do it correctly in this state (e.g. a GPU op while
+    /// its stream is being captured into a CUDA graph): refused rather than run wrongly
+    /// (DESIGN.md contract 6).
+    #[error("not supported: {0}")]
+    Unsupported(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
     #[error("ring: {0}")]
@@ -100,6 +105,7 @@ impl Error {
                 message: message.clone(),
             },
             Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+            Error::Unsupported(m) => Error::Unsupported(m.clone()),
             Error::Io(e) => Error::Io(std::io::Error::new(e.kind(), e.to_string())),
             Error::Ring(e) => Error::InvalidArgument(format!("ring: {e}")),
         }

@@ -8,6 +8,7 @@
 //!   cap on GPU copy bandwidth.
 //! - [`engine`]: plans and their host-memory execution; [`shm`]: registered memory.
 //! - [`bench`]: `commd bench`.
+//! - [`private`]: opening files in directories other users may write to (no symlinks).
 //! - [`notify`]: readiness notification to systemd; [`health`]: `commd health`.
 //! - [`telemetry`]: metrics, traces, logs, link counters, the admin service, `commd stat`.
 
@@ -25,6 +26,7 @@ pub mod net;
 pub mod notify;
 pub mod pacing;
 pub mod peer;
+pub mod private;
 pub mod serve;
 pub mod session;
 pub mod shm;

@@ -2,7 +2,7 @@
 //! fd-socket and housekeeping threads and the tokio runtime for the control plane, and on
 //! SIGTERM/SIGINT fails in-flight ops with a clear error and exits 0.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{Read, Seek, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -80,27 +80,21 @@ fn take_lock(cfg: &Config) -> Result<SocketLock, ServeError> {
         path: socket.clone(),
         err,
     };
-    if let Some(dir) = socket.parent()
-        && !dir.exists()
-    {
-        std::fs::create_dir_all(dir).map_err(setup)?;
-        // Root's /run/commd is reachable by every local user (calls are authorized by peer
-        // credentials); a user daemon's directory is private to that user.
-        let mode = if rustix::process::geteuid().is_root() {
-            0o755
-        } else {
-            0o700
-        };
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode)).map_err(setup)?;
+    // The socket's directory is made if missing and checked either way (crate::private): the
+    // lock file is rewritten below, so no other user may be able to plant a link to it.
+    // Root's /run/commd is reachable by every local user (calls are authorized by peer
+    // credentials); a user daemon's directory is private to that user.
+    let mode = if rustix::process::geteuid().is_root() {
+        0o755
+    } else {
+        0o700
+    };
+    if let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) {
+        crate::private::open_dir(dir, Some(mode)).map_err(|e| setup(e.into()))?;
     }
     let lp = lock_path(socket);
-    let mut f = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&lp)
-        .map_err(setup)?;
+    let mut f = crate::private::open_file(&lp, crate::private::Access::ReadWrite(0o644))
+        .map_err(|e| setup(e.into()))?;
     if rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
         let mut pid = String::new();
         let _ = f.read_to_string(&mut pid);

@@ -14,7 +14,8 @@ PyTorch: ``import commd.torch`` and ``dist.init_process_group("commd")``.
 Errors are :class:`CommError` subclasses: :class:`MismatchError`, :class:`PeerLostError`,
 :class:`CommTimeoutError`, :class:`DaemonUnavailableError` (names the socket it tried and how to
 start the daemon), :class:`DaemonLostError`, :class:`AbortedError`, :class:`ShutdownError`,
-:class:`InvalidOpError`.
+:class:`InvalidOpError`, :class:`UnsupportedError` (what commd cannot do correctly yet, e.g. a
+GPU op inside CUDA graph capture: refused, never run wrongly).
 """
 
 from . import _native
@@ -29,6 +30,7 @@ from ._native import (
     MismatchError,
     PeerLostError,
     ShutdownError,
+    UnsupportedError,
     default_socket,
 )
 
@@ -48,6 +50,7 @@ __all__ = [
     "MismatchError",
     "PeerLostError",
     "ShutdownError",
+    "UnsupportedError",
     "connect",
     "default_socket",
     "dtype_name",

@@ -659,6 +659,13 @@ impl Communicator {
     /// `stream` must be a live stream of the current context.
     pub unsafe fn cuda_flush(&self, stream: sys::CUstream) -> Result<()> {
         let mut c = lock(&self.gpu);
+        if c.deferred.is_none() {
+            return Ok(());
+        }
+        // The deferred ops were posted outside any capture: a captured wait for them would be
+        // a no-op on replay. Refused with the deferred wait kept for a later flush.
+        // SAFETY: the caller's contract.
+        unsafe { refuse_capture(stream, "the wait for a send/recv group")? };
         let Some((t, bytes)) = c.deferred.take() else {
             return Ok(());
         };
@@ -697,6 +704,9 @@ impl Communicator {
         ticket: u32,
         bytes: u64,
     ) -> Result<()> {
+        driver()?;
+        // SAFETY: the caller's contract.
+        unsafe { refuse_capture(stream, "the wait for a GPU op")? };
         let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
         let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
         // SAFETY: `done` is a device-mapped address of the registered doorbell page.
@@ -727,6 +737,14 @@ impl Communicator {
         let i = &self.client;
         i.check_owner()?;
         driver()?;
+        // Before any other stream call: a query of a capturing stream would invalidate the
+        // caller's capture, and nothing may be posted for an op that cannot run correctly.
+        // SAFETY: the caller's contract (live streams); the driver only reads the handles.
+        unsafe { refuse_capture(a.stream, a.kind.name())? };
+        if let Some(after) = a.after {
+            // SAFETY: as above.
+            unsafe { refuse_capture(after, a.kind.name())? };
+        }
         if self.doorbell_slot == doorbell::NO_SLOT {
             return Err(Error::InvalidArgument(format!(
                 "communicator {} has no doorbell slot (more than {} communicators in this process): GPU ops are unavailable on it",
@@ -982,6 +1000,42 @@ impl Communicator {
             bytes: op_bytes,
         })
     }
+}
+
+/// DESIGN.md contract 6: a GPU op on a stream that is being captured into a CUDA graph is
+/// refused before anything is enqueued or posted. The doorbell protocol (contract 4) writes
+/// and waits for counter values fixed when the op is issued; a captured op would bake those
+/// values into the graph, so every replay after the first would skip the daemon and return
+/// stale data with no error (seen on one H100: 8.0 where 16.0 was right after three replays).
+/// Until persistent ops exist, refusing is the only correct answer.
+///
+/// # Safety
+/// `stream` must be a stream handle of this process (null: the legacy default stream); the
+/// driver validates it and only reads it.
+pub unsafe fn refuse_capture(stream: sys::CUstream, what: &str) -> Result<()> {
+    use sys::CUstreamCaptureStatus as S;
+    let mut st = S::CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the caller's contract; `st` is a valid out pointer.
+    let r = unsafe { sys::cuStreamIsCapturing(stream, &mut st) };
+    let why = match (r, st) {
+        (sys::CUresult::CUDA_SUCCESS, S::CU_STREAM_CAPTURE_STATUS_NONE) => return Ok(()),
+        (sys::CUresult::CUDA_SUCCESS, S::CU_STREAM_CAPTURE_STATUS_ACTIVE) => {
+            "its stream is being captured into a CUDA graph"
+        }
+        (sys::CUresult::CUDA_SUCCESS, S::CU_STREAM_CAPTURE_STATUS_INVALIDATED) => {
+            "its stream's CUDA graph capture was already invalidated by an earlier error"
+        }
+        (sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, _) => {
+            "it uses the legacy default stream while another stream is being captured into a CUDA graph"
+        }
+        (r, _) => return Ok(ck(r, "cuStreamIsCapturing")?),
+    };
+    Err(Error::Unsupported(format!(
+        "{what}: {why}. commd cannot run GPU ops from CUDA graphs yet: an op's doorbell values \
+         are fixed when it is issued, so a replay would skip the transfer and leave stale data. \
+         The op was refused (nothing was enqueued or posted); issue it outside the capture \
+         (DESIGN.md contract 6)"
+    )))
 }
 
 /// Piece `r` of `n` of the segment `[s0, s0 + len)` in elements: must match the daemon's split

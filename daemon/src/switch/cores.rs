@@ -2,21 +2,38 @@
 //!
 //! The deployment we learned from ran at 0.06 Gbps instead of ~90 because thread `i` of every
 //! worker process was pinned to core `i`, so busy-polling threads of different workers shared
-//! cores. Here every polling thread (of any session, in any commd process on the host: daemons
-//! and `commd switch`) claims a core in one host-wide registry file under an exclusive `flock`;
-//! a core is pinned by at most one live thread. When no core is free the thread stays unpinned
-//! (the scheduler spreads it) and says so. Claims of dead processes are reclaimed.
+//! cores. Here every polling thread (of any session, in any commd process of the same user on the
+//! host: daemons and `commd switch`) claims a core in one registry file under an exclusive
+//! `flock`; a core is pinned by at most one live thread. A non-root process also reads root's
+//! registry (the system daemon's claims) and leaves those cores alone. When no core is free the
+//! thread stays unpinned (the scheduler spreads it) and says so. Claims of dead processes are
+//! reclaimed.
+//!
+//! The registry lives in the user's runtime directory (root: `/run/commd/cpu-claims`), never in
+//! a directory other users can write to: a root daemon once truncated whatever file a user's
+//! symlink at `/dev/shm/commd-cpu-claims` named. Every open goes through [`crate::private`].
 
-use std::fs::OpenOptions;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-/// Where the claims live: `COMMD_CPU_CLAIMS`, else `/dev/shm/commd-cpu-claims` (tmpfs: gone at
-/// reboot, shared by every process of the host or container).
+use crate::private::{Access, open_dir, open_file};
+
+/// The registry's file name inside a runtime directory.
+const FILE: &str = "cpu-claims";
+
+/// The system daemon's registry (root's runtime directory).
+const ROOT_REGISTRY: &str = "/run/commd/cpu-claims";
+
+/// Where this user's claims live: `COMMD_CPU_CLAIMS`, else `cpu-claims` beside this user's
+/// default socket (root: `/run/commd`; others: `$XDG_RUNTIME_DIR/commd` or `/tmp/commd-$UID`).
 pub fn registry_path() -> PathBuf {
     std::env::var_os("COMMD_CPU_CLAIMS")
+        .filter(|p| !p.is_empty())
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/dev/shm/commd-cpu-claims"))
+        .unwrap_or_else(|| {
+            let sock = commd_client::default_socket_path();
+            sock.parent().unwrap_or(Path::new("/run/commd")).join(FILE)
+        })
 }
 
 /// A thread's core, released on drop.
@@ -42,21 +59,11 @@ fn alive(pid: i32, tid: i32) -> bool {
     std::path::Path::new(&format!("/proc/{pid}/task/{tid}")).exists()
 }
 
-fn with_registry<T>(f: impl FnOnce(&mut Vec<(usize, i32, i32, String)>) -> T) -> Result<T, String> {
-    let path = registry_path();
-    let mut file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&path)
-        .map_err(|e| format!("cannot open the CPU claim registry {}: {e}", path.display()))?;
-    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)
-        .map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
-    let mut text = String::new();
-    let _ = file.read_to_string(&mut text);
-    let mut rows: Vec<(usize, i32, i32, String)> = text
-        .lines()
+/// One claim: (core, pid, tid, label).
+pub type Row = (usize, i32, i32, String);
+
+fn parse_rows(text: &str) -> Vec<Row> {
+    text.lines()
         .filter_map(|l| {
             let mut it = l.splitn(4, ' ');
             let core = it.next()?.parse().ok()?;
@@ -65,7 +72,33 @@ fn with_registry<T>(f: impl FnOnce(&mut Vec<(usize, i32, i32, String)>) -> T) ->
             Some((core, pid, tid, it.next().unwrap_or("").to_string()))
         })
         .filter(|&(_, pid, tid, _)| alive(pid, tid))
-        .collect();
+        .collect()
+}
+
+fn with_registry<T>(f: impl FnOnce(&mut Vec<Row>) -> T) -> Result<T, String> {
+    let path = registry_path();
+    let refused = |e: crate::private::PathError| {
+        format!("cannot open the CPU claim registry {}: {e}", path.display())
+    };
+    if std::env::var_os("COMMD_CPU_CLAIMS").is_none_or(|p| p.is_empty())
+        && let Some(dir) = path.parent()
+    {
+        // The default runtime directory: private to this user (root's is world-readable, as
+        // its socket must be reachable).
+        let mode = if rustix::process::geteuid().is_root() {
+            0o755
+        } else {
+            0o700
+        };
+        open_dir(dir, Some(mode)).map_err(refused)?;
+    }
+    // Readable by all (the claims are cores and thread ids), writable by its owner only.
+    let mut file = open_file(&path, Access::ReadWrite(0o644)).map_err(refused)?;
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::LockExclusive)
+        .map_err(|e| format!("cannot lock {}: {e}", path.display()))?;
+    let mut text = String::new();
+    let _ = file.read_to_string(&mut text);
+    let mut rows = parse_rows(&text);
     let out = f(&mut rows);
     let mut body = String::new();
     for (c, p, t, l) in &rows {
@@ -75,6 +108,24 @@ fn with_registry<T>(f: impl FnOnce(&mut Vec<(usize, i32, i32, String)>) -> T) ->
     let _ = file.seek(SeekFrom::Start(0));
     let _ = file.write_all(body.as_bytes());
     Ok(out)
+}
+
+/// The system daemon's live claims, read-only, when this process is not root and keeps its
+/// own registry elsewhere (empty when there is none or it cannot be read safely).
+fn system_claims() -> Vec<Row> {
+    let root = Path::new(ROOT_REGISTRY);
+    if rustix::process::geteuid().is_root() || registry_path() == root {
+        return Vec::new();
+    }
+    let Ok(mut file) = open_file(root, Access::Read) else {
+        return Vec::new();
+    };
+    if rustix::fs::flock(&file, rustix::fs::FlockOperation::LockShared).is_err() {
+        return Vec::new();
+    }
+    let mut text = String::new();
+    let _ = file.read_to_string(&mut text);
+    parse_rows(&text)
 }
 
 /// Claims a free core for the calling thread and pins it there, or explains why not.
@@ -91,13 +142,14 @@ pub fn claim(label: &str, pin: bool) -> Claim {
     let pid = std::process::id() as i32;
     let allowed = allowed_cores();
     let label = label.replace(['\n', ' '], "_");
+    let system = system_claims();
     let picked = with_registry(|rows| {
         // Prefer the highest free core: core 0 tends to carry interrupts and housekeeping.
         let free = allowed
             .iter()
             .rev()
             .copied()
-            .find(|c| !rows.iter().any(|r| r.0 == *c));
+            .find(|c| !rows.iter().chain(&system).any(|r| r.0 == *c));
         if let Some(c) = free {
             rows.push((c, pid, tid, label.clone()));
         }
@@ -162,9 +214,12 @@ impl Drop for Claim {
     }
 }
 
-/// Every live claim on the host: (core, pid, tid, label).
-pub fn host_claims() -> Vec<(usize, i32, i32, String)> {
-    with_registry(|rows| rows.clone()).unwrap_or_default()
+/// Every live claim of this user's registry: (core, pid, tid, label).
+pub fn host_claims() -> Vec<Row> {
+    with_registry(|rows| rows.clone()).unwrap_or_else(|why| {
+        tracing::warn!("{why}");
+        Vec::new()
+    })
 }
 
 #[cfg(test)]
@@ -173,8 +228,25 @@ mod tests {
 
     #[test]
     fn threads_never_share_a_core_and_claims_go_away_with_them() {
-        let dir = std::env::temp_dir().join(format!("commd-cores-{}", std::process::id()));
+        let base = std::env::temp_dir().join(format!("commd-cores-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&base);
+        std::fs::create_dir(&base).unwrap();
+        // A registry name planted as a symlink (the /dev/shm attack): refused, target untouched,
+        // the thread unpinned with the reason.
+        let victim = base.join("victim");
+        std::fs::write(&victim, "precious\n").unwrap();
+        let planted = base.join("planted");
+        std::os::unix::fs::symlink(&victim, &planted).unwrap();
         // SAFETY: this test is the only user of the variable in this test binary.
+        unsafe { std::env::set_var("COMMD_CPU_CLAIMS", &planted) };
+        let c = claim("t", true);
+        assert_eq!(c.core, None);
+        assert!(c.why.contains("symbolic link"), "{}", c.why);
+        assert!(host_claims().is_empty());
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "precious\n");
+
+        let dir = base.join("claims");
+        // SAFETY: as above.
         unsafe { std::env::set_var("COMMD_CPU_CLAIMS", &dir) };
         let n = allowed_cores().len();
         let (tx, rx) = std::sync::mpsc::channel();
@@ -208,6 +280,6 @@ mod tests {
             h.join().unwrap();
         }
         assert!(host_claims().is_empty(), "{:?}", host_claims());
-        let _ = std::fs::remove_file(&dir);
+        let _ = std::fs::remove_dir_all(&base);
     }
 }

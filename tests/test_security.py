@@ -1,0 +1,114 @@
+"""Security: what a root daemon writes, and where, when other users plant names first.
+
+Reproduces issue 30 item 1: the root daemon opened `/dev/shm/commd-cpu-claims` following
+symlinks and truncated whatever file an unprivileged user's link named, on every root
+`commd status`. These tests run the real daemon as root with the link made by user `nobody`."""
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import COMMD, Daemon
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as two users")
+
+
+@pytest.fixture
+def sticky_dir():
+    """A world-writable sticky directory, like /dev/shm and /tmp."""
+    d = Path(tempfile.mkdtemp(prefix="commd-sticky-", dir="/tmp"))
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def as_nobody(*cmd):
+    out = subprocess.run([*NOBODY, *cmd], capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_root_status_never_writes_through_a_users_symlink(tmp_path, sticky_dir):
+    victim = tmp_path / "victim"
+    victim.write_text("root's data\n")
+    os.chmod(victim, 0o644)
+    planted = sticky_dir / "cpu-claims"
+    as_nobody("ln", "-s", str(victim), str(planted))
+    assert planted.is_symlink() and planted.lstat().st_uid == 65534
+    d = Daemon(tmp_path, env={"COMMD_CPU_CLAIMS": str(planted)}).start()
+    try:
+        # Before the fix, this root `commd status` emptied the victim.
+        st = d.status()
+        assert st["cpu_claims"] == []
+        assert victim.read_text() == "root's data\n"
+        assert "symbolic link" in d.log(), d.log()
+    finally:
+        assert d.stop() == 0, d.log()
+    assert victim.read_text() == "root's data\n"
+
+
+def test_a_users_hard_link_or_file_is_refused_too(tmp_path, sticky_dir):
+    victim = sticky_dir / "victim"
+    victim.write_text("root's data\n")
+    # A name the user made first (owned by nobody): root must not adopt it.
+    theirs = sticky_dir / "theirs"
+    as_nobody("touch", str(theirs))
+    d = Daemon(tmp_path, env={"COMMD_CPU_CLAIMS": str(theirs)}).start()
+    try:
+        d.status()
+        assert "owned by uid 65534" in d.log(), d.log()
+        assert theirs.read_text() == ""
+    finally:
+        assert d.stop() == 0
+    # A hard link to a root file (with protected_hardlinks off a user could make one).
+    link = sticky_dir / "hard"
+    os.link(victim, link)
+    d = Daemon(tmp_path, env={"COMMD_CPU_CLAIMS": str(link)}).start()
+    try:
+        d.status()
+        assert "hard links" in d.log(), d.log()
+        assert victim.read_text() == "root's data\n"
+    finally:
+        assert d.stop() == 0
+
+
+def test_default_registry_is_in_the_runtime_directory_not_dev_shm(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "COMMD_CPU_CLAIMS"}
+    d = Daemon(tmp_path)
+    d.env = dict(env, COMMD_DEBUG="INFO", COMMD_METRICS_LISTEN="127.0.0.1:0",
+                 COMMD_PEER_LISTEN="127.0.0.1:0")
+    d.start()
+    try:
+        d.status()
+        reg = Path("/run/commd/cpu-claims")
+        assert reg.exists(), d.log()
+        st = reg.lstat()
+        assert st.st_uid == 0 and (st.st_mode & 0o022) == 0, oct(st.st_mode)
+        assert (reg.parent.stat().st_mode & 0o022) == 0
+    finally:
+        assert d.stop() == 0
+
+
+def test_socket_directory_of_another_user_is_refused(tmp_path, sticky_dir):
+    theirs = sticky_dir / "sockdir"
+    as_nobody("mkdir", "-m", "0777", str(theirs))
+    out = subprocess.run([COMMD, "serve", "--socket", str(theirs / "commd.sock")],
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode != 0
+    assert "owned by uid 65534" in out.stderr + out.stdout, out.stderr
+    assert not (theirs / "commd.sock.lock").exists()
+    # A lock-file name planted as a symlink in a sticky directory is refused as well.
+    victim = tmp_path / "victim"
+    victim.write_text("root's data\n")
+    as_nobody("ln", "-s", str(victim), str(sticky_dir / "x.sock.lock"))
+    out = subprocess.run([COMMD, "serve", "--socket", str(sticky_dir / "x.sock")],
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode != 0
+    assert "symbolic link" in out.stderr + out.stdout, out.stderr
+    assert victim.read_text() == "root's data\n"
