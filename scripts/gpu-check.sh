@@ -3,7 +3,10 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|all] [OUTDIR]
+# `graphs` (also part of `tests`): tests/gpu/graph_capture.py, every GPU op under CUDA graph
+# capture refused with commd.UnsupportedError (contract 6), 2 ranks (sharing the GPU on a
+# one-GPU machine) and 4 where there are 4 GPUs.
 # COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
 # `allreduce` (GPU data path II): client-py/benchmarks/gpu_vs_nccl.py for all_reduce and
@@ -40,8 +43,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -104,6 +107,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     [ "$n" -le "$ngpu" ] && run "wait-mix-$n-gpus" "${tr[@]}" "$n" tests/gpu/wait_mix.py
   done
   run kill-rank tests/gpu/kill_rank.sh
+fi
+if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
+  # Contract 6: GPU ops under CUDA graph capture are refused, never replayed wrongly.
+  run "graph-capture-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
+  [ "$ngpu" -ge 4 ] && run "graph-capture-4-ranks" "${tr[@]}" 4 tests/gpu/graph_capture.py
 fi
 if [ "$what" = tests ] || [ "$what" = vmm ] || [ "$what" = all ]; then
   # cuMem memory (expandable segments): POSIX-fd registration, many pieces, remapped pieces;
