@@ -254,3 +254,28 @@ def test_join_errors(daemon):
     assert e.code == 2 and "already formed" in e.out, e.out
     st = daemon.wait_status(lambda s: s["sessions"] == 0 and s["pending_joins"] == 0)
     assert st["pending_joins"] == 0 and st["sessions"] == 0, st
+
+
+def test_join_timeout_of_a_huge_communicator_names_ranges_not_every_rank(daemon):
+    # 65,536 ranks, one joined: the message listed all 65,535 missing ranks, which broke the
+    # transport ("h2 protocol error" in the Python client, grpcio from ~3,000 ranks).
+    code = (
+        "import commd, sys\n"
+        f"c = commd.connect({str(daemon.socket)!r})\n"
+        "uid = c.unique_id()\n"
+        "try:\n"
+        "    c.communicator(uid, 1, 65536, join_timeout=0.5)\n"
+        "except commd.CommError as e:\n"
+        "    print(type(e).__name__, e)\n"
+        "    sys.exit(0)\n"
+        "sys.exit('joined?')\n"
+    )
+    out = subprocess.run(["python3", "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    msg = out.stdout
+    assert "h2 protocol" not in msg, msg
+    assert "waiting for rank(s) [0,2-65535]" in msg, msg
+    assert "65536 ranks, 65535 missing" in msg and "joined: [1]" in msg, msg
+    assert len(msg) < 600, msg
+    st = daemon.wait_status(lambda s: s["pending_joins"] == 0)
+    assert st["pending_joins"] == 0, st

@@ -1073,16 +1073,4 @@ fn drain(g: &mut Inner) -> Vec<Posted> {
     g.queues.iter_mut().flat_map(|q| q.drain(..)).collect()
 }
 
-fn ranks(rs: &[u32]) -> String {
-    match rs {
-        [] => "no rank".into(),
-        [r] => format!("rank {r}"),
-        _ => format!(
-            "ranks {}",
-            rs.iter()
-                .map(|r| r.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-        ),
-    }
-}
+use crate::ranks::text as ranks;

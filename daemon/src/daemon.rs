@@ -873,20 +873,15 @@ impl Daemon {
                 waited.as_secs_f64()
             );
         };
-        let joined: Vec<String> = j
-            .members
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.is_some())
-            .map(|(r, _)| r.to_string())
-            .collect();
-        let missing: Vec<String> = j
-            .members
-            .iter()
-            .enumerate()
-            .filter(|(_, m)| m.is_none())
-            .map(|(r, _)| r.to_string())
-            .collect();
+        let of = |joined: bool| -> Vec<u32> {
+            (0u32..)
+                .zip(&j.members)
+                .filter(|(_, m)| m.is_some() == joined)
+                .map(|(r, _)| r)
+                .collect()
+        };
+        let (joined, missing) = (of(true), of(false));
+        let nranks = j.nranks;
         if let Some(m) = j.members.get_mut(rank as usize) {
             *m = None;
         }
@@ -903,12 +898,13 @@ impl Daemon {
             joins.remove(token);
         }
         format!(
-            "timed out after {:.1} s waiting for rank(s) [{}] to join communicator {} ({} ranks); joined: [{}]",
+            "timed out after {:.1} s waiting for rank(s) [{}] to join communicator {} ({} ranks, {} missing); joined: [{}]",
             waited.as_secs_f64(),
-            missing.join(","),
+            crate::ranks::list(&missing),
             short,
-            j_nranks(&missing, &joined),
-            joined.join(",")
+            nranks,
+            missing.len(),
+            crate::ranks::list(&joined)
         )
     }
 
@@ -1233,10 +1229,6 @@ impl Daemon {
                 .store(status::SHUTDOWN, Ordering::Release);
         }
     }
-}
-
-fn j_nranks(a: &[String], b: &[String]) -> usize {
-    a.len() + b.len()
 }
 
 #[cfg(test)]

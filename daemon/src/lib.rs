@@ -8,6 +8,7 @@
 //!   cap on GPU copy bandwidth.
 //! - [`engine`]: plans and their host-memory execution; [`shm`]: registered memory.
 //! - [`bench`]: `commd bench`.
+//! - [`ranks`]: rank lists in messages (ranges, bounded).
 //! - [`private`]: opening files in directories other users may write to (no symlinks).
 //! - [`notify`]: readiness notification to systemd; [`health`]: `commd health`.
 //! - [`telemetry`]: metrics, traces, logs, link counters, the admin service, `commd stat`.
@@ -27,6 +28,7 @@ pub mod notify;
 pub mod pacing;
 pub mod peer;
 pub mod private;
+pub mod ranks;
 pub mod serve;
 pub mod session;
 pub mod shm;

@@ -68,14 +68,7 @@ impl Topo {
     }
 }
 
-pub fn ranks_text(rs: &[u32]) -> String {
-    let v: Vec<String> = rs.iter().map(|r| r.to_string()).collect();
-    if rs.len() == 1 {
-        format!("rank {}", v[0])
-    } else {
-        format!("ranks {}", v.join(","))
-    }
-}
+pub use crate::ranks::text as ranks_text;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Algo {

@@ -66,16 +66,7 @@ pub fn status(cfg: &Config, as_json: bool) -> Option<i32> {
     Some(exit::OK)
 }
 
-fn ranks(rs: &[u32]) -> String {
-    match rs {
-        [] => "no rank".into(),
-        [r] => format!("rank {r}"),
-        _ => format!(
-            "ranks {}",
-            rs.iter().map(u32::to_string).collect::<Vec<_>>().join(",")
-        ),
-    }
-}
+use crate::ranks::text as ranks;
 
 pub fn status_json(r: &pb::AdminStatusReply) -> serde_json::Value {
     let d = r.daemon.clone().unwrap_or_default();

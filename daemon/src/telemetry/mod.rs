@@ -356,14 +356,12 @@ pub fn comm_nodes(comm: &Comm) -> usize {
         .max(1)
 }
 
-/// "0-3", "0,2,5", "0".
+/// "0-3", "0-1", "0,2,5", "0" (crate::ranks::list, with a pair of neighbours as a range, as
+/// the init log has always printed it).
 fn ranks_text(rs: &[u32]) -> String {
-    let contiguous = rs.windows(2).all(|w| w[1] == w[0] + 1);
     match rs {
-        [] => "none".into(),
-        [r] => r.to_string(),
-        [a, .., b] if contiguous => format!("{a}-{b}"),
-        _ => rs.iter().map(u32::to_string).collect::<Vec<_>>().join(","),
+        [a, b] if *b == a + 1 => format!("{a}-{b}"),
+        _ => crate::ranks::list(rs),
     }
 }
 
