@@ -112,3 +112,45 @@ def test_socket_directory_of_another_user_is_refused(tmp_path, sticky_dir):
     assert out.returncode != 0
     assert "symbolic link" in out.stderr + out.stdout, out.stderr
     assert victim.read_text() == "root's data\n"
+
+
+def test_status_shows_each_user_only_its_own_sessions(tmp_path):
+    """Local.Status listed every user's sessions, pids and job names to any user (issue 30
+    item 4). Now a user sees its own; root sees all."""
+    import json
+    import time
+
+    from conftest import TESTCLIENT, start_ranks
+
+    d = Path(tempfile.mkdtemp(prefix="commd-status-"))
+    os.chmod(d, 0o755)
+    try:
+        for b in (COMMD, TESTCLIENT):
+            shutil.copy(b, d / Path(b).name)
+            os.chmod(d / Path(b).name, 0o755)
+        daemon = Daemon(d).start()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COMMD_")}
+        sock = str(daemon.socket)
+        try:
+            root_job = start_ranks(daemon, 1, [{"sleep_ms": 4000}])
+            theirs = subprocess.Popen(
+                [*NOBODY, str(d / "commd-testclient"), "run", "--socket", sock, "--steps", json.dumps([{"sleep_ms": 4000}])],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(d))
+            st = daemon.wait_status(lambda s: s["sessions"] == 2, timeout=10)
+            assert st["sessions"] == 2, st
+            pids_all = {s["pid"] for s in st["session_list"]}
+            assert {root_job[0].proc.pid} <= pids_all and len(pids_all) == 2, st
+            out = subprocess.run([*NOBODY, str(d / "commd"), "status", "--json", "--socket", sock],
+                                 capture_output=True, text=True, timeout=30, env=env, cwd=str(d))
+            assert out.returncode == 0, out.stderr
+            mine = json.loads(out.stdout)
+            seen = mine["session_list"]
+            assert [s["uid"] for s in seen] == [65534], seen
+            assert root_job[0].proc.pid not in {s["pid"] for s in seen}, seen
+            for r in root_job:
+                r.wait(30)
+            theirs.wait(30)
+        finally:
+            assert daemon.stop() == 0, daemon.log()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

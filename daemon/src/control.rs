@@ -265,7 +265,41 @@ impl Local for LocalService {
         Ok(Response::new(pb::OpErrorReply { status, message }))
     }
 
-    async fn status(&self, _req: Request<pb::Empty>) -> Result<Response<pb::StatusReply>, Status> {
+    async fn status(&self, req: Request<pb::Empty>) -> Result<Response<pb::StatusReply>, Status> {
+        let (uid, _) = caller(&req)?;
+        Ok(Response::new(self.status_for(Viewer::of(uid))))
+    }
+}
+
+/// Who asks for status: root and the daemon's own uid see every session; any other user sees
+/// only the sessions (pids, job names, counters) of its own uid, plus the daemon-wide totals.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Viewer {
+    All,
+    Uid(u32),
+}
+
+impl Viewer {
+    pub fn of(uid: u32) -> Self {
+        if uid == 0 || uid == rustix::process::geteuid().as_raw() {
+            Viewer::All
+        } else {
+            Viewer::Uid(uid)
+        }
+    }
+
+    /// Whether this viewer may see a session of `uid`.
+    pub fn sees(self, uid: u32) -> bool {
+        match self {
+            Viewer::All => true,
+            Viewer::Uid(u) => u == uid,
+        }
+    }
+}
+
+impl LocalService {
+    /// The status reply as `viewer` may see it.
+    pub fn status_for(&self, viewer: Viewer) -> pb::StatusReply {
         use std::sync::atomic::Ordering::Relaxed;
         let d = &self.daemon;
         let c = d.counts();
@@ -277,6 +311,9 @@ impl Local for LocalService {
             let (sc, sf) = (s.ops_completed.load(Relaxed), s.ops_failed.load(Relaxed));
             done += sc;
             failed += sf;
+            if !viewer.sees(s.uid) {
+                continue;
+            }
             list.push(pb::SessionInfo {
                 session_id: s.id,
                 uid: s.uid,
@@ -296,7 +333,7 @@ impl Local for LocalService {
         let cuda = crate::cuda::get();
         let stat =
             |f: fn(&crate::cuda::IpcStats) -> u64| cuda.as_ref().map(|c| f(&c.stats)).unwrap_or(0);
-        Ok(Response::new(pb::StatusReply {
+        pb::StatusReply {
             daemon_version: commd_proto::VERSION.to_string(),
             pid: std::process::id() as i32,
             uptime_ms: d.started.elapsed().as_millis() as u64,
@@ -317,6 +354,6 @@ impl Local for LocalService {
             ipc_open_us: stat(|s| s.open_us.load(Relaxed)),
             ipc_open_now: stat(|s| u64::from(s.open_now.load(Relaxed))) as u32,
             gpu_ops: stat(|s| s.gpu_ops.load(Relaxed)),
-        }))
+        }
     }
 }

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use commd_proto::pb::{self, admin_server::Admin, local_server::Local};
+use commd_proto::pb::{self, admin_server::Admin};
 use tonic::transport::server::UdsConnectInfo;
 use tonic::{Request, Response, Status};
 
@@ -122,7 +122,7 @@ impl Admin for AdminService {
         let local = crate::control::LocalService {
             daemon: self.daemon.clone(),
         };
-        let daemon = local.status(Request::new(pb::Empty {})).await?.into_inner();
+        let daemon = local.status_for(crate::control::Viewer::All);
         let now = Instant::now();
         let mut comms: Vec<pb::CommStatus> = self
             .daemon
