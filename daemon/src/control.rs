@@ -174,7 +174,12 @@ impl Local for LocalService {
     ) -> Result<Response<pb::RegisterMemoryReply>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
         let r = req.into_inner();
-        let mem_id = self.daemon.register(&s, r.fd_token, r.bytes)?;
+        let d = self.daemon.clone();
+        // Mapping and prefaulting take time proportional to the memory: off the async runtime,
+        // so one large registration never stalls other clients' calls or `commd health`.
+        let mem_id = tokio::task::spawn_blocking(move || d.register(&s, r.fd_token, r.bytes))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(pb::RegisterMemoryReply { mem_id }))
     }
 
