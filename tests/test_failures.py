@@ -5,7 +5,7 @@ import signal
 import subprocess
 import time
 
-from conftest import COMMD, Daemon, Rank, assert_all_pass, run_ranks, start_ranks
+from conftest import COMMD, TESTCLIENT, Daemon, Rank, assert_all_pass, run_ranks, start_ranks
 
 
 def results(rank):
@@ -279,3 +279,41 @@ def test_join_timeout_of_a_huge_communicator_names_ranges_not_every_rank(daemon)
     assert len(msg) < 600, msg
     st = daemon.wait_status(lambda s: s["pending_joins"] == 0)
     assert st["pending_joins"] == 0, st
+
+
+def test_a_stopped_daemon_is_reported_by_clients_within_their_limit(daemon):
+    # kill -STOP of the daemon used to block every rank silently until SIGCONT (issue 30 item
+    # 5). Clients read the ring's heartbeat word: a waiter fails with DaemonLost once it has
+    # stood still for COMMD_DAEMON_TIMEOUT_MS.
+    steps = [{"op": "all_reduce", "dtype": "f32", "count": 64},
+             {"sleep_ms": 1500},
+             {"op": "all_reduce", "dtype": "f32", "count": 64, "expect": "error"}]
+    env = dict(os.environ, COMMD_DAEMON_TIMEOUT_MS="1500")
+    uid = daemon.uid()
+    procs = []
+    for r in range(2):
+        rk = Rank.__new__(Rank)
+        rk.cmd = [TESTCLIENT, "run", "--socket", str(daemon.socket), "--steps",
+                  __import__("json").dumps(steps), "--join", f"{uid}:{r}:2"]
+        rk.proc = subprocess.Popen(rk.cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=env)
+        rk.out = rk.err = rk.ended = None
+        procs.append(rk)
+    st = daemon.wait_status(lambda s: s["ops_completed"] >= 2, timeout=20)
+    assert st["ops_completed"] >= 2, st
+    daemon.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        for r in procs:
+            r.wait(20)
+            # 1.5 s sleep + 1.5 s limit, with room for a loaded CI machine.
+            assert r.ended - stopped_at < 8.0, f"took {r.ended - stopped_at:.1f}s"
+    finally:
+        daemon.send_signal(signal.SIGCONT)
+    for r in procs:
+        res = r.results()
+        assert res[-1]["result"] != "ok", res
+        assert "stopped answering" in res[-1]["message"], res
+        assert "COMMD_DAEMON_TIMEOUT_MS=1500" in res[-1]["message"], res
+    # The daemon, resumed, serves a new job.
+    assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 5}]))

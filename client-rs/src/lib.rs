@@ -76,7 +76,15 @@ pub struct Options {
     pub name: String,
     /// Ring sizes (0: daemon default).
     pub ring_entries: u32,
+    /// A waiter that sees the daemon's heartbeat word stand still this long fails with
+    /// [`Error::DaemonLost`] instead of waiting on (a daemon stopped with SIGSTOP, hung, or
+    /// starved): default 10 s, `COMMD_DAEMON_TIMEOUT_MS` (0: wait forever). The daemon's ring
+    /// poller bumps the word at least every 100 ms while it runs.
+    pub daemon_timeout: Option<Duration>,
 }
+
+/// [`Options::daemon_timeout`]'s default.
+pub const DEFAULT_DAEMON_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for Options {
     fn default() -> Self {
@@ -84,12 +92,27 @@ impl Default for Options {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(50);
+        let daemon_timeout = match std::env::var("COMMD_DAEMON_TIMEOUT_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+        {
+            Some(0) => None,
+            Some(ms) => Some(Duration::from_millis(ms)),
+            None => Some(DEFAULT_DAEMON_TIMEOUT),
+        };
         Self {
             spin: Duration::from_micros(spin_us),
             name: format!("pid {}", std::process::id()),
             ring_entries: 0,
+            daemon_timeout,
         }
     }
+}
+
+/// The daemon's heartbeat as this client last saw it: (value, when it last changed).
+struct Beat {
+    value: u64,
+    changed: Instant,
 }
 
 struct CqState {
@@ -113,6 +136,8 @@ struct Inner {
     inflight: AtomicU32,
     limit: u32,
     spin: Duration,
+    daemon_timeout: Option<Duration>,
+    beat: Mutex<Beat>,
     /// The process that created the session: after fork() the child must not use (or end) it.
     pid: u32,
     gpu: Mutex<gpu::SessionGpu>,
@@ -124,7 +149,7 @@ impl Drop for Inner {
             return;
         }
         let mut rpc = self.rpc.clone();
-        let _ = self.rt.block_on(rpc.goodbye(pb::SessionRef {
+        let _ = self.watched(rpc.goodbye(pb::SessionRef {
             session_id: self.session_id,
         }));
     }
@@ -205,6 +230,10 @@ impl Client {
         };
         let ring = Ring::attach(&File::from(ring_fd))?;
         let l = ring.layout();
+        let beat = Beat {
+            value: ring.daemon_beat().load(Ordering::Relaxed),
+            changed: Instant::now(),
+        };
         let inner = Inner {
             rt,
             rpc,
@@ -223,6 +252,8 @@ impl Client {
             next_token: AtomicU64::new(1),
             inflight: AtomicU32::new(0),
             spin: opts.spin,
+            daemon_timeout: opts.daemon_timeout,
+            beat: Mutex::new(beat),
             pid: std::process::id(),
             gpu: Mutex::new(gpu::SessionGpu::default()),
         };
@@ -243,9 +274,9 @@ impl Client {
     pub fn unique_id(&self) -> Result<Vec<u8>> {
         let i = &self.inner;
         i.check_owner()?;
-        let r = i.rt.block_on(i.rpc.clone().get_unique_id(pb::SessionRef {
+        let r = i.watched(i.rpc.clone().get_unique_id(pb::SessionRef {
             session_id: i.session_id,
-        }));
+        }))?;
         Ok(r.map_err(|s| Error::rpc("get_unique_id", s))?
             .into_inner()
             .unique_id)
@@ -281,9 +312,9 @@ impl Client {
             switch: o.switch.clone().unwrap_or_default(),
             pacing_bytes_per_sec: o.pacing_bytes_per_sec,
         };
-        let r =
-            i.rt.block_on(i.rpc.clone().create_communicator(req))
-                .map_err(|s| Error::rpc("create_communicator", s))?;
+        let r = i
+            .watched(i.rpc.clone().create_communicator(req))?
+            .map_err(|s| Error::rpc("create_communicator", s))?;
         let r = r.into_inner();
         Ok(Communicator {
             client: self.inner.clone(),
@@ -333,19 +364,19 @@ impl Client {
             fd_token: token,
             bytes,
         };
-        let r =
-            i.rt.block_on(i.rpc.clone().register_memory(req))
-                .map_err(|s| Error::rpc("register_memory", s))?;
+        let r = i
+            .watched(i.rpc.clone().register_memory(req))?
+            .map_err(|s| Error::rpc("register_memory", s))?;
         Ok(r.into_inner().mem_id)
     }
 
     pub fn deregister(&self, mem_id: u32) -> Result<()> {
         let i = &self.inner;
         i.check_owner()?;
-        i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef {
+        i.watched(i.rpc.clone().deregister_memory(pb::MemRef {
             session_id: i.session_id,
             mem_id,
-        }))
+        }))?
         .map_err(|s| Error::rpc("deregister_memory", s))?;
         Ok(())
     }
@@ -440,6 +471,26 @@ impl Inner {
             Some(fd),
         )
         .map_err(gone)?;
+        // Wait for the reply in slices, so a stopped daemon is reported, not waited for forever.
+        loop {
+            let mut fds = [rustix::event::PollFd::new(
+                &*sock,
+                rustix::event::PollFlags::IN | rustix::event::PollFlags::RDHUP,
+            )];
+            let slice = rustix::time::Timespec {
+                tv_sec: 0,
+                tv_nsec: 100_000_000,
+            };
+            match rustix::event::poll(&mut fds, Some(&slice)) {
+                Ok(0) | Err(rustix::io::Errno::INTR) => {
+                    if let Some(e) = self.daemon_stalled() {
+                        return Err(e);
+                    }
+                }
+                Ok(_) => break,
+                Err(e) => return Err(gone(e.into())),
+            }
+        }
         match fdproto::recv(sock.as_fd()).map_err(gone)? {
             Some((m, _)) if m.kind == kind::STAGE_OK && m.token == token => Ok(token),
             Some((m, _)) if m.kind == kind::ERROR => Err(Error::InvalidArgument(format!(
@@ -526,14 +577,25 @@ impl Inner {
         }
         // Never more ops in flight than the completion ring holds.
         while self.inflight.load(Ordering::Acquire) >= self.limit {
-            self.wait(0, Some(Duration::from_millis(10))).ok();
+            if let Err(e @ Error::DaemonLost { .. }) = self.wait(0, Some(Duration::from_millis(10)))
+            {
+                return Err(e);
+            }
         }
         self.inflight.fetch_add(1, Ordering::AcqRel);
         d.user_data = self.next_user_data.fetch_add(1, Ordering::Relaxed);
         let mut tail = lock(&self.sq_tail);
         let entries = self.ring.layout().sq_entries;
+        let mut spins = 0u32;
         while tail.wrapping_sub(self.ring.sq_head().load(Ordering::Acquire)) >= entries {
             std::thread::yield_now();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(4096)
+                && let Some(e) = self.daemon_stalled()
+            {
+                self.inflight.fetch_sub(1, Ordering::AcqRel);
+                return Err(e);
+            }
         }
         self.ring.write_sq(*tail, &d);
         *tail = tail.wrapping_add(1);
@@ -620,8 +682,59 @@ impl Inner {
                         self.lost("the daemon exited (its socket closed) with this op in flight")
                     );
                 }
+                if let Some(e) = self.daemon_stalled() {
+                    return Err(e);
+                }
             }
         }
+    }
+
+    /// Runs a control-plane call to completion, unless the daemon's heartbeat stands still for
+    /// `daemon_timeout` first (a stopped daemon would otherwise hang the call forever): then
+    /// [`Error::DaemonLost`]. Calls that legitimately take long (a join waiting for its ranks)
+    /// keep going: the daemon's ring poller beats while its control plane works.
+    fn watched<F: std::future::Future>(&self, fut: F) -> Result<F::Output> {
+        if self.daemon_timeout.is_none() {
+            return Ok(self.rt.block_on(fut));
+        }
+        self.rt.block_on(async {
+            tokio::pin!(fut);
+            loop {
+                tokio::select! {
+                    out = &mut fut => return Ok(out),
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                        if let Some(e) = self.daemon_stalled() {
+                            return Err(e);
+                        }
+                    }
+                }
+            }
+        })
+    }
+
+    /// `Some(error)` when the daemon's heartbeat has stood still for `daemon_timeout`.
+    fn daemon_stalled(&self) -> Option<Error> {
+        let limit = self.daemon_timeout?;
+        let now = self.ring.daemon_beat().load(Ordering::Relaxed);
+        let mut b = lock(&self.beat);
+        if now != b.value {
+            *b = Beat {
+                value: now,
+                changed: Instant::now(),
+            };
+            return None;
+        }
+        let still = b.changed.elapsed();
+        (still >= limit).then(|| {
+            self.lost(&format!(
+                "the daemon stopped answering: its heartbeat has not moved for {:.1} s (the daemon \
+                 process is stopped, e.g. by SIGSTOP, hung, or starved of CPU) with this op in \
+                 flight; the op's outcome is unknown. COMMD_DAEMON_TIMEOUT_MS={} sets this limit \
+                 (0: wait forever)",
+                still.as_secs_f64(),
+                limit.as_millis()
+            ))
+        })
     }
 
     fn finish(&self, c: CompletionDesc) -> Result<CompletionDesc> {
@@ -629,12 +742,12 @@ impl Inner {
             return Ok(c);
         }
         let kind = OpErrorKind::from_status(c.status);
-        let message = match self.rt.block_on(self.rpc.clone().get_op_error(pb::OpRef {
+        let message = match self.watched(self.rpc.clone().get_op_error(pb::OpRef {
             session_id: self.session_id,
             user_data: c.user_data,
         })) {
-            Ok(r) => r.into_inner().message,
-            Err(_) => format!(
+            Ok(Ok(r)) => r.into_inner().message,
+            Ok(Err(_)) | Err(_) => format!(
                 "op failed with status {} (the daemon is gone, so no message is available)",
                 status::name(c.status)
             ),
@@ -704,7 +817,7 @@ impl Drop for Buffer {
     fn drop(&mut self) {
         let i = &self.client;
         if i.owned_here() && i.ring.session_error().load(Ordering::Acquire) == 0 {
-            let _ = i.rt.block_on(i.rpc.clone().deregister_memory(pb::MemRef {
+            let _ = i.watched(i.rpc.clone().deregister_memory(pb::MemRef {
                 session_id: i.session_id,
                 mem_id: self.mem_id,
             }));
@@ -830,11 +943,10 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         let i = &self.client;
         if i.owned_here() && i.ring.session_error().load(Ordering::Acquire) == 0 {
-            let _ =
-                i.rt.block_on(i.rpc.clone().destroy_communicator(pb::CommRef {
-                    session_id: i.session_id,
-                    comm: self.handle,
-                }));
+            let _ = i.watched(i.rpc.clone().destroy_communicator(pb::CommRef {
+                session_id: i.session_id,
+                comm: self.handle,
+            }));
         }
     }
 }
@@ -877,11 +989,11 @@ impl Communicator {
     pub fn set_pacing(&self, bytes_per_sec: Option<u64>) -> Result<()> {
         let i = &self.client;
         i.check_owner()?;
-        i.rt.block_on(i.rpc.clone().set_comm_pacing(pb::SetCommPacingRequest {
+        i.watched(i.rpc.clone().set_comm_pacing(pb::SetCommPacingRequest {
             session_id: i.session_id,
             comm: self.handle,
             bytes_per_sec: bytes_per_sec.unwrap_or(0),
-        }))
+        }))?
         .map_err(|s| Error::rpc("set_comm_pacing", s))?;
         Ok(())
     }

@@ -440,10 +440,22 @@ async fn wait_for_stop(stop: Option<oneshot::Receiver<&'static str>>) -> &'stati
 
 fn housekeeping(d: Arc<Daemon>) {
     let mut last_liveness = Instant::now();
+    let mut last_beat = Instant::now();
     loop {
         std::thread::sleep(Duration::from_millis(20));
         if d.is_shutting_down() {
             return;
+        }
+        // Every session's heartbeat word (ring CTRL_DAEMON_BEAT), from this thread rather than
+        // only from the session's poller: a poller may run a long host op itself for many
+        // seconds, and its clients must not take that for a stopped daemon.
+        if last_beat.elapsed() >= Duration::from_millis(100) {
+            last_beat = Instant::now();
+            for s in d.sessions() {
+                s.ring
+                    .daemon_beat()
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
         }
         let live = last_liveness.elapsed() >= d.cfg.liveness_interval;
         if live {

@@ -611,12 +611,12 @@ impl Communicator {
             return Ok(s);
         }
         let i = &self.client;
-        let rep =
-            i.rt.block_on(i.rpc.clone().get_comm_scratch(pb::CommScratchRequest {
+        let rep = i
+            .watched(i.rpc.clone().get_comm_scratch(pb::CommScratchRequest {
                 session_id: i.session_id,
                 comm: self.handle,
                 device_uuid: device_uuid(device)?.to_vec(),
-            }))
+            }))?
             .map_err(|s| Error::rpc("get_comm_scratch", s))?
             .into_inner();
         let need = commd_proto::desc::cuda_scratch_bytes(self.nranks, rep.slot_bytes);
