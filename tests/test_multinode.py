@@ -447,3 +447,31 @@ def test_mutual_tls_peer_service(tmp_path):
     finally:
         for d in (root, good, plain, rogue):
             d.stop()
+
+
+@pytest.mark.parametrize("check", ["on", "off"])
+def test_a_join_announcing_another_ip_is_refused_by_the_root(tmp_path, check):
+    # A holder of a valid token could make the root's peers dial any address it announced
+    # (issue 30 item 9). Node b listens and advertises 127.0.0.9 but dials the root at
+    # 127.0.0.1 from 127.0.0.1: the root refuses it unless peer_addr_check=off.
+    a = Daemon(tmp_path / "a", env={"COMMD_PEER_LISTEN": "127.0.0.1:0",
+                                    "COMMD_PEER_ADDR_CHECK": check})
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    b = Daemon(tmp_path / "b", env={"COMMD_PEER_LISTEN": "127.0.0.9:0"})
+    nodes = [a.start(), b.start()]
+    try:
+        steps = [{"op": "all_reduce", "dtype": "f32", "count": 100,
+                  "expect": "ok" if check == "off" else "any"}]
+        ranks = run_multi(nodes, [0, 1], steps, timeout=60, join_timeout_ms=5000)
+        if check == "off":
+            assert_all_pass(ranks)
+        else:
+            out = ranks[1].out + ranks[1].err
+            assert ranks[1].code != 0, out
+            assert "not on the IP the join came from (127.0.0.1)" in out, out
+            assert "127.0.0.9" in out and "peer_addr_check=off" in out, out
+            assert "refused a join" in a.log(), a.log()
+    finally:
+        for d in nodes:
+            d.stop()

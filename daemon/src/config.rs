@@ -159,8 +159,15 @@ pub static KEYS: &[Key] = &[
     Key {
         name: "peer_listen",
         env: "COMMD_PEER_LISTEN",
-        default: Some("0.0.0.0:7400"),
-        help: "address of the peer service (gRPC over TCP, multi-node rendezvous), or 'off' for a single-node daemon; port 0 picks a free port. When the default port is busy the daemon warns and serves single-node; an explicitly set address that cannot be bound stops it",
+        default: Some("off"),
+        help: "address of the peer service (gRPC over TCP, multi-node rendezvous), e.g. 10.0.0.1:7400 (the IP other nodes reach; 0.0.0.0 for every interface), or 'off' (the default: nothing listens on the network and communicators stay on this node); port 0 picks a free port. An address that cannot be bound stops the daemon. Trust model: docs/multinode.md",
+        kind: Kind::Str,
+    },
+    Key {
+        name: "peer_addr_check",
+        env: "COMMD_PEER_ADDR_CHECK",
+        default: Some("on"),
+        help: "on: the root daemon refuses a join whose announced node or data address is not the IP the join came from (a token holder cannot make this daemon's peers dial an address of its choosing); off: accept them (NAT or a node whose peer and data traffic leave from different IPs)",
         kind: Kind::Str,
     },
     Key {
@@ -461,6 +468,8 @@ pub struct Config {
     pub peer_listen: Option<std::net::SocketAddr>,
     /// Whether `peer_listen` was set explicitly (a bind failure is then fatal).
     pub peer_listen_explicit: bool,
+    /// Joins must announce addresses of the IP they come from (`peer_addr_check`).
+    pub peer_addr_check: bool,
     pub advertise: String,
     /// (cert, key, ca) paths when mutual TLS is configured.
     pub peer_tls: Option<(PathBuf, PathBuf, PathBuf)>,
@@ -573,6 +582,10 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
                 }
                 Ok(())
             }
+            "peer_addr_check" => match value {
+                "on" | "off" => Ok(()),
+                _ => Err(bad("expected on or off".into())),
+            },
             "peer_listen" if value.eq_ignore_ascii_case("off") => Ok(()),
             "peer_listen" => value
                 .parse::<std::net::SocketAddr>()
@@ -751,6 +764,7 @@ impl Config {
                 s("peer_listen").parse().ok()
             },
             peer_listen_explicit: eff["peer_listen"].1 != Source::Default,
+            peer_addr_check: s("peer_addr_check") == "on",
             advertise: s("advertise"),
             peer_tls: {
                 let t = [s("peer_tls_cert"), s("peer_tls_key"), s("peer_tls_ca")];

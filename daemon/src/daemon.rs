@@ -424,7 +424,7 @@ impl Daemon {
         if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(uid.token) {
             if lock(&self.issued).remove(&uid.token).is_none() {
                 return Err(DaemonError::NotFound(format!(
-                    "unique id {} was not issued by this daemon, or its communicator already formed (ids are single-use)",
+                    "unique id {} was not issued by this daemon, or its communicator already formed (ids are single-use); an id made on another node by a daemon without a peer service (peer_listen=off, the default) can only be used on that node",
                     uid.short()
                 )));
             }

@@ -23,9 +23,19 @@ impl pb::peer_server::Peer for PeerService {
         &self,
         req: Request<pb::PeerJoinRequest>,
     ) -> Result<Response<pb::PeerJoinReply>, Status> {
-        let from = req.remote_addr().map(|a| a.to_string()).unwrap_or_default();
+        let remote = req.remote_addr();
+        let from = remote.map(|a| a.to_string()).unwrap_or_default();
         let r = req.into_inner();
         tracing::debug!(target: "commd::net", "peer join: rank {} of {} from node {} ({from})", r.rank, r.nranks, r.node);
+        if self.daemon.cfg.peer_addr_check
+            && let Err(why) = announced_from(&r, remote)
+        {
+            tracing::warn!(target: "commd::net", "refused a join of rank {} from {from}: {why}", r.rank);
+            return Err(Status::permission_denied(format!(
+                "{why}; the root daemon refuses announced addresses other than the join's own IP \
+                 (set peer_addr_check=off on the root daemon behind NAT or on multi-homed nodes)"
+            )));
+        }
         let rx = self.daemon.peer_join(&r)?;
         let wait = Duration::from_millis(r.timeout_ms.max(1));
         let t0 = Instant::now();
@@ -82,6 +92,28 @@ impl pb::peer_server::Peer for PeerService {
             node: self.daemon.node_id().unwrap_or_default(),
         }))
     }
+}
+
+/// Checks that the addresses a join announces (its node's peer service, its data listener),
+/// which the root hands to every member to dial, are on the IP the join came from: a holder of
+/// a valid token must not make the other daemons connect to an address of its choosing.
+pub fn announced_from(r: &pb::PeerJoinRequest, remote: Option<SocketAddr>) -> Result<(), String> {
+    let Some(remote) = remote else {
+        return Err("the join's source address is unknown".into());
+    };
+    let src = remote.ip().to_canonical();
+    for (what, addr) in [("node address", &r.node), ("data address", &r.data_addr)] {
+        let ip = addr
+            .parse::<SocketAddr>()
+            .map(|a| a.ip().to_canonical())
+            .map_err(|_| format!("the announced {what} {addr:?} is not IP:PORT"))?;
+        if ip != src {
+            return Err(format!(
+                "the announced {what} {addr} is not on the IP the join came from ({src})"
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn from_status(root: &str, s: Status) -> DaemonError {
@@ -233,5 +265,36 @@ pub fn advertise_ip(configured: &str, listen: IpAddr) -> (IpAddr, Option<u16>) {
             tracing::warn!(target: "commd::init", "no default route to pick an address to advertise; advertising 127.0.0.1 (set advertise / COMMD_ADVERTISE for multi-node use)");
             (IpAddr::from([127, 0, 0, 1]), None)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn join(node: &str, data: &str) -> pb::PeerJoinRequest {
+        pb::PeerJoinRequest {
+            node: node.into(),
+            data_addr: data.into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn announced_addresses_must_be_on_the_joins_own_ip() {
+        let from = Some("10.0.0.2:51234".parse().unwrap());
+        assert!(announced_from(&join("10.0.0.2:7400", "10.0.0.2:40000"), from).is_ok());
+        let e = announced_from(&join("10.0.0.2:7400", "10.9.9.9:22"), from).unwrap_err();
+        assert!(
+            e.contains("data address 10.9.9.9:22") && e.contains("10.0.0.2"),
+            "{e}"
+        );
+        let e = announced_from(&join("169.254.169.254:80", "10.0.0.2:1"), from).unwrap_err();
+        assert!(e.contains("node address"), "{e}");
+        assert!(announced_from(&join("host:7400", "10.0.0.2:1"), from).is_err());
+        assert!(announced_from(&join("10.0.0.2:7400", "10.0.0.2:1"), None).is_err());
+        // An IPv4 peer seen on a dual-stack socket as ::ffff:10.0.0.2.
+        let mapped = Some("[::ffff:10.0.0.2]:5".parse().unwrap());
+        assert!(announced_from(&join("10.0.0.2:7400", "10.0.0.2:1"), mapped).is_ok());
     }
 }

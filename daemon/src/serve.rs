@@ -316,7 +316,7 @@ pub fn run(
 fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, ServeError> {
     let cfg = &daemon.cfg;
     let Some(listen) = cfg.peer_listen else {
-        tracing::info!(target: "commd::init", "peer service off (peer_listen=off): single-node communicators only");
+        tracing::info!(target: "commd::init", "peer service off (peer_listen=off, the default): single-node communicators only; set peer_listen=IP:7400 to join communicators across nodes");
         return Ok(None);
     };
     let setup = |err: std::io::Error| ServeError::Setup {
