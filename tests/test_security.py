@@ -154,3 +154,81 @@ def test_status_shows_each_user_only_its_own_sessions(tmp_path):
             assert daemon.stop() == 0, daemon.log()
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_one_uid_cannot_take_every_session(tmp_path):
+    """One uid took all 4,096 sessions and locked every other user out (issue 30 item 3): now
+    each uid holds at most max_sessions_per_uid; others still get in, and `commd status` shows
+    the usage by uid."""
+    import json
+
+    from conftest import TESTCLIENT, start_ranks
+
+    d = Path(tempfile.mkdtemp(prefix="commd-limits-"))
+    os.chmod(d, 0o755)
+    try:
+        shutil.copy(COMMD, d / "commd")
+        os.chmod(d / "commd", 0o755)
+        daemon = Daemon(d, env={"COMMD_MAX_SESSIONS_PER_UID": "2"}).start()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("COMMD_")}
+        sock = str(daemon.socket)
+        try:
+            held = [subprocess.Popen([TESTCLIENT, "run", "--socket", sock, "--steps",
+                                      json.dumps([{"sleep_ms": 5000}])],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for _ in range(2)]
+            st = daemon.wait_status(lambda s: s["sessions"] == 2, timeout=10)
+            assert st["sessions"] == 2, st
+            third = subprocess.run([TESTCLIENT, "run", "--socket", sock, "--steps", "[]"],
+                                   capture_output=True, text=True, timeout=30)
+            assert third.returncode != 0
+            msg = third.stdout + third.stderr
+            assert "uid 0 already has 2 sessions" in msg and "max_sessions_per_uid=2" in msg, msg
+            # Another user still gets a session (health opens one and calls Status).
+            h = subprocess.run([*NOBODY, str(d / "commd"), "health", "--socket", sock],
+                               capture_output=True, text=True, timeout=30, env=env, cwd=str(d))
+            assert h.returncode == 0, h.stdout + h.stderr
+            text = subprocess.run([COMMD, "status", "--socket", sock], capture_output=True,
+                                  text=True, timeout=30).stdout
+            assert "uid 0: 2 session(s)" in text, text
+            for p in held:
+                p.wait(30)
+        finally:
+            assert daemon.stop() == 0, daemon.log()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_unattached_fd_connections_of_one_uid_are_capped(tmp_path):
+    """Idle fd-socket connections added a daemon thread each, without limit (issue 30 item 3)."""
+    import socket as pysocket
+
+    daemon = Daemon(tmp_path).start()
+    try:
+        fd_path = str(daemon.socket) + ".fd"
+        conns = []
+        refused = 0
+        for _ in range(80):
+            c = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_SEQPACKET)
+            c.connect(fd_path)
+            conns.append(c)
+        for c in conns:
+            c.settimeout(0.5)
+            try:
+                msg = c.recv(4096)
+                if b"waiting to attach" in msg:
+                    refused += 1
+            except (TimeoutError, pysocket.timeout):
+                pass
+        assert refused == 80 - 64, refused
+        threads = int(next(l.split()[1] for l in
+                           open(f"/proc/{daemon.proc.pid}/status").read().splitlines()
+                           if l.startswith("Threads:")))
+        assert threads < 64 + 40, threads
+        for c in conns:
+            c.close()
+        # The daemon still serves jobs.
+        from conftest import assert_all_pass, run_ranks
+        assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 8}]))
+    finally:
+        assert daemon.stop() == 0, daemon.log()

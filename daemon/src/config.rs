@@ -147,6 +147,26 @@ pub static KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "max_sessions_per_uid",
+        env: "COMMD_MAX_SESSIONS_PER_UID",
+        default: Some("1024"),
+        help: "sessions one uid may hold at once (so one user cannot lock the others out); Hello beyond this is refused naming the uid",
+        kind: Kind::U64 {
+            min: 1,
+            max: 1_000_000,
+        },
+    },
+    Key {
+        name: "max_unique_ids_per_uid",
+        env: "COMMD_MAX_UNIQUE_IDS_PER_UID",
+        default: Some("4096"),
+        help: "unused unique ids one uid may hold; beyond this each new id drops that uid's oldest unused one (ids are single-use and expire after 24 h)",
+        kind: Kind::U64 {
+            min: 1,
+            max: 1_000_000,
+        },
+    },
+    Key {
         name: "max_registered_bytes",
         env: "COMMD_MAX_REGISTERED_BYTES",
         default: Some("1099511627776"),
@@ -463,6 +483,8 @@ pub struct Config {
     pub poll_spin: Duration,
     pub ring_entries: u32,
     pub max_sessions: usize,
+    pub max_sessions_per_uid: usize,
+    pub max_unique_ids_per_uid: usize,
     pub max_registered_bytes: u64,
     /// `None`: no peer service (single-node daemon).
     pub peer_listen: Option<std::net::SocketAddr>,
@@ -757,6 +779,8 @@ impl Config {
             poll_spin: Duration::from_micros(u("poll_spin_us")?),
             ring_entries: u("ring_entries")? as u32,
             max_sessions: u("max_sessions")? as usize,
+            max_sessions_per_uid: u("max_sessions_per_uid")? as usize,
+            max_unique_ids_per_uid: u("max_unique_ids_per_uid")? as usize,
             max_registered_bytes: u("max_registered_bytes")?,
             peer_listen: if s("peer_listen").eq_ignore_ascii_case("off") {
                 None

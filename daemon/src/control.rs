@@ -104,9 +104,9 @@ impl Local for LocalService {
         &self,
         req: Request<pb::SessionRef>,
     ) -> Result<Response<pb::UniqueIdReply>, Status> {
-        self.session(&req, req.get_ref().session_id)?;
+        let s = self.session(&req, req.get_ref().session_id)?;
         Ok(Response::new(pb::UniqueIdReply {
-            unique_id: self.daemon.unique_id().encode(),
+            unique_id: self.daemon.unique_id(s.uid).encode(),
         }))
     }
 

@@ -161,7 +161,7 @@ pub struct Daemon {
     pub started: Instant,
     sessions: Mutex<HashMap<u64, Arc<Session>>>,
     comms: Mutex<HashMap<u64, Arc<Comm>>>,
-    issued: Mutex<HashMap<[u8; 16], Instant>>,
+    issued: Mutex<crate::issued::Issued>,
     joins: Mutex<HashMap<[u8; 16], PendingJoin>>,
     remote_joins: Mutex<HashMap<[u8; 16], RemoteJoin>>,
     /// Per-communicator `switch` options of forming communicators (first local rank's).
@@ -194,7 +194,7 @@ impl Daemon {
             started: Instant::now(),
             sessions: Mutex::new(HashMap::new()),
             comms: Mutex::new(HashMap::new()),
-            issued: Mutex::new(HashMap::new()),
+            issued: Mutex::new(crate::issued::Issued::default()),
             joins: Mutex::new(HashMap::new()),
             remote_joins: Mutex::new(HashMap::new()),
             switch_opts: Mutex::new(HashMap::new()),
@@ -243,6 +243,15 @@ impl Daemon {
             return Err(DaemonError::ResourceExhausted(format!(
                 "daemon serves its maximum of {} sessions (max_sessions)",
                 self.cfg.max_sessions
+            )));
+        }
+        // One user cannot take every session and lock the others out.
+        let mine = sessions.values().filter(|s| s.uid == uid).count();
+        if mine >= self.cfg.max_sessions_per_uid {
+            return Err(DaemonError::ResourceExhausted(format!(
+                "uid {uid} already has {mine} sessions, its maximum (max_sessions_per_uid={}); \
+                 each client process holds one until it exits",
+                self.cfg.max_sessions_per_uid
             )));
         }
         let pick = |n: u32| {
@@ -362,13 +371,14 @@ impl Daemon {
             .fetch_add(s.ops_failed.load(Ordering::Relaxed), Ordering::Relaxed);
     }
 
-    pub fn unique_id(&self) -> UniqueId {
+    /// A fresh unique id for a session of `uid` (see [`crate::issued`] for the limits).
+    pub fn unique_id(&self, uid: u32) -> UniqueId {
         let u = UniqueId::random_with_root(&self.node_id().unwrap_or_default());
-        let mut issued = lock(&self.issued);
-        // Ids never used within a day are forgotten.
-        let now = Instant::now();
-        issued.retain(|_, t| now.duration_since(*t) < Duration::from_secs(86_400));
-        issued.insert(u.token, now);
+        let cap = self.cfg.max_unique_ids_per_uid;
+        let dropped = lock(&self.issued).insert(uid, u.token, Instant::now(), cap);
+        if dropped > 0 {
+            tracing::debug!(target: "commd::session", "uid {uid} holds {cap} unused unique ids (max_unique_ids_per_uid): dropped its {dropped} oldest");
+        }
         u
     }
 
@@ -422,9 +432,9 @@ impl Daemon {
         }
         let mut joins = lock(&self.joins);
         if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(uid.token) {
-            if lock(&self.issued).remove(&uid.token).is_none() {
+            if !lock(&self.issued).take(&uid.token, Instant::now()) {
                 return Err(DaemonError::NotFound(format!(
-                    "unique id {} was not issued by this daemon, or its communicator already formed (ids are single-use); an id made on another node by a daemon without a peer service (peer_listen=off, the default) can only be used on that node",
+                    "unique id {} was not issued by this daemon, or its communicator already formed (ids are single-use, expire after 24 h unused, and a user's oldest unused ids are dropped beyond max_unique_ids_per_uid); an id made on another node by a daemon without a peer service (peer_listen=off, the default) can only be used on that node",
                     uid.short()
                 )));
             }
@@ -781,7 +791,7 @@ impl Daemon {
         }
         let mut joins = lock(&self.joins);
         if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(token) {
-            if lock(&self.issued).remove(&token).is_none() {
+            if !lock(&self.issued).take(&token, Instant::now()) {
                 tracing::warn!(target: "commd::net", "rejected a join of rank {rank} from node {} (pid {}): unknown or stale token {short}..", r.node, r.pid);
                 return Err(DaemonError::PermissionDenied(format!(
                     "communicator token {short}.. is not known to the root daemon: a wrong or stale unique id (ids are single-use; was the communicator already formed, or the root daemon restarted?)"

@@ -3,11 +3,15 @@
 //! connection closes (the kernel closes it when the client dies, SIGKILL included).
 //!
 //! One blocking thread per connection (`commd-fd-<session>`); connections are few (one per client
-//! process) and long-lived.
+//! process) and long-lived. A connection that has not attached yet holds its thread for at most
+//! `attach_timeout_ms`, and one uid may have at most [`MAX_UNATTACHED_PER_UID`] of those at once,
+//! so idle connections cannot grow the daemon's threads without limit; attached ones are bounded
+//! by the sessions a uid may hold (`max_sessions_per_uid`).
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use commd_proto::desc::status;
@@ -16,15 +20,67 @@ use rustix::net::SocketFlags;
 
 use crate::daemon::Daemon;
 
+/// Connections of one uid that may wait for ATTACH at once. A client attaches right after its
+/// Hello, so even a process opening sessions from many threads stays far below this.
+pub const MAX_UNATTACHED_PER_UID: usize = 64;
+
+/// Unattached connections per uid.
+type Pending = Arc<Mutex<HashMap<u32, usize>>>;
+
+/// Counts one unattached connection of a uid until dropped.
+struct PendingSlot {
+    pending: Pending,
+    uid: u32,
+}
+
+impl Drop for PendingSlot {
+    fn drop(&mut self) {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = p.get_mut(&self.uid) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                p.remove(&self.uid);
+            }
+        }
+    }
+}
+
 /// Accept loop; runs until the process exits.
 pub fn serve(daemon: Arc<Daemon>, listener: OwnedFd) {
+    let pending: Pending = Arc::default();
     loop {
         match rustix::net::accept_with(&listener, SocketFlags::CLOEXEC) {
             Ok(conn) => {
+                let uid = match rustix::net::sockopt::socket_peercred(&conn) {
+                    Ok(c) => c.uid.as_raw(),
+                    Err(e) => {
+                        reply_err(&conn, format!("cannot read peer credentials: {e}"));
+                        continue;
+                    }
+                };
+                let slot = {
+                    let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+                    let n = p.entry(uid).or_default();
+                    if *n >= MAX_UNATTACHED_PER_UID {
+                        drop(p);
+                        reply_err(
+                            &conn,
+                            format!(
+                                "uid {uid} has {MAX_UNATTACHED_PER_UID} fd-socket connections waiting to attach; refusing more until they attach or time out (attach_timeout_ms)"
+                            ),
+                        );
+                        continue;
+                    }
+                    *n += 1;
+                    PendingSlot {
+                        pending: pending.clone(),
+                        uid,
+                    }
+                };
                 let d = daemon.clone();
                 let r = std::thread::Builder::new()
                     .name("commd-fd-conn".into())
-                    .spawn(move || handle(d, conn));
+                    .spawn(move || handle(d, conn, slot));
                 if let Err(e) = r {
                     tracing::error!(target: "commd::session", "cannot start fd-socket thread: {e}");
                 }
@@ -43,7 +99,7 @@ fn reply_err(conn: &OwnedFd, text: String) {
     let _ = fdproto::send(conn.as_fd(), &FdMsg::error(text), None);
 }
 
-fn handle(daemon: Arc<Daemon>, conn: OwnedFd) {
+fn handle(daemon: Arc<Daemon>, conn: OwnedFd, slot: PendingSlot) {
     let cred = match rustix::net::sockopt::socket_peercred(&conn) {
         Ok(c) => c,
         Err(e) => return reply_err(&conn, format!("cannot read peer credentials: {e}")),
@@ -118,6 +174,7 @@ fn handle(daemon: Arc<Daemon>, conn: OwnedFd) {
         );
         return;
     }
+    drop(slot);
     tracing::debug!(target: "commd::session", session = s.id, "attached");
     let reason = loop {
         match fdproto::recv(conn.as_fd()) {

@@ -8,6 +8,7 @@
 //!   cap on GPU copy bandwidth.
 //! - [`engine`]: plans and their host-memory execution; [`shm`]: registered memory.
 //! - [`bench`]: `commd bench`.
+//! - [`issued`]: the unique ids issued and not yet used (bounded per uid).
 //! - [`ranks`]: rank lists in messages (ranges, bounded).
 //! - [`private`]: opening files in directories other users may write to (no symlinks).
 //! - [`notify`]: readiness notification to systemd; [`health`]: `commd health`.
@@ -23,6 +24,7 @@ pub mod engine;
 pub mod fanout;
 pub mod fdsock;
 pub mod health;
+pub mod issued;
 pub mod net;
 pub mod notify;
 pub mod pacing;

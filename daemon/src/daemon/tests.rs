@@ -46,7 +46,7 @@ fn create(
     d: &Arc<Daemon>,
     pacings: &[Option<u64>],
 ) -> (Vec<Result<u32, String>>, Option<Arc<Comm>>) {
-    let uid = d.unique_id().encode();
+    let uid = d.unique_id(0).encode();
     let n = pacings.len() as u32;
     let mut rxs = Vec::new();
     for (rank, &p) in pacings.iter().enumerate() {
@@ -142,7 +142,7 @@ const MIN: u64 = crate::pacing::MIN_RATE;
 #[test]
 fn set_comm_pacing_applies_to_every_rank_and_validates() {
     let d = daemon(&[]);
-    let uid = d.unique_id().encode();
+    let uid = d.unique_id(0).encode();
     let (s0, s1) = (session(&d), session(&d));
     let _rx0 = d.join(
         s0.clone(),

@@ -101,6 +101,27 @@ pub fn status_json(r: &pb::AdminStatusReply) -> serde_json::Value {
         "cpu_claims": r.cpu_claims})
 }
 
+/// "uid 1000: 3 sessions, 2 communicators, 4 registrations (1048576 bytes), 10 ops": what each
+/// user holds, for the per-uid limits (`max_sessions_per_uid`, `max_unique_ids_per_uid`).
+pub fn uid_usage(sessions: &[pb::SessionInfo]) -> Vec<String> {
+    let mut by: std::collections::BTreeMap<u32, (u32, u32, u32, u64, u64)> = Default::default();
+    for x in sessions {
+        let e = by.entry(x.uid).or_default();
+        e.0 += 1;
+        e.1 += x.communicators;
+        e.2 += x.registrations;
+        e.3 += x.mapped_bytes;
+        e.4 += x.ops_completed + x.ops_failed;
+    }
+    by.into_iter()
+        .map(|(uid, (s, c, r, b, ops))| {
+            format!(
+                "uid {uid}: {s} session(s), {c} communicator(s), {r} registration(s) ({b} bytes), {ops} ops"
+            )
+        })
+        .collect()
+}
+
 pub fn status_text(r: &pb::AdminStatusReply) -> String {
     use std::fmt::Write;
     let d = r.daemon.clone().unwrap_or_default();
@@ -130,6 +151,9 @@ pub fn status_text(r: &pb::AdminStatusReply) -> String {
         r.otlp_endpoint.as_str()
     };
     let _ = writeln!(o, "metrics: {metrics}; traces: {traces}");
+    for line in uid_usage(&d.session_list) {
+        let _ = writeln!(o, "{line}");
+    }
     for x in &d.session_list {
         let _ = writeln!(o, "{}", session_line(x));
     }
