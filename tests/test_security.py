@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COMMD, Daemon
+from conftest import COMMD, Daemon, Rank
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
@@ -230,5 +230,29 @@ def test_unattached_fd_connections_of_one_uid_are_capped(tmp_path):
         # The daemon still serves jobs.
         from conftest import assert_all_pass, run_ranks
         assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 8}]))
+    finally:
+        assert daemon.stop() == 0, daemon.log()
+
+
+def test_registered_memory_and_communicators_are_limited_per_uid(tmp_path):
+    """Memory is charged to the uid that registers it, and one uid's communicators are
+    bounded (issue 30 items 2 and 3)."""
+    from conftest import run_ranks
+
+    daemon = Daemon(tmp_path, env={"COMMD_MAX_REGISTERED_BYTES_PER_UID": "1000000",
+                                   "COMMD_MAX_COMMS_PER_UID": "1"}).start()
+    try:
+        # 4 MB of f32 buffers > 1 MB for the uid: refused naming the uid and the key.
+        big = run_ranks(daemon, 1, [{"op": "all_reduce", "dtype": "f32", "count": 1000000}])
+        msg = big[0].out
+        assert big[0].code != 0 and "above its limit of 1000000 bytes" in msg, msg
+        assert "max_registered_bytes_per_uid" in msg and "uid 0" in msg, msg
+        # Within the limit it works.
+        small = run_ranks(daemon, 1, [{"op": "all_reduce", "dtype": "f32", "count": 1000}])
+        assert small[0].code == 0, small[0].out
+        # Two communicators in one process: the second join is refused.
+        two = Rank(daemon, [f"{daemon.uid()}:0:1", f"{daemon.uid()}:0:1"], [])
+        two.wait(30)
+        assert two.code != 0 and "max_comms_per_uid=1" in two.out + two.err, two.out + two.err
     finally:
         assert daemon.stop() == 0, daemon.log()

@@ -167,6 +167,26 @@ pub static KEYS: &[Key] = &[
         },
     },
     Key {
+        name: "max_registered_bytes_per_uid",
+        env: "COMMD_MAX_REGISTERED_BYTES_PER_UID",
+        default: Some("0"),
+        help: "host memory all sessions of one uid may register in total (0: the host's physical memory); beyond it RegisterMemory is refused naming the uid",
+        kind: Kind::U64 {
+            min: 0,
+            max: u64::MAX,
+        },
+    },
+    Key {
+        name: "max_comms_per_uid",
+        env: "COMMD_MAX_COMMS_PER_UID",
+        default: Some("65536"),
+        help: "communicator memberships all sessions of one uid may hold at once; a join beyond it is refused naming the uid",
+        kind: Kind::U64 {
+            min: 1,
+            max: 100_000_000,
+        },
+    },
+    Key {
         name: "max_registered_bytes",
         env: "COMMD_MAX_REGISTERED_BYTES",
         default: Some("1099511627776"),
@@ -485,6 +505,8 @@ pub struct Config {
     pub max_sessions: usize,
     pub max_sessions_per_uid: usize,
     pub max_unique_ids_per_uid: usize,
+    pub max_registered_bytes_per_uid: u64,
+    pub max_comms_per_uid: usize,
     pub max_registered_bytes: u64,
     /// `None`: no peer service (single-node daemon).
     pub peer_listen: Option<std::net::SocketAddr>,
@@ -665,6 +687,21 @@ fn gbps_to_rate(gbps: f64) -> Result<Option<u64>, String> {
     })
 }
 
+/// The host's physical memory in bytes (u64::MAX when it cannot be read).
+fn physical_memory() -> u64 {
+    // SAFETY: sysconf only reads system constants.
+    let (pages, size) = unsafe {
+        (
+            libc::sysconf(libc::_SC_PHYS_PAGES),
+            libc::sysconf(libc::_SC_PAGESIZE),
+        )
+    };
+    if pages <= 0 || size <= 0 {
+        return u64::MAX;
+    }
+    (pages as u64).saturating_mul(size as u64)
+}
+
 /// The default socket path for the current user (shared with clients).
 pub fn default_socket() -> PathBuf {
     commd_client::default_socket_path()
@@ -781,6 +818,11 @@ impl Config {
             max_sessions: u("max_sessions")? as usize,
             max_sessions_per_uid: u("max_sessions_per_uid")? as usize,
             max_unique_ids_per_uid: u("max_unique_ids_per_uid")? as usize,
+            max_registered_bytes_per_uid: match u("max_registered_bytes_per_uid")? {
+                0 => physical_memory(),
+                n => n,
+            },
+            max_comms_per_uid: u("max_comms_per_uid")? as usize,
             max_registered_bytes: u("max_registered_bytes")?,
             peer_listen: if s("peer_listen").eq_ignore_ascii_case("off") {
                 None

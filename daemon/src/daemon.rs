@@ -156,12 +156,22 @@ pub struct Counts {
     pub pending_joins: u32,
 }
 
+/// What one uid's sessions hold (per-uid limits, `commd status`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UidUsage {
+    pub sessions: usize,
+    pub communicators: usize,
+    pub registered_bytes: u64,
+}
+
 pub struct Daemon {
     pub cfg: Config,
     pub started: Instant,
     sessions: Mutex<HashMap<u64, Arc<Session>>>,
     comms: Mutex<HashMap<u64, Arc<Comm>>>,
     issued: Mutex<crate::issued::Issued>,
+    /// Serializes the per-uid registered-bytes check and charge (`register`).
+    reg_charge: Mutex<()>,
     joins: Mutex<HashMap<[u8; 16], PendingJoin>>,
     remote_joins: Mutex<HashMap<[u8; 16], RemoteJoin>>,
     /// Per-communicator `switch` options of forming communicators (first local rank's).
@@ -195,6 +205,7 @@ impl Daemon {
             sessions: Mutex::new(HashMap::new()),
             comms: Mutex::new(HashMap::new()),
             issued: Mutex::new(crate::issued::Issued::default()),
+            reg_charge: Mutex::new(()),
             joins: Mutex::new(HashMap::new()),
             remote_joins: Mutex::new(HashMap::new()),
             switch_opts: Mutex::new(HashMap::new()),
@@ -413,6 +424,13 @@ impl Daemon {
     ) -> Result<oneshot::Receiver<JoinResult>, DaemonError> {
         if self.is_shutting_down() {
             return Err(DaemonError::Unavailable("daemon is shutting down".into()));
+        }
+        let held = self.uid_usage(session.uid).communicators;
+        if held >= self.cfg.max_comms_per_uid {
+            return Err(DaemonError::ResourceExhausted(format!(
+                "uid {} is a member of {held} communicators, its maximum (max_comms_per_uid={}); destroy unused ones first",
+                session.uid, self.cfg.max_comms_per_uid
+            )));
         }
         let uid =
             UniqueId::decode(uid_bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
@@ -1001,6 +1019,18 @@ impl Daemon {
                 )));
             }
         }
+        // Check and charge under one lock, so concurrent registrations of a uid cannot both
+        // pass; each session's tables are locked only briefly, one at a time.
+        let _charge = lock(&self.reg_charge);
+        let held = self.uid_usage(s.uid).registered_bytes;
+        let cap = self.cfg.max_registered_bytes_per_uid;
+        if held.saturating_add(bytes) > cap {
+            return Err(DaemonError::ResourceExhausted(format!(
+                "registering {bytes} bytes would bring uid {} to {} bytes of registered host memory, above its limit of {cap} bytes (max_registered_bytes_per_uid)",
+                s.uid,
+                held.saturating_add(bytes)
+            )));
+        }
         let region = MemRegion::from_fd(fd, bytes)
             .map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
         let mut t = s.tables();
@@ -1009,6 +1039,18 @@ impl Daemon {
         t.registered_bytes += bytes;
         t.mems.insert(id, Arc::new(region));
         Ok(id)
+    }
+
+    /// What the sessions of `uid` hold now.
+    pub fn uid_usage(&self, uid: u32) -> UidUsage {
+        let mut u = UidUsage::default();
+        for s in self.sessions().iter().filter(|s| s.uid == uid) {
+            let t = s.tables();
+            u.sessions += 1;
+            u.communicators += t.comms.len();
+            u.registered_bytes = u.registered_bytes.saturating_add(t.registered_bytes);
+        }
+        u
     }
 
     /// Registers a client's device allocation by IPC handle; returns (mem id, cached, open us).
