@@ -269,7 +269,7 @@ pub static KEYS: &[Key] = &[
         help: "inter-node pipelining unit: messages are cut into chunks of this size, spread over the streams",
         kind: Kind::U64 {
             min: 4096,
-            max: 1 << 28,
+            max: crate::net::wire::MAX_CHUNK_BYTES as u64,
         },
     },
     Key {

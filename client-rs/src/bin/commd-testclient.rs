@@ -4,7 +4,8 @@
 //! `commd-testclient run --socket S --join HEX:RANK:NRANKS[:OP_TIMEOUT_MS[:JOIN_TIMEOUT_MS[:SWITCH]]] ... --steps JSON` joins
 //! the communicators, runs the steps, and prints one JSON line per step. Exit status 0 when every
 //! step ended as its `expect` said (default "ok"; "error": any failure; "any": either), 1
-//! otherwise, 2 on bad usage.
+//! otherwise, 2 on bad usage. `--stop-on-error` ends the run after the first step that did not
+//! end "ok".
 //!
 //! Steps: `{"op": "all_reduce", "dtype": "f32", "count": 1001, "redop": "sum", "root": 0,
 //! "peer": 1, "inplace": false, "comm": 0, "seed": 7, "expect": "ok", "bad": null,
@@ -42,6 +43,10 @@ enum Cmd {
         join: Vec<String>,
         #[arg(long)]
         steps: String,
+        /// Stop after the first step that did not end "ok" (chaos runs: a survivor exits at
+        /// its first error instead of running its remaining steps against a broken job).
+        #[arg(long)]
+        stop_on_error: bool,
     },
 }
 
@@ -139,7 +144,8 @@ fn main() {
             socket,
             join,
             steps,
-        } => match run(socket, join, &steps) {
+            stop_on_error,
+        } => match run(socket, join, &steps, stop_on_error) {
             Ok(all_ok) => i32::from(!all_ok),
             Err(e) => {
                 println!("{}", json!({"fatal": e}));
@@ -151,7 +157,12 @@ fn main() {
     std::process::exit(code);
 }
 
-fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String> {
+fn run(
+    socket: PathBuf,
+    joins: Vec<String>,
+    steps: &str,
+    stop_on_error: bool,
+) -> Result<bool, String> {
     let steps: Vec<Step> = serde_json::from_str(steps).map_err(|e| format!("bad --steps: {e}"))?;
     let steps: Vec<Step> = steps
         .into_iter()
@@ -234,6 +245,9 @@ fn run(socket: PathBuf, joins: Vec<String>, steps: &str) -> Result<bool, String>
             );
         }
         let _ = std::io::stdout().flush();
+        if stop_on_error && results.iter().any(|(res, _, _)| res != "ok") {
+            break;
+        }
     }
     Ok(all_ok)
 }

@@ -86,7 +86,13 @@ impl Pool {
         self.sets.len()
     }
 
-    /// Applies packet `pkt` (header `h`, already parsed) from worker `w`.
+    /// Whether a parsed packet fits this pool (its payload size, and a slot the pool has):
+    /// [`Pool::on_packet`]'s precondition, checked by the server for every packet.
+    pub fn fits(&self, h: &Header) -> bool {
+        h.size.values() == self.values && usize::from(h.slot) < self.sets.len()
+    }
+
+    /// Applies packet `pkt` (header `h`, already parsed, [`Pool::fits`]) from worker `w`.
     pub fn on_packet(&mut self, w: u32, h: &Header, pkt: &[u8]) -> Verdict {
         let slot = usize::from(h.slot);
         let set = usize::from(h.set & 1);

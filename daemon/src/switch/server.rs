@@ -544,7 +544,7 @@ impl Switch {
             reg.unknown += 1;
             return;
         };
-        if h.size != s.size || usize::from(h.slot) >= s.pool.slots() {
+        if h.size != s.size || !s.pool.fits(&h) {
             reg.malformed += 1;
             return;
         }
