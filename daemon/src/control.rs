@@ -92,11 +92,18 @@ impl Local for LocalService {
 
     async fn goodbye(&self, req: Request<pb::SessionRef>) -> Result<Response<pb::Empty>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
-        self.daemon.close_session(
-            s.id,
-            commd_proto::desc::status::PEER_LOST,
-            "client said goodbye",
-        );
+        let d = self.daemon.clone();
+        // Closing unmaps every registration of the session: time grows with the memory, so off
+        // the async runtime like every call whose cost the client controls.
+        tokio::task::spawn_blocking(move || {
+            d.close_session(
+                s.id,
+                commd_proto::desc::status::PEER_LOST,
+                "client said goodbye",
+            )
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
         Ok(Response::new(pb::Empty {}))
     }
 
@@ -252,7 +259,11 @@ impl Local for LocalService {
         req: Request<pb::MemRef>,
     ) -> Result<Response<pb::Empty>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
-        self.daemon.deregister(&s, req.get_ref().mem_id)?;
+        let (d, mem_id) = (self.daemon.clone(), req.get_ref().mem_id);
+        // munmap of a large registration: off the async runtime.
+        tokio::task::spawn_blocking(move || d.deregister(&s, mem_id))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))??;
         Ok(Response::new(pb::Empty {}))
     }
 
