@@ -693,6 +693,9 @@ impl Daemon {
                     ready.store(0, Ordering::Release);
                     done.store(0, Ordering::Release);
                     err.store(0, Ordering::Release);
+                    if let Some(hint) = m.session.ring.doorbell_hint(slot) {
+                        hint.store(0, Ordering::Release);
+                    }
                     t.doorbell_slots.insert(h, slot);
                 }
                 (h, slot)
@@ -1190,7 +1193,34 @@ impl Daemon {
             .ok_or_else(|| DaemonError::Internal("scratch span".into()))?;
         sc[rank as usize] = Some(span);
         crate::telemetry::comm_device(&comm, rank, &sc);
+        let gpus: Vec<Option<usize>> = sc.iter().map(|s| s.as_ref().map(|s| s.mem.gpu)).collect();
+        drop(sc);
+        for (r, shared) in shared_gpu_ranks(&gpus).into_iter().enumerate() {
+            if shared {
+                self.hint(&comm, r as u32, commd_proto::desc::doorbell::HINT_SHARED_GPU);
+            }
+        }
         Ok((h, c.slot_bytes, bytes))
+    }
+
+    /// Sets `bit` in the doorbell hint word of `rank` of `comm` (a local rank's session).
+    fn hint(&self, comm: &Arc<Comm>, rank: u32, bit: u32) {
+        let Some(m) = comm.members.get(rank as usize).filter(|m| m.local) else {
+            return;
+        };
+        let Some(s) = self.session(m.session_id) else {
+            return;
+        };
+        let slot = {
+            let t = s.tables();
+            t.comms
+                .iter()
+                .find(|(_, (c, r))| c.id == comm.id && *r == rank)
+                .and_then(|(h, _)| t.doorbell_slots.get(h).copied())
+        };
+        if let Some(w) = slot.and_then(|slot| s.ring.doorbell_hint(slot)) {
+            w.fetch_or(bit, Ordering::AcqRel);
+        }
     }
 
     pub fn deregister(&self, s: &Session, mem: u32) -> Result<(), DaemonError> {
@@ -1281,6 +1311,20 @@ impl Daemon {
                 .store(status::SHUTDOWN, Ordering::Release);
         }
     }
+}
+
+/// Per rank: whether another rank with a bound GPU uses the same GPU (`None`: not bound yet).
+pub fn shared_gpu_ranks(gpus: &[Option<usize>]) -> Vec<bool> {
+    gpus.iter()
+        .enumerate()
+        .map(|(r, g)| {
+            g.is_some_and(|g| {
+                gpus.iter()
+                    .enumerate()
+                    .any(|(o, h)| o != r && *h == Some(g))
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

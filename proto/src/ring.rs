@@ -288,6 +288,18 @@ impl Ring {
 
     /// Address of the doorbell page in this process (page-aligned, one page), for registering it
     /// with the GPU driver.
+    /// The daemon's hint word of doorbell `slot` (`desc::doorbell::HINT_*` bits).
+    pub fn doorbell_hint(&self, slot: u32) -> Option<&AtomicU32> {
+        use crate::desc::doorbell::{HINT_OFF, SLOTS};
+        if slot >= SLOTS {
+            return None;
+        }
+        let off = DOORBELL_OFF + HINT_OFF + 4 * u64::from(slot);
+        // SAFETY: HINT_OFF + 4 * slot < 4096 (slot < SLOTS = 256), inside the doorbell page,
+        // which is inside the mapping; 4-byte aligned; lives as long as `self`.
+        Some(unsafe { &*self.map.as_ptr().add(off as usize).cast::<AtomicU32>() })
+    }
+
     pub fn doorbell_page(&self) -> *mut u8 {
         // SAFETY: DOORBELL_OFF + PAGE <= SQ_OFF <= total_bytes (see the layout table).
         unsafe { self.map.as_mut_ptr().add(DOORBELL_OFF as usize) }

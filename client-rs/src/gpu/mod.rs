@@ -894,7 +894,20 @@ impl Communicator {
             )
         };
         // The size that picks how the stream waits (`wait::auto_bytes`), not the data moved.
-        let op_bytes = wait::auto_bytes(a.kind, a.count.saturating_mul(es));
+        // Ranks sharing this GPU (the daemon's hint, set once every rank bound its scratch):
+        // 0, the memory op under `auto`, since a polling kernel would be time-sliced against
+        // the daemon's same-GPU copy kernels.
+        let shared_gpu = i
+            .ring
+            .doorbell_hint(self.doorbell_slot)
+            .is_some_and(|h| {
+                h.load(std::sync::atomic::Ordering::Acquire) & doorbell::HINT_SHARED_GPU != 0
+            });
+        let op_bytes = if shared_gpu {
+            0
+        } else {
+            wait::auto_bytes(a.kind, a.count.saturating_mul(es))
+        };
         // Resolved once for the op's waits (a reduction waits rounds + 1 times).
         // SAFETY: `s` was validated above.
         let waiter = unsafe { wait::Waiter::new(s, op_bytes)? };

@@ -103,8 +103,10 @@ static FUNCS: OnceLock<Mutex<HashMap<u64, Option<usize>>>> = OnceLock::new();
 /// context, time-sliced against this context's polling kernel: measured on 4x H200
 /// (79b6f74), all_gather of 16-256 MiB took ~2.4 ms per op whatever the size (0.08x NCCL at 16
 /// MiB), one time slice. Send/recv between GPUs and the reductions (whose plans have no copy
-/// within a GPU) keep the kernel. Ranks sharing one GPU make send/recv such a copy too: use
-/// `COMMD_GPU_WAIT=memop` there.
+/// within a GPU) keep the kernel. Ranks sharing one GPU make every copy such a copy: once the
+/// daemon has seen that (every rank bound its reduction scratch), it sets the communicator's
+/// `HINT_SHARED_GPU` doorbell hint and the client passes 0 here (`post_cuda_ordered`);
+/// send/recv-only communicators on a shared GPU still need `COMMD_GPU_WAIT=memop`.
 pub fn auto_bytes(kind: commd_proto::desc::OpKind, bytes: u64) -> u64 {
     use commd_proto::desc::OpKind as K;
     match kind {

@@ -204,3 +204,12 @@ fn cuda_ranges_and_pieces_without_cuda_are_refused_and_the_fds_released() {
     assert!(matches!(e, DaemonError::Unavailable(_)), "{e}");
     assert!(s.tables().cuda_mems.is_empty());
 }
+
+#[test]
+fn ranks_sharing_a_gpu_are_found_once_bound() {
+    use super::shared_gpu_ranks;
+    assert_eq!(shared_gpu_ranks(&[Some(0), None]), vec![false, false]);
+    assert_eq!(shared_gpu_ranks(&[Some(0), Some(0)]), vec![true, true]);
+    assert_eq!(shared_gpu_ranks(&[Some(0), Some(1), Some(0), Some(2)]), vec![true, false, true, false]);
+    assert_eq!(shared_gpu_ranks(&[None, None]), vec![false, false]);
+}
