@@ -287,6 +287,7 @@ def test_a_stopped_daemon_is_reported_by_clients_within_their_limit(daemon):
     # stood still for COMMD_DAEMON_TIMEOUT_MS.
     steps = [{"op": "all_reduce", "dtype": "f32", "count": 64},
              {"sleep_ms": 1500},
+             {"op": "all_reduce", "dtype": "f32", "count": 64, "expect": "error"},
              {"op": "all_reduce", "dtype": "f32", "count": 64, "expect": "error"}]
     env = dict(os.environ, COMMD_DAEMON_TIMEOUT_MS="1500")
     uid = daemon.uid()
@@ -312,8 +313,13 @@ def test_a_stopped_daemon_is_reported_by_clients_within_their_limit(daemon):
         daemon.send_signal(signal.SIGCONT)
     for r in procs:
         res = r.results()
-        assert res[-1]["result"] != "ok", res
-        assert "stopped answering" in res[-1]["message"], res
-        assert "COMMD_DAEMON_TIMEOUT_MS=1500" in res[-1]["message"], res
+        assert res[2]["result"] != "ok", res
+        assert "stopped answering" in res[2]["message"], res
+        assert "COMMD_DAEMON_TIMEOUT_MS=1500" in res[2]["message"], res
+        # The session takes no new work: a resumed daemon could still run what it had.
+        assert res[3]["result"] != "ok" and "abandoned" in res[3]["message"], res
+    # Resumed, the daemon finds the abandoned sessions' connections closed and ends them.
+    st = daemon.wait_status(lambda s: s["sessions"] == 0, timeout=10)
+    assert st["sessions"] == 0, st
     # The daemon, resumed, serves a new job.
     assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 5}]))

@@ -22,7 +22,7 @@ use std::fs::File;
 use std::marker::PhantomData;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -138,6 +138,12 @@ struct Inner {
     spin: Duration,
     daemon_timeout: Option<Duration>,
     beat: Mutex<Beat>,
+    /// Set when the daemon stopped answering: the session takes no new work (a resumed daemon
+    /// could still carry out the ops it had, into buffers the caller reuses after the error).
+    abandoned: AtomicBool,
+    /// A second descriptor of the fd socket, to shut the connection down when the session is
+    /// abandoned (the fd socket's mutex may be held by the waiter that notices).
+    fd_sock_ctl: Option<OwnedFd>,
     /// The process that created the session: after fork() the child must not use (or end) it.
     pid: u32,
     gpu: Mutex<gpu::SessionGpu>,
@@ -234,6 +240,7 @@ impl Client {
             value: ring.daemon_beat().load(Ordering::Relaxed),
             changed: Instant::now(),
         };
+        let fd_sock_ctl = fd_sock.try_clone().ok();
         let inner = Inner {
             rt,
             rpc,
@@ -254,6 +261,8 @@ impl Client {
             spin: opts.spin,
             daemon_timeout: opts.daemon_timeout,
             beat: Mutex::new(beat),
+            abandoned: AtomicBool::new(false),
+            fd_sock_ctl,
             pid: std::process::id(),
             gpu: Mutex::new(gpu::SessionGpu::default()),
         };
@@ -513,6 +522,13 @@ impl Inner {
     }
 
     fn check_owner(&self) -> Result<()> {
+        if self.abandoned.load(Ordering::Acquire) {
+            return Err(self.lost(
+                "this session was abandoned when the daemon stopped answering; ops it had in \
+                 flight may still be carried out if the daemon resumes, so it takes no new ones: \
+                 connect again",
+            ));
+        }
         if self.owned_here() {
             Ok(())
         } else {
@@ -726,11 +742,18 @@ impl Inner {
         }
         let still = b.changed.elapsed();
         (still >= limit).then(|| {
+            if !self.abandoned.swap(true, Ordering::AcqRel)
+                && let Some(fd) = &self.fd_sock_ctl
+            {
+                // The daemon, if it resumes, sees the connection closed and ends the session
+                // (failing what it still has) before it runs more of it.
+                let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
+            }
             self.lost(&format!(
                 "the daemon stopped answering: its heartbeat has not moved for {:.1} s (the daemon \
                  process is stopped, e.g. by SIGSTOP, hung, or starved of CPU) with this op in \
-                 flight; the op's outcome is unknown. COMMD_DAEMON_TIMEOUT_MS={} sets this limit \
-                 (0: wait forever)",
+                 flight; the op's outcome is unknown and this session takes no new work (connect \
+                 again). COMMD_DAEMON_TIMEOUT_MS={} sets this limit (0: wait forever)",
                 still.as_secs_f64(),
                 limit.as_millis()
             ))

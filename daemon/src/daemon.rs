@@ -1197,7 +1197,11 @@ impl Daemon {
         drop(sc);
         for (r, shared) in shared_gpu_ranks(&gpus).into_iter().enumerate() {
             if shared {
-                self.hint(&comm, r as u32, commd_proto::desc::doorbell::HINT_SHARED_GPU);
+                self.hint(
+                    &comm,
+                    r as u32,
+                    commd_proto::desc::doorbell::HINT_SHARED_GPU,
+                );
             }
         }
         Ok((h, c.slot_bytes, bytes))

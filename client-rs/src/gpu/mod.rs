@@ -897,12 +897,9 @@ impl Communicator {
         // Ranks sharing this GPU (the daemon's hint, set once every rank bound its scratch):
         // 0, the memory op under `auto`, since a polling kernel would be time-sliced against
         // the daemon's same-GPU copy kernels.
-        let shared_gpu = i
-            .ring
-            .doorbell_hint(self.doorbell_slot)
-            .is_some_and(|h| {
-                h.load(std::sync::atomic::Ordering::Acquire) & doorbell::HINT_SHARED_GPU != 0
-            });
+        let shared_gpu = i.ring.doorbell_hint(self.doorbell_slot).is_some_and(|h| {
+            h.load(std::sync::atomic::Ordering::Acquire) & doorbell::HINT_SHARED_GPU != 0
+        });
         let op_bytes = if shared_gpu {
             0
         } else {

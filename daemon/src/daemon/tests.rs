@@ -210,6 +210,9 @@ fn ranks_sharing_a_gpu_are_found_once_bound() {
     use super::shared_gpu_ranks;
     assert_eq!(shared_gpu_ranks(&[Some(0), None]), vec![false, false]);
     assert_eq!(shared_gpu_ranks(&[Some(0), Some(0)]), vec![true, true]);
-    assert_eq!(shared_gpu_ranks(&[Some(0), Some(1), Some(0), Some(2)]), vec![true, false, true, false]);
+    assert_eq!(
+        shared_gpu_ranks(&[Some(0), Some(1), Some(0), Some(2)]),
+        vec![true, false, true, false]
+    );
     assert_eq!(shared_gpu_ranks(&[None, None]), vec![false, false]);
 }
