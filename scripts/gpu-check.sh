@@ -6,7 +6,8 @@
 # Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|all] [OUTDIR]
 # `graphs` (also part of `tests`): tests/gpu/graph_capture.py, every GPU op under CUDA graph
 # capture refused with commd.UnsupportedError (contract 6), 2 ranks (sharing the GPU on a
-# one-GPU machine) and 4 where there are 4 GPUs.
+# one-GPU machine) and 4 where there are 4 GPUs; and tests/gpu/kill_daemon.py (a daemon killed
+# while a stream waits on its doorbell: the stream is released, the next call raises).
 # COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
 # `allreduce` (GPU data path II): client-py/benchmarks/gpu_vs_nccl.py for all_reduce and
@@ -112,6 +113,14 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   # Contract 6: GPU ops under CUDA graph capture are refused, never replayed wrongly.
   run "graph-capture-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
   [ "$ngpu" -ge 4 ] && run "graph-capture-4-ranks" "${tr[@]}" 4 tests/gpu/graph_capture.py
+  # Contract 5 when the daemon itself dies: a daemon of its own, SIGKILLed while a stream waits
+  # on its doorbell; the client's watchdog releases the stream and the next call raises.
+  "$bin" serve --socket "$sockdir/kill.sock" --set metrics_listen=off >"$out/daemon-kill.log" 2>&1 &
+  kpid=$!
+  for _ in $(seq 100); do [ -S "$sockdir/kill.sock" ] && break; sleep 0.1; done
+  COMMD_SOCKET=$sockdir/kill.sock COMMD_TEST_DAEMON_PID=$kpid \
+    run "kill-daemon-2-ranks" "${tr[@]}" 2 tests/gpu/kill_daemon.py
+  wait $kpid 2>/dev/null
 fi
 if [ "$what" = tests ] || [ "$what" = vmm ] || [ "$what" = all ]; then
   # cuMem memory (expandable segments): POSIX-fd registration, many pieces, remapped pieces;

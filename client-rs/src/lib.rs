@@ -141,6 +141,8 @@ struct Inner {
     /// Set when the daemon stopped answering: the session takes no new work (a resumed daemon
     /// could still carry out the ops it had, into buffers the caller reuses after the error).
     abandoned: AtomicBool,
+    /// Starts the watchdog thread once (first GPU op).
+    watchdog: std::sync::Once,
     /// A second descriptor of the fd socket, to shut the connection down when the session is
     /// abandoned (the fd socket's mutex may be held by the waiter that notices).
     fd_sock_ctl: Option<OwnedFd>,
@@ -262,6 +264,7 @@ impl Client {
             daemon_timeout: opts.daemon_timeout,
             beat: Mutex::new(beat),
             abandoned: AtomicBool::new(false),
+            watchdog: std::sync::Once::new(),
             fd_sock_ctl,
             pid: std::process::id(),
             gpu: Mutex::new(gpu::SessionGpu::default()),
@@ -524,9 +527,9 @@ impl Inner {
     fn check_owner(&self) -> Result<()> {
         if self.abandoned.load(Ordering::Acquire) {
             return Err(self.lost(
-                "this session was abandoned when the daemon stopped answering; ops it had in \
-                 flight may still be carried out if the daemon resumes, so it takes no new ones: \
-                 connect again",
+                "this session was abandoned when its daemon exited or stopped answering (a \
+                 stopped daemon that resumes could still carry out the ops it had, so the \
+                 session takes no new ones): connect again",
             ));
         }
         if self.owned_here() {
@@ -548,11 +551,82 @@ impl Inner {
         }
     }
 
+    /// Ends the session from this side, once the daemon exited or stopped answering: it takes
+    /// no new work, the fd connection is shut down (a resumed daemon then ends the session,
+    /// failing what it still has, before it runs more of it), and every GPU stream of this
+    /// process waiting on one of its doorbells is released with the error word set.
+    fn abandon_session(&self) {
+        if self.abandoned.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if let Some(fd) = &self.fd_sock_ctl {
+            let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
+        }
+        self.release_gpu_streams();
+    }
+
+    /// DESIGN.md contract 5 done by the client for a daemon that can no longer do it: each
+    /// doorbell's done counter moves 2^30 past its ready counter, past every ticket a stream of
+    /// this process can still wait for (tickets in flight are a few phases ahead of ready), and
+    /// its error word says the daemon was lost, which the next call raises. Only once the
+    /// session is abandoned: no new op can be posted, so no later wait is satisfied by this.
+    fn release_gpu_streams(&self) {
+        for slot in 0..commd_proto::desc::doorbell::SLOTS {
+            if let Some((ready, done, err)) = self.ring.doorbell(slot) {
+                let _ =
+                    err.compare_exchange(0, status::PEER_LOST, Ordering::AcqRel, Ordering::Acquire);
+                done.store(
+                    ready.load(Ordering::Acquire).wrapping_add(1 << 30),
+                    Ordering::Release,
+                );
+            }
+        }
+    }
+
+    /// A thread that watches the daemon while this session has GPU ops: a stream waiting on a
+    /// doorbell would otherwise wait forever for a daemon that died or stopped, with no CPU
+    /// thread of the job in a commd call to notice (the CPU is blocked in CUDA). Every 100 ms it
+    /// checks the fd connection and the heartbeat, and abandons the session when either says
+    /// the daemon is gone. Started by the first GPU op; ends with the session.
+    pub(crate) fn start_watchdog(self: &Arc<Self>) {
+        self.watchdog.call_once(|| {
+            let weak = Arc::downgrade(self);
+            let r = std::thread::Builder::new()
+                .name("commd-watchdog".into())
+                .spawn(move || {
+                    loop {
+                        std::thread::sleep(Duration::from_millis(100));
+                        let Some(i) = weak.upgrade() else { return };
+                        if i.abandoned.load(Ordering::Acquire) {
+                            return;
+                        }
+                        if i.daemon_gone() {
+                            i.abandon_session();
+                            return;
+                        }
+                        if i.daemon_stalled().is_some() {
+                            return;
+                        }
+                    }
+                });
+            if let Err(e) = r {
+                eprintln!("commd: cannot start the watchdog thread ({e}); a GPU stream waiting on a lost daemon is then released only by the next commd call that notices");
+            }
+        });
+    }
+
     /// Whether the daemon side of the fd socket hung up (daemon exited).
     fn daemon_gone(&self) -> bool {
-        let sock = lock(&self.fd_sock);
+        let guard;
+        let sock: std::os::fd::BorrowedFd<'_> = match &self.fd_sock_ctl {
+            Some(fd) => fd.as_fd(),
+            None => {
+                guard = lock(&self.fd_sock);
+                guard.as_fd()
+            }
+        };
         let mut fds = [rustix::event::PollFd::new(
-            &*sock,
+            &sock,
             rustix::event::PollFlags::RDHUP | rustix::event::PollFlags::HUP,
         )];
         let zero = rustix::time::Timespec {
@@ -694,6 +768,7 @@ impl Inner {
                     return Err(self.session_closed_error());
                 }
                 if self.daemon_gone() {
+                    self.abandon_session();
                     return Err(
                         self.lost("the daemon exited (its socket closed) with this op in flight")
                     );
@@ -742,13 +817,8 @@ impl Inner {
         }
         let still = b.changed.elapsed();
         (still >= limit).then(|| {
-            if !self.abandoned.swap(true, Ordering::AcqRel)
-                && let Some(fd) = &self.fd_sock_ctl
-            {
-                // The daemon, if it resumes, sees the connection closed and ends the session
-                // (failing what it still has) before it runs more of it.
-                let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
-            }
+            drop(b);
+            self.abandon_session();
             self.lost(&format!(
                 "the daemon stopped answering: its heartbeat has not moved for {:.1} s (the daemon \
                  process is stopped, e.g. by SIGSTOP, hung, or starved of CPU) with this op in \

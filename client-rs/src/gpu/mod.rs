@@ -737,6 +737,7 @@ impl Communicator {
         let i = &self.client;
         i.check_owner()?;
         driver()?;
+        i.start_watchdog();
         // Before any other stream call: a query of a capturing stream would invalidate the
         // caller's capture, and nothing may be posted for an op that cannot run correctly.
         // SAFETY: the caller's contract (live streams); the driver only reads the handles.
