@@ -4,6 +4,8 @@ Reproduces issue 30 item 1: the root daemon opened `/dev/shm/commd-cpu-claims` f
 symlinks and truncated whatever file an unprivileged user's link named, on every root
 `commd status`. These tests run the real daemon as root with the link made by user `nobody`."""
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import COMMD, Daemon, Rank
+from conftest import COMMD, TESTCLIENT, Daemon, Rank, assert_all_pass, run_ranks, start_ranks
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
@@ -32,6 +34,25 @@ def as_nobody(*cmd):
     out = subprocess.run([*NOBODY, *cmd], capture_output=True, text=True, timeout=10)
     assert out.returncode == 0, out.stderr
     return out
+
+
+@contextlib.contextmanager
+def reachable_daemon(prefix, env=None):
+    """A root daemon whose socket directory and `commd` binary user 65534 can reach (mode 0755),
+    as a system daemon's are. Yields (daemon, dir, environment for user 65534's commands)."""
+    d = Path(tempfile.mkdtemp(prefix=prefix))
+    os.chmod(d, 0o755)
+    try:
+        for b in (COMMD, TESTCLIENT):
+            shutil.copy(b, d / Path(b).name)
+            os.chmod(d / Path(b).name, 0o755)
+        daemon = Daemon(d, env=env).start()
+        try:
+            yield daemon, d, {k: v for k, v in os.environ.items() if not k.startswith("COMMD_")}
+        finally:
+            assert daemon.stop() == 0, daemon.log()
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def test_root_status_never_writes_through_a_users_symlink(tmp_path, sticky_dir):
@@ -117,86 +138,54 @@ def test_socket_directory_of_another_user_is_refused(tmp_path, sticky_dir):
 def test_status_shows_each_user_only_its_own_sessions(tmp_path):
     """Local.Status listed every user's sessions, pids and job names to any user (issue 30
     item 4). Now a user sees its own; root sees all."""
-    import json
-    import time
-
-    from conftest import TESTCLIENT, start_ranks
-
-    d = Path(tempfile.mkdtemp(prefix="commd-status-"))
-    os.chmod(d, 0o755)
-    try:
-        for b in (COMMD, TESTCLIENT):
-            shutil.copy(b, d / Path(b).name)
-            os.chmod(d / Path(b).name, 0o755)
-        daemon = Daemon(d).start()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COMMD_")}
+    with reachable_daemon("commd-status-") as (daemon, d, env):
         sock = str(daemon.socket)
-        try:
-            root_job = start_ranks(daemon, 1, [{"sleep_ms": 4000}])
-            theirs = subprocess.Popen(
-                [*NOBODY, str(d / "commd-testclient"), "run", "--socket", sock, "--steps", json.dumps([{"sleep_ms": 4000}])],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(d))
-            st = daemon.wait_status(lambda s: s["sessions"] == 2, timeout=10)
-            assert st["sessions"] == 2, st
-            pids_all = {s["pid"] for s in st["session_list"]}
-            assert {root_job[0].proc.pid} <= pids_all and len(pids_all) == 2, st
-            out = subprocess.run([*NOBODY, str(d / "commd"), "status", "--json", "--socket", sock],
-                                 capture_output=True, text=True, timeout=30, env=env, cwd=str(d))
-            assert out.returncode == 0, out.stderr
-            mine = json.loads(out.stdout)
-            seen = mine["session_list"]
-            assert [s["uid"] for s in seen] == [65534], seen
-            assert root_job[0].proc.pid not in {s["pid"] for s in seen}, seen
-            for r in root_job:
-                r.wait(30)
-            theirs.wait(30)
-        finally:
-            assert daemon.stop() == 0, daemon.log()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+        root_job = start_ranks(daemon, 1, [{"sleep_ms": 4000}])
+        theirs = subprocess.Popen(
+            [*NOBODY, str(d / "commd-testclient"), "run", "--socket", sock, "--steps",
+             json.dumps([{"sleep_ms": 4000}])],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=str(d))
+        st = daemon.wait_status(lambda s: s["sessions"] == 2, timeout=10)
+        assert st["sessions"] == 2, st
+        pids_all = {s["pid"] for s in st["session_list"]}
+        assert {root_job[0].proc.pid} <= pids_all and len(pids_all) == 2, st
+        out = subprocess.run([*NOBODY, str(d / "commd"), "status", "--json", "--socket", sock],
+                             capture_output=True, text=True, timeout=30, env=env, cwd=str(d))
+        assert out.returncode == 0, out.stderr
+        seen = json.loads(out.stdout)["session_list"]
+        assert [s["uid"] for s in seen] == [65534], seen
+        assert root_job[0].proc.pid not in {s["pid"] for s in seen}, seen
+        for r in root_job:
+            r.wait(30)
+        theirs.wait(30)
 
 
 def test_one_uid_cannot_take_every_session(tmp_path):
     """One uid took all 4,096 sessions and locked every other user out (issue 30 item 3): now
     each uid holds at most max_sessions_per_uid; others still get in, and `commd status` shows
     the usage by uid."""
-    import json
-
-    from conftest import TESTCLIENT, start_ranks
-
-    d = Path(tempfile.mkdtemp(prefix="commd-limits-"))
-    os.chmod(d, 0o755)
-    try:
-        shutil.copy(COMMD, d / "commd")
-        os.chmod(d / "commd", 0o755)
-        daemon = Daemon(d, env={"COMMD_MAX_SESSIONS_PER_UID": "2"}).start()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("COMMD_")}
+    with reachable_daemon("commd-limits-", {"COMMD_MAX_SESSIONS_PER_UID": "2"}) as (daemon, d, env):
         sock = str(daemon.socket)
-        try:
-            held = [subprocess.Popen([TESTCLIENT, "run", "--socket", sock, "--steps",
-                                      json.dumps([{"sleep_ms": 5000}])],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                    for _ in range(2)]
-            st = daemon.wait_status(lambda s: s["sessions"] == 2, timeout=10)
-            assert st["sessions"] == 2, st
-            third = subprocess.run([TESTCLIENT, "run", "--socket", sock, "--steps", "[]"],
-                                   capture_output=True, text=True, timeout=30)
-            assert third.returncode != 0
-            msg = third.stdout + third.stderr
-            assert "uid 0 already has 2 sessions" in msg and "max_sessions_per_uid=2" in msg, msg
-            # Another user still gets a session (health opens one and calls Status).
-            h = subprocess.run([*NOBODY, str(d / "commd"), "health", "--socket", sock],
-                               capture_output=True, text=True, timeout=30, env=env, cwd=str(d))
-            assert h.returncode == 0, h.stdout + h.stderr
-            text = subprocess.run([COMMD, "status", "--socket", sock], capture_output=True,
-                                  text=True, timeout=30).stdout
-            assert "uid 0: 2 session(s)" in text, text
-            for p in held:
-                p.wait(30)
-        finally:
-            assert daemon.stop() == 0, daemon.log()
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+        held = [subprocess.Popen([TESTCLIENT, "run", "--socket", sock, "--steps",
+                                  json.dumps([{"sleep_ms": 5000}])],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                for _ in range(2)]
+        st = daemon.wait_status(lambda s: s["sessions"] == 2, timeout=10)
+        assert st["sessions"] == 2, st
+        third = subprocess.run([TESTCLIENT, "run", "--socket", sock, "--steps", "[]"],
+                               capture_output=True, text=True, timeout=30)
+        assert third.returncode != 0
+        msg = third.stdout + third.stderr
+        assert "uid 0 already has 2 sessions" in msg and "max_sessions_per_uid=2" in msg, msg
+        # Another user still gets a session (health opens one and calls Status).
+        h = subprocess.run([*NOBODY, str(d / "commd"), "health", "--socket", sock],
+                           capture_output=True, text=True, timeout=30, env=env, cwd=str(d))
+        assert h.returncode == 0, h.stdout + h.stderr
+        text = subprocess.run([COMMD, "status", "--socket", sock], capture_output=True,
+                              text=True, timeout=30).stdout
+        assert "uid 0: 2 session(s)" in text, text
+        for p in held:
+            p.wait(30)
 
 
 def test_unattached_fd_connections_of_one_uid_are_capped(tmp_path):
@@ -228,7 +217,6 @@ def test_unattached_fd_connections_of_one_uid_are_capped(tmp_path):
         for c in conns:
             c.close()
         # The daemon still serves jobs.
-        from conftest import assert_all_pass, run_ranks
         assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 8}]))
     finally:
         assert daemon.stop() == 0, daemon.log()
@@ -237,7 +225,6 @@ def test_unattached_fd_connections_of_one_uid_are_capped(tmp_path):
 def test_registered_memory_and_communicators_are_limited_per_uid(tmp_path):
     """Memory is charged to the uid that registers it, and one uid's communicators are
     bounded (issue 30 items 2 and 3)."""
-    from conftest import run_ranks
 
     daemon = Daemon(tmp_path, env={"COMMD_MAX_REGISTERED_BYTES_PER_UID": "1000000",
                                    "COMMD_MAX_COMMS_PER_UID": "1"}).start()
