@@ -323,3 +323,11 @@ def test_a_stopped_daemon_is_reported_by_clients_within_their_limit(daemon):
     assert st["sessions"] == 0, st
     # The daemon, resumed, serves a new job.
     assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 5}]))
+
+
+def test_an_invalid_daemon_timeout_is_refused_by_name(daemon):
+    code = f"import commd; commd.connect({str(daemon.socket)!r})"
+    out = subprocess.run(["python3", "-c", code], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ, COMMD_DAEMON_TIMEOUT_MS="10s"))
+    assert out.returncode != 0
+    assert "COMMD_DAEMON_TIMEOUT_MS" in out.stderr and "expected milliseconds" in out.stderr, out.stderr

@@ -92,20 +92,36 @@ impl Default for Options {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(50);
-        let daemon_timeout = match std::env::var("COMMD_DAEMON_TIMEOUT_MS")
+        // An invalid value is refused by `Client::connect_with` (`daemon_timeout_env`).
+        let daemon_timeout = daemon_timeout_env()
             .ok()
-            .and_then(|v| v.trim().parse::<u64>().ok())
-        {
-            Some(0) => None,
-            Some(ms) => Some(Duration::from_millis(ms)),
-            None => Some(DEFAULT_DAEMON_TIMEOUT),
-        };
+            .flatten()
+            .unwrap_or(Some(DEFAULT_DAEMON_TIMEOUT));
         Self {
             spin: Duration::from_micros(spin_us),
             name: format!("pid {}", std::process::id()),
             ring_entries: 0,
             daemon_timeout,
         }
+    }
+}
+
+/// `COMMD_DAEMON_TIMEOUT_MS`: `Ok(None)` when unset, `Ok(Some(None))` for 0 (wait forever),
+/// `Err` naming the variable for anything that is not a number of milliseconds.
+fn daemon_timeout_env() -> std::result::Result<Option<Option<Duration>>, String> {
+    let Some(v) = std::env::var_os("COMMD_DAEMON_TIMEOUT_MS") else {
+        return Ok(None);
+    };
+    match v
+        .to_str()
+        .map(str::trim)
+        .and_then(|s| s.parse::<u64>().ok())
+    {
+        Some(0) => Ok(Some(None)),
+        Some(ms) => Ok(Some(Some(Duration::from_millis(ms)))),
+        None => Err(format!(
+            "COMMD_DAEMON_TIMEOUT_MS={v:?}: expected milliseconds (0: wait for a stopped daemon forever; default 10000)"
+        )),
     }
 }
 
@@ -187,6 +203,7 @@ impl Client {
     }
 
     pub fn connect_with(socket: Option<&Path>, opts: Options) -> Result<Self> {
+        daemon_timeout_env().map_err(Error::InvalidArgument)?;
         let path = socket
             .map(Path::to_path_buf)
             .unwrap_or_else(resolve_socket_path);

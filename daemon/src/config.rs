@@ -1032,6 +1032,18 @@ mod tests {
         let e =
             Config::load(&inputs(None, &[("COMMD_DEBUG_SUBSYS", "INIT,BOGUS")], &[])).unwrap_err();
         assert!(e.to_string().contains("BOGUS"));
+        // The keys of the hardening review (issue 30) refuse bad values by name too.
+        for (k, v) in [
+            ("peer_addr_check", "maybe"),
+            ("max_sessions_per_uid", "0"),
+            ("max_unique_ids_per_uid", "x"),
+            ("max_comms_per_uid", "0"),
+            ("max_registered_bytes_per_uid", "-1"),
+            ("net_chunk_bytes", "536870912"),
+        ] {
+            let e = Config::load(&inputs(None, &[], &[(k, v)])).unwrap_err();
+            assert!(e.to_string().contains(k), "{k}={v}: {e}");
+        }
         for bad in ["-1", "NaN", "inf", "fast", "0.0001", "2e6"] {
             let e = Config::load(&inputs(None, &[("COMMD_GPU_PACING_GBPS", bad)], &[]))
                 .expect_err(bad)

@@ -431,9 +431,6 @@ impl Session {
                     "submission queue tail {tail} is {avail} entries past head {head} (capacity {entries})"
                 ));
             }
-            // Liveness for clients (ring CTRL_DAEMON_BEAT): bumped on every pass, busy or idle
-            // (an idle pass sleeps at most 100 ms).
-            ring.daemon_beat().fetch_add(1, Ordering::Relaxed);
             if avail == 0 {
                 self.idle_wait(head, spin);
                 continue;
