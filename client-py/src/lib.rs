@@ -654,6 +654,13 @@ impl Communicator {
         .map_err(to_py)
     }
 
+    /// Raises the failure of a replay of a GPU op captured into a CUDA graph on this
+    /// communicator since the last check (every GPU op posted on it checks first, too).
+    fn cuda_graph_check(&self, py: Python<'_>) -> PyResult<()> {
+        let comm = self.get()?;
+        py.detach(move || comm.cuda_graph_check()).map_err(to_py)
+    }
+
     /// The status code of a failed GPU op on this communicator since the last call, or None.
     fn cuda_take_error(&self) -> PyResult<Option<u32>> {
         Ok(self.get()?.cuda_take_error())

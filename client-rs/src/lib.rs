@@ -165,6 +165,8 @@ struct Inner {
     /// The process that created the session: after fork() the child must not use (or end) it.
     pid: u32,
     gpu: Mutex<gpu::SessionGpu>,
+    /// The graph doorbell area was registered (ops were captured into CUDA graphs).
+    graphs_used: AtomicBool,
 }
 
 impl Drop for Inner {
@@ -285,6 +287,7 @@ impl Client {
             fd_sock_ctl,
             pid: std::process::id(),
             gpu: Mutex::new(gpu::SessionGpu::default()),
+            graphs_used: AtomicBool::new(false),
         };
         Ok(Self {
             inner: Arc::new(inner),
@@ -580,6 +583,7 @@ impl Inner {
             let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
         }
         self.release_gpu_streams();
+        self.release_graph_streams();
     }
 
     /// DESIGN.md contract 5 done by the client for a daemon that can no longer do it: each
@@ -615,15 +619,31 @@ impl Inner {
                         std::thread::sleep(Duration::from_millis(100));
                         let Some(i) = weak.upgrade() else { return };
                         if i.abandoned.load(Ordering::Acquire) {
-                            return;
+                            break;
                         }
                         if i.daemon_gone() {
                             i.abandon_session();
-                            return;
+                            break;
                         }
                         if i.daemon_stalled().is_some() {
+                            break;
+                        }
+                        // Graphs destroyed since the last look: the daemon drops their ops.
+                        i.release_destroyed_graphs();
+                    }
+                    // Abandoned (or the daemon stalled, which abandons at the next call). A
+                    // captured op's stream resets its done word at the end of each replay,
+                    // so its release is repeated while the process replays graphs.
+                    loop {
+                        let Some(i) = weak.upgrade() else { return };
+                        if !i.graphs_used.load(Ordering::Acquire) {
                             return;
                         }
+                        if i.abandoned.load(Ordering::Acquire) {
+                            i.release_graph_streams();
+                        }
+                        drop(i);
+                        std::thread::sleep(Duration::from_millis(10));
                     }
                 });
             if let Err(e) = r {

@@ -39,11 +39,17 @@ fn invalid_all(ops: Vec<Posted>, msg: String) -> Step {
 }
 
 /// A stream-ordered GPU op's doorbell: its session slot and tickets `ticket .. ticket + phases`.
+/// A persistent op (`graph`): its graph doorbell slot, with `ticket` 1 (`commd_proto::graph`).
 #[derive(Clone, Copy, Debug)]
 pub struct CudaTicket {
     pub slot: u32,
     pub ticket: u32,
     pub phases: u32,
+    /// `slot` is a graph doorbell (`desc::graph_doorbell`) of an op captured into a CUDA graph.
+    pub graph: bool,
+    /// The communicator's own doorbell slot in the session (where a failed replay's status is
+    /// also written, so the communicator's error check sees it).
+    pub comm_slot: u32,
 }
 
 /// One posted op, validated against its session and the communicator.
@@ -103,6 +109,9 @@ impl Posted {
         if o.cuda_ticket.is_some() {
             s.push_str(", memory=cuda");
         }
+        if o.persistent {
+            s.push_str(", captured");
+        }
         if o.one_shot {
             s.push_str(", algo=one-shot");
         }
@@ -117,6 +126,20 @@ impl Posted {
     /// set and its done counter advanced past every phase (DESIGN.md contract 5).
     pub(crate) fn complete(&self, comm: u32, st: u32, msg: Option<String>) {
         if st != status::OK
+            && let Some(c) = self.cuda
+            && c.graph
+        {
+            // A captured op that cannot be registered: every replay of it fails with this
+            // status and message (its graph doorbell is released at each firing).
+            if let Ok(cu) = cuda::get() {
+                cu.poison_graph_op(
+                    cuda::Bell::of(self).into_iter().collect(),
+                    c.phases,
+                    st,
+                    msg.clone().unwrap_or_default(),
+                );
+            }
+        } else if st != status::OK
             && let Some(c) = self.cuda
         {
             cuda::fail_doorbell(
@@ -647,6 +670,8 @@ impl Comm {
                 rank: p.rank,
                 slot: t.slot,
                 ticket: t.ticket,
+                graph: t.graph,
+                comm_slot: t.comm_slot,
             });
         }
         Step::Gpu(cuda::GpuJob {
@@ -658,6 +683,7 @@ impl Comm {
             ops,
             timeout: self.op_timeout,
             pacer: self.pacer.clone(),
+            persistent: o.persistent,
         })
     }
 
@@ -685,7 +711,15 @@ impl Comm {
             )
         };
         let mut diffs = Vec::new();
-        let fields: [(&str, &FieldFn); 6] = [
+        let fields: [(&str, &FieldFn); 7] = [
+            ("cuda graph", &|o: &Op| {
+                if o.persistent {
+                    "captured"
+                } else {
+                    "eager"
+                }
+                .to_string()
+            }),
             ("memory", &|o: &Op| {
                 if o.cuda_ticket.is_some() {
                     "cuda"
@@ -776,6 +810,25 @@ impl Comm {
             };
             let msg = format!(
                 "{}: send/recv #{}: rank {g} uses GPU memory but rank {h} host memory; both sides of a transfer must use the same kind",
+                self.label(),
+                send.seq
+            );
+            return Step::Fail {
+                ops: vec![
+                    (send, status::MISMATCH, msg.clone()),
+                    (recv, status::MISMATCH, msg),
+                ],
+                abort: None,
+            };
+        }
+        if send.op.persistent != recv.op.persistent {
+            let (g, h) = if send.op.persistent {
+                (send.rank, recv.rank)
+            } else {
+                (recv.rank, send.rank)
+            };
+            let msg = format!(
+                "{}: send/recv #{}: rank {g} captured its side into a CUDA graph but rank {h} issued its side eagerly; both sides must be captured (or neither)",
                 self.label(),
                 send.seq
             );

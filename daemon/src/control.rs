@@ -281,6 +281,38 @@ impl Local for LocalService {
         Ok(Response::new(pb::OpErrorReply { status, message }))
     }
 
+    async fn get_graph_op_error(
+        &self,
+        req: Request<pb::GraphOpRef>,
+    ) -> Result<Response<pb::OpErrorReply>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let (status, message) = s
+            .take_graph_error(req.get_ref().slot)
+            .unwrap_or((0, String::new()));
+        Ok(Response::new(pb::OpErrorReply { status, message }))
+    }
+
+    async fn release_graph_ops(
+        &self,
+        req: Request<pb::GraphOpsRelease>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let slots = req.into_inner().slots;
+        if let Some(bad) = slots
+            .iter()
+            .find(|&&x| x >= commd_proto::desc::graph_doorbell::SLOTS)
+        {
+            return Err(Status::invalid_argument(format!(
+                "graph doorbell slot {bad} is out of range (below {})",
+                commd_proto::desc::graph_doorbell::SLOTS
+            )));
+        }
+        if let Ok(c) = crate::cuda::get() {
+            c.release_graph_ops(s.id, slots);
+        }
+        Ok(Response::new(pb::Empty {}))
+    }
+
     async fn status(&self, req: Request<pb::Empty>) -> Result<Response<pb::StatusReply>, Status> {
         let (uid, _) = caller(&req)?;
         Ok(Response::new(self.status_for(Viewer::of(uid))))

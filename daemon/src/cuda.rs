@@ -502,10 +502,31 @@ impl Cuda {
         Ok(h.reserved.iter().map(|c| *c as u8).collect())
     }
 
-    /// Hands a job to the executor; its ops complete when it finishes or fails.
+    /// Hands a job to the executor; its ops complete when it finishes or fails. A persistent
+    /// job is registered (its ops complete at once) and runs on every replay of its graphs.
     pub fn submit(&'static self, job: GpuJob) {
         self.stats.gpu_ops.fetch_add(1, Ordering::Relaxed);
-        self.exec.push(job);
+        self.exec.push(if job.persistent {
+            Cmd::Register(job)
+        } else {
+            Cmd::Job(job)
+        });
+    }
+
+    /// A persistent op that could not be registered (`bells` of the ranks that captured it):
+    /// every replay fails with `st` and `msg`.
+    pub fn poison_graph_op(&self, bells: Vec<Bell>, phases: u32, st: u32, msg: String) {
+        self.exec.push(Cmd::Poison {
+            bells,
+            phases,
+            st,
+            msg,
+        });
+    }
+
+    /// The graphs holding these persistent ops of session `session` were destroyed.
+    pub fn release_graph_ops(&self, session: u64, slots: Vec<u32>) {
+        self.exec.push(Cmd::Release { session, slots });
     }
 
     fn event(&self, gpu: usize) -> Result<sys::CUevent, CuError> {
@@ -1143,13 +1164,17 @@ fn unreachable_kind(kind: OpKind) -> Result<(), String> {
 /// Pieces of an all-reduce round: the client's split, shared so both sides agree.
 pub use commd_client::gpu::piece;
 
-/// A rank's doorbell: its session, slot, and the op's first ticket.
+/// A rank's doorbell: its session, slot, and the op's first ticket. For a persistent op
+/// (`graph`), the slot is a graph doorbell and the ticket 1 (`commd_proto::graph`).
 #[derive(Clone)]
 pub struct Bell {
     pub session: Arc<Session>,
     pub rank: u32,
     pub slot: u32,
     pub ticket: u32,
+    pub graph: bool,
+    /// The communicator's doorbell slot in the session (hints, for a persistent op's failure).
+    pub comm_slot: u32,
 }
 
 impl Bell {
@@ -1160,12 +1185,31 @@ impl Bell {
             rank: p.rank,
             slot: c.slot,
             ticket: c.ticket,
+            graph: c.graph,
+            comm_slot: c.comm_slot,
         })
+    }
+
+    fn words(&self) -> Option<(&AtomicU32, &AtomicU32, &AtomicU32)> {
+        if self.graph {
+            self.session.ring.graph_doorbell(self.slot)
+        } else {
+            self.session.ring.doorbell(self.slot)
+        }
+    }
+
+    /// A persistent op's words for the replay protocol (`None` for eager ops).
+    pub fn graph_words(&self) -> Option<commd_proto::graph::Words<'_>> {
+        if !self.graph {
+            return None;
+        }
+        let (ready, done, error) = self.session.ring.graph_doorbell(self.slot)?;
+        Some(commd_proto::graph::Words { ready, done, error })
     }
 
     /// Whether the rank's stream has reached phase `phase` of the op (its ready counter).
     pub fn ready(&self, phase: u32) -> bool {
-        match self.session.ring.doorbell(self.slot) {
+        match self.words() {
             Some((ready, _, _)) => {
                 let want = self.ticket.wrapping_add(phase);
                 ready.load(Ordering::Acquire).wrapping_sub(want) as i32 >= 0
@@ -1175,9 +1219,7 @@ impl Bell {
     }
 
     pub fn ready_value(&self) -> u32 {
-        self.session
-            .ring
-            .doorbell(self.slot)
+        self.words()
             .map(|(r, _, _)| r.load(Ordering::Acquire))
             .unwrap_or(0)
     }
@@ -1276,6 +1318,8 @@ pub struct GpuJob {
     pub timeout: Duration,
     /// The communicator's GPU copy pacing: ask `admit` before issuing each phase's copies.
     pub pacer: std::sync::Arc<crate::pacing::Pacer>,
+    /// Captured into CUDA graphs: registered, then run on every replay (`crate::graphs`).
+    pub persistent: bool,
 }
 
 enum State {
@@ -1348,20 +1392,39 @@ struct Active {
     state: State,
     /// Events of the current phase's `early` copies, issued when the previous phase started.
     ahead: Vec<(usize, sys::CUevent)>,
+    /// A failed replay's status and message (persistent jobs only; set by `finish`).
+    failure: Option<(u32, String)>,
+}
+
+/// Work for the executor thread.
+enum Cmd {
+    Job(GpuJob),
+    /// A persistent op, matched at capture (`crate::graphs`).
+    Register(GpuJob),
+    Poison {
+        bells: Vec<Bell>,
+        phases: u32,
+        st: u32,
+        msg: String,
+    },
+    Release {
+        session: u64,
+        slots: Vec<u32>,
+    },
 }
 
 #[derive(Default)]
 struct Executor {
-    incoming: Mutex<VecDeque<GpuJob>>,
+    incoming: Mutex<VecDeque<Cmd>>,
     cv: Condvar,
 }
 
 impl Executor {
-    fn push(&self, job: GpuJob) {
+    fn push(&self, cmd: Cmd) {
         self.incoming
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .push_back(job);
+            .push_back(cmd);
         self.cv.notify_one();
     }
 
@@ -1375,12 +1438,16 @@ impl Executor {
     fn run(&self, cuda: &'static Cuda) {
         const IDLE_SPIN: Duration = Duration::from_millis(1);
         let mut queues: HashMap<u64, VecDeque<Active>> = HashMap::new();
+        // Persistent ops (captured into CUDA graphs) and, per communicator, the replay running
+        // now (at most one: it uses the communicator's scratch, as the eager jobs do).
+        let mut graphs = crate::graphs::Registry::default();
+        let mut replaying: HashMap<u64, (u64, Active)> = HashMap::new();
         let mut times = PhaseTimes::default();
         let mut idle_since = Instant::now();
         loop {
             {
                 let mut inc = self.incoming.lock().unwrap_or_else(|e| e.into_inner());
-                if queues.is_empty() && inc.is_empty() {
+                if queues.is_empty() && inc.is_empty() && graphs.is_empty() {
                     if idle_since.elapsed() < IDLE_SPIN {
                         drop(inc);
                         std::thread::yield_now();
@@ -1397,19 +1464,80 @@ impl Executor {
                         .map(|(g, _)| g)
                         .unwrap_or_else(|e| e.into_inner().0);
                 }
-                for job in inc.drain(..) {
-                    queues.entry(job.comm_id).or_default().push_back(Active {
-                        job,
-                        phase: 0,
-                        state: State::Waiting {
-                            since: Instant::now(),
-                        },
-                        ahead: Vec::new(),
-                    });
+                for cmd in inc.drain(..) {
+                    match cmd {
+                        Cmd::Job(job) => queues.entry(job.comm_id).or_default().push_back(Active {
+                            job,
+                            phase: 0,
+                            state: State::Waiting {
+                                since: Instant::now(),
+                            },
+                            ahead: Vec::new(),
+                            failure: None,
+                        }),
+                        Cmd::Register(job) => graphs.register(job),
+                        Cmd::Poison {
+                            bells,
+                            phases,
+                            st,
+                            msg,
+                        } => graphs.poison_new(bells, phases, st, msg),
+                        Cmd::Release { session, slots } => graphs.release(session, &slots),
+                    }
                 }
             }
             let mut progressed = false;
-            for q in queues.values_mut() {
+            // Replays first: a replay that every rank fired runs before the communicator's
+            // next eager job unless that job already started (its streams are then past the
+            // replay, or on other streams). Eager jobs wait while a replay runs.
+            for comm in graphs.comms() {
+                if let Some((id, a)) = replaying.get_mut(&comm) {
+                    let (moved, finished) = step(cuda, &mut times, a);
+                    progressed |= moved;
+                    if finished {
+                        let id = *id;
+                        if let Some((_, a)) = replaying.remove(&comm) {
+                            graphs.finished(comm, id, a.job, a.failure);
+                        }
+                        if let Some(Active {
+                            phase: 0,
+                            state: State::Waiting { since },
+                            ..
+                        }) = queues.get_mut(&comm).and_then(|q| q.front_mut())
+                        {
+                            *since = Instant::now();
+                        }
+                    }
+                    continue;
+                }
+                let eager_started = queues.get(&comm).and_then(|q| q.front()).is_some_and(|a| {
+                    a.phase > 0 || matches!(a.state, State::InFlight { .. })
+                });
+                let (moved, start) = graphs.poll(comm, !eager_started);
+                progressed |= moved;
+                if let Some((id, job)) = start {
+                    progressed = true;
+                    replaying.insert(
+                        comm,
+                        (
+                            id,
+                            Active {
+                                job,
+                                phase: 0,
+                                state: State::Waiting {
+                                    since: Instant::now(),
+                                },
+                                ahead: Vec::new(),
+                                failure: None,
+                            },
+                        ),
+                    );
+                }
+            }
+            for (comm, q) in queues.iter_mut() {
+                if replaying.contains_key(comm) {
+                    continue;
+                }
                 while let Some(front) = q.front_mut() {
                     let (moved, finished) = step(cuda, &mut times, front);
                     progressed |= moved;
@@ -1433,6 +1561,11 @@ impl Executor {
             queues.retain(|_, q| !q.is_empty());
             if progressed {
                 idle_since = Instant::now();
+            } else if idle_since.elapsed() > Duration::from_millis(200) && queues.is_empty() {
+                // Only armed graphs, no replay for a while: look every half millisecond (a
+                // replay's first phase may wait that long; a steady stream of replays keeps
+                // the loop in the faster modes below).
+                std::thread::sleep(Duration::from_micros(500));
             } else if idle_since.elapsed() > Duration::from_millis(2) {
                 // Nothing moved for a while (a stream still computing): poll gently.
                 std::thread::sleep(Duration::from_micros(50));
@@ -1578,8 +1711,13 @@ fn paced_bytes(phases: &[Phase], p: usize, ngpus: usize) -> u64 {
 }
 
 fn phase_done(cuda: &Cuda, a: &mut Active) -> (bool, bool) {
+    let last = a.phase + 1 == a.job.phases.len();
     for b in &a.job.bells {
-        signal_done(b, b.ticket.wrapping_add(a.phase as u32));
+        match b.graph_words() {
+            // A replay: constant values, re-armed after the last phase (contract 6).
+            Some(w) => w.phase_done(a.phase as u32, last),
+            None => signal_done(b, b.ticket.wrapping_add(a.phase as u32)),
+        }
     }
     a.phase += 1;
     if a.phase == a.job.phases.len() {
@@ -1602,6 +1740,15 @@ fn finish(cuda: &Cuda, a: &mut Active, st: u32, msg: Option<String>) {
         cuda.recycle(g, e);
     }
     crate::telemetry::op_status(&a.job.span, st);
+    if a.job.persistent && st != status::OK {
+        // A failed replay releases every rank's stream and sets its error words (contract 5).
+        let msg = msg.clone().unwrap_or_default();
+        let phases = a.job.phases.len() as u32;
+        for b in &a.job.bells {
+            crate::graphs::fail_bell(b, phases, st, &msg);
+        }
+        a.failure = Some((st, msg));
+    }
     for p in a.job.ops.drain(..) {
         let c = p.op.comm;
         p.complete(c, st, msg.clone());

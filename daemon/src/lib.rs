@@ -23,6 +23,7 @@ pub mod daemon;
 pub mod engine;
 pub mod fanout;
 pub mod fdsock;
+pub mod graphs;
 pub mod health;
 pub mod issued;
 pub mod net;

@@ -42,6 +42,9 @@ pub struct Tables {
     pub doorbell_slots: HashMap<u32, u32>,
     errors: HashMap<u64, (u32, String)>,
     error_order: VecDeque<u64>,
+    /// Graph doorbell slot -> the status and message of the first failed replay of the
+    /// persistent op there (`GetGraphOpError`); at most one per slot, so bounded by the area.
+    graph_errors: HashMap<u32, (u32, String)>,
 }
 
 pub struct Session {
@@ -181,6 +184,22 @@ impl Session {
         Ring::ring_bell(self.ring.cq_bell(), self.ring.cq_sleepers());
     }
 
+    /// Records why a replay of the persistent op in graph doorbell `slot` failed (the first
+    /// reason is kept until the client reads it).
+    pub fn set_graph_error(&self, slot: u32, st: u32, msg: &str) {
+        if slot < commd_proto::desc::graph_doorbell::SLOTS {
+            self.tables()
+                .graph_errors
+                .entry(slot)
+                .or_insert_with(|| (st, msg.to_string()));
+        }
+    }
+
+    /// The failure recorded for graph doorbell `slot`, removed.
+    pub fn take_graph_error(&self, slot: u32) -> Option<(u32, String)> {
+        self.tables().graph_errors.remove(&slot)
+    }
+
     pub fn take_error(&self, user_data: u64) -> Option<(u32, String)> {
         let mut t = self.tables();
         let e = t.errors.remove(&user_data);
@@ -251,12 +270,18 @@ impl Session {
     /// The doorbell of a GPU op on communicator handle `comm` of `nranks` ranks.
     fn cuda_ticket(&self, op: &commd_proto::desc::Op, nranks: u32) -> Option<CudaTicket> {
         let ticket = op.cuda_ticket?;
-        let slot = self
+        let comm_slot = self
             .tables()
             .doorbell_slots
             .get(&op.comm)
             .copied()
             .unwrap_or(commd_proto::desc::doorbell::NO_SLOT);
+        // A persistent op names its graph doorbell slot; its phase values start at 1.
+        let (slot, ticket) = if op.persistent {
+            (ticket, commd_proto::graph::phase_value(0))
+        } else {
+            (comm_slot, ticket)
+        };
         let slot_bytes = crate::cuda::get().map(|c| c.slot_bytes).unwrap_or(1 << 20);
         // Host-staged (multi-node) GPU ops have one phase (`flags::HOST_STAGED`).
         let phases = if op.staged {
@@ -275,6 +300,8 @@ impl Session {
             slot,
             ticket,
             phases: phases.min(u64::from(u32::MAX / 2)) as u32,
+            graph: op.persistent,
+            comm_slot,
         })
     }
 
@@ -376,7 +403,21 @@ impl Session {
         };
         if let (Some(why), true) = (&invalid, op.kind.is_p2p() && op.peer >= comm.nranks) {
             // A p2p op with a bad peer can never be matched: fail it alone, now.
-            if let Some(c) = cuda {
+            if let Some(c) = cuda
+                && c.graph
+            {
+                if let Ok(cu) = crate::cuda::get() {
+                    let bell = crate::cuda::Bell {
+                        session: self.clone(),
+                        rank,
+                        slot: c.slot,
+                        ticket: c.ticket,
+                        graph: true,
+                        comm_slot: c.comm_slot,
+                    };
+                    cu.poison_graph_op(vec![bell], c.phases, status::INVALID, why.clone());
+                }
+            } else if let Some(c) = cuda {
                 crate::cuda::fail_doorbell(
                     self,
                     c.slot,

@@ -107,8 +107,15 @@ pub mod flags {
     /// communicator whose `CreateCommunicatorReply.nodes` is above 1; the daemon fails an op
     /// whose flag disagrees with the communicator.
     pub const HOST_STAGED: u32 = 4;
+    /// With [`CUDA`]: a persistent op, captured into a CUDA graph (DESIGN.md contract 6).
+    /// `ticket` is the index of the op's own graph doorbell slot ([`graph_doorbell`](super::graph_doorbell)),
+    /// not a ticket. Posting it registers the op: the daemon matches it across ranks like any op
+    /// and completes the descriptor at once; the op then runs on every replay of the graph, each
+    /// time every rank's stream writes `1 + p` into the slot's ready word for phase `p`. Not
+    /// with [`HOST_STAGED`].
+    pub const PERSISTENT: u32 = 8;
     /// Every flag bit this ABI version knows; the daemon rejects others.
-    pub const KNOWN: u32 = CUDA | ONE_SHOT | HOST_STAGED;
+    pub const KNOWN: u32 = CUDA | ONE_SHOT | HOST_STAGED | PERSISTENT;
 }
 
 /// Doorbell page layout (at `RingHeader::doorbell_off`, one 4 KiB page): per communicator slot
@@ -128,8 +135,27 @@ pub mod doorbell {
     /// would be time-sliced against the daemon's same-GPU copy kernels (a 4 MiB all_reduce of
     /// two ranks on one H100: 9.3 ms with the kernel, 0.48 ms with the memory op).
     pub const HINT_SHARED_GPU: u32 = 1;
+    /// Hint bit: a replay of an op captured into a CUDA graph on this communicator failed; the
+    /// graph doorbells' error words say which (`graph_doorbell`), `GetGraphOpError` why. The
+    /// client clears the bit once it has looked.
+    pub const HINT_GRAPH_FAILED: u32 = 2;
     /// Slot value of a communicator that has no doorbell slot (more than `SLOTS` in a session).
     pub const NO_SLOT: u32 = u32::MAX;
+}
+
+/// Graph doorbell area (at `RingLayout::graph_off`): one slot of (ready, done, error) words per
+/// persistent GPU op, i.e. per op captured into a CUDA graph ([`flags::PERSISTENT`]), allocated by
+/// the client and named by the op's `ticket` field. Values are constant per replay (DESIGN.md
+/// contract 6): for phase `p` the stream writes `ready = 1 + p` and waits for `done >= 1 + p`;
+/// after the last phase the daemon sets `ready = 0` and then `done = phases`, and the stream,
+/// once past its last wait, writes `done = 0`, so the next replay starts from zero. A failed
+/// replay sets `error` (sticky) and `done = phases`.
+pub mod graph_doorbell {
+    pub const SLOTS: u32 = 16384;
+    pub const READY_OFF: u64 = 0;
+    pub const DONE_OFF: u64 = 4 * SLOTS as u64;
+    pub const ERROR_OFF: u64 = 8 * SLOTS as u64;
+    pub const AREA_BYTES: u64 = 12 * SLOTS as u64;
 }
 
 /// How a GPU reduction moves through the daemon's scratch (all-reduce, reduce, reduce-scatter;
@@ -548,6 +574,8 @@ pub enum DescError {
     OneShot(&'static str),
     #[error("the host-staged flag is for GPU ops only, and not with the one-shot flag")]
     Staged,
+    #[error("the persistent flag is for GPU ops only, not host-staged, with a graph doorbell slot below {}", graph_doorbell::SLOTS)]
+    Persistent,
     #[error("ticket field is {0:#x}, must be 0 for host ops and below 2^32 for CUDA ops")]
     Ticket(u64),
     #[error("count {0} exceeds the maximum {MAX_COUNT}")]
@@ -577,6 +605,8 @@ pub struct Op {
     pub one_shot: bool,
     /// [`flags::HOST_STAGED`].
     pub staged: bool,
+    /// [`flags::PERSISTENT`]: `cuda_ticket` is the op's graph doorbell slot.
+    pub persistent: bool,
 }
 
 impl Op {
@@ -617,6 +647,10 @@ impl SubmitDesc {
         if staged && (!cuda || one_shot) {
             return Err(DescError::Staged);
         }
+        let persistent = self.flags & flags::PERSISTENT != 0;
+        if persistent && (!cuda || staged || self.ticket >= u64::from(graph_doorbell::SLOTS)) {
+            return Err(DescError::Persistent);
+        }
         if (!cuda && self.ticket != 0) || self.ticket > u64::from(u32::MAX) {
             return Err(DescError::Ticket(self.ticket));
         }
@@ -642,6 +676,7 @@ impl SubmitDesc {
             cuda_ticket: cuda.then_some(self.ticket as u32),
             one_shot,
             staged,
+            persistent,
         })
     }
 }
@@ -666,7 +701,7 @@ mod tests {
                 opcode: op % 12,
                 dtype: dt % 10,
                 redop: ro % 10,
-                flags: if fl % 4 == 0 { fl } else { fl & 3 },
+                flags: if fl % 4 == 0 { fl } else { fl & 15 },
                 comm: cm,
                 peer: pe,
                 count: if w[1] % 3 == 0 { w[1] } else { w[1] % 4096 },
@@ -776,6 +811,31 @@ mod tests {
         assert!(!d.decode().unwrap().staged);
     }
 
+    #[test]
+    fn persistent_flag_only_on_gpu_ops_with_a_graph_slot() {
+        let mut d = SubmitDesc {
+            opcode: opcode::ALL_REDUCE,
+            dtype: dtype::F32,
+            redop: redop::SUM,
+            flags: flags::CUDA | flags::PERSISTENT,
+            count: 7,
+            ticket: u64::from(graph_doorbell::SLOTS - 1),
+            ..Default::default()
+        };
+        let op = d.decode().unwrap();
+        assert!(op.persistent);
+        assert_eq!(op.cuda_ticket, Some(graph_doorbell::SLOTS - 1));
+        d.ticket = u64::from(graph_doorbell::SLOTS);
+        assert!(matches!(d.decode(), Err(DescError::Persistent)));
+        d.ticket = 0;
+        d.flags = flags::PERSISTENT;
+        assert!(matches!(d.decode(), Err(DescError::Persistent)));
+        d.flags = flags::CUDA | flags::PERSISTENT | flags::HOST_STAGED;
+        assert!(matches!(d.decode(), Err(DescError::Persistent)));
+        d.flags = flags::CUDA;
+        assert!(!d.decode().unwrap().persistent);
+    }
+
     proptest! {
         #[test]
         fn decode_never_panics_and_accepts_only_valid(d in arb_desc()) {
@@ -789,6 +849,8 @@ mod tests {
                 prop_assert!(!op.one_shot || (cuda && op.kind == OpKind::AllReduce));
                 prop_assert_eq!(op.staged, d.flags & flags::HOST_STAGED != 0);
                 prop_assert!(!op.staged || (cuda && !op.one_shot));
+                prop_assert_eq!(op.persistent, d.flags & flags::PERSISTENT != 0);
+                prop_assert!(!op.persistent || (cuda && !op.staged && d.ticket < u64::from(graph_doorbell::SLOTS)));
                 let ticket_ok = if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 };
                 prop_assert!(ticket_ok);
                 prop_assert_eq!(op.cuda_ticket.map(u64::from), cuda.then_some(d.ticket));

@@ -15,6 +15,7 @@
 pub mod desc;
 pub mod fdproto;
 pub mod futex;
+pub mod graph;
 pub mod ring;
 pub mod uid;
 

@@ -10,6 +10,7 @@
 //! | 8192 | doorbell page: per-communicator GPU ready/done/error counters (`desc::doorbell`) |
 //! | 12288 | SQ: `sq_entries` x [`SubmitDesc`] |
 //! | page-aligned | CQ: `cq_entries` x [`CompletionDesc`] |
+//! | page-aligned | graph doorbells: per captured GPU op ready/done/error words (`desc::graph_doorbell`) |
 //!
 //! Indices are free-running `u32`s masked by `entries - 1`. The SQ tail and the CQ head are written
 //! by the client and therefore untrusted: the daemon checks `tail - head <= entries` and reads each
@@ -29,7 +30,8 @@ use thiserror::Error;
 use crate::desc::{CompletionDesc, SubmitDesc};
 
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"commdRNG");
-pub const RING_ABI_VERSION: u32 = 1;
+/// 2: the graph doorbell area after the CQ (`RingHeader::graph_off`, persistent GPU ops).
+pub const RING_ABI_VERSION: u32 = 2;
 pub const PAGE: u64 = 4096;
 pub const MAX_ENTRIES: u32 = 1 << 16;
 pub const DEFAULT_ENTRIES: u32 = 1024;
@@ -70,6 +72,7 @@ pub struct RingHeader {
     pub sq_off: u64,
     pub cq_off: u64,
     pub total_bytes: u64,
+    pub graph_off: u64,
 }
 
 #[derive(Debug, Error)]
@@ -97,6 +100,8 @@ pub struct RingLayout {
     pub cq_entries: u32,
     pub cq_off: u64,
     pub total_bytes: u64,
+    /// Start of the graph doorbell area (`desc::graph_doorbell::AREA_BYTES`, page-aligned).
+    pub graph_off: u64,
 }
 
 impl RingLayout {
@@ -108,12 +113,14 @@ impl RingLayout {
         let sq_bytes = u64::from(sq_entries) * std::mem::size_of::<SubmitDesc>() as u64;
         let cq_off = (SQ_OFF + sq_bytes).div_ceil(PAGE) * PAGE;
         let cq_bytes = u64::from(cq_entries) * std::mem::size_of::<CompletionDesc>() as u64;
-        let total_bytes = (cq_off + cq_bytes).div_ceil(PAGE) * PAGE;
+        let graph_off = (cq_off + cq_bytes).div_ceil(PAGE) * PAGE;
+        let total_bytes = graph_off + crate::desc::graph_doorbell::AREA_BYTES;
         Ok(Self {
             sq_entries,
             cq_entries,
             cq_off,
             total_bytes,
+            graph_off,
         })
     }
 
@@ -132,6 +139,7 @@ impl RingLayout {
             sq_off: SQ_OFF,
             cq_off: self.cq_off,
             total_bytes: self.total_bytes,
+            graph_off: self.graph_off,
         }
     }
 }
@@ -286,8 +294,31 @@ impl Ring {
         Some((at(READY_OFF), at(DONE_OFF), at(ERROR_OFF)))
     }
 
-    /// Address of the doorbell page in this process (page-aligned, one page), for registering it
-    /// with the GPU driver.
+    /// Words of graph doorbell `slot` (`desc::graph_doorbell`): `(ready, done, error)` of one
+    /// captured GPU op. `None` for a slot out of range.
+    pub fn graph_doorbell(&self, slot: u32) -> Option<(&AtomicU32, &AtomicU32, &AtomicU32)> {
+        use crate::desc::graph_doorbell::{DONE_OFF, ERROR_OFF, READY_OFF, SLOTS};
+        if slot >= SLOTS {
+            return None;
+        }
+        let at = |area: u64| {
+            let off = self.layout.graph_off + area + 4 * u64::from(slot);
+            // SAFETY: graph_off + area + 4 * slot < graph_off + AREA_BYTES <= total_bytes (slot
+            // < SLOTS, areas of 4 * SLOTS bytes), inside the mapping; 4-byte aligned (graph_off
+            // is page-aligned); lives as long as `self`.
+            unsafe { &*self.map.as_ptr().add(off as usize).cast::<AtomicU32>() }
+        };
+        Some((at(READY_OFF), at(DONE_OFF), at(ERROR_OFF)))
+    }
+
+    /// Address and length of the graph doorbell area in this process (page-aligned), for
+    /// registering it with the GPU driver.
+    pub fn graph_area(&self) -> (*mut u8, u64) {
+        // SAFETY: graph_off + AREA_BYTES == total_bytes (see `RingLayout::new`).
+        let p = unsafe { self.map.as_mut_ptr().add(self.layout.graph_off as usize) };
+        (p, crate::desc::graph_doorbell::AREA_BYTES)
+    }
+
     /// The daemon's hint word of doorbell `slot` (`desc::doorbell::HINT_*` bits).
     pub fn doorbell_hint(&self, slot: u32) -> Option<&AtomicU32> {
         use crate::desc::doorbell::{HINT_OFF, SLOTS};
@@ -300,6 +331,8 @@ impl Ring {
         Some(unsafe { &*self.map.as_ptr().add(off as usize).cast::<AtomicU32>() })
     }
 
+    /// Address of the doorbell page in this process (page-aligned, one page), for registering it
+    /// with the GPU driver.
     pub fn doorbell_page(&self) -> *mut u8 {
         // SAFETY: DOORBELL_OFF + PAGE <= SQ_OFF <= total_bytes (see the layout table).
         unsafe { self.map.as_mut_ptr().add(DOORBELL_OFF as usize) }
@@ -413,6 +446,22 @@ mod tests {
         }
         c.sq_tail().store(5, Ordering::Release);
         assert_eq!(d.sq_tail().load(Ordering::Acquire), 5);
+        // Graph doorbells: the last slot's words are shared, distinct, and out-of-range slots
+        // are refused.
+        use crate::desc::graph_doorbell::SLOTS;
+        let (r, dn, e) = c.graph_doorbell(SLOTS - 1).unwrap();
+        r.store(1, Ordering::Release);
+        dn.store(2, Ordering::Release);
+        e.store(3, Ordering::Release);
+        let (r2, d2, e2) = d.graph_doorbell(SLOTS - 1).unwrap();
+        assert_eq!(
+            (r2.load(Ordering::Acquire), d2.load(Ordering::Acquire), e2.load(Ordering::Acquire)),
+            (1, 2, 3)
+        );
+        assert!(d.graph_doorbell(SLOTS).is_none());
+        let (p, len) = c.graph_area();
+        assert_eq!(p as usize % PAGE as usize, 0);
+        assert_eq!(l.graph_off + len, l.total_bytes);
     }
 
     #[test]

@@ -32,7 +32,6 @@ from torch._C._distributed_c10d import Work as _Work
 from torch.futures import Future
 
 from ._core import Handle
-from ._native import UnsupportedError
 
 # dtype name for data movement (the element size is all that matters) and for reductions.
 _MOVE = {1: "u8", 2: "f16", 4: "f32", 8: "f64"}
@@ -227,15 +226,9 @@ class CudaOps:
             if t.device != dev:
                 raise ValueError(f"commd: all tensors of one op must be on one device "
                                  f"(got {dev} and {t.device})")
-        if torch.cuda.is_current_stream_capturing():
-            # Checked before the communication stream joins the capture (the native check
-            # refuses the op too, but by then the capture would also fail as unjoined).
-            raise UnsupportedError(
-                "commd: a GPU collective was called while the current stream is being captured "
-                "into a CUDA graph. commd cannot run GPU ops from CUDA graphs yet: an op's "
-                "doorbell values are fixed when it is issued, so a replay would skip the "
-                "transfer and leave stale data. The op was refused (nothing was enqueued or "
-                "posted); issue it outside the capture (DESIGN.md contract 6)")
+        # Under CUDA graph capture the communication stream joins the capture through the
+        # ordering below and the native layer captures the ops as persistent ops (DESIGN.md
+        # contract 6); what it cannot capture it refuses before posting.
         s = self.stream(dev)
         cur = torch.cuda.current_stream(dev)
         s.wait_stream(cur)

@@ -4,6 +4,7 @@
 
 pub mod algo;
 pub mod cu;
+pub(crate) mod graph;
 pub mod kernels;
 pub mod regcache;
 pub mod wait;
@@ -12,7 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
-use commd_proto::desc::{DType, OpKind, RedOp, SubmitDesc, doorbell, flags};
+use commd_proto::desc::{DType, OpKind, RedOp, SubmitDesc, doorbell, flags, graph_doorbell};
 use commd_proto::pb;
 
 use crate::{Communicator, Error, Inner, Request, Result, lock};
@@ -52,6 +53,8 @@ pub(crate) struct SessionGpu {
     vmm: HashMap<u32, BTreeMap<u64, Piece>>,
     kernels: Option<kernels::Kernels>,
     events: Arc<EventPool>,
+    /// Graph doorbell slots of captured ops (`graph`).
+    graphs: graph::GraphSlots,
     pub(crate) registrations: u64,
     pub(crate) cache_hits: u64,
 }
@@ -186,6 +189,9 @@ pub(crate) struct CommGpu {
     /// The last deferred p2p op's ticket, and the largest of those ops' bytes (how the stream
     /// waits for them, `wait::wait_geq`).
     deferred: Option<(u32, u64)>,
+    /// Captured p2p ops whose waits are deferred to the end of their group (as `deferred`):
+    /// (capture id, graph doorbell slot, phases, bytes).
+    captured_deferred: Vec<(u64, u32, u32, u64)>,
     checked_stream: Option<usize>,
 }
 
@@ -196,6 +202,7 @@ impl Default for CommGpu {
             next_ticket: 1,
             scratch: None,
             deferred: None,
+            captured_deferred: Vec::new(),
             checked_stream: None,
         }
     }
@@ -659,7 +666,8 @@ impl Communicator {
     /// `stream` must be a live stream of the current context.
     pub unsafe fn cuda_flush(&self, stream: sys::CUstream) -> Result<()> {
         let mut c = lock(&self.gpu);
-        if c.deferred.is_none() {
+        // SAFETY: the caller's contract.
+        if unsafe { self.flush_captured(&mut c, stream)? } || c.deferred.is_none() {
             return Ok(());
         }
         // The deferred ops were posted outside any capture: a captured wait for them would be
@@ -706,6 +714,10 @@ impl Communicator {
     ) -> Result<()> {
         driver()?;
         // SAFETY: the caller's contract.
+        if unsafe { self.flush_captured(&mut lock(&self.gpu), stream)? } {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract.
         unsafe { refuse_capture(stream, "the wait for a GPU op")? };
         let db = self.client.doorbell_dev(&mut lock(&self.client.gpu))?;
         let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
@@ -738,14 +750,20 @@ impl Communicator {
         i.check_owner()?;
         driver()?;
         i.start_watchdog();
+        i.release_destroyed_graphs();
+        // A failed replay of a captured op on this communicator is raised by its next call.
+        self.cuda_graph_check()?;
         // Before any other stream call: a query of a capturing stream would invalidate the
-        // caller's capture, and nothing may be posted for an op that cannot run correctly.
+        // caller's capture. An op whose stream is being captured (or joins a capture through
+        // `after`) becomes a persistent op (contract 6).
         // SAFETY: the caller's contract (live streams); the driver only reads the handles.
-        unsafe { refuse_capture(a.stream, a.kind.name())? };
-        if let Some(after) = a.after {
-            // SAFETY: as above.
-            unsafe { refuse_capture(after, a.kind.name())? };
-        }
+        let cap = unsafe { graph::capture_for(a.stream, a.after, a.kind.name())? };
+        // One-time setup below (host registration, kernel loading, scratch) is allowed in a
+        // global-mode capture from this thread.
+        let _relaxed = match cap {
+            Some(_) => Some(graph::Relaxed::enter()?),
+            None => None,
+        };
         if self.doorbell_slot == doorbell::NO_SLOT {
             return Err(Error::InvalidArgument(format!(
                 "communicator {} has no doorbell slot (more than {} communicators in this process): GPU ops are unavailable on it",
@@ -793,6 +811,12 @@ impl Communicator {
         let done = db + doorbell::DONE_OFF + 4 * slot;
         // Across nodes the daemons reduce in host memory: one phase, no scratch, no kernel.
         let staged = self.nodes > 1;
+        if staged && cap.is_some() {
+            return Err(Error::Unsupported(format!(
+                "{}: capturing GPU ops into CUDA graphs is not supported yet on a communicator that spans nodes (its ops are staged through the daemons' host memory). The op was refused (nothing was enqueued or posted)",
+                a.kind.name()
+            )));
+        }
         let kernel_reduces = a.kind.reduces() && !staged;
         let scratch = if kernel_reduces {
             Some(self.scratch(&mut c, device.unwrap_or(0))?)
@@ -817,13 +841,17 @@ impl Communicator {
             commd_proto::desc::cuda_shape(a.kind, a.count, es, self.nranks, slot_bytes, one_shot)
         };
         let phases = shape.phases;
-        let ticket = c.next_ticket;
+        let gdev = match cap {
+            Some(_) => Some(i.graph_dev(&mut g)?),
+            None => None,
+        };
         // Build the stream work first, so a failure here leaves nothing posted.
+        let gs: &mut SessionGpu = &mut g;
         let kernels = if kernel_reduces {
-            if g.kernels.is_none() {
-                g.kernels = Some(kernels::Kernels::new());
+            if gs.kernels.is_none() {
+                gs.kernels = Some(kernels::Kernels::new());
             }
-            g.kernels.as_ref()
+            gs.kernels.as_ref()
         } else {
             None
         };
@@ -834,7 +862,7 @@ impl Communicator {
         }
         // An invalid stream fails here, before the op is posted (checked once per stream: a
         // communicator's ops normally all use one communication stream).
-        if c.checked_stream != Some(a.stream as usize) {
+        if cap.is_none() && c.checked_stream != Some(a.stream as usize) {
             // SAFETY: cuStreamQuery only reads the handle; the driver validates it.
             let q = unsafe { sys::cuStreamQuery(a.stream) };
             if q != sys::CUresult::CUDA_SUCCESS && q != sys::CUresult::CUDA_ERROR_NOT_READY {
@@ -852,7 +880,7 @@ impl Communicator {
             }
             None => 0,
         };
-        let pool = g.events.clone();
+        let pool = gs.events.clone();
         // The op's stream waits for the work queued on `after` (GPU-side; the event goes back
         // to the pool at once: the wait keeps the record it saw).
         if let Some(after) = a.after
@@ -869,6 +897,28 @@ impl Communicator {
         } else {
             None
         };
+        // Eager: tickets of the communicator's doorbell. Captured: the op's own graph doorbell
+        // with constant values from 1 (`commd_proto::graph`), tied to the graph's life.
+        let graph_slot = match (cap, gdev) {
+            (Some(cp), Some(gd)) => {
+                let slot = gs.graphs.alloc(i, self.handle)?;
+                // SAFETY: `cp.graph` is the graph being captured.
+                if let Err(e) = unsafe { graph::retain_slot(cp.graph, &gs.graphs.released, slot) } {
+                    gs.graphs.unalloc(slot);
+                    return Err(e);
+                }
+                Some((slot, gd, cp.id))
+            }
+            _ => None,
+        };
+        let (ticket, ready, done) = match graph_slot {
+            Some((slot, gd, _)) => (
+                commd_proto::graph::phase_value(0),
+                gd + commd_proto::desc::graph_doorbell::READY_OFF + 4 * u64::from(slot),
+                gd + commd_proto::desc::graph_doorbell::DONE_OFF + 4 * u64::from(slot),
+            ),
+            None => (c.next_ticket, ready, done),
+        };
         let d = SubmitDesc {
             user_data: 0,
             opcode: a.kind.code(),
@@ -876,7 +926,12 @@ impl Communicator {
             redop: a.redop.map(|r| r.code()).unwrap_or(0),
             flags: flags::CUDA
                 | if one_shot { flags::ONE_SHOT } else { 0 }
-                | if staged { flags::HOST_STAGED } else { 0 },
+                | if staged { flags::HOST_STAGED } else { 0 }
+                | if graph_slot.is_some() {
+                    flags::PERSISTENT
+                } else {
+                    0
+                },
             comm: self.handle,
             peer: a.peer,
             count: a.count,
@@ -884,7 +939,10 @@ impl Communicator {
             recv_mem: recv.0,
             send_off: send.1,
             recv_off: recv.1,
-            ticket: u64::from(ticket),
+            ticket: match graph_slot {
+                Some((slot, _, _)) => u64::from(slot),
+                None => u64::from(ticket),
+            },
         };
         let s = a.stream;
         let write = |v: u32| {
@@ -911,8 +969,12 @@ impl Communicator {
         let waiter = unsafe { wait::Waiter::new(s, op_bytes)? };
         // SAFETY: as above for `done`; `waiter` was made for `s`.
         let wait = |v: u32| unsafe { waiter.enqueue(s, done, v) };
+        // A captured op's slot, once posted, is released only with its graph (the daemon may
+        // hold it); posting can only fail before the daemon sees it.
         let user_data = i.post(d)?;
-        c.next_ticket = ticket.wrapping_add(phases as u32);
+        if graph_slot.is_none() {
+            c.next_ticket = ticket.wrapping_add(phases as u32);
+        }
         let req = Request {
             client: i.clone(),
             user_data,
@@ -921,14 +983,31 @@ impl Communicator {
         // From here on the op is posted: a failure to enqueue must not leave the daemon waiting
         // for ready counters that never come, so later phases are signalled anyway (the error
         // is returned, and the daemon's timeout would catch a stream that never runs).
+        // A replay ends with the stream resetting its done word (`commd_proto::graph`).
+        let reset = || match graph_slot {
+            Some(_) => ck(
+                // SAFETY: `done` is a device-mapped address of the registered graph area.
+                unsafe { sys::cuStreamWriteValue32_v2(s, done, commd_proto::graph::DONE_RESET, 0) },
+                "cuStreamWriteValue32",
+            ),
+            None => Ok(()),
+        };
         let enq = (|| -> Result<()> {
             if !kernel_reduces {
                 write(ticket)?;
                 if a.defer_wait && a.kind.is_p2p() {
-                    let most = c.deferred.map_or(0, |(_, b)| b).max(op_bytes);
-                    c.deferred = Some((ticket, most));
+                    match graph_slot {
+                        Some((slot, _, id)) => {
+                            c.captured_deferred.push((id, slot, phases as u32, op_bytes))
+                        }
+                        None => {
+                            let most = c.deferred.map_or(0, |(_, b)| b).max(op_bytes);
+                            c.deferred = Some((ticket, most));
+                        }
+                    }
                 } else {
                     wait(ticket)?;
+                    reset()?;
                 }
                 if let Some(e) = &done_ev {
                     // SAFETY: `s` was validated above and is of the event's device.
@@ -997,6 +1076,7 @@ impl Communicator {
             let last = ticket.wrapping_add(shape.rounds as u32);
             write(last)?;
             wait(last)?;
+            reset()?;
             if let Some(e) = &done_ev {
                 // SAFETY: `s` was validated above and is of the event's device.
                 unsafe { e.record(s)? };
@@ -1010,6 +1090,55 @@ impl Communicator {
             last_ticket: ticket.wrapping_add(phases as u32).wrapping_sub(1),
             bytes: op_bytes,
         })
+    }
+}
+
+impl Communicator {
+    /// Captured send/recv ops whose waits were deferred (end of their group): when `stream` is
+    /// being captured, enqueues each op's wait and done reset on it and returns true. Ops
+    /// deferred in another capture (one that ended without waiting for them) are an error:
+    /// that graph signals ops it never waits for, so its results would not be ordered.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream.
+    unsafe fn flush_captured(&self, c: &mut CommGpu, stream: sys::CUstream) -> Result<bool> {
+        if c.captured_deferred.is_empty() {
+            return Ok(false);
+        }
+        // SAFETY: the caller's contract.
+        let cap = unsafe { graph::capture_of(stream, "the wait for captured send/recv ops")? };
+        let Some(cap) = cap else {
+            return Err(Error::Unsupported(format!(
+                "{} send/recv op(s) were captured into a CUDA graph but their wait was not: call wait() on their Work objects (or end the send/recv group) before the capture ends. Destroy that graph: its replays would not wait for those transfers",
+                c.captured_deferred.len()
+            )));
+        };
+        if let Some(other) = c.captured_deferred.iter().find(|d| d.0 != cap.id) {
+            let n = c.captured_deferred.len();
+            let _ = other;
+            c.captured_deferred.clear();
+            return Err(Error::Unsupported(format!(
+                "{n} send/recv op(s) captured into another CUDA graph were never waited for in that capture; destroy that graph: its replays would not wait for those transfers"
+            )));
+        }
+        let gdev = self.client.graph_dev(&mut lock(&self.client.gpu))?;
+        let most = c.captured_deferred.iter().map(|d| d.3).max().unwrap_or(0);
+        // SAFETY: the caller's contract.
+        let waiter = unsafe { wait::Waiter::new(stream, most)? };
+        for (_, slot, phases, _) in c.captured_deferred.drain(..) {
+            let done = gdev + graph_doorbell::DONE_OFF + 4 * u64::from(slot);
+            let last = commd_proto::graph::phase_value(phases.max(1) - 1);
+            // SAFETY: `done` is a device-mapped address of the registered graph area.
+            unsafe { waiter.enqueue(stream, done, last)? };
+            ck(
+                // SAFETY: as above.
+                unsafe {
+                    sys::cuStreamWriteValue32_v2(stream, done, commd_proto::graph::DONE_RESET, 0)
+                },
+                "cuStreamWriteValue32",
+            )?;
+        }
+        Ok(true)
     }
 }
 

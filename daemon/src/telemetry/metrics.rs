@@ -425,6 +425,7 @@ mod tests {
             cuda_ticket: None,
             one_shot: false,
             staged: false,
+            persistent: false,
         }
     }
 
