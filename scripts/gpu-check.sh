@@ -4,10 +4,13 @@
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
 # Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|all] [OUTDIR]
-# `graphs` (also part of `tests`): tests/gpu/graph_capture.py, every GPU op under CUDA graph
-# capture refused with commd.UnsupportedError (contract 6), 2 ranks (sharing the GPU on a
-# one-GPU machine) and 4 where there are 4 GPUs; and tests/gpu/kill_daemon.py (a daemon killed
-# while a stream waits on its doorbell: the stream is released, the next call raises).
+# `graphs` (also part of `tests`): tests/gpu/graph_capture.py, every GPU op captured into CUDA
+# graphs and replayed with new data against eager results (contract 6), 2 ranks (sharing the
+# GPU on a one-GPU machine) and 4 where there are 4 GPUs; tests/gpu/graph_kill.sh (a rank killed
+# during replays; more captures than graph doorbell slots, each graph destroyed);
+# client-py/benchmarks/graph_latency.py (replay vs eager per-op latency, NCCL where there is a
+# GPU per rank: graph_latency.jsonl); and tests/gpu/kill_daemon.py (a daemon killed while a
+# stream waits on its doorbell: the stream is released, the next call raises).
 # COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
 # `allreduce` (GPU data path II): client-py/benchmarks/gpu_vs_nccl.py for all_reduce and
@@ -110,9 +113,24 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   run kill-rank tests/gpu/kill_rank.sh
 fi
 if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
-  # Contract 6: GPU ops under CUDA graph capture are refused, never replayed wrongly.
+  # Contract 6: GPU ops captured into CUDA graphs run on every replay (every op and dtype,
+  # data changed between replays, against eager results; mismatch), a rank killed during
+  # replays, graphs destroyed (their slots come back); replay vs eager latency.
   run "graph-capture-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
   [ "$ngpu" -ge 4 ] && run "graph-capture-4-ranks" "${tr[@]}" 4 tests/gpu/graph_capture.py
+  run "graph-kill-2-ranks" tests/gpu/graph_kill.sh
+  run "graph-latency-commd-2-ranks" "${tr[@]}" 2 client-py/benchmarks/graph_latency.py \
+    --backend commd --json "$out/graph_latency.jsonl"
+  if [ "$ngpu" -ge 2 ]; then
+    run "graph-latency-nccl-2-gpus" "${tr[@]}" 2 client-py/benchmarks/graph_latency.py \
+      --backend nccl --json "$out/graph_latency.jsonl"
+  fi
+  if [ "$ngpu" -ge 4 ]; then
+    for b in commd nccl; do
+      run "graph-latency-$b-4-gpus" "${tr[@]}" 4 client-py/benchmarks/graph_latency.py \
+        --backend $b --json "$out/graph_latency.jsonl"
+    done
+  fi
   # Contract 5 when the daemon itself dies: a daemon of its own, SIGKILLed while a stream waits
   # on its doorbell; the client's watchdog releases the stream and the next call raises.
   "$bin" serve --socket "$sockdir/kill.sock" --set metrics_listen=off >"$out/daemon-kill.log" 2>&1 &

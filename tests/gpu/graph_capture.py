@@ -1,115 +1,225 @@
-"""GPU ops under CUDA graph capture are refused with a clear error, never captured wrongly
-(DESIGN.md contract 6; issue 28). torchrun, any number of ranks from 2, on any number of GPUs
-from 1 (ranks share GPUs when there are fewer GPUs than ranks).
+"""GPU ops captured into CUDA graphs run correctly on every replay (DESIGN.md contract 6;
+issue 28). torchrun, any number of ranks from 2, on any number of GPUs from 1 (ranks share GPUs
+when there are fewer GPUs than ranks).
 
-Before this check, `dist.all_reduce(t)` inside `torch.cuda.graph(g)` was accepted, and replays
-returned stale data with no error (8.0 where 16.0 was right after three replays). Now every GPU
-op the backend has, through both of its paths (the native fast path and the general path), and
-the wait of a send/recv group, raise `commd.UnsupportedError` at capture; nothing is enqueued or
-posted, so the capture ends cleanly and the ranks stay in step: an eager op after each refusal
-must give the right answer. A replay of whatever was captured must not change any tensor.
+Before persistent ops, `dist.all_reduce(t)` inside `torch.cuda.graph(g)` was accepted and
+replays returned stale data with no error (8.0 where 16.0 was right after three replays). Here
+every GPU op and dtype of the backend, through both of its paths (the native fast path and the
+general path: list outputs, send/recv groups, async ops on the communication stream), is
+captured into its own graph; then every graph is replayed many times, interleaved with each other
+and with eager ops on the same communicator, with *new input data before every replay*, and each
+replay's outputs must equal the same op run eagerly on the same inputs (bitwise: the same
+kernels run). A stale replay (one that skipped the daemon) leaves the previous replay's result
+and fails. Also: many ops in one graph, a reduction large enough for several scratch rounds,
+graphs replayed from two different streams, and a rank whose capture differs from its peers'
+(mismatch: the first replay releases every rank and the next commd call raises the daemon's
+reason, naming the fields; no hang, no wrong result taken as good).
 Exits non-zero on any failure.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
-import commd
+import commd.torch
 import torchrun_env
 
 rank, world, dev = torchrun_env.start()
 assert world >= 2, "run with at least 2 ranks"
-n = 1 << 16
-failures = []
+REPLAYS = int(os.environ.get("GRAPH_REPLAYS", "20"))
+n = 1 << 14
+failures: list[str] = []
+peer_next, peer_prev = (rank + 1) % world, (rank - 1) % world
 
 
-def chain(e: BaseException):
-    while e is not None:
-        yield e
-        e = e.__cause__ or e.__context__
+def fill(ts: list[torch.Tensor], k: int) -> None:
+    """New input data for replay ``k``: differs per rank, replay and element."""
+    for j, t in enumerate(ts):
+        v = torch.arange(t.numel(), device=dev, dtype=torch.float64)
+        v = (v % 13) + (rank + 1) * 3 + k * 7 + j
+        if t.dtype.is_floating_point:
+            v = v / 4
+        t.copy_(v.reshape(t.shape).to(t.dtype))
 
 
-def ops():
-    """(name, fn) for every GPU op, each allocating its tensors up front (outside capture)."""
-    x = torch.full((n,), float(rank + 1), device=dev)
-    big = torch.empty(n * world, device=dev)
-    out = torch.empty(n, device=dev)
-    lst = [torch.empty(n, device=dev) for _ in range(world)]
-    peer_next, peer_prev = (rank + 1) % world, (rank - 1) % world
-    rcv = torch.empty(n, device=dev)
-    return [
-        ("all_reduce", lambda: dist.all_reduce(x)),
-        ("all_reduce async", lambda: dist.all_reduce(x, async_op=True).wait()),
-        ("all_reduce bf16", lambda: dist.all_reduce(x.to(torch.bfloat16))),
-        ("reduce", lambda: dist.reduce(x, dst=0)),
-        ("broadcast", lambda: dist.broadcast(x, src=0)),
-        ("all_gather_into_tensor", lambda: dist.all_gather_into_tensor(big, x)),
-        ("all_gather (list)", lambda: dist.all_gather(lst, x)),
-        ("reduce_scatter_tensor", lambda: dist.reduce_scatter_tensor(out, big)),
-        ("all_to_all_single", lambda: dist.all_to_all_single(big.clone(), big)),
-        ("send/recv group", lambda: [q.wait() for q in dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, x, peer_next), dist.P2POp(dist.irecv, rcv, peer_prev)])]),
-    ], (x, big, out, rcv)
+class Case:
+    """One op: its inputs (refilled before each replay), outputs (compared), and ``run``,
+    which issues the op on the given tensors."""
+
+    def __init__(self, name, ins, outs, run):
+        self.name, self.ins, self.outs, self.run = name, ins, outs, run
+
+    def eager_reference(self, k: int) -> list[torch.Tensor]:
+        ins = [torch.empty_like(t) for t in self.ins]
+        fill(ins, k)
+        outs = [torch.empty_like(t) for t in self.outs]
+        # Outputs that are also inputs (in place) share storage in the case: map them.
+        mapping = {id(a): b for a, b in zip(self.ins, ins)}
+        outs = [mapping.get(id(o), b) for o, b in zip(self.outs, outs)]
+        self.run(ins, outs)
+        return [o.clone() for o in outs]
 
 
-def eager_check(tag: str) -> None:
-    """An eager all_reduce right after: the ranks are still in step and nothing stale is
-    pending in the daemon."""
-    a = torch.full((n,), float(rank + 1), device=dev)
-    dist.all_reduce(a)
-    torch.cuda.synchronize()
-    want = float(sum(range(1, world + 1)))
-    if not bool((a == want).all()):
-        failures.append(f"{tag}: eager all_reduce after the refusal gave {a[0].item()}, want {want}")
+def cases() -> list[Case]:
+    cs = []
+    dts = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64]
+    for dt in dts:
+        x = torch.empty(n, device=dev, dtype=dt)
+        cs.append(Case(f"all_reduce sum {dt}", [x], [x], lambda i, o: dist.all_reduce(i[0])))
+    for op in [dist.ReduceOp.MAX, dist.ReduceOp.MIN, dist.ReduceOp.PRODUCT]:
+        x = torch.empty(n, device=dev)
+        cs.append(Case(f"all_reduce {op}", [x], [x],
+                       lambda i, o, op=op: dist.all_reduce(i[0], op=op)))
+    x = torch.empty(n, device=dev)
+    cs.append(Case("all_reduce async", [x], [x],
+                   lambda i, o: dist.all_reduce(i[0], async_op=True).wait()))
+    # Several scratch rounds (phases) per op: 8 Mi floats.
+    big = torch.empty(8 << 20, device=dev)
+    cs.append(Case("all_reduce 32 MiB", [big], [big], lambda i, o: dist.all_reduce(i[0])))
+    for dt in [torch.float32, torch.bfloat16]:
+        x = torch.empty(n, device=dev, dtype=dt)
+        cs.append(Case(f"reduce {dt}", [x], [x], lambda i, o: dist.reduce(i[0], dst=0)))
+        x = torch.empty(n, device=dev, dtype=dt)
+        cs.append(Case(f"broadcast {dt}", [x], [x], lambda i, o: dist.broadcast(i[0], src=1)))
+        x = torch.empty(n, device=dev, dtype=dt)
+        y = torch.empty(n * world, device=dev, dtype=dt)
+        cs.append(Case(f"all_gather_into_tensor {dt}", [x], [y],
+                       lambda i, o: dist.all_gather_into_tensor(o[0], i[0])))
+        x = torch.empty(n * world, device=dev, dtype=dt)
+        y = torch.empty(n, device=dev, dtype=dt)
+        cs.append(Case(f"reduce_scatter_tensor {dt}", [x], [y],
+                       lambda i, o: dist.reduce_scatter_tensor(o[0], i[0])))
+        x = torch.empty(n * world, device=dev, dtype=dt)
+        y = torch.empty(n * world, device=dev, dtype=dt)
+        cs.append(Case(f"all_to_all_single {dt}", [x], [y],
+                       lambda i, o: dist.all_to_all_single(o[0], i[0])))
+    x = torch.empty(n, device=dev)
+    ys = [torch.empty(n, device=dev) for _ in range(world)]
+    cs.append(Case("all_gather (list, general path)", [x], ys,
+                   lambda i, o: dist.all_gather(o, i[0])))
+    x = torch.empty(n, device=dev)
+    r = torch.empty(n, device=dev)
+    cs.append(Case("send/recv (batch_isend_irecv)", [x], [r], lambda i, o: [
+        q.wait() for q in dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, i[0], peer_next), dist.P2POp(dist.irecv, o[0], peer_prev)])]))
+    # Many ops in one graph.
+    xs = [torch.empty(4096 * (j + 1), device=dev) for j in range(10)]
+    cs.append(Case("10 all_reduces in one graph", xs, xs,
+                   lambda i, o: [dist.all_reduce(t) for t in i]))
+    return cs
 
 
-for name, fn in ops()[0]:
-    # Warm up on a side stream first, as torch.cuda.graph users must (allocations, kernels).
+def warm(fn) -> None:
     s = torch.cuda.Stream(device=dev)
     s.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream(dev).wait_stream(s)
     torch.cuda.synchronize()
+
+
+cs = cases()
+graphs = []
+for c in cs:
+    fill(c.ins, 0)
+    warm(lambda c=c: c.run(c.ins, c.outs))
     g = torch.cuda.CUDAGraph()
-    err = None
     try:
         with torch.cuda.graph(g):
-            fn()
-    except Exception as e:  # noqa: BLE001 - the chain is inspected below
-        err = e
-    if torch.cuda.is_current_stream_capturing():
-        failures.append(f"{name}: the stream is still capturing after the refusal")
-    refused = [e for e in chain(err)] if err is not None else []
-    hit = [e for e in refused if isinstance(e, commd.UnsupportedError)]
-    if not hit:
-        failures.append(f"{name}: captured without commd.UnsupportedError (got {err!r})")
-    elif "CUDA graph" not in str(hit[0]) or "refused" not in str(hit[0]):
-        failures.append(f"{name}: unclear message: {hit[0]}")
-    elif rank == 0:
-        print(f"{name}: refused: {str(hit[0])[:160]}...", flush=True)
-    eager_check(name)
+            c.run(c.ins, c.outs)
+    except Exception as e:  # noqa: BLE001 - reported
+        failures.append(f"{c.name}: capture failed: {e!r}")
+        g = None
+    graphs.append(g)
+torch.cuda.synchronize()
+if rank == 0:
+    print(f"captured {sum(g is not None for g in graphs)}/{len(cs)} graphs", flush=True)
 
-# A graph captured with an eager op's work around it replays without touching commd state:
-# a capture that refuses must leave nothing that a replay could run.
-x = torch.full((n,), float(rank + 1), device=dev)
+side = torch.cuda.Stream(device=dev)
+t0 = time.perf_counter()
+checked = 0
+for k in range(1, REPLAYS + 1):
+    # Every graph once per round, in an order that changes per round (the same on every rank),
+    # with an eager op between graphs, and every third replay from a side stream.
+    order = list(range(len(cs)))
+    order = order[k % len(order):] + order[:k % len(order)]
+    for idx in order:
+        c, g = cs[idx], graphs[idx]
+        if g is None:
+            continue
+        fill(c.ins, k)
+        if (k + idx) % 3 == 0:
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                g.replay()
+            torch.cuda.current_stream(dev).wait_stream(side)
+        else:
+            g.replay()
+        got = [o.clone() for o in c.outs]
+        want = c.eager_reference(k)
+        torch.cuda.synchronize()
+        for j, (a, b) in enumerate(zip(got, want)):
+            if not torch.equal(a, b):
+                bad = (a != b).nonzero()
+                i0 = bad[0].tolist() if len(bad) else []
+                failures.append(
+                    f"{c.name}: replay {k}, output {j}: {len(bad)} elements differ from the "
+                    f"eager result (first at {i0}: {a[tuple(i0)].item()} vs {b[tuple(i0)].item()})")
+                break
+        checked += 1
+    if len(failures) > 20:
+        break
+dt = time.perf_counter() - t0
+if rank == 0:
+    print(f"{checked} replays checked against eager results in {dt:.1f} s", flush=True)
+
+# A rank that captured a different op than its peers: the daemon matches the captures as they
+# are posted and fails them as a mismatch. The capture may already raise (when the daemon's
+# answer arrives before the capture ends); otherwise the first replay releases every rank's
+# stream at once and the next check (or GPU op) raises the mismatch with its fields.
+x = torch.ones(n * (2 if rank == 0 else 1), device=dev)
 g = torch.cuda.CUDAGraph()
+raised = None
+released = 0.0
 try:
     with torch.cuda.graph(g):
-        x.mul_(2)
         dist.all_reduce(x)
-except Exception:  # noqa: BLE001
-    pass
-else:
-    failures.append("mul + all_reduce: captured without error")
-eager_check("after the mixed capture")
+except Exception as e:  # noqa: BLE001 - inspected
+    raised = "at capture: " + str(e)
+if raised is None:
+    t = time.perf_counter()
+    g.replay()
+    torch.cuda.synchronize()
+    released = time.perf_counter() - t
+    try:
+        commd.torch.check_graphs()
+    except Exception as e:  # noqa: BLE001 - inspected
+        raised = "after the replay: " + str(e)
+if raised is None:
+    failures.append("mismatched capture: no error raised")
+elif "mismatch" not in raised or "count" not in raised:
+    failures.append(f"mismatched capture: unclear error: {raised[:300]}")
+elif rank == 0 or rank == 1:
+    print(f"rank {rank}: mismatch released in {released * 1e3:.1f} ms, raised {raised[:260]}...",
+          flush=True)
+if released > 2.0:
+    failures.append(f"mismatched capture: the replay took {released:.1f} s to be released")
+del g
+# The ranks are still in step: an eager op gives the right answer.
+a = torch.full((n,), float(rank + 1), device=dev)
+dist.all_reduce(a)
+torch.cuda.synchronize()
+want = float(sum(range(1, world + 1)))
+if not bool((a == want).all()):
+    failures.append(f"eager all_reduce after the mismatch gave {a[0].item()}, want {want}")
 
 print(f"rank {rank}: {len(failures)} failures", flush=True)
-for f in failures:
+for f in failures[:30]:
     print(f"rank {rank}: FAIL {f}", flush=True)
 dist.destroy_process_group()
 sys.exit(1 if failures else 0)

@@ -738,10 +738,17 @@ def set_pacing(gbps: float | None, group: Any = None) -> None:
     the daemon's ``gpu_pacing_gbps``). CPU tensors are not paced. Raises ValueError for
     negative or NaN values or a group that does not use the commd backend; does nothing on a
     rank that is not a member of ``group``, like torch's collectives."""
+    for b in _backends(group, "set_pacing"):
+        b.comm.set_pacing(gbps)
+
+
+def _backends(group: Any, what: str) -> list[CommdBackend]:
+    """The commd backends of ``group`` (default: the default group); none on a rank that is
+    not a member. ValueError for a group that does not use commd."""
     if group is None:
         group = dist.distributed_c10d._get_default_group()
     if group is dist.GroupMember.NON_GROUP_MEMBER:
-        return
+        return []
     backends: list[CommdBackend] = []
     if isinstance(group, CommdBackend):
         backends.append(group)
@@ -754,10 +761,19 @@ def set_pacing(gbps: float | None, group: Any = None) -> None:
             if isinstance(b, CommdBackend) and all(b is not x for x in backends):
                 backends.append(b)
     if not backends:
-        raise ValueError("commd.torch.set_pacing: this process group does not use the commd "
+        raise ValueError(f"commd.torch.{what}: this process group does not use the commd "
                          "backend (init_process_group(\"commd\") or new_group(backend=\"commd\"))")
-    for b in backends:
-        b.comm.set_pacing(gbps)
+    return backends
+
+
+def check_graphs(group: Any = None) -> None:
+    """Raises the failure of a replay of a GPU op captured into a CUDA graph on ``group``
+    (default: the default group) since the last check: a replay that failed (a peer lost, a
+    rank that captured different ops, a peer's graph destroyed) releases every rank's stream
+    at once with the results of that replay invalid, and the reason is raised here or by the
+    group's next GPU op, whichever comes first. Cheap when nothing failed (one memory load)."""
+    for b in _backends(group, "check_graphs"):
+        b.comm._native.cuda_graph_check()
 
 
 def empty(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
