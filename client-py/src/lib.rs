@@ -637,6 +637,7 @@ impl Communicator {
             stream,
             device: posted.device,
             deferred: args.defer_wait && kind.is_p2p(),
+            captured: posted.captured,
             last_ticket: posted.last_ticket,
             bytes: posted.bytes,
             done: std::sync::Mutex::new(posted.done.map(Arc::new)),
@@ -705,6 +706,8 @@ struct CudaRequest {
     stream: usize,
     device: i32,
     deferred: bool,
+    /// Captured into a CUDA graph: a deferred wait is the communicator's flush.
+    captured: bool,
     last_ticket: u32,
     bytes: u64,
     done: std::sync::Mutex<Option<Arc<commd_client::gpu::CudaEvent>>>,
@@ -752,6 +755,10 @@ impl CudaRequest {
         unsafe {
             match flushed {
                 Some(e) => e.wait_on(stream as CuStream).map_err(to_py)?,
+                None if self.deferred && self.captured => self
+                    .comm
+                    .cuda_flush(stream as CuStream)
+                    .map_err(to_py)?,
                 None if self.deferred => self
                     .comm
                     .cuda_wait_ticket(stream as CuStream, self.last_ticket, self.bytes)

@@ -295,7 +295,7 @@ impl Local for LocalService {
     async fn release_graph_ops(
         &self,
         req: Request<pb::GraphOpsRelease>,
-    ) -> Result<Response<pb::Empty>, Status> {
+    ) -> Result<Response<pb::GraphOpsReleased>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
         let slots = req.into_inner().slots;
         if let Some(bad) = slots
@@ -307,10 +307,13 @@ impl Local for LocalService {
                 commd_proto::desc::graph_doorbell::SLOTS
             )));
         }
-        if let Ok(c) = crate::cuda::get() {
-            c.release_graph_ops(s.id, slots);
-        }
-        Ok(Response::new(pb::Empty {}))
+        let unknown = match crate::cuda::get() {
+            Ok(c) => tokio::task::spawn_blocking(move || c.release_graph_ops(s.id, slots))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?,
+            Err(_) => Vec::new(),
+        };
+        Ok(Response::new(pb::GraphOpsReleased { unknown }))
     }
 
     async fn status(&self, req: Request<pb::Empty>) -> Result<Response<pb::StatusReply>, Status> {

@@ -524,9 +524,17 @@ impl Cuda {
         });
     }
 
-    /// The graphs holding these persistent ops of session `session` were destroyed.
-    pub fn release_graph_ops(&self, session: u64, slots: Vec<u32>) {
-        self.exec.push(Cmd::Release { session, slots });
+    /// The graphs holding these persistent ops of session `session` were destroyed. Returns
+    /// the slots that hold no registered op yet (see `graphs::Registry::release`); blocks
+    /// until the executor thread answered (microseconds), 5 s at most (then: all unknown).
+    pub fn release_graph_ops(&self, session: u64, slots: Vec<u32>) -> Vec<u32> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.exec.push(Cmd::Release {
+            session,
+            slots: slots.clone(),
+            reply: tx,
+        });
+        rx.recv_timeout(Duration::from_secs(5)).unwrap_or(slots)
     }
 
     fn event(&self, gpu: usize) -> Result<sys::CUevent, CuError> {
@@ -1410,6 +1418,7 @@ enum Cmd {
     Release {
         session: u64,
         slots: Vec<u32>,
+        reply: std::sync::mpsc::Sender<Vec<u32>>,
     },
 }
 
@@ -1482,7 +1491,13 @@ impl Executor {
                             st,
                             msg,
                         } => graphs.poison_new(bells, phases, st, msg),
-                        Cmd::Release { session, slots } => graphs.release(session, &slots),
+                        Cmd::Release {
+                            session,
+                            slots,
+                            reply,
+                        } => {
+                            let _ = reply.send(graphs.release(session, &slots));
+                        }
                     }
                 }
             }

@@ -46,9 +46,14 @@ impl Persist {
         self.released[i] || self.bells[i].session.is_closed()
     }
 
-    /// Fails the op for good and releases the ranks that fired.
-    fn poison(&mut self, st: u32, msg: String) {
-        tracing::warn!(target: "commd::cuda", "{msg}");
+    /// Fails the op for good and releases the ranks that fired (`loud`: log a warning; a graph
+    /// destroyed on one rank before the others is the normal end of a job, logged at debug).
+    fn poison(&mut self, st: u32, msg: String, loud: bool) {
+        if loud {
+            tracing::warn!(target: "commd::cuda", "{msg}");
+        } else {
+            tracing::debug!(target: "commd::cuda", "{msg}");
+        }
         self.job = None;
         for (i, b) in self.bells.iter().enumerate() {
             if !self.released[i] && b.graph_words().is_some_and(|w| w.fired()) {
@@ -163,9 +168,15 @@ impl Registry {
 
     /// Session `session` destroyed the graphs holding the ops in `slots`: drops their jobs (the
     /// buffers and scratch they hold); a peer that still replays such an op gets an error.
-    pub fn release(&mut self, session: u64, slots: &[u32]) {
+    /// Returns the slots it holds no op for (yet): a capture is registered once every rank
+    /// posted it, which may come after one rank already destroyed its graph; the client keeps
+    /// such a slot out of use and asks again, so a slot is never reused while an op for it may
+    /// still be registered.
+    pub fn release(&mut self, session: u64, slots: &[u32]) -> Vec<u32> {
+        let mut unknown = Vec::new();
         for &slot in slots {
             let Some((comm, id)) = self.slots.remove(&(session, slot)) else {
+                unknown.push(slot);
                 continue;
             };
             let Some(p) = self.by_comm.get_mut(&comm).and_then(|m| m.get_mut(&id)) else {
@@ -184,11 +195,12 @@ impl Registry {
                     "{}: rank {} destroyed the CUDA graph holding this captured op; replays of it on other ranks cannot run",
                     p.label, p.bells[i].rank
                 );
-                p.poison(status::PEER_LOST, msg);
+                p.poison(status::PEER_LOST, msg, false);
             }
             p.job = None;
         }
         self.sweep();
+        unknown
     }
 
     /// Drops ops no rank can replay any more (every rank released it or its session closed).
@@ -243,7 +255,7 @@ impl Registry {
                     "{}: rank {} (pid {}) was lost; this captured op cannot run again",
                     p.label, b.rank, b.session.pid
                 );
-                p.poison(status::PEER_LOST, msg);
+                p.poison(status::PEER_LOST, msg, true);
                 moved = true;
                 lost_any = true;
                 continue;
@@ -264,7 +276,7 @@ impl Registry {
                     since.elapsed().as_secs_f64(),
                     late_streams(&p.bells, 0).join(", ")
                 );
-                p.poison(status::TIMEOUT, msg);
+                p.poison(status::TIMEOUT, msg, true);
                 moved = true;
             }
         }

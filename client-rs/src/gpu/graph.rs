@@ -161,6 +161,11 @@ impl GraphSlots {
         Ok(slot)
     }
 
+    /// Every slot is in use.
+    pub fn exhausted(&self) -> bool {
+        self.free.is_empty() && self.next >= graph_doorbell::SLOTS
+    }
+
     /// A slot whose op was never posted goes straight back.
     pub fn unalloc(&mut self, slot: u32) {
         self.live.remove(&slot);
@@ -260,7 +265,9 @@ impl Inner {
     }
 
     /// Tells the daemon which captured ops' graphs were destroyed (it drops what they held)
-    /// and frees their slots. Cheap when there are none.
+    /// and frees their slots; slots the daemon holds no op for yet (a capture not yet matched
+    /// across ranks) stay queued for the next call. Called by the watchdog every 100 ms, and
+    /// when the slots run out. Cheap when there are none.
     pub(crate) fn release_destroyed_graphs(&self) {
         let released = lock(&self.gpu).graphs.released.clone();
         let slots: Vec<u32> = std::mem::take(&mut *lock(&released));
@@ -275,9 +282,14 @@ impl Inner {
         ));
         let mut g = lock(&self.gpu);
         match r {
-            Ok(Ok(_)) => {
+            Ok(Ok(rep)) => {
+                let unknown = rep.into_inner().unknown;
                 for s in slots {
-                    g.graphs.unalloc(s);
+                    if unknown.contains(&s) {
+                        lock(&released).push(s);
+                    } else {
+                        g.graphs.unalloc(s);
+                    }
                 }
             }
             // The daemon is gone or refused: the slots stay out of use (their ops may still

@@ -264,6 +264,9 @@ pub struct CudaPosted {
     pub device: i32,
     pub last_ticket: u32,
     pub bytes: u64,
+    /// Captured into a CUDA graph (a persistent op): `last_ticket` means nothing; a deferred
+    /// wait is [`Communicator::cuda_flush`] on a stream of the same capture.
+    pub captured: bool,
 }
 
 // SAFETY: the stream handle is a driver object that any thread may use.
@@ -750,7 +753,6 @@ impl Communicator {
         i.check_owner()?;
         driver()?;
         i.start_watchdog();
-        i.release_destroyed_graphs();
         // A failed replay of a captured op on this communicator is raised by its next call.
         self.cuda_graph_check()?;
         // Before any other stream call: a query of a capturing stream would invalidate the
@@ -764,6 +766,10 @@ impl Communicator {
             Some(_) => Some(graph::Relaxed::enter()?),
             None => None,
         };
+        if cap.is_some() && lock(&i.gpu).graphs.exhausted() {
+            // Destroyed graphs' slots come back now rather than at the watchdog's next look.
+            i.release_destroyed_graphs();
+        }
         if self.doorbell_slot == doorbell::NO_SLOT {
             return Err(Error::InvalidArgument(format!(
                 "communicator {} has no doorbell slot (more than {} communicators in this process): GPU ops are unavailable on it",
@@ -1089,6 +1095,7 @@ impl Communicator {
             device: dev,
             last_ticket: ticket.wrapping_add(phases as u32).wrapping_sub(1),
             bytes: op_bytes,
+            captured: graph_slot.is_some(),
         })
     }
 }
