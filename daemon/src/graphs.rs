@@ -304,3 +304,190 @@ impl Registry {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The registry's bookkeeping against real session rings (no GPU: the jobs have no copies,
+    //! the clients' streams are simulated by writing the graph doorbells).
+    use super::*;
+    use crate::cuda::Phase;
+    use crate::session::Session;
+    use commd_proto::ring::RingLayout;
+    use std::sync::Arc;
+
+    const COMM: u64 = 7;
+    const COMM_SLOT: u32 = 3;
+
+    fn session(id: u64) -> Arc<Session> {
+        let layout = RingLayout::new(8, 8).unwrap();
+        Arc::new(Session::new(id, 0, 100 + id as i32, "t".into(), [0; 16], layout).unwrap())
+    }
+
+    fn job(sessions: &[Arc<Session>], slots: &[u32], phases: usize, timeout: Duration) -> GpuJob {
+        GpuJob {
+            span: tracing::Span::none(),
+            comm_id: COMM,
+            label: "comm 7: all_reduce seq 1".into(),
+            bells: sessions
+                .iter()
+                .zip(slots)
+                .enumerate()
+                .map(|(r, (s, &slot))| Bell {
+                    session: s.clone(),
+                    rank: r as u32,
+                    slot,
+                    ticket: 1,
+                    graph: true,
+                    comm_slot: COMM_SLOT,
+                })
+                .collect(),
+            phases: (0..phases).map(|_| Phase::default()).collect(),
+            ops: Vec::new(),
+            timeout,
+            pacer: Arc::new(crate::pacing::Pacer::new(None)),
+            persistent: true,
+        }
+    }
+
+    fn words(s: &Session, slot: u32) -> (u32, u32, u32) {
+        let (r, d, e) = s.ring.graph_doorbell(slot).unwrap();
+        (
+            r.load(Ordering::Acquire),
+            d.load(Ordering::Acquire),
+            e.load(Ordering::Acquire),
+        )
+    }
+
+    fn fire(s: &Session, slot: u32) {
+        s.ring.graph_doorbell(slot).unwrap().0.store(1, Ordering::Release);
+    }
+
+    fn hint(s: &Session) -> u32 {
+        s.ring.doorbell_hint(COMM_SLOT).unwrap().load(Ordering::Acquire)
+    }
+
+    #[test]
+    fn a_replay_starts_once_every_rank_fired_and_rearms() {
+        let ss = [session(1), session(2)];
+        let mut reg = Registry::default();
+        reg.register(job(&ss, &[5, 9], 2, Duration::from_secs(60)));
+        assert_eq!(reg.comms(), vec![COMM]);
+        assert!(reg.poll(COMM, true).1.is_none(), "nothing fired");
+        fire(&ss[0], 5);
+        assert!(reg.poll(COMM, true).1.is_none(), "one rank of two fired");
+        fire(&ss[1], 9);
+        assert!(reg.poll(COMM, false).1.is_none(), "an eager job is running");
+        let (id, j) = reg.poll(COMM, true).1.expect("every rank fired");
+        assert!(reg.poll(COMM, true).1.is_none(), "a running replay is not handed out twice");
+        // The executor runs the phases (as `phase_done` does), then hands the job back.
+        for p in 0..2 {
+            for b in &j.bells {
+                b.graph_words().unwrap().phase_done(p, p == 1);
+            }
+        }
+        assert_eq!(words(&ss[0], 5), (0, 2, 0), "ready cleared, done = phases");
+        reg.finished(COMM, id, j, None);
+        assert!(reg.poll(COMM, true).1.is_none(), "re-armed, waiting for the next replay");
+        fire(&ss[0], 5);
+        fire(&ss[1], 9);
+        assert!(reg.poll(COMM, true).1.is_some(), "the next replay runs");
+    }
+
+    #[test]
+    fn a_rank_that_does_not_fire_in_time_fails_the_op_for_good() {
+        let ss = [session(1), session(2)];
+        let mut reg = Registry::default();
+        reg.register(job(&ss, &[0, 0], 3, Duration::from_millis(20)));
+        fire(&ss[0], 0);
+        assert!(reg.poll(COMM, true).1.is_none());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(reg.poll(COMM, true).1.is_none());
+        assert_eq!(words(&ss[0], 0), (0, 3, status::TIMEOUT), "the fired rank is released");
+        assert_ne!(hint(&ss[0]) & doorbell::HINT_GRAPH_FAILED, 0);
+        let (st, msg) = ss[0].take_graph_error(0).unwrap();
+        assert_eq!(st, status::TIMEOUT);
+        assert!(msg.contains("rank 1") && msg.contains("timed out"), "{msg}");
+        // The late rank fires later: released at once, never paired with a later replay.
+        fire(&ss[1], 0);
+        assert!(reg.poll(COMM, true).1.is_none());
+        assert_eq!(words(&ss[1], 0), (0, 3, status::TIMEOUT));
+        fire(&ss[0], 0);
+        fire(&ss[1], 0);
+        assert!(reg.poll(COMM, true).1.is_none(), "a poisoned op never runs again");
+        assert_eq!(words(&ss[0], 0).0, 0);
+    }
+
+    #[test]
+    fn a_lost_rank_releases_its_peers() {
+        let ss = [session(1), session(2)];
+        let mut reg = Registry::default();
+        reg.register(job(&ss, &[4, 4], 1, Duration::from_secs(60)));
+        ss[1].mark_closed(status::PEER_LOST);
+        fire(&ss[0], 4);
+        assert!(reg.poll(COMM, true).1.is_none());
+        assert_eq!(words(&ss[0], 4), (0, 1, status::PEER_LOST));
+        let (_, msg) = ss[0].take_graph_error(4).unwrap();
+        assert!(msg.contains("rank 1") && msg.contains("lost"), "{msg}");
+        // The survivor destroys its graph: nothing is left.
+        assert!(reg.release(1, &[4]).is_empty());
+        assert!(reg.is_empty());
+    }
+
+    #[test]
+    fn release_drops_the_op_and_answers_unknown_slots() {
+        let ss = [session(1), session(2)];
+        let mut reg = Registry::default();
+        // A slot released before its op is registered (the peer has not posted its capture).
+        assert_eq!(reg.release(1, &[2, 8]), vec![2, 8]);
+        reg.register(job(&ss, &[2, 6], 1, Duration::from_secs(60)));
+        assert_eq!(reg.release(1, &[2, 8]), vec![8]);
+        // Rank 1 still replays: released with an error naming rank 0.
+        fire(&ss[1], 6);
+        assert!(reg.poll(COMM, true).1.is_none());
+        assert_eq!(words(&ss[1], 6).2, status::PEER_LOST);
+        let (_, msg) = ss[1].take_graph_error(6).unwrap();
+        assert!(msg.contains("rank 0 destroyed"), "{msg}");
+        assert!(!reg.is_empty());
+        // The slot rank 0 released is free again: a new op there registers.
+        reg.register(job(&ss, &[2, 7], 1, Duration::from_secs(60)));
+        assert!(reg.release(2, &[6]).is_empty());
+        assert_eq!(reg.by_comm[&COMM].len(), 1, "the first op is gone once both released");
+    }
+
+    #[test]
+    fn a_slot_held_by_a_live_op_is_not_registered_twice() {
+        let ss = [session(1), session(2)];
+        let mut reg = Registry::default();
+        reg.register(job(&ss, &[1, 1], 1, Duration::from_secs(60)));
+        reg.register(job(&ss, &[1, 2], 1, Duration::from_secs(60)));
+        assert_eq!(reg.by_comm[&COMM].len(), 1);
+        // And an op poisoned at registration does not take over a live op's slot.
+        reg.poison_new(
+            vec![job(&ss, &[1], 1, Duration::ZERO).bells.remove(0)],
+            1,
+            status::MISMATCH,
+            "x".into(),
+        );
+        fire(&ss[0], 1);
+        fire(&ss[1], 1);
+        assert!(reg.poll(COMM, true).1.is_some(), "the live op still runs");
+    }
+
+    #[test]
+    fn an_op_poisoned_at_registration_releases_every_replay() {
+        let ss = [session(1)];
+        let mut reg = Registry::default();
+        let b = job(&ss, &[3], 2, Duration::ZERO).bells.remove(0);
+        reg.poison_new(vec![b], 2, status::MISMATCH, "mismatched collective: count".into());
+        for _ in 0..3 {
+            fire(&ss[0], 3);
+            for c in reg.comms() {
+                assert!(reg.poll(c, true).1.is_none());
+            }
+            assert_eq!(words(&ss[0], 3), (0, 2, status::MISMATCH));
+        }
+        assert!(ss[0].take_graph_error(3).unwrap().1.contains("count"));
+        assert!(reg.release(1, &[3]).is_empty());
+        assert!(reg.is_empty());
+    }
+}

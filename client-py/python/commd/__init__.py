@@ -14,8 +14,8 @@ PyTorch: ``import commd.torch`` and ``dist.init_process_group("commd")``.
 Errors are :class:`CommError` subclasses: :class:`MismatchError`, :class:`PeerLostError`,
 :class:`CommTimeoutError`, :class:`DaemonUnavailableError` (names the socket it tried and how to
 start the daemon), :class:`DaemonLostError`, :class:`AbortedError`, :class:`ShutdownError`,
-:class:`InvalidOpError`, :class:`UnsupportedError` (what commd cannot do correctly yet, e.g. a
-GPU op inside CUDA graph capture: refused, never run wrongly).
+:class:`InvalidOpError`, :class:`UnsupportedError` (what commd cannot do correctly yet, e.g. a GPU op
+captured on a communicator that spans nodes: refused, never run wrongly).
 """
 
 from . import _native

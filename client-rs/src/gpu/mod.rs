@@ -726,6 +726,11 @@ impl Communicator {
         let done = db + doorbell::DONE_OFF + 4 * u64::from(self.doorbell_slot);
         // SAFETY: `done` is a device-mapped address of the registered doorbell page.
         unsafe { wait::wait_geq(stream, done, ticket, bytes)? };
+        // Done counters advance contiguously: deferred p2p ops up to `ticket` are waited for.
+        let mut c = lock(&self.gpu);
+        if c.deferred.is_some_and(|(t, _)| ticket.wrapping_sub(t) as i32 >= 0) {
+            c.deferred = None;
+        }
         Ok(())
     }
 
