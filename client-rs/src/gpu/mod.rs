@@ -1154,12 +1154,10 @@ impl Communicator {
     }
 }
 
-/// DESIGN.md contract 6: a GPU op on a stream that is being captured into a CUDA graph is
-/// refused before anything is enqueued or posted. The doorbell protocol (contract 4) writes
-/// and waits for counter values fixed when the op is issued; a captured op would bake those
-/// values into the graph, so every replay after the first would skip the daemon and return
-/// stale data with no error (seen on one H100: 8.0 where 16.0 was right after three replays).
-/// Until persistent ops exist, refusing is the only correct answer.
+/// DESIGN.md contract 6: a wait for *eager* GPU ops (their tickets) enqueued on a stream that
+/// is being captured is refused before anything is enqueued: the wait would bake the eager
+/// ticket into the graph, so every replay after the first would pass it at once (stale data,
+/// no error). Ops issued during capture are persistent ops instead (`graph`).
 ///
 /// # Safety
 /// `stream` must be a stream handle of this process (null: the legacy default stream); the
@@ -1183,10 +1181,10 @@ pub unsafe fn refuse_capture(stream: sys::CUstream, what: &str) -> Result<()> {
         (r, _) => return Ok(ck(r, "cuStreamIsCapturing")?),
     };
     Err(Error::Unsupported(format!(
-        "{what}: {why}. commd cannot run GPU ops from CUDA graphs yet: an op's doorbell values \
-         are fixed when it is issued, so a replay would skip the transfer and leave stale data. \
-         The op was refused (nothing was enqueued or posted); issue it outside the capture \
-         (DESIGN.md contract 6)"
+        "{what}: {why}. It waits for GPU ops issued outside the capture, whose doorbell values \
+         were fixed when they were issued, so a replay would pass the wait at once and leave \
+         stale data. Refused (nothing was enqueued); wait for those ops before the capture \
+         begins (DESIGN.md contract 6)"
     )))
 }
 
