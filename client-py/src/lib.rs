@@ -755,10 +755,9 @@ impl CudaRequest {
         unsafe {
             match flushed {
                 Some(e) => e.wait_on(stream as CuStream).map_err(to_py)?,
-                None if self.deferred && self.captured => self
-                    .comm
-                    .cuda_flush(stream as CuStream)
-                    .map_err(to_py)?,
+                None if self.deferred && self.captured => {
+                    self.comm.cuda_flush(stream as CuStream).map_err(to_py)?
+                }
                 None if self.deferred => self
                     .comm
                     .cuda_wait_ticket(stream as CuStream, self.last_ticket, self.bytes)

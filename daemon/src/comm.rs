@@ -713,12 +713,7 @@ impl Comm {
         let mut diffs = Vec::new();
         let fields: [(&str, &FieldFn); 7] = [
             ("cuda graph", &|o: &Op| {
-                if o.persistent {
-                    "captured"
-                } else {
-                    "eager"
-                }
-                .to_string()
+                if o.persistent { "captured" } else { "eager" }.to_string()
             }),
             ("memory", &|o: &Op| {
                 if o.cuda_ticket.is_some() {

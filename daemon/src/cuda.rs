@@ -1525,9 +1525,10 @@ impl Executor {
                     }
                     continue;
                 }
-                let eager_started = queues.get(&comm).and_then(|q| q.front()).is_some_and(|a| {
-                    a.phase > 0 || matches!(a.state, State::InFlight { .. })
-                });
+                let eager_started = queues
+                    .get(&comm)
+                    .and_then(|q| q.front())
+                    .is_some_and(|a| a.phase > 0 || matches!(a.state, State::InFlight { .. }));
                 let (moved, start) = graphs.poll(comm, !eager_started);
                 progressed |= moved;
                 if let Some((id, job)) = start {

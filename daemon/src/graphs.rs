@@ -118,8 +118,13 @@ impl Registry {
             tracing::warn!(target: "commd::cuda", "{msg}");
             // Completing with an error would poison the held slot's op: report without that.
             for p in job.ops.drain(..) {
-                p.session
-                    .complete(p.op.user_data, p.op.comm, p.seq, status::INVALID, Some(msg.clone()));
+                p.session.complete(
+                    p.op.user_data,
+                    p.op.comm,
+                    p.seq,
+                    status::INVALID,
+                    Some(msg.clone()),
+                );
             }
             return;
         }
@@ -359,11 +364,18 @@ mod tests {
     }
 
     fn fire(s: &Session, slot: u32) {
-        s.ring.graph_doorbell(slot).unwrap().0.store(1, Ordering::Release);
+        s.ring
+            .graph_doorbell(slot)
+            .unwrap()
+            .0
+            .store(1, Ordering::Release);
     }
 
     fn hint(s: &Session) -> u32 {
-        s.ring.doorbell_hint(COMM_SLOT).unwrap().load(Ordering::Acquire)
+        s.ring
+            .doorbell_hint(COMM_SLOT)
+            .unwrap()
+            .load(Ordering::Acquire)
     }
 
     #[test]
@@ -378,7 +390,10 @@ mod tests {
         fire(&ss[1], 9);
         assert!(reg.poll(COMM, false).1.is_none(), "an eager job is running");
         let (id, j) = reg.poll(COMM, true).1.expect("every rank fired");
-        assert!(reg.poll(COMM, true).1.is_none(), "a running replay is not handed out twice");
+        assert!(
+            reg.poll(COMM, true).1.is_none(),
+            "a running replay is not handed out twice"
+        );
         // The executor runs the phases (as `phase_done` does), then hands the job back.
         for p in 0..2 {
             for b in &j.bells {
@@ -387,7 +402,10 @@ mod tests {
         }
         assert_eq!(words(&ss[0], 5), (0, 2, 0), "ready cleared, done = phases");
         reg.finished(COMM, id, j, None);
-        assert!(reg.poll(COMM, true).1.is_none(), "re-armed, waiting for the next replay");
+        assert!(
+            reg.poll(COMM, true).1.is_none(),
+            "re-armed, waiting for the next replay"
+        );
         fire(&ss[0], 5);
         fire(&ss[1], 9);
         assert!(reg.poll(COMM, true).1.is_some(), "the next replay runs");
@@ -402,7 +420,11 @@ mod tests {
         assert!(reg.poll(COMM, true).1.is_none());
         std::thread::sleep(Duration::from_millis(40));
         assert!(reg.poll(COMM, true).1.is_none());
-        assert_eq!(words(&ss[0], 0), (0, 3, status::TIMEOUT), "the fired rank is released");
+        assert_eq!(
+            words(&ss[0], 0),
+            (0, 3, status::TIMEOUT),
+            "the fired rank is released"
+        );
         assert_ne!(hint(&ss[0]) & doorbell::HINT_GRAPH_FAILED, 0);
         let (st, msg) = ss[0].take_graph_error(0).unwrap();
         assert_eq!(st, status::TIMEOUT);
@@ -413,7 +435,10 @@ mod tests {
         assert_eq!(words(&ss[1], 0), (0, 3, status::TIMEOUT));
         fire(&ss[0], 0);
         fire(&ss[1], 0);
-        assert!(reg.poll(COMM, true).1.is_none(), "a poisoned op never runs again");
+        assert!(
+            reg.poll(COMM, true).1.is_none(),
+            "a poisoned op never runs again"
+        );
         assert_eq!(words(&ss[0], 0).0, 0);
     }
 
@@ -451,7 +476,11 @@ mod tests {
         // The slot rank 0 released is free again: a new op there registers.
         reg.register(job(&ss, &[2, 7], 1, Duration::from_secs(60)));
         assert!(reg.release(2, &[6]).is_empty());
-        assert_eq!(reg.by_comm[&COMM].len(), 1, "the first op is gone once both released");
+        assert_eq!(
+            reg.by_comm[&COMM].len(),
+            1,
+            "the first op is gone once both released"
+        );
     }
 
     #[test]
@@ -478,7 +507,12 @@ mod tests {
         let ss = [session(1)];
         let mut reg = Registry::default();
         let b = job(&ss, &[3], 2, Duration::ZERO).bells.remove(0);
-        reg.poison_new(vec![b], 2, status::MISMATCH, "mismatched collective: count".into());
+        reg.poison_new(
+            vec![b],
+            2,
+            status::MISMATCH,
+            "mismatched collective: count".into(),
+        );
         for _ in 0..3 {
             fire(&ss[0], 3);
             for c in reg.comms() {

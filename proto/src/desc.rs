@@ -574,7 +574,10 @@ pub enum DescError {
     OneShot(&'static str),
     #[error("the host-staged flag is for GPU ops only, and not with the one-shot flag")]
     Staged,
-    #[error("the persistent flag is for GPU ops only, not host-staged, with a graph doorbell slot below {}", graph_doorbell::SLOTS)]
+    #[error(
+        "the persistent flag is for GPU ops only, not host-staged, with a graph doorbell slot below {}",
+        graph_doorbell::SLOTS
+    )]
     Persistent,
     #[error("ticket field is {0:#x}, must be 0 for host ops and below 2^32 for CUDA ops")]
     Ticket(u64),

@@ -125,7 +125,10 @@ mod tests {
     fn spin_until(what: &str, f: impl Fn() -> bool) {
         let t = Instant::now();
         while !f() {
-            assert!(t.elapsed() < Duration::from_secs(20), "hung waiting for {what}");
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "hung waiting for {what}"
+            );
             std::thread::yield_now();
         }
     }
@@ -133,7 +136,13 @@ mod tests {
     /// Runs `replays` replays of an op of `phases` phases on `n` ranks; the daemon fails replay
     /// `fail_at` (if any) at phase `fail_phase`. Returns each rank's count of replays that saw
     /// the error word.
-    fn run(n: usize, phases: u32, replays: u64, fail_at: Option<(u64, u32)>, seed: u64) -> Vec<u64> {
+    fn run(
+        n: usize,
+        phases: u32,
+        replays: u64,
+        fail_at: Option<(u64, u32)>,
+        seed: u64,
+    ) -> Vec<u64> {
         let ranks: Arc<Vec<Rank>> = Arc::new((0..n).map(|_| Rank::new()).collect());
         let finished = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let daemon = {
@@ -172,7 +181,10 @@ mod tests {
                     // Keep releasing until the streams finish.
                     let t = Instant::now();
                     while finished.load(Ordering::Acquire) < n {
-                        assert!(t.elapsed() < Duration::from_secs(20), "streams hung after a failure");
+                        assert!(
+                            t.elapsed() < Duration::from_secs(20),
+                            "streams hung after a failure"
+                        );
                         for r in ranks.iter() {
                             if r.words().fired() {
                                 r.words().fail(phases, 7);

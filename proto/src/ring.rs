@@ -455,7 +455,11 @@ mod tests {
         e.store(3, Ordering::Release);
         let (r2, d2, e2) = d.graph_doorbell(SLOTS - 1).unwrap();
         assert_eq!(
-            (r2.load(Ordering::Acquire), d2.load(Ordering::Acquire), e2.load(Ordering::Acquire)),
+            (
+                r2.load(Ordering::Acquire),
+                d2.load(Ordering::Acquire),
+                e2.load(Ordering::Acquire)
+            ),
             (1, 2, 3)
         );
         assert!(d.graph_doorbell(SLOTS).is_none());

@@ -192,7 +192,11 @@ unsafe extern "C" fn graph_destroyed(p: *mut std::ffi::c_void) {
 ///
 /// # Safety
 /// `graph` is the graph being captured (from `cuStreamGetCaptureInfo`).
-pub(crate) unsafe fn retain_slot(graph: sys::CUgraph, released: &Released, slot: u32) -> Result<()> {
+pub(crate) unsafe fn retain_slot(
+    graph: sys::CUgraph,
+    released: &Released,
+    slot: u32,
+) -> Result<()> {
     let arg = Box::into_raw(Box::new(Dtor {
         released: released.clone(),
         slot,
@@ -360,10 +364,14 @@ impl crate::Communicator {
             failed += 1;
             if first.is_none() {
                 let why = i
-                    .watched(i.rpc.clone().get_graph_op_error(commd_proto::pb::GraphOpRef {
-                        session_id: i.session_id,
-                        slot,
-                    }))
+                    .watched(
+                        i.rpc
+                            .clone()
+                            .get_graph_op_error(commd_proto::pb::GraphOpRef {
+                                session_id: i.session_id,
+                                slot,
+                            }),
+                    )
                     .ok()
                     .and_then(|r| r.ok())
                     .map(|r| r.into_inner())

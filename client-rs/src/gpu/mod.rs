@@ -728,7 +728,9 @@ impl Communicator {
         unsafe { wait::wait_geq(stream, done, ticket, bytes)? };
         // Done counters advance contiguously: deferred p2p ops up to `ticket` are waited for.
         let mut c = lock(&self.gpu);
-        if c.deferred.is_some_and(|(t, _)| ticket.wrapping_sub(t) as i32 >= 0) {
+        if c.deferred
+            .is_some_and(|(t, _)| ticket.wrapping_sub(t) as i32 >= 0)
+        {
             c.deferred = None;
         }
         Ok(())
@@ -1009,7 +1011,8 @@ impl Communicator {
                 if a.defer_wait && a.kind.is_p2p() {
                     match graph_slot {
                         Some((slot, _, id)) => {
-                            c.captured_deferred.push((id, slot, phases as u32, op_bytes))
+                            c.captured_deferred
+                                .push((id, slot, phases as u32, op_bytes))
                         }
                         None => {
                             let most = c.deferred.map_or(0, |(_, b)| b).max(op_bytes);
