@@ -628,7 +628,13 @@ impl Communicator {
             .detach(move || unsafe { c.post_cuda_ordered(args) })
             .map_err(to_py)?;
         let req = Arc::new(posted.request);
-        if let Some(k) = keep {
+        // A captured op's buffers live as long as the graph's memory (the graph keeps them at
+        // fixed addresses; the daemon holds its own mapping): holding the tensors until its
+        // registration completes would keep graph-pool memory alive that torch's graph trees
+        // expect freed.
+        if let Some(k) = keep
+            && !posted.captured
+        {
             self.stash.push(req.clone(), k);
         }
         Ok(CudaRequest {

@@ -684,6 +684,7 @@ impl Comm {
             timeout: self.op_timeout,
             pacer: self.pacer.clone(),
             persistent: o.persistent,
+            graph_tag: o.graph_tag,
         })
     }
 

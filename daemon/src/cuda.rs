@@ -1328,6 +1328,8 @@ pub struct GpuJob {
     pub pacer: std::sync::Arc<crate::pacing::Pacer>,
     /// Captured into CUDA graphs: registered, then run on every replay (`crate::graphs`).
     pub persistent: bool,
+    /// The capture's tag (`flags::PERSISTENT`), as rank 0 of the op named it.
+    pub graph_tag: u32,
 }
 
 enum State {

@@ -29,6 +29,9 @@ const ORPHANS: u64 = u64::MAX;
 
 struct Persist {
     label: String,
+    /// The next op of the same graph (capture order, the first again after the last): the op
+    /// most likely to fire once this one ran.
+    next: Option<u64>,
     bells: Vec<Bell>,
     phases: u32,
     /// The planned job; `None` while a replay runs (the executor holds it) or once poisoned.
@@ -77,13 +80,86 @@ pub fn fail_bell(b: &Bell, phases: u32, st: u32, msg: &str) {
     b.session.set_graph_error(b.slot, st, msg);
 }
 
+/// Above this many ops on a communicator, [`Registry::poll`] looks at the likely next ops on
+/// every call and at all of them every [`FULL_SCAN`] (a vLLM server captures thousands: one
+/// graph per batch size, a few ops per layer).
+const SCAN_ALL_BELOW: usize = 64;
+const FULL_SCAN: Duration = Duration::from_micros(200);
+
+/// One op's turn in [`Registry::poll`]: (moved, a session was lost, the job to start).
+fn check(p: &mut Persist, may_start: bool) -> (bool, bool, Option<GpuJob>) {
+    if let Some((st, msg)) = &p.poisoned {
+        let mut moved = false;
+        for (i, b) in p.bells.iter().enumerate() {
+            if !p.released[i] && b.graph_words().is_some_and(|w| w.fired()) {
+                fail_bell(b, p.phases, *st, msg);
+                moved = true;
+            }
+        }
+        return (moved, p.bells.iter().any(|b| b.session.is_closed()), None);
+    }
+    if p.job.is_none() {
+        return (false, false, None); // its replay is running
+    }
+    if !p.bells.iter().any(|b| b.ready(0)) {
+        p.partial_since = None;
+        return (false, false, None);
+    }
+    if let Some(b) = p.bells.iter().find(|b| b.session.is_closed()) {
+        let msg = format!(
+            "{}: rank {} (pid {}) was lost; this captured op cannot run again",
+            p.label, b.rank, b.session.pid
+        );
+        p.poison(status::PEER_LOST, msg, true);
+        return (true, true, None);
+    }
+    if p.bells.iter().all(|b| b.ready(0)) {
+        if may_start {
+            p.partial_since = None;
+            let j = p.job.take();
+            return (j.is_some(), false, j);
+        }
+        return (false, false, None);
+    }
+    let since = *p.partial_since.get_or_insert_with(Instant::now);
+    if since.elapsed() > p.timeout {
+        let msg = format!(
+            "{}: a replay of this captured op timed out after {:.1} s waiting for {}; the op is failed for good (a rank that captured a different sequence of ops, or stopped replaying its graph?)",
+            p.label,
+            since.elapsed().as_secs_f64(),
+            late_streams(&p.bells, 0).join(", ")
+        );
+        p.poison(status::TIMEOUT, msg, true);
+        return (true, false, None);
+    }
+    (false, false, None)
+}
+
 /// The executor's persistent ops, by communicator id and registration order.
-#[derive(Default)]
 pub struct Registry {
     by_comm: HashMap<u64, BTreeMap<u64, Persist>>,
     /// (session id, graph doorbell slot) -> (communicator id, op id).
     slots: HashMap<(u64, u32), (u64, u64)>,
     next: u64,
+    /// (communicator id, capture tag) -> (first op, last op) of that graph.
+    chains: HashMap<(u64, u32), (u64, u64)>,
+    /// Per communicator: ops expected to fire next (successors of the ops that ran), and when
+    /// every op was last looked at.
+    expect: HashMap<u64, (Vec<u64>, Option<Instant>)>,
+    full_every: Duration,
+}
+
+impl Default for Registry {
+    fn default() -> Self {
+        Self {
+            by_comm: HashMap::new(),
+            slots: HashMap::new(),
+            next: 0,
+            chains: HashMap::new(),
+            expect: HashMap::new(),
+            full_every: FULL_SCAN,
+        }
+    }
 }
 
 impl Registry {
@@ -96,12 +172,30 @@ impl Registry {
         self.by_comm.keys().copied().collect()
     }
 
-    fn insert(&mut self, comm: u64, p: Persist) {
+    fn insert(&mut self, comm: u64, tag: u32, mut p: Persist) {
         self.next += 1;
+        let id = self.next;
         for b in &p.bells {
-            self.slots.insert((b.session.id, b.slot), (comm, self.next));
+            self.slots.insert((b.session.id, b.slot), (comm, id));
         }
-        self.by_comm.entry(comm).or_default().insert(self.next, p);
+        let ops = self.by_comm.entry(comm).or_default();
+        // Chain the graph's ops in capture order, the last one back to the first.
+        match self.chains.get_mut(&(comm, tag)) {
+            Some((head, tail)) if tag != 0 => {
+                if let Some(t) = ops.get_mut(tail) {
+                    t.next = Some(id);
+                }
+                p.next = Some(*head);
+                *tail = id;
+            }
+            _ => {
+                p.next = Some(id);
+                if tag != 0 {
+                    self.chains.insert((comm, tag), (id, id));
+                }
+            }
+        }
+        ops.insert(id, p);
     }
 
     /// Registers a matched persistent op and completes its posts (the clients' captures).
@@ -135,7 +229,9 @@ impl Registry {
         let n = job.bells.len();
         self.insert(
             job.comm_id,
+            job.graph_tag,
             Persist {
+                next: None,
                 label: job.label.clone(),
                 bells: job.bells.clone(),
                 phases: job.phases.len() as u32,
@@ -157,7 +253,9 @@ impl Registry {
             }
             self.insert(
                 ORPHANS,
+                0,
                 Persist {
+                    next: None,
                     label: msg.clone(),
                     bells: vec![b],
                     phases,
@@ -225,64 +323,42 @@ impl Registry {
             });
         }
         self.by_comm.retain(|_, m| !m.is_empty());
+        let by_comm = &self.by_comm;
+        self.chains
+            .retain(|(c, _), (head, _)| by_comm.get(c).is_some_and(|m| m.contains_key(head)));
+        self.expect.retain(|c, _| by_comm.contains_key(c));
     }
 
     /// Looks at communicator `comm`'s persistent ops: releases firings of poisoned ones, fails
     /// replays that a rank cannot join, and returns (if `may_start`) one op whose every rank
-    /// fired a replay, with its job to run. Returns whether anything moved.
+    /// fired a replay, with its job to run. Returns whether anything moved. Small registries are
+    /// scanned whole on every call; large ones look at the ops expected next (the successors
+    /// in their graphs of the ops that ran) on every call and at all ops every 200 us.
     pub fn poll(&mut self, comm: u64, may_start: bool) -> (bool, Option<(u64, GpuJob)>) {
         let Some(ops) = self.by_comm.get_mut(&comm) else {
             return (false, None);
         };
+        let (expect, full_at) = self.expect.entry(comm).or_default();
+        let full =
+            ops.len() < SCAN_ALL_BELOW || full_at.is_none_or(|t| t.elapsed() >= self.full_every);
+        let ids: Vec<u64> = if full {
+            *full_at = Some(Instant::now());
+            ops.keys().copied().collect()
+        } else {
+            expect.clone()
+        };
         let mut moved = false;
         let mut start = None;
         let mut lost_any = false;
-        for (id, p) in ops.iter_mut() {
-            if let Some((st, msg)) = &p.poisoned {
-                for (i, b) in p.bells.iter().enumerate() {
-                    if !p.released[i] && b.graph_words().is_some_and(|w| w.fired()) {
-                        fail_bell(b, p.phases, *st, msg);
-                        moved = true;
-                    }
-                }
-                lost_any |= (0..p.bells.len()).any(|i| p.bells[i].session.is_closed());
-                continue;
-            }
-            if p.job.is_none() {
-                continue; // its replay is running
-            }
-            if !p.bells.iter().any(|b| b.ready(0)) {
-                p.partial_since = None;
-                continue;
-            }
-            if let Some(b) = p.bells.iter().find(|b| b.session.is_closed()) {
-                let msg = format!(
-                    "{}: rank {} (pid {}) was lost; this captured op cannot run again",
-                    p.label, b.rank, b.session.pid
-                );
-                p.poison(status::PEER_LOST, msg, true);
-                moved = true;
-                lost_any = true;
-                continue;
-            }
-            if p.bells.iter().all(|b| b.ready(0)) {
-                if may_start && start.is_none() {
-                    p.partial_since = None;
-                    start = p.job.take().map(|j| (*id, j));
-                    moved = true;
-                }
-                continue;
-            }
-            let since = *p.partial_since.get_or_insert_with(Instant::now);
-            if since.elapsed() > p.timeout {
-                let msg = format!(
-                    "{}: a replay of this captured op timed out after {:.1} s waiting for {}; the op is failed for good (a rank that captured a different sequence of ops, or stopped replaying its graph?)",
-                    p.label,
-                    since.elapsed().as_secs_f64(),
-                    late_streams(&p.bells, 0).join(", ")
-                );
-                p.poison(status::TIMEOUT, msg, true);
-                moved = true;
+        for id in ids {
+            let Some(p) = ops.get_mut(&id) else { continue };
+            let (m, lost, s) = check(p, may_start && start.is_none());
+            moved |= m;
+            lost_any |= lost;
+            if let Some(j) = s {
+                // Once it ran, its graph's next op is the one to watch.
+                *expect = p.next.into_iter().collect();
+                start = Some((id, j));
             }
         }
         if lost_any {
@@ -351,6 +427,7 @@ mod tests {
             timeout,
             pacer: Arc::new(crate::pacing::Pacer::new(None)),
             persistent: true,
+            graph_tag: 1,
         }
     }
 
@@ -500,6 +577,47 @@ mod tests {
         fire(&ss[0], 1);
         fire(&ss[1], 1);
         assert!(reg.poll(COMM, true).1.is_some(), "the live op still runs");
+    }
+
+    #[test]
+    fn a_large_registry_watches_each_graphs_next_op_first() {
+        let ss = [session(1)];
+        let mut reg = Registry {
+            full_every: Duration::from_secs(3600),
+            ..Default::default()
+        };
+        // Graph B (tag 2) first, so a full scan would find B's ops before A's.
+        for (tag, base) in [(2, 0), (1, 100)] {
+            for k in 0..50 {
+                let mut j = job(&ss, &[base + k], 1, Duration::from_secs(60));
+                j.graph_tag = tag;
+                reg.register(j);
+            }
+        }
+        let run = |reg: &mut Registry, want_slot: u32| {
+            let (id, j) = reg.poll(COMM, true).1.expect("an op fired");
+            assert_eq!(j.bells[0].slot, want_slot);
+            j.bells[0].graph_words().unwrap().phase_done(0, true);
+            reg.finished(COMM, id, j, None);
+        };
+        fire(&ss[0], 100);
+        run(&mut reg, 100); // the first poll scans everything
+        // A's next op and B's first op fire together: A's comes first (it is expected) ...
+        fire(&ss[0], 101);
+        fire(&ss[0], 0);
+        run(&mut reg, 101);
+        // ... and B's, not expected, waits for the next full scan.
+        assert!(reg.poll(COMM, true).1.is_none());
+        reg.full_every = Duration::ZERO;
+        run(&mut reg, 0);
+        // After A's last op, A's first is expected again (a graph replayed in a loop).
+        reg.full_every = Duration::from_secs(3600);
+        fire(&ss[0], 149);
+        reg.full_every = Duration::ZERO;
+        run(&mut reg, 149);
+        reg.full_every = Duration::from_secs(3600);
+        fire(&ss[0], 100);
+        run(&mut reg, 100);
     }
 
     #[test]

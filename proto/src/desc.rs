@@ -108,8 +108,10 @@ pub mod flags {
     /// whose flag disagrees with the communicator.
     pub const HOST_STAGED: u32 = 4;
     /// With [`CUDA`]: a persistent op, captured into a CUDA graph (DESIGN.md contract 6).
-    /// `ticket` is the index of the op's own graph doorbell slot ([`graph_doorbell`](super::graph_doorbell)),
-    /// not a ticket. Posting it registers the op: the daemon matches it across ranks like any op
+    /// `ticket` is not a ticket: its low 32 bits are the index of the op's own graph doorbell
+    /// slot ([`graph_doorbell`](super::graph_doorbell)), its high 32 bits a tag of the capture
+    /// (the same for every op of one graph; the executor expects a graph's ops to fire in
+    /// capture order, and the first again after the last). Posting it registers the op: the daemon matches it across ranks like any op
     /// and completes the descriptor at once; the op then runs on every replay of the graph, each
     /// time every rank's stream writes `1 + p` into the slot's ready word for phase `p`. Not
     /// with [`HOST_STAGED`].
@@ -610,6 +612,8 @@ pub struct Op {
     pub staged: bool,
     /// [`flags::PERSISTENT`]: `cuda_ticket` is the op's graph doorbell slot.
     pub persistent: bool,
+    /// [`flags::PERSISTENT`]: the capture's tag (0 for other ops).
+    pub graph_tag: u32,
 }
 
 impl Op {
@@ -651,10 +655,10 @@ impl SubmitDesc {
             return Err(DescError::Staged);
         }
         let persistent = self.flags & flags::PERSISTENT != 0;
-        if persistent && (!cuda || staged || self.ticket >= u64::from(graph_doorbell::SLOTS)) {
+        if persistent && (!cuda || staged || (self.ticket as u32) >= graph_doorbell::SLOTS) {
             return Err(DescError::Persistent);
         }
-        if (!cuda && self.ticket != 0) || self.ticket > u64::from(u32::MAX) {
+        if (!cuda && self.ticket != 0) || (!persistent && self.ticket > u64::from(u32::MAX)) {
             return Err(DescError::Ticket(self.ticket));
         }
         if self.count > MAX_COUNT {
@@ -680,6 +684,11 @@ impl SubmitDesc {
             one_shot,
             staged,
             persistent,
+            graph_tag: if persistent {
+                (self.ticket >> 32) as u32
+            } else {
+                0
+            },
         })
     }
 }
@@ -828,6 +837,9 @@ mod tests {
         let op = d.decode().unwrap();
         assert!(op.persistent);
         assert_eq!(op.cuda_ticket, Some(graph_doorbell::SLOTS - 1));
+        d.ticket = (9 << 32) | 5;
+        let op = d.decode().unwrap();
+        assert_eq!((op.cuda_ticket, op.graph_tag), (Some(5), 9));
         d.ticket = u64::from(graph_doorbell::SLOTS);
         assert!(matches!(d.decode(), Err(DescError::Persistent)));
         d.ticket = 0;
@@ -853,10 +865,10 @@ mod tests {
                 prop_assert_eq!(op.staged, d.flags & flags::HOST_STAGED != 0);
                 prop_assert!(!op.staged || (cuda && !op.one_shot));
                 prop_assert_eq!(op.persistent, d.flags & flags::PERSISTENT != 0);
-                prop_assert!(!op.persistent || (cuda && !op.staged && d.ticket < u64::from(graph_doorbell::SLOTS)));
-                let ticket_ok = if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 };
+                prop_assert!(!op.persistent || (cuda && !op.staged && (d.ticket as u32) < graph_doorbell::SLOTS));
+                let ticket_ok = if op.persistent { true } else if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 };
                 prop_assert!(ticket_ok);
-                prop_assert_eq!(op.cuda_ticket.map(u64::from), cuda.then_some(d.ticket));
+                prop_assert_eq!(op.cuda_ticket.map(u64::from), cuda.then_some(d.ticket & u64::from(u32::MAX)));
                 prop_assert_eq!(op.redop.is_some(), op.kind.reduces());
                 let float_bitwise = op.dtype.is_float() && op.redop.is_some_and(RedOp::is_bitwise);
                 prop_assert_eq!(op.check().is_err(), float_bitwise);

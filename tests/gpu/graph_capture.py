@@ -107,6 +107,12 @@ def cases() -> list[Case]:
     cs.append(Case("send/recv (batch_isend_irecv)", [x], [r], lambda i, o: [
         q.wait() for q in dist.batch_isend_irecv([
             dist.P2POp(dist.isend, i[0], peer_next), dist.P2POp(dist.irecv, o[0], peer_prev)])]))
+    # torch's functional collectives (what torch.compile traces), out of place.
+    import torch.distributed._functional_collectives as funcol
+    x = torch.empty(n, device=dev)
+    y = torch.empty(n, device=dev)
+    cs.append(Case("functional all_reduce", [x], [y], lambda i, o: o[0].copy_(
+        funcol.all_reduce(i[0], "sum", dist.group.WORLD))))
     # Many ops in one graph.
     xs = [torch.empty(4096 * (j + 1), device=dev) for j in range(10)]
     cs.append(Case("10 all_reduces in one graph", xs, xs,

@@ -241,7 +241,8 @@ class CudaOps:
                 t.record_stream(s)
             ev = torch.cuda.Event()
             ev.record(s)
-        keep = list(tensors)
+        # Captured ops: the graph keeps their memory (see Communicator.cuda_op), nothing to hold.
+        keep = [] if torch.cuda.is_current_stream_capturing() else list(tensors)
 
         def release() -> None:
             keep.clear()

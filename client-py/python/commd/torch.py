@@ -250,6 +250,22 @@ def _base_class() -> type:
 class CommdBackend(_base_class()):  # type: ignore[misc]
     """A process group backend whose collectives run in the node's commd daemon."""
 
+    if _base_class() is dist.ProcessGroup:
+        # torch < 2.12: the backend *is* the process group (torch uses a ProcessGroup returned
+        # by a backend's creator as the group itself). Such a group has no per-device backends,
+        # where c10d keeps the group's name, so `group_name` raised "ProcessGroup name not set"
+        # and torch's functional collectives (what torch.compile traces) could not resolve it.
+        def _set_group_name(self, name: str) -> None:
+            self._commd_group_name = name
+            super()._set_group_name(name)
+
+        @property
+        def group_name(self) -> str:
+            name = getattr(self, "_commd_group_name", None)
+            if name is None:
+                raise RuntimeError("ProcessGroup name not set")
+            return name
+
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta | None = None,
                  group_name: str = "") -> None:
         super().__init__(rank, size)
@@ -405,6 +421,10 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any) -> Any:
+        if inputs and _is_cuda(inputs[0]):
+            works = [self.allgather([o], [i], opts)
+                     for o, i in zip(output_lists, inputs, strict=True)]
+            return works[-1] if len(works) == 1 else _join(works, output_lists)
         hs = [self._allgather_h(o, i) for o, i in zip(output_lists, inputs, strict=True)]
         return self._work(Handle.all(hs), output_lists, opts)
 
@@ -424,6 +444,12 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
 
     def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any) -> Any:
+        # GPU: one stream-ordered op per pair (torch's functional all_gather_tensor and FSDP
+        # come here), joined into one Work.
+        if inputs and _is_cuda(inputs[0]):
+            works = [self._allgather_base(o, i, opts)
+                     for o, i in zip(outputs, inputs, strict=True)]
+            return works[-1] if len(works) == 1 else _join(works, outputs)
         hs = [self._allgather_base_h(o, i) for o, i in zip(outputs, inputs, strict=True)]
         return self._work(Handle.all(hs), outputs, opts)
 
@@ -466,6 +492,10 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor],
                                         inputs: list[torch.Tensor], opts: Any) -> Any:
+        if outputs and _is_cuda(outputs[0]):
+            works = [self._reduce_scatter_base(o, i, opts)
+                     for o, i in zip(outputs, inputs, strict=True)]
+            return works[-1] if len(works) == 1 else _join(works, outputs)
         hs = [self._reduce_scatter_base_h(o, i, opts.reduceOp)
               for o, i in zip(outputs, inputs, strict=True)]
         return self._work(Handle.all(hs), outputs, opts)

@@ -952,8 +952,9 @@ impl Communicator {
             recv_mem: recv.0,
             send_off: send.1,
             recv_off: recv.1,
+            // A captured op: its slot, and its capture as the tag (`flags::PERSISTENT`).
             ticket: match graph_slot {
-                Some((slot, _, _)) => u64::from(slot),
+                Some((slot, _, id)) => u64::from(slot) | (u64::from((id as u32).max(1)) << 32),
                 None => u64::from(ticket),
             },
         };

@@ -426,6 +426,7 @@ mod tests {
             one_shot: false,
             staged: false,
             persistent: false,
+            graph_tag: 0,
         }
     }
 
