@@ -118,7 +118,6 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   # replays, graphs destroyed (their slots come back); replay vs eager latency.
   run "graph-capture-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
   [ "$ngpu" -ge 4 ] && run "graph-capture-4-ranks" "${tr[@]}" 4 tests/gpu/graph_capture.py
-  run "graph-compile-2-ranks" "${tr[@]}" 2 tests/gpu/graph_compile.py
   run "graph-kill-2-ranks" tests/gpu/graph_kill.sh
   run "graph-latency-commd-2-ranks" "${tr[@]}" 2 client-py/benchmarks/graph_latency.py \
     --backend commd --json "$out/graph_latency.jsonl"

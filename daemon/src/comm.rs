@@ -426,7 +426,7 @@ impl Comm {
                     }
                     let mut p = p;
                     p.transport = crate::telemetry::transport::TCP;
-                    return Some(Step::Net(net::Cmd::P2p(p)));
+                    return Some(Step::Net(net::Cmd::P2p(Box::new(p))));
                 }
             }
         }

@@ -51,13 +51,18 @@ class FastCudaWork(_Work):
     """Work of an op posted by ``Communicator.cuda_op``: ``wait`` makes the caller's current
     stream wait (on the GPU) for the op's done event; the CPU never blocks."""
 
-    def __init__(self, req: Any, dev: int, result: Any) -> None:
+    def __init__(self, req: Any, dev: int, result: Any, captured: bool = False) -> None:
         super().__init__()
         self._req = req  # commd._native.CudaRequest
         self._dev = dev
         self._result = result
         self._fut: Future | None = None
         self._h: Handle | None = None
+        # Captured into a CUDA graph: the op "completes" on each replay, on the GPU; on the CPU
+        # there is nothing to track, and holding the tensors (a future watched until the
+        # daemon registered the op) would keep graph-pool memory alive that torch's graph
+        # trees expect freed when the capture ends.
+        self._captured = captured
 
     def wait(self, timeout: Any = None) -> bool:
         # Raises the op's error if it already failed; one still running reports through its
@@ -71,10 +76,10 @@ class FastCudaWork(_Work):
         return self._h
 
     def is_completed(self) -> bool:
-        return self._handle().is_completed()
+        return self._captured or self._handle().is_completed()
 
     def is_success(self) -> bool:
-        return self.is_completed() and self._handle().exception() is None
+        return self._captured or (self.is_completed() and self._handle().exception() is None)
 
     def exception(self) -> Any:
         return self._handle().exception()
@@ -91,7 +96,10 @@ class FastCudaWork(_Work):
 
         if self._fut is None:
             self._fut = Future()
-            _progress.watch(self._handle(), self._fut, _flat_tensors(self._result))
+            if self._captured:
+                self._fut.set_result(_flat_tensors(self._result))
+            else:
+                _progress.watch(self._handle(), self._fut, _flat_tensors(self._result))
         return self._fut
 
 
@@ -214,7 +222,7 @@ class CudaOps:
                 s = self._raw[dev]
         req = self._native.cuda_op(code[0], peer, t.numel() * code[1], (send, recv, s, now),
                                    keep)
-        return FastCudaWork(req, dev, result)
+        return FastCudaWork(req, dev, result, torch.cuda.is_current_stream_capturing())
 
     def run(self, tensors: list[torch.Tensor], result: Any,
             post: Callable[[int], list[Any]],

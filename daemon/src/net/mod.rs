@@ -92,7 +92,7 @@ pub enum Cmd {
     /// A matched collective: this node's ops (ascending rank) and the plan input.
     Coll { coll: Coll, ops: Vec<Posted> },
     /// A send to, or receive from, a rank on another node.
-    P2p(Posted),
+    P2p(Box<Posted>),
     /// An intra-node step that must stay ordered with the network work.
     Run(Box<dyn FnOnce() + Send>),
     /// This node gives up on the communicator (a local rank died, shutdown): tell the peers.
@@ -320,7 +320,7 @@ impl Thread {
                         }
                     }
                     Cmd::Run(f) => f(),
-                    Cmd::P2p(p) => t.post_p2p(wire.as_mut(), p),
+                    Cmd::P2p(p) => t.post_p2p(wire.as_mut(), *p),
                     Cmd::Coll { coll, ops } => t.coll(wire.as_mut(), coll, ops),
                 }
             }
