@@ -68,6 +68,10 @@ class FastCudaWork(_Work):
         # Raises the op's error if it already failed; one still running reports through its
         # stream (released with the error word set) and through is_completed()/get_future().
         self._req.cuda_wait(_raw_stream(self._dev))
+        if self._captured:
+            # torch keeps a functional collective's Work registered (from C++) past the end of
+            # the capture; its tensors must not live on through it (graph-pool memory).
+            self._result = None
         return True
 
     def _handle(self) -> Handle:
