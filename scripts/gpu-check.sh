@@ -3,7 +3,11 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|all] [OUTDIR]
+# `jobstart` (issue 23; run only by name): client-py/benchmarks/job_start.py, communicator
+# start-up time and GPU memory, commd against NCCL on all GPUs (and 2 commd ranks sharing one
+# GPU on a one-GPU machine), then 10 short jobs back to back on one daemon: jobstart.log and
+# jobstart.jsonl.
 # `graphs` (also part of `tests`): tests/gpu/graph_capture.py, every GPU op captured into CUDA
 # graphs and replayed with new data against eager results (contract 6), 2 ranks (sharing the
 # GPU on a one-GPU machine) and 4 where there are 4 GPUs; tests/gpu/graph_kill.sh (a rank killed
@@ -47,8 +51,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -139,6 +143,10 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   COMMD_SOCKET=$sockdir/kill.sock COMMD_TEST_DAEMON_PID=$kpid \
     run "kill-daemon-2-ranks" "${tr[@]}" 2 tests/gpu/kill_daemon.py
   wait $kpid 2>/dev/null
+fi
+if [ "$what" = jobstart ]; then
+  COMMD_BIN=$bin run "jobstart" python3 client-py/benchmarks/job_start.py \
+    --json "$out/jobstart.jsonl" --log-dir "$out"
 fi
 if [ "$what" = tests ] || [ "$what" = vmm ] || [ "$what" = all ]; then
   # cuMem memory (expandable segments): POSIX-fd registration, many pieces, remapped pieces;
