@@ -123,6 +123,8 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   run "graph-capture-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
   [ "$ngpu" -ge 4 ] && run "graph-capture-4-ranks" "${tr[@]}" 4 tests/gpu/graph_capture.py
   run "graph-kill-2-ranks" tests/gpu/graph_kill.sh
+  # Communicators of one rank share the daemon's scratch: concurrent reductions stay right.
+  run "shared-scratch-2-ranks" "${tr[@]}" 2 tests/gpu/shared_scratch.py
   run "graph-latency-commd-2-ranks" "${tr[@]}" 2 client-py/benchmarks/graph_latency.py \
     --backend commd --json "$out/graph_latency.jsonl"
   if [ "$ngpu" -ge 2 ]; then

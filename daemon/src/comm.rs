@@ -647,6 +647,20 @@ impl Comm {
             Ok(p) => p,
             Err(why) => return fail(ops, status::INVALID, why),
         };
+        // The scratch its reductions use, shared with the ranks' other communicators.
+        let mut scratch_keys: Vec<usize> = if o.kind.reduces() && !o.kind.is_p2p() {
+            self.scratch
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .flatten()
+                .map(|s| Arc::as_ptr(&s.mem) as usize)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        scratch_keys.sort_unstable();
+        scratch_keys.dedup();
         let mut bells = Vec::with_capacity(ops.len());
         for p in &ops {
             let Some(t) = p.cuda else {
@@ -685,6 +699,7 @@ impl Comm {
             pacer: self.pacer.clone(),
             persistent: o.persistent,
             graph_tag: o.graph_tag,
+            scratch: scratch_keys,
         })
     }
 

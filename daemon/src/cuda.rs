@@ -1330,6 +1330,10 @@ pub struct GpuJob {
     pub persistent: bool,
     /// The capture's tag (`flags::PERSISTENT`), as rank 0 of the op named it.
     pub graph_tag: u32,
+    /// The scratch allocations its reductions use (`DevMem` addresses): a job starts only when
+    /// no other job holds one of them, and holds them until it finishes, since a session's
+    /// communicators on one GPU share their scratch (`session::Tables::scratch_pool`).
+    pub scratch: Vec<usize>,
 }
 
 enum State {
@@ -1404,6 +1408,8 @@ struct Active {
     ahead: Vec<(usize, sys::CUevent)>,
     /// A failed replay's status and message (persistent jobs only; set by `finish`).
     failure: Option<(u32, String)>,
+    /// It holds its scratch (`GpuJob::scratch`), from its first phase's start to its end.
+    holds: bool,
 }
 
 /// Work for the executor thread.
@@ -1428,6 +1434,9 @@ enum Cmd {
 struct Executor {
     incoming: Mutex<VecDeque<Cmd>>,
     cv: Condvar,
+    /// Scratch allocations held by a running job (`GpuJob::scratch`); the executor thread
+    /// alone uses it (a mutex only for `Sync`).
+    busy: Mutex<std::collections::HashSet<usize>>,
 }
 
 impl Executor {
@@ -1485,6 +1494,7 @@ impl Executor {
                             },
                             ahead: Vec::new(),
                             failure: None,
+                            holds: false,
                         }),
                         Cmd::Register(job) => graphs.register(job),
                         Cmd::Poison {
@@ -1547,6 +1557,7 @@ impl Executor {
                                 },
                                 ahead: Vec::new(),
                                 failure: None,
+                                holds: false,
                             },
                         ),
                     );
@@ -1621,6 +1632,16 @@ fn step(cuda: &'static Cuda, times: &mut PhaseTimes, a: &mut Active) -> (bool, b
                     return (true, true);
                 }
                 return (false, false);
+            }
+            // A scratch shared with another communicator's running job: wait for it (only
+            // reductions have scratch; jobs of one communicator already run in order).
+            if !a.holds && !a.job.scratch.is_empty() {
+                let mut busy = cuda.exec.busy.lock().unwrap_or_else(|e| e.into_inner());
+                if a.job.scratch.iter().any(|k| busy.contains(k)) {
+                    return (false, false);
+                }
+                busy.extend(a.job.scratch.iter().copied());
+                a.holds = true;
             }
             // Pacing: the phase starts once the communicator's cap allows its bytes (the
             // busiest source GPU's, which is what competes with that GPU's compute).
@@ -1756,6 +1777,14 @@ fn finish(cuda: &Cuda, a: &mut Active, st: u32, msg: Option<String>) {
         // SAFETY: the event was recorded by us and is not destroyed while in a job.
         let _ = unsafe { sys::cuEventSynchronize(e) };
         cuda.recycle(g, e);
+    }
+    // Every copy into the scratch is done (a phase ends with its copies' events): free it.
+    if a.holds {
+        let mut busy = cuda.exec.busy.lock().unwrap_or_else(|e| e.into_inner());
+        for k in &a.job.scratch {
+            busy.remove(k);
+        }
+        a.holds = false;
     }
     crate::telemetry::op_status(&a.job.span, st);
     if a.job.persistent && st != status::OK {

@@ -1185,11 +1185,22 @@ impl Daemon {
             let h = c.export(&existing.mem).map_err(DaemonError::Internal)?;
             return Ok((h, c.slot_bytes, bytes));
         }
-        let mem = c
-            .alloc(uuid, bytes)
-            .map_err(DaemonError::ResourceExhausted)?;
+        // The session's scratch on that GPU, shared by its communicators (see
+        // `Tables::scratch_pool`; the executor runs jobs sharing a scratch one at a time).
+        let pooled = gpu.and_then(|g| s.tables().scratch_pool.get(&(g, bytes)).cloned());
+        let mem = match pooled {
+            Some(m) => m,
+            None => {
+                let m = Arc::new(
+                    c.alloc(uuid, bytes)
+                        .map_err(DaemonError::ResourceExhausted)?,
+                );
+                s.tables().scratch_pool.insert((m.gpu, bytes), m.clone());
+                m
+            }
+        };
         let h = c.export(&mem).map_err(DaemonError::Internal)?;
-        let span = crate::cuda::GpuSpan::new(Arc::new(mem), 0, bytes)
+        let span = crate::cuda::GpuSpan::new(mem, 0, bytes)
             .ok_or_else(|| DaemonError::Internal("scratch span".into()))?;
         sc[rank as usize] = Some(span);
         crate::telemetry::comm_device(&comm, rank, &sc);

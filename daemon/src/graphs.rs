@@ -428,6 +428,7 @@ mod tests {
             pacer: Arc::new(crate::pacing::Pacer::new(None)),
             persistent: true,
             graph_tag: 1,
+            scratch: Vec::new(),
         }
     }
 

@@ -40,6 +40,11 @@ pub struct Tables {
     pub ipc_cache: HashMap<Vec<u8>, u32>,
     /// Communicator handle -> doorbell slot.
     pub doorbell_slots: HashMap<u32, u32>,
+    /// GPU scratch shared by this session's communicators, by (GPU, bytes): a rank's
+    /// communicators on one GPU reduce through the same scratch, one op at a time (the
+    /// executor serializes the jobs that share one), instead of one allocation each
+    /// (64 communicators of 2 ranks held 8 GiB per rank before; issue 23).
+    pub scratch_pool: HashMap<(usize, u64), Arc<DevMem>>,
     errors: HashMap<u64, (u32, String)>,
     error_order: VecDeque<u64>,
     /// Graph doorbell slot -> the status and message of the first failed replay of the

@@ -55,6 +55,10 @@ pub(crate) struct SessionGpu {
     events: Arc<EventPool>,
     /// Graph doorbell slots of captured ops (`graph`).
     graphs: graph::GraphSlots,
+    /// The daemon's scratch allocations opened in this process, by IPC handle: the daemon
+    /// gives every communicator of a session on one GPU the same scratch (it runs their
+    /// reductions one at a time), and a handle can be opened once per context.
+    scratch_maps: HashMap<Vec<u8>, sys::CUdeviceptr>,
     pub(crate) registrations: u64,
     pub(crate) cache_hits: u64,
 }
@@ -610,7 +614,7 @@ pub(crate) fn stats(i: &Inner) -> (u64, u64) {
 }
 
 impl Communicator {
-    fn scratch(&self, c: &mut CommGpu, device: i32) -> Result<Scratch> {
+    fn scratch(&self, c: &mut CommGpu, g: &mut SessionGpu, device: i32) -> Result<Scratch> {
         if let Some(s) = c.scratch {
             if s.device != device {
                 return Err(Error::InvalidArgument(format!(
@@ -642,7 +646,14 @@ impl Communicator {
         let ptr = if rep.ipc_handle.is_empty() {
             0
         } else {
-            cu::ipc_open(&rep.ipc_handle, "cuIpcOpenMemHandle(daemon scratch)")?
+            match g.scratch_maps.get(&rep.ipc_handle) {
+                Some(&p) => p,
+                None => {
+                    let p = cu::ipc_open(&rep.ipc_handle, "cuIpcOpenMemHandle(daemon scratch)")?;
+                    g.scratch_maps.insert(rep.ipc_handle.clone(), p);
+                    p
+                }
+            }
         };
         let s = Scratch {
             ptr,
@@ -832,7 +843,7 @@ impl Communicator {
         }
         let kernel_reduces = a.kind.reduces() && !staged;
         let scratch = if kernel_reduces {
-            Some(self.scratch(&mut c, device.unwrap_or(0))?)
+            Some(self.scratch(&mut c, &mut g, device.unwrap_or(0))?)
         } else {
             None
         };
