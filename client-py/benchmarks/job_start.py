@@ -17,7 +17,7 @@ runs fresh jobs (one process per rank, the env:// rendezvous torchrun uses) of t
   per pid) after the largest K, minus before `init_process_group` (CUDA context and the test
   tensors included in both); the daemon's own GPU memory (its pid) before and after, divided by
   the number of ranks it serves, reported separately.
-- ten short jobs back to back on one daemon (commd): each job's first-collective time, the
+- ten short jobs back to back on one daemon (commd, 2 ranks at least): each job's first-collective time, the
   daemon's IPC handle opens during the job, and the daemon's resources after the job (sessions,
   communicators, open handles, RSS, GPU memory) against its idle level before the first.
 
@@ -289,7 +289,9 @@ def main() -> None:
                   "gpu_mem_per_process_mib": med(mems) if mems else None,
                   "daemon_gpu_mem_per_rank_mib": med(dmem) if dmem else None,
                   "correct": ok})
-        # Ten short jobs back to back on one (fresh) daemon.
+        # Ten short jobs back to back on one (fresh) daemon: with two ranks at least (ranks
+        # sharing a GPU on a one-GPU machine), so that they register memory and reduce.
+        b2b = max(ranks, 2)
         d = Daemon(a.log_dir)
         try:
             idle = d.status()
@@ -299,7 +301,7 @@ def main() -> None:
             jobs = []
             for j in range(a.back_to_back):
                 s0 = d.status()
-                res = run_job("commd", ranks, [], a.cpu, d)
+                res = run_job("commd", b2b, [], a.cpu, d)
                 time.sleep(0.2)  # the daemon ends sessions when their processes exit
                 s1 = d.status()
                 jobs.append({"first_collective_s": max(r["to_first_s"] for r in res),
@@ -309,7 +311,7 @@ def main() -> None:
                              "ipc_open_now": s1.get("ipc_open_now", 0),
                              "rss_mib": round(d.rss_mib(), 1),
                              "gpu_mib": gpu_mem_mib(d.p.pid) if ngpu else None})
-            emit({"backend": "commd", "setup": "back-to-back", "ranks": ranks, "idle": base,
+            emit({"backend": "commd", "setup": "back-to-back", "ranks": b2b, "idle": base,
                   "jobs": jobs})
         finally:
             d.stop()
