@@ -98,7 +98,9 @@ pub fn status_json(r: &pb::AdminStatusReply) -> serde_json::Value {
         "mapped_bytes": d.mapped_bytes, "ops_completed": d.ops_completed, "ops_failed": d.ops_failed,
         "pending_joins": d.pending_joins, "workers": d.workers, "session_list": sessions,
         "metrics_listen": r.metrics_listen, "otlp_endpoint": r.otlp_endpoint, "communicator_list": comms,
-        "cpu_claims": r.cpu_claims})
+        "cpu_claims": r.cpu_claims, "cuda_available": d.cuda_available, "gpus": d.gpus,
+        "ipc_opens": d.ipc_opens, "ipc_cache_hits": d.ipc_cache_hits, "ipc_open_us": d.ipc_open_us,
+        "ipc_open_now": d.ipc_open_now, "gpu_ops": d.gpu_ops})
 }
 
 /// "uid 1000: 3 sessions, 2 communicators, 4 registrations (1048576 bytes), 10 ops": what each
@@ -609,5 +611,8 @@ mod tests {
         );
         let j = status_json(&r);
         assert_eq!(j["communicator_list"][0]["oldest"]["missing"][0], 2);
+        // The IPC handle cache counters are in the JSON (job_start.py counts opens per job).
+        assert_eq!(j["ipc_opens"], 0);
+        assert!(j.get("ipc_open_now").is_some());
     }
 }
