@@ -60,3 +60,22 @@ def test_bench_rejects_bad_arguments():
     assert out.returncode == 2 and "invalid size" in out.stderr, out.stderr
     out = commd("bench", "--ranks", "2", "--root", "5", "--op", "broadcast")
     assert out.returncode == 1 and "--root 5 is out of range" in out.stderr, out.stderr
+
+
+def test_logs_to_a_file_carry_no_colour_codes_and_bench_ends_quietly():
+    """A daemon whose stderr is a file (the journal, a log file) writes no ANSI escapes, and a
+    normal `commd bench` (embedded daemon) logs no warning when it stops it."""
+    for nodes in ("1", "2"):
+        out = commd("bench", "--nodes", nodes, "--ranks", "2", "--op", "all_reduce",
+                    "--max-bytes", "4K")
+        assert out.returncode == 0, out.stderr
+        assert "\x1b[" not in out.stderr, repr(out.stderr[:500])
+        assert "WARN" not in out.stderr and "ERROR" not in out.stderr, out.stderr[-2000:]
+
+
+def test_logs_to_a_file_carry_no_colour_codes(daemon):
+    """A daemon whose stderr is a file (the journal, a log file) writes no ANSI escapes."""
+    run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 16}])
+    log = daemon.log()
+    assert "commd" in log and "serving" in log, log[-2000:]
+    assert "\x1b[" not in log, repr(log[:500])

@@ -268,6 +268,12 @@ pub fn run(
             let mut v = Vec::new();
             for i in 0..a.nodes {
                 let mut c = cfg.clone();
+                // Embedded daemons serve /metrics on an ephemeral port of the configured
+                // address: several of them (--nodes), or one beside the host's own daemon,
+                // would otherwise fight over the same port (an ERROR each).
+                if let Some(m) = &mut c.telemetry.metrics_listen {
+                    m.set_port(0);
+                }
                 if a.nodes > 1 {
                     c.socket = cfg.socket.with_file_name(format!("node{i}.sock"));
                     c.peer_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));

@@ -14,6 +14,10 @@ use tokio::sync::oneshot;
 
 use crate::config::Config;
 use crate::control::LocalService;
+
+/// The stop reason of a daemon embedded in another process (`commd bench`) that the embedder
+/// stopped: its normal end, logged at INFO.
+const STOPPED_BY_EMBEDDER: &str = "stopped by its embedding process";
 use crate::daemon::Daemon;
 
 /// Process exit codes of `commd` (documented in README.md).
@@ -127,7 +131,7 @@ impl Running {
 
     fn stop_inner(&mut self) -> Result<(), ServeError> {
         if let Some(tx) = self.stop.take() {
-            let _ = tx.send("stopped by its embedding process");
+            let _ = tx.send(STOPPED_BY_EMBEDDER);
         }
         match self.thread.take() {
             Some(t) => t.join().unwrap_or_else(|_| {
@@ -234,7 +238,12 @@ pub fn run(
             if let Some(n) = &n {
                 n.stopping(&format!("shutting down: {reason}; failing in-flight ops"));
             }
-            tracing::warn!(target: "commd::init", "shutting down: {reason}");
+            if reason == STOPPED_BY_EMBEDDER {
+                // The normal end of an embedded daemon (`commd bench`): not a warning.
+                tracing::info!(target: "commd::init", "shutting down: {reason}");
+            } else {
+                tracing::warn!(target: "commd::init", "shutting down: {reason}");
+            }
             d.shutdown(reason);
             let _ = sig_tx.send(reason);
         });

@@ -31,13 +31,24 @@ pub fn filter(cfg: &Config) -> String {
     f
 }
 
+/// Whether text logs are coloured: only on a terminal, and not when `NO_COLOR` is set to a
+/// non-empty value (no-color.org). Logs written to a file or the journal carry no escape codes.
+pub fn colour(stderr_is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
+}
+
 /// Installs the process's subscriber: stderr (text or JSON) and, when `serving` and an OTLP
 /// endpoint is configured, trace export. Safe to call more than once (later calls do nothing).
 pub fn init(cfg: &Config, serving: bool) {
     let json = cfg.telemetry.log_json;
+    let ansi = colour(
+        std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        std::env::var_os("NO_COLOR").as_deref(),
+    );
     let text_layer = (!json).then(|| {
         tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
+            .with_ansi(ansi)
             .with_thread_names(true)
             .with_filter(EnvFilter::new(filter(cfg)))
     });
@@ -89,4 +100,24 @@ pub fn init(cfg: &Config, serving: bool) {
 pub fn log_path(comm: &str, path: &str, transport: &str, reason: &str) {
     tracing::info!(target: "commd::init", comm, path, transport, reason,
         "{comm}: {path} via {transport}: {reason}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::colour;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        assert!(colour(true, None));
+        assert!(
+            !colour(false, None),
+            "a file or the journal gets no escape codes"
+        );
+        assert!(!colour(true, Some(OsStr::new("1"))));
+        assert!(
+            colour(true, Some(OsStr::new(""))),
+            "NO_COLOR= (empty) does not disable"
+        );
+    }
 }
