@@ -10,7 +10,7 @@
 # jobstart.jsonl.
 # `graphs` (also part of `tests`): tests/gpu/graph_capture.py, every GPU op captured into CUDA
 # graphs and replayed with new data against eager results (contract 6), 2 ranks (sharing the
-# GPU on a one-GPU machine) and 4 where there are 4 GPUs; tests/gpu/graph_kill.sh (a rank killed
+# GPU on a one-GPU machine) and 4 where there are 4 GPUs; tests/gpu/graph_kill.py via kill_rank.sh (a rank killed
 # during replays; more captures than graph doorbell slots, each graph destroyed);
 # client-py/benchmarks/graph_latency.py (replay vs eager per-op latency, NCCL where there is a
 # GPU per rank: graph_latency.jsonl); and tests/gpu/kill_daemon.py (a daemon killed while a
@@ -122,7 +122,7 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   # replays, graphs destroyed (their slots come back); replay vs eager latency.
   run "graph-capture-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
   [ "$ngpu" -ge 4 ] && run "graph-capture-4-ranks" "${tr[@]}" 4 tests/gpu/graph_capture.py
-  run "graph-kill-2-ranks" tests/gpu/graph_kill.sh
+  run "graph-kill-2-ranks" tests/gpu/kill_rank.sh tests/gpu/graph_kill.py
   # Communicators of one rank share the daemon's scratch: concurrent reductions stay right.
   run "shared-scratch-2-ranks" "${tr[@]}" 2 tests/gpu/shared_scratch.py
   run "graph-latency-commd-2-ranks" "${tr[@]}" 2 client-py/benchmarks/graph_latency.py \

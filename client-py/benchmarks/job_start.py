@@ -17,9 +17,10 @@ runs fresh jobs (one process per rank, the env:// rendezvous torchrun uses) of t
   per pid) after the largest K, minus before `init_process_group` (CUDA context and the test
   tensors included in both); the daemon's own GPU memory (its pid) before and after, divided by
   the number of ranks it serves, reported separately.
-- ten short jobs back to back on one daemon (commd, 2 ranks at least): each job's first-collective time, the
-  daemon's IPC handle opens during the job, and the daemon's resources after the job (sessions,
-  communicators, open handles, RSS, GPU memory) against its idle level before the first.
+- ten short jobs back to back on one daemon (commd, 2 ranks at least): each job's
+  first-collective time, the daemon's IPC handle opens during the job, and the daemon's
+  resources after the job (sessions, communicators, open handles, RSS, GPU memory) against its
+  idle level before the first.
 
 Ranks: one per GPU (NCCL's rule), at most --ranks; with one GPU, commd is also run with two
 ranks sharing it (NCCL cannot). --cpu: CPU tensors, gloo vs commd, --ranks ranks (default 4).
@@ -54,7 +55,8 @@ def gpu_mem_mib(pid: int) -> float | None:
     (e.g. another PID namespace)."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory",
+             "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -278,8 +280,9 @@ def main() -> None:
                     for k in per_k:
                         per_k[k] = [max(r["comms"][k] for r in res)]
                     for r in res:
-                        if r.get("mem_after_mib") is not None and r.get("mem_before_mib") is not None:
-                            mems.append(r["mem_after_mib"] - r["mem_before_mib"])
+                        before, after = r.get("mem_before_mib"), r.get("mem_after_mib")
+                        if before is not None and after is not None:
+                            mems.append(after - before)
                         if r.get("daemon_mem_after_mib") is not None and dmem0 is not None:
                             dmem.append((r["daemon_mem_after_mib"] - dmem0) / n)
             emit({"backend": backend, "setup": how, "ranks": n,
@@ -295,7 +298,8 @@ def main() -> None:
         d = Daemon(a.log_dir)
         try:
             idle = d.status()
-            base = {"sessions": idle.get("sessions", 0), "communicators": idle.get("communicators", 0),
+            base = {"sessions": idle.get("sessions", 0),
+                    "communicators": idle.get("communicators", 0),
                     "ipc_open_now": idle.get("ipc_open_now", 0), "rss_mib": d.rss_mib(),
                     "gpu_mib": gpu_mem_mib(d.p.pid) if ngpu else None}
             jobs = []
@@ -345,7 +349,8 @@ def print_table(rows: list[dict], comms: list[int]) -> None:
         for n, j in enumerate(r["jobs"]):
             print(f"  job {n}: first op {j['first_collective_s']:.3f} s, handle opens "
                   f"{j['ipc_opens']}, after: sessions {j['sessions']}, communicators "
-                  f"{j['communicators']}, open handles {j['ipc_open_now']}, RSS {j['rss_mib']} MiB, "
+                  f"{j['communicators']}, open handles {j['ipc_open_now']}, "
+                  f"RSS {j['rss_mib']} MiB, "
                   f"GPU {j['gpu_mib']} MiB")
 
 

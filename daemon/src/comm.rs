@@ -813,35 +813,31 @@ impl Comm {
                 abort: None,
             };
         }
-        if send.cuda.is_some() != recv.cuda.is_some() {
-            let (g, h) = if send.cuda.is_some() {
+        // Both sides must agree on the memory kind, and on being captured into a CUDA graph:
+        // (which side has the property, message).
+        let kinds: [(bool, bool, &str); 2] = [
+            (
+                send.cuda.is_some(),
+                recv.cuda.is_some(),
+                "uses GPU memory but rank {h} host memory; both sides of a transfer must use the same kind",
+            ),
+            (
+                send.op.persistent,
+                recv.op.persistent,
+                "captured its side into a CUDA graph but rank {h} issued its side eagerly; both sides must be captured (or neither)",
+            ),
+        ];
+        if let Some(&(s_has, _, what)) = kinds.iter().find(|(a, b, _)| a != b) {
+            let (g, h) = if s_has {
                 (send.rank, recv.rank)
             } else {
                 (recv.rank, send.rank)
             };
             let msg = format!(
-                "{}: send/recv #{}: rank {g} uses GPU memory but rank {h} host memory; both sides of a transfer must use the same kind",
+                "{}: send/recv #{}: rank {g} {}",
                 self.label(),
-                send.seq
-            );
-            return Step::Fail {
-                ops: vec![
-                    (send, status::MISMATCH, msg.clone()),
-                    (recv, status::MISMATCH, msg),
-                ],
-                abort: None,
-            };
-        }
-        if send.op.persistent != recv.op.persistent {
-            let (g, h) = if send.op.persistent {
-                (send.rank, recv.rank)
-            } else {
-                (recv.rank, send.rank)
-            };
-            let msg = format!(
-                "{}: send/recv #{}: rank {g} captured its side into a CUDA graph but rank {h} issued its side eagerly; both sides must be captured (or neither)",
-                self.label(),
-                send.seq
+                send.seq,
+                what.replace("{h}", &h.to_string())
             );
             return Step::Fail {
                 ops: vec![

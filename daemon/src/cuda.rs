@@ -1412,6 +1412,22 @@ struct Active {
     holds: bool,
 }
 
+impl Active {
+    /// A job at its first phase, waiting for the ranks' streams from now on.
+    fn new(job: GpuJob) -> Self {
+        Self {
+            job,
+            phase: 0,
+            state: State::Waiting {
+                since: Instant::now(),
+            },
+            ahead: Vec::new(),
+            failure: None,
+            holds: false,
+        }
+    }
+}
+
 /// Work for the executor thread.
 enum Cmd {
     Job(GpuJob),
@@ -1486,16 +1502,10 @@ impl Executor {
                 }
                 for cmd in inc.drain(..) {
                     match cmd {
-                        Cmd::Job(job) => queues.entry(job.comm_id).or_default().push_back(Active {
-                            job,
-                            phase: 0,
-                            state: State::Waiting {
-                                since: Instant::now(),
-                            },
-                            ahead: Vec::new(),
-                            failure: None,
-                            holds: false,
-                        }),
+                        Cmd::Job(job) => queues
+                            .entry(job.comm_id)
+                            .or_default()
+                            .push_back(Active::new(job)),
                         Cmd::Register(job) => graphs.register(job),
                         Cmd::Poison {
                             bells,
@@ -1545,22 +1555,7 @@ impl Executor {
                 progressed |= moved;
                 if let Some((id, job)) = start {
                     progressed = true;
-                    replaying.insert(
-                        comm,
-                        (
-                            id,
-                            Active {
-                                job,
-                                phase: 0,
-                                state: State::Waiting {
-                                    since: Instant::now(),
-                                },
-                                ahead: Vec::new(),
-                                failure: None,
-                                holds: false,
-                            },
-                        ),
-                    );
+                    replaying.insert(comm, (id, Active::new(job)));
                 }
             }
             for (comm, q) in queues.iter_mut() {

@@ -5,8 +5,8 @@ partner missing. Then a graph destroyed on every rank releases what its ops held
 more captures than there are graph doorbell slots (16384) must all succeed when each graph is
 destroyed before the next.
 
-Run by tests/gpu/graph_kill.sh: two ranks without torchrun (which would tear the survivor down
-when the victim dies). Exit status: the survivor's.
+Run by `tests/gpu/kill_rank.sh tests/gpu/graph_kill.py`: two ranks without torchrun (which
+would tear the survivor down when the victim dies). Exit status: the survivor's.
 """
 
 from __future__ import annotations
