@@ -246,22 +246,7 @@ impl Inner {
         }
         let (host, len) = self.ring.graph_area();
         // SAFETY: the area is page-aligned, `len` bytes, and mapped for the session's life.
-        let r = unsafe {
-            sys::cuMemHostRegister_v2(
-                host.cast(),
-                len as usize,
-                sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        };
-        if r != sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
-            ck(r, "cuMemHostRegister(graph doorbells)")?;
-        }
-        let mut d: sys::CUdeviceptr = 0;
-        ck(
-            // SAFETY: registered with DEVICEMAP above.
-            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, host.cast(), 0) },
-            "cuMemHostGetDevicePointer",
-        )?;
+        let d = unsafe { super::map_host(host, len, "graph doorbells")? };
         g.graphs.dev = Some(d);
         self.graphs_used
             .store(true, std::sync::atomic::Ordering::Release);

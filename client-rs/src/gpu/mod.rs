@@ -433,31 +433,41 @@ fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
     Ok(cu::device_uuid(dev)?)
 }
 
+/// Registers `len` bytes of host memory at `host` with the driver for device access (already
+/// registered is fine) and returns its device address.
+///
+/// # Safety
+/// `[host, host + len)` must be page-aligned memory mapped for the session's life.
+pub(crate) unsafe fn map_host(host: *mut u8, len: u64, what: &str) -> Result<sys::CUdeviceptr> {
+    // SAFETY: the caller's contract.
+    let r = unsafe {
+        sys::cuMemHostRegister_v2(
+            host.cast(),
+            len as usize,
+            sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
+        )
+    };
+    if r != sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
+        ck(r, &format!("cuMemHostRegister({what})"))?;
+    }
+    let mut d: sys::CUdeviceptr = 0;
+    ck(
+        // SAFETY: registered with DEVICEMAP above.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, host.cast(), 0) },
+        "cuMemHostGetDevicePointer",
+    )?;
+    Ok(d)
+}
+
 impl Inner {
     /// Registers the doorbell page with the driver once (host memory mapped for the GPU).
     fn doorbell_dev(&self, g: &mut SessionGpu) -> Result<sys::CUdeviceptr> {
         if let Some(d) = g.doorbell_dev {
             return Ok(d);
         }
-        let host = self.ring.doorbell_page();
         // SAFETY: the page is page-aligned, one page long, and mapped for the session's life
         // (the registration is dropped with the mapping at process exit).
-        let r = unsafe {
-            sys::cuMemHostRegister_v2(
-                host.cast(),
-                4096,
-                sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        };
-        if r != sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
-            ck(r, "cuMemHostRegister(doorbell page)")?;
-        }
-        let mut d: sys::CUdeviceptr = 0;
-        ck(
-            // SAFETY: the page was registered with DEVICEMAP above.
-            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, host.cast(), 0) },
-            "cuMemHostGetDevicePointer",
-        )?;
+        let d = unsafe { map_host(self.ring.doorbell_page(), 4096, "doorbell page")? };
         g.doorbell_dev = Some(d);
         Ok(d)
     }
