@@ -1,0 +1,585 @@
+//! NCCL communicators on commd communicators: the process's one daemon session, creation
+//! (blocking, non-blocking and inside groups), the handle table that turns a stale or foreign
+//! `ncclComm_t` into `ncclInvalidArgument` instead of a crash, asynchronous errors, split, and
+//! the dispatch of each op to the GPU path (stream-ordered, DESIGN.md contracts 4 and 6) or the
+//! host path (`host`, a commd extension).
+//!
+//! May use: `commd_client` (sessions, communicators, GPU ops), `ffi`, `group`, `host`, `log`.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use commd_client::desc::{DType, OpKind};
+use commd_client::gpu::CudaOpArgs;
+use commd_client::gpu::cu::{self, sys};
+use commd_client::{Client, Communicator, Request};
+
+use crate::ffi::{self, Failure, Outcome, invalid, usage};
+use crate::{group, host, log};
+
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// Requests kept per communicator for their outcome (a failed op's daemon message); older ones
+/// are dropped (their failure still shows in the communicator's error word).
+const MAX_PENDING: usize = 4096;
+
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The process's session with the local daemon (a new one after fork).
+pub fn client() -> Outcome<Arc<Client>> {
+    static C: Mutex<Option<(u32, Arc<Client>)>> = Mutex::new(None);
+    let pid = std::process::id();
+    let mut g = lock(&C);
+    if let Some((p, c)) = g.as_ref()
+        && *p == pid
+    {
+        return Ok(c.clone());
+    }
+    let c = Arc::new(Client::connect(None)?);
+    *g = Some((pid, c.clone()));
+    Ok(c)
+}
+
+/// Whether this process can use CUDA (the driver loads and has a device).
+pub fn cuda() -> bool {
+    cu::driver().is_ok()
+}
+
+/// The calling thread's current CUDA device (NCCL binds a communicator to it), or -1 without
+/// CUDA.
+pub fn current_device() -> i32 {
+    if !cuda() {
+        return -1;
+    }
+    let mut d: sys::CUdevice = 0;
+    // SAFETY: valid out pointer; the driver is loaded. Without a current context it fails and
+    // the device is 0, as cudaGetDevice reports then.
+    let r = unsafe { sys::cuCtxGetDevice(&mut d) };
+    if r == sys::CUresult::CUDA_SUCCESS {
+        d
+    } else {
+        0
+    }
+}
+
+/// Where an op's buffers live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Memory {
+    Device,
+    Host,
+}
+
+pub fn memory_of(p: u64) -> Memory {
+    if !cuda() {
+        return Memory::Host;
+    }
+    let mut t: u32 = 0;
+    // SAFETY: MEMORY_TYPE writes one u32 to the valid out pointer; any address may be asked
+    // about (unknown host memory answers CUDA_ERROR_INVALID_VALUE).
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            (&mut t as *mut u32).cast(),
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            p,
+        )
+    };
+    if r == sys::CUresult::CUDA_SUCCESS && t == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 {
+        Memory::Device
+    } else {
+        Memory::Host
+    }
+}
+
+enum Init {
+    Joining,
+    Ready(Arc<Ready>),
+    Failed(Failure),
+}
+
+/// A joined communicator.
+pub struct Ready {
+    pub c: Communicator,
+    pub client: Arc<Client>,
+}
+
+struct State {
+    /// The first asynchronous error (sticky, as NCCL's).
+    error: Option<Failure>,
+    pending: VecDeque<Request>,
+}
+
+/// What an `ncclComm_t` points to.
+pub struct Comm {
+    pub rank: u32,
+    pub nranks: u32,
+    pub device: i32,
+    pub blocking: bool,
+    init: Mutex<Init>,
+    joined: Condvar,
+    st: Mutex<State>,
+}
+
+/// One op as NCCL's entry points describe it.
+#[derive(Clone, Copy, Debug)]
+pub struct Op {
+    pub kind: OpKind,
+    pub dtype: i32,
+    pub redop: i32,
+    pub count: u64,
+    /// Root (rooted ops) or peer (send/recv).
+    pub peer: i32,
+    pub send: u64,
+    pub recv: u64,
+    pub stream: usize,
+}
+
+fn live() -> MutexGuard<'static, BTreeSet<usize>> {
+    static LIVE: Mutex<BTreeSet<usize>> = Mutex::new(BTreeSet::new());
+    lock(&LIVE)
+}
+
+/// The handle C code holds for `c` (registered as live until [`release`]).
+pub fn handle(c: Arc<Comm>) -> *mut Comm {
+    let p = Arc::into_raw(c) as *mut Comm;
+    live().insert(p as usize);
+    p
+}
+
+/// The communicator behind a handle the caller passed.
+pub fn get(h: *const Comm) -> Outcome<Arc<Comm>> {
+    if h.is_null() {
+        return Err(invalid("comm is NULL"));
+    }
+    let l = live();
+    if !l.contains(&(h as usize)) {
+        return Err(invalid(format!(
+            "comm {h:p} is not a live communicator of this library (destroyed, aborted, or never created)"
+        )));
+    }
+    // SAFETY: `h` came from `Arc::into_raw` and is still live (its reference is only given up
+    // by `release`, under the same lock), so one more strong reference is valid.
+    unsafe {
+        Arc::increment_strong_count(h);
+        Ok(Arc::from_raw(h))
+    }
+}
+
+/// Gives up the handle's reference; later calls with it fail cleanly.
+pub fn release(h: *const Comm) -> Outcome<Arc<Comm>> {
+    let c = get(h)?;
+    if live().remove(&(h as usize)) {
+        // SAFETY: the reference `handle` created, given up exactly once (removed from LIVE).
+        unsafe { drop(Arc::from_raw(h)) };
+    }
+    Ok(c)
+}
+
+impl Comm {
+    /// Joins communicator `uid` as `rank` of `nranks` on `device`. Blocking and outside a group:
+    /// returns once every rank joined. Otherwise the join runs on its own thread: the handle
+    /// is usable at once, ops wait for the join, `ncclCommGetAsyncError` says
+    /// `ncclInProgress` until then, and `ncclGroupEnd` waits for joins started in its group.
+    pub fn create(
+        uid: &[u8; UNIQUE_ID_BYTES],
+        rank: i32,
+        nranks: i32,
+        device: i32,
+        blocking: bool,
+    ) -> Outcome<Arc<Comm>> {
+        if nranks < 1 || nranks as u32 > commd_client::desc::MAX_RANKS {
+            return Err(invalid(format!(
+                "nranks {nranks} is out of range (1 to {})",
+                commd_client::desc::MAX_RANKS
+            )));
+        }
+        if rank < 0 || rank >= nranks {
+            return Err(invalid(format!(
+                "rank {rank} is out of range for {nranks} ranks"
+            )));
+        }
+        log::startup(device);
+        let cl = client()?;
+        let comm = Arc::new(Comm {
+            rank: rank as u32,
+            nranks: nranks as u32,
+            device,
+            blocking,
+            init: Mutex::new(Init::Joining),
+            joined: Condvar::new(),
+            st: Mutex::new(State {
+                error: None,
+                pending: VecDeque::new(),
+            }),
+        });
+        let uid = *uid;
+        let join = {
+            let comm = comm.clone();
+            move || {
+                let out = cl
+                    .communicator(&uid, comm.rank, comm.nranks)
+                    .map(|c| Arc::new(Ready { c, client: cl }))
+                    .map_err(Failure::from);
+                if let Ok(r) = &out {
+                    log::info(
+                        log::INIT,
+                        comm.device,
+                        &format!(
+                            "comm {:p} rank {} nranks {} cudaDev {} commd communicator {:#x} ({} node(s)) - Init COMPLETE",
+                            Arc::as_ptr(&comm),
+                            comm.rank,
+                            comm.nranks,
+                            comm.device,
+                            r.c.id(),
+                            r.c.nodes()
+                        ),
+                    );
+                }
+                *lock(&comm.init) = match out {
+                    Ok(r) => Init::Ready(r),
+                    Err(f) => Init::Failed(f),
+                };
+                comm.joined.notify_all();
+            }
+        };
+        if blocking && !group::active() {
+            join();
+            comm.ready()?;
+        } else {
+            std::thread::Builder::new()
+                .name("commd-nccl-join".into())
+                .spawn(join)
+                .map_err(|e| Failure {
+                    code: ffi::SYSTEM_ERROR,
+                    message: format!("cannot start the join thread: {e}"),
+                })?;
+            group::joined_later(comm.clone());
+        }
+        Ok(comm)
+    }
+
+    /// Waits for the join; the joined communicator or why joining failed.
+    pub fn ready(&self) -> Outcome<Arc<Ready>> {
+        let mut g = lock(&self.init);
+        loop {
+            match &*g {
+                Init::Joining => g = self.joined.wait(g).unwrap_or_else(|p| p.into_inner()),
+                Init::Ready(r) => return Ok(r.clone()),
+                Init::Failed(f) => return Err(f.clone()),
+            }
+        }
+    }
+
+    pub fn joining(&self) -> bool {
+        matches!(&*lock(&self.init), Init::Joining)
+    }
+
+    fn reap(st: &mut State, all: bool) {
+        let mut keep = VecDeque::with_capacity(st.pending.len());
+        while let Some(q) = st.pending.pop_front() {
+            match q.test() {
+                Ok(true) => {}
+                Ok(false) => {
+                    keep.push_back(q);
+                    if !all {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    // A failed request carries the daemon's reason: it replaces a bare
+                    // error-word failure.
+                    let f = Failure::from(e);
+                    if st
+                        .error
+                        .as_ref()
+                        .is_none_or(|x| x.message.starts_with("a GPU op"))
+                    {
+                        st.error = Some(f);
+                    }
+                }
+            }
+        }
+        keep.append(&mut st.pending);
+        st.pending = keep;
+    }
+
+    fn track(&self, q: Request) {
+        let mut st = lock(&self.st);
+        st.pending.push_back(q);
+        Self::reap(&mut st, false);
+        if st.pending.len() > MAX_PENDING {
+            st.pending.pop_front();
+        }
+    }
+
+    /// `ncclCommGetAsyncError`: in progress while joining, else the first failure of any op of
+    /// this communicator (a lost peer or daemon, a timeout, a mismatch), sticky.
+    pub fn async_error(&self) -> (ffi::ncclResult_t, Option<String>) {
+        let r = match &*lock(&self.init) {
+            Init::Joining => return (ffi::IN_PROGRESS, None),
+            Init::Failed(f) => return (f.code, Some(f.message.clone())),
+            Init::Ready(r) => r.clone(),
+        };
+        let mut st = lock(&self.st);
+        if st.error.is_none() {
+            Self::reap(&mut st, false);
+        }
+        if st.error.is_none() {
+            if let Some(s) = r.c.cuda_take_error() {
+                st.error = Some(Failure {
+                    code: ffi::status_result(s),
+                    message: format!(
+                        "a GPU op on commd communicator {:#x} failed ({})",
+                        r.c.id(),
+                        commd_client::desc::status::name(s)
+                    ),
+                });
+                Self::reap(&mut st, true);
+            } else if let Err(e) = r.c.cuda_graph_check() {
+                st.error = Some(e.into());
+            }
+        }
+        match &st.error {
+            Some(f) => (f.code, Some(f.message.clone())),
+            None => (ffi::SUCCESS, None),
+        }
+    }
+
+    fn check_failed(&self) -> Outcome {
+        match &lock(&self.st).error {
+            Some(f) => Err(Failure {
+                code: f.code,
+                message: format!("the communicator failed earlier: {}", f.message),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for every op this library posted on the communicator (`ncclCommFinalize`).
+    pub fn finalize(&self) -> Outcome {
+        if self.joining() && !self.blocking {
+            // A non-blocking join still running: finalize must not hang on it.
+            return Err(Failure {
+                code: ffi::IN_PROGRESS,
+                message: "the communicator is still joining".into(),
+            });
+        }
+        self.ready()?;
+        let pending: Vec<Request> = lock(&self.st).pending.drain(..).collect();
+        for q in pending {
+            if let Err(e) = q.wait() {
+                let f = Failure::from(e);
+                lock(&self.st).error.get_or_insert(f.clone());
+                return Err(f);
+            }
+        }
+        Ok(())
+    }
+
+    /// Drops outstanding requests without waiting (`ncclCommAbort`): the daemon ends the
+    /// communicator when the last handle goes, failing peers' ops with "peer lost".
+    pub fn abort(&self) {
+        lock(&self.st).pending.clear();
+    }
+
+    /// Runs one op: on the caller's stream when its buffers are device memory, else through
+    /// host staging. A failure of the op itself (not of its arguments) is also the
+    /// communicator's sticky async error, as in NCCL.
+    pub fn run(self: &Arc<Self>, op: Op) -> Outcome {
+        let out = self.execute(op);
+        if let Err(f) = &out
+            && matches!(
+                f.code,
+                ffi::REMOTE_ERROR | ffi::SYSTEM_ERROR | ffi::TIMEOUT | ffi::INTERNAL_ERROR
+            )
+        {
+            lock(&self.st).error.get_or_insert(f.clone());
+        }
+        out
+    }
+
+    fn execute(self: &Arc<Self>, op: Op) -> Outcome {
+        let r = self.ready()?;
+        self.check_failed()?;
+        let (dtype, redop) = if op.kind.reduces() {
+            let (d, o) = ffi::reduce_types(op.dtype, op.redop)?;
+            (d, Some(o))
+        } else {
+            (ffi::copy_dtype(op.dtype)?, None)
+        };
+        if (op.kind.has_root() || op.kind.is_p2p())
+            && (op.peer < 0 || op.peer as u32 >= self.nranks)
+        {
+            let what = if op.kind.is_p2p() { "peer" } else { "root" };
+            return Err(invalid(format!(
+                "{what} {} is out of range for {} ranks",
+                op.peer, self.nranks
+            )));
+        }
+        if op.count > commd_client::desc::MAX_COUNT {
+            return Err(invalid(format!("count {} is too large", op.count)));
+        }
+        if op.count == 0 {
+            return Ok(());
+        }
+        let me = op.peer as u32 == self.rank;
+        let send = op.kind.uses_send(me).then_some(op.send);
+        let recv = op.kind.uses_recv(me).then_some(op.recv);
+        if send == Some(0) {
+            return Err(invalid("sendbuff is NULL"));
+        }
+        if recv == Some(0) {
+            return Err(invalid("recvbuff is NULL"));
+        }
+        let mem: Vec<Memory> = [send, recv].into_iter().flatten().map(memory_of).collect();
+        if mem.windows(2).any(|w| w[0] != w[1]) {
+            return Err(usage(
+                "sendbuff and recvbuff are in different kinds of memory (one CUDA device memory, one host memory)",
+            ));
+        }
+        log::info(
+            if op.kind.is_p2p() {
+                log::P2P
+            } else {
+                log::COLL
+            },
+            self.device,
+            &format!(
+                "{}: count {} datatype {} op {} root/peer {} comm {:p} [nranks={}] stream {:#x} {:?}",
+                op.kind.name(),
+                op.count,
+                op.dtype,
+                op.redop,
+                op.peer,
+                Arc::as_ptr(self),
+                self.nranks,
+                op.stream,
+                mem.first().copied().unwrap_or(Memory::Host)
+            ),
+        );
+        if mem.first() == Some(&Memory::Device) {
+            let mut a = CudaOpArgs::new(op.kind, dtype, op.count, op.stream as sys::CUstream);
+            a.redop = redop;
+            a.peer = op.peer.max(0) as u32;
+            a.send = send;
+            a.recv = recv;
+            a.defer_wait = op.kind.is_p2p();
+            // SAFETY: NCCL's contract: the buffers are device memory of this process holding
+            // the op's elements until the stream passes the op, and the stream is live.
+            let posted = unsafe { r.c.post_cuda_ordered(a) }?;
+            self.track(posted.request);
+            if a.defer_wait {
+                if group::active() {
+                    group::flush_later(r, op.stream);
+                } else {
+                    // SAFETY: the caller's live stream.
+                    unsafe { r.c.cuda_flush(op.stream as sys::CUstream) }?;
+                }
+            }
+            return Ok(());
+        }
+        if cuda() && op.stream != 0 {
+            // Host memory a stream may still be writing: ordered after it, conservatively.
+            // SAFETY: the caller's live stream.
+            let e = unsafe { sys::cuStreamSynchronize(op.stream as sys::CUstream) };
+            cu::ck(e, "cuStreamSynchronize").map_err(|e| Failure {
+                code: ffi::UNHANDLED_CUDA_ERROR,
+                message: e.to_string(),
+            })?;
+        }
+        // SAFETY: NCCL's contract: the pointers hold the op's elements (host memory).
+        let h = unsafe { host::start(&r, op.kind, dtype, redop, op.count, op.peer, send, recv) }?;
+        if group::active() {
+            group::finish_later(h);
+            Ok(())
+        } else {
+            h.finish()
+        }
+    }
+
+    /// `ncclCommSplit`: every rank of this communicator calls it; ranks of one color form a
+    /// new communicator, ordered by key then by their rank here. Two host all-gathers on this
+    /// communicator carry (color, key) and the new communicators' ids.
+    pub fn split(&self, color: i32, key: i32, blocking: bool) -> Outcome<Option<Arc<Comm>>> {
+        let r = self.ready()?;
+        self.check_failed()?;
+        if color < -1 {
+            return Err(invalid(format!(
+                "color {color} is invalid (a color is >= 0, or NCCL_SPLIT_NOCOLOR)"
+            )));
+        }
+        let n = self.nranks as usize;
+        let cl = &r.client;
+        let mut mine = cl.alloc(8)?;
+        mine.as_mut_slice()[..4].copy_from_slice(&color.to_le_bytes());
+        mine.as_mut_slice()[4..8].copy_from_slice(&key.to_le_bytes());
+        let all = cl.alloc(8 * n as u64)?;
+        r.c.all_gather((&mine, 0), (&all, 0), 8, DType::U8)?
+            .wait()?;
+        let ck: Vec<(i32, i32)> = all
+            .as_slice()
+            .chunks_exact(8)
+            .map(|b| {
+                (
+                    i32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+                    i32::from_le_bytes([b[4], b[5], b[6], b[7]]),
+                )
+            })
+            .collect();
+        let mut members: Vec<usize> = (0..n).filter(|&i| color >= 0 && ck[i].0 == color).collect();
+        let leader = members.first().copied();
+        members.sort_by_key(|&i| (ck[i].1, i));
+        let mut uid_mine = cl.alloc(UNIQUE_ID_BYTES as u64)?;
+        if leader == Some(self.rank as usize) {
+            let u = cl.unique_id()?;
+            if u.len() != UNIQUE_ID_BYTES {
+                return Err(Failure {
+                    code: ffi::INTERNAL_ERROR,
+                    message: format!("the daemon's unique id has {} bytes, not 128", u.len()),
+                });
+            }
+            uid_mine.as_mut_slice().copy_from_slice(&u);
+        }
+        let uids = cl.alloc((UNIQUE_ID_BYTES * n) as u64)?;
+        r.c.all_gather(
+            (&uid_mine, 0),
+            (&uids, 0),
+            UNIQUE_ID_BYTES as u64,
+            DType::U8,
+        )?
+        .wait()?;
+        let Some(leader) = leader else {
+            return Ok(None);
+        };
+        let mut uid = [0u8; UNIQUE_ID_BYTES];
+        uid.copy_from_slice(&uids.as_slice()[leader * UNIQUE_ID_BYTES..][..UNIQUE_ID_BYTES]);
+        let new_rank = members
+            .iter()
+            .position(|&i| i == self.rank as usize)
+            .unwrap_or(0);
+        log::info(
+            log::INIT,
+            self.device,
+            &format!(
+                "ncclCommSplit comm {:p} rank {} color {color} key {key} -> rank {new_rank} of {}",
+                self as *const Comm,
+                self.rank,
+                members.len()
+            ),
+        );
+        Comm::create(
+            &uid,
+            new_rank as i32,
+            members.len() as i32,
+            self.device,
+            blocking,
+        )
+        .map(Some)
+    }
+}
+
+/// Element size of an NCCL data type.
+pub fn elem_size(dtype: i32) -> Outcome<u64> {
+    Ok(ffi::copy_dtype(dtype)?.size())
+}

@@ -1,0 +1,168 @@
+//! NCCL's logging habit on commd: `NCCL_DEBUG` (VERSION, WARN, INFO, TRACE; `COMMD_DEBUG` when
+//! it is unset) and `NCCL_DEBUG_SUBSYS` (INIT, COLL, P2P, ENV, ALL, `^` to exclude) select what
+//! the library prints on stderr, one line each, prefixed like NCCL's
+//! (`host:pid:tid [device] NCCL INFO ...`) so the usual greps keep working.
+//!
+//! Other `NCCL_*` variables name behaviour of NCCL's own transports and kernels that commd does
+//! not have: each one set is logged once, at INFO (subsystem ENV), as ignored.
+//!
+//! May use: std only.
+
+use std::io::Write;
+use std::sync::{Once, OnceLock};
+
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
+pub enum Level {
+    None,
+    Version,
+    Warn,
+    Info,
+    Trace,
+}
+
+pub const INIT: u32 = 1;
+pub const COLL: u32 = 2;
+pub const P2P: u32 = 4;
+pub const ENV: u32 = 8;
+const ALL: u32 = INIT | COLL | P2P | ENV;
+
+struct Settings {
+    level: Level,
+    subsys: u32,
+    host: String,
+}
+
+fn parse_level(v: Option<&str>) -> Level {
+    match v.map(|s| s.trim().to_ascii_uppercase()).as_deref() {
+        Some("VERSION") => Level::Version,
+        Some("WARN") | Some("WARNING") | Some("ERROR") => Level::Warn,
+        Some("INFO") | Some("DEBUG") => Level::Info,
+        Some("TRACE") => Level::Trace,
+        _ => Level::None,
+    }
+}
+
+/// The subsystems a `NCCL_DEBUG_SUBSYS` value selects (NCCL's default: INIT and ENV).
+fn parse_subsys(v: Option<&str>) -> u32 {
+    let Some(v) = v.filter(|s| !s.trim().is_empty()) else {
+        return INIT | ENV;
+    };
+    let (exclude, list) = match v.trim().strip_prefix('^') {
+        Some(rest) => (true, rest),
+        None => (false, v.trim()),
+    };
+    let mut mask = 0;
+    for name in list.split(',') {
+        mask |= match name.trim().to_ascii_uppercase().as_str() {
+            "INIT" => INIT,
+            "COLL" => COLL,
+            "P2P" => P2P,
+            "ENV" => ENV,
+            "ALL" => ALL,
+            _ => 0,
+        };
+    }
+    if exclude { ALL & !mask } else { mask }
+}
+
+fn settings() -> &'static Settings {
+    static S: OnceLock<Settings> = OnceLock::new();
+    S.get_or_init(|| {
+        let level = std::env::var("NCCL_DEBUG")
+            .ok()
+            .or_else(|| std::env::var("COMMD_DEBUG").ok());
+        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .map(|h| h.trim().to_string())
+            .unwrap_or_else(|_| "localhost".into());
+        Settings {
+            level: parse_level(level.as_deref()),
+            subsys: parse_subsys(std::env::var("NCCL_DEBUG_SUBSYS").ok().as_deref()),
+            host,
+        }
+    })
+}
+
+pub fn enabled(level: Level, subsys: u32) -> bool {
+    let s = settings();
+    level <= s.level && (level <= Level::Warn || s.subsys & subsys != 0)
+}
+
+fn emit(kind: &str, device: i32, text: &str) {
+    let s = settings();
+    // SAFETY: gettid has no preconditions.
+    let tid = unsafe { libc_gettid() };
+    let line = format!(
+        "{}:{}:{} [{}] NCCL {kind} {text}\n",
+        s.host,
+        std::process::id(),
+        tid,
+        device.max(0)
+    );
+    let _ = std::io::stderr().write_all(line.as_bytes());
+}
+
+unsafe extern "C" {
+    #[link_name = "gettid"]
+    fn libc_gettid() -> i32;
+}
+
+pub fn info(subsys: u32, device: i32, text: &str) {
+    if enabled(Level::Info, subsys) {
+        emit("INFO", device, text);
+    }
+}
+
+pub fn warn(text: &str) {
+    if enabled(Level::Warn, ALL) {
+        emit("WARN", -1, text);
+    }
+}
+
+/// Variables this library reads; every other `NCCL_*` variable is reported as ignored.
+const READ: &[&str] = &["NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_COMMD_VERSION_CODE"];
+
+/// Once per process, at the first communicator: the version line and the ignored variables.
+pub fn startup(device: i32) {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        if enabled(Level::Version, ALL) {
+            emit(
+                "INFO",
+                device,
+                &format!(
+                    "commd NCCL-compatible library {} (NCCL API {}), collectives run by the commd daemon",
+                    env!("CARGO_PKG_VERSION"),
+                    crate::version_code()
+                ),
+            );
+        }
+        let mut vars: Vec<(String, String)> = std::env::vars()
+            .filter(|(k, _)| k.starts_with("NCCL_") && !READ.contains(&k.as_str()))
+            .collect();
+        vars.sort();
+        for (k, v) in vars {
+            info(
+                ENV,
+                device,
+                &format!("{k}={v} ignored: commd has no such setting (its daemon chooses paths and transports; see `commd topo`)"),
+            );
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn levels_and_subsystems_parse_like_nccl() {
+        assert_eq!(parse_level(Some("info")), Level::Info);
+        assert_eq!(parse_level(Some("WARN")), Level::Warn);
+        assert_eq!(parse_level(None), Level::None);
+        assert_eq!(parse_level(Some("bogus")), Level::None);
+        assert_eq!(parse_subsys(None), INIT | ENV);
+        assert_eq!(parse_subsys(Some("COLL,P2P")), COLL | P2P);
+        assert_eq!(parse_subsys(Some("^INIT")), COLL | P2P | ENV);
+        assert_eq!(parse_subsys(Some("ALL")), ALL);
+    }
+}

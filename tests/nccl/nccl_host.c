@@ -1,0 +1,287 @@
+/* One rank of a job written against NCCL's C API, run on commd's libnccl.so.2 with host
+ * buffers (the library's host-memory extension), so it runs on machines without GPUs.
+ *
+ *   nccl_host RANK NRANKS DIR MODE
+ *
+ * DIR holds the unique ids rank 0 publishes. MODE:
+ *   ops   every collective, dtype and op mapping, groups, gather/scatter, split, non-blocking
+ *         init, and the error paths; prints "OK" when every check passed.
+ *   kill  the last rank exits without a word after the first op; the others must get
+ *         ncclRemoteError from their next op and from ncclCommGetAsyncError, never hang.
+ */
+#include <nccl.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static int rank, nranks;
+
+#define FAIL(...)                                   \
+  do {                                              \
+    fprintf(stderr, "rank %d: FAIL line %d: ", rank, __LINE__); \
+    fprintf(stderr, __VA_ARGS__);                   \
+    fprintf(stderr, "\n");                          \
+    exit(1);                                        \
+  } while (0)
+
+#define NCCL(call)                                                                    \
+  do {                                                                                \
+    ncclResult_t r_ = (call);                                                         \
+    if (r_ != ncclSuccess)                                                            \
+      FAIL("%s -> %d (%s): %s", #call, r_, ncclGetErrorString(r_), ncclGetLastError(NULL)); \
+  } while (0)
+
+#define EXPECT_ERR(code, call, text)                                                   \
+  do {                                                                                 \
+    ncclResult_t r_ = (call);                                                          \
+    const char* m_ = ncclGetLastError(NULL);                                           \
+    if (r_ != (code)) FAIL("%s -> %d, expected %d (%s)", #call, r_, (code), m_);        \
+    if (!strstr(m_, (text))) FAIL("%s: message '%s' lacks '%s'", #call, m_, (text));    \
+  } while (0)
+
+static void publish_or_read(const char* dir, const char* name, ncclUniqueId* id) {
+  char path[4096], tmp[4200];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  if (rank == 0) {
+    NCCL(ncclGetUniqueId(id));
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE* f = fopen(tmp, "wb");
+    if (!f || fwrite(id, sizeof *id, 1, f) != 1 || fclose(f) != 0) FAIL("write %s", tmp);
+    if (rename(tmp, path) != 0) FAIL("rename %s: %s", path, strerror(errno));
+    return;
+  }
+  for (int i = 0; i < 3000; i++) {
+    FILE* f = fopen(path, "rb");
+    if (f) {
+      size_t n = fread(id, sizeof *id, 1, f);
+      fclose(f);
+      if (n == 1) return;
+    }
+    usleep(10000);
+  }
+  FAIL("no unique id at %s", path);
+}
+
+static ncclComm_t init(const char* dir, const char* name) {
+  ncclUniqueId id;
+  ncclComm_t c = NULL;
+  publish_or_read(dir, name, &id);
+  NCCL(ncclCommInitRank(&c, nranks, id, rank));
+  return c;
+}
+
+static void ops(ncclComm_t comm, const char* dir) {
+  enum { N = 1000 };
+  int v = 0, n = 0, r = -1, dev = -1;
+  NCCL(ncclGetVersion(&v));
+  if (v < 22800) FAIL("version %d", v);
+  NCCL(ncclCommCount(comm, &n));
+  NCCL(ncclCommUserRank(comm, &r));
+  NCCL(ncclCommCuDevice(comm, &dev));
+  if (n != nranks || r != rank || dev < 0) FAIL("count %d rank %d dev %d", n, r, dev);
+
+  /* all-reduce: float sum out of place, in place, avg; int32 max; uint32 sum wrapping */
+  float fs[N], fr[N];
+  for (int i = 0; i < N; i++) fs[i] = (float)(rank + i);
+  NCCL(ncclAllReduce(fs, fr, N, ncclFloat, ncclSum, comm, NULL));
+  for (int i = 0; i < N; i++) {
+    float want = (float)(nranks * (nranks - 1) / 2 + nranks * i);
+    if (fr[i] != want) FAIL("allreduce sum [%d] = %f, want %f", i, fr[i], want);
+  }
+  NCCL(ncclAllReduce(fs, fs, N, ncclFloat, ncclAvg, comm, NULL));
+  for (int i = 0; i < N; i++) {
+    float want = (float)(nranks - 1) / 2.0f + (float)i;
+    if (fs[i] != want) FAIL("allreduce avg in place [%d] = %f, want %f", i, fs[i], want);
+  }
+  int32_t is[N], ir[N];
+  for (int i = 0; i < N; i++) is[i] = (i % nranks == rank) ? 1000 + i : -i;
+  NCCL(ncclAllReduce(is, ir, N, ncclInt32, ncclMax, comm, NULL));
+  for (int i = 0; i < N; i++)
+    if (ir[i] != 1000 + i) FAIL("allreduce max [%d] = %d", i, ir[i]);
+  uint32_t us[N], ur[N];
+  for (int i = 0; i < N; i++) us[i] = 0xfffffff0u + (uint32_t)i;
+  NCCL(ncclAllReduce(us, ur, N, ncclUint32, ncclSum, comm, NULL));
+  for (int i = 0; i < N; i++)
+    if (ur[i] != (uint32_t)(nranks * (0xfffffff0u + (uint32_t)i)))
+      FAIL("uint32 sum [%d] = %u", i, ur[i]);
+  EXPECT_ERR(ncclInvalidUsage, ncclAllReduce(us, ur, N, ncclUint32, ncclMax, comm, NULL),
+             "ncclUint32");
+
+  /* broadcast from the last rank (out of place, then in place with ncclBcast) */
+  int root = nranks - 1;
+  double ds[N], dr[N];
+  for (int i = 0; i < N; i++) ds[i] = rank == root ? 0.5 * i : -1.0;
+  NCCL(ncclBroadcast(ds, dr, N, ncclDouble, root, comm, NULL));
+  NCCL(ncclBcast(ds, N, ncclDouble, root, comm, NULL));
+  for (int i = 0; i < N; i++)
+    if (dr[i] != 0.5 * i || ds[i] != 0.5 * i) FAIL("broadcast [%d] = %f/%f", i, dr[i], ds[i]);
+
+  /* reduce (prod, int64) to rank 0 */
+  int64_t ls[8], lr[8];
+  for (int i = 0; i < 8; i++) ls[i] = rank + 2;
+  memset(lr, 0, sizeof lr);
+  NCCL(ncclReduce(ls, lr, 8, ncclInt64, ncclProd, 0, comm, NULL));
+  if (rank == 0) {
+    int64_t want = 1;
+    for (int q = 0; q < nranks; q++) want *= q + 2;
+    for (int i = 0; i < 8; i++)
+      if (lr[i] != want) FAIL("reduce prod [%d] = %lld", i, (long long)lr[i]);
+  }
+
+  /* all-gather (int8), reduce-scatter (double), all-to-all (int32) */
+  int8_t gs[16], *gr = malloc(16 * nranks);
+  for (int i = 0; i < 16; i++) gs[i] = (int8_t)(rank * 16 + i);
+  NCCL(ncclAllGather(gs, gr, 16, ncclInt8, comm, NULL));
+  for (int i = 0; i < 16 * nranks; i++)
+    if (gr[i] != (int8_t)i) FAIL("allgather [%d] = %d", i, gr[i]);
+  double* rs = malloc(sizeof(double) * 4 * nranks);
+  double rr[4];
+  for (int i = 0; i < 4 * nranks; i++) rs[i] = i + rank;
+  NCCL(ncclReduceScatter(rs, rr, 4, ncclDouble, ncclSum, comm, NULL));
+  for (int i = 0; i < 4; i++) {
+    double want = nranks * (double)(rank * 4 + i) + nranks * (nranks - 1) / 2.0;
+    if (rr[i] != want) FAIL("reducescatter [%d] = %f, want %f", i, rr[i], want);
+  }
+  int32_t* as = malloc(sizeof(int32_t) * 2 * nranks);
+  int32_t* ar = malloc(sizeof(int32_t) * 2 * nranks);
+  for (int p = 0; p < nranks; p++)
+    for (int j = 0; j < 2; j++) as[p * 2 + j] = rank * 100 + p * 10 + j;
+  NCCL(ncclAlltoAll(as, ar, 2, ncclInt32, comm, NULL));
+  for (int p = 0; p < nranks; p++)
+    for (int j = 0; j < 2; j++)
+      if (ar[p * 2 + j] != p * 100 + rank * 10 + j) FAIL("alltoall [%d]", p * 2 + j);
+
+  /* a ring of send/recv in one group, receives first on odd ranks (would deadlock unbatched) */
+  int right = (rank + 1) % nranks, left = (rank + nranks - 1) % nranks;
+  int32_t sv[64], rv[64];
+  for (int i = 0; i < 64; i++) sv[i] = rank * 1000 + i;
+  NCCL(ncclGroupStart());
+  if (rank % 2) NCCL(ncclRecv(rv, 64, ncclInt32, left, comm, NULL));
+  NCCL(ncclSend(sv, 64, ncclInt32, right, comm, NULL));
+  if (!(rank % 2)) NCCL(ncclRecv(rv, 64, ncclInt32, left, comm, NULL));
+  NCCL(ncclGroupEnd());
+  for (int i = 0; i < 64; i++)
+    if (rv[i] != left * 1000 + i) FAIL("ring recv [%d] = %d", i, rv[i]);
+
+  /* gather to rank 0, scatter back from it */
+  int32_t mine[3] = {rank, rank * 2, rank * 3}, back[3];
+  int32_t* all = malloc(sizeof(int32_t) * 3 * nranks);
+  NCCL(ncclGather(mine, all, 3, ncclInt32, 0, comm, NULL));
+  if (rank == 0)
+    for (int p = 0; p < nranks; p++)
+      if (all[p * 3] != p || all[p * 3 + 2] != 3 * p) FAIL("gather from %d", p);
+  if (rank == 0)
+    for (int i = 0; i < 3 * nranks; i++) all[i] = 7 * i;
+  NCCL(ncclScatter(all, back, 3, ncclInt32, 0, comm, NULL));
+  for (int i = 0; i < 3; i++)
+    if (back[i] != 7 * (rank * 3 + i)) FAIL("scatter [%d] = %d", i, back[i]);
+
+  /* split by parity, reversed order within each color; rank 0 opts out of a second split */
+  ncclComm_t sub = NULL;
+  NCCL(ncclCommSplit(comm, rank % 2, -rank, &sub, NULL));
+  int sn = 0, sr = 0, members = 0, pos = 0;
+  for (int q = 0; q < nranks; q++)
+    if (q % 2 == rank % 2) {
+      members++;
+      if (q > rank) pos++;
+    }
+  NCCL(ncclCommCount(sub, &sn));
+  NCCL(ncclCommUserRank(sub, &sr));
+  if (sn != members || sr != pos) FAIL("split: %d of %d, want %d of %d", sr, sn, pos, members);
+  int32_t one = rank, sum = 0, want = 0;
+  for (int q = rank % 2; q < nranks; q += 2) want += q;
+  NCCL(ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, sub, NULL));
+  if (sum != want) FAIL("split allreduce %d, want %d", sum, want);
+  NCCL(ncclCommDestroy(sub));
+  ncclComm_t none = (ncclComm_t)0x1;
+  NCCL(ncclCommSplit(comm, rank == 0 ? NCCL_SPLIT_NOCOLOR : 1, 0, &none, NULL));
+  if (rank == 0 && none != NULL) FAIL("NOCOLOR split gave a communicator");
+  if (rank != 0) {
+    NCCL(ncclCommCount(none, &sn));
+    if (sn != nranks - 1) FAIL("second split has %d ranks", sn);
+    NCCL(ncclCommDestroy(none));
+  }
+
+  /* a non-blocking communicator: in progress until joined, then usable */
+  ncclUniqueId id2;
+  publish_or_read(dir, "id-nonblocking", &id2);
+  ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+  cfg.blocking = 0;
+  ncclComm_t nb = NULL;
+  ncclResult_t ir0 = ncclCommInitRankConfig(&nb, nranks, id2, rank, &cfg);
+  if (ir0 != ncclSuccess && ir0 != ncclInProgress) FAIL("non-blocking init -> %d", ir0);
+  ncclResult_t st = ncclInProgress;
+  for (int i = 0; i < 10000 && st == ncclInProgress; i++) {
+    NCCL(ncclCommGetAsyncError(nb, &st));
+    if (st == ncclInProgress) usleep(1000);
+  }
+  if (st != ncclSuccess) FAIL("non-blocking init ended with %d", st);
+  NCCL(ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, nb, NULL));
+  if (sum != nranks * (nranks - 1) / 2) FAIL("non-blocking comm allreduce %d", sum);
+  NCCL(ncclCommAbort(nb));
+
+  /* error paths: each a clear code and message, nothing posted */
+  EXPECT_ERR(ncclInvalidArgument, ncclAllReduce(fs, fr, N, (ncclDataType_t)42, ncclSum, comm, NULL),
+             "data type 42");
+  EXPECT_ERR(ncclInvalidArgument, ncclBroadcast(ds, dr, N, ncclDouble, nranks, comm, NULL),
+             "out of range");
+  EXPECT_ERR(ncclInvalidArgument, ncclAllReduce(NULL, fr, N, ncclFloat, ncclSum, comm, NULL),
+             "sendbuff is NULL");
+  ncclRedOp_t pm;
+  float scalar = 2.0f;
+  EXPECT_ERR(ncclInvalidUsage,
+             ncclRedOpCreatePreMulSum(&pm, &scalar, ncclFloat, ncclScalarHostImmediate, comm),
+             "not supported");
+  EXPECT_ERR(ncclInvalidUsage, ncclGroupEnd(), "without a matching ncclGroupStart");
+  ncclResult_t ae = ncclInternalError;
+  NCCL(ncclCommGetAsyncError(comm, &ae));
+  if (ae != ncclSuccess) FAIL("async error %d after the checks", ae);
+
+  /* the communicator still works after refused calls */
+  NCCL(ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, comm, NULL));
+  if (sum != nranks * (nranks - 1) / 2) FAIL("allreduce after errors %d", sum);
+  free(gr), free(rs), free(as), free(ar), free(all);
+}
+
+int main(int argc, char** argv) {
+  if (argc != 5) {
+    fprintf(stderr, "usage: %s RANK NRANKS DIR ops|kill\n", argv[0]);
+    return 2;
+  }
+  rank = atoi(argv[1]);
+  nranks = atoi(argv[2]);
+  const char* dir = argv[3];
+  ncclComm_t comm = init(dir, "id");
+  if (!strcmp(argv[4], "ops")) {
+    ops(comm, dir);
+    NCCL(ncclCommFinalize(comm));
+    NCCL(ncclCommDestroy(comm));
+    int n;
+    EXPECT_ERR(ncclInvalidArgument, ncclCommCount(comm, &n), "not a live communicator");
+  } else if (!strcmp(argv[4], "kill")) {
+    int32_t one = 1, sum = 0;
+    NCCL(ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, comm, NULL));
+    if (sum != nranks) FAIL("first allreduce %d", sum);
+    if (rank == nranks - 1) _exit(0);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    ncclResult_t r = ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, comm, NULL);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (r != ncclRemoteError) FAIL("allreduce with a dead peer -> %d (%s)", r, ncclGetLastError(NULL));
+    printf("rank %d: op failed after %.2f s: %s\n", rank,
+           (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9, ncclGetLastError(NULL));
+    ncclResult_t ae = ncclSuccess;
+    NCCL(ncclCommGetAsyncError(comm, &ae));
+    if (ae != ncclRemoteError) FAIL("async error %d, want ncclRemoteError", ae);
+    NCCL(ncclCommAbort(comm));
+  } else {
+    FAIL("unknown mode %s", argv[4]);
+  }
+  printf("OK\n");
+  return 0;
+}
