@@ -108,9 +108,10 @@ fn created(c: &Arc<Comm>) -> ncclResult_t {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
-    // SAFETY: NCCL's contract on the out pointer.
     guard("ncclGetVersion", || {
-        unsafe { put(version, version_code(), "version") }.and_then(|_| ok())
+        // SAFETY: NCCL's contract on the out pointer.
+        unsafe { put(version, version_code(), "version") }?;
+        ok()
     })
 }
 
@@ -473,11 +474,8 @@ pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncc
         let mut d: sys::CUdeviceptr = 0;
         // Plain device memory: commd shares it with its daemon through a CUDA IPC handle.
         // SAFETY: valid out pointer; a context is current.
-        cu::ck(
-            unsafe { sys::cuMemAlloc_v2(&mut d, size.max(1)) },
-            "cuMemAlloc",
-        )
-        .map_err(cuda_failure)?;
+        let r = unsafe { sys::cuMemAlloc_v2(&mut d, size.max(1)) };
+        cu::ck(r, "cuMemAlloc").map_err(cuda_failure)?;
         // SAFETY: checked non-null above.
         unsafe { ptr.write(d as usize as *mut c_void) };
         ok()
@@ -492,11 +490,8 @@ pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
         }
         cuda_context()?;
         // SAFETY: NCCL's contract: memory ncclMemAlloc returned, freed once.
-        cu::ck(
-            unsafe { sys::cuMemFree_v2(ptr as usize as sys::CUdeviceptr) },
-            "cuMemFree",
-        )
-        .map_err(cuda_failure)?;
+        let r = unsafe { sys::cuMemFree_v2(ptr as usize as sys::CUdeviceptr) };
+        cu::ck(r, "cuMemFree").map_err(cuda_failure)?;
         ok()
     })
 }
@@ -1095,20 +1090,14 @@ mod tests {
         let bogus = 0x1000 as ncclComm_t;
         let mut n = 0;
         // SAFETY: the library must refuse the handle before using it.
-        assert_eq!(
-            unsafe { ncclCommCount(bogus, &mut n) },
-            ffi::INVALID_ARGUMENT
-        );
+        let r = unsafe { ncclCommCount(bogus, &mut n) };
+        assert_eq!(r, ffi::INVALID_ARGUMENT);
         // SAFETY: as above.
-        assert_eq!(
-            unsafe { ncclCommCount(std::ptr::null_mut(), &mut n) },
-            ffi::INVALID_ARGUMENT
-        );
+        let r = unsafe { ncclCommCount(std::ptr::null_mut(), &mut n) };
+        assert_eq!(r, ffi::INVALID_ARGUMENT);
         // SAFETY: null is checked.
-        assert_eq!(
-            unsafe { ncclGetVersion(std::ptr::null_mut()) },
-            ffi::INVALID_ARGUMENT
-        );
+        let r = unsafe { ncclGetVersion(std::ptr::null_mut()) };
+        assert_eq!(r, ffi::INVALID_ARGUMENT);
         let mut v = 0;
         // SAFETY: valid out pointer.
         assert_eq!(unsafe { ncclGetVersion(&mut v) }, ffi::SUCCESS);
