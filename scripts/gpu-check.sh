@@ -3,7 +3,12 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|all] [OUTDIR]
+# `nccl` (issue 22; run only by name): tests/gpu/nccl.sh, the NCCL-compatible library
+# (libcommd_nccl.so, target/release or .gpu/) under NCCL's own nccl-tests (every collective,
+# -c 1; real NCCL in the same run), a torch DDP job on the "nccl" backend name preloaded with it
+# against gloo, and vLLM's pynccl calls captured into a CUDA graph: nccl*.log,
+# nccltests-summary.txt, ddp-*.json, nccl.jsonl.
 # `jobstart` (issue 23; run only by name): client-py/benchmarks/job_start.py, communicator
 # start-up time and GPU memory, commd against NCCL on all GPUs (and 2 commd ranks sharing one
 # GPU on a one-GPU machine), then 10 short jobs back to back on one daemon: jobstart.log and
@@ -51,8 +56,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, nccl or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -145,6 +150,11 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   COMMD_SOCKET=$sockdir/kill.sock COMMD_TEST_DAEMON_PID=$kpid \
     run "kill-daemon-2-ranks" "${tr[@]}" 2 tests/gpu/kill_daemon.py
   wait $kpid 2>/dev/null
+fi
+if [ "$what" = nccl ]; then
+  run_timeout=3000
+  run "nccl" tests/gpu/nccl.sh "$out"
+  run_timeout=900
 fi
 if [ "$what" = jobstart ]; then
   COMMD_BIN=$bin run "jobstart" python3 client-py/benchmarks/job_start.py \

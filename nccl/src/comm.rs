@@ -119,6 +119,21 @@ pub struct Comm {
     init: Mutex<Init>,
     joined: Condvar,
     st: Mutex<State>,
+    /// Device memory an in-place all-to-all stages its input in (the daemon refuses copies
+    /// whose destination overlaps a source): (address, bytes), grown on demand.
+    staging: Mutex<Option<(u64, u64)>>,
+    /// The text `ncclGetLastError(comm)` returns for this communicator.
+    last_error: Mutex<std::ffi::CString>,
+}
+
+impl Drop for Comm {
+    fn drop(&mut self) {
+        if let Some((p, _)) = lock(&self.staging).take() {
+            // SAFETY: memory this communicator allocated and alone uses; every op that read
+            // it was waited for by its stream before the communicator could be destroyed.
+            unsafe { sys::cuMemFree_v2(p) };
+        }
+    }
 }
 
 /// One op as NCCL's entry points describe it.
@@ -212,6 +227,8 @@ impl Comm {
                 error: None,
                 pending: VecDeque::new(),
             }),
+            staging: Mutex::new(None),
+            last_error: Mutex::new(std::ffi::CString::default()),
         });
         let uid = *uid;
         let join = {
@@ -335,7 +352,19 @@ impl Comm {
                         commd_client::desc::status::name(s)
                     ),
                 });
-                Self::reap(&mut st, true);
+                // The failed op's completion carries the daemon's reason; it follows the
+                // error word closely.
+                for _ in 0..20 {
+                    Self::reap(&mut st, true);
+                    if st
+                        .error
+                        .as_ref()
+                        .is_some_and(|f| !f.message.starts_with("a GPU op"))
+                    {
+                        break;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
             } else if let Err(e) = r.c.cuda_graph_check() {
                 st.error = Some(e.into());
             }
@@ -464,11 +493,21 @@ impl Comm {
             a.peer = op.peer.max(0) as u32;
             a.send = send;
             a.recv = recv;
+            if op.kind == OpKind::AllToAll {
+                let bytes = op.count * u64::from(self.nranks) * dtype.size();
+                if op.send < op.recv + bytes && op.recv < op.send + bytes {
+                    a.send = Some(self.stage_in(op.send, bytes, op.stream)?);
+                }
+            }
             a.defer_wait = op.kind.is_p2p();
             // SAFETY: NCCL's contract: the buffers are device memory of this process holding
             // the op's elements until the stream passes the op, and the stream is live.
             let posted = unsafe { r.c.post_cuda_ordered(a) }?;
-            self.track(posted.request);
+            // A captured op (contract 6) runs at each replay; its failures come back through
+            // the error word and the graph check, not through this request.
+            if !posted.captured {
+                self.track(posted.request);
+            }
             if a.defer_wait {
                 if group::active() {
                     group::flush_later(r, op.stream);
@@ -496,6 +535,52 @@ impl Comm {
         } else {
             h.finish()
         }
+    }
+
+    /// Copies `bytes` at `src` into this communicator's staging memory on `stream` (an
+    /// in-place all-to-all: NCCL allows it, the daemon's copy plan does not) and returns the
+    /// staged address. Later ops on the stream run after this one finished reading it.
+    fn stage_in(&self, src: u64, bytes: u64, stream: usize) -> Outcome<u64> {
+        let cuda = |e: cu::CuError| Failure {
+            code: ffi::UNHANDLED_CUDA_ERROR,
+            message: e.to_string(),
+        };
+        let mut g = lock(&self.staging);
+        if g.is_none_or(|(_, n)| n < bytes) {
+            if let Some((p, _)) = g.take() {
+                // The old staging may still be read by ops queued on the stream.
+                // SAFETY: the caller's live stream.
+                let r = unsafe { sys::cuStreamSynchronize(stream as sys::CUstream) };
+                cu::ck(r, "cuStreamSynchronize").map_err(cuda)?;
+                // SAFETY: allocated below by this communicator, no longer in use.
+                unsafe { sys::cuMemFree_v2(p) };
+            }
+            let mut p: sys::CUdeviceptr = 0;
+            // SAFETY: valid out pointer; the caller's thread has the buffers' context current
+            // (NCCL's contract for ops on device memory).
+            let r = unsafe { sys::cuMemAlloc_v2(&mut p, bytes as usize) };
+            cu::ck(r, "cuMemAlloc(in-place all-to-all staging)").map_err(cuda)?;
+            *g = Some((p, bytes));
+        }
+        let (p, _) = g.unwrap_or_default();
+        // SAFETY: both ranges are device memory of this process, `bytes` long (NCCL's contract
+        // for src, the allocation above for p); the copy is ordered on the caller's stream.
+        let r =
+            unsafe { sys::cuMemcpyDtoDAsync_v2(p, src, bytes as usize, stream as sys::CUstream) };
+        cu::ck(r, "cuMemcpyDtoDAsync").map_err(cuda)?;
+        Ok(p)
+    }
+
+    /// The text `ncclGetLastError(comm)` gives: this communicator's failure, if it has one.
+    pub fn last_error_ptr(&self) -> Option<*const std::ffi::c_char> {
+        let msg = lock(&self.st).error.as_ref()?.message.replace('\0', "\\0");
+        let mut g = lock(&self.last_error);
+        // Replaced only when the text changed, so a pointer handed out earlier stays valid
+        // while the text is the same.
+        if g.as_bytes() != msg.as_bytes() {
+            *g = std::ffi::CString::new(msg).unwrap_or_default();
+        }
+        Some(g.as_ptr())
     }
 
     /// `ncclCommSplit`: every rank of this communicator calls it; ranks of one color form a

@@ -336,8 +336,16 @@ pub extern "C" fn ncclGetErrorString(result: ncclResult_t) -> *const c_char {
     ffi::result_name(result).as_ptr()
 }
 
+/// The communicator's own failure when it has one (so a watchdog thread reading it sees why
+/// the communicator failed), else the calling thread's last failure.
 #[unsafe(no_mangle)]
-pub extern "C" fn ncclGetLastError(_comm: ncclComm_t) -> *const c_char {
+pub extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
+    if !comm.is_null()
+        && let Ok(c) = comm::get(comm)
+        && let Some(p) = c.last_error_ptr()
+    {
+        return p;
+    }
     ffi::last_error_ptr()
 }
 

