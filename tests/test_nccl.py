@@ -117,3 +117,26 @@ def test_no_daemon_is_a_clear_system_error(prog, tmp_path):
     assert p.returncode == 1
     assert "ncclGetUniqueId" in p.stderr and "-> 2" in p.stderr, p.stderr
     assert "cannot reach the commd daemon" in p.stderr, p.stderr
+
+
+def test_commd_exec_is_the_only_switch_a_job_needs(prog, daemon, tmp_path):
+    """An NCCL program run under `commd exec --`: no library path, no COMMD_SOCKET of its own;
+    the preloaded library answers its `NEEDED libnccl.so.2`."""
+    from conftest import COMMD
+    exe, _ = prog
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_LIBRARY_PATH", "LD_PRELOAD", "COMMD_SOCKET", "COMMD_NCCL_LIB")}
+    procs = [
+        subprocess.Popen([COMMD, "exec", "--socket", str(daemon.socket), "--nccl-lib", str(LIB),
+                          "--", str(exe), str(r), "2", str(tmp_path), "ops"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    for r, (code, out, err) in enumerate(finish(procs)):
+        assert code == 0 and out.strip().endswith("OK"), f"rank {r} exit {code}\n{out}\n{err}"
+    bad = subprocess.run([COMMD, "exec", "--nccl-lib", str(tmp_path / "nope.so"), "--", "true"],
+                         capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and "nope.so" in bad.stderr, bad.stderr
+    missing = subprocess.run([COMMD, "exec", "--nccl-lib", str(LIB), "--", str(tmp_path / "no-such")],
+                             capture_output=True, text=True, env=env)
+    assert missing.returncode == 127 and "cannot run" in missing.stderr, missing.stderr

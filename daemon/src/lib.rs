@@ -21,6 +21,7 @@ pub mod control;
 pub mod cuda;
 pub mod daemon;
 pub mod engine;
+pub mod exec;
 pub mod fanout;
 pub mod fdsock;
 pub mod graphs;

@@ -59,6 +59,19 @@ enum Cmd {
         #[command(flatten)]
         args: commd_daemon::bench::BenchArgs,
     },
+    /// Run a command whose NCCL calls go to this daemon (torch's "nccl" backend, nccl-tests,
+    /// vLLM's pynccl): preloads commd's libnccl.so.2 and sets VLLM_NCCL_SO_PATH and COMMD_SOCKET.
+    Exec {
+        /// The library (default: COMMD_NCCL_LIB, beside this binary, or PREFIX/lib/commd/).
+        #[arg(long)]
+        nccl_lib: Option<PathBuf>,
+        /// Print the environment given to the command on stderr.
+        #[arg(short, long)]
+        verbose: bool,
+        /// The command and its arguments (after `--`).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        cmd: Vec<std::ffi::OsString>,
+    },
     /// A software SwitchML switch: the controller gRPC API and the UDP aggregation data plane.
     Switch {
         #[command(flatten)]
@@ -186,6 +199,17 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
             }
         }
         Cmd::Switch { args } => commd_daemon::switch::server::main(args),
+        Cmd::Exec {
+            nccl_lib,
+            verbose,
+            cmd,
+        } => match commd_daemon::exec::find_lib(nccl_lib.as_deref()) {
+            Ok(lib) => commd_daemon::exec::run(&lib, &cfg.socket, cmd, *verbose),
+            Err(e) => {
+                eprintln!("commd exec: {e}");
+                exit::USAGE
+            }
+        },
         Cmd::BenchWorker { .. } => exit::USAGE,
     }
 }

@@ -125,6 +125,18 @@ def test_install_script_layout_and_prefix(tmp_path):
     unit = (root / "etc/systemd/system/commd.service").read_text()
     assert "ExecStart=/opt/commd/bin/commd serve --config /etc/commd/commd.toml" in unit
     assert (root / "etc/commd/commd.toml").read_text() == DEFAULT_TOML.read_text()
+    # The NCCL-compatible library (built beside the binary by scripts/test) in a folder of its
+    # own, found by the installed `commd exec`.
+    libdir = root / "opt/commd/lib/commd"
+    assert (libdir / "libcommd_nccl.so").is_file(), out.stdout
+    assert os.readlink(libdir / "libnccl.so.2") == "libcommd_nccl.so"
+    env = {k: v for k, v in os.environ.items() if k not in ("COMMD_NCCL_LIB", "LD_PRELOAD")}
+    ex = subprocess.run([str(binary), "exec", "--socket", "/run/x.sock", "--", "env"],
+                        capture_output=True, text=True, env=env)
+    assert ex.returncode == 0, ex.stderr
+    lines = dict(l.split("=", 1) for l in ex.stdout.splitlines() if "=" in l)
+    assert lines["LD_PRELOAD"] == str((libdir / "libnccl.so.2").resolve()), lines.get("LD_PRELOAD")
+    assert lines["VLLM_NCCL_SO_PATH"] == lines["LD_PRELOAD"] and lines["COMMD_SOCKET"] == "/run/x.sock"
     # A second install keeps the admin's config and puts the default beside it.
     (root / "etc/commd/commd.toml").write_text('socket = "/run/commd/commd.sock"\nop_timeout_ms = 5000\n')
     out = subprocess.run([str(ROOT / "scripts" / "install"), "--root", str(root), "--prefix", "/opt/commd",
