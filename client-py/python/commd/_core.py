@@ -198,13 +198,23 @@ class Handle:
         (the output array where the op has one). Raises the op's error, or TimeoutError when
         ``timeout`` passes first (the op keeps running)."""
         with self._lock:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return self._result
+            requests = list(self._requests)
+        # Blocked outside the lock: another thread (torch's progress thread) may wait for the
+        # same op with no limit, and a caller's timed wait must still end on time.
+        error: BaseException | None = None
+        try:
+            for r in requests:
+                if not r.wait(timeout):
+                    raise TimeoutError(f"commd op still running after {timeout} s")
+        except _native.CommError as e:
+            error = e
+        with self._lock:
             if not self._done:
-                try:
-                    for r in self._requests:
-                        if not r.wait(timeout):
-                            raise TimeoutError(f"commd op still running after {timeout} s")
-                except _native.CommError as e:
-                    self._error = e
+                self._error = error
                 self._complete()
             if self._error is not None:
                 raise self._error

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import ReduceOp
 from torch._C._distributed_c10d import Work as _Work
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
 from . import _core, _native
@@ -166,7 +165,7 @@ class _Progress:
             try:
                 h.wait()
             except BaseException as e:  # noqa: BLE001 - delivered through the future
-                fut.set_exception(e)
+                fut.set_exception(_dist_error(e))
             else:
                 fut.set_result(value)
 
@@ -174,8 +173,29 @@ class _Progress:
 _progress = _Progress()
 
 
+_DIST_KINDS: dict[type, type] = {}
+
+
+def _dist_error(e: BaseException) -> BaseException:
+    """``e`` (a commd error) as an instance of a class that is both its commd class and
+    torch's ``DistBackendError`` (a ``RuntimeError``), so callers' ``except`` clauses written for
+    torch's backends keep working; other exceptions are returned unchanged."""
+    if not isinstance(e, _native.CommError) or isinstance(e, dist.DistBackendError):
+        return e
+    cls = type(e)
+    kind = _DIST_KINDS.get(cls)
+    if kind is None:
+        kind = type(cls.__name__, (cls, dist.DistBackendError), {"__module__": "commd.torch"})
+        _DIST_KINDS[cls] = kind
+    out = kind(*e.args)
+    out.__cause__ = e.__cause__
+    return out
+
+
 class _CommdWork(_Work):
-    """torch's Work over a commd Handle."""
+    """torch's Work over a commd Handle. Errors are raised as torch's ``DistBackendError``
+    (kept as their commd class too); a ``wait(timeout)`` that passes first raises one saying
+    "Timed out", as gloo's Works do."""
 
     def __init__(self, handle: Handle, result: Any) -> None:
         super().__init__()
@@ -186,7 +206,14 @@ class _CommdWork(_Work):
 
     def wait(self, timeout: Any = None) -> bool:
         secs = _seconds(timeout)
-        self._h.wait(secs)
+        try:
+            self._h.wait(secs)
+        except TimeoutError:
+            raise dist.DistBackendError(
+                f"commd: Timed out waiting {secs * 1000:.0f} ms for the op to complete (it "
+                "keeps running; a later wait() can still complete it)") from None
+        except _native.CommError as e:
+            raise _dist_error(e) from e
         return True
 
     def is_completed(self) -> bool:
@@ -202,7 +229,7 @@ class _CommdWork(_Work):
         return self._result
 
     def synchronize(self) -> None:
-        self._h.wait()
+        self.wait()
 
     def get_future(self) -> Future:
         with self._lock:
@@ -211,11 +238,11 @@ class _CommdWork(_Work):
                 if self._h.is_completed():
                     e = self._h.exception()
                     if e is None:
-                        self._fut.set_result(self._result)
+                        self._fut.set_result(_flat_tensors(self._result))
                     else:
-                        self._fut.set_exception(e)
+                        self._fut.set_exception(_dist_error(e))
                 else:
-                    _progress.watch(self._h, self._fut, self._result)
+                    _progress.watch(self._h, self._fut, _flat_tensors(self._result))
             return self._fut
 
 
@@ -324,19 +351,11 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         gets a Work whose ``wait`` runs here, with no thread hop. Async calls get a Work made from
         a future that the progress thread completes, so ``is_completed()``, ``get_future()`` and
         DDP's hooks see progress without anyone calling ``wait``."""
-        if opts is not None and not getattr(opts, "asyncOp", True):
-            return _CommdWork(h, result)
-        fut: Future = Future()
-        value = _flat_tensors(result)
-        if h.is_completed():
-            e = h.exception()
-            if e is None:
-                fut.set_result(value)
-            else:
-                fut.set_exception(e)
-        else:
-            _progress.watch(h, fut, value)
-        return _create_work_from_future(fut)
+        w = _CommdWork(h, result)
+        if opts is None or getattr(opts, "asyncOp", True):
+            # Watched at once, so the future (and is_completed) progress with nobody waiting.
+            w.get_future()
+        return w
 
     def _p2p_batch(self, sends: list[tuple[np.ndarray, int]],
                    recvs: list[tuple[np.ndarray, int]]) -> Handle:
@@ -355,12 +374,45 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(tensors, "allreduce")
+        if isinstance(t, torch.Tensor) and t.is_sparse:
+            return self._sparse_allreduce(t, opts)
         if _is_cuda(t):
             dt, red = _reduce_names(t, opts.reduceOp, "allreduce")
             return self.gpu.reduce_like("all_reduce", t, dt, red, 0, None, tensors,
                                         _sync(opts))
         a, dt, red = _reduce_args(t, opts.reduceOp, "allreduce")
         return self._work(self.comm.all_reduce(a, op=red, dtype=dt, async_op=True), tensors, opts)
+
+    def _gather_rows(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``t`` (same dtype and trailing shape, any length along dim 0): the
+        lengths first, then the rows padded to the longest."""
+        n = torch.tensor([t.shape[0]], dtype=torch.int64)
+        ns = [torch.empty(1, dtype=torch.int64) for _ in range(self._size)]
+        self._allgather_h(ns, n).wait()
+        most = max(int(x.item()) for x in ns)
+        if most == 0:
+            return [t[:0] for _ in ns]
+        pad = torch.zeros((most, *t.shape[1:]), dtype=t.dtype)
+        pad[: t.shape[0]] = t
+        outs = [torch.empty_like(pad) for _ in ns]
+        self._allgather_h(outs, pad).wait()
+        return [o[: int(k.item())] for o, k in zip(outs, ns)]
+
+    def _sparse_allreduce(self, t: torch.Tensor, opts: Any) -> Any:
+        """A sparse COO all-reduce (sum, as gloo's): every rank's indices and values are
+        gathered and summed by coalescing; ``t`` then holds the result, as with gloo."""
+        if t.is_cuda:
+            raise ValueError("commd allreduce: sparse CUDA tensors are not supported (gloo's "
+                             "sparse all-reduce is CPU-only too); use a dense tensor")
+        if opts.reduceOp != ReduceOp.SUM:
+            raise ValueError("commd allreduce: sparse tensors support only ReduceOp.SUM")
+        c = t.detach().coalesce()
+        idx = self._gather_rows(c.indices().t().contiguous())
+        val = self._gather_rows(c.values().contiguous())
+        out = torch.sparse_coo_tensor(torch.cat(idx).t(), torch.cat(val), c.shape).coalesce()
+        with torch.no_grad():
+            t.copy_(out)
+        return _CommdWork(Handle.done(), [t])
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if not tensors:
@@ -421,11 +473,15 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]],
                             inputs: list[torch.Tensor], opts: Any) -> Any:
+        # torch's layout: output_lists[r][i] receives rank r's inputs[i].
+        if len(output_lists) != self._size or any(len(o) != len(inputs) for o in output_lists):
+            raise ValueError(f"commd all_gather_coalesced: expected {self._size} output lists of "
+                             f"{len(inputs)} tensors (one list per rank)")
+        per_input = [[output_lists[r][i] for r in range(self._size)] for i in range(len(inputs))]
         if inputs and _is_cuda(inputs[0]):
-            works = [self.allgather([o], [i], opts)
-                     for o, i in zip(output_lists, inputs, strict=True)]
+            works = [self.allgather([o], [i], opts) for o, i in zip(per_input, inputs)]
             return works[-1] if len(works) == 1 else _join(works, output_lists)
-        hs = [self._allgather_h(o, i) for o, i in zip(output_lists, inputs, strict=True)]
+        hs = [self._allgather_h(o, i) for o, i in zip(per_input, inputs)]
         return self._work(Handle.all(hs), output_lists, opts)
 
     def _allgather_base_h(self, output: torch.Tensor, input: torch.Tensor) -> Handle:

@@ -1,0 +1,220 @@
+"""The torch.distributed surface beyond the basic collectives, run the same way on a backend
+under test and on gloo (tests/test_torch_surface.py compares them). Each check prints one JSON
+line per rank: {"check": NAME, "ok": bool, "error": text}.
+
+    torchrun --nproc_per_node N tests/torch_surface_worker.py BACKEND [CHECK ...]
+"""
+
+import json
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import commd.torch  # noqa: F401  (registers "commd")
+
+CHECKS = {}
+
+
+def check(f):
+    CHECKS[f.__name__] = f
+    return f
+
+
+def drain(world, got):
+    """Receives the senders' messages not received yet (named sources), so a failed
+    any-source check leaves no send waiting."""
+    for src in range(1, world):
+        if src not in got:
+            dist.recv(torch.zeros(4), src)
+
+
+@check
+def recv_any_source(rank, world):
+    if rank == 0:
+        got = set()
+        try:
+            for _ in range(world - 1):
+                t = torch.zeros(4)
+                src = dist.recv(t)
+                assert src is not None and 0 < src < world, src
+                assert t.eq(src).all(), (t, src)
+                got.add(src)
+        except Exception:
+            drain(world, got)
+            raise
+        assert got == set(range(1, world)), got
+    else:
+        dist.send(torch.full((4,), float(rank)), 0)
+
+
+@check
+def irecv_any_source(rank, world):
+    if rank == 0:
+        t = torch.zeros(4)
+        try:
+            w = dist.irecv(t)
+            w.wait()
+        except Exception:
+            drain(world, set())
+            raise
+        src = w._source_rank()
+        assert 0 < src < world and t.eq(src).all(), (src, t)
+        drain(world, {src})
+    else:
+        dist.send(torch.full((4,), float(rank)), 0)
+
+
+@check
+def all_gather_coalesced(rank, world):
+    ins = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 + rank)]
+    outs = [[torch.empty(3), torch.empty(2, 2)] for _ in range(world)]
+    dist.all_gather_coalesced(outs, ins)
+    for r in range(world):
+        assert outs[r][0].eq(r).all() and outs[r][1].eq(10 + r).all(), outs
+
+
+@check
+def all_reduce_coalesced(rank, world):
+    ts = [torch.full((3,), float(rank)), torch.full((5,), 1.0)]
+    dist.all_reduce_coalesced(ts)
+    assert ts[0].eq(world * (world - 1) / 2).all() and ts[1].eq(world).all(), ts
+
+
+@check
+def object_collectives(rank, world):
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "s": "x" * rank})
+    assert [o["rank"] for o in objs] == list(range(world))
+    lst = [{"a": 1}, [2, 3]] if rank == 0 else [None, None]
+    dist.broadcast_object_list(lst, src=0)
+    assert lst == [{"a": 1}, [2, 3]]
+    out = [None]
+    dist.scatter_object_list(out, [r * 7 for r in range(world)] if rank == 0 else None, src=0)
+    assert out[0] == rank * 7
+    g = [None] * world if rank == 0 else None
+    dist.gather_object(rank + 100, g, dst=0)
+    if rank == 0:
+        assert g == [r + 100 for r in range(world)], g
+
+
+@check
+def monitored_barrier(rank, world):
+    dist.monitored_barrier(timeout=timedelta(seconds=30))
+    dist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
+
+
+@check
+def pg_allreduce_without_options(rank, world):
+    pg = dist.distributed_c10d._get_default_group()
+    t = torch.ones(4)
+    w = pg.allreduce([t])
+    w.wait()
+    assert t.eq(world).all(), t
+    t2 = torch.ones(2)
+    fut = pg.allreduce([t2]).get_future()
+    res = fut.wait()
+    assert res[0].eq(world).all(), res
+    b = torch.full((2,), float(rank))
+    pg.broadcast([b]).wait()
+    assert b.eq(0).all()
+
+
+@check
+def sparse_all_reduce(rank, world):
+    i = torch.tensor([[rank % 3], [0]])
+    v = torch.tensor([float(rank + 1)])
+    s = torch.sparse_coo_tensor(i, v, (3, 2))
+    dist.all_reduce(s)
+    dense = torch.zeros(3, 2)
+    for r in range(world):
+        dense[r % 3, 0] += r + 1
+    assert torch.equal(s.to_dense(), dense), s.to_dense()
+
+
+@check
+def subgroup_destroy(rank, world):
+    for _ in range(3):
+        g = dist.new_group(list(range(world)))
+        t = torch.ones(2)
+        dist.all_reduce(t, group=g)
+        assert t.eq(world).all()
+        dist.destroy_process_group(g)
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.eq(world).all()
+
+
+@check
+def split_group(rank, world):
+    dist.barrier()
+    ranks = [list(range(0, world, 2)), list(range(1, world, 2))]
+    g = dist.split_group(split_ranks=[r for r in ranks if r])
+    mine = ranks[rank % 2]
+    t = torch.ones(1)
+    dist.all_reduce(t, group=g)
+    assert t.item() == len(mine), (t, mine)
+
+
+@check
+def async_wait_timeout(rank, world):
+    t = torch.ones(1024)
+    w = dist.all_reduce(t, async_op=True)
+    assert w.wait(timeout=timedelta(seconds=30))
+    assert t.eq(world).all()
+
+
+@check
+def timeout_error_is_torch_kind(rank, world):
+    """A receive nobody sends to, with a short per-op timeout: the error must be one torch
+    callers catch (DistError / RuntimeError) and say it timed out."""
+    if rank != 0:
+        import time
+        time.sleep(4)  # stays connected while rank 0's receive times out
+        return
+    w = dist.irecv(torch.zeros(1), src=1, tag=77)
+    try:
+        w.wait(timeout=timedelta(seconds=1))
+    except Exception as e:  # noqa: BLE001
+        assert isinstance(e, RuntimeError), type(e).__mro__
+        assert "timed out" in str(e).lower() or "timeout" in str(e).lower(), str(e)
+        return
+    raise AssertionError("no timeout")
+
+
+@check
+def is_completed_untouched(rank, world):
+    """Importing commd.torch leaves torch's own Work class as it was."""
+    assert not getattr(dist.distributed_c10d.Work.is_completed, "_commd_patched", False)
+
+
+def main():
+    backend = sys.argv[1]
+    names = sys.argv[2:] or list(CHECKS)
+    dist.init_process_group(backend, timeout=timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for name in names:
+        try:
+            CHECKS[name](rank, world)
+            row = {"check": name, "ok": True, "rank": rank}
+        except Exception as e:  # noqa: BLE001
+            row = {"check": name, "ok": False, "rank": rank,
+                   "error": f"{type(e).__name__}: {e}"[:600],
+                   "where": traceback.format_exc()[-600:]}
+        # One write per line: ranks share the pipe, and print() writes the newline apart.
+        sys.stdout.write(json.dumps(row) + "\n")
+        sys.stdout.flush()
+        if name == "timeout_error_is_torch_kind":
+            # A timed-out op may leave the group unusable (gloo aborts it): stop here.
+            break
+        dist.barrier()
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+if __name__ == "__main__":
+    main()
