@@ -10,6 +10,7 @@ parameters (gathered from their shards under ZeRO-3) as JSON.
 import argparse
 import json
 import os
+import time
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -28,6 +29,7 @@ def main():
     p.add_argument("--ga", type=int, default=1)
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=64)
     a = p.parse_args()
 
     deepspeed.init_distributed(dist_backend=a.backend)
@@ -35,8 +37,8 @@ def main():
     assert dist.get_backend() == a.backend, dist.get_backend()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-        torch.nn.Linear(64, 4))
+        torch.nn.Linear(32, a.hidden), torch.nn.ReLU(), torch.nn.Linear(a.hidden, a.hidden),
+        torch.nn.ReLU(), torch.nn.Linear(a.hidden, 4))
     config = {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": a.ga,
@@ -52,8 +54,10 @@ def main():
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=config)
     dtype = torch.bfloat16 if a.bf16 else torch.float32
-    losses = []
+    losses, times = [], []
     for step in range(a.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
         for micro in range(a.ga):
             g = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
             x = torch.randn(8, 32, generator=g).to(dtype)
@@ -61,6 +65,7 @@ def main():
             loss = torch.nn.functional.mse_loss(engine(x).float(), y.float())
             engine.backward(loss)
             engine.step()
+        times.append(time.perf_counter() - t0)
         l = loss.detach().float().clone()
         dist.all_reduce(l)
         losses.append(l.item() / world)
@@ -74,8 +79,10 @@ def main():
     assert torch.equal(first, flat), "ranks' parameters differ"
     if rank == 0:
         with open(a.out, "w") as f:
+            steady = sorted(times[2:] or times)
             json.dump({"backend": a.backend, "stage": a.stage, "world": world, "losses": losses,
-                       "params": flat.tolist()}, f)
+                       "params": flat.tolist(), "step_ms": 1e3 * steady[len(steady) // 2],
+                       "numel": flat.numel()}, f)
     dist.barrier()
     dist.destroy_process_group()
 
