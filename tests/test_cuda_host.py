@@ -28,13 +28,20 @@ def test_topo_reports_cuda_unavailable_and_host_ops_still_work(daemon):
     j = json.loads(subprocess.run([COMMD, "topo", "--json", "--socket", str(daemon.socket)],
                                   capture_output=True, text=True, timeout=10, check=True).stdout)
     assert j["cuda_available"] is False and j["gpus"] == [] and "libcuda" in j["cuda_reason"]
+    assert j["source"] == "daemon"
     assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 1001}]))
 
 
-def test_topo_without_a_daemon_fails_with_the_socket_named(tmp_path):
+def test_topo_without_a_daemon_probes_the_host_and_says_so(tmp_path):
     out = subprocess.run([COMMD, "topo", "--socket", str(tmp_path / "none.sock")],
                          capture_output=True, text=True, timeout=10)
-    assert out.returncode != 0 and "none.sock" in out.stderr, out.stderr
+    assert out.returncode == 0, out.stderr
+    assert "no daemon answered" in out.stdout and "none.sock" in out.stdout, out.stdout
+    assert "probed this host directly" in out.stdout
+    assert "CUDA: unavailable (libcuda.so not found" in out.stdout, out.stdout
+    j = json.loads(subprocess.run([COMMD, "topo", "--json", "--socket", str(tmp_path / "none.sock")],
+                                  capture_output=True, text=True, timeout=10, check=True).stdout)
+    assert j["source"] == "host probe" and j["cuda_available"] is False, j
 
 
 def test_gpu_op_without_cuda_is_a_clear_error(daemon):

@@ -227,16 +227,25 @@ fn rdma_topo(cfg: &Config) -> String {
 }
 
 fn topo(cfg: &Config, json: bool) -> i32 {
-    let t = match commd_client::Client::connect(Some(&cfg.socket)).and_then(|c| c.topology()) {
-        Ok(t) => t,
-        Err(e) => {
-            if !json {
-                print!("{}", rdma_topo(cfg));
+    // Operators run `topo` first, like `nvidia-smi topo -m`: with no daemon answering, this
+    // command probes the host itself with the daemon's own code, and says so.
+    let (t, source) =
+        match commd_client::Client::connect(Some(&cfg.socket)).and_then(|c| c.topology()) {
+            Ok(t) => (t, "daemon".to_string()),
+            Err(e) => {
+                let why = e.to_string();
+                let why = why.split(". ").next().unwrap_or(&why).to_string();
+                if !json {
+                    println!("no daemon answered ({why}): probed this host directly");
+                }
+                // The probe a daemon runs at start (CUDA only if the config allows it).
+                let _ = commd_daemon::cuda::init(cfg.cuda, cfg.gpu_scratch_slot_bytes);
+                (
+                    commd_daemon::cuda::topology_reply(),
+                    "host probe".to_string(),
+                )
             }
-            eprintln!("commd topo: {e}");
-            return exit::RUNTIME;
-        }
-    };
+        };
     let uuid = commd_client::gpu::cu::uuid_string;
     if json {
         let gpus: Vec<_> = t.gpus.iter().map(|g| serde_json::json!({"ordinal": g.ordinal, "name": g.name,
@@ -244,14 +253,19 @@ fn topo(cfg: &Config, json: bool) -> i32 {
             "copy_engines": g.copy_engines, "sm_count": g.sm_count, "compute_capability": g.compute_capability})).collect();
         let links: Vec<_> = t.links.iter().map(|l| serde_json::json!({"from": l.from, "to": l.to, "p2p": l.p2p,
             "path": l.path, "performance_rank": l.performance_rank, "native_atomics": l.native_atomics})).collect();
-        let j = serde_json::json!({"cuda_available": t.cuda_available, "cuda_reason": t.cuda_reason,
+        let j = serde_json::json!({"source": source, "cuda_available": t.cuda_available, "cuda_reason": t.cuda_reason,
             "driver_version": t.driver_version, "gpus": gpus, "links": links, "rdma": rdma_topo(cfg)});
         println!("{j}");
         return exit::OK;
     }
     if !t.cuda_available {
+        let who = if source == "daemon" {
+            "the daemon serves"
+        } else {
+            "a daemon here would serve"
+        };
         println!(
-            "CUDA: unavailable ({}); the daemon serves host memory only",
+            "CUDA: unavailable ({}); {who} host memory only",
             t.cuda_reason
         );
         print!("{}", rdma_topo(cfg));
