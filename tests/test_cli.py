@@ -55,11 +55,37 @@ def test_status_counts_sessions_and_registrations(daemon):
 
 def test_bench_rejects_bad_arguments():
     out = commd("bench", "--op", "frobnicate")
-    assert out.returncode == 1 and "unknown op 'frobnicate'" in out.stderr, out.stderr
+    assert out.returncode == 2 and "unknown op 'frobnicate'" in out.stderr, out.stderr
+    assert "valid: all_reduce, all_gather" in out.stderr, out.stderr
+    out = commd("bench", "-d", "float128")
+    assert out.returncode == 2 and "valid: f32" in out.stderr, out.stderr
+    out = commd("bench", "-c", "2")
+    assert out.returncode == 2, out.stderr
     out = commd("bench", "--max-bytes", "12Q")
     assert out.returncode == 2 and "invalid size" in out.stderr, out.stderr
     out = commd("bench", "--ranks", "2", "--root", "5", "--op", "broadcast")
     assert out.returncode == 1 and "--root 5 is out of range" in out.stderr, out.stderr
+
+
+def test_bench_speaks_nccl_tests():
+    """nccl-tests' flags and spellings, its closing lines, a root column, and CSV."""
+    out = commd("bench", "--op", "broadcast", "-r", "1", "--ranks", "2", "-b", "8", "-e", "4K",
+                "-f", "8", "-n", "3", "-w", "1", "-c", "1", "-d", "float")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("# commd bench: starting 2 client process"), lines[0]
+    assert any(l.split()[1:6] == ["size", "count", "type", "redop", "root"] for l in lines), out.stdout
+    rows = [l.split() for l in lines if l and not l.startswith("#")]
+    assert [r[0] for r in rows] == ["8", "64", "512", "4096"] and all(r[4] == "1" for r in rows), rows
+    assert "# Out of bounds values : 0 OK" in lines, out.stdout
+    avg = [l for l in lines if l.startswith("# Avg bus bandwidth    : ")]
+    assert len(avg) == 1 and float(avg[0].split(":")[1]) > 0, avg
+    out = commd("bench", "--op", "allreduce", "--ranks", "2", "-e", "64", "--csv")
+    assert out.returncode == 0, out.stderr
+    csv = out.stdout.splitlines()
+    assert csv[0].startswith("op,ranks,nodes,dtype,redop,root,size"), csv[0]
+    assert len(csv) == 1 + 2 * 4 and all(l.startswith("all_reduce,2,1,f32,sum,-1,") for l in csv[1:]), csv
+    assert all(l.endswith(",0") for l in csv[1:]), csv
 
 
 def test_logs_to_a_file_carry_no_colour_codes_and_bench_ends_quietly():

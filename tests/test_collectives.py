@@ -163,7 +163,7 @@ def test_bench_smoke(tmp_path):
         assert len(rows) == 5, out.stdout
         for row in rows:
             cols = row.split()
-            assert cols[8] == "0" and cols[13] == "0", row
+            assert cols[9] == "0" and cols[14] == "0", row  # the #wrong columns
         assert "memcpy reference" in out.stdout
         assert "all results correct" in out.stdout
 
@@ -181,7 +181,7 @@ def test_bench_bitwise_reductions():
         assert len(rows) == 5, out.stdout
         for row in rows:
             cols = row.split()
-            assert cols[8] == "0" and cols[13] == "0", row
+            assert cols[9] == "0" and cols[14] == "0", row  # the #wrong columns
         assert "all results correct" in out.stdout
     out = subprocess.run([COMMD, "bench", "--ranks", "2", "--redop", "bxor", "--dtype", "f32"],
                          capture_output=True, text=True, timeout=30)

@@ -19,8 +19,9 @@ use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, clap::Args, Serialize, Deserialize)]
 pub struct BenchArgs {
-    /// all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, sendrecv
-    #[arg(long, default_value = "all_reduce")]
+    /// all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, sendrecv (nccl-tests
+    /// spellings such as allreduce and alltoall work too)
+    #[arg(long, default_value = "all_reduce", value_parser = parse_op)]
     pub op: String,
     /// Client processes (ranks), over all nodes.
     #[arg(long, default_value_t = 4)]
@@ -37,32 +38,96 @@ pub struct BenchArgs {
     #[arg(long, default_value = "off")]
     #[serde(default)]
     pub switch: String,
-    /// Smallest size (bytes; K, M, G suffixes).
-    #[arg(long, default_value = "8", value_parser = parse_size)]
+    /// Smallest size in bytes (K, M, G suffixes), as nccl-tests' -b.
+    #[arg(short = 'b', long, visible_alias = "minbytes", default_value = "8", value_parser = parse_size)]
     pub min_bytes: u64,
-    #[arg(long, default_value = "256M", value_parser = parse_size)]
+    /// Largest size in bytes (K, M, G suffixes), as nccl-tests' -e.
+    #[arg(short = 'e', long, visible_alias = "maxbytes", default_value = "256M", value_parser = parse_size)]
     pub max_bytes: u64,
-    /// Multiply the size by this factor each step.
-    #[arg(long, default_value_t = 2)]
+    /// Multiply the size by this factor each step (at least 2), as nccl-tests' -f.
+    #[arg(short = 'f', long, visible_alias = "stepfactor", default_value_t = 2)]
     pub step_factor: u64,
-    #[arg(long, default_value = "f32")]
+    /// Element type: f32, f64, f16, bf16, i8, u8, i32, i64 (or nccl-tests' float, double, half,
+    /// bfloat16, int8, uint8, int32, int64), as nccl-tests' -d.
+    #[arg(short = 'd', long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: String,
-    #[arg(long, default_value = "sum")]
+    /// Reduction: sum, prod, min, max, avg, band, bor, bxor, as nccl-tests' -o.
+    #[arg(short = 'o', long, default_value = "sum", value_parser = parse_redop)]
     pub redop: String,
-    #[arg(long, default_value_t = 0)]
+    /// Root rank of broadcast and reduce, as nccl-tests' -r.
+    #[arg(short = 'r', long, default_value_t = 0)]
     pub root: u32,
-    /// Timed iterations per size (0: chosen by size, 5..=1000).
-    #[arg(long, default_value_t = 0)]
+    /// Timed iterations per size (0: chosen by size, 5..=1000), as nccl-tests' -n.
+    #[arg(short = 'n', long, default_value_t = 0)]
     pub iters: u32,
-    /// Warm-up iterations per size (0: chosen by size).
-    #[arg(long, default_value_t = 0)]
+    /// Warm-up iterations per size (0: chosen by size), as nccl-tests' -w.
+    #[arg(short = 'w', long, default_value_t = 0)]
     pub warmup: u32,
-    /// Skip result verification.
+    /// Check results: 1 (default) or 0, as nccl-tests' -c.
+    #[arg(short = 'c', long, value_parser = clap::value_parser!(u8).range(0..=1))]
+    #[serde(default)]
+    pub check: Option<u8>,
+    /// Skip result verification (same as -c 0).
     #[arg(long)]
     pub no_check: bool,
     /// Emit one JSON object per row instead of the table.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "csv")]
     pub json: bool,
+    /// Emit CSV (a header line, then one line per size and placement) instead of the table.
+    #[arg(long)]
+    #[serde(default)]
+    pub csv: bool,
+}
+
+const OPS: &str = "all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, sendrecv";
+
+/// An op name as commd spells it (nccl-tests' spellings accepted), or the valid ones.
+pub fn parse_op(s: &str) -> Result<String, String> {
+    let n = match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+        "all_reduce" | "allreduce" => "all_reduce",
+        "all_gather" | "allgather" => "all_gather",
+        "reduce_scatter" | "reducescatter" => "reduce_scatter",
+        "broadcast" | "bcast" => "broadcast",
+        "reduce" => "reduce",
+        "all_to_all" | "alltoall" => "all_to_all",
+        "sendrecv" | "send_recv" => "sendrecv",
+        _ => return Err(format!("unknown op '{s}' (valid: {OPS})")),
+    };
+    Ok(n.to_string())
+}
+
+/// A dtype as commd spells it (nccl-tests' names accepted), or the valid ones.
+pub fn parse_dtype(s: &str) -> Result<String, String> {
+    let n = match s.trim().to_ascii_lowercase().as_str() {
+        "f32" | "float" | "float32" => "f32",
+        "f64" | "double" | "float64" => "f64",
+        "f16" | "half" | "float16" => "f16",
+        "bf16" | "bfloat16" => "bf16",
+        "i8" | "int8" | "char" => "i8",
+        "u8" | "uint8" => "u8",
+        "i32" | "int32" | "int" => "i32",
+        "i64" | "int64" => "i64",
+        _ => {
+            return Err(format!(
+                "unknown dtype '{s}' (valid: f32, f64, f16, bf16, i8, u8, i32, i64)"
+            ));
+        }
+    };
+    Ok(n.to_string())
+}
+
+/// A reduction name, or the valid ones.
+pub fn parse_redop(s: &str) -> Result<String, String> {
+    let n = s.trim().to_ascii_lowercase();
+    RedOp::parse(&n).map(|_| n.clone()).ok_or_else(|| {
+        format!("unknown reduction '{s}' (valid: sum, prod, min, max, avg, band, bor, bxor)")
+    })
+}
+
+impl BenchArgs {
+    fn verify(&self) -> bool {
+        !self.no_check && self.check != Some(0)
+    }
 }
 
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -224,6 +289,14 @@ pub fn run(
     embedded_cfg: Option<crate::config::Config>,
 ) -> Result<bool, String> {
     let sel = select(a)?;
+    if !a.json && !a.csv {
+        // Starting daemons and processes and the first sizes' warm-up take seconds: say so.
+        println!(
+            "# commd bench: starting {} client process(es) on {} daemon(s)...",
+            a.ranks, a.nodes
+        );
+        let _ = std::io::stdout().flush();
+    }
     let mut _embedded = Vec::new();
     let mut _switch_rt = None;
     let mut _switch = None;
@@ -323,7 +396,18 @@ pub fn run(
     let n = u64::from(a.ranks);
     let mb = memcpy_gbps();
     let mut out = std::io::stdout().lock();
-    if !a.json {
+    if a.csv {
+        let _ = writeln!(
+            out,
+            "op,ranks,nodes,dtype,redop,root,size,count,inplace,time_us,median_us,algbw_gbps,busbw_gbps,wrong"
+        );
+    }
+    let root_col = if sel.kind.has_root() {
+        i64::from(a.root)
+    } else {
+        -1
+    };
+    if !a.json && !a.csv {
         let _ = writeln!(
             out,
             "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {}, nodes: {}{}{})",
@@ -358,15 +442,16 @@ pub fn run(
         );
         let _ = writeln!(
             out,
-            "#                                         out-of-place                           in-place"
+            "#                                               out-of-place                           in-place"
         );
         let _ = writeln!(
             out,
-            "# {:>12} {:>12} {:>5} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6}",
+            "# {:>12} {:>12} {:>5} {:>6} {:>5} {:>9} {:>9} {:>7} {:>7} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6}",
             "size",
             "count",
             "type",
             "redop",
+            "root",
             "time",
             "med",
             "algbw",
@@ -380,9 +465,10 @@ pub fn run(
         );
         let _ = writeln!(
             out,
-            "# {:>12} {:>12} {:>5} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6}",
+            "# {:>12} {:>12} {:>5} {:>6} {:>5} {:>9} {:>9} {:>7} {:>7} {:>6} {:>9} {:>9} {:>7} {:>7} {:>6}",
             "(B)",
             "(elems)",
+            "",
             "",
             "",
             "(us)",
@@ -404,6 +490,7 @@ pub fn run(
         .collect();
     let mut readers = readers;
     let mut ok = true;
+    let (mut busbw_sum, mut rows_seen, mut wrong_total) = (0f64, 0u32, 0u64);
     for size in sizes(a) {
         let (sz, count) = geometry(sel.kind, sel.dtype, n, size);
         let mut cols = Vec::new();
@@ -430,7 +517,24 @@ pub fn run(
             let busbw = algbw * bus_factor(sel.kind, n);
             cols.push((worst_mean, worst_med, algbw, busbw, wrong, inplace));
         }
-        if a.json {
+        for c in &cols {
+            busbw_sum += c.3;
+            rows_seen += 1;
+            wrong_total += c.4;
+        }
+        if a.csv {
+            for (t, m, al, bu, w, ip) in &cols {
+                let _ = writeln!(
+                    out,
+                    "{},{},{},{},{},{root_col},{sz},{count},{ip},{t:.3},{m:.3},{al:.4},{bu:.4},{w}",
+                    a.op,
+                    a.ranks,
+                    a.nodes,
+                    sel.dtype.name(),
+                    sel.redop.map(|r| r.name()).unwrap_or("none"),
+                );
+            }
+        } else if a.json {
             for (t, m, al, bu, w, ip) in &cols {
                 let j = serde_json::json!({"op": a.op, "ranks": a.ranks, "nodes": a.nodes, "dtype": sel.dtype.name(), "size": sz, "count": count, "inplace": ip,
                     "time_us": t, "median_us": m, "algbw": al, "busbw": bu, "wrong": w, "memcpy_gbps": mb});
@@ -440,11 +544,12 @@ pub fn run(
             let (a0, b0) = (&cols[0], &cols[1]);
             let _ = writeln!(
                 out,
-                "  {:>12} {:>12} {:>5} {:>6} {:>9.2} {:>9.2} {:>7.2} {:>7.2} {:>6} {:>9.2} {:>9.2} {:>7.2} {:>7.2} {:>6}",
+                "  {:>12} {:>12} {:>5} {:>6} {:>5} {:>9.2} {:>9.2} {:>7.2} {:>7.2} {:>6} {:>9.2} {:>9.2} {:>7.2} {:>7.2} {:>6}",
                 sz,
                 count,
                 sel.dtype.name(),
                 sel.redop.map(|r| r.name()).unwrap_or("none"),
+                root_col,
                 a0.0,
                 a0.1,
                 a0.2,
@@ -465,11 +570,26 @@ pub fn run(
             return Err(format!("worker {r} exited with {st}"));
         }
     }
-    if !a.json {
+    if !a.json && !a.csv {
+        // nccl-tests' closing lines, which scripts grep for.
+        let _ = if a.verify() {
+            writeln!(
+                out,
+                "# Out of bounds values : {wrong_total} {}",
+                if wrong_total == 0 { "OK" } else { "FAILED" }
+            )
+        } else {
+            writeln!(out, "# Out of bounds values : N/A (not checked)")
+        };
+        let _ = writeln!(
+            out,
+            "# Avg bus bandwidth    : {:.4}",
+            busbw_sum / f64::from(rows_seen.max(1))
+        );
         let _ = writeln!(
             out,
             "# verification: {}",
-            if a.no_check {
+            if !a.verify() {
                 "skipped"
             } else if ok {
                 "all results correct"
@@ -616,7 +736,7 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
             let mean = t_all.elapsed().as_secs_f64() * 1e6 / f64::from(iters.max(1));
             // Verify one fresh op.
             let mut wrong = 0;
-            if err.is_none() && !a.no_check {
+            if err.is_none() && a.verify() {
                 fill(&mut sbuf, &mut rbuf);
                 if let Err(e) = run_one(&sbuf, &rbuf) {
                     err = Some(e);
