@@ -916,6 +916,34 @@ pub fn fd_socket_for(socket: &Path) -> PathBuf {
 
 #[cfg(test)]
 mod tests {
+    /// The docs list the same subsystems as the code (they drifted once).
+    #[test]
+    fn documented_subsystems_are_the_real_ones() {
+        let docs = [
+            ("README.md", include_str!("../../README.md")),
+            (
+                "docs/observability.md",
+                include_str!("../../docs/observability.md"),
+            ),
+        ];
+        for (name, text) in docs {
+            let row = text
+                .lines()
+                .find(|l| l.starts_with("| debug_subsys |"))
+                .unwrap_or_else(|| panic!("{name} has no debug_subsys row"));
+            for s in SUBSYSTEMS {
+                assert!(
+                    row.contains(s),
+                    "{name}'s debug_subsys row lacks {s}: {row}"
+                );
+            }
+        }
+        let help = KEYS.iter().find(|k| k.name == "debug_subsys").unwrap().help;
+        for s in SUBSYSTEMS {
+            assert!(help.contains(s), "the key's help lacks {s}");
+        }
+    }
+
     use super::*;
     use std::io::Write;
 
