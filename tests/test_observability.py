@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import urllib.request
@@ -384,3 +385,40 @@ def test_multinode_ops_and_tcp_links_are_counted(tmp_path):
     finally:
         for d in nodes:
             assert d.stop() == 0, d.log()
+
+
+def test_metric_labels_stay_bounded_unless_asked_for(daemon, tmp_path):
+    """By default no series is labelled with a session, pid or communicator (a scrape's series
+    would grow with every job): ring figures are summed; `metrics_per_job = on` brings the
+    per-session and per-communicator series back."""
+    import commd as api
+    url = metrics_url(daemon)
+    churn = {"session", "pid", "comm", "unique_id"}
+    one = api.connect(str(daemon.socket))
+    s1 = scrape(url)
+    # A second session from another process (one process shares one session).
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, commd; c = commd.connect(sys.argv[1]); "
+         "m = c.communicator(c.unique_id(), 0, 1); print('ready', flush=True); sys.stdin.read()",
+         str(daemon.socket)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "ready"
+    s2 = scrape(url)
+    holder.stdin.close()
+    holder.wait(timeout=30)
+    for s in (s1, s2):
+        labelled = [k for k in s if churn & {n for n, _ in k[1]}]
+        assert not labelled, labelled[:5]
+    per = value(s1, "commd_ring_entries", queue="sq")
+    assert per > 0 and value(s2, "commd_ring_entries", queue="sq") == 2 * per, (per, s2)
+    assert value(s2, "commd_gpu_paced_communicators") == 0
+    del one
+    (tmp_path / "perjob").mkdir()
+    d = Daemon(tmp_path / "perjob", env={"COMMD_METRICS_PER_JOB": "on"}).start()
+    try:
+        c = api.connect(str(d.socket))
+        s = scrape(metrics_url(d))
+        rows = [k for k in s if k[0] == "commd_ring_entries" and dict(k[1]).get("session")]
+        assert len(rows) == 2 and all(dict(k[1])["pid"] == str(os.getpid()) for k in rows), rows
+        del c
+    finally:
+        assert d.stop() == 0

@@ -60,6 +60,14 @@ def comm_line(daemon, comm_id):
     return lines[0]
 
 
+@pytest.fixture
+def daemon(tmp_path, request):
+    """Per-communicator pacing series (metrics_per_job = on) for the /metrics checks."""
+    d = Daemon(tmp_path, env={"COMMD_METRICS_PER_JOB": "on"}).start()
+    yield d
+    assert d.stop() == 0, d.log()
+
+
 def test_cap_set_at_creation_and_by_any_rank_shows_in_status(daemon):
     comms = create(daemon, [2.5, 2.5])
     cid = comms[0].id

@@ -412,6 +412,13 @@ pub static KEYS: &[Key] = &[
         kind: Kind::Str,
     },
     Key {
+        name: "metrics_per_job",
+        env: "COMMD_METRICS_PER_JOB",
+        default: Some("off"),
+        help: "on: ring and pacing series per session and communicator (labels session, pid, comm, unique_id: new series with every job); off: the same figures summed, bounded labels",
+        kind: Kind::Str,
+    },
+    Key {
         name: "otlp_endpoint",
         env: "COMMD_OTLP_ENDPOINT",
         default: Some(""),

@@ -296,7 +296,9 @@ impl Collector for StateCollector {
         )?;
         let now = std::time::Instant::now();
         let (mut pending, mut oldest) = (0u64, Duration::ZERO);
+        let per_job = d.cfg.telemetry.metrics_per_job;
         let (mut pacing_cap, mut pacing_delay) = (Vec::new(), Vec::new());
+        let (mut paced, mut delay_sum) = (0i64, 0f64);
         for comm in d.comms() {
             let w = comm.waiting(now);
             pending += w.queued as u64;
@@ -308,18 +310,34 @@ impl Collector for StateCollector {
                 ("unique_id", comm.uid_short.clone()),
             ];
             let cap = comm.pacer.rate().unwrap_or(0);
-            pacing_cap.push((labels.clone(), i64::try_from(cap).unwrap_or(i64::MAX)));
-            pacing_delay.push((labels, comm.pacer.delayed().as_secs_f64()));
+            let delayed = comm.pacer.delayed().as_secs_f64();
+            paced += i64::from(cap > 0);
+            delay_sum += delayed;
+            if per_job {
+                pacing_cap.push((labels.clone(), i64::try_from(cap).unwrap_or(i64::MAX)));
+                pacing_delay.push((labels, delayed));
+            }
         }
-        gauge_rows(
-            &mut enc,
-            "commd_gpu_pacing_bytes_per_second",
-            "Cap on each communicator's GPU copy bandwidth on this node (0: uncapped)",
-            &pacing_cap,
-        )?;
+        if per_job {
+            gauge_rows(
+                &mut enc,
+                "commd_gpu_pacing_bytes_per_second",
+                "Cap on each communicator's GPU copy bandwidth on this node (0: uncapped)",
+                &pacing_cap,
+            )?;
+        } else {
+            // Bounded labels by default: a scrape's series do not grow with every job.
+            gauge_rows(
+                &mut enc,
+                "commd_gpu_paced_communicators",
+                "Communicators whose GPU copies on this node are capped (per communicator: metrics_per_job = on)",
+                &[(Vec::new(), paced)],
+            )?;
+            pacing_delay.push((Vec::new(), delay_sum));
+        }
         let mut m = enc.encode_descriptor(
             "commd_gpu_pacing_delay_seconds",
-            "Time each communicator's GPU copy phases were held back by its pacing cap",
+            "Time GPU copy phases were held back by pacing caps: summed, or per communicator with metrics_per_job = on",
             None,
             MetricType::Counter,
         )?;
@@ -340,6 +358,7 @@ impl Collector for StateCollector {
         )?;
         let mut used = Vec::new();
         let mut cap = Vec::new();
+        let mut sums = [("sq", 0i64, 0i64), ("cq", 0, 0)];
         for s in d.sessions() {
             let r = &s.ring;
             let l = r.layout();
@@ -355,7 +374,15 @@ impl Collector for StateCollector {
                 .load(Relaxed)
                 .wrapping_sub(r.cq_head().load(Relaxed))
                 .min(l.cq_entries);
-            for (q, n, c) in [("sq", sq, l.sq_entries), ("cq", cq, l.cq_entries)] {
+            for (i, (q, n, c)) in [("sq", sq, l.sq_entries), ("cq", cq, l.cq_entries)]
+                .into_iter()
+                .enumerate()
+            {
+                sums[i].1 += i64::from(n);
+                sums[i].2 += i64::from(c);
+                if !per_job {
+                    continue;
+                }
                 let labels = vec![
                     ("session", s.id.to_string()),
                     ("pid", s.pid.to_string()),
@@ -365,16 +392,22 @@ impl Collector for StateCollector {
                 cap.push((labels, i64::from(c)));
             }
         }
+        if !per_job {
+            for (q, n, c) in sums {
+                used.push((vec![("queue", q.to_string())], n));
+                cap.push((vec![("queue", q.to_string())], c));
+            }
+        }
         gauge_rows(
             &mut enc,
             "commd_ring_entries_used",
-            "Descriptors in each session's submission (sq) and completion (cq) ring",
+            "Descriptors in the sessions' submission (sq) and completion (cq) rings: summed, or per session with metrics_per_job = on",
             &used,
         )?;
         gauge_rows(
             &mut enc,
             "commd_ring_entries",
-            "Capacity of each session's rings",
+            "Capacity of the sessions' rings: summed, or per session with metrics_per_job = on",
             &cap,
         )?;
         if let Ok(cuda) = crate::cuda::get() {

@@ -76,6 +76,8 @@ pub struct Settings {
     pub log_json: bool,
     /// `None`: no /metrics.
     pub metrics_listen: Option<SocketAddr>,
+    /// Series per session and communicator (labels that churn with every job), else sums.
+    pub metrics_per_job: bool,
     /// `None`: no trace export.
     pub otlp_endpoint: Option<String>,
     pub otlp_protocol: OtlpProtocol,
@@ -89,11 +91,20 @@ impl Settings {
         Self {
             log_json: get("log_format").eq_ignore_ascii_case("json"),
             metrics_listen: get("metrics_listen").parse().ok(),
+            metrics_per_job: parse_switch(&get("metrics_per_job")).unwrap_or(false),
             otlp_endpoint: (!ep.trim().is_empty()).then(|| ep.trim().to_string()),
             otlp_protocol: parse_protocol(&get("otlp_protocol"))
                 .unwrap_or(OtlpProtocol::HttpProtobuf),
             otlp_sample_ratio: get("otlp_sample_ratio").parse().unwrap_or(1.0),
         }
+    }
+}
+
+fn parse_switch(v: &str) -> Option<bool> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "on" | "true" | "1" | "yes" => Some(true),
+        "off" | "false" | "0" | "no" => Some(false),
+        _ => None,
     }
 }
 
@@ -133,6 +144,9 @@ pub fn validate_key(name: &str, value: &str) -> Result<(), String> {
                 _ => Err("expected a URL such as http://127.0.0.1:4318".into()),
             }
         }
+        "metrics_per_job" => parse_switch(v)
+            .map(|_| ())
+            .ok_or_else(|| "expected on or off".into()),
         "otlp_protocol" => parse_protocol(v)
             .map(|_| ())
             .ok_or_else(|| "expected grpc, http/protobuf or http/json".into()),
