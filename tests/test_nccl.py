@@ -104,6 +104,7 @@ def test_nccl_debug_prints_init_and_ignored_variables(prog, daemon, tmp_path):
         assert code == 0, f"rank {r}: {err}"
         assert "NCCL INFO commd NCCL-compatible library" in err, err
         assert f"rank {r} nranks 2" in err and "Init COMPLETE" in err, err
+        assert "(every local pair) via SHM" in err, err
         assert "NCCL_IB_HCA=mlx5_0 ignored" in err, err
         # COLL was not selected: no per-op lines.
         assert "all_reduce: count" not in err

@@ -58,3 +58,18 @@ def test_known_gaps_fail_clearly(daemon):
         assert any(g and not g["ok"] and text in g["error"] for g in got), (
             f"{check}: expected a clear failure containing {text!r} (built now? move it out of "
             f"GAPS), got {got}\n{p.stderr[-2000:]}")
+
+
+def test_commd_debug_info_prints_the_communicator_and_its_paths(daemon):
+    """COMMD_DEBUG=INFO in the job, as NCCL_DEBUG=INFO: each rank prints its commd communicator
+    and the daemon's description of its paths."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={free_port()}", WORKER, "commd", "async_wait_timeout"]
+    p = subprocess.run(cmd, env=job_env(daemon, COMMD_DEBUG="INFO", COMMD_DEBUG_SUBSYS="INIT"),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in range(2):
+        assert f"rank {r} nranks 2: commd communicator" in p.stderr, p.stderr[-3000:]
+    assert "Init COMPLETE" in p.stderr and "(every local pair) via SHM" in p.stderr, p.stderr[-3000:]
+    quiet = subprocess.run(cmd, env=job_env(daemon), capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0 and "Init COMPLETE" not in quiet.stderr

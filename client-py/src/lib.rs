@@ -452,6 +452,13 @@ impl Communicator {
         Ok(self.get()?.id())
     }
 
+    /// How the communicator's data moves on this node, one line per path, as the daemon
+    /// described it at init.
+    #[getter]
+    fn paths(&self) -> PyResult<Vec<String>> {
+        Ok(self.get()?.paths().to_vec())
+    }
+
     /// Caps the daemon's GPU copies for this communicator at `gbps` GB/s (None or 0:
     /// uncapped), for every rank on this node, from the next copy phase on.
     #[pyo3(signature = (gbps))]

@@ -356,6 +356,7 @@ impl Client {
             nranks,
             doorbell_slot: r.doorbell_slot,
             nodes: r.nodes.max(1),
+            paths: r.paths,
             gpu: Mutex::new(gpu::CommGpu::default()),
         })
     }
@@ -1056,6 +1057,8 @@ pub struct Communicator {
     doorbell_slot: u32,
     /// Nodes the communicator spans (its GPU ops are host-staged above 1).
     nodes: u32,
+    /// How its data moves, as the daemon described it at init.
+    paths: Vec<String>,
     gpu: Mutex<gpu::CommGpu>,
 }
 
@@ -1108,6 +1111,11 @@ impl Communicator {
     }
     pub fn id(&self) -> u64 {
         self.comm_id
+    }
+    /// How the communicator's data moves on this node, one line per path, as the daemon
+    /// described it at init ("0-3 (every local pair) via SHM: ..."); empty for one rank.
+    pub fn paths(&self) -> &[String] {
+        &self.paths
     }
     pub fn handle(&self) -> u32 {
         self.handle

@@ -139,11 +139,17 @@ impl Local for LocalService {
             .join(s, &r.unique_id, r.rank, r.nranks, opts, wait)?;
         match tokio::time::timeout(wait, rx).await {
             Ok(Ok(Ok((comm, comm_id, doorbell_slot, nodes)))) => {
+                let paths = self
+                    .daemon
+                    .comm_by_id(comm_id)
+                    .map(|c| crate::telemetry::comm_paths(&c))
+                    .unwrap_or_default();
                 Ok(Response::new(pb::CreateCommunicatorReply {
                     comm,
                     comm_id,
                     doorbell_slot,
                     nodes,
+                    paths,
                 }))
             }
             Ok(Ok(Err(e))) => Err(e.into()),

@@ -311,6 +311,10 @@ impl Daemon {
         lock(&self.comms).values().cloned().collect()
     }
 
+    pub fn comm_by_id(&self, id: u64) -> Option<Arc<Comm>> {
+        lock(&self.comms).get(&id).cloned()
+    }
+
     /// Ends a session: its communicators fail for the other ranks with "peer lost" (or the
     /// given status), and its memory, rings and registrations are freed.
     pub fn close_session(&self, id: u64, st: u32, reason: &str) {

@@ -252,6 +252,13 @@ impl Comm {
                             r.c.nodes()
                         ),
                     );
+                    for p in r.c.paths() {
+                        log::info(
+                            log::INIT,
+                            comm.device,
+                            &format!("commd communicator {:#x}: {p}", r.c.id()),
+                        );
+                    }
                 }
                 *lock(&comm.init) = match out {
                     Ok(r) => Init::Ready(r),

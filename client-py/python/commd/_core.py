@@ -422,6 +422,12 @@ class Communicator:
         return self._native.id
 
     @property
+    def paths(self) -> list[str]:
+        """How this communicator's data moves on this node, one line per path, as the daemon
+        described it at init (empty for one rank)."""
+        return list(self._native.paths)
+
+    @property
     def nodes(self) -> int:
         """Nodes (daemons) this communicator spans; above 1 its GPU ops are staged through host
         memory by the daemons (see docs/multinode.md)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import zlib
 from datetime import timedelta
@@ -65,6 +66,35 @@ _BYTE_VIEWS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
         _BYTE_VIEWS[getattr(torch, _name)] = torch.uint8
+
+
+def _debug_level() -> int:
+    """COMMD_DEBUG in the job (as NCCL_DEBUG): 0 quiet, 1 WARN, 2 INFO and above."""
+    v = os.environ.get("COMMD_DEBUG", "").strip().upper()
+    return {"WARN": 1, "WARNING": 1, "ERROR": 1, "INFO": 2, "DEBUG": 2, "TRACE": 2}.get(v, 0)
+
+
+def _debug_subsys_init() -> bool:
+    v = os.environ.get("COMMD_DEBUG_SUBSYS", "").strip().upper()
+    if not v or v == "ALL":
+        return True
+    names = {s.strip() for s in v.lstrip("^").split(",")}
+    return ("INIT" in names) != v.startswith("^")
+
+
+def _debug_init(b: Any, group_name: str) -> None:
+    """Under COMMD_DEBUG=INFO, each rank prints its communicator and the daemon's paths for
+    it, as NCCL_DEBUG=INFO does at init."""
+    if _debug_level() < 2 or not _debug_subsys_init():
+        return
+    import socket
+
+    head = f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()} commd INFO"
+    c = b.comm
+    lines = [f"{head} group {group_name or '(default)'} rank {b._rank} nranks {b._size}: commd "
+             f"communicator {c.id:#x}, {c.nodes} node(s), daemon {b.client.socket} - Init COMPLETE"]
+    lines += [f"{head} comm {c.id:#x}: {p}" for p in c.paths]
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def _check_tensor(t: torch.Tensor, what: str, cuda: bool = False) -> None:
@@ -315,6 +345,7 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                                              switch=os.environ.get("COMMD_COMM_SWITCH") or None,
                                              pacing_gbps=_env_gbps("COMMD_COMM_PACING_GBPS"))
         self._cuda: CudaOps | None = None
+        _debug_init(self, group_name)
 
     @property
     def gpu(self) -> CudaOps:

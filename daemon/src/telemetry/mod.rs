@@ -343,22 +343,41 @@ pub fn comm_formed(comm: &Comm, token: &[u8; 16]) {
         "{label}: init done{took}: nranks {n}, nodes {nodes}, local ranks {local_text} (pids {}), op timeout {:.1} s",
         pids.join(","),
         comm.op_timeout.as_secs_f64());
-    if local.len() > 1 {
-        log_path(
-            &label,
-            &format!("{local_text} (every local pair)"),
-            "SHM",
-            "the ranks are on this node: host buffers move through shared memory, copied by the daemon (GPU buffers: see the device lines once each rank binds its GPU)",
-        );
+    for (path, transport, reason) in host_paths(comm) {
+        log_path(&label, &path, &transport, &reason);
+    }
+}
+
+/// The host-memory paths of a communicator on this node: (path, transport, why).
+fn host_paths(comm: &Comm) -> Vec<(String, String, String)> {
+    let local_text = ranks_text(&comm.local);
+    let nodes = comm_nodes(comm);
+    let mut v = Vec::new();
+    if comm.local.len() > 1 {
+        v.push((
+            format!("{local_text} (every local pair)"),
+            "SHM".to_string(),
+            "the ranks are on this node: host buffers move through shared memory, copied by the daemon (GPU buffers: see the device lines once each rank binds its GPU)".to_string(),
+        ));
     }
     if nodes > 1 {
-        log_path(
-            &label,
-            &format!("{local_text} <-> ranks on {} other node(s)", nodes - 1),
-            crate::net::rdma::summary().0,
-            &crate::net::rdma::summary().1,
-        );
+        let (transport, why) = crate::net::rdma::summary();
+        v.push((
+            format!("{local_text} <-> ranks on {} other node(s)", nodes - 1),
+            transport.to_string(),
+            why.to_string(),
+        ));
     }
+    v
+}
+
+/// The lines `comm_formed` logs for a communicator's paths, for its ranks to print
+/// (`CreateCommunicatorReply.paths`).
+pub fn comm_paths(comm: &Comm) -> Vec<String> {
+    host_paths(comm)
+        .into_iter()
+        .map(|(p, t, r)| format!("{p} via {t}: {r}"))
+        .collect()
 }
 
 /// Nodes a communicator spans (1 unless it has a network thread).
