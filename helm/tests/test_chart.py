@@ -339,3 +339,15 @@ def test_bad_values_fail_with_a_clear_message(content, message, tmp_path):
     lint = helm("lint", "--strict", str(CHART), "-f", str(bad), check=False)
     # helm lint reports `required` failures without failing (its lint mode); it must name them.
     assert lint.returncode != 0 or message in lint.stderr, (lint.stdout, lint.stderr)
+
+
+def test_image_build_copies_every_workspace_member():
+    """The image's build stage copies the workspace's sources one folder at a time: a member it
+    misses fails `cargo build` there (no CI machine builds images)."""
+    import re
+    root = Path(__file__).resolve().parents[2]
+    members = re.search(r'members\s*=\s*\[([^\]]*)\]', (root / "Cargo.toml").read_text()).group(1)
+    members = re.findall(r'"([^"]+)"', members)
+    dockerfile = (root / "helm" / "image" / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\S+) \1$", dockerfile, re.M))
+    assert set(members) <= copied, f"not copied: {sorted(set(members) - copied)}"

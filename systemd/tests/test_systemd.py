@@ -122,6 +122,11 @@ def test_install_script_layout_and_prefix(tmp_path):
     assert out.returncode == 0, out.stderr
     binary = root / "opt/commd/bin/commd"
     assert binary.is_file() and os.access(binary, os.X_OK)
+    # Shipped stripped, the debug info beside it and linked for debuggers.
+    debug = root / "opt/commd/bin/.debug/commd.debug"
+    assert debug.is_file() and binary.stat().st_size < os.path.getsize(COMMD) / 2, out.stdout
+    sections = subprocess.run(["readelf", "-S", str(binary)], capture_output=True, text=True).stdout
+    assert ".gnu_debuglink" in sections and ".debug_info" not in sections
     unit = (root / "etc/systemd/system/commd.service").read_text()
     assert "ExecStart=/opt/commd/bin/commd serve --config /etc/commd/commd.toml" in unit
     assert (root / "etc/commd/commd.toml").read_text() == DEFAULT_TOML.read_text()
