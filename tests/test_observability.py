@@ -408,6 +408,12 @@ def test_metric_labels_stay_bounded_unless_asked_for(daemon, tmp_path):
     for s in (s1, s2):
         labelled = [k for k in s if churn & {n for n, _ in k[1]}]
         assert not labelled, labelled[:5]
+    # The standard process series.
+    import time
+    assert abs(value(s1, "process_start_time_seconds") - time.time()) < 600, s1
+    assert value(s1, "process_open_fds") > 3 and value(s1, "process_threads") >= 2
+    assert value(s1, "process_resident_memory_bytes") > 1 << 20
+    assert ("process_cpu_seconds_total", frozenset()) in s1
     per = value(s1, "commd_ring_entries", queue="sq")
     assert per > 0 and value(s2, "commd_ring_entries", queue="sq") == 2 * per, (per, s2)
     assert value(s2, "commd_gpu_paced_communicators") == 0

@@ -214,8 +214,64 @@ fn gauge_rows(
     Ok(())
 }
 
+/// The standard `process_*` series (Prometheus client conventions) of this process, from /proc:
+/// (start time since the epoch, CPU seconds, resident bytes, open fds, threads).
+fn process_stats() -> Option<(f64, f64, f64, f64, f64)> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name, which may hold spaces: state is field 3.
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let num = |i: usize| f.get(i - 3).and_then(|v| v.parse::<f64>().ok());
+    let ticks = rustix::param::clock_ticks_per_second() as f64;
+    let cpu = (num(14)? + num(15)?) / ticks;
+    let threads = num(20)?;
+    let boot = std::fs::read_to_string("/proc/stat")
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("btime ")?.trim().parse::<f64>().ok())?;
+    let start = boot + num(22)? / ticks;
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let rss_pages: f64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    let rss = rss_pages * rustix::param::page_size() as f64;
+    let fds = std::fs::read_dir("/proc/self/fd").ok()?.count() as f64;
+    Some((start, cpu, rss, fds, threads))
+}
+
 impl Collector for StateCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        if let Some((start, cpu, rss, fds, threads)) = process_stats() {
+            gauge(
+                &mut enc,
+                "process_start_time_seconds",
+                "Start time of the process since the Unix epoch in seconds",
+                start,
+            )?;
+            let m = enc.encode_descriptor(
+                "process_cpu_seconds",
+                "Total user and system CPU time spent in seconds",
+                None,
+                MetricType::Counter,
+            )?;
+            ConstCounter::new(cpu).encode(m)?;
+            gauge(
+                &mut enc,
+                "process_resident_memory_bytes",
+                "Resident memory size in bytes",
+                rss,
+            )?;
+            gauge(
+                &mut enc,
+                "process_open_fds",
+                "Number of open file descriptors",
+                fds,
+            )?;
+            gauge(
+                &mut enc,
+                "process_threads",
+                "Number of OS threads in the process",
+                threads,
+            )?;
+        }
         let links = super::links::registry().snapshot();
         let mut bytes = Vec::new();
         let mut packets = Vec::new();
