@@ -114,6 +114,11 @@ impl Notifier {
         self.send_or_warn(&[("STOPPING", "1"), ("STATUS", status)]);
     }
 
+    /// `WATCHDOG=1`: the service is alive (systemd's `WatchdogSec=`).
+    pub fn watchdog(&self) {
+        self.send_or_warn(&[("WATCHDOG", "1")]);
+    }
+
     /// `STATUS=...` alone.
     pub fn status(&self, status: &str) {
         self.send_or_warn(&[("STATUS", status)]);
@@ -127,6 +132,18 @@ impl Notifier {
             Err(e) => tracing::warn!(target: "commd::init", "{e}"),
         }
     }
+}
+
+/// How often to send `WATCHDOG=1`: half of `$WATCHDOG_USEC` (set by systemd for a unit with
+/// `WatchdogSec=`), when `$WATCHDOG_PID` is unset or names this process.
+pub fn watchdog_interval() -> Option<Duration> {
+    if let Ok(pid) = std::env::var("WATCHDOG_PID")
+        && pid.trim().parse::<u32>().ok() != Some(std::process::id())
+    {
+        return None;
+    }
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.trim().parse().ok()?;
+    (usec > 0).then(|| Duration::from_micros(usec / 2))
 }
 
 /// `KEY=VALUE\n...`; a newline inside a value would start a new assignment, so it becomes a space.

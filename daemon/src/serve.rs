@@ -292,6 +292,31 @@ pub fn run(
         // Both sockets are bound and listening and the server task runs: clients can connect.
         if let Some(n) = &notifier {
             n.ready(&format!("serving {}", daemon.cfg.socket.display()));
+            if let Some(every) = crate::notify::watchdog_interval() {
+                // WatchdogSec=: a ping only while the control runtime runs (this task) and the
+                // daemon's tables answer within the interval (a deadlocked daemon stops pinging
+                // and systemd restarts it).
+                let (n, d) = (n.clone(), daemon.clone());
+                tokio::spawn(async move {
+                    loop {
+                        tokio::time::sleep(every).await;
+                        if d.is_shutting_down() {
+                            break;
+                        }
+                        let probe = d.clone();
+                        let answered = tokio::time::timeout(
+                            every,
+                            tokio::task::spawn_blocking(move || probe.counts()),
+                        )
+                        .await;
+                        if matches!(answered, Ok(Ok(_))) && !d.is_shutting_down() {
+                            n.watchdog();
+                        } else {
+                            tracing::warn!(target: "commd::init", "watchdog: the daemon's state did not answer within {every:?}; no WATCHDOG=1 sent");
+                        }
+                    }
+                });
+            }
         }
         loop {
             if *done_rx.borrow() {

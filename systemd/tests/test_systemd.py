@@ -244,6 +244,40 @@ def test_ready_only_once_serving_then_stopping_on_sigterm(tmp_path, kind):
         notify.close()
 
 
+def test_watchdog_pings_while_serving(tmp_path):
+    """WatchdogSec=: with $WATCHDOG_USEC set, WATCHDOG=1 arrives every half interval while the
+    daemon serves, and none after it begins to stop."""
+    notify = NotifySocket(str(tmp_path / "notify"))
+    sock_path = tmp_path / "run" / "commd.sock"
+    env = dict(os.environ, NOTIFY_SOCKET=notify.env_value, WATCHDOG_USEC="400000")
+    env.pop("COMMD_SOCKET", None)
+    env.pop("WATCHDOG_PID", None)
+    log = open(tmp_path / "commd.log", "wb")
+    proc = subprocess.Popen(exec_start_argv(sock_path, tmp_path / "commd.toml"), env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        assert notify.recv(timeout=20)[0].get("READY") == "1"
+        pings = []
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.5:
+            m = notify.recv(timeout=1)
+            assert m is not None, "no WATCHDOG=1 within 1 s"
+            assert m[0] == {"WATCHDOG": "1"} and m[1] == proc.pid, m
+            pings.append(time.monotonic())
+        assert len(pings) >= 4, pings
+        proc.send_signal(signal.SIGTERM)
+        msg = notify.recv(timeout=10)
+        while msg is not None and msg[0].get("WATCHDOG"):
+            msg = notify.recv(timeout=10)
+        assert msg is not None and msg[0].get("STOPPING") == "1", msg
+        assert proc.wait(timeout=15) == 0
+        assert notify.recv(timeout=0.5) is None, "a ping after STOPPING=1"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        notify.close()
+
+
 def test_ready_waits_for_the_sockets(tmp_path):
     """While another daemon holds the socket, the new one must not report READY (it exits 3)."""
     first_notify = NotifySocket(str(tmp_path / "n1"))
