@@ -46,7 +46,7 @@ pub fn authorize(peer_uid: Option<u32>, daemon_uid: u32) -> Result<(), Status> {
         Some(0) => Ok(()),
         Some(u) if u == daemon_uid => Ok(()),
         Some(u) => Err(Status::permission_denied(format!(
-            "permission denied: the commd admin service (status details, stat) serves only uid {daemon_uid} (the daemon's) and root, and the caller has uid {u}; run it as that user or with sudo (jobs and `commd health` need no such rights)"
+            "permission denied: node-wide link counters (`commd stat`) are served only to uid {daemon_uid} (the daemon's) and root, and the caller has uid {u}; run it as that user or with sudo (jobs and `commd health` need no such rights)"
         ))),
     }
 }
@@ -118,16 +118,39 @@ impl Admin for AdminService {
         &self,
         req: Request<pb::AdminStatusRequest>,
     ) -> Result<Response<pb::AdminStatusReply>, Status> {
-        self.check(&req)?;
+        // Root and the daemon's uid see everything; any other caller its own uid's sessions and
+        // the communicators they are in (as `Local.Status` does), and no host-wide details.
+        let uid = req
+            .extensions()
+            .get::<UdsConnectInfo>()
+            .and_then(|i| i.peer_cred)
+            .map(|c| c.uid());
+        let viewer = match uid {
+            None => return Err(authorize(None, self.daemon_uid).unwrap_err()),
+            Some(u) if authorize(Some(u), self.daemon_uid).is_ok() => crate::control::Viewer::All,
+            Some(u) => crate::control::Viewer::Uid(u),
+        };
         let local = crate::control::LocalService {
             daemon: self.daemon.clone(),
         };
-        let daemon = local.status_for(crate::control::Viewer::All);
+        let daemon = local.status_for(viewer);
         let now = Instant::now();
+        let owns = |c: &Comm| match viewer {
+            crate::control::Viewer::All => true,
+            crate::control::Viewer::Uid(u) => c.members.iter().any(|m| {
+                m.local
+                    && self
+                        .daemon
+                        .session(m.session_id)
+                        .is_some_and(|s| s.uid == u)
+            }),
+        };
+        let admin = matches!(viewer, crate::control::Viewer::All);
         let mut comms: Vec<pb::CommStatus> = self
             .daemon
             .comms()
             .iter()
+            .filter(|c| owns(c))
             .map(|c| comm_status(c, now))
             .collect();
         comms.sort_by_key(|c| c.comm_id);
@@ -140,10 +163,14 @@ impl Admin for AdminService {
                 .unwrap_or_default(),
             otlp_endpoint: t.otlp_endpoint.clone().unwrap_or_default(),
             communicators: comms,
-            cpu_claims: crate::switch::cores::host_claims()
-                .into_iter()
-                .map(|(c, p, t, l)| format!("core {c}: pid {p} tid {t} {l}"))
-                .collect(),
+            cpu_claims: if admin {
+                crate::switch::cores::host_claims()
+                    .into_iter()
+                    .map(|(c, p, t, l)| format!("core {c}: pid {p} tid {t} {l}"))
+                    .collect()
+            } else {
+                Vec::new()
+            },
         }))
     }
 
