@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import COMMD
 from test_torch import free_port, job_env
 
 WORKER = str(Path(__file__).resolve().parent / "torch_surface_worker.py")
@@ -27,7 +28,8 @@ GAPS = {
 def run(daemon, backend, nproc, checks):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", WORKER, backend, *checks]
-    p = subprocess.run(cmd, env=job_env(daemon), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cmd, env=job_env(daemon, COMMD_BIN=COMMD), capture_output=True, text=True,
+                       timeout=300)
     rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
     return p, {(r["check"], r["rank"]): r for r in rows}
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 import commd.torch  # noqa: F401  (registers "commd")
+import commd
 
 CHECKS = {}
 
@@ -156,6 +157,31 @@ def split_group(rank, world):
     t = torch.ones(1)
     dist.all_reduce(t, group=g)
     assert t.item() == len(mine), (t, mine)
+
+
+@check
+def options_object(rank, world):
+    """commd.torch.Options as pg_options: per-group settings that reach the daemon."""
+    if dist.get_backend() != "commd":
+        return  # gloo takes its own Options type
+    import os
+    import subprocess
+    g = dist.new_group(list(range(world)), pg_options=commd.torch.Options(pacing_gbps=7))
+    t = torch.ones(8)
+    dist.all_reduce(t, group=g)
+    assert t.eq(world).all()
+    comm_id = g._get_backend(torch.device("cpu")).comm.id
+    out = subprocess.run([os.environ["COMMD_BIN"], "status", "--json", "--socket",
+                          os.environ["COMMD_SOCKET"]], capture_output=True, text=True, check=True)
+    caps = {c["comm_id"]: c["pacing_bytes_per_sec"]
+            for c in json.loads(out.stdout)["communicator_list"]}
+    assert caps.get(comm_id) == 7 * 10**9, (comm_id, caps)
+    try:
+        dist.new_group(list(range(world)), pg_options=object())
+    except TypeError as e:
+        assert "commd.torch.Options" in str(e), e
+    else:
+        raise AssertionError("a foreign pg_options was accepted")
 
 
 @check

@@ -324,13 +324,18 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             return name
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta | None = None,
-                 group_name: str = "") -> None:
+                 group_name: str = "", options: Options | None = None) -> None:
         super().__init__(rank, size)
         self._rank = rank
         self._size = size
         self._group_name = group_name
         self.client = _core.connect(name=f"torch pid {os.getpid()} rank {rank}")
+        o = options or Options()
+        self._commd_options = o
         secs = _seconds(timeout)
+        op_secs = _seconds(o.op_timeout) if o.op_timeout is not None else secs
+        if isinstance(o.op_timeout, (int, float)) and o.op_timeout > 0:
+            op_secs = float(o.op_timeout)
         key = "commd/unique_id"
         if rank == 0:
             uid = self.client.unique_id()
@@ -341,9 +346,10 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         # daemon's `switch` setting) for the inter-node step of all-reduce, and
         # COMMD_COMM_PACING_GBPS, the cap on the daemon's GPU copies (unset: the daemon's
         # `gpu_pacing_gbps`; 0: uncapped).
-        self.comm = self.client.communicator(uid, rank, size, op_timeout=secs, join_timeout=secs,
-                                             switch=os.environ.get("COMMD_COMM_SWITCH") or None,
-                                             pacing_gbps=_env_gbps("COMMD_COMM_PACING_GBPS"))
+        pacing = o.pacing_gbps if o.pacing_gbps is not None else _env_gbps("COMMD_COMM_PACING_GBPS")
+        self.comm = self.client.communicator(
+            uid, rank, size, op_timeout=op_secs, join_timeout=secs,
+            switch=o.switch or os.environ.get("COMMD_COMM_SWITCH") or None, pacing_gbps=pacing)
         self._cuda: CudaOps | None = None
         _debug_init(self, group_name)
 
@@ -933,9 +939,35 @@ def _env_from_launcher() -> None:
             return
 
 
+class Options:
+    """Per-group settings of the ``"commd"`` backend, passed as ``pg_options`` to
+    ``init_process_group`` or ``new_group``. A field left None falls back to the environment
+    (``COMMD_COMM_SWITCH``, ``COMMD_COMM_PACING_GBPS``) and then to the daemon's settings.
+
+    - ``pacing_gbps``: cap on the daemon's GPU copies for this group on this node (0: uncapped);
+    - ``switch``: ``"off"`` or a SwitchML controller ``HOST:PORT`` for the inter-node step;
+    - ``op_timeout``: per-op timeout (timedelta or seconds; default: the group's timeout).
+    """
+
+    def __init__(self, *, pacing_gbps: float | None = None, switch: str | None = None,
+                 op_timeout: Any = None) -> None:
+        if pacing_gbps is not None and pacing_gbps < 0:
+            raise ValueError(f"commd Options: pacing_gbps must be >= 0, got {pacing_gbps}")
+        self.pacing_gbps = pacing_gbps
+        self.switch = switch
+        self.op_timeout = op_timeout
+
+    def __repr__(self) -> str:
+        return (f"commd.torch.Options(pacing_gbps={self.pacing_gbps!r}, switch={self.switch!r}, "
+                f"op_timeout={self.op_timeout!r})")
+
+
 def _create(opts: Any, backend_options: Any = None) -> CommdBackend:
+    if backend_options is not None and not isinstance(backend_options, Options):
+        raise TypeError(f"the commd backend takes commd.torch.Options as pg_options, got "
+                        f"{type(backend_options).__name__}")
     return CommdBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                        str(opts.group_id))
+                        str(opts.group_id), options=backend_options)
 
 
 def register() -> None:
