@@ -13,9 +13,12 @@ from test_torch import free_port, job_env
 
 WORKER = str(Path(__file__).resolve().parent / "torch_surface_worker.py")
 
-# Not built yet (issue 26): any-source receives need matching in the daemon; monitored_barrier
-# and split_group are refused by torch's C++ side for a Python backend; torch wraps a Python
-# backend's Works so that only wait/get_future reach them, hence commd.torch's is_completed patch.
+# Not built (issue 26), each at the boundary torch draws around a backend written in Python:
+# torch wraps such a backend's Works so that only wait() and get_future() reach them, so a recv
+# from any source could not report its sender (Work._source_rank) nor is_completed() its state
+# (hence commd.torch's is_completed patch); monitoredBarrier and the split of a group are C++
+# Backend methods a Python backend cannot override. Each needs a C++ backend (or torch's support).
+
 GAPS = {
     "recv_any_source": "receiving from any source is not supported",
     "irecv_any_source": "receiving from any source is not supported",
