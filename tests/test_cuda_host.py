@@ -29,6 +29,8 @@ def test_topo_reports_cuda_unavailable_and_host_ops_still_work(daemon):
                                   capture_output=True, text=True, timeout=10, check=True).stdout)
     assert j["cuda_available"] is False and j["gpus"] == [] and "libcuda" in j["cuda_reason"]
     assert j["source"] == "daemon"
+    # The data links the text lists under "Links" (host shared memory here).
+    assert any(l["kind"] == "shm" for l in j["data_links"]), j["data_links"]
     assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 1001}]))
 
 

@@ -253,8 +253,14 @@ fn topo(cfg: &Config, json: bool) -> i32 {
             "copy_engines": g.copy_engines, "sm_count": g.sm_count, "compute_capability": g.compute_capability})).collect();
         let links: Vec<_> = t.links.iter().map(|l| serde_json::json!({"from": l.from, "to": l.to, "p2p": l.p2p,
             "path": l.path, "performance_rank": l.performance_rank, "native_atomics": l.native_atomics})).collect();
+        // The daemon's data links (what the text lists under "Links"), when a daemon answered.
+        let data_links: Vec<_> = commd_daemon::telemetry::cli::link_list(cfg)
+            .into_iter()
+            .map(|(name, kind, what)| serde_json::json!({"name": name, "kind": kind, "description": what}))
+            .collect();
         let j = serde_json::json!({"source": source, "cuda_available": t.cuda_available, "cuda_reason": t.cuda_reason,
-            "driver_version": t.driver_version, "gpus": gpus, "links": links, "rdma": rdma_topo(cfg)});
+            "driver_version": t.driver_version, "gpus": gpus, "links": links, "data_links": data_links,
+            "rdma": rdma_topo(cfg)});
         println!("{j}");
         return exit::OK;
     }

@@ -505,13 +505,26 @@ fn signal_flag(flag: &std::sync::Arc<std::sync::atomic::AtomicBool>) -> std::io:
 /// After `commd topo`: the links the daemon has registered (shown when the caller may use the
 /// admin service).
 pub fn print_links(cfg: &Config) {
-    let Ok((rt, mut c)) = connect(&cfg.socket) else {
+    let links = link_list(cfg);
+    if links.is_empty() {
         return;
+    }
+    println!("Links (traffic: commd stat -l):");
+    for (name, kind, what) in links {
+        println!("  {name:<20} {kind:<12} {what}");
+    }
+}
+
+/// The daemon's links as (name, kind, description), for `topo` (text and JSON); empty when no
+/// daemon answers or the caller may not see them.
+pub fn link_list(cfg: &Config) -> Vec<(String, String, String)> {
+    let Ok((rt, mut c)) = connect(&cfg.socket) else {
+        return Vec::new();
     };
     let Ok(r) = rt.block_on(c.get_link_stats(pb::LinkStatsRequest {})) else {
-        return;
+        return Vec::new();
     };
-    println!("Links (traffic: commd stat -l):");
+    let mut out = Vec::new();
     for l in r.into_inner().links {
         let what = match l.kind.as_str() {
             "shm" => "host shared memory: local ranks' buffers, copied by the daemon".to_string(),
@@ -523,8 +536,9 @@ pub fn print_links(cfg: &Config) {
             "cuda_local" => format!("copies within {}", l.nic),
             _ => format!("{} to {} via {}", l.kind, l.peer, l.nic),
         };
-        println!("  {:<20} {:<12} {what}", l.name, l.kind);
+        out.push((l.name, l.kind, what));
     }
+    out
 }
 
 /// One session's line in `commd status` (admin and plain views alike).
