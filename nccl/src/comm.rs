@@ -517,7 +517,7 @@ impl Comm {
             }
             if a.defer_wait {
                 if group::active() {
-                    group::flush_later(r, op.stream);
+                    group::flush_later(r, op.stream, self.device);
                 } else {
                     // SAFETY: the caller's live stream.
                     unsafe { r.c.cuda_flush(op.stream as sys::CUstream) }?;

@@ -9,7 +9,7 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use commd_client::gpu::cu::sys;
+use commd_client::gpu::cu::{self, sys};
 
 use crate::comm::{Comm, Ready};
 use crate::ffi::{self, Failure, Outcome, usage};
@@ -18,7 +18,8 @@ use crate::host::HostOp;
 #[derive(Default)]
 struct Group {
     depth: u32,
-    flush: Vec<(Arc<Ready>, usize)>,
+    /// (communicator, stream, its device): the device's context is made current for the wait.
+    flush: Vec<(Arc<Ready>, usize, i32)>,
     host: Vec<HostOp>,
     joins: Vec<Arc<Comm>>,
 }
@@ -36,18 +37,44 @@ pub fn active() -> bool {
     G.with(|g| g.borrow().depth > 0)
 }
 
-/// The stream of a deferred send/recv on `r`, waited for at the group's end.
-pub fn flush_later(r: Arc<Ready>, stream: usize) {
+/// The stream of a deferred send/recv on `r` (a communicator of `device`), waited for at the
+/// group's end.
+pub fn flush_later(r: Arc<Ready>, stream: usize, device: i32) {
     G.with(|g| {
         let mut g = g.borrow_mut();
         if !g
             .flush
             .iter()
-            .any(|(c, s)| Arc::ptr_eq(c, &r) && *s == stream)
+            .any(|(c, s, _)| Arc::ptr_eq(c, &r) && *s == stream)
         {
-            g.flush.push((r, stream));
+            g.flush.push((r, stream, device));
         }
     });
+}
+
+/// Runs `f` with the primary context of `device` current (a group may span the devices of a
+/// process, one communicator each, and ends with the last one current), then restores the
+/// thread's context.
+fn on_device<T>(device: i32, f: impl FnOnce() -> T) -> T {
+    if device < 0 {
+        return f();
+    }
+    let mut prev: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out pointer; the driver is loaded (the group posted GPU ops).
+    unsafe { sys::cuCtxGetCurrent(&mut prev) };
+    let mut dev: sys::CUdevice = 0;
+    // SAFETY: valid out pointer.
+    let ok = unsafe { sys::cuDeviceGet(&mut dev, device) } == sys::CUresult::CUDA_SUCCESS;
+    let switched = ok
+        && cu::primary_ctx(dev)
+            .ok()
+            .filter(|c| *c != prev)
+            .is_some_and(|c| cu::set_current(c).is_ok());
+    let out = f();
+    if switched {
+        let _ = cu::set_current(prev);
+    }
+    out
 }
 
 pub fn finish_later(h: HostOp) {
@@ -87,9 +114,13 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
         return Ok(ffi::SUCCESS);
     };
     let mut first: Option<Failure> = None;
-    for (r, stream) in flush {
-        // SAFETY: the stream the group's send/recv ops were posted on (live, NCCL's contract).
-        if let Err(e) = unsafe { r.c.cuda_flush(stream as sys::CUstream) } {
+    for (r, stream, device) in flush {
+        // SAFETY: the stream the group's send/recv ops were posted on (live, NCCL's contract),
+        // with its device's context current.
+        let res = on_device(device, || unsafe {
+            r.c.cuda_flush(stream as sys::CUstream)
+        });
+        if let Err(e) = res {
             first.get_or_insert(e.into());
         }
     }
