@@ -62,6 +62,15 @@ fn on_device<T>(device: i32, f: impl FnOnce() -> T) -> T {
     let mut prev: sys::CUcontext = std::ptr::null_mut();
     // SAFETY: valid out pointer; the driver is loaded (the group posted GPU ops).
     unsafe { sys::cuCtxGetCurrent(&mut prev) };
+    let mut cur: sys::CUdevice = -1;
+    // SAFETY: valid out pointer; fails (leaving -1) when no context is current.
+    if !prev.is_null()
+        && unsafe { sys::cuCtxGetDevice(&mut cur) } == sys::CUresult::CUDA_SUCCESS
+        && cur == device
+    {
+        // Already on that device (whatever its context, the caller's streams belong to it).
+        return f();
+    }
     let mut dev: sys::CUdevice = 0;
     // SAFETY: valid out pointer.
     let ok = unsafe { sys::cuDeviceGet(&mut dev, device) } == sys::CUresult::CUDA_SUCCESS;
