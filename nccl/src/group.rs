@@ -64,10 +64,8 @@ fn on_device<T>(device: i32, f: impl FnOnce() -> T) -> T {
     unsafe { sys::cuCtxGetCurrent(&mut prev) };
     let mut cur: sys::CUdevice = -1;
     // SAFETY: valid out pointer; fails (leaving -1) when no context is current.
-    if !prev.is_null()
-        && unsafe { sys::cuCtxGetDevice(&mut cur) } == sys::CUresult::CUDA_SUCCESS
-        && cur == device
-    {
+    let r = unsafe { sys::cuCtxGetDevice(&mut cur) };
+    if !prev.is_null() && r == sys::CUresult::CUDA_SUCCESS && cur == device {
         // Already on that device (whatever its context, the caller's streams belong to it).
         return f();
     }
