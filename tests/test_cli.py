@@ -41,6 +41,8 @@ def test_config_rejects_bad_values_by_name(tmp_path):
     assert out.returncode == 2 and "power of two" in out.stderr, out.stderr
     out = commd("--config", str(tmp_path / "missing.toml"), "config")
     assert out.returncode == 2 and "missing.toml" in out.stderr
+    out = commd("config", env={"COMMD_METRICS_PER_JOB": "maybe"})
+    assert out.returncode == 2 and "metrics_per_job" in out.stderr and "on or off" in out.stderr, out.stderr
 
 
 def test_status_counts_sessions_and_registrations(daemon):

@@ -177,6 +177,12 @@ def options_object(rank, world):
             for c in json.loads(out.stdout)["communicator_list"]}
     assert caps.get(comm_id) == 7 * 10**9, (comm_id, caps)
     try:
+        commd.torch.Options(pacing_gbps=-1)
+    except ValueError as e:
+        assert "pacing_gbps must be >= 0" in str(e), e
+    else:
+        raise AssertionError("a negative pacing was accepted")
+    try:
         dist.new_group(list(range(world)), pg_options=object())
     except TypeError as e:
         assert "commd.torch.Options" in str(e), e

@@ -886,142 +886,38 @@ pub unsafe extern "C" fn ncclScatter(
 
 // The per-collective config variants (NCCL 2.29+): the config tunes NCCL's kernels (CTAs,
 // algorithm choice, profiler tags), which commd does not have; the op itself is the same.
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ncclAllReduceConfig(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    dtype: c_int,
-    op: c_int,
-    c: ncclComm_t,
-    stream: cudaStream_t,
-    _config: *const c_void,
-) -> ncclResult_t {
-    // SAFETY: same arguments, same contract.
-    unsafe { ncclAllReduce(send, recv, count, dtype, op, c, stream) }
+macro_rules! with_config {
+    ($($name:ident => $base:ident($($arg:ident: $ty:ty),*);)*) => {
+        $(
+            #[unsafe(no_mangle)]
+            pub unsafe extern "C" fn $name(
+                $($arg: $ty,)*
+                _config: *const c_void,
+            ) -> ncclResult_t {
+                // SAFETY: the plain form's arguments, under its contract.
+                unsafe { $base($($arg),*) }
+            }
+        )*
+    };
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ncclBroadcastConfig(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    dtype: c_int,
-    root: c_int,
-    c: ncclComm_t,
-    stream: cudaStream_t,
-    _config: *const c_void,
-) -> ncclResult_t {
-    // SAFETY: same arguments, same contract.
-    unsafe { ncclBroadcast(send, recv, count, dtype, root, c, stream) }
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ncclReduceConfig(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    dtype: c_int,
-    op: c_int,
-    root: c_int,
-    c: ncclComm_t,
-    stream: cudaStream_t,
-    _config: *const c_void,
-) -> ncclResult_t {
-    // SAFETY: same arguments, same contract.
-    unsafe { ncclReduce(send, recv, count, dtype, op, root, c, stream) }
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ncclAllGatherConfig(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    dtype: c_int,
-    c: ncclComm_t,
-    stream: cudaStream_t,
-    _config: *const c_void,
-) -> ncclResult_t {
-    // SAFETY: same arguments, same contract.
-    unsafe { ncclAllGather(send, recv, count, dtype, c, stream) }
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ncclReduceScatterConfig(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    dtype: c_int,
-    op: c_int,
-    c: ncclComm_t,
-    stream: cudaStream_t,
-    _config: *const c_void,
-) -> ncclResult_t {
-    // SAFETY: same arguments, same contract.
-    unsafe { ncclReduceScatter(send, recv, count, dtype, op, c, stream) }
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ncclAlltoAllConfig(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    dtype: c_int,
-    c: ncclComm_t,
-    stream: cudaStream_t,
-    _config: *const c_void,
-) -> ncclResult_t {
-    // SAFETY: same arguments, same contract.
-    unsafe { ncclAlltoAll(send, recv, count, dtype, c, stream) }
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ncclGatherConfig(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    dtype: c_int,
-    root: c_int,
-    c: ncclComm_t,
-    stream: cudaStream_t,
-    _config: *const c_void,
-) -> ncclResult_t {
-    rooted(
-        "ncclGatherConfig",
-        true,
-        send,
-        recv,
-        count,
-        dtype,
-        root,
-        c,
-        stream,
-    )
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn ncclScatterConfig(
-    send: *const c_void,
-    recv: *mut c_void,
-    count: usize,
-    dtype: c_int,
-    root: c_int,
-    c: ncclComm_t,
-    stream: cudaStream_t,
-    _config: *const c_void,
-) -> ncclResult_t {
-    rooted(
-        "ncclScatterConfig",
-        false,
-        send,
-        recv,
-        count,
-        dtype,
-        root,
-        c,
-        stream,
-    )
+with_config! {
+    ncclAllReduceConfig => ncclAllReduce(send: *const c_void, recv: *mut c_void, count: usize,
+        dtype: c_int, op: c_int, c: ncclComm_t, stream: cudaStream_t);
+    ncclBroadcastConfig => ncclBroadcast(send: *const c_void, recv: *mut c_void, count: usize,
+        dtype: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t);
+    ncclReduceConfig => ncclReduce(send: *const c_void, recv: *mut c_void, count: usize,
+        dtype: c_int, op: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t);
+    ncclAllGatherConfig => ncclAllGather(send: *const c_void, recv: *mut c_void, count: usize,
+        dtype: c_int, c: ncclComm_t, stream: cudaStream_t);
+    ncclReduceScatterConfig => ncclReduceScatter(send: *const c_void, recv: *mut c_void,
+        count: usize, dtype: c_int, op: c_int, c: ncclComm_t, stream: cudaStream_t);
+    ncclAlltoAllConfig => ncclAlltoAll(send: *const c_void, recv: *mut c_void, count: usize,
+        dtype: c_int, c: ncclComm_t, stream: cudaStream_t);
+    ncclGatherConfig => ncclGather(send: *const c_void, recv: *mut c_void, count: usize,
+        dtype: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t);
+    ncclScatterConfig => ncclScatter(send: *const c_void, recv: *mut c_void, count: usize,
+        dtype: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t);
 }
 
 #[unsafe(no_mangle)]
