@@ -239,10 +239,8 @@ impl Comm {
                     .map(|c| Arc::new(Ready { c, client: cl }))
                     .map_err(Failure::from);
                 if let Ok(r) = &out {
-                    log::info(
-                        log::INIT,
-                        comm.device,
-                        &format!(
+                    log::info(log::INIT, comm.device, || {
+                        format!(
                             "comm {:p} rank {} nranks {} cudaDev {} commd communicator {:#x} ({} node(s)) - Init COMPLETE",
                             Arc::as_ptr(&comm),
                             comm.rank,
@@ -250,14 +248,12 @@ impl Comm {
                             comm.device,
                             r.c.id(),
                             r.c.nodes()
-                        ),
-                    );
+                        )
+                    });
                     for p in r.c.paths() {
-                        log::info(
-                            log::INIT,
-                            comm.device,
-                            &format!("commd communicator {:#x}: {p}", r.c.id()),
-                        );
+                        log::info(log::INIT, comm.device, || {
+                            format!("commd communicator {:#x}: {p}", r.c.id())
+                        });
                     }
                 }
                 *lock(&comm.init) = match out {
@@ -469,7 +465,7 @@ impl Comm {
             return Err(invalid("recvbuff is NULL"));
         }
         let mem: Vec<Memory> = [send, recv].into_iter().flatten().map(memory_of).collect();
-        if mem.windows(2).any(|w| w[0] != w[1]) {
+        if mem.len() == 2 && mem[0] != mem[1] {
             return Err(usage(
                 "sendbuff and recvbuff are in different kinds of memory (one CUDA device memory, one host memory)",
             ));
@@ -481,18 +477,20 @@ impl Comm {
                 log::COLL
             },
             self.device,
-            &format!(
-                "{}: count {} datatype {} op {} root/peer {} comm {:p} [nranks={}] stream {:#x} {:?}",
-                op.kind.name(),
-                op.count,
-                op.dtype,
-                op.redop,
-                op.peer,
-                Arc::as_ptr(self),
-                self.nranks,
-                op.stream,
-                mem.first().copied().unwrap_or(Memory::Host)
-            ),
+            || {
+                format!(
+                    "{}: count {} datatype {} op {} root/peer {} comm {:p} [nranks={}] stream {:#x} {:?}",
+                    op.kind.name(),
+                    op.count,
+                    op.dtype,
+                    op.redop,
+                    op.peer,
+                    Arc::as_ptr(self),
+                    self.nranks,
+                    op.stream,
+                    mem.first().copied().unwrap_or(Memory::Host)
+                )
+            },
         );
         if mem.first() == Some(&Memory::Device) {
             let mut a = CudaOpArgs::new(op.kind, dtype, op.count, op.stream as sys::CUstream);
@@ -650,16 +648,14 @@ impl Comm {
             .iter()
             .position(|&i| i == self.rank as usize)
             .unwrap_or(0);
-        log::info(
-            log::INIT,
-            self.device,
-            &format!(
+        log::info(log::INIT, self.device, || {
+            format!(
                 "ncclCommSplit comm {:p} rank {} color {color} key {key} -> rank {new_rank} of {}",
                 self as *const Comm,
                 self.rank,
                 members.len()
-            ),
-        );
+            )
+        });
         Comm::create(
             &uid,
             new_rank as i32,

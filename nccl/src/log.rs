@@ -106,9 +106,10 @@ unsafe extern "C" {
     fn libc_gettid() -> i32;
 }
 
-pub fn info(subsys: u32, device: i32, text: &str) {
+/// An INFO line; `text` is built only when the line is printed (op lines are on the hot path).
+pub fn info(subsys: u32, device: i32, text: impl FnOnce() -> String) {
     if enabled(Level::Info, subsys) {
-        emit("INFO", device, text);
+        emit("INFO", device, &text());
     }
 }
 
@@ -141,11 +142,9 @@ pub fn startup(device: i32) {
             .collect();
         vars.sort();
         for (k, v) in vars {
-            info(
-                ENV,
-                device,
-                &format!("{k}={v} ignored: commd has no such setting (its daemon chooses paths and transports; see `commd topo`)"),
-            );
+            info(ENV, device, || {
+                format!("{k}={v} ignored: commd has no such setting (its daemon chooses paths and transports; see `commd topo`)")
+            });
         }
     });
 }
