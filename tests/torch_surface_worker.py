@@ -201,19 +201,23 @@ def async_wait_timeout(rank, world):
 @check
 def timeout_error_is_torch_kind(rank, world):
     """A receive nobody sends to, with a short per-op timeout: the error must be one torch
-    callers catch (DistError / RuntimeError) and say it timed out."""
+    callers catch (DistError / RuntimeError) and say it timed out. The other ranks stay
+    connected until rank 0 is done (a key in the job's store, not a guessed sleep)."""
+    store = dist.distributed_c10d._get_default_store()
     if rank != 0:
-        import time
-        time.sleep(4)  # stays connected while rank 0's receive times out
+        store.wait(["surface/timeout_done"], timedelta(seconds=120))
         return
-    w = dist.irecv(torch.zeros(1), src=1, tag=77)
     try:
-        w.wait(timeout=timedelta(seconds=1))
-    except Exception as e:  # noqa: BLE001
-        assert isinstance(e, RuntimeError), type(e).__mro__
-        assert "timed out" in str(e).lower() or "timeout" in str(e).lower(), str(e)
-        return
-    raise AssertionError("no timeout")
+        w = dist.irecv(torch.zeros(1), src=1, tag=77)
+        try:
+            w.wait(timeout=timedelta(seconds=1))
+        except Exception as e:  # noqa: BLE001
+            assert isinstance(e, RuntimeError), type(e).__mro__
+            assert "timed out" in str(e).lower() or "timeout" in str(e).lower(), str(e)
+            return
+        raise AssertionError("no timeout")
+    finally:
+        store.set("surface/timeout_done", "1")
 
 
 @check
