@@ -3,12 +3,18 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|deepspeed|all] [OUTDIR]
 # `nccl` (issue 22; run only by name): tests/gpu/nccl.sh, the NCCL-compatible library
 # (libcommd_nccl.so, target/release or .gpu/) under NCCL's own nccl-tests (every collective,
 # -c 1; real NCCL in the same run), a torch DDP job on the "nccl" backend name preloaded with it
 # against gloo, and vLLM's pynccl calls captured into a CUDA graph: nccl*.log,
 # nccltests-summary.txt, ddp-*.json, nccl.jsonl.
+# `deepspeed` (issues 25/26; run only by name): DeepSpeed's own ZeRO-2 (and ZeRO-3) training
+# step, tests/deepspeed_worker.py --cuda (a 3-layer MLP of hidden $DS_HIDDEN, default 4096:
+# 16.9M parameters), one rank per GPU, through NCCL and through commd ("commd" backend name),
+# alternated over $DS_ROUNDS rounds (default 2); losses and final parameters compared with NCCL's
+# and step times side by side (tests/gpu/deepspeed_compare.py): deepspeed-*.log, deepspeed.jsonl.
+# DeepSpeed and its needs come from wheels in .whl/ when the machine has no DeepSpeed.
 # `jobstart` (issue 23; run only by name): client-py/benchmarks/job_start.py, communicator
 # start-up time and GPU memory, commd against NCCL on all GPUs (and 2 commd ranks sharing one
 # GPU on a one-GPU machine), then 10 short jobs back to back on one daemon: jobstart.log and
@@ -48,7 +54,8 @@
 # tests/gpu/vmm_remap.py on 1 and 2 GPUs (tensors spanning many pieces, pieces unmapped and
 # mapped again), and tests/gpu/gpu_ops.py on 2 GPUs with that allocator.
 # COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
-# Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, a torchrun job
+# Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, zero-element
+# tensors and init_process_group(device_id=...) (tests/gpu/empty_device_id.py), a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
 # ordering, a rank killed mid-op; reductions in many rounds with both all-reduce algorithms
 # (tests/gpu/gpu_rounds.py against a second daemon with a 64 KiB scratch slot). Bench: send/recv (2 GPUs) and all_gather (4 GPUs) vs NCCL.
@@ -56,8 +63,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, nccl or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|deepspeed|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, nccl, deepspeed or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -120,6 +127,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     [ "$n" -le "$ngpu" ] && run "wait-mix-$n-gpus" "${tr[@]}" "$n" tests/gpu/wait_mix.py
   done
   run kill-rank tests/gpu/kill_rank.sh
+  # init_process_group(device_id=...), new_group after it, zero-element CUDA tensors.
+  run "empty-device-id-2-ranks" "${tr[@]}" 2 tests/gpu/empty_device_id.py
 fi
 if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   # Contract 6: GPU ops captured into CUDA graphs run on every replay (every op and dtype,
@@ -155,6 +164,28 @@ if [ "$what" = nccl ]; then
   run_timeout=3000
   run "nccl" tests/gpu/nccl.sh "$out"
   run_timeout=900
+fi
+if [ "$what" = deepspeed ]; then
+  if ! python3 -c "import deepspeed" 2>/dev/null && ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/ds-site .whl/*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/ds-site
+  fi
+  if [ "$ngpu" -lt 2 ]; then
+    echo "deepspeed: needs 2 GPUs (NCCL, the reference, refuses ranks sharing one)"; rc=1
+  else
+    ds=(tests/deepspeed_worker.py)
+    dsargs=(--cuda --hidden "${DS_HIDDEN:-4096}" --batch 64 --steps "${DS_STEPS:-30}" --bucket 50000000)
+    for stage in ${DS_STAGES:-2 3}; do
+      for round in $(seq "${DS_ROUNDS:-2}"); do
+        for b in nccl commd; do
+          run "deepspeed-z$stage-$b-$round" "${tr[@]}" "$ngpu" "${ds[@]}" $b $stage \
+            "$out/ds-z$stage-$b-$round.json" "${dsargs[@]}"
+        done
+      done
+      run "deepspeed-z$stage-compare" python3 tests/gpu/deepspeed_compare.py \
+        --json "$out/deepspeed.jsonl" "$out/ds-z$stage-nccl-1.json" "$out"/ds-z$stage-*.json
+    done
+  fi
 fi
 if [ "$what" = jobstart ]; then
   COMMD_BIN=$bin run "jobstart" python3 client-py/benchmarks/job_start.py \

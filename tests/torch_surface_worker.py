@@ -124,6 +124,29 @@ def pg_allreduce_without_options(rank, world):
 
 
 @check
+def empty_tensors(rank, world):
+    """Zero-element tensors in every collective (DeepSpeed's ZeRO-3 broadcasts an empty list
+    tensor on its first step): each completes, and the group still works after them."""
+    e = lambda: torch.zeros(0, dtype=torch.int64)  # noqa: E731
+    dist.broadcast(e(), 0)
+    dist.all_reduce(e())
+    dist.reduce(e(), 0)
+    dist.all_gather_into_tensor(e(), e())
+    dist.all_gather([e() for _ in range(world)], e())
+    dist.reduce_scatter_tensor(e(), e())
+    dist.all_to_all_single(e(), e())
+    dist.all_to_all_single(e(), e(), [0] * world, [0] * world)
+    dist.all_reduce(e(), async_op=True).wait()
+    reqs = [dist.P2POp(dist.isend, e(), (rank + 1) % world),
+            dist.P2POp(dist.irecv, e(), (rank - 1) % world)]
+    for r in dist.batch_isend_irecv(reqs):
+        r.wait()
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    assert t.eq(world * (world + 1) / 2).all(), t
+
+
+@check
 def sparse_all_reduce(rank, world):
     i = torch.tensor([[rank % 3], [0]])
     v = torch.tensor([float(rank + 1)])

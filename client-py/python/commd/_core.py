@@ -495,7 +495,7 @@ class Communicator:
                 finish = self._copier(stage.lease, out_off, outs)
         else:
             need = (0 if (zs or not ins) else _align(sbytes)) + (0 if (zr or not outs) else rbytes)
-            if need:
+            if (ins and zs is None) or (outs and zr is None):  # (empty arrays: a 0-byte lease)
                 stage.lease = self.client._pool.get(need)
             off = 0
             if ins:

@@ -47,6 +47,12 @@ except AttributeError:  # pragma: no cover - older torch
         return torch.cuda.current_stream(dev).cuda_stream
 
 
+def _done(result: Any) -> _Work:
+    from .torch import _DoneWork
+
+    return _DoneWork(result)
+
+
 class FastCudaWork(_Work):
     """Work of an op posted by ``Communicator.cuda_op``: ``wait`` makes the caller's current
     stream wait (on the GPU) for the op's done event; the CPU never blocks."""
@@ -214,7 +220,10 @@ class CudaOps:
              result: Any, keep: Any, cur: bool = False) -> FastCudaWork:
         """Posts one op on ``t``'s device through ``cuda_op``: on the current stream (``cur``,
         with a code made with ``cur``), else on the communication stream ordered after the
-        current one; ``keep`` stays referenced until the daemon reports the op done."""
+        current one; ``keep`` stays referenced until the daemon reports the op done. An
+        empty tensor moves nothing: the op completes at once, as NCCL's do with count 0."""
+        if t.numel() == 0:
+            return _done(result)
         dev = t.get_device()
         now = _raw_stream(dev)
         if cur:
@@ -233,6 +242,8 @@ class CudaOps:
             after: Callable[[], None] | None = None, p2p: bool = False) -> CudaWork:
         """Runs ``post(stream_handle)`` (which posts the ops and returns their requests) on the
         communication stream of the tensors' device, after the current stream."""
+        if all(t.numel() == 0 for t in tensors):
+            return _done(result)
         dev = tensors[0].device
         for t in tensors:
             if t.device != dev:
@@ -389,6 +400,13 @@ class CudaOps:
         """Sends and recvs: every readiness signal first, then one wait, so their order cannot
         deadlock. ``group`` False (single isend/irecv, e.g. from ``batch_isend_irecv``): the wait
         is enqueued at the first ``wait``/``is_completed`` of any Work of the communicator."""
+        if not sends and not recvs:
+            raise ValueError("commd: empty send/recv group")
+        # Empty tensors move nothing (NCCL skips count 0 too); a group of only those is done.
+        sends = [(t, p) for t, p in sends if t.numel() > 0]
+        recvs = [(t, p) for t, p in recvs if t.numel() > 0]
+        if not sends and not recvs:
+            return _done(result)
         if FAST and not group and len(sends) + len(recvs) == 1:
             t, peer = sends[0] if sends else recvs[0]
             if t.is_contiguous():

@@ -323,6 +323,17 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                 raise RuntimeError("ProcessGroup name not set")
             return name
 
+        # `init_process_group(..., device_id=...)` (DeepSpeed passes one on CUDA) asks the group
+        # for its backend of that device and whether it splits: this group is its own backend
+        # for both device types it serves, and it does not split (new groups are made anew).
+        supports_splitting = False
+
+        def _get_backend(self, device: Any) -> Any:
+            kind = torch.device(device).type
+            if kind in ("cpu", "cuda"):
+                return self
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta | None = None,
                  group_name: str = "", options: Options | None = None) -> None:
         super().__init__(rank, size)

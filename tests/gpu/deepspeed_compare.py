@@ -1,0 +1,53 @@
+"""Compares DeepSpeed runs of tests/deepspeed_worker.py (scripts/gpu-check.sh deepspeed): the
+per-step losses and the final parameters of each commd run against the reference run of the same
+stage, and the median step times; one JSON line per comparison, appended to --json.
+
+    python3 tests/gpu/deepspeed_compare.py --json OUT.jsonl REF.json RUN.json [RUN.json ...]
+"""
+
+import argparse
+import json
+import sys
+
+import torch
+
+
+def params(run):
+    if run.get("params_file"):
+        return torch.load(run["params_file"])
+    return torch.tensor(run["params"], dtype=torch.float64)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--rtol", type=float, default=1e-3)
+    p.add_argument("ref")
+    p.add_argument("runs", nargs="+")
+    a = p.parse_args()
+    ref = json.load(open(a.ref))
+    rp = params(ref).double()
+    bad = False
+    for path in a.runs:
+        run = json.load(open(path))
+        dl = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(run["losses"], ref["losses"]))
+        pp = params(run).double()
+        dp = (pp - rp).abs().max().item()
+        scale = rp.abs().max().item()
+        row = {"stage": run["stage"], "world": run["world"], "numel": run["numel"],
+               "ref": ref["backend"], "run": run["backend"],
+               "ref_step_ms": round(ref["step_ms"], 2), "run_step_ms": round(run["step_ms"], 2),
+               "loss_max_rel_diff": dl, "param_max_abs_diff": dp, "param_max_abs": scale,
+               "final_loss_ref": ref["losses"][-1], "final_loss_run": run["losses"][-1]}
+        ok = len(run["losses"]) == len(ref["losses"]) and dl <= a.rtol and dp <= a.rtol * scale
+        row["ok"] = ok
+        bad |= not ok
+        print(json.dumps(row))
+        if a.json:
+            with open(a.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
