@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,27 @@ def spawn(daemon, nranks, *args):
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
     return procs
+
+
+def test_metrics_count_data_movement_under_the_tensor_dtype(daemon):
+    """A bf16 broadcast is counted as bf16 in the daemon's metrics (it was u8: bytes)."""
+    def scrape():
+        addr = daemon.status()["metrics_listen"]
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    torchrun(daemon, 2, "dtypes")
+    text = scrape()
+    # Bytes as the daemon counts them: each rank's count (per-rank block for all_gather and
+    # all_to_all) times the element size, summed over the 2 ranks.
+    for op, dt, nbytes in [("broadcast", "bf16", 2 * 8 * 2), ("all_gather", "i64", 2 * 5 * 8),
+                           ("all_to_all", "f16", 2 * 4 * 2)]:
+        want = f'commd_op_bytes_total{{op="{op}",dtype="{dt}",transport="shm"}} '
+        line = [ln for ln in text.splitlines() if ln.startswith(want)]
+        assert line, f"no {want!r} series:\n" + "\n".join(
+            ln for ln in text.splitlines() if ln.startswith("commd_op_bytes_total"))
+        assert float(line[0].split()[-1]) == nbytes, line
+    assert 'commd_op_bytes_total{op="broadcast",dtype="u8"' not in text
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -442,6 +442,25 @@ def scenario_pacing(gloo: dist.ProcessGroup, created_gbps: float) -> None:
     log("pacing: creation value, set_pacing from both ranks and errors checked")
 
 
+def scenario_dtypes() -> None:
+    """Data movement on a few dtypes (tests/test_torch.py reads the daemon's metrics after it:
+    each op must be counted under the tensor's own dtype, not as bytes)."""
+    rank = dist.get_rank()
+    n = dist.get_world_size()
+    b = torch.full((8,), float(rank), dtype=torch.bfloat16)
+    dist.broadcast(b, 0)
+    check("broadcast bf16", b, torch.zeros(8, dtype=torch.bfloat16))
+    x = torch.arange(5, dtype=torch.int64) + 10 * rank
+    out = torch.empty(5 * n, dtype=torch.int64)
+    dist.all_gather_into_tensor(out, x)
+    check("all_gather i64", out, torch.cat([torch.arange(5) + 10 * r for r in range(n)]))
+    h = torch.full((4 * n,), float(rank), dtype=torch.float16)
+    got = torch.empty_like(h)
+    dist.all_to_all_single(got, h)
+    check("all_to_all f16", got, torch.arange(n, dtype=torch.float16).repeat_interleave(4))
+    log("dtypes: broadcast bf16, all_gather i64, all_to_all f16")
+
+
 def main() -> None:
     scenario = sys.argv[1]
     dist.init_process_group("commd", timeout=timedelta(seconds=60))
@@ -456,6 +475,8 @@ def main() -> None:
         scenario_ddp(gloo, int(sys.argv[2]) if len(sys.argv) > 2 else 20)
     elif scenario == "pacing":
         scenario_pacing(gloo, float(sys.argv[2]))
+    elif scenario == "dtypes":
+        scenario_dtypes()
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     dist.barrier()

@@ -33,8 +33,32 @@ from torch.futures import Future
 
 from ._core import Handle
 
-# dtype name for data movement (the element size is all that matters) and for reductions.
+# dtype name for data movement: the tensor's own where commd has it (so metrics and traces show
+# the real dtype), else one of the element's size (only the bytes matter for moving them).
+_REAL = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
+         torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32",
+         torch.int64: "i64"}
+_COMPLEX = {torch.complex64: "f32", torch.complex128: "f64"}
 _MOVE = {1: "u8", 2: "f16", 4: "f32", 8: "f64"}
+
+
+def move_name(t: torch.Tensor) -> tuple[str, int]:
+    """(dtype name, elements of it per tensor element) to move ``t``'s data."""
+    name = _REAL.get(t.dtype)
+    if name is not None:
+        return name, 1
+    name = _COMPLEX.get(t.dtype)
+    if name is not None:
+        return name, 2
+    return size_name(t)
+
+
+def size_name(t: torch.Tensor) -> tuple[str, int]:
+    """Like ``move_name``, by element size alone: for sends and recvs, which the daemon matches
+    by dtype and count, so that a float32 send still pairs with an int32 recv of its size."""
+    es = t.element_size()
+    name = _MOVE.get(es)
+    return (name, 1) if name is not None else ("u8", es)
 
 # The fast path for contiguous tensors (False: every op takes the general path; for
 # benchmarks that compare the two).
@@ -205,10 +229,7 @@ class CudaOps:
         if c is None:
             mult = 1
             if dt is None:
-                es = t.element_size()
-                dt = _MOVE.get(es)
-                if dt is None:
-                    dt, mult = "u8", es
+                dt, mult = size_name(t) if op in ("send", "recv") else move_name(t)
             elif t.is_complex():
                 mult = 2
             c = (self._native.cuda_code(op, dt, redop, defer_wait=defer, order_after=not cur,
@@ -301,13 +322,10 @@ class CudaOps:
             redop=redop, peer=peer, defer_wait=defer)
 
     @staticmethod
-    def move_dtype(t: torch.Tensor) -> tuple[str, int]:
-        """(dtype name, count) to move ``t``'s bytes."""
-        es = t.element_size()
-        name = _MOVE.get(es)
-        if name is None:
-            return "u8", t.numel() * es
-        return name, t.numel()
+    def move_dtype(t: torch.Tensor, p2p: bool = False) -> tuple[str, int]:
+        """(dtype name, count) to move ``t``'s data."""
+        name, mult = size_name(t) if p2p else move_name(t)
+        return name, t.numel() * mult
 
     # -- ops -----------------------------------------------------------------------------
 
@@ -430,7 +448,7 @@ class CudaOps:
         def post(s: int) -> list[Any]:
             reqs = []
             for kind, x, peer in plan:
-                dt, count = self.move_dtype(x)
+                dt, count = self.move_dtype(x, p2p=True)
                 reqs.append(self.post(kind, dt, count, s,
                                       x if kind == "send" else None,
                                       x if kind == "recv" else None, peer=peer, defer=True))

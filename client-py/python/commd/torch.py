@@ -166,6 +166,16 @@ def _reduce_names(t: torch.Tensor, op: Any, what: str) -> tuple[str, str]:
     return dt, _core._redop(name, dt, t.dtype == torch.bool)
 
 
+def _move_dt(t: torch.Tensor) -> str | None:
+    """The daemon's dtype name for moving ``t`` (as ``_np(t)`` counts elements), so metrics and
+    traces show the tensor's real dtype; None (bytes, as u8) where commd has no such dtype."""
+    if t.dtype == torch.bool:
+        return None
+    if t.is_complex():
+        return {torch.complex64: "f32", torch.complex128: "f64"}.get(t.dtype)
+    return _REDUCE_DTYPES.get(t.dtype)
+
+
 def _seconds(timeout: Any) -> float | None:
     if timeout is None:
         return None
@@ -482,7 +492,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         t = _one(tensors, "broadcast")
         if _is_cuda(t):
             return self.gpu.broadcast(t, opts.rootRank, tensors, _sync(opts))
-        h = self.comm.broadcast(_np(t, "broadcast"), opts.rootRank, async_op=True)
+        h = self.comm.broadcast(_np(t, "broadcast"), opts.rootRank, dtype=_move_dt(t),
+                                async_op=True)
         return self._work(h, tensors, opts)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
@@ -502,7 +513,7 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         for o in outs:
             _check_same(o, t, "allgather")
         return self.comm.all_gather(_np(t, "allgather"), [_np(o, "allgather") for o in outs],
-                                    async_op=True)
+                                    dtype=_move_dt(t), async_op=True)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]],
                   input_tensors: list[torch.Tensor], opts: Any) -> Any:
@@ -535,7 +546,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
     def _allgather_base_h(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
         what = "all_gather_into_tensor"
         _check_sizes(output, input, self._size, what)
-        return self.comm.all_gather(_np(input, what), _np(output, what), async_op=True)
+        return self.comm.all_gather(_np(input, what), _np(output, what), dtype=_move_dt(input),
+                                    async_op=True)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
         if _is_cuda(input):
@@ -628,7 +640,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                     f"commd {what}: without split sizes, input and output must have the same "
                     f"number of elements, divisible by {self._size} (got {input.numel()} and "
                     f"{output.numel()})")
-            return self._work(self.comm.all_to_all(a, b, async_op=True), [output], opts)
+            return self._work(self.comm.all_to_all(a, b, dtype=_move_dt(input), async_op=True),
+                              [output], opts)
         ins = _split_rows(a, input_split_sizes, self._size, "input", what)
         outs = _split_rows(b, output_split_sizes, self._size, "output", what)
         return self._work(self.comm.all_to_all_v(ins, outs, async_op=True), [output], opts)
