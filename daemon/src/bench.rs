@@ -319,6 +319,7 @@ pub fn run(
                 reorder: 0.0,
                 seed: 1,
                 pin: "on".into(),
+                slot_metrics: false,
             };
             let r = crate::switch::server::start(&args, &rt)?;
             let ctl = r.listen.to_string();

@@ -60,6 +60,15 @@ mod tests {
     }
 
     fn switch(drop: f64, dup: f64, reorder: f64) -> (tokio::runtime::Runtime, server::Running) {
+        switch_with(drop, dup, reorder, false)
+    }
+
+    fn switch_with(
+        drop: f64,
+        dup: f64,
+        reorder: f64,
+        slot_metrics: bool,
+    ) -> (tokio::runtime::Runtime, server::Running) {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -75,6 +84,7 @@ mod tests {
             reorder,
             seed: 7,
             pin: "off".into(),
+            slot_metrics,
         };
         let r = server::start(&a, &rt).unwrap();
         (rt, r)
@@ -201,6 +211,27 @@ mod tests {
         check(3, &ops, &got);
     }
 
+    /// Per-slot series (up to 8192 per session) only with `--slot-metrics`; the rest always,
+    /// in valid OpenMetrics text.
+    #[test]
+    fn slot_series_only_when_asked() {
+        let ops = [(false, 1025)];
+        for on in [false, true] {
+            let (_rt, sw) = switch_with(0.0, 0.0, 0.0, on);
+            let got = run(sw.listen.to_string(), 2, PacketSize::Mtu256, "s", &ops);
+            check(2, &ops, &got);
+            let m = sw.switch.metrics_text();
+            assert_eq!(m.contains("commd_switch_slot_packets_total{"), on, "{m}");
+            assert!(
+                m.contains("commd_switch_worker_packets_total{session="),
+                "{m}"
+            );
+            assert!(m.contains("# TYPE commd_switch_sessions gauge"), "{m}");
+            assert!(m.contains("commd_switch_data_plane_core{where="), "{m}");
+            assert!(m.trim_end().ends_with("# EOF"), "{m}");
+        }
+    }
+
     #[test]
     fn drops_duplicates_and_reordering_do_not_change_results() {
         let (_rt, sw) = switch(0.01, 0.01, 0.01);
@@ -259,6 +290,7 @@ mod perf {
             reorder: 0.0,
             seed: 1,
             pin: "off".into(),
+            slot_metrics: false,
         };
         let sw = server::start(&a, &rt).unwrap();
         let n = 4u32;

@@ -22,10 +22,14 @@ use std::time::Duration;
 use commd_proto::switchml_pb as pb;
 use pb::session_server::{Session, SessionServer};
 use pb::sync_server::{Sync as SyncSvc, SyncServer};
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry as PromRegistry;
 use rand::{Rng, SeedableRng};
 use tonic::{Request, Response, Status};
 
-use super::agg::{Pool, Verdict};
+use super::agg::{Pool, SlotCounters, Verdict};
 use super::cores;
 use super::packet::{Header, MAX_WORKERS, PacketSize, SLOTS};
 use super::worker::Stats;
@@ -61,6 +65,10 @@ pub struct SwitchArgs {
     /// polling thread on this host holds).
     #[arg(long, default_value = "on")]
     pub pin: String,
+    /// Also export per-slot series (`commd_switch_slot_*`: up to --slots per session, so off
+    /// by default to keep the metrics' series bounded).
+    #[arg(long)]
+    pub slot_metrics: bool,
 }
 
 #[derive(Default)]
@@ -100,6 +108,8 @@ pub struct Switch {
     data_addr: SocketAddr,
     slots: usize,
     core: Mutex<String>,
+    /// `--slot-metrics`: export the per-slot series.
+    slot_metrics: bool,
     stats: Stats,
     stop: AtomicBool,
     sync: Mutex<HashMap<String, SyncScope>>,
@@ -615,132 +625,159 @@ impl Switch {
         }
     }
 
-    /// OpenMetrics text: sessions, workers, used slots, injected faults, the data-plane core.
+    /// OpenMetrics text (prometheus-client, rendered per scrape from a fresh registry):
+    /// sessions, workers, injected faults, the data-plane core; per-slot series (up to
+    /// `--slots` per session) only with `--slot-metrics`.
     pub fn metrics_text(&self) -> String {
-        use std::fmt::Write;
+        use prometheus_client::metrics::gauge::Gauge;
         let reg = lock(&self.reg);
-        let mut o = String::new();
-        let _ = writeln!(
-            o,
-            "# TYPE commd_switch_sessions gauge\ncommd_switch_sessions {}",
-            reg.sessions.len()
-        );
-        let mut fam = |name: &str, help: &str, rows: Vec<(String, u64)>| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} counter");
-            for (l, v) in rows {
-                let _ = writeln!(o, "{name}_total{{{l}}} {v}");
-            }
-        };
+        let mut r = PromRegistry::default();
+        let sessions = Gauge::<i64>::default();
+        sessions.set(reg.sessions.len() as i64);
+        r.register("commd_switch_sessions", "Sessions open", sessions);
         let mut sess = Vec::new();
-        let mut wk: Vec<(String, &WorkerCounters)> = Vec::new();
+        let mut wk: Vec<(Labels, &WorkerCounters)> = Vec::new();
         let mut slot = Vec::new();
         for s in reg.sessions.values() {
-            let sid = format!("session=\"{:#x}\"", s.id);
-            sess.push((sid.clone(), s.completions));
+            let sid = ("session", format!("{:#x}", s.id));
+            sess.push((vec![sid.clone()], s.completions));
             for (r, w) in s.workers.iter().enumerate() {
-                wk.push((format!("{sid},worker=\"{r}\""), w));
+                wk.push((vec![sid.clone(), ("worker", r.to_string())], w));
             }
-            for (i, c) in s.pool.slot_counters.iter().enumerate() {
-                if c.packets > 0 {
-                    slot.push((format!("{sid},slot=\"{i}\""), *c));
+            if self.slot_metrics {
+                for (i, c) in s.pool.slot_counters.iter().enumerate() {
+                    if c.packets > 0 {
+                        slot.push((vec![sid.clone(), ("slot", i.to_string())], *c));
+                    }
                 }
             }
         }
-        fam(
+        let wrows = |f: fn(&WorkerCounters) -> u64| -> Vec<(Labels, u64)> {
+            wk.iter().map(|(l, w)| (l.clone(), f(w))).collect()
+        };
+        counters(
+            &mut r,
             "commd_switch_completions",
-            "Slot rounds completed (results multicast).",
+            "Slot rounds completed (results multicast)",
             sess,
         );
-        fam(
+        counters(
+            &mut r,
             "commd_switch_worker_packets",
-            "Packets received per worker.",
-            wk.iter().map(|(l, w)| (l.clone(), w.packets)).collect(),
+            "Packets received per worker",
+            wrows(|w| w.packets),
         );
-        fam(
+        counters(
+            &mut r,
             "commd_switch_worker_bytes",
-            "UDP payload bytes received per worker.",
-            wk.iter().map(|(l, w)| (l.clone(), w.bytes)).collect(),
+            "UDP payload bytes received per worker",
+            wrows(|w| w.bytes),
         );
-        fam(
+        counters(
+            &mut r,
             "commd_switch_worker_duplicates",
-            "Retransmitted packets per worker.",
-            wk.iter().map(|(l, w)| (l.clone(), w.duplicates)).collect(),
+            "Retransmitted packets per worker",
+            wrows(|w| w.duplicates),
         );
-        fam(
+        counters(
+            &mut r,
             "commd_switch_worker_stale",
-            "Late copies of earlier rounds dropped per worker.",
-            wk.iter().map(|(l, w)| (l.clone(), w.stale)).collect(),
+            "Late copies of earlier rounds dropped per worker",
+            wrows(|w| w.stale),
         );
-        fam(
+        counters(
+            &mut r,
             "commd_switch_worker_results",
-            "Result packets sent per worker.",
-            wk.iter().map(|(l, w)| (l.clone(), w.results)).collect(),
+            "Result packets sent per worker",
+            wrows(|w| w.results),
         );
-        fam(
-            "commd_switch_slot_packets",
-            "Packets per slot (used slots only).",
-            slot.iter().map(|(l, c)| (l.clone(), c.packets)).collect(),
-        );
-        fam(
-            "commd_switch_slot_completions",
-            "Completions per slot.",
-            slot.iter()
-                .map(|(l, c)| (l.clone(), c.completions))
-                .collect(),
-        );
-        fam(
-            "commd_switch_slot_duplicates",
-            "Duplicates per slot.",
-            slot.iter()
-                .map(|(l, c)| (l.clone(), c.duplicates))
-                .collect(),
-        );
-        fam(
+        if self.slot_metrics {
+            let srows = |f: fn(&SlotCounters) -> u64| -> Vec<(Labels, u64)> {
+                slot.iter().map(|(l, c)| (l.clone(), f(c))).collect()
+            };
+            counters(
+                &mut r,
+                "commd_switch_slot_packets",
+                "Packets per slot (used slots only)",
+                srows(|c| c.packets),
+            );
+            counters(
+                &mut r,
+                "commd_switch_slot_completions",
+                "Completions per slot",
+                srows(|c| c.completions),
+            );
+            counters(
+                &mut r,
+                "commd_switch_slot_duplicates",
+                "Duplicates per slot",
+                srows(|c| c.duplicates),
+            );
+        }
+        let one = |k: &'static str, v: &str| vec![(k, v.to_string())];
+        counters(
+            &mut r,
             "commd_switch_dropped",
-            "Packets dropped: unknown sender, malformed.",
+            "Packets dropped: unknown sender, malformed",
             vec![
-                ("reason=\"unknown_sender\"".into(), reg.unknown),
-                ("reason=\"malformed\"".into(), reg.malformed),
+                (one("reason", "unknown_sender"), reg.unknown),
+                (one("reason", "malformed"), reg.malformed),
             ],
         );
-        fam(
+        counters(
+            &mut r,
             "commd_switch_injected",
-            "Faults injected (--drop/--dup/--reorder).",
+            "Faults injected (--drop/--dup/--reorder)",
             vec![
-                ("fault=\"drop\"".into(), reg.injected_drops),
-                ("fault=\"dup\"".into(), reg.injected_dups),
-                ("fault=\"reorder\"".into(), reg.injected_reorders),
+                (one("fault", "drop"), reg.injected_drops),
+                (one("fault", "dup"), reg.injected_dups),
+                (one("fault", "reorder"), reg.injected_reorders),
             ],
         );
-        fam(
+        counters(
+            &mut r,
             "commd_switch_syscalls",
-            "Data-plane send and receive system calls.",
+            "Data-plane send and receive system calls",
             vec![
                 (
-                    "call=\"sendmmsg\"".into(),
+                    one("call", "sendmmsg"),
                     self.stats.send_calls.load(Ordering::Relaxed),
                 ),
                 (
-                    "call=\"recvmmsg\"".into(),
+                    one("call", "recvmmsg"),
                     self.stats.recv_calls.load(Ordering::Relaxed),
                 ),
             ],
         );
-        fam(
-            "commd_switch_packets_sent",
-            "Result packets sent.",
-            vec![(
-                String::new(),
-                self.stats.packets_sent.load(Ordering::Relaxed),
-            )],
+        let sent = Counter::<u64>::default();
+        sent.inc_by(self.stats.packets_sent.load(Ordering::Relaxed));
+        r.register("commd_switch_packets_sent", "Result packets sent", sent);
+        let core = Family::<Labels, Gauge<i64>>::default();
+        core.get_or_create(&one("where", &lock(&self.core).to_string()))
+            .set(1);
+        r.register(
+            "commd_switch_data_plane_core",
+            "Where the data-plane thread runs (the label; the value is 1)",
+            core,
         );
-        let _ = writeln!(
-            o,
-            "# TYPE commd_switch_data_plane_core gauge\ncommd_switch_data_plane_core{{where=\"{}\"}} 1\n# EOF",
-            lock(&self.core)
-        );
+        drop(reg);
+        let mut o = String::new();
+        if let Err(e) = encode(&mut o, &r) {
+            tracing::warn!(target: "commd::switch", "metrics: {e}");
+        }
         o
     }
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+/// Registers a counter family with one series per row.
+fn counters(r: &mut PromRegistry, name: &str, help: &str, rows: Vec<(Labels, u64)>) {
+    let f = Family::<Labels, Counter<u64>>::default();
+    for (l, v) in rows {
+        f.get_or_create(&l).inc_by(v);
+    }
+    r.register(name, help, f);
 }
 
 /// A running switch (for `commd switch` and tests).
@@ -791,6 +828,7 @@ pub fn start(a: &SwitchArgs, rt: &tokio::runtime::Runtime) -> Result<Running, St
         data_addr: data,
         slots: a.slots.clamp(1, SLOTS),
         core: Mutex::new(String::new()),
+        slot_metrics: a.slot_metrics,
         stats: Stats::default(),
         stop: AtomicBool::new(false),
         sync: Mutex::new(HashMap::new()),

@@ -1,23 +1,35 @@
-//! The `/metrics` endpoint: a minimal HTTP/1.1 responder on tokio (one request per connection).
-//! `GET /metrics` returns the OpenMetrics text exposition; `GET /` a pointer to it; anything else
-//! 404/405. Requests are read with a deadline and a size cap, so a slow or hostile client only
-//! costs its own task.
+//! The `/metrics` endpoint, on hyper's HTTP/1.1 server (the tree already carries hyper under
+//! tonic). `GET` or `HEAD /metrics` returns the OpenMetrics text exposition, rendered per
+//! scrape; `/` a pointer to it; other paths 404, other methods 405. Each connection serves one
+//! request at a time with a deadline for its request head (`header_read_timeout`) and a cap on
+//! what hyper buffers, so a slow or hostile client only costs its own task.
 
+use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use bytes::Bytes;
+use http::{Method, Request, Response, StatusCode, header};
+use http_body_util::Full;
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::net::TcpListener;
 
-const MAX_HEAD: usize = 16 * 1024;
+/// What hyper may buffer of one request (its head: scrapers send a few hundred bytes).
+const MAX_BUF: usize = 16 * 1024;
+/// How long a client may take to send its request head.
 const READ_DEADLINE: Duration = Duration::from_secs(10);
+/// How long one connection may live (a scraper makes one request, or a few kept alive).
+const CONN_DEADLINE: Duration = Duration::from_secs(60);
 const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// The body of `/metrics`: rendered per scrape.
-pub type Body = std::sync::Arc<dyn Fn() -> String + Send + Sync>;
+pub type Body = Arc<dyn Fn() -> String + Send + Sync>;
 
 /// Serves the daemon's metrics until the runtime stops.
 pub async fn serve(listener: TcpListener) {
-    serve_with(listener, std::sync::Arc::new(|| super::metrics().encode())).await
+    serve_with(listener, Arc::new(|| super::metrics().encode())).await
 }
 
 /// Serves `body` at `/metrics` until the runtime stops (also used by `commd switch`).
@@ -27,7 +39,18 @@ pub async fn serve_with(listener: TcpListener, body: Body) {
             Ok((s, _)) => {
                 let body = body.clone();
                 tokio::spawn(async move {
-                    let _ = tokio::time::timeout(READ_DEADLINE, handle(s, &*body)).await;
+                    let svc = service_fn(move |req| {
+                        let body = body.clone();
+                        async move { Ok::<_, Infallible>(route(&req, &*body)) }
+                    });
+                    let conn = http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .header_read_timeout(READ_DEADLINE)
+                        .max_buf_size(MAX_BUF)
+                        .serve_connection(TokioIo::new(s), svc);
+                    if let Ok(Err(e)) = tokio::time::timeout(CONN_DEADLINE, conn).await {
+                        tracing::debug!(target: "commd::telemetry", "metrics connection: {e}");
+                    }
                 });
             }
             Err(e) => {
@@ -38,102 +61,75 @@ pub async fn serve_with(listener: TcpListener, body: Body) {
     }
 }
 
-async fn handle(
-    mut s: TcpStream,
-    body: &(dyn Fn() -> String + Send + Sync),
-) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 2048];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-        let n = s.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if buf.len() > MAX_HEAD {
-            return respond(
-                &mut s,
-                431,
-                "text/plain",
-                b"request head too large\n",
-                false,
-            )
-            .await;
-        }
-    }
-    let line = buf.split(|b| *b == b'\r').next().unwrap_or_default();
-    let line = String::from_utf8_lossy(line);
-    let (status, ctype, body, head) = route(&line, body);
-    respond(&mut s, status, ctype, &body, head).await
-}
-
-/// (status, content type, body, HEAD request) for a request line.
-fn route(line: &str, body: &dyn Fn() -> String) -> (u16, &'static str, Vec<u8>, bool) {
-    let mut parts = line.split(' ');
-    let method = parts.next().unwrap_or("");
-    let target = parts.next().unwrap_or("");
-    let path = target.split('?').next().unwrap_or("");
-    let head = method == "HEAD";
-    if method != "GET" && !head {
-        return (405, "text/plain", b"only GET\n".to_vec(), false);
-    }
-    match path {
-        "/metrics" => (200, CONTENT_TYPE, body().into_bytes(), head),
-        "/" => (
-            200,
-            "text/plain",
-            b"commd: Prometheus metrics at /metrics\n".to_vec(),
-            head,
-        ),
-        _ => (
-            404,
-            "text/plain",
-            b"not found; try /metrics\n".to_vec(),
-            head,
-        ),
-    }
-}
-
-async fn respond(
-    s: &mut TcpStream,
-    status: u16,
-    ctype: &str,
-    body: &[u8],
-    head_only: bool,
-) -> std::io::Result<()> {
-    let reason = match status {
-        200 => "OK",
-        404 => "Not Found",
-        405 => "Method Not Allowed",
-        _ => "Request Header Fields Too Large",
+/// The response to one request (hyper leaves out a HEAD response's body itself).
+fn route<B>(req: &Request<B>, body: &(dyn Fn() -> String + Send + Sync)) -> Response<Full<Bytes>> {
+    let reply = |status: StatusCode, ctype: &'static str, text: Bytes| {
+        let mut r = Response::new(Full::new(text));
+        *r.status_mut() = status;
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            header::HeaderValue::from_static(ctype),
+        );
+        r
     };
-    let head = format!(
-        "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes()).await?;
-    if !head_only {
-        s.write_all(body).await?;
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            Bytes::from_static(b"only GET\n"),
+        );
+        r.headers_mut()
+            .insert(header::ALLOW, header::HeaderValue::from_static("GET, HEAD"));
+        return r;
     }
-    s.shutdown().await
+    match req.uri().path() {
+        "/metrics" => reply(StatusCode::OK, CONTENT_TYPE, Bytes::from(body())),
+        "/" => reply(
+            StatusCode::OK,
+            "text/plain",
+            Bytes::from_static(b"commd: Prometheus metrics at /metrics\n"),
+        ),
+        _ => reply(
+            StatusCode::NOT_FOUND,
+            "text/plain",
+            Bytes::from_static(b"not found; try /metrics\n"),
+        ),
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io::{Read, Write};
 
-    fn route_daemon(line: &str) -> (u16, &'static str, Vec<u8>, bool) {
-        route(line, &|| super::super::metrics().encode())
+    fn status(method: &str, uri: &str) -> (StatusCode, String) {
+        let req = Request::builder().method(method).uri(uri).body(()).unwrap();
+        let r = route(&req, &|| super::super::metrics().encode());
+        let ct = r.headers()[header::CONTENT_TYPE]
+            .to_str()
+            .unwrap()
+            .to_string();
+        (r.status(), ct)
     }
 
     #[test]
     fn routes() {
-        let (st, ct, body, head) = route_daemon("GET /metrics HTTP/1.1");
-        assert_eq!((st, ct, head), (200, CONTENT_TYPE, false));
-        assert!(String::from_utf8(body).unwrap().contains("# EOF"));
-        assert!(route_daemon("HEAD /metrics?x=1 HTTP/1.1").3);
-        assert_eq!(route_daemon("GET /nope HTTP/1.1").0, 404);
-        assert_eq!(route_daemon("POST /metrics HTTP/1.1").0, 405);
+        assert_eq!(
+            status("GET", "/metrics"),
+            (StatusCode::OK, CONTENT_TYPE.into())
+        );
+        assert_eq!(status("HEAD", "/metrics?x=1").0, StatusCode::OK);
+        assert_eq!(status("GET", "/nope").0, StatusCode::NOT_FOUND);
+        assert_eq!(status("POST", "/metrics").0, StatusCode::METHOD_NOT_ALLOWED);
+    }
+
+    fn exchange(addr: std::net::SocketAddr, request: &[u8]) -> String {
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        c.write_all(request).unwrap();
+        let mut out = String::new();
+        let _ = c.read_to_string(&mut out);
+        out
     }
 
     #[test]
@@ -142,14 +138,25 @@ mod tests {
         let l = rt.block_on(TcpListener::bind("127.0.0.1:0")).unwrap();
         let addr = l.local_addr().unwrap();
         rt.spawn(serve(l));
-        use std::io::{Read, Write};
-        let mut c = std::net::TcpStream::connect(addr).unwrap();
-        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            .unwrap();
-        let mut out = String::new();
-        c.read_to_string(&mut out).unwrap();
+        let out = exchange(
+            addr,
+            b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        );
         assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
         assert!(out.contains("application/openmetrics-text"));
         assert!(out.trim_end().ends_with("# EOF"), "{out}");
+        // HEAD: the headers of GET, no body.
+        let out = exchange(
+            addr,
+            b"HEAD /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        );
+        assert!(out.starts_with("HTTP/1.1 200 OK\r\n"), "{out}");
+        assert!(!out.contains("# EOF"), "{out}");
+        // A request head larger than the cap is refused, not buffered.
+        let mut big = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Pad: ".to_vec();
+        big.extend(std::iter::repeat_n(b'a', 64 * 1024));
+        big.extend_from_slice(b"\r\n\r\n");
+        let out = exchange(addr, &big);
+        assert!(out.starts_with("HTTP/1.1 431"), "{out:.200}");
     }
 }

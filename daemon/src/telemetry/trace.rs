@@ -4,20 +4,19 @@
 //! are then disabled at their call sites and cost nothing.
 //!
 //! Protocols: `grpc` (tonic, on a one-thread runtime of its own, `commd-otlp`), `http/protobuf`
-//! and `http/json` (a small blocking HTTP/1.1 client of our own, run on the SDK's batch thread).
-//! Plain `http://` only: send to a collector on the node or the cluster network. The SDK's own
+//! and `http/json` (opentelemetry-otlp's reqwest blocking client, run on the SDK's batch
+//! thread). Plain `http://` only: send to a collector on the node or the cluster network
+//! (TLS would bring reqwest's rustls with aws-lc, a C build needing cmake and clang on every
+//! machine that builds commd). The SDK's own
 //! `OTEL_BSP_*` and `OTEL_EXPORTER_OTLP_HEADERS` variables apply. Export failures are logged as
 //! warnings by the SDK and never reach the data path.
 
-use std::io::{Read, Write};
-use std::net::{TcpStream, ToSocketAddrs};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use opentelemetry::trace::{Link, SpanKind, TraceId, TracerProvider as _};
 use opentelemetry::{Context, KeyValue};
-use opentelemetry_http::{Bytes, HttpClient, HttpError, Request, Response};
-use opentelemetry_otlp::{Protocol, WithExportConfig, WithHttpConfig};
+use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::Resource;
 use opentelemetry_sdk::trace::{Sampler, SamplingResult, SdkTracerProvider, ShouldSample};
 use tracing::Subscriber;
@@ -106,11 +105,10 @@ fn exporter(
             } else {
                 Protocol::HttpBinary
             };
+            // The exporter's own client (reqwest's blocking one, feature
+            // `reqwest-blocking-client`), on the SDK's batch thread.
             opentelemetry_otlp::SpanExporter::builder()
                 .with_http()
-                .with_http_client(BlockingHttp {
-                    timeout: EXPORT_TIMEOUT,
-                })
                 .with_protocol(p)
                 .with_endpoint(traces_url(endpoint))
                 .with_timeout(EXPORT_TIMEOUT)
@@ -168,116 +166,6 @@ impl ShouldSample for OpSampler {
     }
 }
 
-/// A minimal blocking HTTP/1.1 client for OTLP/HTTP (one request per connection, plain HTTP).
-#[derive(Debug)]
-struct BlockingHttp {
-    timeout: Duration,
-}
-
-#[tonic::async_trait]
-impl HttpClient for BlockingHttp {
-    async fn send_bytes(&self, request: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
-        post(&request, self.timeout).map_err(Into::into)
-    }
-}
-
-const MAX_RESPONSE: usize = 4 << 20;
-
-fn post(req: &Request<Bytes>, timeout: Duration) -> std::io::Result<Response<Bytes>> {
-    let bad = |m: String| std::io::Error::new(std::io::ErrorKind::InvalidData, m);
-    let uri = req.uri();
-    let host = uri.host().ok_or_else(|| bad(format!("no host in {uri}")))?;
-    let port = uri.port_u16().unwrap_or(80);
-    let addr = (host.trim_start_matches('[').trim_end_matches(']'), port)
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| bad(format!("{host} does not resolve")))?;
-    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
-    s.set_read_timeout(Some(timeout))?;
-    s.set_write_timeout(Some(timeout))?;
-    let body = req.body();
-    let path = uri.path_and_query().map(|p| p.as_str()).unwrap_or("/");
-    let mut head = format!(
-        "{} {path} HTTP/1.1\r\nHost: {}\r\nContent-Length: {}\r\nConnection: close\r\n",
-        req.method(),
-        uri.authority().map(|a| a.as_str()).unwrap_or(host),
-        body.len()
-    );
-    for (k, v) in req.headers() {
-        if matches!(k.as_str(), "host" | "content-length" | "connection") {
-            continue;
-        }
-        if let Ok(v) = v.to_str() {
-            head.push_str(&format!("{k}: {v}\r\n"));
-        }
-    }
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes())?;
-    s.write_all(body)?;
-    let mut raw = Vec::new();
-    s.take(MAX_RESPONSE as u64).read_to_end(&mut raw)?;
-    parse_response(&raw).map_err(bad)
-}
-
-/// Parses a whole HTTP/1.1 response (Content-Length, chunked, or read to the end).
-fn parse_response(raw: &[u8]) -> Result<Response<Bytes>, String> {
-    let end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("truncated HTTP response")?;
-    let head = std::str::from_utf8(&raw[..end]).map_err(|_| "non-UTF-8 HTTP response head")?;
-    let mut lines = head.split("\r\n");
-    let status: u16 = lines
-        .next()
-        .and_then(|l| l.split(' ').nth(1))
-        .and_then(|c| c.parse().ok())
-        .ok_or("bad HTTP status line")?;
-    let mut b = Response::builder().status(status);
-    let mut chunked = false;
-    let mut length = None;
-    for l in lines {
-        if let Some((k, v)) = l.split_once(':') {
-            let (k, v) = (k.trim(), v.trim());
-            if k.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked") {
-                chunked = true;
-            } else if k.eq_ignore_ascii_case("content-length") {
-                length = v.parse::<usize>().ok();
-            }
-            b = b.header(k, v);
-        }
-    }
-    let rest = &raw[end + 4..];
-    let body = if chunked {
-        dechunk(rest)?
-    } else {
-        rest[..length.unwrap_or(rest.len()).min(rest.len())].to_vec()
-    };
-    b.body(Bytes::from(body)).map_err(|e| e.to_string())
-}
-
-fn dechunk(mut rest: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        let eol = rest
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or("bad chunk")?;
-        let size = std::str::from_utf8(&rest[..eol])
-            .ok()
-            .and_then(|s| usize::from_str_radix(s.split(';').next().unwrap_or("").trim(), 16).ok())
-            .ok_or("bad chunk size")?;
-        rest = &rest[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        if rest.len() < size {
-            return Err("truncated chunk".into());
-        }
-        out.extend_from_slice(&rest[..size]);
-        rest = rest.get(size + 2..).unwrap_or(&[]);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -290,21 +178,6 @@ mod tests {
         );
         assert_eq!(traces_url("http://c:4318/"), "http://c:4318/v1/traces");
         assert_eq!(traces_url("http://c:4318/custom"), "http://c:4318/custom");
-    }
-
-    #[test]
-    fn parses_length_and_chunked_responses() {
-        let r = parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA").unwrap();
-        assert_eq!((r.status().as_u16(), r.body().as_ref()), (200, &b"ok"[..]));
-        let r = parse_response(
-            b"HTTP/1.1 400 Bad\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
-        )
-        .unwrap();
-        assert_eq!(
-            (r.status().as_u16(), r.body().as_ref()),
-            (400, &b"abcde"[..])
-        );
-        assert!(parse_response(b"HTTP/1.1 200 OK\r\n").is_err());
     }
 
     /// A real export over gRPC to an in-process OTLP trace service.
