@@ -130,18 +130,13 @@ impl BenchArgs {
     }
 }
 
+/// A size as nccl-tests takes it (`8`, `64K`, `256M`, `1G`: powers of 1024), through the
+/// parse-size crate (which also takes `1GiB`, `1.5M`, `64 KB`: all binary here).
 pub fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let (num, mult) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .ok_or_else(|| format!("invalid size '{s}' (use e.g. 8, 64K, 256M, 1G)"))
+    const SIZES: parse_size::Config = parse_size::Config::new().with_binary();
+    SIZES
+        .parse_size(s.trim())
+        .map_err(|e| format!("invalid size '{s}': {e} (use e.g. 8, 64K, 256M, 1G)"))
 }
 
 /// Parsed op selection.
@@ -779,4 +774,29 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
         .map_err(|e| e.to_string())?;
     std::thread::sleep(Duration::from_millis(10));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_read_as_nccl_tests_reads_them() {
+        for (s, n) in [
+            ("8", 8),
+            ("64K", 64 << 10),
+            ("64k", 64 << 10),
+            ("256M", 256 << 20),
+            ("1G", 1 << 30),
+            ("1GiB", 1 << 30),
+            ("1.5M", 3 << 19),
+            (" 2 MB ", 2 << 20),
+        ] {
+            assert_eq!(parse_size(s), Ok(n), "{s}");
+        }
+        for bad in ["", "abc", "-1", "1X", "99999999999999999999G"] {
+            let e = parse_size(bad).unwrap_err();
+            assert!(e.contains("invalid size") && e.contains("1G"), "{bad}: {e}");
+        }
+    }
 }

@@ -263,20 +263,9 @@ pub struct StatArgs {
     pub json: bool,
 }
 
-/// Human units: 1.23 GB, 512 B (decimal, as link rates are quoted).
+/// Human units: 1.23 GB, 512 B (decimal, as link rates are quoted; bytesize's SI display).
 pub fn human(v: f64) -> String {
-    let units = ["B", "KB", "MB", "GB", "TB"];
-    let mut v = v;
-    let mut i = 0;
-    while v >= 1000.0 && i + 1 < units.len() {
-        v /= 1000.0;
-        i += 1;
-    }
-    if i == 0 {
-        format!("{v:.0} {}", units[i])
-    } else {
-        format!("{v:.2} {}", units[i])
-    }
+    format!("{:.2}", bytesize::ByteSize(v.max(0.0) as u64).display().si())
 }
 
 /// One link's change between two samples.
@@ -585,7 +574,7 @@ mod tests {
         );
         assert_eq!(d[1].rx_bytes, 500, "a new link counts from zero");
         let t = table(&d, 2.0, false);
-        assert!(t.contains("1.00 KB"), "{t}");
+        assert!(t.contains("1.00 kB"), "{t}");
         assert_eq!(human(999.0), "999 B");
         assert_eq!(human(1_234_000_000.0), "1.23 GB");
     }
