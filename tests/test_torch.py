@@ -77,6 +77,12 @@ def test_metrics_count_data_movement_under_the_tensor_dtype(daemon):
     assert 'commd_op_bytes_total{op="broadcast",dtype="u8"' not in text
 
 
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_premul_sum_scales_before_summing(daemon, nproc):
+    """ReduceOp.PREMUL_SUM, which gloo lacks and FSDP2 uses: checked against its definition."""
+    torchrun(daemon, nproc, "premul")
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_every_op_and_dtype_matches_gloo(daemon, nproc):
     out = torchrun(daemon, nproc, "ops")

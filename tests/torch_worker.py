@@ -461,6 +461,39 @@ def scenario_dtypes() -> None:
     log("dtypes: broadcast bf16, all_gather i64, all_to_all f16")
 
 
+def scenario_premul() -> None:
+    """ReduceOp.PREMUL_SUM (FSDP2's gradient divide factor): sum over ranks of factor * x, with
+    a Python or a tensor factor; inputs an op must not change stay unchanged."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    x = lambda r: torch.arange(6, dtype=torch.float32) + 10 * r  # noqa: E731
+    want = 0.25 * sum(x(r) for r in range(n))
+    t = x(rank)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.25))
+    check("all_reduce premul 0.25", t, want)
+    t = x(rank)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor([0.25])), async_op=True).wait()
+    check("all_reduce premul tensor factor", t, want)
+    big = torch.cat([x(rank) + r for r in range(n)])
+    keep = big.clone()
+    out = torch.empty(6)
+    dist.reduce_scatter_tensor(out, big, op=dist._make_nccl_premul_sum(0.5))
+    check("reduce_scatter_tensor premul", out, 0.5 * sum(x(r) + rank for r in range(n)))
+    check("reduce_scatter_tensor premul leaves its input", big, keep)
+    t = x(rank)
+    dist.reduce(t, 0, op=dist._make_nccl_premul_sum(2.0))
+    check("reduce premul", t, 2.0 * sum(x(r) for r in range(n)) if rank == 0 else x(rank))
+    ts = [x(rank), x(rank)[:3].clone()]
+    dist.all_reduce_coalesced(ts, op=dist._make_nccl_premul_sum(0.25))
+    check("all_reduce_coalesced premul", ts[1], want[:3])
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist._make_nccl_premul_sum(0.5))
+        raise AssertionError("PREMUL_SUM on an int64 tensor did not raise")
+    except ValueError as e:
+        assert "floating-point" in str(e), e
+    dist.barrier()
+    log("premul: all_reduce, reduce_scatter_tensor, reduce, coalesced, int64 refused")
+
+
 def main() -> None:
     scenario = sys.argv[1]
     dist.init_process_group("commd", timeout=timedelta(seconds=60))
@@ -477,6 +510,8 @@ def main() -> None:
         scenario_pacing(gloo, float(sys.argv[2]))
     elif scenario == "dtypes":
         scenario_dtypes()
+    elif scenario == "premul":
+        scenario_premul()
     else:
         raise SystemExit(f"unknown scenario {scenario}")
     dist.barrier()

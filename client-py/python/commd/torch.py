@@ -141,13 +141,36 @@ def _reduce_args(t: torch.Tensor, op: Any, what: str) -> tuple[np.ndarray, str, 
     return _np(t, what), dt, red
 
 
+def _premul(t: torch.Tensor, op: Any, what: str, copy: bool) -> tuple[torch.Tensor, Any]:
+    """``ReduceOp.PREMUL_SUM(f)`` as NCCL defines it (FSDP2 uses it for its gradient divide
+    factor): every rank's input times ``f``, then summed. Returns the tensor to reduce, ``t``
+    scaled in place, or a scaled copy when ``copy`` (an input the op must not change), and SUM;
+    any other op comes back as it was."""
+    kind = getattr(op, "op", op)
+    if kind != ReduceOp.RedOpType.PREMUL_SUM:
+        return t, op
+    f = getattr(op, "factor", None)
+    if f is None:  # torch without ReduceOp.factor: the pickled form is (op, factor)
+        f = op.__getstate__()[1]
+    if isinstance(f, torch.Tensor):
+        if f.numel() != 1:
+            raise ValueError(f"commd {what}: PREMUL_SUM needs a one-element factor, got "
+                             f"{f.numel()} elements")
+        f = f.to(t.device)
+    if t.is_complex() or t.is_floating_point():
+        with torch.no_grad():
+            s = torch.mul(t, f) if copy else t.mul_(f)
+    else:
+        raise ValueError(f"commd {what}: PREMUL_SUM needs a floating-point tensor, got {t.dtype}")
+    return s, ReduceOp.SUM
+
+
 def _reduce_names(t: torch.Tensor, op: Any, what: str) -> tuple[str, str]:
     """(daemon dtype name, daemon reduction name) for a reduction over ``t``."""
     _check_tensor(t, what, _is_cuda(t))
-    kind = op.op if isinstance(op, ReduceOp) else op
-    if kind == ReduceOp.RedOpType.PREMUL_SUM:
-        raise ValueError(
-            f"commd {what}: PREMUL_SUM is not supported; scale the tensor and use SUM")
+    kind = getattr(op, "op", op)
+    if kind == ReduceOp.RedOpType.PREMUL_SUM:  # (the ops resolve it with _premul first)
+        raise ValueError(f"commd {what}: PREMUL_SUM here is an internal error")
     name = _REDOPS.get(kind)
     if name is None:
         raise ValueError(f"commd {what}: unsupported reduction {op}")
@@ -434,11 +457,12 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         t = _one(tensors, "allreduce")
         if isinstance(t, torch.Tensor) and t.is_sparse:
             return self._sparse_allreduce(t, opts)
+        t, op = _premul(t, opts.reduceOp, "allreduce", copy=False)
         if _is_cuda(t):
-            dt, red = _reduce_names(t, opts.reduceOp, "allreduce")
+            dt, red = _reduce_names(t, op, "allreduce")
             return self.gpu.reduce_like("all_reduce", t, dt, red, 0, None, tensors,
                                         _sync(opts))
-        a, dt, red = _reduce_args(t, opts.reduceOp, "allreduce")
+        a, dt, red = _reduce_args(t, op, "allreduce")
         return self._work(self.comm.all_reduce(a, op=red, dtype=dt, async_op=True), tensors, opts)
 
     def _gather_rows(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -475,12 +499,16 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if not tensors:
             return self._work(Handle.done(), tensors, opts)
+        op = opts.reduceOp
+        for t in tensors:
+            _, sum_op = _premul(t, op, "allreduce_coalesced", copy=False)
+        op = sum_op
         if _is_cuda(tensors[0]):
             self._cuda_check(tensors, "allreduce_coalesced")
             works = [self.gpu.reduce_like("all_reduce", t, *_reduce_names(
-                t, opts.reduceOp, "allreduce_coalesced"), 0, None, [t]) for t in tensors]
+                t, op, "allreduce_coalesced"), 0, None, [t]) for t in tensors]
             return works[-1] if len(works) == 1 else _join(works, tensors)
-        args = [_reduce_args(t, opts.reduceOp, "allreduce_coalesced") for t in tensors]
+        args = [_reduce_args(t, op, "allreduce_coalesced") for t in tensors]
         groups: dict[tuple[str, str], list[np.ndarray]] = {}
         for a, dt, red in args:
             groups.setdefault((dt, red), []).append(a)
@@ -498,11 +526,13 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         t = _one(tensors, "reduce")
+        # Only the root's tensor receives the result: other ranks' stay as they were.
+        t, op = _premul(t, opts.reduceOp, "reduce", copy=self._rank != opts.rootRank)
         if _is_cuda(t):
-            dt, red = _reduce_names(t, opts.reduceOp, "reduce")
+            dt, red = _reduce_names(t, op, "reduce")
             return self.gpu.reduce_like("reduce", t, dt, red, opts.rootRank, None, tensors,
                                         _sync(opts))
-        a, dt, red = _reduce_args(t, opts.reduceOp, "reduce")
+        a, dt, red = _reduce_args(t, op, "reduce")
         h = self.comm.reduce(a, opts.rootRank, op=red, dtype=dt, async_op=True)
         return self._work(h, tensors, opts)
 
@@ -578,12 +608,15 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                              f"{len(ins)}")
         for i in ins:
             _check_same(i, out, "reduce_scatter")
+        op = opts.reduceOp
+        scaled = [_premul(i, op, "reduce_scatter", copy=True) for i in ins]
+        ins, op = [x for x, _ in scaled], scaled[0][1] if scaled else op
         if _is_cuda(out):
             self._cuda_check(list(ins), "reduce_scatter")
-            dt, red = _reduce_names(out, opts.reduceOp, "reduce_scatter")
+            dt, red = _reduce_names(out, op, "reduce_scatter")
             return self.gpu.reduce_like("reduce_scatter", torch.cat([i.reshape(-1) for i in ins]),
                                         dt, red, 0, out, output_tensors)
-        a, dt, red = _reduce_args(out, opts.reduceOp, "reduce_scatter")
+        a, dt, red = _reduce_args(out, op, "reduce_scatter")
         h = self.comm.reduce_scatter([_np(i, "reduce_scatter") for i in ins], a, op=red,
                                      dtype=dt, async_op=True)
         return self._work(h, output_tensors, opts)
@@ -592,6 +625,7 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                                op: Any) -> Handle:
         what = "reduce_scatter_tensor"
         _check_sizes(input, output, self._size, what)
+        input, op = _premul(input, op, what, copy=True)
         a, dt, red = _reduce_args(output, op, what)
         return self.comm.reduce_scatter(_np(input, what), a, op=red, dtype=dt, async_op=True)
 
@@ -600,7 +634,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             what = "reduce_scatter_tensor"
             self._cuda_check([input], what)
             _check_sizes(input, output, self._size, what)
-            dt, red = _reduce_names(output, opts.reduceOp, what)
+            input, op = _premul(input, opts.reduceOp, what, copy=True)
+            dt, red = _reduce_names(output, op, what)
             return self.gpu.reduce_like("reduce_scatter", input, dt, red, 0, output, [output],
                                         _sync(opts))
         return self._work(self._reduce_scatter_base_h(output, input, opts.reduceOp), [output],
