@@ -13,6 +13,20 @@
 //! - [`private`]: opening files in directories other users may write to (no symlinks).
 //! - [`notify`]: readiness notification to systemd; [`health`]: `commd health`.
 //! - [`telemetry`]: metrics, traces, logs, link counters, the admin service, `commd stat`.
+//!
+//! Layers, from the top down; a module names types of its own layer or lower ones only, and
+//! completions and wake-ups go up through channels, traits or plain data the lower layer owns:
+//! 1. services and commands: `serve`, `control`, `fdsock`, `peer`, `exec`, `bench`, `health`,
+//!    the CLI parts of `telemetry`;
+//! 2. daemon state: `daemon`, `session`, `comm`, `graphs`, `issued`;
+//! 3. executors: `engine` (host), `cuda` (GPU), `net` (transports and algorithms), `fanout`,
+//!    `pacing`;
+//! 4. foundations: `config`, the metrics/trace/log core of `telemetry`, `shm`, `ranks`,
+//!    `private`, `notify`.
+//!
+//! The code does not follow this yet (issue 21): `scripts/check-layers` lists the dependencies
+//! that lie on import cycles today (`scripts/layers-baseline.txt`) and fails the test command
+//! when a new one appears.
 
 pub mod bench;
 pub mod comm;
