@@ -265,7 +265,10 @@ pub struct StatArgs {
 
 /// Human units: 1.23 GB, 512 B (decimal, as link rates are quoted; bytesize's SI display).
 pub fn human(v: f64) -> String {
-    format!("{:.2}", bytesize::ByteSize(v.max(0.0) as u64).display().si())
+    format!(
+        "{:.2}",
+        bytesize::ByteSize(v.max(0.0) as u64).display().si()
+    )
 }
 
 /// One link's change between two samples.
