@@ -3,7 +3,7 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|deepspeed|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|deepspeed|dinov2|all] [OUTDIR]
 # `nccl` (issue 22; run only by name): tests/gpu/nccl.sh, the NCCL-compatible library
 # (libcommd_nccl.so, target/release or .gpu/) under NCCL's own nccl-tests (every collective,
 # -c 1; real NCCL in the same run), a torch DDP job on the "nccl" backend name preloaded with it
@@ -15,6 +15,13 @@
 # alternated over $DS_ROUNDS rounds (default 2); losses and final parameters compared with NCCL's
 # and step times side by side (tests/gpu/deepspeed_compare.py): deepspeed-*.log, deepspeed.jsonl.
 # DeepSpeed and its needs come from wheels in .whl/ when the machine has no DeepSpeed.
+# `dinov2` (issues 25/26; run only by name): dinov2's own training code (tests/gpu/dinov2_accept.py:
+# its setup()/enable() with "nccl" hard-coded, SSLMetaArch under its FSDP wrapping, a tiny ViT-S/16,
+# $DINOV2_STEPS steps, default 10) on real NCCL, on commd through libcommd_nccl.so preloaded (the
+# same "nccl" name), and on the "commd" backend name; rank 0's losses compared step by step with
+# NCCL's (2+ GPUs; one GPU: 2 ranks sharing it on both commd routes, compared with each other):
+# dinov2-*.log, dinov2.jsonl. dinov2's source from $DINOV2_SRC or .gpu/dinov2-src.tar.gz and its
+# needs from .whl/ (scripts/gpu-carry prepares both).
 # `jobstart` (issue 23; run only by name): client-py/benchmarks/job_start.py, communicator
 # start-up time and GPU memory, commd against NCCL on all GPUs (and 2 commd ranks sharing one
 # GPU on a one-GPU machine), then 10 short jobs back to back on one daemon: jobstart.log and
@@ -63,8 +70,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|deepspeed|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, nccl, deepspeed or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|deepspeed|dinov2|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, nccl, deepspeed, dinov2 or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -185,6 +192,58 @@ if [ "$what" = deepspeed ]; then
       run "deepspeed-z$stage-compare" python3 tests/gpu/deepspeed_compare.py \
         --json "$out/deepspeed.jsonl" "$out/ds-z$stage-nccl-1.json" "$out"/ds-z$stage-*.json
     done
+  fi
+fi
+if [ "$what" = dinov2 ]; then
+  if ! python3 -c "import omegaconf, fvcore, iopath, xformers" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dv-site \
+      .whl/omegaconf-*.whl .whl/iopath-*.whl .whl/portalocker-*.whl .whl/termcolor-*.whl \
+      .whl/tabulate-*.whl .whl/yacs-*.whl .whl/fvcore-*.whl .whl/xformers-*.whl \
+      && export PYTHONPATH=$PYTHONPATH:/tmp/dv-site
+  fi
+  if [ -z "${DINOV2_SRC:-}" ]; then
+    mkdir -p /tmp/dinov2-src && tar xzf .gpu/dinov2-src.tar.gz -C /tmp/dinov2-src
+    export DINOV2_SRC=/tmp/dinov2-src
+  fi
+  nlib=${COMMD_NCCL_LIB:-target/release/libcommd_nccl.so}
+  [ -f "$nlib" ] || nlib=.gpu/libcommd_nccl.so
+  nlib=$(readlink -f "$nlib")
+  dv=(tests/gpu/dinov2_accept.py --steps "${DINOV2_STEPS:-10}")
+  dvcmp() { # ref, run...: rank 0's total loss per step against the reference run's
+    python3 - "$out" "$@" <<'PY'
+import json, sys
+out, ref, *runs = sys.argv[1:]
+load = lambda n: json.load(open(f"{out}/dv-{n}/accept_losses.rank0.json"))
+r = load(ref)
+bad = False
+for n in runs:
+    g = load(n)
+    d = max(abs(a["total_loss"] - b["total_loss"]) / max(abs(b["total_loss"]), 1e-9)
+            for a, b in zip(g, r))
+    ms = lambda x: sorted(s["step_time_s"] for s in x[2:] or x)[len(x[2:] or x) // 2] * 1e3
+    row = {"bench": "dinov2", "ref": ref, "run": n, "steps": len(g), "loss_max_rel_diff": d,
+           "final_loss_ref": r[-1]["total_loss"], "final_loss_run": g[-1]["total_loss"],
+           "ref_step_ms": round(ms(r), 2), "run_step_ms": round(ms(g), 2),
+           "ok": len(g) == len(r) and d <= 1e-3}
+    bad |= not row["ok"]
+    print(json.dumps(row))
+    open(f"{out}/dinov2.jsonl", "a").write(json.dumps(row) + "\n")
+sys.exit(1 if bad else 0)
+PY
+  }
+  if [ "$ngpu" -ge 2 ]; then
+    run "dinov2-nccl" "${tr[@]}" 2 "${dv[@]}" --out "$out/dv-nccl"
+    LD_PRELOAD=$nlib run "dinov2-commd-lib" "${tr[@]}" 2 "${dv[@]}" --out "$out/dv-lib"
+    DINOV2_TEST_BACKEND=commd run "dinov2-commd-backend" "${tr[@]}" 2 "${dv[@]}" --out "$out/dv-commd"
+    echo "== dinov2-compare"
+    dvcmp nccl lib commd 2>&1 | tee "$out/dinov2-compare.log" || rc=1
+  else
+    export DINOV2_SHARE_GPU=1
+    LD_PRELOAD=$nlib run "dinov2-commd-lib" "${tr[@]}" 2 "${dv[@]}" --out "$out/dv-lib"
+    DINOV2_TEST_BACKEND=commd run "dinov2-commd-backend" "${tr[@]}" 2 "${dv[@]}" --out "$out/dv-commd"
+    echo "== dinov2-compare"
+    dvcmp lib commd 2>&1 | tee "$out/dinov2-compare.log" || rc=1
+    unset DINOV2_SHARE_GPU
   fi
 fi
 if [ "$what" = jobstart ]; then
