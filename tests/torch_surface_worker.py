@@ -147,6 +147,21 @@ def empty_tensors(rank, world):
 
 
 @check
+def storage_stays_resizable(rank, world):
+    """FSDP all-gathers into chunks of its unsharded parameter, then frees it by resizing its
+    storage to 0 (dinov2's training step does this every step): a backend must not pin the
+    storage of the tensors it touches."""
+    full = torch.zeros(4 * world)
+    dist.all_gather(list(torch.chunk(full, world)), torch.full((4,), float(rank)))
+    assert torch.equal(full, torch.arange(world).repeat_interleave(4).float()), full
+    full.untyped_storage().resize_(0)
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    dist.broadcast(x, 0)
+    x.untyped_storage().resize_(0)
+
+
+@check
 def sparse_all_reduce(rank, world):
     i = torch.tensor([[rank % 3], [0]])
     v = torch.tensor([float(rank + 1)])

@@ -32,6 +32,7 @@ p.add_argument("--out", default=None)
 p.add_argument("--cpu", action="store_true", help="local validation on CPU/gloo (not for the GPU test)")
 p.add_argument("--no-augment", action="store_true", help="random tensors instead of DataAugmentationDINO on random PIL images")
 p.add_argument("--sharding", default="SHARD_GRAD_OP", choices=["SHARD_GRAD_OP", "FULL_SHARD", "NO_SHARD"])
+p.add_argument("--xformers", action="store_true", help="xformers' own attention kernels (needs a build for this torch)")
 p.add_argument("opts", nargs="*", help="extra dinov2 config overrides, key=value")
 a = p.parse_args()
 
@@ -44,6 +45,8 @@ import torch
 import torch.distributed as dist
 
 BACKEND = os.environ.get("DINOV2_TEST_BACKEND", "gloo" if a.cpu else "nccl")
+if BACKEND == "commd":
+    import commd.torch  # noqa: F401  (registers the backend, as a job using it by name does)
 
 # --- backend override: dinov2.distributed.enable() calls dist.init_process_group(backend="nccl")
 _orig_init_pg = dist.init_process_group
@@ -65,17 +68,6 @@ if a.cpu:  # ---- CPU-only shims (never used on the GPU run)
     torch.Tensor.cuda = lambda self, *x, **k: self  # ssl_meta_arch.py:137-145
     torch.cuda.set_device = lambda *x, **k: None  # distributed/__init__.py:255
     torch.cuda.synchronize = lambda *x, **k: None  # ssl_meta_arch.py:350
-    import dinov2.layers.attention as _dattn
-
-    def _mea_sdpa(q, k, v, attn_bias=None, **kw):  # xformers fmha has no CPU kernel
-        B, M, H, K = q.shape
-        m = attn_bias.materialize((B, H, M, k.shape[1]), dtype=q.dtype, device=q.device) if attn_bias is not None else None
-        o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m
-        )
-        return o.transpose(1, 2)
-
-    _dattn.memory_efficient_attention = _mea_sdpa
     import dinov2.train.ssl_meta_arch as _sma
 
     _orig_gw = _sma.get_fsdp_wrapper
@@ -85,6 +77,23 @@ if a.cpu:  # ---- CPU-only shims (never used on the GPU run)
         return partial(f.func, *f.args, **{**f.keywords, "device_id": torch.device("cpu"), "sync_module_states": False})
 
     _sma.get_fsdp_wrapper = _gw
+
+if not a.xformers:  # ---- SHIM 3: attention through torch's SDPA instead of xformers' kernels
+    # The xformers wheel carried to the GPU machines has no CUDA kernels for their torch (2.11:
+    # "xFormers wasn't build with CUDA support", 2026-11-25), and none run on CPU. dinov2 still
+    # imports xformers (ssl_meta_arch.py requires it); only its attention call is replaced, with
+    # the same math (softmax(QK^T/sqrt(d))V) on torch's own kernels.
+    import dinov2.layers.attention as _dattn
+
+    def _mea_sdpa(q, k, v, attn_bias=None, **kw):
+        B, M, H, K = q.shape
+        m = attn_bias.materialize((B, H, M, k.shape[1]), dtype=q.dtype, device=q.device) if attn_bias is not None else None
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=m
+        )
+        return o.transpose(1, 2)
+
+    _dattn.memory_efficient_attention = _mea_sdpa
 
 import dinov2.distributed as distributed
 import dinov2.fsdp

@@ -14,6 +14,7 @@ engines.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import sys
@@ -119,9 +120,23 @@ def _sync(opts: Any) -> bool:
     return not getattr(opts, "asyncOp", True)
 
 
+_NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+              torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16,
+              torch.int32: np.int32, torch.int64: np.int64}
+for _name, _npt in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
+    if hasattr(torch, _name):
+        _NP_DTYPES[getattr(torch, _name)] = _npt
+
+
 def _np(t: torch.Tensor, what: str = "op") -> np.ndarray:
     """A numpy view of ``t`` (no copy, strides kept), with a same-size integer dtype where
-    numpy has no equivalent."""
+    numpy has no equivalent.
+
+    Made over the tensor's memory by address, not with ``Tensor.numpy()``: that marks the
+    tensor's storage as never resizable, for good, and FSDP frees its unsharded parameters by
+    resizing their storage to 0 after an all-gather ("Trying to resize storage that is not
+    resizable" in dinov2's training step, 2026-11-25). The view lives no longer than the op,
+    whose Work keeps the tensors referenced until it completes."""
     _check_tensor(t, what)
     t = t.detach()
     if t.is_complex():
@@ -129,10 +144,18 @@ def _np(t: torch.Tensor, what: str = "op") -> np.ndarray:
     v = _BYTE_VIEWS.get(t.dtype)
     if v is not None:
         t = t.view(v)
-    try:
-        return t.numpy()
-    except TypeError as e:
-        raise ValueError(f"commd {what}: unsupported tensor dtype {t.dtype}") from e
+    dt = _NP_DTYPES.get(t.dtype)
+    if dt is None:
+        raise ValueError(f"commd {what}: unsupported tensor dtype {t.dtype}")
+    shape = tuple(t.shape)
+    if t.numel() == 0:
+        return np.empty(shape, dtype=dt)
+    es = t.element_size()
+    span = 1 + sum((n - 1) * st for n, st in zip(shape, t.stride()))
+    raw = (ctypes.c_char * (span * es)).from_address(t.data_ptr())
+    base = np.frombuffer(raw, dtype=dt, count=span)
+    return np.lib.stride_tricks.as_strided(base, shape=shape,
+                                           strides=tuple(st * es for st in t.stride()))
 
 
 def _reduce_args(t: torch.Tensor, op: Any, what: str) -> tuple[np.ndarray, str, str]:
