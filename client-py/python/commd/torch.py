@@ -33,7 +33,7 @@ from torch.futures import Future
 
 from . import _core, _native
 from ._core import Handle
-from ._torch_cuda import CudaOps
+from ._torch_cuda import _COMPLEX, _REAL, CudaOps
 
 __all__ = ["CommdBackend", "register", "empty", "set_pacing", "BACKEND"]
 
@@ -135,8 +135,8 @@ def _np(t: torch.Tensor, what: str = "op") -> np.ndarray:
     Made over the tensor's memory by address, not with ``Tensor.numpy()``: that marks the
     tensor's storage as never resizable, for good, and FSDP frees its unsharded parameters by
     resizing their storage to 0 after an all-gather ("Trying to resize storage that is not
-    resizable" in dinov2's training step, 2026-11-25). The view lives no longer than the op,
-    whose Work keeps the tensors referenced until it completes."""
+    resizable" in dinov2's training step, 2026-11-25). The view holds a reference to the tensor,
+    so its memory lives as long as the view does."""
     _check_tensor(t, what)
     t = t.detach()
     if t.is_complex():
@@ -153,6 +153,7 @@ def _np(t: torch.Tensor, what: str = "op") -> np.ndarray:
     es = t.element_size()
     span = 1 + sum((n - 1) * st for n, st in zip(shape, t.stride()))
     raw = (ctypes.c_char * (span * es)).from_address(t.data_ptr())
+    raw.tensor = t  # the view keeps the tensor's memory alive, as Tensor.numpy() does
     base = np.frombuffer(raw, dtype=dt, count=span)
     return np.lib.stride_tricks.as_strided(base, shape=shape,
                                            strides=tuple(st * es for st in t.stride()))
@@ -214,12 +215,9 @@ def _reduce_names(t: torch.Tensor, op: Any, what: str) -> tuple[str, str]:
 
 def _move_dt(t: torch.Tensor) -> str | None:
     """The daemon's dtype name for moving ``t`` (as ``_np(t)`` counts elements), so metrics and
-    traces show the tensor's real dtype; None (bytes, as u8) where commd has no such dtype."""
-    if t.dtype == torch.bool:
-        return None
-    if t.is_complex():
-        return {torch.complex64: "f32", torch.complex128: "f64"}.get(t.dtype)
-    return _REDUCE_DTYPES.get(t.dtype)
+    traces show the tensor's real dtype (the GPU path's names); None (bytes, as u8) where commd
+    has no such dtype."""
+    return _REAL.get(t.dtype) or _COMPLEX.get(t.dtype)
 
 
 def _seconds(timeout: Any) -> float | None:
@@ -522,10 +520,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> Any:
         if not tensors:
             return self._work(Handle.done(), tensors, opts)
-        op = opts.reduceOp
-        for t in tensors:
-            _, sum_op = _premul(t, op, "allreduce_coalesced", copy=False)
-        op = sum_op
+        op = [_premul(t, opts.reduceOp, "allreduce_coalesced", copy=False)[1]
+              for t in tensors][0]
         if _is_cuda(tensors[0]):
             self._cuda_check(tensors, "allreduce_coalesced")
             works = [self.gpu.reduce_like("all_reduce", t, *_reduce_names(

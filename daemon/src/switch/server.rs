@@ -652,67 +652,73 @@ impl Switch {
                 }
             }
         }
-        let wrows = |f: fn(&WorkerCounters) -> u64| -> Vec<(Labels, u64)> {
-            wk.iter().map(|(l, w)| (l.clone(), f(w))).collect()
-        };
         counters(
             &mut r,
             "commd_switch_completions",
             "Slot rounds completed (results multicast)",
             sess,
         );
-        counters(
-            &mut r,
-            "commd_switch_worker_packets",
-            "Packets received per worker",
-            wrows(|w| w.packets),
-        );
-        counters(
-            &mut r,
-            "commd_switch_worker_bytes",
-            "UDP payload bytes received per worker",
-            wrows(|w| w.bytes),
-        );
-        counters(
-            &mut r,
-            "commd_switch_worker_duplicates",
-            "Retransmitted packets per worker",
-            wrows(|w| w.duplicates),
-        );
-        counters(
-            &mut r,
-            "commd_switch_worker_stale",
-            "Late copies of earlier rounds dropped per worker",
-            wrows(|w| w.stale),
-        );
-        counters(
-            &mut r,
-            "commd_switch_worker_results",
-            "Result packets sent per worker",
-            wrows(|w| w.results),
-        );
-        if self.slot_metrics {
-            let srows = |f: fn(&SlotCounters) -> u64| -> Vec<(Labels, u64)> {
-                slot.iter().map(|(l, c)| (l.clone(), f(c))).collect()
-            };
+        type WorkerField = fn(&WorkerCounters) -> u64;
+        let per_worker: [(&str, &str, WorkerField); 5] = [
+            (
+                "commd_switch_worker_packets",
+                "Packets received per worker",
+                |w| w.packets,
+            ),
+            (
+                "commd_switch_worker_bytes",
+                "UDP payload bytes received per worker",
+                |w| w.bytes,
+            ),
+            (
+                "commd_switch_worker_duplicates",
+                "Retransmitted packets per worker",
+                |w| w.duplicates,
+            ),
+            (
+                "commd_switch_worker_stale",
+                "Late copies of earlier rounds dropped per worker",
+                |w| w.stale,
+            ),
+            (
+                "commd_switch_worker_results",
+                "Result packets sent per worker",
+                |w| w.results,
+            ),
+        ];
+        for (name, help, f) in per_worker {
             counters(
                 &mut r,
+                name,
+                help,
+                wk.iter().map(|(l, w)| (l.clone(), f(w))).collect(),
+            );
+        }
+        type SlotField = fn(&SlotCounters) -> u64;
+        let per_slot: [(&str, &str, SlotField); 3] = [
+            (
                 "commd_switch_slot_packets",
                 "Packets per slot (used slots only)",
-                srows(|c| c.packets),
-            );
-            counters(
-                &mut r,
+                |c| c.packets,
+            ),
+            (
                 "commd_switch_slot_completions",
                 "Completions per slot",
-                srows(|c| c.completions),
-            );
-            counters(
-                &mut r,
-                "commd_switch_slot_duplicates",
-                "Duplicates per slot",
-                srows(|c| c.duplicates),
-            );
+                |c| c.completions,
+            ),
+            ("commd_switch_slot_duplicates", "Duplicates per slot", |c| {
+                c.duplicates
+            }),
+        ];
+        if self.slot_metrics {
+            for (name, help, f) in per_slot {
+                counters(
+                    &mut r,
+                    name,
+                    help,
+                    slot.iter().map(|(l, c)| (l.clone(), f(c))).collect(),
+                );
+            }
         }
         let one = |k: &'static str, v: &str| vec![(k, v.to_string())];
         counters(
