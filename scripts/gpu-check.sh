@@ -19,7 +19,7 @@
 # its setup()/enable() with "nccl" hard-coded, SSLMetaArch under its FSDP wrapping, a tiny ViT-S/16,
 # $DINOV2_STEPS steps, default 10) on real NCCL, on commd through libcommd_nccl.so preloaded (the
 # same "nccl" name), and on the "commd" backend name; rank 0's losses compared step by step with
-# NCCL's (2+ GPUs; one GPU: 2 ranks sharing it on both commd routes, compared with each other):
+# NCCL's (4 ranks on 4+ GPUs, else 2; one GPU: 2 ranks sharing it on both commd routes, compared with each other):
 # dinov2-*.log, dinov2.jsonl. dinov2's source from $DINOV2_SRC or .gpu/dinov2-src.tar.gz and its
 # needs from .whl/ (scripts/gpu-carry prepares both).
 # `jobstart` (issue 23; run only by name): client-py/benchmarks/job_start.py, communicator
@@ -232,9 +232,10 @@ sys.exit(1 if bad else 0)
 PY
   }
   if [ "$ngpu" -ge 2 ]; then
-    run "dinov2-nccl" "${tr[@]}" 2 "${dv[@]}" --out "$out/dv-nccl"
-    LD_PRELOAD=$nlib run "dinov2-commd-lib" "${tr[@]}" 2 "${dv[@]}" --out "$out/dv-lib"
-    DINOV2_TEST_BACKEND=commd run "dinov2-commd-backend" "${tr[@]}" 2 "${dv[@]}" --out "$out/dv-commd"
+    dn=$(( ngpu >= 4 ? 4 : 2 ))
+    run "dinov2-nccl" "${tr[@]}" $dn "${dv[@]}" --out "$out/dv-nccl"
+    LD_PRELOAD=$nlib run "dinov2-commd-lib" "${tr[@]}" $dn "${dv[@]}" --out "$out/dv-lib"
+    DINOV2_TEST_BACKEND=commd run "dinov2-commd-backend" "${tr[@]}" $dn "${dv[@]}" --out "$out/dv-commd"
     echo "== dinov2-compare"
     dvcmp nccl lib commd 2>&1 | tee "$out/dinov2-compare.log" || rc=1
   else
