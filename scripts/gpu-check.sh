@@ -62,7 +62,8 @@
 # mapped again), and tests/gpu/gpu_ops.py on 2 GPUs with that allocator.
 # COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, zero-element
-# tensors and init_process_group(device_id=...) (tests/gpu/empty_device_id.py), a torchrun job
+# tensors and init_process_group(device_id=...) (tests/gpu/empty_device_id.py), send/recv
+# jobs run side by side and a hazard they must not (tests/gpu/p2p_overlap.py), a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
 # ordering, a rank killed mid-op; reductions in many rounds with both all-reduce algorithms
 # (tests/gpu/gpu_rounds.py against a second daemon with a 64 KiB scratch slot). Bench: send/recv (2 GPUs) and all_gather (4 GPUs) vs NCCL.
@@ -136,6 +137,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   run kill-rank tests/gpu/kill_rank.sh
   # init_process_group(device_id=...), new_group after it, zero-element CUDA tensors.
   run "empty-device-id-2-ranks" "${tr[@]}" 2 tests/gpu/empty_device_id.py
+  run "p2p-overlap-2-ranks" "${tr[@]}" 2 tests/gpu/p2p_overlap.py
 fi
 if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   # Contract 6: GPU ops captured into CUDA graphs run on every replay (every op and dtype,
@@ -189,8 +191,16 @@ if [ "$what" = deepspeed ]; then
             "$out/ds-z$stage-$b-$round.json" "${dsargs[@]}"
         done
       done
+      ctl=()
+      if [ "$ngpu" -gt 2 ]; then
+        # The control: NCCL with another channel count sums in another order (see
+        # deepspeed_compare.py); commd passes within 3x its distance from the reference.
+        NCCL_MAX_NCHANNELS=2 run "deepspeed-z$stage-nccl2ch" "${tr[@]}" "$ngpu" "${ds[@]}" nccl \
+          $stage "$out/ctl-z$stage-nccl2ch.json" "${dsargs[@]}"
+        ctl=(--control "$out/ctl-z$stage-nccl2ch.json")
+      fi
       run "deepspeed-z$stage-compare" python3 tests/gpu/deepspeed_compare.py \
-        --json "$out/deepspeed.jsonl" "$out/ds-z$stage-nccl-1.json" "$out"/ds-z$stage-*.json
+        --json "$out/deepspeed.jsonl" "${ctl[@]}" "$out/ds-z$stage-nccl-1.json" "$out"/ds-z$stage-*.json
     done
   fi
 fi

@@ -1547,10 +1547,10 @@ impl Executor {
                     }
                     continue;
                 }
-                let eager_started = queues
-                    .get(&comm)
-                    .and_then(|q| q.front())
-                    .is_some_and(|a| a.phase > 0 || matches!(a.state, State::InFlight { .. }));
+                let eager_started = queues.get(&comm).is_some_and(|q| {
+                    q.iter()
+                        .any(|a| a.phase > 0 || matches!(a.state, State::InFlight { .. }))
+                });
                 let (moved, start) = graphs.poll(comm, !eager_started);
                 progressed |= moved;
                 if let Some((id, job)) = start {
@@ -1562,23 +1562,39 @@ impl Executor {
                 if replaying.contains_key(comm) {
                     continue;
                 }
-                while let Some(front) = q.front_mut() {
-                    let (moved, finished) = step(cuda, &mut times, front);
+                // The front job, then each later one that may run beside every job before it
+                // (`beside`) and whose streams have all reached it: a p2p group's sends and
+                // receives are separate jobs, and both directions of a link move at once.
+                let mut i = 0;
+                while i < q.len() {
+                    let s = q.make_contiguous();
+                    let (before, rest) = s.split_at_mut(i);
+                    let a = &mut rest[0];
+                    if i > 0
+                        && !(before.iter().all(|b| beside(&b.job, &a.job))
+                            && a.phase == 0
+                            && (matches!(a.state, State::InFlight { .. })
+                                || a.job.bells.iter().all(|b| b.ready(0))))
+                    {
+                        break;
+                    }
+                    let (moved, finished) = step(cuda, &mut times, a);
                     progressed |= moved;
-                    if finished {
-                        q.pop_front();
-                        // The next job's turn starts now (its timeout and phase times count
-                        // from here, not from when it was queued).
-                        if let Some(Active {
+                    if !finished {
+                        i += 1;
+                        continue;
+                    }
+                    q.remove(i);
+                    // The next job's turn starts now (its timeout and phase times count from
+                    // here, not from when it was queued).
+                    if i == 0
+                        && let Some(Active {
                             phase: 0,
                             state: State::Waiting { since },
                             ..
                         }) = q.front_mut()
-                        {
-                            *since = Instant::now();
-                        }
-                    } else {
-                        break;
+                    {
+                        *since = Instant::now();
                     }
                 }
             }
@@ -1598,6 +1614,22 @@ impl Executor {
             }
         }
     }
+}
+
+/// Whether job `b`, queued after `a` on the same communicator, may run at the same time as
+/// `a`: both are one-phase jobs without scratch (send/recv, broadcast, gathers, all-to-all:
+/// their copies go straight between the ranks' buffers), and no copy of one writes where a copy
+/// of the other reads or writes. Everything else keeps the communicator's order.
+fn beside(a: &GpuJob, b: &GpuJob) -> bool {
+    let simple = |j: &GpuJob| j.phases.len() == 1 && j.scratch.is_empty() && !j.persistent;
+    if !simple(a) || !simple(b) {
+        return false;
+    }
+    a.phases[0].copies().all(|x| {
+        b.phases[0].copies().all(|y| {
+            !y.dst.overlaps(&x.src) && !y.dst.overlaps(&x.dst) && !y.src.overlaps(&x.dst)
+        })
+    })
 }
 
 /// Advances one job; returns (made progress, finished).

@@ -13,6 +13,8 @@ Env:
     DINOV2_TEST_BACKEND  backend name forced into dinov2.distributed.enable()'s init_process_group
                          (dinov2 hard-codes backend="nccl", dinov2/distributed/__init__.py:264)
     DINOV2_SHARE_GPU=1   all ranks use cuda:0 (sets LOCAL_RANK=0, LOCAL_WORLD_SIZE=1 before enable())
+    DINOV2_HANG_S=N      after N seconds, print every thread's Python stack and exit (a hang's
+                         where, instead of a silent timeout)
 Everything dinov2 does is dinov2's code; the only runtime shims (marked SHIM) work around
 dinov2 <-> torch>=2.1 FSDP1 API drift, and (with --cpu) the lack of a GPU.
 """
@@ -36,6 +38,10 @@ p.add_argument("--xformers", action="store_true", help="xformers' own attention 
 p.add_argument("opts", nargs="*", help="extra dinov2 config overrides, key=value")
 a = p.parse_args()
 
+if os.environ.get("DINOV2_HANG_S"):
+    import faulthandler
+
+    faulthandler.dump_traceback_later(float(os.environ["DINOV2_HANG_S"]), exit=True)
 if os.environ.get("DINOV2_SRC"):
     sys.path.insert(0, os.environ["DINOV2_SRC"])
 warnings.filterwarnings("ignore")  # xformers/torch deprecation chatter

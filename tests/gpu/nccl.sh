@@ -87,7 +87,7 @@ else
 fi
 tests=${NCCL_TESTS_LIST:-all_reduce all_gather broadcast reduce reduce_scatter alltoall sendrecv gather scatter hypercube}
 args=(-b 8 -e ${NCCL_TESTS_MAX:-64M} -f 8 -c 1 -n 10 -w 3)
-# 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: 2 ranks on 2 GPUs (both).
+# 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: $NCCL_TESTS_NP ranks (default 2) on as many GPUs (both).
 modes=${NCCL_TESTS_MODES:-1rank shared gpus}
 for t in $tests; do
   exe=$build/${t}_perf
@@ -101,10 +101,11 @@ for t in $tests; do
       -x LD_LIBRARY_PATH="$ompi/lib:$ours" -x COMMD_SOCKET -x NCCL_TESTS_DEVICE=0 \
       "$exe" "${args[@]}" -g 1
   fi
-  if [ "$ngpu" -ge 2 ] && [[ " $modes " == *" gpus "* ]]; then
+  np=${NCCL_TESTS_NP:-2}
+  if [ "$ngpu" -ge "$np" ] && [ "$np" -ge 2 ] && [[ " $modes " == *" gpus "* ]]; then
     for who in nccl commd; do
       d=$real/lib; [ $who = commd ] && d=$ours
-      step "nccltests-$t-2gpus-$who" 180 "$ompi/bin/mpirun" --oversubscribe -np 2 \
+      step "nccltests-$t-${np}gpus-$who" 180 "$ompi/bin/mpirun" --oversubscribe -np "$np" \
         -x LD_LIBRARY_PATH="$ompi/lib:$d" -x COMMD_SOCKET -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
     done
   fi
