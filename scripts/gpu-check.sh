@@ -63,7 +63,8 @@
 # COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, zero-element
 # tensors and init_process_group(device_id=...) (tests/gpu/empty_device_id.py), send/recv
-# jobs run side by side and a hazard they must not (tests/gpu/p2p_overlap.py), a torchrun job
+# jobs run side by side and a hazard they must not (tests/gpu/p2p_overlap.py), one
+# communicator's ops on unordered streams (tests/gpu/multi_stream.py), a torchrun job
 # with init_process_group("commd") on CUDA tensors, the IPC handle cache counters, stream
 # ordering, a rank killed mid-op; reductions in many rounds with both all-reduce algorithms
 # (tests/gpu/gpu_rounds.py against a second daemon with a 64 KiB scratch slot). Bench: send/recv (2 GPUs) and all_gather (4 GPUs) vs NCCL.
@@ -138,6 +139,15 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # init_process_group(device_id=...), new_group after it, zero-element CUDA tensors.
   run "empty-device-id-2-ranks" "${tr[@]}" 2 tests/gpu/empty_device_id.py
   run "p2p-overlap-2-ranks" "${tr[@]}" 2 tests/gpu/p2p_overlap.py
+  # One communicator's ops on three unordered streams (FSDP's pattern): the "commd" name, then
+  # torch's "nccl" name on commd's library, and on real NCCL (one GPU per rank) as the control.
+  run "multi-stream-2-ranks" "${tr[@]}" 2 tests/gpu/multi_stream.py
+  mlib=${COMMD_NCCL_LIB:-target/release/libcommd_nccl.so}
+  [ -f "$mlib" ] || mlib=.gpu/libcommd_nccl.so
+  if [ -f "$mlib" ]; then
+    MS_BACKEND=nccl LD_PRELOAD=$(readlink -f "$mlib") run "multi-stream-lib-2-ranks" "${tr[@]}" 2 tests/gpu/multi_stream.py
+  fi
+  [ "$ngpu" -ge 2 ] && MS_BACKEND=nccl run "multi-stream-nccl-2-gpus" "${tr[@]}" 2 tests/gpu/multi_stream.py
 fi
 if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   # Contract 6: GPU ops captured into CUDA graphs run on every replay (every op and dtype,

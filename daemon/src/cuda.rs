@@ -1626,9 +1626,9 @@ fn beside(a: &GpuJob, b: &GpuJob) -> bool {
         return false;
     }
     a.phases[0].copies().all(|x| {
-        b.phases[0].copies().all(|y| {
-            !y.dst.overlaps(&x.src) && !y.dst.overlaps(&x.dst) && !y.src.overlaps(&x.dst)
-        })
+        b.phases[0]
+            .copies()
+            .all(|y| !y.dst.overlaps(&x.src) && !y.dst.overlaps(&x.dst) && !y.src.overlaps(&x.dst))
     })
 }
 

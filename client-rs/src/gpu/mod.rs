@@ -197,6 +197,10 @@ pub(crate) struct CommGpu {
     /// (capture id, graph doorbell slot, phases, bytes).
     captured_deferred: Vec<(u64, u32, u32, u64)>,
     checked_stream: Option<usize>,
+    /// The stream of the communicator's last eager op and an event recorded on it after that
+    /// op's stream work (after its ready write for a send/recv whose wait is deferred): the
+    /// next op on another stream waits for it first (see `post_cuda`).
+    last: Option<(usize, CudaEvent)>,
 }
 
 impl Default for CommGpu {
@@ -208,6 +212,7 @@ impl Default for CommGpu {
             deferred: None,
             captured_deferred: Vec::new(),
             checked_stream: None,
+            last: None,
         }
     }
 }
@@ -926,6 +931,27 @@ impl Communicator {
             // SAFETY: `a.stream` was validated above.
             unsafe { ev.wait_on(a.stream)? };
         }
+        // A communicator's eager ops share one ready counter (contract 4), which only works if
+        // the ops' ready writes land in ticket order. Ops of one communicator on several
+        // streams (FSDP's all-gathers on its unshard stream and reduce-scatters on its
+        // post-backward stream, blocking collectives on the current stream beside async ones
+        // on the communication stream) would race: a later op's write could land first and an
+        // earlier op's then lower the counter, so the daemon would see an op ready before its
+        // stream reached it, and the next op never. So an op on another stream than the
+        // previous op's waits (on the GPU) for the previous op's stream work, in issue order
+        // across streams as NCCL orders a communicator's ops.
+        if cap.is_none()
+            && let Some((ls, ev)) = &c.last
+            && *ls != a.stream as usize
+        {
+            // SAFETY: `a.stream` was validated above; the event is live (owned by `c`).
+            unsafe { ev.wait_on(a.stream)? };
+        }
+        let order_ev = if cap.is_none() && device.is_some() {
+            Some(pool.get(dev)?)
+        } else {
+            None
+        };
         let done_ev = if a.record && !(a.defer_wait && a.kind.is_p2p()) {
             Some(pool.get(dev)?)
         } else {
@@ -1027,6 +1053,17 @@ impl Communicator {
             ),
             None => Ok(()),
         };
+        // The op's stream work is queued: the event the communicator's next op on another
+        // stream waits for.
+        let mut order_ev = order_ev;
+        let mut mark = |last: &mut Option<(usize, CudaEvent)>| -> Result<()> {
+            if let Some(ev) = order_ev.take() {
+                // SAFETY: `s` was validated above and is of the event's device.
+                unsafe { ev.record(s)? };
+                *last = Some((s as usize, ev));
+            }
+            Ok(())
+        };
         let enq = (|| -> Result<()> {
             if !kernel_reduces {
                 write(ticket)?;
@@ -1045,6 +1082,7 @@ impl Communicator {
                     wait(ticket)?;
                     reset()?;
                 }
+                mark(&mut c.last)?;
                 if let Some(e) = &done_ev {
                     // SAFETY: `s` was validated above and is of the event's device.
                     unsafe { e.record(s)? };
@@ -1113,6 +1151,7 @@ impl Communicator {
             write(last)?;
             wait(last)?;
             reset()?;
+            mark(&mut c.last)?;
             if let Some(e) = &done_ev {
                 // SAFETY: `s` was validated above and is of the event's device.
                 unsafe { e.record(s)? };
