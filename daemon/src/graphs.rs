@@ -1,5 +1,5 @@
 //! Persistent GPU ops: ops captured into CUDA graphs (DESIGN.md contract 6), as the executor
-//! (`commd-gpu`, `cuda.rs`) holds them between replays.
+//! (`commd-gpu`, `cuda/executor.rs`) holds them between replays.
 //!
 //! A captured op is matched across ranks once, when the clients post it during capture, and
 //! registered here with its planned phases (which hold its buffers and scratch). The executor

@@ -1,5 +1,5 @@
 """Send/recv jobs of one communicator that run at the same time in the daemon's GPU executor
-(cuda.rs `beside`), and the ones that must not (scripts/gpu-check.sh tests; 2+ ranks, which may
+(cuda/executor.rs `beside`), and the ones that must not (scripts/gpu-check.sh tests; 2+ ranks, which may
 share a GPU):
 
 1. both directions at once: every rank sends to the next and receives from the previous in one
