@@ -18,9 +18,9 @@
 //! completions and wake-ups go up through channels, traits or plain data the lower layer owns:
 //! 1. services and commands: `serve`, `control`, `fdsock`, `peer`, `exec`, `bench`, `health`,
 //!    the CLI parts of `telemetry`;
-//! 2. daemon state: `daemon`, `session`, `comm`, `graphs`, `issued`;
-//! 3. executors: `engine` (host), `cuda` (GPU), `net` (transports and algorithms), `fanout`,
-//!    `pacing`;
+//! 2. daemon state: `daemon`, `session`, `comm`, `issued`;
+//! 3. executors: `engine` (host), `cuda` (GPU, with its persistent ops: `cuda::graphs`), `net`
+//!    (transports and algorithms), `fanout`, `pacing`;
 //! 4. foundations: `config`, the metrics/trace/log core of `telemetry`, `shm`, `ranks`,
 //!    `private`, `notify`.
 //!
@@ -38,7 +38,6 @@ pub mod engine;
 pub mod exec;
 pub mod fanout;
 pub mod fdsock;
-pub mod graphs;
 pub mod health;
 pub mod issued;
 pub mod net;

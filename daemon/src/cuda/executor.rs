@@ -1,7 +1,7 @@
 //! The `commd-gpu` thread: polls the ready counters of matched jobs, issues their copies on
 //! the source GPUs' push streams, polls the copies' events, publishes done, completes the ops;
 //! one-phase jobs without scratch run beside earlier ones when their buffers allow (`beside`),
-//! replays of persistent ops (`crate::graphs`) interleave with eager jobs, and pacing caps
+//! replays of persistent ops (`graphs`) interleave with eager jobs, and pacing caps
 //! each communicator's copy rate.
 //!
 //! May use: `plan`, `doorbell`, `mem`, `topology`'s streams, `comm` (the posted ops it
@@ -21,7 +21,7 @@ pub struct GpuJob {
     pub timeout: Duration,
     /// The communicator's GPU copy pacing: ask `admit` before issuing each phase's copies.
     pub pacer: std::sync::Arc<crate::pacing::Pacer>,
-    /// Captured into CUDA graphs: registered, then run on every replay (`crate::graphs`).
+    /// Captured into CUDA graphs: registered, then run on every replay (`graphs`).
     pub persistent: bool,
     /// The capture's tag (`flags::PERSISTENT`), as rank 0 of the op named it.
     pub graph_tag: u32,
@@ -126,7 +126,7 @@ impl Active {
 /// Work for the executor thread.
 pub(super) enum Cmd {
     Job(GpuJob),
-    /// A persistent op, matched at capture (`crate::graphs`).
+    /// A persistent op, matched at capture (`graphs`).
     Register(GpuJob),
     Poison {
         bells: Vec<Bell>,
@@ -171,7 +171,7 @@ impl Executor {
         let mut queues: HashMap<u64, VecDeque<Active>> = HashMap::new();
         // Persistent ops (captured into CUDA graphs) and, per communicator, the replay running
         // now (at most one: it uses the communicator's scratch, as the eager jobs do).
-        let mut graphs = crate::graphs::Registry::default();
+        let mut graphs = super::graphs::Registry::default();
         let mut replaying: HashMap<u64, (u64, Active)> = HashMap::new();
         let mut times = PhaseTimes::default();
         let mut idle_since = Instant::now();
@@ -514,7 +514,7 @@ fn finish(cuda: &Cuda, a: &mut Active, st: u32, msg: Option<String>) {
         let msg = msg.clone().unwrap_or_default();
         let phases = a.job.phases.len() as u32;
         for b in &a.job.bells {
-            crate::graphs::fail_bell(b, phases, st, &msg);
+            super::graphs::fail_bell(b, phases, st, &msg);
         }
         a.failure = Some((st, msg));
     }

@@ -31,6 +31,7 @@ use crate::session::Session;
 
 mod doorbell;
 mod executor;
+mod graphs;
 mod mem;
 mod plan;
 mod topology;

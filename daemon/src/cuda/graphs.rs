@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use commd_proto::desc::{doorbell, status};
 
-use crate::cuda::{Bell, GpuJob, late_streams};
+use super::{Bell, GpuJob, late_streams};
 
 /// Registry key for ops poisoned at capture, which belong to no matched job.
 const ORPHANS: u64 = u64::MAX;
