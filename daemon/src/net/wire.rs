@@ -34,11 +34,7 @@ const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 const MAX_UNEXPECTED: u64 = 512 << 20;
 /// Longest abort text accepted.
 const MAX_ABORT_TEXT: u32 = 64 << 10;
-/// Largest chunk payload a frame may claim: the largest `net_chunk_bytes` a daemon accepts.
-/// A frame's `len` decides how much is buffered before its bytes arrive, so without this bound
-/// one 64-byte frame from a peer made the daemon allocate up to 4 GiB (found by the
-/// `wire_frames` fuzz target, fuzz/).
-pub const MAX_CHUNK_BYTES: u32 = 1 << 28;
+pub use crate::config::MAX_CHUNK_BYTES;
 
 /// What a collective message claims to be part of; receivers compare it with their own op, so
 /// nodes that disagree fail with an error instead of corrupting data.

@@ -16,34 +16,7 @@ pub mod session;
 pub mod udpio;
 pub mod worker;
 
-use std::time::Duration;
-
-/// The daemon's switch settings (config keys `switch*`).
-#[derive(Clone, Debug)]
-pub struct Settings {
-    /// Controller HOST:PORT, or "off".
-    pub controller: String,
-    /// Worker IPv4 ("" = the advertised IP).
-    pub bind: String,
-    pub threads: usize,
-    pub window: usize,
-    pub packet_bytes: usize,
-    pub timeout: Duration,
-    pub pin: bool,
-}
-
-/// Checks a `switch` value: "off" or HOST:PORT.
-pub fn check_controller(v: &str) -> Result<(), String> {
-    if v == "off" {
-        return Ok(());
-    }
-    match v.rsplit_once(':') {
-        Some((h, p)) if !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0) => Ok(()),
-        _ => {
-            Err("expected HOST:PORT of a SwitchML controller (e.g. 10.0.0.9:50099) or 'off'".into())
-        }
-    }
-}
+pub use crate::config::{SwitchSettings as Settings, check_controller};
 
 #[cfg(test)]
 mod tests {

@@ -9,38 +9,11 @@
 
 use std::net::{IpAddr, Ipv6Addr};
 
+pub use crate::config::GidChoice;
+
 use sideway::ibverbs::address::GidType;
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{LinkLayer, PortState};
-
-/// How the GID is chosen (`rdma_gid`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum GidChoice {
-    /// The RoCE v2 GID of the advertised IP (InfiniBand: index 0).
-    Auto,
-    Index(u32),
-    Addr(Ipv6Addr),
-}
-
-impl GidChoice {
-    pub fn parse(s: &str) -> Result<Self, String> {
-        let s = s.trim();
-        if s.is_empty() || s.eq_ignore_ascii_case("auto") {
-            return Ok(Self::Auto);
-        }
-        if let Ok(i) = s.parse::<u32>() {
-            return Ok(Self::Index(i));
-        }
-        match s.parse::<IpAddr>() {
-            Ok(IpAddr::V6(a)) => Ok(Self::Addr(a)),
-            Ok(IpAddr::V4(a)) => Ok(Self::Addr(a.to_ipv6_mapped())),
-            Err(_) => Err(
-                "expected a GID table index (e.g. 3) or a GID/IP address (e.g. ::ffff:10.0.0.1)"
-                    .into(),
-            ),
-        }
-    }
-}
 
 /// GID types as this module sees them (sideway's enum panics on unknown values, so the raw
 /// type is mapped here).
