@@ -71,6 +71,18 @@ pub struct Posted {
     pub transport: &'static str,
 }
 
+/// The GPU executor completes matched ops through this (it never names `Posted`).
+impl cuda::Done for Posted {
+    fn complete(self: Box<Self>, st: u32, msg: Option<String>) {
+        let c = self.op.comm;
+        Posted::complete(&self, c, st, msg);
+    }
+    fn report(self: Box<Self>, st: u32, msg: Option<String>) {
+        self.session
+            .complete(self.op.user_data, self.op.comm, self.seq, st, msg);
+    }
+}
+
 impl Posted {
     fn describe(&self) -> String {
         match self.op.kind {
@@ -122,6 +134,18 @@ impl Posted {
         s
     }
 
+    /// The doorbell of a posted GPU op (`None` for host ops).
+    pub fn bell(&self) -> Option<cuda::Bell> {
+        self.cuda.map(|c| cuda::Bell {
+            session: self.session.clone() as Arc<dyn cuda::Client>,
+            rank: self.rank,
+            slot: c.slot,
+            ticket: c.ticket,
+            graph: c.graph,
+            comm_slot: c.comm_slot,
+        })
+    }
+
     /// Completes the op. A failed GPU op also releases its stream: the doorbell's error word is
     /// set and its done counter advanced past every phase (DESIGN.md contract 5).
     pub(crate) fn complete(&self, comm: u32, st: u32, msg: Option<String>) {
@@ -133,7 +157,7 @@ impl Posted {
             // status and message (its graph doorbell is released at each firing).
             if let Ok(cu) = cuda::get() {
                 cu.poison_graph_op(
-                    cuda::Bell::of(self).into_iter().collect(),
+                    self.bell().into_iter().collect(),
                     c.phases,
                     st,
                     msg.clone().unwrap_or_default(),
@@ -143,7 +167,7 @@ impl Posted {
             && let Some(c) = self.cuda
         {
             cuda::fail_doorbell(
-                &self.session,
+                &*self.session,
                 c.slot,
                 c.ticket.wrapping_add(c.phases.max(1) - 1),
                 st,
@@ -356,8 +380,7 @@ impl Comm {
                 Ok(c) => c.submit(job),
                 Err(why) => {
                     for p in job.ops {
-                        let c = p.op.comm;
-                        p.complete(c, status::INTERNAL, Some(format!("{}: {why}", job.label)));
+                        p.complete(status::INTERNAL, Some(format!("{}: {why}", job.label)));
                     }
                 }
             },
@@ -680,7 +703,7 @@ impl Comm {
                 return fail(ops, status::INVALID, why);
             }
             bells.push(cuda::Bell {
-                session: p.session.clone(),
+                session: p.session.clone() as Arc<dyn cuda::Client>,
                 rank: p.rank,
                 slot: t.slot,
                 ticket: t.ticket,
@@ -694,7 +717,10 @@ impl Comm {
             label,
             bells,
             phases,
-            ops,
+            ops: ops
+                .into_iter()
+                .map(|p| Box::new(p) as Box<dyn cuda::Done>)
+                .collect(),
             timeout: self.op_timeout,
             pacer: self.pacer.clone(),
             persistent: o.persistent,

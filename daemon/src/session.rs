@@ -79,6 +79,25 @@ impl std::fmt::Debug for Session {
     }
 }
 
+/// The GPU executor sees a session through this (it never names `Session`).
+impl crate::cuda::Client for Session {
+    fn id(&self) -> u64 {
+        self.id
+    }
+    fn pid(&self) -> i32 {
+        self.pid
+    }
+    fn ring(&self) -> &Ring {
+        &self.ring
+    }
+    fn is_closed(&self) -> bool {
+        Session::is_closed(self)
+    }
+    fn set_graph_error(&self, slot: u32, st: u32, msg: &str) {
+        Session::set_graph_error(self, slot, st, msg)
+    }
+}
+
 impl Session {
     pub fn new(
         id: u64,
@@ -413,7 +432,7 @@ impl Session {
             {
                 if let Ok(cu) = crate::cuda::get() {
                     let bell = crate::cuda::Bell {
-                        session: self.clone(),
+                        session: self.clone() as Arc<dyn crate::cuda::Client>,
                         rank,
                         slot: c.slot,
                         ticket: c.ticket,
@@ -424,7 +443,7 @@ impl Session {
                 }
             } else if let Some(c) = cuda {
                 crate::cuda::fail_doorbell(
-                    self,
+                    &**self,
                     c.slot,
                     c.ticket.wrapping_add(c.phases.max(1) - 1),
                     status::INVALID,

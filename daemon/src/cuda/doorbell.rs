@@ -2,15 +2,38 @@
 //! seen?), done counters published contiguously per slot (a p2p group completes out of ticket
 //! order), and failures that release every phase.
 //!
-//! May use: `session` (the ring holding the words).
+//! The session a doorbell lives in is seen through [`Client`] (implemented by
+//! `session::Session`), so this layer never names the daemon-state types above it.
+//!
+//! May use: `commd_proto` (the ring and its words).
 
 use super::*;
+
+use commd_proto::ring::Ring;
+
+/// What the GPU executor needs of a client's session: its id and pid (for messages), the ring
+/// holding its doorbell words, whether it is gone, and where a captured op's failure is kept
+/// for the client to read.
+pub trait Client: Send + Sync {
+    fn id(&self) -> u64;
+    fn pid(&self) -> i32;
+    fn ring(&self) -> &Ring;
+    fn is_closed(&self) -> bool;
+    fn set_graph_error(&self, slot: u32, st: u32, msg: &str);
+}
+
+/// An op the executor completes (`comm::Posted`): with a status and message, or, for a
+/// captured op that must not poison the slot it names, reported to its client only.
+pub trait Done: Send {
+    fn complete(self: Box<Self>, st: u32, msg: Option<String>);
+    fn report(self: Box<Self>, st: u32, msg: Option<String>);
+}
 
 /// A rank's doorbell: its session, slot, and the op's first ticket. For a persistent op
 /// (`graph`), the slot is a graph doorbell and the ticket 1 (`commd_proto::graph`).
 #[derive(Clone)]
 pub struct Bell {
-    pub session: Arc<Session>,
+    pub session: Arc<dyn Client>,
     pub rank: u32,
     pub slot: u32,
     pub ticket: u32,
@@ -20,23 +43,11 @@ pub struct Bell {
 }
 
 impl Bell {
-    /// The doorbell of a posted GPU op (`None` for host ops).
-    pub fn of(p: &Posted) -> Option<Self> {
-        p.cuda.map(|c| Self {
-            session: p.session.clone(),
-            rank: p.rank,
-            slot: c.slot,
-            ticket: c.ticket,
-            graph: c.graph,
-            comm_slot: c.comm_slot,
-        })
-    }
-
     fn words(&self) -> Option<(&AtomicU32, &AtomicU32, &AtomicU32)> {
         if self.graph {
-            self.session.ring.graph_doorbell(self.slot)
+            self.session.ring().graph_doorbell(self.slot)
         } else {
-            self.session.ring.doorbell(self.slot)
+            self.session.ring().doorbell(self.slot)
         }
     }
 
@@ -45,7 +56,7 @@ impl Bell {
         if !self.graph {
             return None;
         }
-        let (ready, done, error) = self.session.ring.graph_doorbell(self.slot)?;
+        let (ready, done, error) = self.session.ring().graph_doorbell(self.slot)?;
         Some(commd_proto::graph::Words { ready, done, error })
     }
 
@@ -77,7 +88,7 @@ pub fn late_streams(bells: &[Bell], phase: u32) -> Vec<String> {
             format!(
                 "rank {} (pid {}: its stream signalled {}, the op needs {})",
                 b.rank,
-                b.session.pid,
+                b.session.pid(),
                 b.ready_value(),
                 b.ticket.wrapping_add(phase)
             )
@@ -108,10 +119,10 @@ pub fn signal_done(b: &Bell, t: u32) {
 
 impl Slots {
     fn signal(&mut self, b: &Bell, t: u32) {
-        let Some((_, done, _)) = b.session.ring.doorbell(b.slot) else {
+        let Some((_, done, _)) = b.session.ring().doorbell(b.slot) else {
             return;
         };
-        let key = (b.session.id, b.slot);
+        let key = (b.session.id(), b.slot);
         let mut cur = done.load(Ordering::Acquire);
         if t.wrapping_sub(cur) as i32 <= 0 {
             return; // already released (a failure advanced past it)
@@ -126,13 +137,13 @@ impl Slots {
         if pending.is_empty() {
             self.pending.remove(&key);
         }
-        advance_done(&b.session, b.slot, cur);
+        advance_done(&*b.session, b.slot, cur);
     }
 }
 
 /// Raises a doorbell slot's done counter to `value` (never lowers it, wrap-aware).
-pub fn advance_done(s: &Session, slot: u32, value: u32) {
-    if let Some((_, done, _)) = s.ring.doorbell(slot) {
+pub fn advance_done(s: &dyn Client, slot: u32, value: u32) {
+    if let Some((_, done, _)) = s.ring().doorbell(slot) {
         let _ = done.fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| {
             (value.wrapping_sub(d) as i32 > 0).then_some(value)
         });
@@ -141,8 +152,8 @@ pub fn advance_done(s: &Session, slot: u32, value: u32) {
 
 /// Fails a CUDA op's doorbell: sets the error word (first error wins) and releases every phase
 /// so the client's stream never hangs (DESIGN.md contract 5).
-pub fn fail_doorbell(s: &Session, slot: u32, last_ticket: u32, st: u32) {
-    if let Some((_, _, err)) = s.ring.doorbell(slot) {
+pub fn fail_doorbell(s: &dyn Client, slot: u32, last_ticket: u32, st: u32) {
+    if let Some((_, _, err)) = s.ring().doorbell(slot) {
         let _ = err.compare_exchange(0, st.max(1), Ordering::AcqRel, Ordering::Acquire);
     }
     advance_done(s, slot, last_ticket);

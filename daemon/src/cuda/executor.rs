@@ -4,8 +4,8 @@
 //! replays of persistent ops (`graphs`) interleave with eager jobs, and pacing caps
 //! each communicator's copy rate.
 //!
-//! May use: `plan`, `doorbell`, `mem`, `topology`'s streams, `comm` (the posted ops it
-//! completes), `graphs`, `pacing`, `fanout`.
+//! May use: `plan`, `doorbell` (bells; the ops it completes through `Done`), `mem`,
+//! `topology`'s streams, `graphs`, `pacing`, `fanout`, `telemetry` (op spans).
 
 use super::*;
 
@@ -17,7 +17,7 @@ pub struct GpuJob {
     pub label: String,
     pub bells: Vec<Bell>,
     pub phases: Vec<Phase>,
-    pub ops: Vec<Posted>,
+    pub ops: Vec<Box<dyn Done>>,
     pub timeout: Duration,
     /// The communicator's GPU copy pacing: ask `admit` before issuing each phase's copies.
     pub pacer: std::sync::Arc<crate::pacing::Pacer>,
@@ -335,7 +335,9 @@ fn step(cuda: &'static Cuda, times: &mut PhaseTimes, a: &mut Active) -> (bool, b
             if let Some(lost) = a.job.bells.iter().find(|b| b.session.is_closed()) {
                 let msg = format!(
                     "{}: rank {} (pid {}) was lost during the op",
-                    a.job.label, lost.rank, lost.session.pid
+                    a.job.label,
+                    lost.rank,
+                    lost.session.pid()
                 );
                 finish(cuda, a, status::PEER_LOST, Some(msg));
                 return (true, true);
@@ -519,8 +521,7 @@ fn finish(cuda: &Cuda, a: &mut Active, st: u32, msg: Option<String>) {
         a.failure = Some((st, msg));
     }
     for p in a.job.ops.drain(..) {
-        let c = p.op.comm;
-        p.complete(c, st, msg.clone());
+        p.complete(st, msg.clone());
     }
 }
 

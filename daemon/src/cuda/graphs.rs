@@ -13,7 +13,7 @@
 //! with the error words set. A failed op never runs again, so a late rank can never be paired
 //! with another replay of its peers.
 //!
-//! Uses: `cuda` (bells, jobs), `session` (errors), `commd_proto`. Owned by the executor thread
+//! Uses: the executor's bells and jobs, their clients (`Client`: errors), `commd_proto`. Owned by the executor thread
 //! alone: no locks.
 
 use std::collections::{BTreeMap, HashMap};
@@ -74,7 +74,7 @@ pub fn fail_bell(b: &Bell, phases: u32, st: u32, msg: &str) {
     if let Some(w) = b.graph_words() {
         w.fail(phases, st);
     }
-    if let Some(h) = b.session.ring.doorbell_hint(b.comm_slot) {
+    if let Some(h) = b.session.ring().doorbell_hint(b.comm_slot) {
         h.fetch_or(doorbell::HINT_GRAPH_FAILED, Ordering::AcqRel);
     }
     b.session.set_graph_error(b.slot, st, msg);
@@ -108,7 +108,9 @@ fn check(p: &mut Persist, may_start: bool) -> (bool, bool, Option<GpuJob>) {
     if let Some(b) = p.bells.iter().find(|b| b.session.is_closed()) {
         let msg = format!(
             "{}: rank {} (pid {}) was lost; this captured op cannot run again",
-            p.label, b.rank, b.session.pid
+            p.label,
+            b.rank,
+            b.session.pid()
         );
         p.poison(status::PEER_LOST, msg, true);
         return (true, true, None);
@@ -176,7 +178,7 @@ impl Registry {
         self.next += 1;
         let id = self.next;
         for b in &p.bells {
-            self.slots.insert((b.session.id, b.slot), (comm, id));
+            self.slots.insert((b.session.id(), b.slot), (comm, id));
         }
         let ops = self.by_comm.entry(comm).or_default();
         // Chain the graph's ops in capture order, the last one back to the first.
@@ -203,7 +205,7 @@ impl Registry {
         if let Some(b) = job
             .bells
             .iter()
-            .find(|b| self.slots.contains_key(&(b.session.id, b.slot)))
+            .find(|b| self.slots.contains_key(&(b.session.id(), b.slot)))
         {
             let msg = format!(
                 "{}: rank {} names graph doorbell slot {}, which a live captured op already holds (client error)",
@@ -212,19 +214,12 @@ impl Registry {
             tracing::warn!(target: "commd::cuda", "{msg}");
             // Completing with an error would poison the held slot's op: report without that.
             for p in job.ops.drain(..) {
-                p.session.complete(
-                    p.op.user_data,
-                    p.op.comm,
-                    p.seq,
-                    status::INVALID,
-                    Some(msg.clone()),
-                );
+                p.report(status::INVALID, Some(msg.clone()));
             }
             return;
         }
         for p in job.ops.drain(..) {
-            let c = p.op.comm;
-            p.complete(c, status::OK, None);
+            p.complete(status::OK, None);
         }
         let n = job.bells.len();
         self.insert(
@@ -247,8 +242,8 @@ impl Registry {
     /// A captured op that failed at registration: every replay fails with `st` and `msg`.
     pub fn poison_new(&mut self, bells: Vec<Bell>, phases: u32, st: u32, msg: String) {
         for b in bells {
-            if self.slots.contains_key(&(b.session.id, b.slot)) {
-                tracing::warn!(target: "commd::cuda", "graph doorbell slot {} of session {} is held by a live captured op; not poisoned again ({msg})", b.slot, b.session.id);
+            if self.slots.contains_key(&(b.session.id(), b.slot)) {
+                tracing::warn!(target: "commd::cuda", "graph doorbell slot {} of session {} is held by a live captured op; not poisoned again ({msg})", b.slot, b.session.id());
                 continue;
             }
             self.insert(
@@ -288,7 +283,7 @@ impl Registry {
             let Some(i) = p
                 .bells
                 .iter()
-                .position(|b| b.session.id == session && b.slot == slot)
+                .position(|b| b.session.id() == session && b.slot == slot)
             else {
                 continue;
             };
@@ -315,7 +310,7 @@ impl Registry {
                 if !keep {
                     for (i, b) in p.bells.iter().enumerate() {
                         if !p.released[i] {
-                            slots.remove(&(b.session.id, b.slot));
+                            slots.remove(&(b.session.id(), b.slot));
                         }
                     }
                 }

@@ -26,9 +26,6 @@ use std::time::{Duration, Instant};
 use commd_client::gpu::cu::{self, CuError, ck, sys};
 use commd_proto::desc::{DType, OpKind, RedOp, status};
 
-use crate::comm::Posted;
-use crate::session::Session;
-
 mod doorbell;
 mod executor;
 mod graphs;

@@ -791,7 +791,7 @@ impl Thread {
                 }
                 continue;
             }
-            let Some(b) = crate::cuda::Bell::of(&s.p) else {
+            let Some(b) = s.p.bell() else {
                 i += 1;
                 continue;
             };
@@ -801,7 +801,7 @@ impl Thread {
                     format!(
                         "rank {} (pid {}) was lost during {}",
                         b.rank,
-                        b.session.pid,
+                        b.session.pid(),
                         p2p_what(&s.p)
                     ),
                 ));
@@ -955,7 +955,7 @@ impl Thread {
             Ok((alg, transport, ran)) => {
                 tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = alg, transport = transport, staged_in_us = staged_in.as_micros() as u64, ran_us = ran.as_micros() as u64, us = t0.elapsed().as_micros() as u64, "executed");
                 for p in ops {
-                    if let Some(b) = crate::cuda::Bell::of(&p) {
+                    if let Some(b) = p.bell() {
                         crate::cuda::signal_done(&b, b.ticket);
                     }
                     let c = p.op.comm;
@@ -1026,7 +1026,7 @@ impl Thread {
         stage: &mut Vec<(bool, staging::Pinned)>,
     ) -> Result<(), NetError> {
         let cuda = crate::cuda::get().map_err(NetError::Local)?;
-        let bells: Vec<crate::cuda::Bell> = ops.iter().filter_map(crate::cuda::Bell::of).collect();
+        let bells: Vec<crate::cuda::Bell> = ops.iter().filter_map(|p| p.bell()).collect();
         let t0 = Instant::now();
         loop {
             if let Some(b) = bells.iter().find(|b| b.session.is_closed()) {
@@ -1034,7 +1034,8 @@ impl Thread {
                     status::PEER_LOST,
                     format!(
                         "rank {} (pid {}) was lost during the op",
-                        b.rank, b.session.pid
+                        b.rank,
+                        b.session.pid()
                     ),
                 ));
             }
@@ -1199,7 +1200,7 @@ impl Thread {
 /// Completes a host-staged GPU op whose results are in place: its done counter, then its
 /// completion.
 fn staged_done(p: Posted) {
-    if let Some(b) = crate::cuda::Bell::of(&p) {
+    if let Some(b) = p.bell() {
         crate::cuda::signal_done(&b, b.ticket);
     }
     let c = p.op.comm;
