@@ -74,7 +74,7 @@ pub fn preload_value(lib: &Path, current: Option<OsString>) -> OsString {
 pub fn run(lib: &Path, socket: &Path, cmd: &[OsString], verbose: bool) -> i32 {
     let Some((prog, args)) = cmd.split_first() else {
         eprintln!("commd exec: no command given (commd exec -- CMD ARGS...)");
-        return crate::serve::exit::USAGE;
+        return crate::exit::USAGE;
     };
     let preload = preload_value(lib, std::env::var_os("LD_PRELOAD"));
     if verbose {

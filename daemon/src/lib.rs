@@ -28,7 +28,8 @@
 //! that lie on import cycles today (`scripts/layers-baseline.txt`) and fails the test command
 //! when a new one appears.
 
-pub mod bench;
+pub mod admin;
+pub mod cli;
 pub mod comm;
 pub mod config;
 pub mod control;
@@ -36,9 +37,9 @@ pub mod cuda;
 pub mod daemon;
 pub mod engine;
 pub mod exec;
+pub mod exit;
 pub mod fanout;
 pub mod fdsock;
-pub mod health;
 pub mod issued;
 pub mod net;
 pub mod notify;

@@ -41,7 +41,7 @@ enum Cmd {
     /// Live traffic per link (shared memory, GPU paths, peers, NICs): rates every second, totals on exit.
     Stat {
         #[command(flatten)]
-        args: commd_daemon::telemetry::cli::StatArgs,
+        args: commd_daemon::cli::stat::StatArgs,
     },
     /// The daemon's GPUs, their peer matrix and copy engines, and the path each GPU pair uses.
     Topo {
@@ -57,7 +57,7 @@ enum Cmd {
     /// nccl-tests style benchmark with local client processes (embedded daemon unless --socket).
     Bench {
         #[command(flatten)]
-        args: commd_daemon::bench::BenchArgs,
+        args: commd_daemon::cli::bench::BenchArgs,
     },
     /// Run a command whose NCCL calls go to this daemon (torch's "nccl" backend, nccl-tests,
     /// vLLM's pynccl): preloads commd's libnccl.so.2 and sets VLLM_NCCL_SO_PATH and COMMD_SOCKET.
@@ -111,7 +111,7 @@ fn main() -> ExitCode {
                 .socket
                 .clone()
                 .unwrap_or_else(commd_client::resolve_socket_path);
-            match commd_daemon::bench::worker(socket, uid, *rank, args) {
+            match commd_daemon::cli::bench::worker(socket, uid, *rank, args) {
                 Ok(()) => exit::OK,
                 Err(e) => {
                     eprintln!("commd bench-worker rank {rank}: {e}");
@@ -148,19 +148,19 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
             exit::OK
         }
         Cmd::Status { json } => {
-            commd_daemon::telemetry::cli::status(&cfg, *json).unwrap_or_else(|| status(&cfg, *json))
+            commd_daemon::cli::stat::status(&cfg, *json).unwrap_or_else(|| status(&cfg, *json))
         }
-        Cmd::Stat { args } => commd_daemon::telemetry::cli::stat(&cfg, args),
+        Cmd::Stat { args } => commd_daemon::cli::stat::stat(&cfg, args),
         Cmd::Topo { json } => match topo(&cfg, *json) {
             exit::OK if !*json => {
-                commd_daemon::telemetry::cli::print_links(&cfg);
+                commd_daemon::cli::stat::print_links(&cfg);
                 exit::OK
             }
             code => code,
         },
         Cmd::Health { timeout_ms } => {
             let timeout = std::time::Duration::from_millis(*timeout_ms);
-            match commd_daemon::health::check(&cfg.socket, timeout) {
+            match commd_daemon::cli::health::check(&cfg.socket, timeout) {
                 Ok(h) => {
                     println!("{h}");
                     exit::OK
@@ -177,12 +177,12 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
                 || std::env::var_os("COMMD_SOCKET").is_some()
                 || cli.set.iter().any(|s| s.starts_with("socket"));
             let result = if explicit {
-                commd_daemon::bench::run(args, Some(cfg.socket.clone()), None)
+                commd_daemon::cli::bench::run(args, Some(cfg.socket.clone()), None)
             } else {
                 let dir = std::env::temp_dir().join(format!("commd-bench-{}", std::process::id()));
                 let mut cfg = cfg;
                 cfg.socket = dir.join("commd.sock");
-                let r = commd_daemon::bench::run(args, None, Some(cfg));
+                let r = commd_daemon::cli::bench::run(args, None, Some(cfg));
                 let _ = std::fs::remove_dir_all(&dir);
                 r
             };
@@ -254,7 +254,7 @@ fn topo(cfg: &Config, json: bool) -> i32 {
         let links: Vec<_> = t.links.iter().map(|l| serde_json::json!({"from": l.from, "to": l.to, "p2p": l.p2p,
             "path": l.path, "performance_rank": l.performance_rank, "native_atomics": l.native_atomics})).collect();
         // The daemon's data links (what the text lists under "Links"), when a daemon answered.
-        let data_links: Vec<_> = commd_daemon::telemetry::cli::link_list(cfg)
+        let data_links: Vec<_> = commd_daemon::cli::stat::link_list(cfg)
             .into_iter()
             .map(|(name, kind, what)| serde_json::json!({"name": name, "kind": kind, "description": what}))
             .collect();
@@ -380,7 +380,7 @@ fn status(cfg: &Config, json: bool) -> i32 {
             s.ops_failed
         );
         for x in others {
-            println!("{}", commd_daemon::telemetry::cli::session_line(x));
+            println!("{}", commd_daemon::cli::stat::session_line(x));
         }
     }
     exit::OK

@@ -14,22 +14,13 @@ use tokio::sync::oneshot;
 
 use crate::config::Config;
 use crate::control::LocalService;
+use crate::daemon::Daemon;
 
 /// The stop reason of a daemon embedded in another process (`commd bench`) that the embedder
 /// stopped: its normal end, logged at INFO.
 const STOPPED_BY_EMBEDDER: &str = "stopped by its embedding process";
-use crate::daemon::Daemon;
 
-/// Process exit codes of `commd` (documented in README.md).
-pub mod exit {
-    pub const OK: i32 = 0;
-    pub const RUNTIME: i32 = 1;
-    pub const USAGE: i32 = 2;
-    pub const SOCKET_BUSY: i32 = 3;
-    pub const SOCKET_SETUP: i32 = 4;
-    /// `transport=rdma` on a node without a usable RDMA device.
-    pub const NO_TRANSPORT: i32 = 5;
-}
+pub use crate::exit;
 
 #[derive(Debug, Error)]
 pub enum ServeError {
@@ -228,7 +219,7 @@ pub fn run(
         let listener = tokio::net::UnixListener::from_std(std_listener).map_err(|e| ServeError::Runtime(e.to_string()))?;
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
         let svc = commd_proto::pb::local_server::LocalServer::new(LocalService { daemon: daemon.clone() });
-        let admin = commd_proto::pb::admin_server::AdminServer::new(crate::telemetry::admin::AdminService::new(daemon.clone()));
+        let admin = commd_proto::pb::admin_server::AdminServer::new(crate::admin::AdminService::new(daemon.clone()));
         crate::telemetry::start(&daemon);
         let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
         let d = daemon.clone();

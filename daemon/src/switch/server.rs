@@ -896,14 +896,14 @@ pub fn main(a: &SwitchArgs) -> i32 {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("commd switch: {e}");
-            return crate::serve::exit::RUNTIME;
+            return crate::exit::RUNTIME;
         }
     };
     let r = match start(a, &rt) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("commd switch: {e}");
-            return crate::serve::exit::USAGE;
+            return crate::exit::USAGE;
         }
     };
     println!(
@@ -925,5 +925,5 @@ pub fn main(a: &SwitchArgs) -> i32 {
         }
     });
     drop(r);
-    crate::serve::exit::OK
+    crate::exit::OK
 }

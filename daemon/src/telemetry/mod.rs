@@ -30,8 +30,6 @@
 //! → [`comm_joining`]/[`comm_formed`]; `Daemon::comm_scratch` → [`comm_device`]; `serve` →
 //! [`start`]/[`shutdown`].
 
-pub mod admin;
-pub mod cli;
 pub mod http;
 pub mod links;
 pub mod logging;

@@ -87,7 +87,7 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
         label: c.label(),
         nranks: c.nranks,
         local_ranks: c.local.len() as u32,
-        nodes: super::comm_nodes(c) as u32,
+        nodes: crate::telemetry::comm_nodes(c) as u32,
         op_timeout_ms: c.op_timeout.as_millis() as u64,
         ranks,
         pending_ops: w.queued as u64,
@@ -158,7 +158,7 @@ impl Admin for AdminService {
         Ok(Response::new(pb::AdminStatusReply {
             daemon: Some(daemon),
             daemon_uid: self.daemon_uid,
-            metrics_listen: super::metrics_addr()
+            metrics_listen: crate::telemetry::metrics_addr()
                 .map(|a| a.to_string())
                 .unwrap_or_default(),
             otlp_endpoint: t.otlp_endpoint.clone().unwrap_or_default(),
@@ -180,7 +180,7 @@ impl Admin for AdminService {
     ) -> Result<Response<pb::LinkStatsReply>, Status> {
         self.check(&req)?;
         let uptime_ns = self.daemon.started.elapsed().as_nanos() as u64;
-        let links = super::links::registry()
+        let links = crate::telemetry::links::registry()
             .snapshot()
             .into_iter()
             .map(|l| pb::LinkStat {

@@ -9,7 +9,7 @@ use serde_json::json;
 use tonic::transport::Channel;
 
 use crate::config::Config;
-use crate::serve::exit;
+use crate::exit;
 
 /// A tokio runtime and a channel to the daemon's socket (no session is opened).
 fn connect(socket: &Path) -> Result<(tokio::runtime::Runtime, AdminClient<Channel>), String> {
