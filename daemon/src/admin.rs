@@ -87,7 +87,7 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
         label: c.label(),
         nranks: c.nranks,
         local_ranks: c.local.len() as u32,
-        nodes: crate::telemetry::comm_nodes(c) as u32,
+        nodes: crate::comm::comm_nodes(c) as u32,
         op_timeout_ms: c.op_timeout.as_millis() as u64,
         ranks,
         pending_ops: w.queued as u64,

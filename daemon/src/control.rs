@@ -142,7 +142,7 @@ impl Local for LocalService {
                 let paths = self
                     .daemon
                     .comm_by_id(comm_id)
-                    .map(|c| crate::telemetry::comm_paths(&c))
+                    .map(|c| crate::comm::comm_paths(&c))
                     .unwrap_or_default();
                 Ok(Response::new(pb::CreateCommunicatorReply {
                     comm,

@@ -678,7 +678,7 @@ impl Daemon {
             crate::net::algo::ranks_text(&mine),
             crate::pacing::describe(pacing)
         );
-        crate::telemetry::comm_formed(&comm, &uid.token);
+        crate::comm::comm_formed(&comm, &uid.token);
         for rank in mine {
             let Some(m) = local.remove(&rank) else {
                 continue;
@@ -1207,7 +1207,7 @@ impl Daemon {
         let span = crate::cuda::GpuSpan::new(mem, 0, bytes)
             .ok_or_else(|| DaemonError::Internal("scratch span".into()))?;
         sc[rank as usize] = Some(span);
-        crate::telemetry::comm_device(&comm, rank, &sc);
+        crate::comm::comm_device(&comm, rank, &sc);
         let gpus: Vec<Option<usize>> = sc.iter().map(|s| s.as_ref().map(|s| s.mem.gpu)).collect();
         drop(sc);
         for (r, shared) in shared_gpu_ranks(&gpus).into_iter().enumerate() {

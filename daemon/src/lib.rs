@@ -47,6 +47,7 @@ pub mod pacing;
 pub mod peer;
 pub mod private;
 pub mod ranks;
+pub mod report;
 pub mod serve;
 pub mod session;
 pub mod shm;

@@ -220,7 +220,7 @@ pub fn run(
         let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
         let svc = commd_proto::pb::local_server::LocalServer::new(LocalService { daemon: daemon.clone() });
         let admin = commd_proto::pb::admin_server::AdminServer::new(crate::admin::AdminService::new(daemon.clone()));
-        crate::telemetry::start(&daemon);
+        crate::report::start(&daemon);
         let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
         let d = daemon.clone();
         let n = notifier.clone();

@@ -11,7 +11,7 @@ use super::*;
 
 /// A matched GPU op, ready for the executor.
 pub struct GpuJob {
-    /// The op's trace span (`telemetry::op_span`); it ends when the job is dropped.
+    /// The op's trace span (`comm::op_span`); it ends when the job is dropped.
     pub span: tracing::Span,
     pub comm_id: u64,
     pub label: String,

@@ -10,7 +10,7 @@
 //! Metric names and labels are listed in `docs/observability.md`; keep the two in step.
 
 use std::fmt::Write as _;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use commd_proto::desc::{Op, status};
@@ -22,8 +22,6 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-
-use crate::daemon::Daemon;
 
 type Labels3 = [(&'static str, &'static str); 3];
 type Labels2 = [(&'static str, &'static str); 2];
@@ -155,9 +153,9 @@ impl Metrics {
         self.comms_formed.inc();
     }
 
-    /// The daemon whose state the scrape-time gauges describe (the latest one started).
-    pub fn attach(&self, d: &Arc<Daemon>) {
-        *self.state.daemon.lock().unwrap_or_else(|e| e.into_inner()) = Arc::downgrade(d);
+    /// What the scrape-time series of daemon state come from (the latest daemon started).
+    pub fn attach(&self, s: Arc<dyn Scrape>) {
+        *self.state.scrape.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
     }
 
     /// The OpenMetrics text exposition.
@@ -180,10 +178,16 @@ pub fn metrics() -> &'static Metrics {
 /// Values read at scrape time: daemon state and link counters.
 #[derive(Debug, Default)]
 struct StateCollector {
-    daemon: Mutex<Weak<Daemon>>,
+    scrape: Mutex<Option<Arc<dyn Scrape>>>,
 }
 
-fn counter(
+/// Series read at scrape time from state this module does not know (`report`: sessions,
+/// communicators, rings, the IPC cache), written after the process and link series.
+pub trait Scrape: Send + Sync + std::fmt::Debug {
+    fn encode(&self, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result;
+}
+
+pub fn counter(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -196,12 +200,12 @@ fn counter(
     Ok(())
 }
 
-fn gauge(enc: &mut DescriptorEncoder, name: &str, help: &str, v: f64) -> std::fmt::Result {
+pub fn gauge(enc: &mut DescriptorEncoder, name: &str, help: &str, v: f64) -> std::fmt::Result {
     let m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
     ConstGauge::new(v).encode(m)
 }
 
-fn gauge_rows(
+pub fn gauge_rows(
     enc: &mut DescriptorEncoder,
     name: &str,
     help: &str,
@@ -305,189 +309,13 @@ impl Collector for StateCollector {
         )?;
         let build = vec![(vec![("version", commd_proto::VERSION.to_string())], 1)];
         gauge_rows(&mut enc, "commd_build_info", "The daemon's version", &build)?;
-        let Some(d) = self
-            .daemon
+        let scrape = self
+            .scrape
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .upgrade()
-        else {
-            return Ok(());
-        };
-        let c = d.counts();
-        gauge(
-            &mut enc,
-            "commd_uptime_seconds",
-            "Seconds since the daemon started",
-            d.started.elapsed().as_secs_f64(),
-        )?;
-        gauge(
-            &mut enc,
-            "commd_sessions",
-            "Client sessions (processes) connected now",
-            f64::from(c.sessions),
-        )?;
-        gauge(
-            &mut enc,
-            "commd_communicators",
-            "Communicators formed and not destroyed",
-            f64::from(c.communicators),
-        )?;
-        gauge(
-            &mut enc,
-            "commd_communicators_forming",
-            "Communicators waiting for ranks to join",
-            f64::from(c.pending_joins),
-        )?;
-        gauge(
-            &mut enc,
-            "commd_registrations",
-            "Memory registrations (host and GPU) of all sessions",
-            f64::from(c.registrations),
-        )?;
-        gauge(
-            &mut enc,
-            "commd_registered_bytes",
-            "Host memory registered by all sessions",
-            c.mapped_bytes as f64,
-        )?;
-        let now = std::time::Instant::now();
-        let (mut pending, mut oldest) = (0u64, Duration::ZERO);
-        let per_job = d.cfg.telemetry.metrics_per_job;
-        let (mut pacing_cap, mut pacing_delay) = (Vec::new(), Vec::new());
-        let (mut paced, mut delay_sum) = (0i64, 0f64);
-        for comm in d.comms() {
-            let w = comm.waiting(now);
-            pending += w.queued as u64;
-            if let Some(s) = &w.oldest {
-                oldest = oldest.max(s.age);
-            }
-            let labels = vec![
-                ("comm", comm.id.to_string()),
-                ("unique_id", comm.uid_short.clone()),
-            ];
-            let cap = comm.pacer.rate().unwrap_or(0);
-            let delayed = comm.pacer.delayed().as_secs_f64();
-            paced += i64::from(cap > 0);
-            delay_sum += delayed;
-            if per_job {
-                pacing_cap.push((labels.clone(), i64::try_from(cap).unwrap_or(i64::MAX)));
-                pacing_delay.push((labels, delayed));
-            }
-        }
-        if per_job {
-            gauge_rows(
-                &mut enc,
-                "commd_gpu_pacing_bytes_per_second",
-                "Cap on each communicator's GPU copy bandwidth on this node (0: uncapped)",
-                &pacing_cap,
-            )?;
-        } else {
-            // Bounded labels by default: a scrape's series do not grow with every job.
-            gauge_rows(
-                &mut enc,
-                "commd_gpu_paced_communicators",
-                "Communicators whose GPU copies on this node are capped (per communicator: metrics_per_job = on)",
-                &[(Vec::new(), paced)],
-            )?;
-            pacing_delay.push((Vec::new(), delay_sum));
-        }
-        let mut m = enc.encode_descriptor(
-            "commd_gpu_pacing_delay_seconds",
-            "Time GPU copy phases were held back by pacing caps: summed, or per communicator with metrics_per_job = on",
-            None,
-            MetricType::Counter,
-        )?;
-        for (labels, v) in &pacing_delay {
-            ConstCounter::new(*v).encode(m.encode_family(labels)?)?;
-        }
-        gauge(
-            &mut enc,
-            "commd_pending_ops",
-            "Ops posted and not yet matched or completed, over all communicators and ranks",
-            pending as f64,
-        )?;
-        gauge(
-            &mut enc,
-            "commd_oldest_pending_op_seconds",
-            "Age of the oldest op still waiting for ranks (0 when none): alert on this to catch hangs",
-            oldest.as_secs_f64(),
-        )?;
-        let mut used = Vec::new();
-        let mut cap = Vec::new();
-        let mut sums = [("sq", 0i64, 0i64), ("cq", 0, 0)];
-        for s in d.sessions() {
-            let r = &s.ring;
-            let l = r.layout();
-            use std::sync::atomic::Ordering::Relaxed;
-            // The SQ tail is client-written: clamp it to the capacity.
-            let sq = r
-                .sq_tail()
-                .load(Relaxed)
-                .wrapping_sub(r.sq_head().load(Relaxed))
-                .min(l.sq_entries);
-            let cq = r
-                .cq_tail()
-                .load(Relaxed)
-                .wrapping_sub(r.cq_head().load(Relaxed))
-                .min(l.cq_entries);
-            for (i, (q, n, c)) in [("sq", sq, l.sq_entries), ("cq", cq, l.cq_entries)]
-                .into_iter()
-                .enumerate()
-            {
-                sums[i].1 += i64::from(n);
-                sums[i].2 += i64::from(c);
-                if !per_job {
-                    continue;
-                }
-                let labels = vec![
-                    ("session", s.id.to_string()),
-                    ("pid", s.pid.to_string()),
-                    ("queue", q.to_string()),
-                ];
-                used.push((labels.clone(), i64::from(n)));
-                cap.push((labels, i64::from(c)));
-            }
-        }
-        if !per_job {
-            for (q, n, c) in sums {
-                used.push((vec![("queue", q.to_string())], n));
-                cap.push((vec![("queue", q.to_string())], c));
-            }
-        }
-        gauge_rows(
-            &mut enc,
-            "commd_ring_entries_used",
-            "Descriptors in the sessions' submission (sq) and completion (cq) rings: summed, or per session with metrics_per_job = on",
-            &used,
-        )?;
-        gauge_rows(
-            &mut enc,
-            "commd_ring_entries",
-            "Capacity of the sessions' rings: summed, or per session with metrics_per_job = on",
-            &cap,
-        )?;
-        if let Ok(cuda) = crate::cuda::get() {
-            use std::sync::atomic::Ordering::Relaxed;
-            let s = &cuda.stats;
-            let one = |v: u64| vec![(Vec::new(), v)];
-            counter(
-                &mut enc,
-                "commd_ipc_handle_opens",
-                "cuIpcOpenMemHandle calls (registrations not served from the cache)",
-                &one(s.opens.load(Relaxed)),
-            )?;
-            counter(
-                &mut enc,
-                "commd_ipc_handle_cache_hits",
-                "GPU registrations served from an open mapping",
-                &one(s.hits.load(Relaxed)),
-            )?;
-            gauge(
-                &mut enc,
-                "commd_ipc_handles_open",
-                "IPC mappings open now",
-                f64::from(s.open_now.load(Relaxed)),
-            )?;
+            .clone();
+        if let Some(s) = scrape {
+            s.encode(&mut enc)?;
         }
         Ok(())
     }

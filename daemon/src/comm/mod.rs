@@ -11,6 +11,10 @@
 //! whatever becomes runnable next) outside the lock, while other posters only enqueue.
 //! Every posted op is completed exactly once: by execution, by an error, or by a drain.
 
+mod report;
+
+pub use report::{comm_device, comm_formed, comm_nodes, comm_paths, op_executed, op_span};
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -341,7 +345,7 @@ impl Comm {
             (Some(_), Step::Run { plan, ops }) => {
                 let label = self.label();
                 let workers = self.workers;
-                let span = crate::telemetry::op_span(self, &ops, "direct", "shm");
+                let span = report::op_span(self, &ops, "direct", "shm");
                 Step::Net(net::Cmd::Run(Box::new(move || {
                     run_plan(&label, plan, ops, workers, span)
                 })))
@@ -373,7 +377,7 @@ impl Comm {
                 }
             }
             Step::Run { plan, ops } => {
-                let span = crate::telemetry::op_span(self, &ops, "direct", "shm");
+                let span = report::op_span(self, &ops, "direct", "shm");
                 run_plan(&self.label(), plan, ops, self.workers, span)
             }
             Step::Gpu(job) => match cuda::get() {
@@ -712,7 +716,7 @@ impl Comm {
             });
         }
         Step::Gpu(cuda::GpuJob {
-            span: crate::telemetry::op_span(self, &ops, "ce_push", "cuda_ce"),
+            span: report::op_span(self, &ops, "ce_push", "cuda_ce"),
             comm_id: self.id,
             label,
             bells,
@@ -1095,7 +1099,7 @@ fn run_plan(
     let traffic = plan.traffic();
     let t0 = Instant::now();
     let res = engine::execute(plan, workers);
-    crate::telemetry::op_executed(&span, &traffic, res.is_ok());
+    report::op_executed(&span, &traffic, res.is_ok());
     tracing::trace!(target: "commd::engine", op = ops[0].op.kind.name(), seq = ops[0].seq, us = t0.elapsed().as_micros() as u64, "executed");
     for p in ops {
         let c = p.op.comm;
