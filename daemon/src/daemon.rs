@@ -780,9 +780,10 @@ impl Daemon {
         };
         let d = self.clone();
         tokio::spawn(async move {
-            match crate::peer::join(&uid.root, req, wait, net.tls.as_ref()).await {
+            match crate::net::peer_client::join(&uid.root, req, wait, net.tls.as_ref()).await {
                 Ok(reply) => d.form_remote(&uid, reply),
                 Err(e) => {
+                    let e = join_error(&uid.root, e);
                     let j = lock(&d.remote_joins)
                         .get_mut(&uid.token)
                         .and_then(|rj| rj.local.remove(&rank));
@@ -1348,3 +1349,30 @@ pub fn shared_gpu_ranks(gpus: &[Option<usize>]) -> Vec<bool> {
 
 #[cfg(test)]
 mod tests;
+
+/// A failed join at the root daemon `root` as this daemon's error.
+fn join_error(root: &str, e: crate::net::peer_client::JoinError) -> DaemonError {
+    match e {
+        crate::net::peer_client::JoinError::Unreachable(e) => DaemonError::Unavailable(format!(
+            "cannot reach the root daemon {root} of this communicator (the address in the unique id): {e}"
+        )),
+        crate::net::peer_client::JoinError::Refused(s) => from_status(root, s),
+    }
+}
+
+fn from_status(root: &str, s: tonic::Status) -> DaemonError {
+    use tonic::Code;
+    let m = s.message().to_string();
+    match s.code() {
+        Code::InvalidArgument => DaemonError::InvalidArgument(m),
+        Code::NotFound => DaemonError::NotFound(m),
+        Code::PermissionDenied => {
+            DaemonError::PermissionDenied(format!("root daemon {root} refused the join: {m}"))
+        }
+        Code::AlreadyExists => DaemonError::AlreadyExists(m),
+        Code::ResourceExhausted => DaemonError::ResourceExhausted(m),
+        Code::DeadlineExceeded => DaemonError::DeadlineExceeded(m),
+        Code::Unavailable => DaemonError::Unavailable(format!("root daemon {root}: {m}")),
+        _ => DaemonError::Internal(format!("root daemon {root}: {m}")),
+    }
+}

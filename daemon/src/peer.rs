@@ -1,17 +1,17 @@
 //! The peer service between daemons (gRPC over TCP, `proto/commd/v1/peer.proto`): the root
 //! daemon of a communicator collects every rank's join (authorized by the communicator token)
-//! and answers all of them with the membership. Also the client side used by non-root daemons,
-//! and the choice of the address this node advertises.
+//! and answers all of them with the membership; and the choice of the address this node
+//! advertises. The client side (joins, RDMA endpoint exchange) is `net::peer_client`.
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use commd_proto::pb;
-use commd_proto::pb::peer_client::PeerClient;
 use tonic::{Request, Response, Status};
 
-use crate::daemon::{Daemon, DaemonError};
+use crate::daemon::Daemon;
+use crate::net::peer_client::{endpoint_from_pb, endpoint_to_pb};
 
 pub struct PeerService {
     pub daemon: Arc<Daemon>,
@@ -114,133 +114,6 @@ pub fn announced_from(r: &pb::PeerJoinRequest, remote: Option<SocketAddr>) -> Re
         }
     }
     Ok(())
-}
-
-fn from_status(root: &str, s: Status) -> DaemonError {
-    use tonic::Code;
-    let m = s.message().to_string();
-    match s.code() {
-        Code::InvalidArgument => DaemonError::InvalidArgument(m),
-        Code::NotFound => DaemonError::NotFound(m),
-        Code::PermissionDenied => {
-            DaemonError::PermissionDenied(format!("root daemon {root} refused the join: {m}"))
-        }
-        Code::AlreadyExists => DaemonError::AlreadyExists(m),
-        Code::ResourceExhausted => DaemonError::ResourceExhausted(m),
-        Code::DeadlineExceeded => DaemonError::DeadlineExceeded(m),
-        Code::Unavailable => DaemonError::Unavailable(format!("root daemon {root}: {m}")),
-        _ => DaemonError::Internal(format!("root daemon {root}: {m}")),
-    }
-}
-
-pub fn endpoint_to_pb(e: &crate::net::rdma::stream::Endpoint) -> pb::PeerRdmaEndpoint {
-    pb::PeerRdmaEndpoint {
-        qpn: e.qpn,
-        psn: e.psn,
-        gid: e.gid.to_vec(),
-        lid: u32::from(e.lid),
-        mtu: e.mtu,
-        addr: e.addr,
-        rkey: e.rkey,
-        len: e.len,
-        device: e.device.clone(),
-    }
-}
-
-pub fn endpoint_from_pb(e: &pb::PeerRdmaEndpoint) -> crate::net::rdma::stream::Endpoint {
-    let mut gid = [0u8; 16];
-    if e.gid.len() == 16 {
-        gid.copy_from_slice(&e.gid);
-    }
-    crate::net::rdma::stream::Endpoint {
-        qpn: e.qpn,
-        psn: e.psn,
-        gid,
-        lid: e.lid as u16,
-        mtu: e.mtu,
-        addr: e.addr,
-        rkey: e.rkey,
-        len: e.len,
-        device: e.device.clone(),
-    }
-}
-
-/// Connects this node's RDMA streams to `peer` (its peer-service address): for each pending QP,
-/// `Peer.RdmaConnect` returns the peer's endpoint. Runs on the calling (net) thread.
-pub fn rdma_connect_blocking(
-    peer: &str,
-    token: &[u8; 16],
-    me: &str,
-    locals: &[crate::net::rdma::stream::Endpoint],
-    tls: Option<&crate::net::PeerTls>,
-) -> Result<Vec<crate::net::rdma::stream::Endpoint>, String> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| e.to_string())?;
-    rt.block_on(async {
-        let ch = channel(peer, Duration::from_secs(10), tls)
-            .await
-            .map_err(|e| format!("cannot reach its peer service {peer}: {e}"))?;
-        let mut c = PeerClient::new(ch);
-        let mut out = Vec::with_capacity(locals.len());
-        for (i, l) in locals.iter().enumerate() {
-            let r = c
-                .rdma_connect(pb::PeerRdmaConnect {
-                    token: token.to_vec(),
-                    node: me.to_string(),
-                    stream: i as u32,
-                    endpoint: Some(endpoint_to_pb(l)),
-                })
-                .await
-                .map_err(|s| format!("RdmaConnect refused: {}", s.message()))?;
-            out.push(endpoint_from_pb(&r.into_inner()));
-        }
-        Ok(out)
-    })
-}
-
-/// A gRPC channel to a peer daemon's service (`host:port`), with mutual TLS when configured.
-async fn channel(
-    addr: &str,
-    wait: Duration,
-    tls: Option<&crate::net::PeerTls>,
-) -> Result<tonic::transport::Channel, String> {
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    let mut ep = tonic::transport::Endpoint::from_shared(format!("{scheme}://{addr}"))
-        .map_err(|e| e.to_string())?
-        .connect_timeout(Duration::from_secs(5))
-        .timeout(wait + Duration::from_secs(1));
-    if let Some(t) = tls {
-        use tonic::transport::{Certificate, ClientTlsConfig, Identity};
-        let c = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(&t.ca))
-            .identity(Identity::from_pem(&t.cert, &t.key));
-        ep = ep
-            .tls_config(c)
-            .map_err(|e| format!("TLS configuration: {e}"))?;
-    }
-    ep.connect().await.map_err(|e| format!("{e} ({e:?})"))
-}
-
-/// Joins a rank at the root daemon `root` (`host:port`); resolves with the membership.
-pub async fn join(
-    root: &str,
-    req: pb::PeerJoinRequest,
-    wait: Duration,
-    tls: Option<&crate::net::PeerTls>,
-) -> Result<pb::PeerJoinReply, DaemonError> {
-    let unreachable = |e: String| {
-        DaemonError::Unavailable(format!(
-            "cannot reach the root daemon {root} of this communicator (the address in the unique id): {e}"
-        ))
-    };
-    let ch = channel(root, wait, tls).await.map_err(unreachable)?;
-    let mut c = PeerClient::new(ch);
-    match c.join(req).await {
-        Ok(r) => Ok(r.into_inner()),
-        Err(s) => Err(from_status(root, s)),
-    }
 }
 
 /// The IP this node advertises: the configured one, else the listen IP, else the IP of the

@@ -12,6 +12,7 @@
 pub mod algo;
 pub mod conn;
 pub mod link;
+pub mod peer_client;
 pub mod rdma;
 pub mod staging;
 pub mod switchpath;
@@ -412,7 +413,7 @@ impl Thread {
                         .collect::<Result<Vec<_>, _>>()
                         .map_err(|e| format!("{label}: {e}"))?;
                     let locals: Vec<_> = pend.iter().map(|p| p.local.clone()).collect();
-                    let remotes = crate::peer::rdma_connect_blocking(
+                    let remotes = peer_client::rdma_connect_blocking(
                         &topo.nodes[i],
                         &self.s.token,
                         &self.ctx.node,
