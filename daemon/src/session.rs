@@ -79,6 +79,13 @@ impl std::fmt::Debug for Session {
     }
 }
 
+/// Communicators complete the ops of a session through this (they never name `Session`).
+impl crate::comm::Origin for Session {
+    fn complete(&self, user_data: u64, comm: u32, seq: u64, st: u32, msg: Option<String>) {
+        Session::complete(self, user_data, comm, seq, st, msg)
+    }
+}
+
 /// The GPU executor sees a session through this (it never names `Session`).
 impl crate::cuda::Client for Session {
     fn id(&self) -> u64 {

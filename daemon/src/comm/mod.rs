@@ -25,7 +25,6 @@ use crate::cuda::{self, GpuBufs, GpuSpan};
 use crate::engine::{self, RankBufs};
 use crate::net;
 use crate::pacing::Pacer;
-use crate::session::Session;
 
 /// A GPU op on a multi-node communicator without `flags::HOST_STAGED`: its client library
 /// would run the single-node phases and kernels, which the daemons do not serve across nodes.
@@ -56,11 +55,18 @@ pub struct CudaTicket {
     pub comm_slot: u32,
 }
 
+/// The client session an op came from, as communicators see it (implemented by
+/// `session::Session`, which posts the ops): where an op's completion goes, and, for GPU ops,
+/// its doorbells (`cuda::Client`).
+pub trait Origin: cuda::Client {
+    fn complete(&self, user_data: u64, comm: u32, seq: u64, st: u32, msg: Option<String>);
+}
+
 /// One posted op, validated against its session and the communicator.
 pub struct Posted {
     pub op: Op,
     pub rank: u32,
-    pub session: Arc<Session>,
+    pub session: Arc<dyn Origin>,
     pub bufs: RankBufs,
     pub posted_at: Instant,
     /// Collective sequence number, or per-pair p2p index; set on enqueue.
