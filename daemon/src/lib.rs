@@ -1,32 +1,26 @@
-//! The commd daemon library; `main.rs` is wiring over it.
+//! The commd daemon library; `main.rs` is wiring over it (the command line, then one call here).
 //!
-//! - [`config`]: the typed settings registry and its precedence rules.
-//! - [`serve`]: start/stop of the daemon (sockets, threads, signals, exit codes).
-//! - [`control`]: the local gRPC service; [`fdsock`]: the fd socket.
-//! - [`daemon`]: daemon-wide state; [`session`]: per-client sessions and ring pollers;
-//!   [`comm`]: communicators, matching and failure reports; [`pacing`]: the per-communicator
-//!   cap on GPU copy bandwidth.
-//! - [`engine`]: plans and their host-memory execution; [`shm`]: registered memory.
-//! - [`bench`]: `commd bench`.
-//! - [`issued`]: the unique ids issued and not yet used (bounded per uid).
-//! - [`ranks`]: rank lists in messages (ranges, bounded).
-//! - [`private`]: opening files in directories other users may write to (no symlinks).
-//! - [`notify`]: readiness notification to systemd; [`health`]: `commd health`.
-//! - [`telemetry`]: metrics, traces, logs, link counters, the admin service, `commd stat`.
-//!
-//! Layers, from the top down; a module names types of its own layer or lower ones only, and
-//! completions and wake-ups go up through channels, traits or plain data the lower layer owns:
-//! 1. services and commands: `serve`, `control`, `fdsock`, `peer`, `exec`, `bench`, `health`,
-//!    the CLI parts of `telemetry`;
-//! 2. daemon state: `daemon`, `session`, `comm`, `issued`;
-//! 3. executors: `engine` (host), `cuda` (GPU, with its persistent ops: `cuda::graphs`), `net`
-//!    (transports and algorithms), `fanout`, `pacing`;
-//! 4. foundations: `config`, the metrics/trace/log core of `telemetry`, `shm`, `ranks`,
-//!    `private`, `notify`.
-//!
-//! The code does not follow this yet (issue 21): `scripts/check-layers` lists the dependencies
-//! that lie on import cycles today (`scripts/layers-baseline.txt`) and fails the test command
-//! when a new one appears.
+//! Layers, from the top down. A module names types of its own layer or lower ones only, and no
+//! two modules reach each other; completions and wake-ups go up through channels, traits or
+//! plain data the lower layer owns (`cuda::Client`/`Done`, `comm::Origin`,
+//! `telemetry::metrics::Scrape`). `scripts/check-layers` (run by the test command) fails on an
+//! upward dependency, a cycle, or a module without a layer:
+//! 1. services and commands: [`serve`] (start/stop: sockets, threads, signals), [`control`]
+//!    (the local gRPC service), [`fdsock`] (the fd socket), [`peer`] (the peer service),
+//!    [`admin`] (the admin service), [`report`] (daemon state as metrics, telemetry's start),
+//!    [`cli`] (`commd bench`, `health`, `stat`), [`exec`];
+//! 2. daemon state: [`daemon`] (daemon-wide state), [`session`] (per-client sessions and ring
+//!    pollers), [`comm`] (communicators, matching and failure reports), [`issued`] (unique ids
+//!    issued and not yet used);
+//! 3. executors: [`engine`] (host memory), [`cuda`] (GPU copies, persistent ops), [`net`]
+//!    (transports and algorithms across nodes, the peer client), [`switch`] (in-network
+//!    aggregation: the client's workers and the software switch), [`fanout`], [`posted`] (a
+//!    posted op, which all of them complete);
+//! 4. foundations: [`config`] (the typed settings registry and its precedence rules),
+//!    [`telemetry`] (metrics, traces, logs, link counters), [`shm`] (registered memory),
+//!    [`ranks`] (rank lists in messages), [`private`] (opening files in directories other
+//!    users may write to), [`notify`] (readiness notification to systemd), [`exit`] (exit
+//!    codes), [`pacing`] (the per-communicator cap on GPU copy bandwidth).
 
 pub mod admin;
 pub mod cli;
@@ -45,6 +39,7 @@ pub mod net;
 pub mod notify;
 pub mod pacing;
 pub mod peer;
+pub mod posted;
 pub mod private;
 pub mod ranks;
 pub mod report;

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use commd_proto::desc::{OpKind, status};
 
-use crate::comm::Posted;
+use crate::posted::Posted;
 use algo::{Coll, Scratch, Topo, Tuning};
 use conn::DataPlane;
 use link::Link;

@@ -1,14 +1,16 @@
 //! Observability: what the daemon chose and what it is doing, for operators.
 //!
 //! - [`links`]: per-link rx/tx byte and packet counters — **the API transports call** (below).
-//! - [`metrics`]: the Prometheus registry (ops, bytes, latency, errors, IPC opens, and gauges read
+//! - [`metrics`](mod@metrics): the Prometheus registry (ops, bytes, latency, errors, IPC opens, and gauges read
 //!   at scrape time) and [`http`]: the `/metrics` endpoint (`metrics_listen`).
 //! - [`trace`]: `tracing` spans for sessions, communicator init and ops, exported over OTLP when
 //!   `otlp_endpoint` is set (nothing is exported, and nothing fails, when it is not).
 //! - [`logging`]: the subscriber (`COMMD_DEBUG`, `COMMD_DEBUG_SUBSYS`, text or JSON lines) and the
 //!   `NCCL_DEBUG=INFO`-style init lines: [`log_path`] names each path's transport and why.
-//! - [`admin`]: the `Admin` gRPC service (caller must have the daemon's uid, or be root);
-//!   [`cli`]: `commd status` and `commd stat -l` over it.
+//!
+//! A foundation (daemon/src/lib.rs): it names no module above it. What reads daemon state for
+//! metrics is `crate::report` (through [`metrics::Scrape`]); what a communicator logs of itself
+//! is `crate::comm::report`; the `Admin` service is `crate::admin`, `commd stat` `crate::cli`.
 //!
 //! Must not: block, lock contended state or allocate on the data path (the hooks below are
 //! atomics, or a read-locked lookup keyed by `&'static str`), or let an unreachable exporter or a
@@ -24,11 +26,11 @@
 //! // at communicator init, for each path (or group of paths with the same choice):
 //! telemetry::log_path(&comm.label(), "rank 0 -> rank 4", "TCP", "no RDMA device on this node");
 //! ```
-//! The rest is hooked already: `Posted::complete` → [`op_done`]; `Comm::run_step` →
-//! [`op_span`] / [`op_executed`]; the GPU executor → [`op_status`] and [`links::gpu_copy`];
-//! `Daemon::hello`/`close_session` → [`session_opened`]/[`session_closed`]; `Daemon::join`/`form`
-//! → [`comm_joining`]/[`comm_formed`]; `Daemon::comm_scratch` → [`comm_device`]; `serve` →
-//! [`start`]/[`shutdown`].
+//! The rest is hooked already: `Posted::complete` → [`op_done`]; `comm::op_span` /
+//! `comm::op_executed` → [`op_status`]; the GPU executor → [`op_status`] and
+//! [`links::gpu_copy`]; `Daemon::hello`/`close_session` → [`session_opened`]/[`session_closed`];
+//! `Daemon::join` → [`comm_joining`]; `comm::comm_formed` → [`comm_init_ended`]; `serve` →
+//! `report::start` / [`shutdown`].
 
 pub mod http;
 pub mod links;
