@@ -63,6 +63,37 @@ def test_collective_vs_send_order_deadlock_is_reported(daemon):
     assert "mismatched op order" in msg and "rank 0: send to rank 1" in msg and "rank 1: all_reduce seq 0" in msg, msg
 
 
+def test_a_rank_that_destroys_the_communicator_fails_only_what_needed_it(daemon):
+    # Rank 1 finishes its part (a recv from rank 0) and destroys the communicator, as a pipeline
+    # stage that is done does. Ranks 0 and 2 still exchange with each other (rank 0's recv is
+    # queued before rank 1 leaves, rank 2's matching send posted after), as with NCCL; what needs
+    # rank 1 (a collective, a send to it) fails at once, naming it.
+    def steps(r):
+        if r == 1:
+            return [{"op": "recv", "count": 4, "peer": 0}, {"destroy": True}]
+        if r == 0:
+            return [{"op": "send", "count": 4, "peer": 1},
+                    {"group": [{"op": "send", "count": 100000, "peer": 2, "seed": 5},
+                               {"op": "recv", "count": 100000, "peer": 2, "seed": 6}]},
+                    {"op": "all_reduce", "count": 4, "expect": "error"},
+                    {"op": "send", "count": 4, "peer": 1, "expect": "error"}]
+        return [{"sleep_ms": 500},
+                {"group": [{"op": "recv", "count": 100000, "peer": 0, "seed": 5},
+                           {"op": "send", "count": 100000, "peer": 0, "seed": 6}]},
+                {"op": "all_reduce", "count": 4, "expect": "error"}]
+
+    ranks = run_ranks(daemon, 3, steps, timeout=60)
+    assert_all_pass(ranks)
+    for r in (0, 2):
+        res = ranks[r].results()
+        failed = [x for x in res if x.get("result") != "ok"]
+        assert failed, res
+        for x in failed:
+            assert "rank 1" in x["message"] and "destroyed the communicator" in x["message"], x
+    # the exchange between ranks 0 and 2 ran (and its data was checked by the client)
+    assert ranks[0].results()[1]["pass"] and ranks[2].results()[1]["pass"]
+
+
 def test_blocked_send_times_out_naming_what_blocks_it(daemon):
     # A client that waits on its send never posts its collective: only the op timeout can tell.
     def steps(r):

@@ -10,7 +10,9 @@
 //! Steps: `{"op": "all_reduce", "dtype": "f32", "count": 1001, "redop": "sum", "root": 0,
 //! "peer": 1, "inplace": false, "comm": 0, "seed": 7, "expect": "ok", "bad": null,
 //! "check_stride": 1}`, `{"group": [step, ...]}` (post all, then wait all), `{"sleep_ms": 100}`,
-//! `{"touch": "/path"}`, `{"fuzz": 100}` (random raw descriptors; each must fail as invalid).
+//! `{"touch": "/path"}`, `{"fuzz": 100}` (random raw descriptors; each must fail as invalid),
+//! `{"destroy": true, "comm": 0}` (destroys that communicator, as `ncclCommDestroy` does, and
+//! removes it from the list: later `comm` indices shift down).
 //! `"repeat": N` on a step runs it N times.
 
 use std::io::Write;
@@ -77,6 +79,7 @@ struct Step {
     sleep_ms: Option<u64>,
     touch: Option<String>,
     fuzz: Option<u32>,
+    destroy: Option<bool>,
     /// Run this step this many times (load loops without a huge --steps argument).
     repeat: Option<usize>,
 }
@@ -211,6 +214,7 @@ fn run(
         json!({"joined": comms.len(), "session": client.session_id()})
     );
     let mut all_ok = true;
+    let mut comms = comms;
     for (i, step) in steps.iter().enumerate() {
         let t0 = Instant::now();
         let results: Vec<(String, u64, String)> = if let Some(ms) = step.sleep_ms {
@@ -219,6 +223,13 @@ fn run(
         } else if let Some(p) = &step.touch {
             std::fs::write(p, b"").map_err(|e| e.to_string())?;
             vec![("ok".into(), 0, String::new())]
+        } else if step.destroy == Some(true) {
+            if step.comm < comms.len() {
+                drop(comms.remove(step.comm));
+                vec![("ok".into(), 0, String::new())]
+            } else {
+                vec![("error".into(), 0, format!("no communicator {}", step.comm))]
+            }
         } else if let Some(n) = step.fuzz {
             fuzz(&client, &comms, n)
         } else if let Some(g) = &step.group {

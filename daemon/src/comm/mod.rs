@@ -72,6 +72,23 @@ struct Inner {
     progressing: bool,
     broken: Option<(u32, String)>,
     left: Vec<bool>,
+    /// Why each rank that destroyed the communicator is gone (`Comm::leave`), for the ops that
+    /// needed it.
+    left_msg: HashMap<u32, String>,
+}
+
+impl Inner {
+    /// Why `p` can never complete because a rank destroyed the communicator: a collective once
+    /// any rank left (it will never post its part), a send or recv whose peer left.
+    fn departed(&self, p: &Posted) -> Option<String> {
+        let who = if p.op.kind.is_p2p() {
+            Some(p.op.peer)
+        } else {
+            (0..self.left.len() as u32).find(|&r| self.left[r as usize])
+        };
+        who.filter(|&r| self.left.get(r as usize) == Some(&true))
+            .and_then(|r| self.left_msg.get(&r).cloned())
+    }
 }
 
 pub struct Comm {
@@ -127,6 +144,7 @@ impl Comm {
                 progressing: false,
                 broken: None,
                 left: vec![false; n],
+                left_msg: HashMap::new(),
             }),
             scratch: Mutex::new(vec![None; n]),
             local,
@@ -155,6 +173,12 @@ impl Comm {
             drop(g);
             let c = p.op.comm;
             p.complete(c, st, Some(msg));
+            return;
+        }
+        if let Some(msg) = g.departed(&p) {
+            drop(g);
+            let c = p.op.comm;
+            p.complete(c, status::PEER_LOST, Some(msg));
             return;
         }
         let r = p.rank;
@@ -770,19 +794,7 @@ impl Comm {
     /// Fails every queued op and later posts with `st`; used for peer loss, destroy, shutdown.
     /// Returns true once every rank has left.
     pub fn abort_rank(&self, rank: Option<u32>, st: u32, msg: String) -> bool {
-        self.leave_or_abort(rank, st, msg, false)
-    }
-
-    /// A rank destroyed the communicator: like [`Comm::abort_rank`] on this node, but the other
-    /// nodes are not told to abort; they see this node end once all its ranks have left.
-    pub fn leave(&self, rank: u32, msg: String) -> bool {
-        self.leave_or_abort(Some(rank), status::PEER_LOST, msg, true)
-    }
-
-    fn leave_or_abort(&self, rank: Option<u32>, st: u32, msg: String, graceful: bool) -> bool {
-        if let Some(h) = self.net.get()
-            && !graceful
-        {
+        if let Some(h) = self.net.get() {
             let _ = h.submit(net::Cmd::Abort(msg.clone()));
         }
         let mut g = self.lock();
@@ -804,6 +816,51 @@ impl Comm {
         if (all_left || st == status::SHUTDOWN)
             && let Some(h) = self.net.get()
         {
+            h.end();
+        }
+        all_left
+    }
+
+    /// A rank destroyed the communicator. What needed it fails with `msg`: its own queued ops,
+    /// every queued and later collective (it will never post its part), and sends and receives
+    /// with it. Sends and receives between the other ranks go on (a rank that finished its part
+    /// of a pipeline may leave while its neighbours still exchange, as with NCCL). The other
+    /// nodes are not told to abort; they see this node end once all its ranks have left.
+    /// Returns true once every rank of this node has left.
+    pub fn leave(&self, rank: u32, msg: String) -> bool {
+        let mut g = self.lock();
+        if let Some(l) = g.left.get_mut(rank as usize) {
+            *l = true;
+        }
+        tracing::info!(target: "commd::comm", "{msg}");
+        g.left_msg.entry(rank).or_insert(msg);
+        let (st, why) = g
+            .broken
+            .clone()
+            .unwrap_or((status::PEER_LOST, String::new()));
+        let mut failed = Vec::new();
+        for q in 0..g.queues.len() {
+            let mut keep = VecDeque::new();
+            while let Some(p) = g.queues[q].pop_front() {
+                let m = if p.rank == rank {
+                    g.left_msg.get(&rank).cloned()
+                } else {
+                    g.departed(&p)
+                };
+                match m {
+                    Some(m) => failed.push((p, if why.is_empty() { m } else { why.clone() })),
+                    None => keep.push_back(p),
+                }
+            }
+            g.queues[q] = keep;
+        }
+        let all_left = self.local.iter().all(|&r| g.left[r as usize]);
+        drop(g);
+        for (p, m) in failed {
+            let c = p.op.comm;
+            p.complete(c, st, Some(m));
+        }
+        if all_left && let Some(h) = self.net.get() {
             h.end();
         }
         all_left
