@@ -1,58 +1,22 @@
-//! Daemon-wide state: sessions, communicators, pending joins, issued unique ids, and the
-//! operations the control plane and the fd socket call. Transport-agnostic: no tonic types here
-//! (errors are [`DaemonError`], mapped to gRPC statuses in `control`).
+//! Forming communicators: unique ids, each rank's join (local, or through the root daemon of
+//! a communicator that spans nodes, and the root's side of a peer's join), the pacing the
+//! ranks vote for, withdrawals on timeout, destroying a communicator.
+//!
+//! May use: what `daemon` may (`comm`, `session`, `net`, `config`).
 
-use std::collections::HashMap;
-use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
-
-use commd_proto::desc::status;
-use commd_proto::ring::RingLayout;
-use commd_proto::uid::UniqueId;
-use thiserror::Error;
-use tokio::sync::oneshot;
-
-use commd_proto::pb;
-
-use crate::comm::{Comm, Member};
-use crate::config::Config;
-use crate::net::NetCtx;
-use crate::session::{MAX_STAGED, Session};
-use crate::shm::MemRegion;
-
-#[derive(Debug, Error)]
-pub enum DaemonError {
-    #[error("{0}")]
-    InvalidArgument(String),
-    #[error("{0}")]
-    NotFound(String),
-    #[error("{0}")]
-    PermissionDenied(String),
-    #[error("{0}")]
-    AlreadyExists(String),
-    #[error("{0}")]
-    ResourceExhausted(String),
-    #[error("{0}")]
-    DeadlineExceeded(String),
-    #[error("{0}")]
-    Unavailable(String),
-    #[error("{0}")]
-    Internal(String),
-}
+use super::*;
 
 /// (communicator handle, daemon-wide id, doorbell slot).
 /// A joined rank's communicator handle, daemon-wide id, doorbell slot, and node count.
-type JoinResult = Result<(u32, u64, u32, u32), DaemonError>;
+pub(super) type JoinResult = Result<(u32, u64, u32, u32), DaemonError>;
 
-struct Joiner {
-    session: Arc<Session>,
-    tx: oneshot::Sender<JoinResult>,
+pub(super) struct Joiner {
+    pub(super) session: Arc<Session>,
+    pub(super) tx: oneshot::Sender<JoinResult>,
 }
 
 /// A rank of a communicator rooted here: local, or joined by another node's daemon.
-enum Slot {
+pub(super) enum Slot {
     Local(Joiner),
     Remote {
         node: String,
@@ -64,21 +28,21 @@ enum Slot {
 }
 
 impl Slot {
-    fn session_id(&self) -> Option<u64> {
+    pub(super) fn session_id(&self) -> Option<u64> {
         match self {
             Slot::Local(j) => Some(j.session.id),
             Slot::Remote { .. } => None,
         }
     }
 
-    fn pid(&self) -> i32 {
+    pub(super) fn pid(&self) -> i32 {
         match self {
             Slot::Local(j) => j.session.pid,
             Slot::Remote { pid, .. } => *pid,
         }
     }
 
-    fn fail(self, e: DaemonError) {
+    pub(super) fn fail(self, e: DaemonError) {
         match self {
             Slot::Local(j) => {
                 let _ = j.tx.send(Err(e));
@@ -90,20 +54,20 @@ impl Slot {
     }
 }
 
-struct PendingJoin {
-    nranks: u32,
-    op_timeout: Duration,
-    members: Vec<Option<Slot>>,
-    pacing: Option<PacingVote>,
+pub(super) struct PendingJoin {
+    pub(super) nranks: u32,
+    pub(super) op_timeout: Duration,
+    pub(super) members: Vec<Option<Slot>>,
+    pub(super) pacing: Option<PacingVote>,
 }
 
 /// This node's ranks of a communicator rooted at another node, waiting for the root's answer.
-struct RemoteJoin {
-    nranks: u32,
-    op_timeout: Duration,
-    root: String,
-    local: HashMap<u32, Joiner>,
-    pacing: Option<PacingVote>,
+pub(super) struct RemoteJoin {
+    pub(super) nranks: u32,
+    pub(super) op_timeout: Duration,
+    pub(super) root: String,
+    pub(super) local: HashMap<u32, Joiner>,
+    pub(super) pacing: Option<PacingVote>,
 }
 
 /// A rank's creation-time options from `CreateCommunicatorRequest`.
@@ -119,9 +83,9 @@ pub struct JoinOpts {
 /// (one [`crate::pacing::Pacer`] in this daemon for all its ranks), so only this node's ranks
 /// must agree; ranks on other nodes are paced by their own daemon.
 #[derive(Clone, Copy, Debug)]
-struct PacingVote {
-    rank: u32,
-    rate: Option<u64>,
+pub(super) struct PacingVote {
+    pub(super) rank: u32,
+    pub(super) rate: Option<u64>,
 }
 
 /// Records `rank`'s pacing in `vote`, or refuses it if an earlier local rank asked for another.
@@ -146,246 +110,7 @@ fn vote_pacing(
     }
 }
 
-/// Counters for `Status`.
-#[derive(Debug, Default, Clone)]
-pub struct Counts {
-    pub sessions: u32,
-    pub communicators: u32,
-    pub registrations: u32,
-    pub mapped_bytes: u64,
-    pub pending_joins: u32,
-}
-
-/// What one uid's sessions hold (per-uid limits, `commd status`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct UidUsage {
-    pub sessions: usize,
-    pub communicators: usize,
-    pub registered_bytes: u64,
-}
-
-pub struct Daemon {
-    pub cfg: Config,
-    pub started: Instant,
-    sessions: Mutex<HashMap<u64, Arc<Session>>>,
-    comms: Mutex<HashMap<u64, Arc<Comm>>>,
-    issued: Mutex<crate::issued::Issued>,
-    /// Serializes the per-uid registered-bytes check and charge (`register`).
-    reg_charge: Mutex<()>,
-    joins: Mutex<HashMap<[u8; 16], PendingJoin>>,
-    remote_joins: Mutex<HashMap<[u8; 16], RemoteJoin>>,
-    /// Per-communicator `switch` options of forming communicators (first local rank's).
-    switch_opts: Mutex<HashMap<[u8; 16], String>>,
-    /// Set once the peer service and data listener are up (absent: single-node daemon).
-    net: std::sync::OnceLock<Arc<NetCtx>>,
-    next_id: AtomicU64,
-    shutting_down: AtomicBool,
-    /// Ops completed/failed by sessions that have since closed.
-    pub closed_ops: (AtomicU64, AtomicU64),
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Daemon {
-    pub fn new(cfg: Config) -> Arc<Self> {
-        match crate::cuda::init(cfg.cuda, cfg.gpu_scratch_slot_bytes) {
-            Ok(c) => {
-                tracing::info!(target: "commd::init", "CUDA: {} GPU(s), driver {}", c.gpus.len(), c.driver_version);
-                c.log_topology();
-            }
-            Err(why) => {
-                tracing::info!(target: "commd::init", "CUDA unavailable, serving host memory only: {why}")
-            }
-        }
-        Arc::new(Self {
-            cfg,
-            started: Instant::now(),
-            sessions: Mutex::new(HashMap::new()),
-            comms: Mutex::new(HashMap::new()),
-            issued: Mutex::new(crate::issued::Issued::default()),
-            reg_charge: Mutex::new(()),
-            joins: Mutex::new(HashMap::new()),
-            remote_joins: Mutex::new(HashMap::new()),
-            switch_opts: Mutex::new(HashMap::new()),
-            net: std::sync::OnceLock::new(),
-            next_id: AtomicU64::new(1),
-            shutting_down: AtomicBool::new(false),
-            closed_ops: (AtomicU64::new(0), AtomicU64::new(0)),
-        })
-    }
-
-    /// Enables multi-node communicators (called once by `serve`).
-    pub fn set_net(&self, n: Arc<NetCtx>) {
-        let _ = self.net.set(n);
-    }
-
-    pub fn net(&self) -> Option<&Arc<NetCtx>> {
-        self.net.get()
-    }
-
-    /// This node's id (its advertised peer address), if it has a peer service.
-    pub fn node_id(&self) -> Option<String> {
-        self.net.get().map(|n| n.node.clone())
-    }
-
-    fn new_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
-    }
-
-    pub fn is_shutting_down(&self) -> bool {
-        self.shutting_down.load(Ordering::Acquire)
-    }
-
-    pub fn hello(
-        &self,
-        uid: u32,
-        pid: i32,
-        name: String,
-        sq: u32,
-        cq: u32,
-    ) -> Result<Arc<Session>, DaemonError> {
-        if self.is_shutting_down() {
-            return Err(DaemonError::Unavailable("daemon is shutting down".into()));
-        }
-        let mut sessions = lock(&self.sessions);
-        if sessions.len() >= self.cfg.max_sessions {
-            return Err(DaemonError::ResourceExhausted(format!(
-                "daemon serves its maximum of {} sessions (max_sessions)",
-                self.cfg.max_sessions
-            )));
-        }
-        // One user cannot take every session and lock the others out.
-        let mine = sessions.values().filter(|s| s.uid == uid).count();
-        if mine >= self.cfg.max_sessions_per_uid {
-            return Err(DaemonError::ResourceExhausted(format!(
-                "uid {uid} already has {mine} sessions, its maximum (max_sessions_per_uid={}); \
-                 each client process holds one until it exits",
-                self.cfg.max_sessions_per_uid
-            )));
-        }
-        let pick = |n: u32| {
-            if n == 0 {
-                self.cfg.ring_entries
-            } else {
-                n.next_power_of_two().min(commd_proto::ring::MAX_ENTRIES)
-            }
-        };
-        let layout = RingLayout::new(pick(sq), pick(cq))
-            .map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
-        let mut secret = [0u8; 16];
-        rand::RngCore::fill_bytes(&mut rand::rng(), &mut secret);
-        let id = self.new_id();
-        let s = Session::new(id, uid, pid, name, secret, layout)
-            .map_err(|e| DaemonError::Internal(format!("creating session memory: {e}")))?;
-        let s = Arc::new(s);
-        sessions.insert(id, s.clone());
-        tracing::info!(target: "commd::session", session = id, uid, pid, "session opened");
-        crate::telemetry::session_opened(id, uid, pid, &s.name);
-        Ok(s)
-    }
-
-    /// Looks a session up for a caller; only the process that opened it may use it.
-    pub fn session_for(&self, id: u64, uid: u32, pid: i32) -> Result<Arc<Session>, DaemonError> {
-        let s = lock(&self.sessions).get(&id).cloned().ok_or_else(|| {
-            DaemonError::NotFound(format!("no session {id} (closed, or never opened)"))
-        })?;
-        if s.uid != uid || s.pid != pid {
-            return Err(DaemonError::PermissionDenied(format!(
-                "session {id} belongs to another process"
-            )));
-        }
-        Ok(s)
-    }
-
-    pub fn session(&self, id: u64) -> Option<Arc<Session>> {
-        lock(&self.sessions).get(&id).cloned()
-    }
-
-    pub fn sessions(&self) -> Vec<Arc<Session>> {
-        lock(&self.sessions).values().cloned().collect()
-    }
-
-    pub fn comms(&self) -> Vec<Arc<Comm>> {
-        lock(&self.comms).values().cloned().collect()
-    }
-
-    pub fn comm_by_id(&self, id: u64) -> Option<Arc<Comm>> {
-        lock(&self.comms).get(&id).cloned()
-    }
-
-    /// Ends a session: its communicators fail for the other ranks with "peer lost" (or the
-    /// given status), and its memory, rings and registrations are freed.
-    pub fn close_session(&self, id: u64, st: u32, reason: &str) {
-        let Some(s) = lock(&self.sessions).remove(&id) else {
-            return;
-        };
-        if !s.mark_closed(st) {
-            return;
-        }
-        tracing::info!(target: "commd::session", session = id, pid = s.pid, "session closed: {reason}");
-        crate::telemetry::session_closed(id, reason);
-        let comms: Vec<(Arc<Comm>, u32)> = {
-            let mut t = s.tables();
-            let c = t.comms.drain().map(|(_, v)| v).collect();
-            t.mems.clear();
-            t.cuda_mems.clear();
-            t.ipc_cache.clear();
-            t.doorbell_slots.clear();
-            t.staged.clear();
-            t.registered_bytes = 0;
-            c
-        };
-        for (comm, rank) in comms {
-            let msg = format!(
-                "{}: rank {rank} (pid {}) lost: {reason}",
-                comm.label(),
-                s.pid
-            );
-            if comm.abort_rank(Some(rank), status::PEER_LOST, msg) {
-                lock(&self.comms).remove(&comm.id);
-            }
-        }
-        // Pending joins of this session fail for everyone: the communicator can no longer form.
-        let mut joins = lock(&self.joins);
-        let tokens: Vec<[u8; 16]> = joins
-            .iter()
-            .filter(|(_, j)| {
-                j.members
-                    .iter()
-                    .flatten()
-                    .any(|m| m.session_id() == Some(id))
-            })
-            .map(|(t, _)| *t)
-            .collect();
-        for t in tokens {
-            if let Some(j) = joins.remove(&t) {
-                let rank = j
-                    .members
-                    .iter()
-                    .position(|m| m.as_ref().is_some_and(|m| m.session_id() == Some(id)))
-                    .unwrap_or(0);
-                for m in j.members.into_iter().flatten() {
-                    m.fail(DaemonError::Unavailable(format!(
-                        "rank {rank} (pid {}) exited while the communicator was forming: {reason}",
-                        s.pid
-                    )));
-                }
-            }
-        }
-        drop(joins);
-        for rj in lock(&self.remote_joins).values_mut() {
-            rj.local.retain(|_, j| j.session.id != id);
-        }
-        self.closed_ops
-            .0
-            .fetch_add(s.ops_completed.load(Ordering::Relaxed), Ordering::Relaxed);
-        self.closed_ops
-            .1
-            .fetch_add(s.ops_failed.load(Ordering::Relaxed), Ordering::Relaxed);
-    }
-
     /// A fresh unique id for a session of `uid` (see [`crate::issued`] for the limits).
     pub fn unique_id(&self, uid: u32) -> UniqueId {
         let u = UniqueId::random_with_root(&self.node_id().unwrap_or_default());
@@ -1000,355 +725,7 @@ impl Daemon {
         );
         Ok(())
     }
-
-    pub fn stage_fd(&self, s: &Session, token: u64, fd: OwnedFd) -> Result<(), DaemonError> {
-        let mut t = s.tables();
-        if t.staged.len() >= MAX_STAGED {
-            return Err(DaemonError::ResourceExhausted(format!(
-                "more than {MAX_STAGED} fds staged and not registered"
-            )));
-        }
-        t.staged.insert(token, fd);
-        Ok(())
-    }
-
-    pub fn register(&self, s: &Session, token: u64, bytes: u64) -> Result<u32, DaemonError> {
-        let fd = s.tables().staged.remove(&token).ok_or_else(|| {
-            DaemonError::NotFound(format!(
-                "no fd staged under token {token}: stage it on the fd socket first"
-            ))
-        })?;
-        {
-            let t = s.tables();
-            if t.registered_bytes.saturating_add(bytes) > self.cfg.max_registered_bytes {
-                return Err(DaemonError::ResourceExhausted(format!(
-                    "registering {bytes} bytes would exceed the session limit of {} bytes (max_registered_bytes)",
-                    self.cfg.max_registered_bytes
-                )));
-            }
-        }
-        // Check and charge under one lock, so concurrent registrations of a uid cannot both
-        // pass; each session's tables are locked only briefly, one at a time.
-        let _charge = lock(&self.reg_charge);
-        let held = self.uid_usage(s.uid).registered_bytes;
-        let cap = self.cfg.max_registered_bytes_per_uid;
-        if held.saturating_add(bytes) > cap {
-            return Err(DaemonError::ResourceExhausted(format!(
-                "registering {bytes} bytes would bring uid {} to {} bytes of registered host memory, above its limit of {cap} bytes (max_registered_bytes_per_uid)",
-                s.uid,
-                held.saturating_add(bytes)
-            )));
-        }
-        let region = MemRegion::from_fd(fd, bytes)
-            .map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
-        let mut t = s.tables();
-        t.next_mem += 1;
-        let id = t.next_mem;
-        t.registered_bytes += bytes;
-        t.mems.insert(id, Arc::new(region));
-        Ok(id)
-    }
-
-    /// What the sessions of `uid` hold now.
-    pub fn uid_usage(&self, uid: u32) -> UidUsage {
-        let mut u = UidUsage::default();
-        for s in self.sessions().iter().filter(|s| s.uid == uid) {
-            let t = s.tables();
-            u.sessions += 1;
-            u.communicators += t.comms.len();
-            u.registered_bytes = u.registered_bytes.saturating_add(t.registered_bytes);
-        }
-        u
-    }
-
-    /// Registers a client's device allocation by IPC handle; returns (mem id, cached, open us).
-    /// The same handle registered again by the session returns the open mapping. With `vmm`,
-    /// `handle` is empty and the registration is a mirror of the client's cuMem address range
-    /// of `bytes`, its pieces mapped by [`Daemon::map_cuda_pieces`].
-    pub fn register_cuda(
-        &self,
-        s: &Session,
-        handle: &[u8],
-        uuid: &[u8],
-        bytes: u64,
-        vmm: bool,
-    ) -> Result<(u32, bool, u64), DaemonError> {
-        let c = crate::cuda::get()
-            .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
-        if bytes == 0 {
-            return Err(DaemonError::InvalidArgument(
-                "registration of 0 bytes".into(),
-            ));
-        }
-        if vmm {
-            if !handle.is_empty() {
-                return Err(DaemonError::InvalidArgument(
-                    "a cuMem range registration carries no IPC handle".into(),
-                ));
-            }
-            let mem = c
-                .reserve_vmm(uuid, bytes)
-                .map_err(DaemonError::InvalidArgument)?;
-            let mut t = s.tables();
-            t.next_mem += 1;
-            let id = t.next_mem;
-            t.cuda_mems.insert(id, Arc::new(mem));
-            return Ok((id, false, 0));
-        }
-        if let Some(id) = s.tables().ipc_cache.get(handle).copied() {
-            c.stats.hits.fetch_add(1, Ordering::Relaxed);
-            s.ipc_hits.fetch_add(1, Ordering::Relaxed);
-            return Ok((id, true, 0));
-        }
-        let mem = c
-            .open_ipc(uuid, handle, bytes)
-            .map_err(DaemonError::InvalidArgument)?;
-        s.ipc_opens.fetch_add(1, Ordering::Relaxed);
-        let us = mem.open_us;
-        let mut t = s.tables();
-        // Another thread of the client may have registered the same handle meanwhile.
-        if let Some(id) = t.ipc_cache.get(handle).copied() {
-            return Ok((id, true, 0));
-        }
-        t.next_mem += 1;
-        let id = t.next_mem;
-        t.cuda_mems.insert(id, Arc::new(mem));
-        t.ipc_cache.insert(handle.to_vec(), id);
-        Ok((id, false, us))
-    }
-
-    /// Maps pieces (offset, bytes, staged fd token) into the session's cuMem mirror `mem`;
-    /// returns the microseconds spent. Every staged fd named is consumed, even on failure.
-    pub fn map_cuda_pieces(
-        &self,
-        s: &Session,
-        mem: u32,
-        pieces: &[(u64, u64, u64)],
-    ) -> Result<u64, DaemonError> {
-        let (m, fds) = {
-            let mut t = s.tables();
-            let fds: Vec<Option<OwnedFd>> = pieces.iter().map(|p| t.staged.remove(&p.2)).collect();
-            (t.cuda_mems.get(&mem).cloned(), fds)
-        };
-        let c = crate::cuda::get()
-            .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
-        let m = m.ok_or_else(|| {
-            DaemonError::NotFound(format!("no GPU memory handle {mem} in session {}", s.id))
-        })?;
-        if !m.is_vmm() {
-            return Err(DaemonError::InvalidArgument(format!(
-                "GPU memory handle {mem} is an IPC registration, not a cuMem range"
-            )));
-        }
-        let mut list = Vec::with_capacity(pieces.len());
-        for (p, fd) in pieces.iter().zip(fds) {
-            let fd = fd.ok_or_else(|| {
-                DaemonError::NotFound(format!(
-                    "no fd staged under token {}: stage it on the fd socket first",
-                    p.2
-                ))
-            })?;
-            list.push((p.0, p.1, fd));
-        }
-        let us = c
-            .map_pieces(&m, list)
-            .map_err(DaemonError::InvalidArgument)?;
-        s.ipc_opens
-            .fetch_add(pieces.len() as u64, Ordering::Relaxed);
-        Ok(us)
-    }
-
-    /// The device scratch of `s`'s rank of communicator `handle` on the GPU `uuid` (allocated on
-    /// first call): (IPC handle, slot bytes, total bytes).
-    pub fn comm_scratch(
-        &self,
-        s: &Session,
-        handle: u32,
-        uuid: &[u8],
-    ) -> Result<(Vec<u8>, u64, u64), DaemonError> {
-        let c = crate::cuda::get()
-            .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
-        let (comm, rank) = s.tables().comms.get(&handle).cloned().ok_or_else(|| {
-            DaemonError::NotFound(format!(
-                "no communicator handle {handle} in session {}",
-                s.id
-            ))
-        })?;
-        let bytes = commd_proto::desc::cuda_scratch_bytes(comm.nranks, c.slot_bytes);
-        if bytes == 0 {
-            return Ok((Vec::new(), c.slot_bytes, 0));
-        }
-        let gpu = c.gpu_by_uuid(uuid);
-        let mut sc = comm.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(existing) = &sc[rank as usize] {
-            if Some(existing.mem.gpu) != gpu {
-                return Err(DaemonError::InvalidArgument(format!(
-                    "{}: rank {rank} already has its GPU scratch on another GPU; use one GPU per rank and communicator",
-                    comm.label()
-                )));
-            }
-            let h = c.export(&existing.mem).map_err(DaemonError::Internal)?;
-            return Ok((h, c.slot_bytes, bytes));
-        }
-        // The session's scratch on that GPU, shared by its communicators (see
-        // `Tables::scratch_pool`; the executor runs jobs sharing a scratch one at a time).
-        let pooled = gpu.and_then(|g| s.tables().scratch_pool.get(&(g, bytes)).cloned());
-        let mem = match pooled {
-            Some(m) => m,
-            None => {
-                let m = Arc::new(
-                    c.alloc(uuid, bytes)
-                        .map_err(DaemonError::ResourceExhausted)?,
-                );
-                s.tables().scratch_pool.insert((m.gpu, bytes), m.clone());
-                m
-            }
-        };
-        let h = c.export(&mem).map_err(DaemonError::Internal)?;
-        let span = crate::cuda::GpuSpan::new(mem, 0, bytes)
-            .ok_or_else(|| DaemonError::Internal("scratch span".into()))?;
-        sc[rank as usize] = Some(span);
-        crate::comm::comm_device(&comm, rank, &sc);
-        let gpus: Vec<Option<usize>> = sc.iter().map(|s| s.as_ref().map(|s| s.mem.gpu)).collect();
-        drop(sc);
-        for (r, shared) in shared_gpu_ranks(&gpus).into_iter().enumerate() {
-            if shared {
-                self.hint(
-                    &comm,
-                    r as u32,
-                    commd_proto::desc::doorbell::HINT_SHARED_GPU,
-                );
-            }
-        }
-        Ok((h, c.slot_bytes, bytes))
-    }
-
-    /// Sets `bit` in the doorbell hint word of `rank` of `comm` (a local rank's session).
-    fn hint(&self, comm: &Arc<Comm>, rank: u32, bit: u32) {
-        let Some(m) = comm.members.get(rank as usize).filter(|m| m.local) else {
-            return;
-        };
-        let Some(s) = self.session(m.session_id) else {
-            return;
-        };
-        let slot = {
-            let t = s.tables();
-            t.comms
-                .iter()
-                .find(|(_, (c, r))| c.id == comm.id && *r == rank)
-                .and_then(|(h, _)| t.doorbell_slots.get(h).copied())
-        };
-        if let Some(w) = slot.and_then(|slot| s.ring.doorbell_hint(slot)) {
-            w.fetch_or(bit, Ordering::AcqRel);
-        }
-    }
-
-    pub fn deregister(&self, s: &Session, mem: u32) -> Result<(), DaemonError> {
-        let mut t = s.tables();
-        if t.cuda_mems.remove(&mem).is_some() {
-            t.ipc_cache.retain(|_, id| *id != mem);
-            return Ok(());
-        }
-        let r = t.mems.remove(&mem).ok_or_else(|| {
-            DaemonError::NotFound(format!("no memory handle {mem} in session {}", s.id))
-        })?;
-        t.registered_bytes -= r.len();
-        // In-flight ops keep their own reference; the mapping goes when the last one finishes.
-        Ok(())
-    }
-
-    pub fn counts(&self) -> Counts {
-        let sessions = self.sessions();
-        let mut c = Counts {
-            sessions: sessions.len() as u32,
-            ..Default::default()
-        };
-        for s in &sessions {
-            let t = s.tables();
-            c.registrations += (t.mems.len() + t.cuda_mems.len()) as u32;
-            c.mapped_bytes += t.registered_bytes;
-        }
-        c.communicators = lock(&self.comms).len() as u32;
-        c.pending_joins = lock(&self.joins).len() as u32;
-        c
-    }
-
-    /// Periodic housekeeping: op timeouts, attach deadlines, dead processes.
-    pub fn tick(&self, check_liveness: bool) {
-        let now = Instant::now();
-        let comms: Vec<Arc<Comm>> = lock(&self.comms).values().cloned().collect();
-        for c in comms {
-            c.check_timeout(now);
-        }
-        for s in self.sessions() {
-            if !s.attached.load(Ordering::Acquire)
-                && now.duration_since(s.created) > self.cfg.attach_timeout
-            {
-                self.close_session(
-                    s.id,
-                    status::PEER_LOST,
-                    "client never attached to the fd socket",
-                );
-                continue;
-            }
-            if check_liveness
-                && s.pid > 0
-                && let Some(pid) = rustix::process::Pid::from_raw(s.pid)
-                && rustix::process::test_kill_process(pid) == Err(rustix::io::Errno::SRCH)
-            {
-                self.close_session(
-                    s.id,
-                    status::PEER_LOST,
-                    &format!("process {} exited", s.pid),
-                );
-            }
-        }
-    }
-
-    /// SIGTERM: refuse new work, fail everything pending with a clear error.
-    pub fn shutdown(&self, reason: &str) {
-        self.shutting_down.store(true, Ordering::Release);
-        let msg = format!(
-            "daemon is shutting down ({reason}); restart it and re-create the communicator"
-        );
-        let comms: Vec<Arc<Comm>> = lock(&self.comms).values().cloned().collect();
-        for c in comms {
-            c.abort_rank(None, status::SHUTDOWN, format!("{}: {msg}", c.label()));
-        }
-        for (_, j) in lock(&self.joins).drain() {
-            for m in j.members.into_iter().flatten() {
-                m.fail(DaemonError::Unavailable(msg.clone()));
-            }
-        }
-        for (_, rj) in lock(&self.remote_joins).drain() {
-            for (_, j) in rj.local {
-                let _ = j.tx.send(Err(DaemonError::Unavailable(msg.clone())));
-            }
-        }
-        for s in self.sessions() {
-            s.ring
-                .session_error()
-                .store(status::SHUTDOWN, Ordering::Release);
-        }
-    }
 }
-
-/// Per rank: whether another rank with a bound GPU uses the same GPU (`None`: not bound yet).
-pub fn shared_gpu_ranks(gpus: &[Option<usize>]) -> Vec<bool> {
-    gpus.iter()
-        .enumerate()
-        .map(|(r, g)| {
-            g.is_some_and(|g| {
-                gpus.iter()
-                    .enumerate()
-                    .any(|(o, h)| o != r && *h == Some(g))
-            })
-        })
-        .collect()
-}
-
-#[cfg(test)]
-mod tests;
 
 /// A failed join at the root daemon `root` as this daemon's error.
 fn join_error(root: &str, e: crate::net::peer_client::JoinError) -> DaemonError {
