@@ -834,10 +834,6 @@ impl Comm {
         }
         tracing::info!(target: "commd::comm", "{msg}");
         g.left_msg.entry(rank).or_insert(msg);
-        let (st, why) = g
-            .broken
-            .clone()
-            .unwrap_or((status::PEER_LOST, String::new()));
         let mut failed = Vec::new();
         for q in 0..g.queues.len() {
             let mut keep = VecDeque::new();
@@ -848,7 +844,7 @@ impl Comm {
                     g.departed(&p)
                 };
                 match m {
-                    Some(m) => failed.push((p, if why.is_empty() { m } else { why.clone() })),
+                    Some(m) => failed.push((p, m)),
                     None => keep.push_back(p),
                 }
             }
@@ -858,7 +854,7 @@ impl Comm {
         drop(g);
         for (p, m) in failed {
             let c = p.op.comm;
-            p.complete(c, st, Some(m));
+            p.complete(c, status::PEER_LOST, Some(m));
         }
         if all_left && let Some(h) = self.net.get() {
             h.end();

@@ -265,11 +265,13 @@ impl Executor {
                     let s = q.make_contiguous();
                     let (before, rest) = s.split_at_mut(i);
                     let a = &mut rest[0];
+                    // Readiness first (a few atomic loads); the buffer check only for a job
+                    // that could start.
                     if i > 0
-                        && !(before.iter().all(|b| beside(&b.job, &a.job))
-                            && a.phase == 0
+                        && !(a.phase == 0
                             && (matches!(a.state, State::InFlight { .. })
-                                || a.job.bells.iter().all(|b| b.ready(0))))
+                                || a.job.bells.iter().all(|b| b.ready(0)))
+                            && before.iter().all(|b| beside(&b.job, &a.job)))
                     {
                         break;
                     }

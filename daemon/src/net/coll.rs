@@ -5,16 +5,10 @@
 
 use super::*;
 
-use super::thread::Thread;
-
 impl Thread {
     pub(super) fn coll(&mut self, w: Option<&mut Wire>, mut coll: Coll, ops: Vec<Posted>) {
         let (Some(w), None) = (w, &self.broken) else {
-            let msg = self
-                .broken
-                .clone()
-                .map(|b| b.1)
-                .unwrap_or_else(|| format!("{}: not connected", self.s.label));
+            let msg = self.why_not_running();
             for p in ops {
                 let c = p.op.comm;
                 p.complete(c, status::ABORTED, Some(msg.clone()));

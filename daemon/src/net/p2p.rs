@@ -5,8 +5,6 @@
 
 use super::*;
 
-use super::thread::Thread;
-
 pub(super) struct Inflight {
     pub(super) p: Posted,
     pub(super) send: Option<SendId>,
@@ -39,11 +37,7 @@ pub(super) fn p2p_sig(p: &Posted) -> Sig {
 impl Thread {
     pub(super) fn post_p2p(&mut self, w: Option<&mut Wire>, p: Posted) {
         let (Some(w), None) = (w, &self.broken) else {
-            let msg = self
-                .broken
-                .clone()
-                .map(|b| b.1)
-                .unwrap_or_else(|| format!("{}: not connected", self.s.label));
+            let msg = self.why_not_running();
             let c = p.op.comm;
             p.complete(c, status::ABORTED, Some(msg));
             return;

@@ -26,6 +26,14 @@ pub(super) fn wake_dup(fd: &Arc<OwnedFd>) -> std::io::Result<OwnedFd> {
 }
 
 impl Thread {
+    /// Why an op cannot run: the communicator broke (its message), or it never connected.
+    pub(super) fn why_not_running(&self) -> String {
+        self.broken
+            .clone()
+            .map(|b| b.1)
+            .unwrap_or_else(|| format!("{}: not connected", self.s.label))
+    }
+
     pub(super) fn run(
         ctx: Arc<NetCtx>,
         s: Setup,
