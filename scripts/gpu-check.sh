@@ -139,6 +139,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # init_process_group(device_id=...), new_group after it, zero-element CUDA tensors.
   run "empty-device-id-2-ranks" "${tr[@]}" 2 tests/gpu/empty_device_id.py
   run "p2p-overlap-2-ranks" "${tr[@]}" 2 tests/gpu/p2p_overlap.py
+  # 4 ranks (sharing GPUs where fewer): the ring matched out of order (case 3).
+  run "p2p-overlap-4-ranks" "${tr[@]}" 4 tests/gpu/p2p_overlap.py
   # One communicator's ops on three unordered streams (FSDP's pattern): the "commd" name, then
   # torch's "nccl" name on commd's library, and on real NCCL (one GPU per rank) as the control.
   run "multi-stream-2-ranks" "${tr[@]}" 2 tests/gpu/multi_stream.py

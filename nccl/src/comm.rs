@@ -508,6 +508,26 @@ impl Comm {
             // SAFETY: NCCL's contract: the buffers are device memory of this process holding
             // the op's elements until the stream passes the op, and the stream is live.
             let posted = unsafe { r.c.post_cuda_ordered(a) }?;
+            log::info(
+                if op.kind.is_p2p() {
+                    log::P2P
+                } else {
+                    log::COLL
+                },
+                self.device,
+                || {
+                    format!(
+                        "{} posted: last ticket {}{}",
+                        op.kind.name(),
+                        posted.last_ticket,
+                        if a.defer_wait {
+                            " (wait deferred to the group's end)"
+                        } else {
+                            ""
+                        }
+                    )
+                },
+            );
             // A captured op (contract 6) runs at each replay; its failures come back through
             // the error word and the graph check, not through this request.
             if !posted.captured {

@@ -122,6 +122,9 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
     };
     let mut first: Option<Failure> = None;
     for (r, stream, device) in flush {
+        crate::log::info(crate::log::P2P, device, || {
+            format!("group end: stream {stream:#x} waits for the group's send/recv ops")
+        });
         // SAFETY: the stream the group's send/recv ops were posted on (live, NCCL's contract),
         // with its device's context current.
         let res = on_device(device, || unsafe {

@@ -14,7 +14,7 @@
 # NCCL_PARTS picks parts (default "symbols pynccl ddp nccltests"), NCCL_TESTS_LIST the nccl-tests
 # programs, NCCL_TESTS_MODES the layouts (1rank shared gpus), NCCL_TESTS_MAX the largest size
 # (64M); NCCL_TESTS_BIN names a folder of nccl-tests programs built earlier (the build leaves
-# them in OUT/nccl-tests-bin.tgz).
+# them in OUT/nccl-tests-bin.tgz); NCCL_TESTS_LIMIT the seconds a multi-rank run may take (180).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-/tmp/commd-nccl-out}
@@ -89,6 +89,7 @@ tests=${NCCL_TESTS_LIST:-all_reduce all_gather broadcast reduce reduce_scatter a
 args=(-b 8 -e ${NCCL_TESTS_MAX:-64M} -f 8 -c 1 -n 10 -w 3)
 # 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: $NCCL_TESTS_NP ranks (default 2) on as many GPUs (both).
 modes=${NCCL_TESTS_MODES:-1rank shared gpus}
+limit_mpi=${NCCL_TESTS_LIMIT:-180}  # seconds per multi-rank run (a hang ends there)
 for t in $tests; do
   exe=$build/${t}_perf
   [ -x "$exe" ] || { echo "no $exe"; rc=1; continue; }
@@ -97,7 +98,7 @@ for t in $tests; do
     step "nccltests-$t-1rank-commd" 120 env LD_LIBRARY_PATH="$ompi/lib:$ours" "$exe" "${args[@]}" -g 1
   fi
   if [[ " $modes " == *" shared "* ]]; then
-    step "nccltests-$t-2ranks-1gpu-commd" 180 "$ompi/bin/mpirun" --oversubscribe -np 2 \
+    step "nccltests-$t-2ranks-1gpu-commd" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe -np 2 \
       -x LD_LIBRARY_PATH="$ompi/lib:$ours" -x COMMD_SOCKET -x NCCL_TESTS_DEVICE=0 \
       "$exe" "${args[@]}" -g 1
   fi
@@ -105,7 +106,7 @@ for t in $tests; do
   if [ "$ngpu" -ge "$np" ] && [ "$np" -ge 2 ] && [[ " $modes " == *" gpus "* ]]; then
     for who in nccl commd; do
       d=$real/lib; [ $who = commd ] && d=$ours
-      step "nccltests-$t-${np}gpus-$who" 180 "$ompi/bin/mpirun" --oversubscribe -np "$np" \
+      step "nccltests-$t-${np}gpus-$who" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe -np "$np" \
         -x LD_LIBRARY_PATH="$ompi/lib:$d" -x COMMD_SOCKET -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
     done
   fi

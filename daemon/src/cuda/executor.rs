@@ -105,6 +105,8 @@ struct Active {
     failure: Option<(u32, String)>,
     /// It holds its scratch (`GpuJob::scratch`), from its first phase's start to its end.
     holds: bool,
+    /// Its communicator's queue was logged while it waited at the front (`log_stuck`).
+    logged: bool,
 }
 
 impl Active {
@@ -119,6 +121,7 @@ impl Active {
             ahead: Vec::new(),
             failure: None,
             holds: false,
+            logged: false,
         }
     }
 }
@@ -242,10 +245,7 @@ impl Executor {
                     }
                     continue;
                 }
-                let eager_started = queues.get(&comm).is_some_and(|q| {
-                    q.iter()
-                        .any(|a| a.phase > 0 || matches!(a.state, State::InFlight { .. }))
-                });
+                let eager_started = queues.get(&comm).is_some_and(|q| q.iter().any(started));
                 let (moved, start) = graphs.poll(comm, !eager_started);
                 progressed |= moved;
                 if let Some((id, job)) = start {
@@ -257,23 +257,25 @@ impl Executor {
                 if replaying.contains_key(comm) {
                     continue;
                 }
-                // The front job, then each later one that may run beside every job before it
-                // (`beside`) and whose streams have all reached it: a p2p group's sends and
-                // receives are separate jobs, and both directions of a link move at once.
+                // The front job, then each later job that `turn` lets start or progress.
                 let mut i = 0;
                 while i < q.len() {
                     let s = q.make_contiguous();
-                    let (before, rest) = s.split_at_mut(i);
-                    let a = &mut rest[0];
-                    // Readiness first (a few atomic loads); the buffer check only for a job
-                    // that could start.
-                    if i > 0
-                        && !(a.phase == 0
-                            && (matches!(a.state, State::InFlight { .. })
-                                || a.job.bells.iter().all(|b| b.ready(0)))
-                            && before.iter().all(|b| beside(&b.job, &a.job)))
-                    {
+                    let t = turn(s, i);
+                    let (_, rest) = s.split_at_mut(i);
+                    let Some((a, after)) = rest.split_first_mut() else {
                         break;
+                    };
+                    if i == 0 {
+                        log_stuck(a, after);
+                    }
+                    match t {
+                        Turn::Stop => break,
+                        Turn::Skip => {
+                            i += 1;
+                            continue;
+                        }
+                        Turn::Step => {}
                     }
                     let (moved, finished) = step(cuda, &mut times, a);
                     progressed |= moved;
@@ -318,7 +320,6 @@ impl Executor {
 /// their copies go straight between the ranks' buffers), and no copy of one writes where a copy
 /// of the other reads or writes. Everything else keeps the communicator's order.
 fn beside(a: &GpuJob, b: &GpuJob) -> bool {
-    let simple = |j: &GpuJob| j.phases.len() == 1 && j.scratch.is_empty() && !j.persistent;
     if !simple(a) || !simple(b) {
         return false;
     }
@@ -327,6 +328,160 @@ fn beside(a: &GpuJob, b: &GpuJob) -> bool {
             .copies()
             .all(|y| !y.dst.overlaps(&x.src) && !y.dst.overlaps(&x.dst) && !y.src.overlaps(&x.dst))
     })
+}
+
+/// A front job still waiting at half its timeout: the communicator's queue once, at WARN
+/// (which ranks' streams each job waits for), so a hang can be read from the log before the
+/// timeout fails it.
+fn log_stuck(a: &mut Active, after: &[Active]) {
+    let State::Waiting { since } = a.state else {
+        return;
+    };
+    if a.logged || since.elapsed() < a.job.timeout / 2 {
+        return;
+    }
+    a.logged = true;
+    let line = |j: &Active| {
+        let late = late_streams(&j.job.bells, j.phase as u32);
+        let state = if started(j) {
+            "started".to_string()
+        } else if late.is_empty() {
+            "ready".to_string()
+        } else {
+            format!("waiting for {}", late.join(", "))
+        };
+        let tickets: Vec<String> = j
+            .job
+            .bells
+            .iter()
+            .map(|b| format!("rank {} ticket {}", b.rank, b.ticket))
+            .collect();
+        format!("{} [{}]: {state}", j.job.label, tickets.join(", "))
+    };
+    let queue: Vec<String> = std::iter::once(&*a).chain(after).map(line).collect();
+    tracing::warn!(
+        target: "commd::cuda",
+        "GPU jobs of one communicator waiting for {:.1} s, in queue order: {}",
+        since.elapsed().as_secs_f64(),
+        queue.join("; ")
+    );
+}
+
+/// What the executor's scan does with the job at one position of a communicator's queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Turn {
+    /// Advance it (check its streams, issue its copies, poll them).
+    Step,
+    /// Leave it for now; look at the next one.
+    Skip,
+    /// Look no further in this queue.
+    Stop,
+}
+
+/// A queued job as the scan sees it (`Active`; the tests' own jobs).
+trait Queued {
+    /// One phase, no scratch, not captured (`simple`).
+    fn simple(&self) -> bool;
+    /// It issued copies or finished a phase.
+    fn started(&self) -> bool;
+    /// Every rank's stream has reached its first phase.
+    fn ready(&self) -> bool;
+    /// A copy of one writes where a copy of the other reads or writes (`beside` is false).
+    fn conflicts(&self, o: &Self) -> bool;
+    /// They share a rank, and on every rank they share this job's op was posted first.
+    fn first_in_program(&self, o: &Self) -> bool;
+}
+
+/// The scan's rule for job `i` of a queue. The front job always steps (its streams and its
+/// timeout are checked there), unless a later job that passed it conflicts and is running.
+/// A later job runs beside the ones before it when it is one-phase, its streams have all
+/// reached it, and every earlier unfinished job either does not conflict with it, or has not
+/// started, its streams have not all reached it, and comes later in the program order of every
+/// rank the two share; and no later job that started conflicts with it.
+///
+/// Jobs are queued in the order the daemon matched them, which is not each rank's program
+/// order across peers, so a later job is not waited for when its streams have not reached it:
+/// the job that lets them may be queued behind it (a ring of send/recv groups: rank 2's stream
+/// waits at its group's end for its send to rank 3, matched after rank 1's next send to rank
+/// 2; nccl-tests' hypercube: rank 0's round-2 send, matched before rank 1's round-1 send to
+/// rank 0 that writes what it reads). A ready earlier job with a conflict keeps the queue's
+/// order (a p2p group's ops on one rank may run in any order; an in-place ring has no order
+/// that serves every rank). Nothing runs beside a multi-phase job, so the scan stops at the
+/// first one.
+fn turn<T: Queued>(q: &[T], i: usize) -> Turn {
+    let a = &q[i];
+    if i > 0 && (!a.simple() || !q[0].simple()) {
+        return Turn::Stop;
+    }
+    if a.started() {
+        return Turn::Step;
+    }
+    let after = &q[i + 1..];
+    let passed = |a: &T| after.iter().any(|k| k.started() && k.conflicts(a));
+    if i == 0 {
+        return if a.simple() && passed(a) {
+            Turn::Skip
+        } else {
+            Turn::Step
+        };
+    }
+    // Readiness first (a few atomic loads); the buffer checks only for a job that could start.
+    let clear = a.ready()
+        && q[..i]
+            .iter()
+            .all(|b| !b.conflicts(a) || (!b.started() && !b.ready() && a.first_in_program(b)))
+        && !passed(a);
+    if clear { Turn::Step } else { Turn::Skip }
+}
+
+impl Queued for Active {
+    fn simple(&self) -> bool {
+        simple(&self.job)
+    }
+    fn started(&self) -> bool {
+        started(self)
+    }
+    fn ready(&self) -> bool {
+        self.job.bells.iter().all(|b| b.ready(self.phase as u32))
+    }
+    fn conflicts(&self, o: &Self) -> bool {
+        !beside(&self.job, &o.job)
+    }
+    fn first_in_program(&self, o: &Self) -> bool {
+        let tickets = |j: &GpuJob| {
+            j.bells
+                .iter()
+                .filter(|b| !b.graph)
+                .map(|b| (b.rank, b.ticket))
+                .collect::<Vec<_>>()
+        };
+        program_first(&tickets(&self.job), &tickets(&o.job))
+    }
+}
+
+/// `a` and `b` ((rank, ticket) of each op) share a rank, and on every rank they share `a`'s op
+/// has the earlier ticket (tickets wrap).
+fn program_first(a: &[(u32, u32)], b: &[(u32, u32)]) -> bool {
+    let mut shared = false;
+    for &(r, ta) in a {
+        for &(_, tb) in b.iter().filter(|(rb, _)| *rb == r) {
+            shared = true;
+            if ta.wrapping_sub(tb) as i32 >= 0 {
+                return false;
+            }
+        }
+    }
+    shared
+}
+
+/// The job issued copies (or finished a phase): others order themselves around it.
+fn started(a: &Active) -> bool {
+    a.phase > 0 || matches!(a.state, State::InFlight { .. })
+}
+
+/// One phase, no scratch, not captured: a job that may run beside others (`beside`).
+fn simple(j: &GpuJob) -> bool {
+    j.phases.len() == 1 && j.scratch.is_empty() && !j.persistent
 }
 
 /// Advances one job; returns (made progress, finished).
@@ -645,4 +800,152 @@ fn issue_from(cuda: &Cuda, copies: &[&CopyOp]) -> Result<Vec<(usize, sys::CUeven
         events.push((from, e));
     }
     Ok(events)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Queued, Turn, program_first, turn};
+
+    /// A queued job for the scan's rule: its ranks' (rank, ticket), and the (rank, buffer
+    /// range) its copies read and write.
+    #[derive(Clone, Default)]
+    struct J {
+        multi: bool,
+        started: bool,
+        ready: bool,
+        tickets: Vec<(u32, u32)>,
+        reads: Vec<(u32, u64, u64)>,
+        writes: Vec<(u32, u64, u64)>,
+    }
+
+    /// A send/recv job: `from`'s block [`s0`, `s1`) to `to`'s [`r0`, `r1`) (one buffer per
+    /// rank), the ranks' tickets `ts` and `tr`.
+    fn p2p(from: u32, ts: u32, s: (u64, u64), to: u32, tr: u32, r: (u64, u64)) -> J {
+        J {
+            tickets: vec![(from, ts), (to, tr)],
+            reads: vec![(from, s.0, s.1)],
+            writes: vec![(to, r.0, r.1)],
+            ..J::default()
+        }
+    }
+
+    fn ready(mut j: J) -> J {
+        j.ready = true;
+        j
+    }
+
+    impl Queued for J {
+        fn simple(&self) -> bool {
+            !self.multi
+        }
+        fn started(&self) -> bool {
+            self.started
+        }
+        fn ready(&self) -> bool {
+            self.ready
+        }
+        fn conflicts(&self, o: &Self) -> bool {
+            let hit = |x: &[(u32, u64, u64)], y: &[(u32, u64, u64)]| {
+                x.iter()
+                    .any(|a| y.iter().any(|b| a.0 == b.0 && a.1 < b.2 && b.1 < a.2))
+            };
+            self.multi
+                || o.multi
+                || hit(&self.writes, &o.reads)
+                || hit(&self.writes, &o.writes)
+                || hit(&o.writes, &self.reads)
+        }
+        fn first_in_program(&self, o: &Self) -> bool {
+            program_first(&self.tickets, &o.tickets)
+        }
+    }
+
+    #[test]
+    fn a_ready_job_passes_an_earlier_one_whose_streams_are_behind() {
+        // nccl-tests' sendrecv on 4 ranks, matched out of order: rank 1's second send to rank 2
+        // (rank 2's stream still waits at its first group's end) before rank 2's first send to
+        // rank 3, which that wait needs. Separate buffers: no conflict.
+        let q = [
+            p2p(1, 3, (0, 8), 2, 4, (100, 108)),
+            ready(p2p(2, 1, (0, 8), 3, 2, (100, 108))),
+        ];
+        assert_eq!(turn(&q, 0), Turn::Step);
+        assert_eq!(
+            turn(&q, 1),
+            Turn::Step,
+            "the ready job must not wait behind"
+        );
+        let mut q = q;
+        q[1].ready = false;
+        assert_eq!(
+            turn(&q, 1),
+            Turn::Skip,
+            "a job whose streams are behind waits"
+        );
+    }
+
+    #[test]
+    fn program_order_decides_a_conflict_with_an_earlier_job_not_reached() {
+        // Hypercube all-gather: rank 0's round-2 send of blocks 0-1 (ticket 3) was matched
+        // before rank 1's round-1 send that writes rank 0's block 1 (rank 0's ticket 2).
+        let round2 = p2p(0, 3, (0, 16), 2, 3, (0, 16));
+        let round1 = ready(p2p(1, 1, (8, 16), 0, 2, (8, 16)));
+        let q = [round2.clone(), round1.clone()];
+        assert_eq!(turn(&q, 1), Turn::Step);
+        // Had the earlier one come first on rank 0, the later one waits for it.
+        let mut late = round1.clone();
+        late.tickets = vec![(1, 1), (0, 4)];
+        assert_eq!(turn(&[round2.clone(), late], 1), Turn::Skip);
+        // An earlier job whose streams reached it keeps the queue's order.
+        assert_eq!(
+            turn(&[ready(round2.clone()), round1.clone()], 1),
+            Turn::Skip
+        );
+        // And one already running is never overtaken by a conflicting job.
+        let mut running = round2;
+        running.started = true;
+        assert_eq!(turn(&[running, round1], 1), Turn::Skip);
+    }
+
+    #[test]
+    fn the_front_waits_for_a_later_job_that_passed_it() {
+        let front = p2p(0, 3, (0, 16), 2, 3, (0, 16));
+        let mut passed = p2p(1, 1, (8, 16), 0, 2, (8, 16));
+        passed.started = true;
+        assert_eq!(turn(&[front.clone(), passed.clone()], 0), Turn::Skip);
+        assert_eq!(
+            turn(&[front.clone(), passed], 1),
+            Turn::Step,
+            "the running job polls"
+        );
+        let apart = ready(p2p(1, 1, (0, 8), 3, 1, (0, 8)));
+        let mut apart_running = apart;
+        apart_running.started = true;
+        assert_eq!(turn(&[front, apart_running], 0), Turn::Step);
+    }
+
+    #[test]
+    fn nothing_runs_beside_a_multi_phase_job() {
+        let coll = J {
+            multi: true,
+            ready: true,
+            tickets: vec![(0, 5), (1, 5)],
+            ..J::default()
+        };
+        let send = ready(p2p(2, 1, (0, 8), 3, 1, (0, 8)));
+        assert_eq!(turn(&[coll.clone(), send.clone()], 0), Turn::Step);
+        assert_eq!(turn(&[coll.clone(), send.clone()], 1), Turn::Stop);
+        assert_eq!(turn(&[send.clone(), coll.clone(), send], 1), Turn::Stop);
+    }
+
+    #[test]
+    fn program_order_needs_every_shared_rank() {
+        assert!(program_first(&[(0, 1), (1, 7)], &[(1, 8), (2, 1)]));
+        assert!(!program_first(&[(0, 1), (1, 9)], &[(1, 8)]));
+        // Two shared ranks that disagree (an in-place exchange): no order.
+        assert!(!program_first(&[(0, 1), (1, 2)], &[(0, 2), (1, 1)]));
+        assert!(!program_first(&[(0, 1)], &[(1, 1)]), "no shared rank");
+        // Tickets wrap.
+        assert!(program_first(&[(0, u32::MAX)], &[(0, 1)]));
+    }
 }
