@@ -1,6 +1,7 @@
 //! The `commd-gpu` thread: polls the ready counters of matched jobs, issues their copies on
 //! the source GPUs' push streams, polls the copies' events, publishes done, completes the ops;
-//! one-phase jobs without scratch run beside earlier ones when their buffers allow (`beside`),
+//! one-phase jobs without scratch run beside earlier ones when their buffers and the ranks'
+//! program order allow (`turn`, `beside`),
 //! replays of persistent ops (`graphs`) interleave with eager jobs, and pacing caps
 //! each communicator's copy rate.
 //!
@@ -165,7 +166,8 @@ impl Executor {
     /// The `commd-gpu` loop: polls ready counters (CPU polling: 3.7 us round trips on our H200s
     /// versus 12.4 us for a daemon stream waiting on the client's counter), issues the pushes,
     /// polls their events, writes done counters, and completes the ops. Jobs of one
-    /// communicator run in order; different communicators progress independently. With
+    /// communicator run in order (one-phase ones as `turn` allows); different communicators
+    /// progress independently. With
     /// nothing queued it keeps looking for `IDLE_SPIN` before sleeping on its condition
     /// variable, so a stream of ops (the next one is usually matched within microseconds) does
     /// not pay a thread wake-up per op.
