@@ -167,10 +167,9 @@ impl Executor {
     /// versus 12.4 us for a daemon stream waiting on the client's counter), issues the pushes,
     /// polls their events, writes done counters, and completes the ops. Jobs of one
     /// communicator run in order (one-phase ones as `turn` allows); different communicators
-    /// progress independently. With
-    /// nothing queued it keeps looking for `IDLE_SPIN` before sleeping on its condition
-    /// variable, so a stream of ops (the next one is usually matched within microseconds) does
-    /// not pay a thread wake-up per op.
+    /// progress independently. With nothing queued it keeps looking for `IDLE_SPIN` before
+    /// sleeping on its condition variable, so a stream of ops (the next one is usually matched
+    /// within microseconds) does not pay a thread wake-up per op.
     pub(super) fn run(&self, cuda: &'static Cuda) {
         const IDLE_SPIN: Duration = Duration::from_millis(1);
         let mut queues: HashMap<u64, VecDeque<Active>> = HashMap::new();
