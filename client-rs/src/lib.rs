@@ -38,19 +38,8 @@ pub use commd_proto::MIN_PACING_BYTES_PER_SEC;
 pub use commd_proto::desc;
 pub use error::{Error, OpErrorKind, Result};
 
-/// The socket a daemon of this user serves by default (no environment consulted):
-/// root: `/run/commd/commd.sock`; others: `$XDG_RUNTIME_DIR/commd/commd.sock`, else
-/// `/tmp/commd-$UID/commd.sock`.
-pub fn default_socket_path() -> PathBuf {
-    let uid = rustix::process::geteuid();
-    if uid.is_root() {
-        return PathBuf::from("/run/commd/commd.sock");
-    }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) if !d.is_empty() => Path::new(&d).join("commd/commd.sock"),
-        _ => PathBuf::from(format!("/tmp/commd-{}/commd.sock", uid.as_raw())),
-    }
-}
+/// The socket a daemon of this user serves by default (`commd_host`'s, re-exported).
+pub use commd_host::default_socket_path;
 
 /// Where a client looks for the daemon: `$COMMD_SOCKET`, else this user's default socket if it
 /// exists, else the system daemon's `/run/commd/commd.sock`.

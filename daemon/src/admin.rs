@@ -164,7 +164,7 @@ impl Admin for AdminService {
             otlp_endpoint: t.otlp_endpoint.clone().unwrap_or_default(),
             communicators: comms,
             cpu_claims: if admin {
-                crate::switch::cores::host_claims()
+                commd_host::cores::host_claims()
                     .into_iter()
                     .map(|(c, p, t, l)| format!("core {c}: pid {p} tid {t} {l}"))
                     .collect()

@@ -8,19 +8,24 @@
 //! 1. services and commands: [`serve`] (start/stop: sockets, threads, signals), [`control`]
 //!    (the local gRPC service), [`fdsock`] (the fd socket), [`peer`] (the peer service),
 //!    [`admin`] (the admin service), [`report`] (daemon state as metrics, telemetry's start),
-//!    [`cli`] (`commd bench`, `health`, `stat`), [`exec`];
+//!    [`cli`] (`commd bench`, `health`, `stat`, `switch`), [`exec`];
 //! 2. daemon state: [`daemon`] (daemon-wide state), [`session`] (per-client sessions and ring
 //!    pollers), [`comm`] (communicators, matching and failure reports), [`issued`] (unique ids
 //!    issued and not yet used);
 //! 3. executors: [`engine`] (host memory), [`cuda`] (GPU copies, persistent ops), [`net`]
 //!    (transports and algorithms across nodes, the peer client), [`switch`] (in-network
-//!    aggregation: the client's workers and the software switch), [`fanout`], [`posted`] (a
+//!    aggregation, this daemon's side: session bring-up and data-plane workers), [`fanout`],
+//!    [`posted`] (a
 //!    posted op, which all of them complete);
 //! 4. foundations: [`config`] (the typed settings registry and its precedence rules),
 //!    [`telemetry`] (metrics, traces, logs, link counters), [`shm`] (registered memory),
-//!    [`ranks`] (rank lists in messages), [`private`] (opening files in directories other
-//!    users may write to), [`notify`] (readiness notification to systemd), [`exit`] (exit
-//!    codes), [`pacing`] (the per-communicator cap on GPU copy bandwidth).
+//!    [`ranks`] (rank lists in messages), [`notify`] (readiness notification to systemd),
+//!    [`exit`] (exit codes), [`pacing`] (the per-communicator cap on GPU copy bandwidth).
+//!
+//! Below the daemon, in crates of their own: `commd-switch` (the SwitchML packet format and
+//! aggregation semantics, batched UDP I/O, and the software switch `commd switch` runs; the
+//! daemon uses its protocol types and I/O), `commd-host` (paths no other user can redirect,
+//! host-wide CPU-core claims, the default socket path), `commd-proto` (the wire contracts).
 
 pub mod admin;
 pub mod cli;
@@ -40,7 +45,6 @@ pub mod notify;
 pub mod pacing;
 pub mod peer;
 pub mod posted;
-pub mod private;
 pub mod ranks;
 pub mod report;
 pub mod serve;

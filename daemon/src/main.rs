@@ -75,7 +75,7 @@ enum Cmd {
     /// A software SwitchML switch: the controller gRPC API and the UDP aggregation data plane.
     Switch {
         #[command(flatten)]
-        args: commd_daemon::switch::server::SwitchArgs,
+        args: commd_daemon::cli::switch::SwitchArgs,
     },
     #[command(hide = true)]
     BenchWorker {
@@ -198,7 +198,7 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
                 }
             }
         }
-        Cmd::Switch { args } => commd_daemon::switch::server::main(args),
+        Cmd::Switch { args } => commd_daemon::cli::switch::main(args),
         Cmd::Exec {
             nccl_lib,
             verbose,

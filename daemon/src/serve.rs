@@ -75,7 +75,7 @@ fn take_lock(cfg: &Config) -> Result<SocketLock, ServeError> {
         path: socket.clone(),
         err,
     };
-    // The socket's directory is made if missing and checked either way (crate::private): the
+    // The socket's directory is made if missing and checked either way (commd_host::private): the
     // lock file is rewritten below, so no other user may be able to plant a link to it.
     // Root's /run/commd is reachable by every local user (calls are authorized by peer
     // credentials); a user daemon's directory is private to that user.
@@ -85,10 +85,10 @@ fn take_lock(cfg: &Config) -> Result<SocketLock, ServeError> {
         0o700
     };
     if let Some(dir) = socket.parent().filter(|d| !d.as_os_str().is_empty()) {
-        crate::private::open_dir(dir, Some(mode)).map_err(|e| setup(e.into()))?;
+        commd_host::private::open_dir(dir, Some(mode)).map_err(|e| setup(e.into()))?;
     }
     let lp = lock_path(socket);
-    let mut f = crate::private::open_file(&lp, crate::private::Access::ReadWrite(0o644))
+    let mut f = commd_host::private::open_file(&lp, commd_host::private::Access::ReadWrite(0o644))
         .map_err(|e| setup(e.into()))?;
     if rustix::fs::flock(&f, rustix::fs::FlockOperation::NonBlockingLockExclusive).is_err() {
         let mut pid = String::new();

@@ -3,8 +3,8 @@
 //! any workers. Input: [worker byte, length byte, packet bytes]...
 #![no_main]
 
-use commd_daemon::switch::agg::Pool;
-use commd_daemon::switch::packet::{Header, get_values};
+use commd_switch::agg::Pool;
+use commd_switch::packet::{Header, get_values};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -19,7 +19,7 @@ fuzz_target!(|data: &[u8]| {
         if let Ok(h) = Header::parse(pkt) {
             let mut vals = [0i32; 256];
             get_values(
-                &pkt[commd_daemon::switch::packet::HEADER_BYTES..],
+                &pkt[commd_switch::packet::HEADER_BYTES..],
                 &mut vals,
             );
             // The server's own checks before the pool (server.rs): a known worker, a packet

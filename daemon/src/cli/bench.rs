@@ -304,11 +304,11 @@ pub fn run(
                 .enable_all()
                 .build()
                 .map_err(|e| e.to_string())?;
-            let args = crate::switch::server::SwitchArgs {
+            let args = commd_switch::server::SwitchArgs {
                 listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 data: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
                 metrics: "off".into(),
-                slots: crate::switch::packet::SLOTS,
+                slots: commd_switch::packet::SLOTS,
                 drop: 0.0,
                 dup: 0.0,
                 reorder: 0.0,
@@ -316,7 +316,7 @@ pub fn run(
                 pin: "on".into(),
                 slot_metrics: false,
             };
-            let r = crate::switch::server::start(&args, &rt)?;
+            let r = commd_switch::server::start(&args, &rt)?;
             let ctl = r.listen.to_string();
             _switch = Some(r);
             _switch_rt = Some(rt);

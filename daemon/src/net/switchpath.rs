@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use super::NetCtx;
 use super::algo::{self, Topo};
 use super::wire::{CLASS_COLL, NetError, Sig, Tag, Wire};
-use crate::switch::packet::{MAX_WORKERS, PacketSize};
 use crate::switch::session::{Want, bring_up};
 use crate::switch::worker::{Stats, Worker};
+use commd_switch::packet::{MAX_WORKERS, PacketSize};
 
 /// What `commd status` shows about a communicator's switch session.
 #[derive(Debug, Default)]

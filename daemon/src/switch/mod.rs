@@ -1,19 +1,14 @@
-//! Switch sessions: SwitchML-compatible in-network aggregation (see
+//! Switch sessions, the daemon's side: SwitchML-compatible in-network aggregation (see
 //! `../shared/specs/switchml.md` and docs/switch.md).
 //!
-//! - [`packet`]: the UDP packet format and block floating point.
-//! - [`agg`]: the switch's per-slot aggregation semantics (used by `commd switch`).
 //! - [`worker`]: this daemon's data-plane threads of a session.
 //! - [`session`]: session bring-up through the SwitchML controller API, checked.
-//! - [`server`]: `commd switch`, the software switch.
-//! - [`cores`]: host-wide CPU claims so polling threads never share a core.
+//!
+//! The packet format, the switch's aggregation semantics, the batched UDP I/O and `commd switch`
+//! itself are the `commd-switch` crate's; the host-wide CPU claims that keep polling threads off
+//! each other's cores are `commd-host`'s.
 
-pub mod agg;
-pub mod cores;
-pub mod packet;
-pub mod server;
 pub mod session;
-pub mod udpio;
 pub mod worker;
 
 pub use crate::config::{SwitchSettings as Settings, check_controller};
@@ -23,9 +18,9 @@ mod tests {
     use std::net::Ipv4Addr;
     use std::time::Duration;
 
-    use super::packet::PacketSize;
-    use super::server::{self, SwitchArgs};
     use super::session::{Want, bring_up};
+    use commd_switch::packet::PacketSize;
+    use commd_switch::server::{self, SwitchArgs};
 
     thread_local! {
         static THREADS: std::cell::Cell<usize> = const { std::cell::Cell::new(2) };
@@ -241,9 +236,9 @@ mod perf {
     use std::sync::atomic::Ordering::Relaxed;
     use std::time::{Duration, Instant};
 
-    use super::packet::PacketSize;
-    use super::server::{self, SwitchArgs};
     use super::session::{Want, bring_up};
+    use commd_switch::packet::PacketSize;
+    use commd_switch::server::{self, SwitchArgs};
 
     #[test]
     #[ignore]

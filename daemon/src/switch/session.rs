@@ -18,8 +18,8 @@ use std::time::Duration;
 use commd_proto::switchml_pb as pb;
 use tonic::Request;
 
-use super::packet::{PacketSize, SWITCH_UDP_PORT};
 use super::worker::{Params, Worker};
+use commd_switch::packet::{PacketSize, SWITCH_UDP_PORT};
 
 /// What this node asks for.
 #[derive(Clone, Debug)]

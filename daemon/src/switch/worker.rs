@@ -17,15 +17,16 @@
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use super::cores;
-use super::packet::{
+use commd_host::cores;
+use commd_switch::packet::{
     self, EXP_UNREPRESENTABLE, HEADER_BYTES, Header, PacketSize, block_exponent, dequantize,
     quantize,
 };
+pub use commd_switch::udpio::Stats;
 
 /// A session's data-plane parameters (identical on every worker except `bind` and `rank`).
 #[derive(Clone, Debug)]
@@ -49,19 +50,6 @@ pub struct Params {
     pub pin: bool,
     /// For logs and claims.
     pub label: String,
-}
-
-/// Counters of one session (all threads).
-#[derive(Debug, Default)]
-pub struct Stats {
-    pub ops: AtomicU64,
-    pub packets_sent: AtomicU64,
-    pub retransmits: AtomicU64,
-    pub results: AtomicU64,
-    pub dropped_results: AtomicU64,
-    pub bytes: AtomicU64,
-    pub send_calls: AtomicU64,
-    pub recv_calls: AtomicU64,
 }
 
 /// How an op ended.
@@ -179,9 +167,9 @@ impl Worker {
             s.connect(p.switch)
                 .map_err(|e| format!("cannot reach the switch at {}: {e}", p.switch))?;
             s.set_nonblocking(true).map_err(|e| e.to_string())?;
-            super::udpio::enable_gro(&s);
+            commd_switch::udpio::enable_gro(&s);
             // Room for two windows of results (GRO runs of up to 64 KiB each).
-            super::udpio::size_buffers(
+            commd_switch::udpio::size_buffers(
                 &s,
                 (2 * p.window * (HEADER_BYTES + p.size.bytes())).max(4 << 20),
             );
@@ -378,7 +366,7 @@ struct Thread {
     sock: UdpSocket,
     stats: Arc<Stats>,
     slots: Vec<SlotState>,
-    rx: super::udpio::RecvBufs,
+    rx: commd_switch::udpio::RecvBufs,
     vals: Vec<i32>,
     fvals: Vec<f32>,
     /// First packet id of the current op: ids never repeat on a slot across ops, so the switch
@@ -415,7 +403,7 @@ impl Thread {
                 };
                 p.window
             ],
-            rx: super::udpio::RecvBufs::new(),
+            rx: commd_switch::udpio::RecvBufs::new(),
             vals: vec![0; p.size.values()],
             fvals: vec![0.0; p.size.values()],
             tsi_base: 0,
@@ -655,7 +643,7 @@ impl Thread {
     fn send_slots(&mut self, js: &[usize], resend: bool) -> Result<(), String> {
         let now = Instant::now();
         let bufs: Vec<&[u8]> = js.iter().map(|&j| &self.slots[j].pkt[..]).collect();
-        super::udpio::send(&self.sock, None, &bufs, &self.stats)?;
+        commd_switch::udpio::send(&self.sock, None, &bufs, &self.stats)?;
         for &j in js {
             self.slots[j].busy = true;
             self.slots[j].sent_at = now;
@@ -673,12 +661,12 @@ impl Thread {
 
     /// Waits up to `wait` for results; returns how many landed in `rx`.
     fn recv_batch(&mut self, wait: Duration) -> Result<usize, String> {
-        let n = super::udpio::recv(&self.sock, &mut self.rx, &self.stats)?;
+        let n = commd_switch::udpio::recv(&self.sock, &mut self.rx, &self.stats)?;
         if n > 0 {
             return Ok(n);
         }
-        super::udpio::wait_readable(&self.sock, wait);
-        super::udpio::recv(&self.sock, &mut self.rx, &self.stats)
+        commd_switch::udpio::wait_readable(&self.sock, wait);
+        commd_switch::udpio::recv(&self.sock, &mut self.rx, &self.stats)
     }
 }
 

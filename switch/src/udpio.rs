@@ -7,9 +7,20 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::worker::Stats;
+/// Data-plane counters of one endpoint (a session's worker threads, or the switch).
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub ops: AtomicU64,
+    pub packets_sent: AtomicU64,
+    pub retransmits: AtomicU64,
+    pub results: AtomicU64,
+    pub dropped_results: AtomicU64,
+    pub bytes: AtomicU64,
+    pub send_calls: AtomicU64,
+    pub recv_calls: AtomicU64,
+}
 
 const UDP_SEGMENT: libc::c_int = 103;
 const UDP_GRO: libc::c_int = 104;

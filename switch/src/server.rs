@@ -30,9 +30,9 @@ use rand::{Rng, SeedableRng};
 use tonic::{Request, Response, Status};
 
 use super::agg::{Pool, SlotCounters, Verdict};
-use super::cores;
 use super::packet::{Header, MAX_WORKERS, PacketSize, SLOTS};
-use super::worker::Stats;
+use super::udpio::Stats;
+use commd_host::cores;
 
 /// `commd switch` options.
 #[derive(Clone, Debug, clap::Args)]
@@ -792,6 +792,9 @@ pub struct Running {
     pub listen: SocketAddr,
     pub data: SocketAddr,
     pub metrics: Option<SocketAddr>,
+    /// The bound `/metrics` listener, for the caller to serve [`Switch::metrics_text`] on
+    /// (`commd switch` does, with the daemon's HTTP endpoint).
+    pub metrics_listener: Option<tokio::net::TcpListener>,
 }
 
 /// Binds everything, starts the data-plane thread and the gRPC controller on `rt`.
@@ -853,13 +856,6 @@ pub fn start(a: &SwitchArgs, rt: &tokio::runtime::Runtime) -> Result<Running, St
         .name("commd-switch-dp".into())
         .spawn(move || s2.data_plane(sock, faults, pin))
         .map_err(|e| e.to_string())?;
-    if let Some(l) = metrics_l {
-        let s3 = sw.clone();
-        rt.spawn(crate::telemetry::http::serve_with(
-            l,
-            Arc::new(move || s3.metrics_text()),
-        ));
-    }
     let ctl = Ctl(sw.clone());
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     rt.spawn(async move {
@@ -877,6 +873,7 @@ pub fn start(a: &SwitchArgs, rt: &tokio::runtime::Runtime) -> Result<Running, St
         listen,
         data,
         metrics,
+        metrics_listener: metrics_l,
     })
 }
 
@@ -884,46 +881,4 @@ impl Drop for Running {
     fn drop(&mut self) {
         self.switch.stop.store(true, Ordering::Release);
     }
-}
-
-/// `commd switch`: runs until SIGINT/SIGTERM.
-pub fn main(a: &SwitchArgs) -> i32 {
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("commd switch: {e}");
-            return crate::exit::RUNTIME;
-        }
-    };
-    let r = match start(a, &rt) {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("commd switch: {e}");
-            return crate::exit::USAGE;
-        }
-    };
-    println!(
-        "commd switch: controller {} data {} metrics {} faults drop={} dup={} reorder={}",
-        r.listen,
-        r.data,
-        r.metrics.map_or("off".into(), |m| m.to_string()),
-        a.drop,
-        a.dup,
-        a.reorder
-    );
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    rt.block_on(async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = async { if let Some(t) = term.as_mut() { t.recv().await; } else { std::future::pending::<()>().await } } => {}
-        }
-    });
-    drop(r);
-    crate::exit::OK
 }

@@ -31,7 +31,7 @@ pub fn registry_path() -> PathBuf {
         .filter(|p| !p.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| {
-            let sock = commd_client::default_socket_path();
+            let sock = crate::default_socket_path();
             sock.parent().unwrap_or(Path::new("/run/commd")).join(FILE)
         })
 }
