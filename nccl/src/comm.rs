@@ -470,28 +470,25 @@ impl Comm {
                 "sendbuff and recvbuff are in different kinds of memory (one CUDA device memory, one host memory)",
             ));
         }
-        log::info(
-            if op.kind.is_p2p() {
-                log::P2P
-            } else {
-                log::COLL
-            },
-            self.device,
-            || {
-                format!(
-                    "{}: count {} datatype {} op {} root/peer {} comm {:p} [nranks={}] stream {:#x} {:?}",
-                    op.kind.name(),
-                    op.count,
-                    op.dtype,
-                    op.redop,
-                    op.peer,
-                    Arc::as_ptr(self),
-                    self.nranks,
-                    op.stream,
-                    mem.first().copied().unwrap_or(Memory::Host)
-                )
-            },
-        );
+        let subsys = if op.kind.is_p2p() {
+            log::P2P
+        } else {
+            log::COLL
+        };
+        log::info(subsys, self.device, || {
+            format!(
+                "{}: count {} datatype {} op {} root/peer {} comm {:p} [nranks={}] stream {:#x} {:?}",
+                op.kind.name(),
+                op.count,
+                op.dtype,
+                op.redop,
+                op.peer,
+                Arc::as_ptr(self),
+                self.nranks,
+                op.stream,
+                mem.first().copied().unwrap_or(Memory::Host)
+            )
+        });
         if mem.first() == Some(&Memory::Device) {
             let mut a = CudaOpArgs::new(op.kind, dtype, op.count, op.stream as sys::CUstream);
             a.redop = redop;
@@ -508,26 +505,18 @@ impl Comm {
             // SAFETY: NCCL's contract: the buffers are device memory of this process holding
             // the op's elements until the stream passes the op, and the stream is live.
             let posted = unsafe { r.c.post_cuda_ordered(a) }?;
-            log::info(
-                if op.kind.is_p2p() {
-                    log::P2P
-                } else {
-                    log::COLL
-                },
-                self.device,
-                || {
-                    format!(
-                        "{} posted: last ticket {}{}",
-                        op.kind.name(),
-                        posted.last_ticket,
-                        if a.defer_wait {
-                            " (wait deferred to the group's end)"
-                        } else {
-                            ""
-                        }
-                    )
-                },
-            );
+            log::info(subsys, self.device, || {
+                format!(
+                    "{} posted: last ticket {}{}",
+                    op.kind.name(),
+                    posted.last_ticket,
+                    if a.defer_wait {
+                        " (wait deferred to the group's end)"
+                    } else {
+                        ""
+                    }
+                )
+            });
             // A captured op (contract 6) runs at each replay; its failures come back through
             // the error word and the graph check, not through this request.
             if !posted.captured {
