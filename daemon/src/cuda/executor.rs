@@ -331,14 +331,16 @@ fn beside(a: &GpuJob, b: &GpuJob) -> bool {
     })
 }
 
-/// A front job still waiting at half its timeout: the communicator's queue once, at WARN
-/// (which ranks' streams each job waits for), so a hang can be read from the log before the
-/// timeout fails it.
+/// A front job still waiting after half its timeout, or 30 s if that is sooner (torch's
+/// default timeouts are 10-30 minutes): the communicator's queue once, at WARN (which ranks'
+/// streams each job waits for, the first `LISTED` jobs), so a hang can be read from the log
+/// before the timeout fails it.
 fn log_stuck(a: &mut Active, after: &[Active]) {
+    const LISTED: usize = 16;
     let State::Waiting { since } = a.state else {
         return;
     };
-    if a.logged || since.elapsed() < a.job.timeout / 2 {
+    if a.logged || since.elapsed() < (a.job.timeout / 2).min(Duration::from_secs(30)) {
         return;
     }
     a.logged = true;
@@ -359,7 +361,14 @@ fn log_stuck(a: &mut Active, after: &[Active]) {
             .collect();
         format!("{} [{}]: {state}", j.job.label, tickets.join(", "))
     };
-    let queue: Vec<String> = std::iter::once(&*a).chain(after).map(line).collect();
+    let mut queue: Vec<String> = std::iter::once(&*a)
+        .chain(after)
+        .take(LISTED)
+        .map(line)
+        .collect();
+    if after.len() + 1 > LISTED {
+        queue.push(format!("{} more", after.len() + 1 - LISTED));
+    }
     tracing::warn!(
         target: "commd::cuda",
         "GPU jobs of one communicator waiting for {:.1} s, in queue order: {}",
