@@ -99,6 +99,8 @@ echo "== $(nvidia-smi -L | head -1) x $ngpu; $("$bin" --version)"
 sockdir=$(mktemp -d)
 export COMMD_SOCKET=$sockdir/commd.sock
 # COMMD_SERVE_ARGS: extra daemon flags, e.g. "--set gpu_scratch_slot_bytes=67108864".
+# GPU_CHECK_PACK=FILE.tgz: at the end, the whole output folder in one archive (for the device
+# tool, which brings back 8 files at most), logs over 2 MiB cut to their last 1.5 MiB.
 # shellcheck disable=SC2086
 COMMD_DEBUG=INFO "$bin" serve --socket "$COMMD_SOCKET" ${COMMD_SERVE_ARGS:-} >"$out/daemon-$what.log" 2>&1 &
 dpid=$!
@@ -369,4 +371,11 @@ if [ "$what" = interference ]; then
 fi
 "$bin" status --socket "$COMMD_SOCKET" > "$out/status.txt" 2>&1 || true
 tail -50 "$out/daemon-$what.log"
+if [ -n "${GPU_CHECK_PACK:-}" ]; then
+  # One archive of the results (the device tool brings back at most 8 files of 16 MiB): logs
+  # over 2 MiB keep their last 1.5 MiB; nccl-tests' binaries are left out.
+  find "$out" -type f -name '*.log' -size +2M | while read -r f; do tail -c 1500000 "$f" >"$f.t" && mv "$f.t" "$f"; done
+  tar czf "$GPU_CHECK_PACK" --exclude='nccl-tests-bin.tgz' -C "$(dirname "$out")" "$(basename "$out")" \
+    && echo "packed $out into $GPU_CHECK_PACK"
+fi
 exit $rc
