@@ -90,6 +90,21 @@ def test_bench_speaks_nccl_tests():
     assert all(l.endswith(",0") for l in csv[1:]), csv
 
 
+def test_bench_plain_memory_is_staged_and_checked():
+    """`--memory plain` (issue 24): each rank's data in ordinary memory, copied through staging
+    around every timed op; the check reads the result from that memory, for every op, in and
+    out of place."""
+    for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "sendrecv"):
+        out = commd("bench", "--op", op, "--ranks", "3", "-b", "8", "-e", "64K", "-f", "64",
+                    "-n", "3", "-w", "1", "--memory", "plain", "--json")
+        assert out.returncode == 0, op + out.stdout + out.stderr
+        rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+        assert len(rows) == 2 * 3, (op, rows)
+        assert all(r["memory"] == "plain" and r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
+    out = commd("bench", "--memory", "pinned")
+    assert out.returncode == 2 and "registered" in out.stderr and "plain" in out.stderr, out.stderr
+
+
 def test_logs_to_a_file_carry_no_colour_codes_and_bench_ends_quietly():
     """A daemon whose stderr is a file (the journal, a log file) writes no ANSI escapes, and a
     normal `commd bench` (embedded daemon) logs no warning when it stops it."""

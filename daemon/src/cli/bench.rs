@@ -77,6 +77,17 @@ pub struct BenchArgs {
     #[arg(long)]
     #[serde(default)]
     pub csv: bool,
+    /// Where each rank's data lives: `registered` (memory from the daemon's shared allocation,
+    /// used in place, as `commd.torch.empty` tensors) or `plain` (ordinary process memory,
+    /// copied into shared staging memory and back around every op, as ordinary tensors and
+    /// numpy arrays are today). The copies are part of the timed op.
+    #[arg(long, default_value = "registered", value_parser = ["registered", "plain"])]
+    #[serde(default = "registered")]
+    pub memory: String,
+}
+
+fn registered() -> String {
+    "registered".into()
 }
 
 const OPS: &str = "all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, sendrecv";
@@ -406,11 +417,12 @@ pub fn run(
     if !a.json && !a.csv {
         let _ = writeln!(
             out,
-            "# commd bench: op {} ranks {} dtype {} redop {} (client processes: {}, nodes: {}{}{})",
+            "# commd bench: op {} ranks {} dtype {} redop {} memory {} (client processes: {}, nodes: {}{}{})",
             a.op,
             a.ranks,
             sel.dtype.name(),
             sel.redop.map(|r| r.name()).unwrap_or("none"),
+            a.memory,
             a.ranks,
             a.nodes,
             if a.nodes > 1 {
@@ -533,7 +545,7 @@ pub fn run(
         } else if a.json {
             for (t, m, al, bu, w, ip) in &cols {
                 let j = serde_json::json!({"op": a.op, "ranks": a.ranks, "nodes": a.nodes, "dtype": sel.dtype.name(), "size": sz, "count": count, "inplace": ip,
-                    "time_us": t, "median_us": m, "algbw": al, "busbw": bu, "wrong": w, "memcpy_gbps": mb});
+                    "time_us": t, "median_us": m, "algbw": al, "busbw": bu, "wrong": w, "memcpy_gbps": mb, "memory": a.memory});
                 let _ = writeln!(out, "{j}");
             }
         } else {
@@ -631,6 +643,16 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
     let recv_bytes = send_bytes;
     let mut sbuf = client.alloc(send_bytes).map_err(|e| e.to_string())?;
     let mut rbuf = client.alloc(recv_bytes).map_err(|e| e.to_string())?;
+    // `--memory plain`: the rank's data in ordinary memory; sbuf/rbuf become the staging.
+    let plain = a.memory == "plain";
+    let (mut usend, mut urecv) = if plain {
+        (
+            vec![0u8; send_bytes as usize],
+            vec![0u8; recv_bytes as usize],
+        )
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let stdout = std::io::stdout();
     for size in sizes(&a) {
         let (_, count) = geometry(sel.kind, sel.dtype, n, size);
@@ -667,6 +689,24 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
                 );
             };
             fill(&mut sbuf, &mut rbuf);
+            // What this size's op reads and writes of the rank's buffers (in place: both in
+            // the receive buffer, whose input part the op reads).
+            let in_bytes = (spec
+                .send_elems()
+                .max(if sel.kind == OpKind::Send { count } else { 0 })
+                * es) as usize;
+            let out_bytes =
+                (sel.kind.recv_elems(count, n).unwrap_or(count).max(count) * es) as usize;
+            let to_plain = |s: &commd_client::Buffer,
+                            r: &commd_client::Buffer,
+                            us: &mut [u8],
+                            ur: &mut [u8]| {
+                us.copy_from_slice(&s.as_slice()[..us.len()]);
+                ur.copy_from_slice(&r.as_slice()[..ur.len()]);
+            };
+            if plain {
+                to_plain(&sbuf, &rbuf, &mut usend, &mut urecv);
+            }
             // In-place layouts as NCCL defines them.
             let recv_off = 0u64;
             let send_off = if inplace {
@@ -710,10 +750,42 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
                         .wait()
                         .map_err(|e| e.to_string())
                 };
+            // Plain memory: the staging copies in and out are part of every op, as a client
+            // library pays them for memory the daemon cannot reach.
+            let op = |sbuf: &mut commd_client::Buffer,
+                      rbuf: &mut commd_client::Buffer,
+                      usend: &[u8],
+                      urecv: &mut [u8]|
+             -> Result<(), String> {
+                if !plain {
+                    return run_one(sbuf, rbuf);
+                }
+                if inplace {
+                    rbuf.as_mut_slice()[..in_bytes.max(out_bytes)]
+                        .copy_from_slice(&urecv[..in_bytes.max(out_bytes)]);
+                } else {
+                    sbuf.as_mut_slice()[..in_bytes].copy_from_slice(&usend[..in_bytes]);
+                }
+                run_one(sbuf, rbuf)?;
+                // The op's output: the rank's slot of the receive buffer for an in-place
+                // reduce-scatter (as NCCL lays it out), else its start.
+                let at = if inplace && sel.kind == OpKind::ReduceScatter {
+                    (u64::from(rank) * count * es) as usize
+                } else {
+                    0
+                };
+                urecv[at..at + out_bytes].copy_from_slice(&rbuf.as_slice()[at..at + out_bytes]);
+                if sel.kind == OpKind::Send && inplace {
+                    // The in-place ring receives into the send buffer (see run_one).
+                    let n = (count * es) as usize;
+                    urecv[..n].copy_from_slice(&sbuf.as_slice()[..n]);
+                }
+                Ok(())
+            };
             let mut times = Vec::with_capacity(iters as usize);
             let mut err = None;
             for _ in 0..warmup {
-                if let Err(e) = run_one(&sbuf, &rbuf) {
+                if let Err(e) = op(&mut sbuf, &mut rbuf, &usend, &mut urecv) {
                     err = Some(e);
                     break;
                 }
@@ -722,7 +794,7 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
             if err.is_none() {
                 for _ in 0..iters {
                     let t = Instant::now();
-                    if let Err(e) = run_one(&sbuf, &rbuf) {
+                    if let Err(e) = op(&mut sbuf, &mut rbuf, &usend, &mut urecv) {
                         err = Some(e);
                         break;
                     }
@@ -734,20 +806,33 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
             let mut wrong = 0;
             if err.is_none() && a.verify() {
                 fill(&mut sbuf, &mut rbuf);
-                if let Err(e) = run_one(&sbuf, &rbuf) {
+                if plain {
+                    // The fresh input goes in through the rank's own memory; the staging is
+                    // cleared so that only the copies of this op can put it there.
+                    to_plain(&sbuf, &rbuf, &mut usend, &mut urecv);
+                    sbuf.as_mut_slice().fill(0);
+                    rbuf.as_mut_slice().fill(0);
+                }
+                if let Err(e) = op(&mut sbuf, &mut rbuf, &usend, &mut urecv) {
                     err = Some(e);
-                } else if sel.kind == OpKind::Send {
-                    let rcv = if inplace { &sbuf } else { &rbuf };
-                    wrong = OpSpec {
-                        kind: OpKind::Recv,
-                        ..spec
-                    }
-                    .count_wrong(rcv.as_slice());
-                } else if inplace && sel.kind == OpKind::ReduceScatter {
-                    wrong = spec
-                        .count_wrong(&rbuf.as_slice()[(u64::from(rank) * count * es) as usize..]);
                 } else {
-                    wrong = spec.count_wrong(rbuf.as_slice());
+                    // The result as the rank sees it: its own memory when plain.
+                    let rcv: &[u8] = match (plain, sel.kind == OpKind::Send && inplace) {
+                        (true, _) => &urecv,
+                        (false, true) => sbuf.as_slice(),
+                        (false, false) => rbuf.as_slice(),
+                    };
+                    wrong = if sel.kind == OpKind::Send {
+                        OpSpec {
+                            kind: OpKind::Recv,
+                            ..spec
+                        }
+                        .count_wrong(rcv)
+                    } else if inplace && sel.kind == OpKind::ReduceScatter {
+                        spec.count_wrong(&rcv[(u64::from(rank) * count * es) as usize..])
+                    } else {
+                        spec.count_wrong(rcv)
+                    };
                 }
             }
             let row = WorkerRow {
