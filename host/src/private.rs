@@ -8,8 +8,8 @@
 //! itself is opened relative to the checked directory, never through a symlink, and must turn
 //! out to be a regular file of an allowed owner with a single link.
 //!
-//! Owns no state. Used by the CPU claim registry (`switch::cores`) and the socket lock
-//! (`serve`). Uses only `rustix`; names nothing of the daemon.
+//! Owns no state. Used by the CPU claim registry ([`crate::cores`]) and the daemon's socket lock
+//! (`commd_daemon::serve`). Uses only `rustix`; names nothing of the daemon.
 
 use std::ffi::OsString;
 use std::fs::File;
