@@ -458,23 +458,28 @@ impl Queued for Active {
         !beside(&self.job, &o.job)
     }
     fn first_in_program(&self, o: &Self) -> bool {
-        let tickets = |j: &GpuJob| {
-            j.bells
-                .iter()
-                .filter(|b| !b.graph)
-                .map(|b| (b.rank, b.ticket))
-                .collect::<Vec<_>>()
-        };
-        program_first(&tickets(&self.job), &tickets(&o.job))
+        // Evaluated on every pass of the loop while a ready job waits: no allocation.
+        program_first(tickets(&self.job), tickets(&o.job))
     }
+}
+
+/// (rank, ticket) of each eager op of a job.
+fn tickets(j: &GpuJob) -> impl Iterator<Item = (u32, u32)> + Clone + '_ {
+    j.bells
+        .iter()
+        .filter(|b| !b.graph)
+        .map(|b| (b.rank, b.ticket))
 }
 
 /// `a` and `b` ((rank, ticket) of each op) share a rank, and on every rank they share `a`'s op
 /// has the earlier ticket (tickets wrap).
-fn program_first(a: &[(u32, u32)], b: &[(u32, u32)]) -> bool {
+fn program_first(
+    a: impl IntoIterator<Item = (u32, u32)>,
+    b: impl IntoIterator<Item = (u32, u32)> + Clone,
+) -> bool {
     let mut shared = false;
-    for &(r, ta) in a {
-        for &(_, tb) in b.iter().filter(|(rb, _)| *rb == r) {
+    for (r, ta) in a {
+        for (_, tb) in b.clone().into_iter().filter(|(rb, _)| *rb == r) {
             shared = true;
             if ta.wrapping_sub(tb) as i32 >= 0 {
                 return false;
@@ -866,7 +871,7 @@ mod tests {
                 || hit(&o.writes, &self.reads)
         }
         fn first_in_program(&self, o: &Self) -> bool {
-            program_first(&self.tickets, &o.tickets)
+            program_first(self.tickets.iter().copied(), o.tickets.iter().copied())
         }
     }
 
@@ -950,12 +955,12 @@ mod tests {
 
     #[test]
     fn program_order_needs_every_shared_rank() {
-        assert!(program_first(&[(0, 1), (1, 7)], &[(1, 8), (2, 1)]));
-        assert!(!program_first(&[(0, 1), (1, 9)], &[(1, 8)]));
+        assert!(program_first([(0, 1), (1, 7)], [(1, 8), (2, 1)]));
+        assert!(!program_first([(0, 1), (1, 9)], [(1, 8)]));
         // Two shared ranks that disagree (an in-place exchange): no order.
-        assert!(!program_first(&[(0, 1), (1, 2)], &[(0, 2), (1, 1)]));
-        assert!(!program_first(&[(0, 1)], &[(1, 1)]), "no shared rank");
+        assert!(!program_first([(0, 1), (1, 2)], [(0, 2), (1, 1)]));
+        assert!(!program_first([(0, 1)], [(1, 1)]), "no shared rank");
         // Tickets wrap.
-        assert!(program_first(&[(0, u32::MAX)], &[(0, 1)]));
+        assert!(program_first([(0, u32::MAX)], [(0, 1)]));
     }
 }
