@@ -670,14 +670,17 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
                 seed: size ^ u64::from(inplace),
                 ..spec0
             };
+            // In-place layouts as NCCL defines them: all_gather reads, reduce_scatter writes,
+            // this rank's slot of the receive buffer.
+            let slot = u64::from(rank) * count * es;
+            let (send_off, recv_off) = match sel.kind {
+                OpKind::AllGather if inplace => (slot, 0),
+                OpKind::ReduceScatter if inplace => (0, slot),
+                _ => (0, 0),
+            };
             let fill = |s: &mut commd_client::Buffer, r: &mut commd_client::Buffer| {
                 let sb = if inplace { r } else { s };
-                // In-place all_gather reads this rank's slot of the receive buffer.
-                let at = if inplace && sel.kind == OpKind::AllGather {
-                    (u64::from(rank) * count * es) as usize
-                } else {
-                    0
-                };
+                let at = send_off as usize;
                 check::fill(
                     sel.dtype,
                     sel.redop,
@@ -707,16 +710,6 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
             if plain {
                 to_plain(&sbuf, &rbuf, &mut usend, &mut urecv);
             }
-            // In-place layouts as NCCL defines them.
-            let recv_off = 0u64;
-            let send_off = if inplace {
-                match sel.kind {
-                    OpKind::AllGather => u64::from(rank) * count * es,
-                    _ => 0,
-                }
-            } else {
-                0
-            };
             let run_one =
                 |sbuf: &commd_client::Buffer, rbuf: &commd_client::Buffer| -> Result<(), String> {
                     let sb = if inplace { rbuf } else { sbuf };
@@ -731,11 +724,6 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
                         s.wait().map_err(|e| e.to_string())?;
                         return r.wait().map_err(|e| e.to_string());
                     }
-                    let (send_off, recv_off) = if inplace && sel.kind == OpKind::ReduceScatter {
-                        (0, u64::from(rank) * count * es)
-                    } else {
-                        (send_off, recv_off)
-                    };
                     let args = OpArgs {
                         kind: sel.kind,
                         dtype: sel.dtype,
@@ -767,13 +755,8 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
                     sbuf.as_mut_slice()[..in_bytes].copy_from_slice(&usend[..in_bytes]);
                 }
                 run_one(sbuf, rbuf)?;
-                // The op's output: the rank's slot of the receive buffer for an in-place
-                // reduce-scatter (as NCCL lays it out), else its start.
-                let at = if inplace && sel.kind == OpKind::ReduceScatter {
-                    (u64::from(rank) * count * es) as usize
-                } else {
-                    0
-                };
+                // The op's output (its slot for an in-place reduce-scatter).
+                let at = recv_off as usize;
                 urecv[at..at + out_bytes].copy_from_slice(&rbuf.as_slice()[at..at + out_bytes]);
                 if sel.kind == OpKind::Send && inplace {
                     // The in-place ring receives into the send buffer (see run_one).
@@ -829,7 +812,7 @@ pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Res
                         }
                         .count_wrong(rcv)
                     } else if inplace && sel.kind == OpKind::ReduceScatter {
-                        spec.count_wrong(&rcv[(u64::from(rank) * count * es) as usize..])
+                        spec.count_wrong(&rcv[recv_off as usize..])
                     } else {
                         spec.count_wrong(rcv)
                     };
