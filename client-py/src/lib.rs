@@ -675,6 +675,12 @@ impl Communicator {
         py.detach(move || comm.cuda_graph_check()).map_err(to_py)
     }
 
+    /// How all-reduces captured into CUDA graphs run on this communicator: "direct",
+    /// "daemon: <why not direct>" or "undecided" (DESIGN.md contracts 6 and 7).
+    fn cuda_graph_path(&self) -> PyResult<String> {
+        Ok(self.get()?.cuda_graph_path())
+    }
+
     /// The status code of a failed GPU op on this communicator since the last call, or None.
     fn cuda_take_error(&self) -> PyResult<Option<u32>> {
         Ok(self.get()?.cuda_take_error())

@@ -346,6 +346,7 @@ impl Client {
             doorbell_slot: r.doorbell_slot,
             nodes: r.nodes.max(1),
             paths: r.paths,
+            op_timeout: o.op_timeout,
             gpu: Mutex::new(gpu::CommGpu::default()),
         })
     }
@@ -590,6 +591,10 @@ impl Inner {
                     ready.load(Ordering::Acquire).wrapping_add(1 << 30),
                     Ordering::Release,
                 );
+            }
+            // Direct captured ops (contract 7) waiting for a peer stop on this bit.
+            if let Some(h) = self.ring.doorbell_hint(slot) {
+                h.fetch_or(commd_proto::desc::doorbell::HINT_BROKEN, Ordering::AcqRel);
             }
         }
     }
@@ -1048,6 +1053,9 @@ pub struct Communicator {
     nodes: u32,
     /// How its data moves, as the daemon described it at init.
     paths: Vec<String>,
+    /// The op timeout asked for at creation (the daemon's default when `None`): how long a
+    /// direct captured op waits for a peer (contract 7).
+    op_timeout: Option<Duration>,
     gpu: Mutex<gpu::CommGpu>,
 }
 

@@ -141,6 +141,10 @@ pub mod doorbell {
     /// graph doorbells' error words say which (`graph_doorbell`), `GetGraphOpError` why. The
     /// client clears the bit once it has looked.
     pub const HINT_GRAPH_FAILED: u32 = 2;
+    /// Hint bit: the communicator is broken for good (a rank's process was lost, or the
+    /// client's watchdog lost the daemon). Direct captured ops (contract 7) poll it while they
+    /// wait for a peer, so a replay stops instead of waiting for a rank that will never come.
+    pub const HINT_BROKEN: u32 = 4;
     /// Slot value of a communicator that has no doorbell slot (more than `SLOTS` in a session).
     pub const NO_SLOT: u32 = u32::MAX;
 }

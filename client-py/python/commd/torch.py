@@ -977,6 +977,14 @@ def check_graphs(group: Any = None) -> None:
         b.comm._native.cuda_graph_check()
 
 
+def graph_path(group: Any = None) -> str:
+    """How all-reduces captured into CUDA graphs run on ``group``: ``"direct"`` (one kernel of
+    the graph per op, no daemon work per replay: ranks with a GPU each, peer access between
+    them, at most ``COMMD_GRAPH_DIRECT_MAX_BYTES``), ``"daemon: <why not direct>"`` (every
+    replay through the daemon's executor), or ``"undecided"`` before the first capture."""
+    return _backends(group, "graph_path")[0].comm._native.cuda_graph_path()
+
+
 def empty(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A CPU tensor in commd shared memory: collectives on it skip the staging copies."""
     if len(size) == 1 and isinstance(size[0], (tuple, list)):

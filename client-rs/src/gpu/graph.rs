@@ -321,6 +321,7 @@ impl crate::Communicator {
         use commd_proto::desc::doorbell::HINT_GRAPH_FAILED;
         use std::sync::atomic::Ordering;
         let i = &self.client;
+        self.direct_check()?;
         let Some(h) = i.ring.doorbell_hint(self.doorbell_slot) else {
             return Ok(());
         };

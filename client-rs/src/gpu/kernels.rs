@@ -80,6 +80,12 @@ pub fn kernel_name(dtype: DType, op: RedOp) -> String {
     format!("commd_reduce_{}_{}", dtype.name(), op.name())
 }
 
+/// The `extern "C"` name of the direct all-reduce kernel for `(dtype, op)` (DESIGN.md contract 7),
+/// compiled into the same module as the reduction kernel.
+pub fn direct_kernel_name(dtype: DType, op: RedOp) -> String {
+    format!("commd_direct_{}_{}", dtype.name(), op.name())
+}
+
 /// How one (dtype, op) kernel loads, combines and stores, as C expressions over `x` (an element),
 /// `a`, `b` (accumulators) and `divisor`.
 struct Shape {
@@ -284,10 +290,9 @@ static __device__ __forceinline__ {elem} commd_finish({acc} a, u32 divisor) {{
 struct alignas(16) commd_v16 {{ u32 w[4]; }};
 union commd_vec {{ commd_v16 q; {elem} e[{vec}]; }};
 
-extern "C" __global__ void __launch_bounds__({THREADS}) {name}({elem} *out, struct commd_ins ins, u64 count, u32 divisor) {{
-    const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
+/* out[i] = op(ins[0][i], ..., ins[m-1][i]) for i < count, grid-stride from thread `tid`. */
+static __device__ __forceinline__ void commd_reduce_body({elem} *out, const struct commd_ins &ins, u64 count, u32 divisor, u64 tid, u64 stride) {{
     const u32 m = ins.m;
-    const u64 tid = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
     u64 i = tid;
     /* 16-byte loads and stores ({vec} elements) where every pointer is 16-byte aligned; the
        rest (a tail, or unaligned pointers) element by element below. */
@@ -360,8 +365,15 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}({elem} *out, stru
         out[i] = commd_finish(a, divisor);
     }}
 }}
+
+extern "C" __global__ void __launch_bounds__({THREADS}) {name}({elem} *out, struct commd_ins ins, u64 count, u32 divisor) {{
+    commd_reduce_body(out, ins, count, divisor,
+                      (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x,
+                      (u64)gridDim.x * (u64)blockDim.x);
+}}
 "#
     );
+    direct::push_source(&mut src, &direct_kernel_name(dtype, op), elem, dtype.size());
     Ok(src)
 }
 
@@ -521,6 +533,33 @@ struct InsArg {
 }
 const _: () = assert!(std::mem::size_of::<InsArg>() == 72);
 
+/// The parameter of the direct all-reduce kernel (`struct commd_direct`,
+/// `direct::push_source`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DirectArgs {
+    /// Each rank's window, mapped in this context.
+    pub win: [CUdeviceptr; 8],
+    pub input: CUdeviceptr,
+    pub out: CUdeviceptr,
+    pub count: u64,
+    /// Bytes of one data slot.
+    pub slot: u64,
+    /// The failure record (host memory mapped for the device).
+    pub rec: CUdeviceptr,
+    /// The communicator's doorbell hint word (mapped for the device).
+    pub hint: CUdeviceptr,
+    pub timeout_ns: u64,
+    pub me: u32,
+    pub n: u32,
+    pub sig: u32,
+    /// Index of the op among the communicator's captured direct ops.
+    pub k: u32,
+    pub divisor: u32,
+    pub pad: u32,
+}
+const _: () = assert!(std::mem::size_of::<DirectArgs>() == 144);
+
 /// What is known about one context (by its process-unique id, `cuCtxGetId`).
 #[derive(Clone, Copy)]
 struct CtxInfo {
@@ -532,6 +571,7 @@ struct CtxInfo {
 #[derive(Clone, Copy)]
 struct Loaded {
     func: usize,
+    direct: usize,
     sm_count: u32,
 }
 
@@ -665,6 +705,71 @@ impl Kernels {
         Ok(())
     }
 
+    /// Enqueues the direct all-reduce kernel for `(dtype, op)` (DESIGN.md contract 7) on
+    /// `stream` with `grid` blocks: the grid must be the same for every direct op of a
+    /// communicator (its epochs count blocks).
+    ///
+    /// # Safety
+    /// `stream` belongs to the current context; `args` names live windows (mapped in this
+    /// context), a record and hint word mapped for the device, and `in`/`out` buffers of `count`
+    /// elements, as `direct::push_source` describes.
+    pub unsafe fn launch_direct(
+        &self,
+        stream: CUstream,
+        dtype: DType,
+        op: RedOp,
+        grid: u32,
+        args: &DirectArgs,
+    ) -> Result<(), KernelError> {
+        op.check_dtype(dtype)?;
+        if args.n < 2 || args.n > direct::MAX_RANKS || args.me >= args.n {
+            return Err(KernelError::InvalidArgument(format!(
+                "direct all-reduce of rank {} of {} ranks (2 to {} supported)",
+                args.me,
+                args.n,
+                direct::MAX_RANKS
+            )));
+        }
+        let ctx = current_ctx_id()?;
+        let k = self.get(ctx, dtype, op)?;
+        let mut a = *args;
+        let mut params: [*mut c_void; 1] = [(&raw mut a).cast()];
+        // SAFETY: `direct` was loaded in the current context with `func`; `params` points at
+        // one live value laid out as the kernel's parameter (`struct commd_direct`), which the
+        // driver copies before returning; the caller vouches for the stream and the pointers.
+        let r = unsafe {
+            cu_sys::cuLaunchKernel(
+                k.direct as CUfunction,
+                grid.max(1),
+                1,
+                1,
+                direct::THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        cu::ck(
+            r,
+            &format!("cuLaunchKernel({})", direct_kernel_name(dtype, op)),
+        )?;
+        Ok(())
+    }
+
+    /// SMs of the current context's device.
+    pub fn sm_count(&self) -> Result<u32, KernelError> {
+        let ctx = current_ctx_id()?;
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let info = match st.ctxs.entry(ctx) {
+            Entry::Occupied(e) => *e.get(),
+            Entry::Vacant(e) => *e.insert(ctx_info()?),
+        };
+        Ok(info.sm_count)
+    }
+
     /// The kernel for `(dtype, op)` in context `id` (current on this thread), loading it if
     /// needed. The lock is held while compiling: that happens once per kernel and architecture.
     fn get(&self, id: u64, dtype: DType, op: RedOp) -> Result<Loaded, KernelError> {
@@ -696,8 +801,19 @@ impl Kernels {
             let _ = unsafe { cu_sys::cuModuleUnload(module) };
             return Err(e.into());
         }
+        let dname = CString::new(direct_kernel_name(dtype, op))
+            .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+        let mut direct: CUfunction = std::ptr::null_mut();
+        // SAFETY: as above.
+        let r = unsafe { cu_sys::cuModuleGetFunction(&mut direct, module, dname.as_ptr()) };
+        if let Err(e) = cu::ck(r, "cuModuleGetFunction(direct)") {
+            // SAFETY: `module` was loaded above and nothing refers to it.
+            let _ = unsafe { cu_sys::cuModuleUnload(module) };
+            return Err(e.into());
+        }
         let k = Loaded {
             func: func as usize,
+            direct: direct as usize,
             sm_count: info.sm_count,
         };
         st.loaded.insert((id, dtype, op), k);
@@ -739,5 +855,6 @@ fn ctx_info() -> Result<CtxInfo, KernelError> {
     })
 }
 
+pub mod direct;
 #[cfg(test)]
 mod tests;

@@ -4,6 +4,7 @@
 
 pub mod algo;
 pub mod cu;
+pub(crate) mod direct;
 pub(crate) mod graph;
 pub mod kernels;
 pub mod regcache;
@@ -201,6 +202,8 @@ pub(crate) struct CommGpu {
     /// op's stream work (after its ready write for a send/recv whose wait is deferred): the
     /// next op on another stream waits for it first (see `post_cuda`).
     last: Option<(usize, CudaEvent)>,
+    /// Captured all-reduces as direct ops (contract 7): not tried yet, refused, or the windows.
+    pub(crate) direct: direct::State,
 }
 
 impl Default for CommGpu {
@@ -213,6 +216,7 @@ impl Default for CommGpu {
             captured_deferred: Vec::new(),
             checked_stream: None,
             last: None,
+            direct: direct::State::Unknown,
         }
     }
 }
@@ -813,6 +817,14 @@ impl Communicator {
         if let Some(r) = a.redop {
             r.check_dtype(a.dtype)
                 .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        }
+        // A captured all-reduce on ranks with a GPU each runs as one kernel of the graph
+        // (contract 7), with no daemon work per replay.
+        if cap.is_some() && self.nodes <= 1 {
+            // SAFETY: the caller's contract.
+            if let Some(p) = unsafe { self.try_direct(&a)? } {
+                return Ok(p);
+            }
         }
         let n = u64::from(self.nranks);
         let es = a.dtype.size();

@@ -230,7 +230,7 @@ impl Daemon {
     }
 
     /// Sets `bit` in the doorbell hint word of `rank` of `comm` (a local rank's session).
-    fn hint(&self, comm: &Arc<Comm>, rank: u32, bit: u32) {
+    pub(crate) fn hint(&self, comm: &Arc<Comm>, rank: u32, bit: u32) {
         let Some(m) = comm.members.get(rank as usize).filter(|m| m.local) else {
             return;
         };

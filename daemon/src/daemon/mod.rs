@@ -248,6 +248,11 @@ impl Daemon {
             if comm.abort_rank(Some(rank), status::PEER_LOST, msg) {
                 lock(&self.comms).remove(&comm.id);
             }
+            // A direct captured op (contract 7) of a surviving rank may be waiting on the GPU
+            // for this rank's flag: the hint bit stops it.
+            for r in comm.local.iter().copied().filter(|&r| r != rank) {
+                self.hint(&comm, r, commd_proto::desc::doorbell::HINT_BROKEN);
+            }
         }
         // Pending joins of this session fail for everyone: the communicator can no longer form.
         let mut joins = lock(&self.joins);

@@ -63,9 +63,35 @@ fn every_kernel_compiles_with_nvrtc() {
                 "{d:?} {op:?}: no 16-byte stores in the PTX"
             );
         }
+        // The direct all-reduce kernel (contract 7) is in the same module, with its
+        // acquire/release flag accesses at system scope.
+        let ptx = compile_ptx(d, op, (9, 0)).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            ptx.contains(&format!(".entry {}(", direct_kernel_name(d, op))),
+            "{d:?} {op:?}: no direct kernel in the PTX"
+        );
+        assert!(ptx.contains("ld.acquire.sys") && ptx.contains("st.release.sys"));
         // The run-time path: SASS for the device's exact architecture.
         let cubin = compile_cubin(d, op, (9, 0)).unwrap_or_else(|e| panic!("{e}"));
         assert!(cubin.starts_with(b"\x7fELF"), "{d:?} {op:?}: not a CUBIN");
+    }
+}
+
+#[test]
+fn direct_launch_refuses_bad_rank_counts_before_cuda() {
+    let k = Kernels::new();
+    for (me, n) in [(0, 1), (0, 9), (2, 2)] {
+        let a = DirectArgs {
+            me,
+            n,
+            ..DirectArgs::default()
+        };
+        // SAFETY: refused before any pointer is used or CUDA is called.
+        let r = unsafe { k.launch_direct(std::ptr::null_mut(), DType::F32, RedOp::Sum, 1, &a) };
+        assert!(
+            matches!(r, Err(KernelError::InvalidArgument(_))),
+            "{me} of {n}"
+        );
     }
 }
 

@@ -1,0 +1,744 @@
+//! Direct captured all-reduce (DESIGN.md contract 7): the host side.
+//!
+//! A persistent op (contract 6) takes every replay through the daemon's executor: ready seen,
+//! copies issued, events seen, done written, each a CPU round trip, 26-50 us per op against
+//! NCCL's 10-16 us under graphs (docs/benchmarks.md, 2026-11-25/26). An all-reduce captured on
+//! a communicator whose ranks each have their own GPU, all visible to each other with peer
+//! access, runs instead as one kernel of the graph (`kernels::direct`): it pushes the input
+//! into the peers' windows and reduces its own, with flags that advance on the GPU. The daemon
+//! sees nothing per replay; it only marks a communicator broken (`HINT_BROKEN`) when a rank's
+//! process is lost, which stops a kernel that waits for that rank.
+//!
+//! The windows are set up with the first such capture on a communicator: every rank allocates
+//! its window on its GPU and the ranks exchange IPC handles through a host all-gather on the
+//! communicator itself (so a rank that does not take this path fails that all-gather as a
+//! mismatch instead of hanging); then each opens its peers' windows and a second all-gather
+//! agrees on the outcome: every rank takes the path, or none does (and says why, once).
+//! Windows stay mapped for the life of the process: a graph may outlive its communicator.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use commd_proto::desc::{DType, OpKind, RedOp, doorbell};
+
+use super::cu::{self, ck, sys};
+use super::kernels::{self, DirectArgs, direct as k};
+use super::{CudaOpArgs, CudaPosted, ensure_context, map_host, pointer_info};
+use crate::{Client, Communicator, Error, Request, Result, lock};
+
+/// Bytes each rank sends in the first all-gather.
+const OFFER_BYTES: u64 = 128;
+/// Default largest all-reduce (bytes per rank) that takes the direct path.
+pub const DEFAULT_MAX_BYTES: u64 = 1 << 20;
+/// Default blocks of the direct kernel (fewer on a GPU with fewer SMs).
+pub const DEFAULT_BLOCKS: u32 = 32;
+/// How long a direct op waits for a peer's flag when the communicator has no op timeout.
+const DEFAULT_TIMEOUT_S: u64 = 300;
+
+/// A communicator's direct path: not tried yet, refused (why), or its windows.
+#[derive(Default)]
+pub(crate) enum State {
+    #[default]
+    Unknown,
+    Off(String),
+    On(Box<Windows>),
+}
+
+pub(crate) struct Windows {
+    win: [sys::CUdeviceptr; 8],
+    slot: u64,
+    grid: u32,
+    device: i32,
+    /// The failure record: host address (read by the client) and device address.
+    rec_host: usize,
+    rec_dev: sys::CUdeviceptr,
+    hint_dev: sys::CUdeviceptr,
+    /// Captured direct ops so far: the next op's index (part of its flag, so ranks that
+    /// replay different captured ops never pair).
+    next_k: u32,
+}
+
+/// The configuration from the environment: `COMMD_GRAPH_DIRECT` (`auto`, the default, or
+/// `0`/`off`), `COMMD_GRAPH_DIRECT_MAX_BYTES`, `COMMD_GRAPH_DIRECT_BLOCKS`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Config {
+    pub enabled: bool,
+    pub max_bytes: u64,
+    pub blocks: u32,
+}
+
+impl Config {
+    pub fn from_env() -> std::result::Result<Self, String> {
+        Self::parse(
+            std::env::var("COMMD_GRAPH_DIRECT").ok().as_deref(),
+            std::env::var("COMMD_GRAPH_DIRECT_MAX_BYTES")
+                .ok()
+                .as_deref(),
+            std::env::var("COMMD_GRAPH_DIRECT_BLOCKS").ok().as_deref(),
+        )
+    }
+
+    pub fn parse(
+        mode: Option<&str>,
+        max: Option<&str>,
+        blocks: Option<&str>,
+    ) -> std::result::Result<Self, String> {
+        let enabled = match mode.map(str::trim) {
+            None | Some("") | Some("auto") | Some("1") | Some("on") => true,
+            Some("0") | Some("off") => false,
+            Some(v) => {
+                return Err(format!(
+                    "COMMD_GRAPH_DIRECT={v:?}: expected auto (the default) or 0/off"
+                ));
+            }
+        };
+        let num =
+            |name: &str, v: Option<&str>, default: u64, lo: u64, hi: u64| match v.map(str::trim) {
+                None | Some("") => Ok(default),
+                Some(s) => s
+                    .parse::<u64>()
+                    .ok()
+                    .filter(|x| (lo..=hi).contains(x))
+                    .ok_or_else(|| format!("{name}={s:?}: expected an integer from {lo} to {hi}")),
+            };
+        Ok(Self {
+            enabled,
+            max_bytes: num(
+                "COMMD_GRAPH_DIRECT_MAX_BYTES",
+                max,
+                DEFAULT_MAX_BYTES,
+                0,
+                1 << 30,
+            )?,
+            blocks: num(
+                "COMMD_GRAPH_DIRECT_BLOCKS",
+                blocks,
+                u64::from(DEFAULT_BLOCKS),
+                1,
+                1024,
+            )? as u32,
+        })
+    }
+}
+
+/// Bytes of a rank's window for `n` ranks and `slot`-byte data slots.
+pub fn window_bytes(n: u32, slot: u64) -> u64 {
+    k::DATA_OFF + 2 * u64::from(n) * slot
+}
+
+/// The op signature a flag carries: kind, dtype and reduction, one byte each, and a version
+/// byte (never `kernels::direct::ERR_SIG`).
+pub fn signature(kind: OpKind, dtype: DType, op: RedOp) -> u32 {
+    (u32::from(kind.code()) & 0xff)
+        | (u32::from(dtype.code()) << 8)
+        | (u32::from(op.code()) << 16)
+        | (1 << 24)
+}
+
+/// A failure record's words as the kernel wrote them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Record {
+    pub code: u32,
+    pub rank: u32,
+    pub epoch: u64,
+    pub mine: (u64, u64),
+    pub theirs: (u64, u64),
+}
+
+fn describe_sig(sig: u32) -> String {
+    if sig == k::ERR_SIG {
+        return "no op (it had failed)".into();
+    }
+    let kind = OpKind::from_code((sig & 0xff) as u16)
+        .map(|x| x.name().to_string())
+        .unwrap_or_else(|| format!("op {}", sig & 0xff));
+    let dt = DType::from_code(((sig >> 8) & 0xff) as u8)
+        .map(|x| x.name().to_string())
+        .unwrap_or_else(|| format!("dtype {}", (sig >> 8) & 0xff));
+    let op = RedOp::from_code(((sig >> 16) & 0xff) as u8)
+        .map(|x| x.name().to_string())
+        .unwrap_or_else(|| format!("reduction {}", (sig >> 16) & 0xff));
+    format!("{kind} {dt} {op}")
+}
+
+/// What a failure record means, for the error the client raises.
+pub fn explain(r: &Record, me: u32) -> String {
+    let e = r.epoch;
+    let (m_sig, m_k, m_count) = (r.mine.0 as u32, (r.mine.1 >> 32) as u32, r.mine.1 as u32);
+    let (t_sig, t_k, t_count) = (
+        r.theirs.0 as u32,
+        (r.theirs.1 >> 32) as u32,
+        r.theirs.1 as u32,
+    );
+    match r.code {
+        k::MISMATCH => {
+            let mut fields = Vec::new();
+            if m_sig != t_sig {
+                fields.push(format!(
+                    "op: rank {me} {} vs rank {} {}",
+                    describe_sig(m_sig),
+                    r.rank,
+                    describe_sig(t_sig)
+                ));
+            }
+            if m_count != t_count {
+                fields.push(format!(
+                    "count: rank {me} {m_count} vs rank {} {t_count}",
+                    r.rank
+                ));
+            }
+            if m_k != t_k {
+                fields.push(format!(
+                    "captured op: rank {me} replayed its captured direct op #{m_k}, rank {} its #{t_k} (the ranks replay different graphs, or captured different sequences)",
+                    r.rank
+                ));
+            }
+            format!(
+                "mismatched collective in a CUDA-graph replay (direct all-reduce #{e} of the communicator): {}",
+                fields.join("; ")
+            )
+        }
+        k::TIMEOUT => format!(
+            "a replayed all-reduce (direct op #{e}) timed out waiting for rank {}: its stream never reached the same replay (it is stuck, or replays other graphs)",
+            r.rank
+        ),
+        k::BROKEN => format!(
+            "a replayed all-reduce (direct op #{e}) stopped waiting for rank {}: the communicator is broken (a rank's process or the daemon was lost; the next op on the communicator names it)",
+            r.rank
+        ),
+        k::POISONED => format!(
+            "a replayed all-reduce (direct op #{e}) did not run: an earlier captured all-reduce on this communicator failed, and none runs after that"
+        ),
+        k::PEER_FAILED => format!(
+            "a replayed all-reduce (direct op #{e}) did not run: rank {} reported that its own replay failed earlier (its error says why)",
+            r.rank
+        ),
+        c => format!("a replayed all-reduce (direct op #{e}) failed with code {c}"),
+    }
+}
+
+impl Windows {
+    /// Takes the failure record, if the kernel wrote one since the last look.
+    fn take(&self) -> Option<Record> {
+        let base = self.rec_host as *mut u8;
+        // SAFETY: the record is a leaked page (see `setup`), 8-byte aligned; the GPU writes
+        // it with volatile stores, code last, so code is read first with acquire.
+        unsafe {
+            let code = &*base.cast::<AtomicU32>();
+            let c = code.load(Ordering::Acquire);
+            if c == 0 {
+                return None;
+            }
+            let w = |i: usize| std::ptr::read_volatile(base.cast::<u64>().add(i));
+            let r = Record {
+                code: c,
+                rank: std::ptr::read_volatile(base.cast::<u32>().add(1)),
+                epoch: w(1),
+                mine: (w(2), w(3)),
+                theirs: (w(4), w(5)),
+            };
+            code.store(0, Ordering::Release);
+            Some(r)
+        }
+    }
+}
+
+impl Communicator {
+    /// How this communicator's captured all-reduces run: `"direct"` (contract 7),
+    /// `"daemon: <why>"` (contract 6, and why not direct), or `"undecided"` before the first
+    /// one was captured.
+    pub fn cuda_graph_path(&self) -> String {
+        match &lock(&self.gpu).direct {
+            State::Unknown => "undecided".into(),
+            State::Off(why) => format!("daemon: {why}"),
+            State::On(_) => "direct".into(),
+        }
+    }
+
+    /// The failure of a replayed direct op on this communicator since the last look, as the
+    /// error to raise (`cuda_graph_check`).
+    pub(crate) fn direct_check(&self) -> Result<()> {
+        let c = lock(&self.gpu);
+        let State::On(w) = &c.direct else {
+            return Ok(());
+        };
+        let Some(r) = w.take() else {
+            return Ok(());
+        };
+        let kind = match r.code {
+            k::MISMATCH => crate::OpErrorKind::from_status(commd_proto::desc::status::MISMATCH),
+            k::TIMEOUT => crate::OpErrorKind::from_status(commd_proto::desc::status::TIMEOUT),
+            _ => crate::OpErrorKind::from_status(commd_proto::desc::status::PEER_LOST),
+        };
+        Err(Error::Op {
+            kind,
+            message: format!(
+                "a replay of a GPU all-reduce captured into a CUDA graph on communicator {} failed (its results are not valid): {}",
+                self.comm_id,
+                explain(&r, self.rank)
+            ),
+        })
+    }
+
+    /// Runs `a` (a captured all-reduce) as a direct op if this communicator can: `Ok(None)`
+    /// when it takes the persistent-op path instead.
+    ///
+    /// # Safety
+    /// As `post_cuda_ordered`: live streams, device buffers valid for the op.
+    pub(crate) unsafe fn try_direct(&self, a: &CudaOpArgs) -> Result<Option<CudaPosted>> {
+        let (Some(op), OpKind::AllReduce) = (a.redop, a.kind) else {
+            return Ok(None);
+        };
+        let cfg = Config::from_env().map_err(Error::InvalidArgument)?;
+        let bytes = a.count.saturating_mul(a.dtype.size());
+        if !cfg.enabled
+            || self.nodes > 1
+            || self.nranks < 2
+            || self.nranks > k::MAX_RANKS
+            || bytes == 0
+            || bytes > cfg.max_bytes
+        {
+            return Ok(None);
+        }
+        let (Some(send), Some(recv)) = (a.send, a.recv) else {
+            return Err(Error::InvalidArgument(
+                "all_reduce needs a send and a recv buffer".into(),
+            ));
+        };
+        let mut device = None;
+        for (what, p) in [("send", send), ("recv", recv)] {
+            let info = pointer_info(p)?;
+            if p.checked_add(bytes)
+                .is_none_or(|end| end > info.base + info.size)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "all_reduce {what} buffer {p:#x}: {bytes} bytes run past its allocation ({:#x}, {} bytes)",
+                    info.base, info.size
+                )));
+            }
+            if *device.get_or_insert(info.ordinal) != info.ordinal {
+                return Err(Error::InvalidArgument(format!(
+                    "all_reduce buffers on two devices ({} and {})",
+                    device.unwrap_or(-1),
+                    info.ordinal
+                )));
+            }
+        }
+        let dev = device.unwrap_or(0);
+        ensure_context(dev)?;
+        let mut c = lock(&self.gpu);
+        if matches!(c.direct, State::Unknown) {
+            c.direct = self.setup(&cfg, dev);
+        }
+        let w = match &mut c.direct {
+            State::On(w) if w.device == dev => w,
+            State::On(w) => {
+                return Err(Error::InvalidArgument(format!(
+                    "all_reduce on device {dev}, but this rank's earlier captured all-reduces on the communicator used device {}",
+                    w.device
+                )));
+            }
+            _ => return Ok(None),
+        };
+        if bytes > w.slot {
+            return Ok(None);
+        }
+        let i = &self.client;
+        let mut g = lock(&i.gpu);
+        let pool = g.events.clone();
+        let kern = g.kernels.get_or_insert_with(kernels::Kernels::new);
+        kern.prepare(a.dtype, op)?;
+        if let Some(after) = a.after
+            && after != a.stream
+        {
+            let ev = pool.get(dev)?;
+            // SAFETY: `after` is live (caller) and of the op's device.
+            unsafe { ev.record(after)? };
+            // SAFETY: `a.stream` is live (caller).
+            unsafe { ev.wait_on(a.stream)? };
+        }
+        let args = DirectArgs {
+            win: w.win,
+            input: send,
+            out: recv,
+            count: a.count,
+            slot: w.slot,
+            rec: w.rec_dev,
+            hint: w.hint_dev,
+            timeout_ns: self
+                .op_timeout
+                .unwrap_or(std::time::Duration::from_secs(DEFAULT_TIMEOUT_S))
+                .as_nanos()
+                .min(u128::from(u64::MAX)) as u64,
+            me: self.rank,
+            n: self.nranks,
+            sig: signature(a.kind, a.dtype, op),
+            k: w.next_k,
+            divisor: self.nranks,
+            pad: 0,
+        };
+        // SAFETY: the windows, record and hint word live for the process (`setup`); the
+        // buffers were checked above; the caller vouches for the stream.
+        unsafe { kern.launch_direct(a.stream, a.dtype, op, w.grid, &args)? };
+        w.next_k = w.next_k.wrapping_add(1);
+        let done = if a.record {
+            let ev = pool.get(dev)?;
+            // SAFETY: `a.stream` is live and of the event's device.
+            unsafe { ev.record(a.stream)? };
+            Some(ev)
+        } else {
+            None
+        };
+        Ok(Some(CudaPosted {
+            request: Request {
+                client: i.clone(),
+                user_data: 0,
+                outcome: std::sync::Mutex::new(Some(Ok(()))),
+            },
+            done,
+            device: dev,
+            last_ticket: 0,
+            bytes,
+            captured: true,
+        }))
+    }
+
+    /// Sets up the windows (module doc): the same outcome on every rank.
+    fn setup(&self, cfg: &Config, dev: i32) -> State {
+        match self.setup_inner(cfg, dev) {
+            Ok(s) => s,
+            // An error of the exchange itself (a peer that did not take part) is the same on
+            // every rank that saw it; the others fail their all-gather the same way.
+            Err(e) => State::Off(format!("setting up the direct path failed: {e}")),
+        }
+    }
+
+    fn setup_inner(&self, cfg: &Config, dev: i32) -> Result<State> {
+        let n = self.nranks;
+        let i = &self.client;
+        let slot = cfg.max_bytes.div_ceil(4096).max(1) * 4096;
+        let sms = lock(&i.gpu)
+            .kernels
+            .get_or_insert_with(kernels::Kernels::new)
+            .sm_count()?;
+        let grid = cfg.blocks.min(sms).max(1);
+        let wbytes = window_bytes(n, slot);
+        let mut offer = vec![0u8; OFFER_BYTES as usize];
+        // My window: allocated, its header zeroed, exported.
+        let mut local_err = None;
+        let mut win: sys::CUdeviceptr = 0;
+        let alloc = (|| -> std::result::Result<(), cu::CuError> {
+            ck(
+                // SAFETY: valid out pointer; the context of `dev` is current (ensure_context).
+                unsafe { sys::cuMemAlloc_v2(&mut win, wbytes as usize) },
+                "cuMemAlloc",
+            )?;
+            let mut s: sys::CUstream = std::ptr::null_mut();
+            // A stream of its own: a memset on the legacy stream would invalidate the
+            // caller's capture.
+            ck(
+                // SAFETY: valid out pointer.
+                unsafe {
+                    sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+                },
+                "cuStreamCreate",
+            )?;
+            // SAFETY: `win` has `wbytes` >= DATA_OFF bytes; `s` is live.
+            let r = ck(
+                unsafe { sys::cuMemsetD8Async(win, 0, k::DATA_OFF as usize, s) },
+                "cuMemsetD8Async",
+            )
+            .and_then(|()| {
+                ck(
+                    // SAFETY: as above.
+                    unsafe { sys::cuStreamSynchronize(s) },
+                    "cuStreamSynchronize",
+                )
+            });
+            // SAFETY: `s` was created above.
+            unsafe { sys::cuStreamDestroy_v2(s) };
+            r?;
+            let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+            ck(
+                // SAFETY: `win` is a cuMemAlloc allocation; valid out pointer.
+                unsafe { sys::cuIpcGetMemHandle(&mut h, win) },
+                "cuIpcGetMemHandle",
+            )?;
+            for (d, s) in offer[..64].iter_mut().zip(h.reserved.iter()) {
+                *d = *s as u8;
+            }
+            Ok(())
+        })();
+        if let Err(e) = alloc {
+            local_err = Some(format!("rank {}: {e}", self.rank));
+        }
+        let uuid = super::device_uuid(dev)?;
+        offer[64..80].copy_from_slice(&uuid);
+        offer[80..88].copy_from_slice(&slot.to_le_bytes());
+        offer[88..92].copy_from_slice(&grid.to_le_bytes());
+        offer[92] = u8::from(local_err.is_none());
+        let all = self.host_all_gather(&offer)?;
+        let part = |r: usize| &all[r * OFFER_BYTES as usize..(r + 1) * OFFER_BYTES as usize];
+        // Decisions every rank makes alike from the same offers.
+        let mut why = None;
+        for r in 0..n as usize {
+            let o = part(r);
+            if o[92] != 1 {
+                why = Some(format!("rank {r} could not allocate its window"));
+            } else if o[80..88] != offer[80..88] || o[88..92] != offer[88..92] {
+                why = Some(format!(
+                    "rank {r} has another COMMD_GRAPH_DIRECT_MAX_BYTES or COMMD_GRAPH_DIRECT_BLOCKS (or GPU size) than rank {}",
+                    self.rank
+                ));
+            } else if let Some(q) = (0..r).find(|&q| part(q)[64..80] == o[64..80]) {
+                why = Some(format!(
+                    "ranks {q} and {r} share a GPU (a kernel that waits for a peer on the same GPU would be time-sliced against it)"
+                ));
+            }
+            if why.is_some() {
+                break;
+            }
+        }
+        // Open the peers' windows (only when every offer was acceptable).
+        let mut wins = [0u64; 8];
+        wins[self.rank as usize] = win;
+        let mut opened = Vec::new();
+        let mut mine_ok = why.is_none() && local_err.is_none();
+        let mut my_why = String::new();
+        if mine_ok {
+            for r in (0..n as usize).filter(|&r| r != self.rank as usize) {
+                match open_peer(dev, part(r)) {
+                    Ok(p) => {
+                        wins[r] = p;
+                        opened.push(p);
+                    }
+                    Err(e) => {
+                        my_why = format!("rank {} cannot map rank {r}'s window: {e}", self.rank);
+                        mine_ok = false;
+                        break;
+                    }
+                }
+            }
+        }
+        // Every rank says whether it could; all or none take the path.
+        let mut verdict = vec![0u8; 8];
+        verdict[0] = u8::from(mine_ok);
+        let verdicts = self.host_all_gather(&verdict)?;
+        let failed: Vec<u32> = (0..n).filter(|&r| verdicts[r as usize * 8] != 1).collect();
+        if why.is_none() && !failed.is_empty() {
+            why = Some(if my_why.is_empty() {
+                format!(
+                    "rank(s) {failed:?} could not map their peers' windows (peer access between the GPUs, or GPUs not visible to those processes)"
+                )
+            } else {
+                my_why
+            });
+        }
+        if let Some(why) = why {
+            for p in opened {
+                // SAFETY: opened above with cuIpcOpenMemHandle; no work uses it.
+                unsafe { sys::cuIpcCloseMemHandle(p) };
+            }
+            if win != 0 {
+                // SAFETY: allocated above; no work uses it.
+                unsafe { sys::cuMemFree_v2(win) };
+            }
+            if self.rank == 0 {
+                eprintln!(
+                    "commd: communicator {}: all-reduces captured into CUDA graphs take the daemon's path (contract 6), not the direct one: {why}",
+                    self.comm_id
+                );
+            }
+            return Ok(State::Off(why));
+        }
+        // The failure record: one leaked page, mapped for the device.
+        let layout = std::alloc::Layout::from_size_align(4096, 4096)
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        // SAFETY: non-zero size; zeroed; never freed (a graph may outlive the communicator).
+        let page = unsafe { std::alloc::alloc_zeroed(layout) };
+        if page.is_null() {
+            return Err(Error::InvalidArgument(
+                "out of memory for the direct-op record".into(),
+            ));
+        }
+        // SAFETY: `page` is page-aligned, one page, mapped for the process's life.
+        let rec_dev = unsafe { map_host(page, 4096, "direct-op record")? };
+        let hint_dev = {
+            let mut g = lock(&i.gpu);
+            i.doorbell_dev(&mut g)?
+        } + doorbell::HINT_OFF
+            + 4 * u64::from(self.doorbell_slot);
+        if self.doorbell_slot == doorbell::NO_SLOT {
+            return Ok(State::Off("the communicator has no doorbell slot".into()));
+        }
+        Ok(State::On(Box::new(Windows {
+            win: wins,
+            slot,
+            grid,
+            device: dev,
+            rec_host: page as usize,
+            rec_dev,
+            hint_dev,
+            next_k: 0,
+        })))
+    }
+
+    /// All-gathers `mine` (the same length on every rank) through the daemon (host memory).
+    fn host_all_gather(&self, mine: &[u8]) -> Result<Vec<u8>> {
+        let client = Client {
+            inner: self.client.clone(),
+        };
+        let len = mine.len() as u64;
+        let mut send = client.alloc(len)?;
+        send.as_mut_slice().copy_from_slice(mine);
+        let recv = client.alloc(len * u64::from(self.nranks))?;
+        self.all_gather((&send, 0), (&recv, 0), len, DType::U8)?
+            .wait()?;
+        Ok(recv.as_slice().to_vec())
+    }
+}
+
+/// Maps the window that a peer's offer names, in the current context (of `dev`).
+fn open_peer(dev: i32, offer: &[u8]) -> std::result::Result<sys::CUdeviceptr, String> {
+    let uuid: [u8; 16] = offer[64..80]
+        .try_into()
+        .map_err(|_| "short offer".to_string())?;
+    let mut count = 0;
+    ck(
+        // SAFETY: valid out pointer.
+        unsafe { sys::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+    )
+    .map_err(|e| e.to_string())?;
+    let peer = (0..count)
+        .find(|&o| super::device_uuid(o).is_ok_and(|u| u == uuid))
+        .ok_or("its GPU is not visible in this process (CUDA_VISIBLE_DEVICES)")?;
+    let (mut d, mut p) = (0, 0);
+    // SAFETY: valid out pointers.
+    ck(unsafe { sys::cuDeviceGet(&mut d, dev) }, "cuDeviceGet").map_err(|e| e.to_string())?;
+    // SAFETY: as above.
+    ck(unsafe { sys::cuDeviceGet(&mut p, peer) }, "cuDeviceGet").map_err(|e| e.to_string())?;
+    let mut can = 0;
+    ck(
+        // SAFETY: valid out pointer and devices.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, d, p) },
+        "cuDeviceCanAccessPeer",
+    )
+    .map_err(|e| e.to_string())?;
+    if can == 0 {
+        return Err(format!("no peer access from GPU {dev} to GPU {peer}"));
+    }
+    let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+    for (d, s) in h.reserved.iter_mut().zip(offer[..64].iter()) {
+        *d = *s as _;
+    }
+    let mut ptr = 0;
+    ck(
+        // SAFETY: valid out pointer; the handle names a live allocation of the peer (it is in
+        // the all-gather, which it completed after exporting).
+        unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        },
+        "cuIpcOpenMemHandle",
+    )
+    .map_err(|e| e.to_string())?;
+    Ok(ptr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_parses_and_refuses_bad_values() {
+        let c = Config::parse(None, None, None).unwrap();
+        assert_eq!(
+            c,
+            Config {
+                enabled: true,
+                max_bytes: DEFAULT_MAX_BYTES,
+                blocks: DEFAULT_BLOCKS
+            }
+        );
+        assert!(!Config::parse(Some("0"), None, None).unwrap().enabled);
+        assert!(!Config::parse(Some("off"), None, None).unwrap().enabled);
+        assert_eq!(
+            Config::parse(None, Some("65536"), Some("8")).unwrap(),
+            Config {
+                enabled: true,
+                max_bytes: 65536,
+                blocks: 8
+            }
+        );
+        for (m, x, b) in [
+            (Some("yes"), None, None),
+            (None, Some("-1"), None),
+            (None, Some("lots"), None),
+            (None, None, Some("0")),
+            (None, None, Some("5000")),
+        ] {
+            let e = Config::parse(m, x, b).unwrap_err();
+            assert!(e.contains("COMMD_GRAPH_DIRECT"), "{e}");
+        }
+    }
+
+    #[test]
+    fn signatures_differ_per_field_and_never_equal_the_error_mark() {
+        let a = signature(OpKind::AllReduce, DType::F32, RedOp::Sum);
+        assert_ne!(a, signature(OpKind::AllReduce, DType::BF16, RedOp::Sum));
+        assert_ne!(a, signature(OpKind::AllReduce, DType::F32, RedOp::Max));
+        assert_ne!(a, k::ERR_SIG);
+        assert_eq!(describe_sig(a), "all_reduce f32 sum");
+    }
+
+    #[test]
+    fn a_mismatch_names_the_fields_that_differ() {
+        let sig = u64::from(signature(OpKind::AllReduce, DType::F32, RedOp::Sum));
+        let r = Record {
+            code: k::MISMATCH,
+            rank: 1,
+            epoch: 7,
+            mine: ((7 << 32) | sig, (3 << 32) | 32768),
+            theirs: ((7 << 32) | sig, (3 << 32) | 16384),
+        };
+        let m = explain(&r, 0);
+        assert!(
+            m.contains("mismatch") && m.contains("count: rank 0 32768 vs rank 1 16384"),
+            "{m}"
+        );
+        assert!(!m.contains("op:") && !m.contains("captured op"), "{m}");
+        let bf = u64::from(signature(OpKind::AllReduce, DType::BF16, RedOp::Sum));
+        let r2 = Record {
+            theirs: ((7 << 32) | bf, (4 << 32) | 32768),
+            ..r
+        };
+        let m = explain(&r2, 0);
+        assert!(
+            m.contains("all_reduce f32 sum vs rank 1 all_reduce bf16 sum"),
+            "{m}"
+        );
+        assert!(m.contains("#3, rank 1 its #4"), "{m}");
+        for (code, word) in [
+            (k::TIMEOUT, "timed out waiting for rank 1"),
+            (k::BROKEN, "broken"),
+            (k::POISONED, "earlier"),
+            (k::PEER_FAILED, "rank 1 reported"),
+        ] {
+            let m = explain(&Record { code, ..r }, 0);
+            assert!(m.contains(word), "{code}: {m}");
+        }
+    }
+
+    #[test]
+    fn the_window_holds_two_parities_of_every_rank() {
+        assert_eq!(window_bytes(4, 1 << 20), 4096 + 8 * (1 << 20));
+        // The flag area holds 2 parities x MAX_RANKS sources of 16 bytes before the state.
+        const {
+            assert!(k::FLAGS_OFF + 2 * k::MAX_RANKS as u64 * 16 <= k::STATE_OFF);
+            assert!(k::DEAD_OFF + 4 <= k::DATA_OFF);
+        }
+    }
+}

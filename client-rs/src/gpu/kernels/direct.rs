@@ -1,0 +1,260 @@
+//! The kernel of a *direct* captured all-reduce (DESIGN.md contract 7): one launch that pushes
+//! this rank's input into every peer's window (NVLink/PCIe stores through IPC-mapped pointers),
+//! signals each peer with a flag, waits for every rank's flag of the same epoch, checks that
+//! the peers run the same op, and reduces its window into the output in the eager one-shot
+//! order (own input, then the peers in ascending rank order), so a replay is bit for bit the
+//! eager result. No daemon and no host work per replay.
+//!
+//! Window of each rank (device memory of that rank's GPU, allocated by its process, opened by
+//! its peers; every offset below is from the window's base):
+//! - `FLAGS_OFF`: per parity `p` (epoch & 1) and source rank `r`, 16 bytes: word 0 = epoch
+//!   (high 32 bits) | op signature (low 32), word 1 = capture index (high) | count (low). The
+//!   source writes word 1, then word 0 with release semantics; the reader acquires word 0.
+//! - `STATE_OFF`: `entered` (u64, blocks that started an op; epoch = entered / grid + 1, the grid
+//!   being fixed per communicator), `arrive[2]` (u32, blocks that finished pushing, per parity),
+//!   `dead` (u32, non-zero once an op of the communicator failed: every later op stops at once).
+//! - `DATA_OFF`: per parity `p` and source rank `r`, a slot of `slot` bytes at
+//!   `DATA_OFF + (p * n + r) * slot`.
+//!
+//! Why two parities suffice: rank `i` pushes epoch `e + 2` into rank `j`'s slot only after its
+//! wait of epoch `e + 1` saw `j`'s flag `e + 1`, which `j` wrote after it finished reading epoch
+//! `e` (stream order on `j`). The same argument bounds a peer's flag to `e - 2 ..= e + 1`, so the
+//! epoch comparison is done on 32 bits, wrap-aware.
+//!
+//! Failure record (host memory mapped for the device, one per communicator, read by the client's
+//! `cuda_graph_check`): `code` (u32, written last), `rank` (u32), `epoch` (u64), this rank's
+//! flag words, the other rank's flag words. Codes: [`MISMATCH`], [`TIMEOUT`], [`BROKEN`],
+//! [`POISONED`], [`PEER_FAILED`].
+
+use std::fmt::Write as _;
+
+/// Offset of the flags in a window.
+pub const FLAGS_OFF: u64 = 0;
+/// Offset of the state words in a window.
+pub const STATE_OFF: u64 = 512;
+/// Offset of the `dead` word in a window.
+pub const DEAD_OFF: u64 = STATE_OFF + 16;
+/// Offset of the data slots in a window.
+pub const DATA_OFF: u64 = 4096;
+/// Bytes of the failure record.
+pub const RECORD_BYTES: u64 = 64;
+/// Ranks a direct op supports (the flag area holds 8 sources per parity).
+pub const MAX_RANKS: u32 = 8;
+
+/// Failure codes of the record (and of the `dead` word).
+pub const MISMATCH: u32 = 1;
+/// A peer's flag did not come within the timeout.
+pub const TIMEOUT: u32 = 2;
+/// The daemon (or the client's watchdog) marked the communicator broken: a rank or the daemon
+/// was lost.
+pub const BROKEN: u32 = 3;
+/// An earlier direct op of the communicator failed: this one did not run.
+pub const POISONED: u32 = 4;
+/// A peer reported that its op did not run (its flag carries [`ERR_SIG`]).
+pub const PEER_FAILED: u32 = 5;
+/// Signature word of a flag written by a rank whose op did not run.
+pub const ERR_SIG: u32 = u32::MAX;
+
+/// Threads per block of the direct kernel.
+pub const THREADS: u32 = 256;
+
+/// Appends the direct kernel `name` for elements `elem` of `es` bytes to `src`, which already
+/// holds the (dtype, op) helpers and `commd_reduce_body` (see `kernels::source`).
+pub fn push_source(src: &mut String, name: &str, elem: &str, es: u64) {
+    let hint_broken = commd_proto::desc::doorbell::HINT_BROKEN;
+    // `write!` to a String cannot fail.
+    let _ = write!(
+        src,
+        r#"
+struct commd_direct {{
+    u64 win[8];
+    u64 in;
+    u64 out;
+    u64 count;
+    u64 slot;
+    u64 rec;
+    u64 hint;
+    u64 timeout_ns;
+    u32 me;
+    u32 n;
+    u32 sig;
+    u32 k;
+    u32 divisor;
+    u32 pad;
+}};
+
+static __device__ __forceinline__ u64 commd_ld_acquire(const u64 *p) {{
+    u64 v;
+    asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}}
+
+static __device__ __forceinline__ void commd_st_release(u64 *p, u64 v) {{
+    asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}}
+
+static __device__ __forceinline__ u64 commd_globaltimer() {{
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}}
+
+/* Marks the communicator's direct ops failed (first failure wins the `dead` word) and fills the
+   host record if the client has taken the previous one (code last). */
+static __device__ void commd_direct_fail(const struct commd_direct &a, u32 code, u32 rank, u64 e,
+                                         u64 m0, u64 m1, u64 t0, u64 t1) {{
+    u32 *dead = (u32 *)(a.win[a.me] + {DEAD_OFF}ull);
+    u32 was = atomicCAS(dead, 0u, code);
+    volatile u32 *rc = (volatile u32 *)a.rec;
+    if (was == 0u || rc[0] == 0u) {{
+        volatile u64 *r = (volatile u64 *)a.rec;
+        rc[1] = rank;
+        r[1] = e;
+        r[2] = m0;
+        r[3] = m1;
+        r[4] = t0;
+        r[5] = t1;
+        __threadfence_system();
+        rc[0] = code;
+    }}
+}}
+
+static __device__ __forceinline__ void commd_direct_flag(const struct commd_direct &a, u32 r, u32 p, u64 w0, u64 w1) {{
+    u64 *f = (u64 *)(a.win[r] + {FLAGS_OFF}ull + (u64)(p * 8u + a.me) * 16ull);
+    ((volatile u64 *)f)[1] = w1;
+    commd_st_release(f, w0);
+}}
+
+extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_direct a) {{
+    __shared__ u64 s_e;
+    __shared__ volatile u32 s_fail;
+    const u64 mine = a.win[a.me];
+    u32 *dead = (u32 *)(mine + {DEAD_OFF}ull);
+    if (threadIdx.x == 0) {{
+        s_e = atomicAdd((unsigned long long *)(mine + {STATE_OFF}ull), 1ull) / (u64)gridDim.x + 1ull;
+        s_fail = *(volatile u32 *)dead;
+    }}
+    __syncthreads();
+    const u64 e = s_e;
+    const u32 p = (u32)(e & 1ull);
+    const u64 w0 = (e << 32) | (u64)a.sig;
+    const u64 w1 = ((u64)a.k << 32) | (a.count & 0xFFFFFFFFull);
+    if (s_fail != 0u) {{
+        /* An earlier op failed: this one does not run. The peers are told at once. */
+        if (blockIdx.x == 0 && threadIdx.x == 0) {{
+            for (u32 r = 0; r < a.n; ++r) {{
+                commd_direct_flag(a, r, p, (e << 32) | {ERR_SIG}ull, w1);
+            }}
+            commd_direct_fail(a, {POISONED}u, a.me, e, w0, w1, 0ull, 0ull);
+        }}
+        return;
+    }}
+    /* Push this rank's input into slot (p, me) of every peer's window. */
+    const u64 tid = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
+    const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
+    const u64 bytes = a.count * {es}ull;
+    const u64 slot_off = {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)a.me) * a.slot;
+    u64 j0 = 0;
+    if ((a.in & 15ull) == 0ull) {{
+        const u64 nv = bytes / 16ull;
+        const commd_v16 *s = (const commd_v16 *)a.in;
+        for (u64 j = tid; j < nv; j += stride) {{
+            const commd_v16 v = s[j];
+            for (u32 r = 0; r < a.n; ++r) {{
+                if (r != a.me) {{
+                    ((commd_v16 *)(a.win[r] + slot_off))[j] = v;
+                }}
+            }}
+        }}
+        j0 = nv * 16ull;
+    }}
+    for (u64 j = j0 + tid; j < bytes; j += stride) {{
+        const u8 v = ((const u8 *)a.in)[j];
+        for (u32 r = 0; r < a.n; ++r) {{
+            if (r != a.me) {{
+                ((u8 *)(a.win[r] + slot_off))[j] = v;
+            }}
+        }}
+    }}
+    __threadfence_system();
+    __syncthreads();
+    /* The last block to finish pushing writes this epoch's flag into every window (its own
+       too: no block reduces, and so writes the output, before every block has pushed). */
+    if (threadIdx.x == 0) {{
+        u32 *arrive = (u32 *)(mine + {STATE_OFF}ull + 8ull) + p;
+        if (atomicAdd(arrive, 1u) == gridDim.x - 1u) {{
+            *arrive = 0u;
+            __threadfence_system();
+            for (u32 r = 0; r < a.n; ++r) {{
+                commd_direct_flag(a, r, p, w0, w1);
+            }}
+        }}
+    }}
+    /* Thread r waits for rank r's flag of epoch e and checks it is the same op. */
+    if (threadIdx.x < a.n) {{
+        const u32 r = threadIdx.x;
+        const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + r) * 16ull);
+        u64 v = 0ull;
+        u64 t0 = 0ull;
+        u32 spins = 0u;
+        bool ok = true;
+        for (;;) {{
+            v = commd_ld_acquire(f);
+            if ((int)((u32)(v >> 32) - (u32)e) >= 0) {{
+                break;
+            }}
+            if ((++spins & 1023u) == 0u) {{
+                if (s_fail != 0u || *(volatile u32 *)dead != 0u) {{
+                    ok = false;
+                    break;
+                }}
+                if ((*(volatile const u32 *)a.hint & {hint_broken}u) != 0u) {{
+                    commd_direct_fail(a, {BROKEN}u, r, e, w0, w1, v, 0ull);
+                    ok = false;
+                    break;
+                }}
+                const u64 now = commd_globaltimer();
+                if (t0 == 0ull) {{
+                    t0 = now;
+                }} else if (now - t0 > a.timeout_ns) {{
+                    commd_direct_fail(a, {TIMEOUT}u, r, e, w0, w1, v, 0ull);
+                    ok = false;
+                    break;
+                }}
+            }}
+        }}
+        if (ok) {{
+            const u64 v1 = ((volatile const u64 *)f)[1];
+            if (v != w0 || v1 != w1) {{
+                commd_direct_fail(a, ((u32)v == {ERR_SIG}u) ? {PEER_FAILED}u : {MISMATCH}u, r, e, w0, w1, v, v1);
+                ok = false;
+            }}
+        }}
+        if (!ok) {{
+            s_fail = 1u;
+        }}
+    }}
+    __syncthreads();
+    if (s_fail != 0u) {{
+        return;
+    }}
+    /* Reduce: own input first, then the peers' slots in ascending rank order (the eager
+       one-shot order, so the result is bit for bit the eager one). */
+    struct commd_ins ins;
+    ins.p[0] = (const void *)a.in;
+    u32 m = 1u;
+    for (u32 r = 0; r < a.n; ++r) {{
+        if (r != a.me) {{
+            ins.p[m] = (const void *)(mine + {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)r) * a.slot);
+            m += 1u;
+        }}
+    }}
+    for (u32 r = m; r < 8u; ++r) {{
+        ins.p[r] = (const void *)0;
+    }}
+    ins.m = m;
+    commd_reduce_body(({elem} *)a.out, ins, a.count, a.divisor, tid, stride);
+}}
+"#
+    );
+}
