@@ -160,6 +160,12 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   run "graph-capture-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
   [ "$ngpu" -ge 4 ] && run "graph-capture-4-ranks" "${tr[@]}" 4 tests/gpu/graph_capture.py
   run "graph-kill-2-ranks" tests/gpu/kill_rank.sh tests/gpu/graph_kill.py
+  # Contract 7 (direct captured all-reduce, a GPU per rank): the same kill on that path, and the
+  # suite with it turned off (every captured op through the daemon).
+  if [ "$ngpu" -ge 2 ]; then
+    GRAPH_KILL_ELEMS=65536 GRAPH_CAPTURES=300 run "graph-kill-direct-2-ranks" tests/gpu/kill_rank.sh tests/gpu/graph_kill.py
+    COMMD_GRAPH_DIRECT=0 run "graph-capture-daemon-path-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
+  fi
   # Communicators of one rank share the daemon's scratch: concurrent reductions stay right.
   run "shared-scratch-2-ranks" "${tr[@]}" 2 tests/gpu/shared_scratch.py
   run "graph-latency-commd-2-ranks" "${tr[@]}" 2 client-py/benchmarks/graph_latency.py \

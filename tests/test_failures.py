@@ -158,6 +158,33 @@ def test_sigkill_of_a_rank_fails_others_within_2s_and_frees_everything(daemon):
     assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 5}]))
 
 
+def test_sigkill_of_a_rank_marks_the_communicator_broken_for_the_survivors(daemon):
+    """The daemon sets the "broken" hint of every surviving rank's doorbell slot when a rank's
+    process dies: a direct captured all-reduce (DESIGN.md contract 7) waiting on the GPU for the
+    dead rank's flag polls that word, so it stops instead of waiting out its timeout."""
+    def steps(r):
+        if r == 2:
+            return [{"op": "all_reduce", "dtype": "f32", "count": 100}, {"sleep_ms": 60000}]
+        return [{"op": "all_reduce", "dtype": "f32", "count": 100},
+                {"broken": False},
+                {"touch": f"{daemon.dir}/ready-{r}"},
+                {"broken": True, "sleep_ms": 2000}]
+
+    ranks = start_ranks(daemon, 3, steps)
+    for r in (0, 1):
+        deadline = time.monotonic() + 20
+        while not os.path.exists(f"{daemon.dir}/ready-{r}") and time.monotonic() < deadline:
+            time.sleep(0.02)
+    ranks[2].proc.kill()
+    ranks[2].wait(10)
+    for r in ranks[:2]:
+        r.wait(10)
+    assert_all_pass(ranks[:2])
+    # A communicator nobody lost stays unbroken (the bit is per communicator and slot).
+    assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 5},
+                                          {"broken": False}]))
+
+
 def test_sigkill_during_large_ops(daemon):
     def steps(r):
         return [{"op": "all_reduce", "dtype": "f32", "count": 4 << 20, "inplace": True, "expect": "error"}

@@ -27,6 +27,7 @@ import torch.distributed as dist
 p = argparse.ArgumentParser()
 p.add_argument("--backend", default="commd")
 p.add_argument("--sizes", default="8K,16K,32K,64K,128K,256K,512K")
+p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 p.add_argument("--ops", type=int, default=10)
 p.add_argument("--json")
 a = p.parse_args()
@@ -61,9 +62,10 @@ def timed(fn, reps: int = 20, trials: int = 7) -> float:
 
 
 bad = []
+dtype = getattr(torch, a.dtype)
 for size in [parse(x) for x in a.sizes.split(",")]:
-    n = size // 4
-    xs = [torch.full((n,), float(rank + 1), device=dev) for _ in range(a.ops)]
+    n = size // torch.empty((), dtype=dtype).element_size()
+    xs = [torch.full((n,), float(rank + 1), device=dev, dtype=dtype) for _ in range(a.ops)]
 
     def ops():
         for x in xs:
@@ -78,6 +80,8 @@ for size in [parse(x) for x in a.sizes.split(",")]:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         ops()
+    # How commd ran the captured ops (contract 6 through the daemon, or 7: direct).
+    path = commd.torch.graph_path() if a.backend == "commd" else "-"
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
@@ -96,10 +100,12 @@ for size in [parse(x) for x in a.sizes.split(",")]:
         r = {"bench": "graph_latency", "backend": a.backend, "ranks": world,
              "gpus": torch.cuda.device_count(), "bytes": size, "ops_per_graph": a.ops,
              "graph_us": round(graph_s * 1e6, 2), "eager_us": round(eager_s * 1e6, 2),
-             "correct": size not in bad}
+             "correct": size not in bad, "dtype": a.dtype, "path": path,
+             "direct_max_bytes": os.environ.get("COMMD_GRAPH_DIRECT_MAX_BYTES"),
+             "direct_blocks": os.environ.get("COMMD_GRAPH_DIRECT_BLOCKS")}
         print(f"{a.backend} {world} ranks on {r['gpus']} GPU(s) all_reduce {size // 1024:>4} KiB: "
               f"graph {r['graph_us']:7.1f} us/op, eager {r['eager_us']:7.1f} us/op"
-              f"{'' if r['correct'] else '  WRONG RESULT'}", flush=True)
+              f"{'' if r['correct'] else '  WRONG RESULT'} [{path[:60]}]", flush=True)
         if a.json:
             with open(a.json, "a") as f:
                 f.write(json.dumps(r) + "\n")

@@ -143,8 +143,18 @@ for c in cs:
         g = None
     graphs.append(g)
 torch.cuda.synchronize()
+# With a GPU per rank the captured all-reduces up to COMMD_GRAPH_DIRECT_MAX_BYTES run as direct
+# ops (contract 7), with ranks sharing a GPU through the daemon (contract 6): the path is checked
+# so a run meant for one cannot pass on the other.
+path = commd.torch.graph_path()
+gpu_each = torch.cuda.device_count() >= world
+direct_on = os.environ.get("COMMD_GRAPH_DIRECT", "auto") not in ("0", "off")
+if (path == "direct") != (gpu_each and direct_on):
+    failures.append(f"captured all-reduces took the path {path!r} with {torch.cuda.device_count()} "
+                    f"GPU(s) for {world} ranks (COMMD_GRAPH_DIRECT={os.environ.get('COMMD_GRAPH_DIRECT')})")
 if rank == 0:
-    print(f"captured {sum(g is not None for g in graphs)}/{len(cs)} graphs", flush=True)
+    print(f"captured {sum(g is not None for g in graphs)}/{len(cs)} graphs; all-reduce path: "
+          f"{path}", flush=True)
 
 side = torch.cuda.Stream(device=dev)
 t0 = time.perf_counter()

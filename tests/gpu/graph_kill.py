@@ -67,9 +67,14 @@ if rank == 0:
     print(f"{n_caps} captures, each graph destroyed before the next: "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
-# Part 2: the victim dies while the survivor replays.
-x = torch.ones(1 << 20, device="cuda")
+# Part 2: the victim dies while the survivor replays. GRAPH_KILL_ELEMS picks the path: the
+# default 4 MiB all-reduce takes the daemon's (contract 6); 256 KiB on ranks with a GPU each the
+# direct one (contract 7), stopped on the GPU by the daemon's "broken" hint.
+x = torch.ones(int(os.environ.get("GRAPH_KILL_ELEMS", str(1 << 20))), device="cuda")
 g = capture(x)
+if rank == 0:
+    print(f"part 2: {x.numel() * 4} bytes per all-reduce, path: {commd.torch.graph_path()}",
+          flush=True)
 for _ in range(5):
     g.replay()
 torch.cuda.synchronize()

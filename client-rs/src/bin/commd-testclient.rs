@@ -13,6 +13,9 @@
 //! `{"touch": "/path"}`, `{"fuzz": 100}` (random raw descriptors; each must fail as invalid),
 //! `{"destroy": true, "comm": 0}` (destroys that communicator, as `ncclCommDestroy` does, and
 //! removes it from the list: later `comm` indices shift down).
+//! `{"broken": true, "comm": 0, "sleep_ms": 2000}` waits up to that long for the communicator's
+//! "broken" hint (a rank's process lost: `Communicator::is_broken`), `"broken": false` checks it
+//! is not set.
 //! `"repeat": N` on a step runs it N times.
 
 use std::io::Write;
@@ -80,6 +83,7 @@ struct Step {
     touch: Option<String>,
     fuzz: Option<u32>,
     destroy: Option<bool>,
+    broken: Option<bool>,
     /// Run this step this many times (load loops without a huge --steps argument).
     repeat: Option<usize>,
 }
@@ -217,7 +221,26 @@ fn run(
     let mut comms = comms;
     for (i, step) in steps.iter().enumerate() {
         let t0 = Instant::now();
-        let results: Vec<(String, u64, String)> = if let Some(ms) = step.sleep_ms {
+        let results: Vec<(String, u64, String)> = if let Some(want) = step.broken {
+            let Some(c) = comms.get(step.comm) else {
+                return Err(format!("no communicator {}", step.comm));
+            };
+            let until = Instant::now() + Duration::from_millis(step.sleep_ms.unwrap_or(0));
+            let mut got = c.is_broken();
+            while want && !got && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+                got = c.is_broken();
+            }
+            if got == want {
+                vec![("ok".into(), 0, String::new())]
+            } else {
+                vec![(
+                    "error".into(),
+                    0,
+                    format!("is_broken() is {got}, expected {want}"),
+                )]
+            }
+        } else if let Some(ms) = step.sleep_ms {
             std::thread::sleep(Duration::from_millis(ms));
             vec![("ok".into(), 0, String::new())]
         } else if let Some(p) = &step.touch {

@@ -27,10 +27,20 @@ use crate::{Client, Communicator, Error, Request, Result, lock};
 
 /// Bytes each rank sends in the first all-gather.
 const OFFER_BYTES: u64 = 128;
-/// Default largest all-reduce (bytes per rank) that takes the direct path.
-pub const DEFAULT_MAX_BYTES: u64 = 1 << 20;
-/// Default blocks of the direct kernel (fewer on a GPU with fewer SMs).
-pub const DEFAULT_BLOCKS: u32 = 32;
+/// Default blocks of the direct kernel (fewer on a GPU with fewer SMs). 2x H200, 2026-11-26
+/// (docs/benchmarks.md): 16 and 64 blocks both take 8.1-8.4 us per op up to 64 KiB; at 512
+/// KiB / 2 MiB / 4 MiB 64 blocks take 10.1 / 16.4 / 26.3 us against 16 blocks' 12.4 / 26.2 /
+/// 56.1 (NCCL's graph: 12.5 / 29.1 / 36.3).
+pub const DEFAULT_BLOCKS: u32 = 64;
+/// What every rank's GPU sends per direct op is (n - 1) x the op's bytes: the default largest
+/// direct op keeps that at 8 MiB (4 MiB for 2 and 3 ranks, 2 MiB for 4 to 5, 1 MiB for 6 to
+/// 8); a window (2 x n slots) is then 16 to 24 MiB. Larger all-reduces take the daemon's
+/// path, whose reduce-scatter + all-gather moves 2 (n - 1) / n x the bytes.
+pub fn default_max_bytes(nranks: u32) -> u64 {
+    let per = (8u64 << 20) / u64::from(nranks.saturating_sub(1).max(1));
+    // The largest power of two at most `per`, capped at 4 MiB.
+    (1u64 << (63 - per.leading_zeros())).min(4 << 20)
+}
 /// How long a direct op waits for a peer's flag when the communicator has no op timeout.
 const DEFAULT_TIMEOUT_S: u64 = 300;
 
@@ -62,7 +72,8 @@ pub(crate) struct Windows {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
     pub enabled: bool,
-    pub max_bytes: u64,
+    /// `None`: [`default_max_bytes`] for the communicator's size.
+    pub max_bytes: Option<u64>,
     pub blocks: u32,
 }
 
@@ -91,32 +102,26 @@ impl Config {
                 ));
             }
         };
-        let num =
-            |name: &str, v: Option<&str>, default: u64, lo: u64, hi: u64| match v.map(str::trim) {
-                None | Some("") => Ok(default),
-                Some(s) => s
-                    .parse::<u64>()
-                    .ok()
-                    .filter(|x| (lo..=hi).contains(x))
-                    .ok_or_else(|| format!("{name}={s:?}: expected an integer from {lo} to {hi}")),
-            };
+        let num = |name: &str, v: Option<&str>, lo: u64, hi: u64| match v.map(str::trim) {
+            None | Some("") => Ok(None),
+            Some(s) => s
+                .parse::<u64>()
+                .ok()
+                .filter(|x| (lo..=hi).contains(x))
+                .map(Some)
+                .ok_or_else(|| format!("{name}={s:?}: expected an integer from {lo} to {hi}")),
+        };
         Ok(Self {
             enabled,
-            max_bytes: num(
-                "COMMD_GRAPH_DIRECT_MAX_BYTES",
-                max,
-                DEFAULT_MAX_BYTES,
-                0,
-                1 << 30,
-            )?,
-            blocks: num(
-                "COMMD_GRAPH_DIRECT_BLOCKS",
-                blocks,
-                u64::from(DEFAULT_BLOCKS),
-                1,
-                1024,
-            )? as u32,
+            max_bytes: num("COMMD_GRAPH_DIRECT_MAX_BYTES", max, 0, 1 << 30)?,
+            blocks: num("COMMD_GRAPH_DIRECT_BLOCKS", blocks, 1, 1024)?
+                .map_or(DEFAULT_BLOCKS, |b| b as u32),
         })
+    }
+
+    /// The largest direct all-reduce, in bytes per rank, on `nranks` ranks.
+    pub fn max_bytes_for(&self, nranks: u32) -> u64 {
+        self.max_bytes.unwrap_or_else(|| default_max_bytes(nranks))
     }
 }
 
@@ -243,6 +248,16 @@ impl Windows {
 }
 
 impl Communicator {
+    /// Whether the daemon marked this communicator broken for good: a rank's process was lost
+    /// (or this process lost the daemon). One memory load; direct captured ops poll the same
+    /// word on the GPU (`HINT_BROKEN`).
+    pub fn is_broken(&self) -> bool {
+        self.client
+            .ring
+            .doorbell_hint(self.doorbell_slot)
+            .is_some_and(|h| h.load(Ordering::Acquire) & doorbell::HINT_BROKEN != 0)
+    }
+
     /// How this communicator's captured all-reduces run: `"direct"` (contract 7),
     /// `"daemon: <why>"` (contract 6, and why not direct), or `"undecided"` before the first
     /// one was captured.
@@ -290,12 +305,18 @@ impl Communicator {
         };
         let cfg = Config::from_env().map_err(Error::InvalidArgument)?;
         let bytes = a.count.saturating_mul(a.dtype.size());
-        if !cfg.enabled
-            || self.nodes > 1
+        if !cfg.enabled {
+            let mut c = lock(&self.gpu);
+            if matches!(c.direct, State::Unknown) {
+                c.direct = State::Off("COMMD_GRAPH_DIRECT=0".into());
+            }
+            return Ok(None);
+        }
+        if self.nodes > 1
             || self.nranks < 2
             || self.nranks > k::MAX_RANKS
             || bytes == 0
-            || bytes > cfg.max_bytes
+            || bytes > cfg.max_bytes_for(self.nranks)
         {
             return Ok(None);
         }
@@ -415,7 +436,7 @@ impl Communicator {
     fn setup_inner(&self, cfg: &Config, dev: i32) -> Result<State> {
         let n = self.nranks;
         let i = &self.client;
-        let slot = cfg.max_bytes.div_ceil(4096).max(1) * 4096;
+        let slot = cfg.max_bytes_for(n).div_ceil(4096).max(1) * 4096;
         let sms = lock(&i.gpu)
             .kernels
             .get_or_insert_with(kernels::Kernels::new)
@@ -659,17 +680,31 @@ mod tests {
             c,
             Config {
                 enabled: true,
-                max_bytes: DEFAULT_MAX_BYTES,
+                max_bytes: None,
                 blocks: DEFAULT_BLOCKS
             }
         );
+        let want = [
+            (2, 4u64 << 20),
+            (3, 4 << 20),
+            (4, 2 << 20),
+            (5, 2 << 20),
+            (6, 1 << 20),
+            (8, 1 << 20),
+        ];
+        for (n, max) in want {
+            assert_eq!(c.max_bytes_for(n), max, "{n} ranks");
+            // Every rank's GPU sends (n - 1) x the op at most 8 MiB; the window stays <= 24 MiB.
+            assert!((u64::from(n) - 1) * max <= 8 << 20);
+            assert!(window_bytes(n, max) <= (24 << 20) + k::DATA_OFF);
+        }
         assert!(!Config::parse(Some("0"), None, None).unwrap().enabled);
         assert!(!Config::parse(Some("off"), None, None).unwrap().enabled);
         assert_eq!(
             Config::parse(None, Some("65536"), Some("8")).unwrap(),
             Config {
                 enabled: true,
-                max_bytes: 65536,
+                max_bytes: Some(65536),
                 blocks: 8
             }
         );
