@@ -31,7 +31,10 @@
 # GPU on a one-GPU machine) and 4 where there are 4 GPUs; tests/gpu/graph_kill.py via kill_rank.sh (a rank killed
 # during replays; more captures than graph doorbell slots, each graph destroyed);
 # client-py/benchmarks/graph_latency.py (replay vs eager per-op latency, NCCL where there is a
-# GPU per rank: graph_latency.jsonl); and tests/gpu/kill_daemon.py (a daemon killed while a
+# GPU per rank: graph_latency.jsonl); with a GPU per rank, the direct captured all-reduce
+# (contract 7): the kill on that path and the suite with it off (COMMD_GRAPH_DIRECT=0);
+# tests/gpu/vllm_decode.py (vLLM's TP decode step per batch size under graphs, commd and NCCL:
+# vllm_decode.jsonl); and tests/gpu/kill_daemon.py (a daemon killed while a
 # stream waits on its doorbell: the stream is released, the next call raises).
 # COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
@@ -164,7 +167,16 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   # suite with it turned off (every captured op through the daemon).
   if [ "$ngpu" -ge 2 ]; then
     GRAPH_KILL_ELEMS=65536 GRAPH_CAPTURES=300 run "graph-kill-direct-2-ranks" tests/gpu/kill_rank.sh tests/gpu/graph_kill.py
+    COMMD_GRAPH_DIRECT=0 GRAPH_CAPTURES=300 run "graph-kill-daemon-path-2-ranks" tests/gpu/kill_rank.sh tests/gpu/graph_kill.py
     COMMD_GRAPH_DIRECT=0 run "graph-capture-daemon-path-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
+  fi
+  # vLLM's decode step (row-parallel layers: bf16 GEMM + TP all-reduce) captured per batch
+  # size, replayed with new inputs against eager steps; NCCL beside it with a GPU per rank.
+  run "vllm-decode-commd-2-ranks" "${tr[@]}" 2 tests/gpu/vllm_decode.py --backend commd \
+    --json "$out/vllm_decode.jsonl"
+  if [ "$ngpu" -ge 2 ]; then
+    run "vllm-decode-nccl-2-gpus" "${tr[@]}" 2 tests/gpu/vllm_decode.py --backend nccl \
+      --json "$out/vllm_decode.jsonl"
   fi
   # Communicators of one rank share the daemon's scratch: concurrent reductions stay right.
   run "shared-scratch-2-ranks" "${tr[@]}" 2 tests/gpu/shared_scratch.py

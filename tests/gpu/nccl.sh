@@ -13,7 +13,7 @@
 # Library: $COMMD_NCCL_LIB (default target/release/libcommd_nccl.so, else .gpu/libcommd_nccl.so).
 # NCCL_PARTS picks parts (default "symbols pynccl ddp nccltests"), NCCL_TESTS_LIST the nccl-tests
 # programs, NCCL_TESTS_MODES the layouts (1rank shared gpus), NCCL_TESTS_MAX the largest size
-# (64M); NCCL_TESTS_BIN names a folder of nccl-tests programs built earlier (the build leaves
+# (64M; NCCL_TESTS_MIN the smallest, 8); NCCL_TESTS_BIN names a folder of nccl-tests programs built earlier (the build leaves
 # them in OUT/nccl-tests-bin.tgz); NCCL_TESTS_LIMIT the seconds a multi-rank run may take (180).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -86,7 +86,11 @@ else
   tar czf "$out/nccl-tests-bin.tgz" -C "$build" $(cd "$build" && ls ./*_perf 2>/dev/null)
 fi
 tests=${NCCL_TESTS_LIST:-all_reduce all_gather broadcast reduce reduce_scatter alltoall sendrecv gather scatter hypercube}
-args=(-b 8 -e ${NCCL_TESTS_MAX:-64M} -f 8 -c 1 -n 10 -w 3)
+args=(-b ${NCCL_TESTS_MIN:-8} -e ${NCCL_TESTS_MAX:-64M} -f 8 -c 1 -n 10 -w 3)
+# NCCL_TESTS_EXTRA: more nccl-tests arguments, e.g. "-G 1" (capture the timed ops into a CUDA
+# graph and replay it: commd's persistent and direct captured ops, contracts 6 and 7).
+# shellcheck disable=SC2206
+args+=(${NCCL_TESTS_EXTRA:-})
 # 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: $NCCL_TESTS_NP ranks (default 2) on as many GPUs (both).
 modes=${NCCL_TESTS_MODES:-1rank shared gpus}
 limit_mpi=${NCCL_TESTS_LIMIT:-180}  # seconds per multi-rank run (a hang ends there)

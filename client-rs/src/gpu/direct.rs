@@ -1,11 +1,12 @@
-//! Direct captured all-reduce (DESIGN.md contract 7): the host side.
+//! Direct captured collectives (DESIGN.md contract 7): the host side.
 //!
 //! A persistent op (contract 6) takes every replay through the daemon's executor: ready seen,
 //! copies issued, events seen, done written, each a CPU round trip, 26-50 us per op against
-//! NCCL's 10-16 us under graphs (docs/benchmarks.md, 2026-11-25/26). An all-reduce captured on
-//! a communicator whose ranks each have their own GPU, all visible to each other with peer
-//! access, runs instead as one kernel of the graph (`kernels::direct`): it pushes the input
-//! into the peers' windows and reduces its own, with flags that advance on the GPU. The daemon
+//! NCCL's 10-16 us under graphs (docs/benchmarks.md, 2026-11-25/26). An all-reduce,
+//! all-gather, reduce-scatter, broadcast or reduce captured on a communicator whose ranks each
+//! have their own GPU, all visible to each other with peer access, runs instead as one kernel
+//! of the graph (`kernels::direct`): it pushes the input into the peers' windows and reduces
+//! (or copies) its own window into the output, with flags that advance on the GPU. The daemon
 //! sees nothing per replay; it only marks a communicator broken (`HINT_BROKEN`) when a rank's
 //! process is lost, which stops a kernel that waits for that rank.
 //!
@@ -34,7 +35,7 @@ const OFFER_BYTES: u64 = 128;
 pub const DEFAULT_BLOCKS: u32 = 64;
 /// What every rank's GPU sends per direct op is (n - 1) x the op's bytes: the default largest
 /// direct op keeps that at 8 MiB (4 MiB for 2 and 3 ranks, 2 MiB for 4 to 5, 1 MiB for 6 to
-/// 8); a window (2 x n slots) is then 16 to 24 MiB. Larger all-reduces take the daemon's
+/// 8); a window (2 x n slots) is then 16 to 24 MiB. Larger ops take the daemon's
 /// path, whose reduce-scatter + all-gather moves 2 (n - 1) / n x the bytes.
 pub fn default_max_bytes(nranks: u32) -> u64 {
     let per = (8u64 << 20) / u64::from(nranks.saturating_sub(1).max(1));
@@ -119,7 +120,8 @@ impl Config {
         })
     }
 
-    /// The largest direct all-reduce, in bytes per rank, on `nranks` ranks.
+    /// The largest direct op, in bytes per rank (the count times the element size), on
+    /// `nranks` ranks.
     pub fn max_bytes_for(&self, nranks: u32) -> u64 {
         self.max_bytes.unwrap_or_else(|| default_max_bytes(nranks))
     }
@@ -130,15 +132,16 @@ pub fn window_bytes(n: u32, slot: u64) -> u64 {
     k::DATA_OFF + 2 * u64::from(n) * slot
 }
 
-/// The op signature a flag carries: kind, dtype and reduction, one byte each, and a version
-/// byte (never `kernels::direct::ERR_SIG`).
-pub fn signature(kind: OpKind, dtype: DType, op: RedOp) -> u32 {
+/// The op signature a flag carries: kind, dtype and reduction (sum for the copies), one byte
+/// each, and the root of broadcast and reduce (0 otherwise) plus 0x10 (never
+/// `kernels::direct::ERR_SIG`).
+pub fn signature(kind: OpKind, dtype: DType, op: RedOp, root: u32) -> u32 {
+    let root = if kind.has_root() { root & 0x0f } else { 0 };
     (u32::from(kind.code()) & 0xff)
         | (u32::from(dtype.code()) << 8)
         | (u32::from(op.code()) << 16)
-        | (1 << 24)
+        | ((0x10 | root) << 24)
 }
-
 /// A failure record's words as the kernel wrote them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Record {
@@ -162,7 +165,13 @@ fn describe_sig(sig: u32) -> String {
     let op = RedOp::from_code(((sig >> 16) & 0xff) as u8)
         .map(|x| x.name().to_string())
         .unwrap_or_else(|| format!("reduction {}", (sig >> 16) & 0xff));
-    format!("{kind} {dt} {op}")
+    let root = (sig >> 24) & 0x0f;
+    match OpKind::from_code((sig & 0xff) as u16) {
+        Some(OpKind::Broadcast) => format!("{kind} {dt} root {root}"),
+        Some(OpKind::Reduce) => format!("{kind} {dt} {op} root {root}"),
+        Some(OpKind::AllGather) => format!("{kind} {dt}"),
+        _ => format!("{kind} {dt} {op}"),
+    }
 }
 
 /// What a failure record means, for the error the client raises.
@@ -198,26 +207,26 @@ pub fn explain(r: &Record, me: u32) -> String {
                 ));
             }
             format!(
-                "mismatched collective in a CUDA-graph replay (direct all-reduce #{e} of the communicator): {}",
+                "mismatched collective in a CUDA-graph replay (direct op #{e} of the communicator): {}",
                 fields.join("; ")
             )
         }
         k::TIMEOUT => format!(
-            "a replayed all-reduce (direct op #{e}) timed out waiting for rank {}: its stream never reached the same replay (it is stuck, or replays other graphs)",
+            "a replayed collective (direct op #{e}) timed out waiting for rank {}: its stream never reached the same replay (it is stuck, or replays other graphs)",
             r.rank
         ),
         k::BROKEN => format!(
-            "a replayed all-reduce (direct op #{e}) stopped waiting for rank {}: the communicator is broken (a rank's process or the daemon was lost; the next op on the communicator names it)",
+            "a replayed collective (direct op #{e}) stopped waiting for rank {}: the communicator is broken (a rank's process or the daemon was lost; the next op on the communicator names it)",
             r.rank
         ),
         k::POISONED => format!(
-            "a replayed all-reduce (direct op #{e}) did not run: an earlier captured all-reduce on this communicator failed, and none runs after that"
+            "a replayed collective (direct op #{e}) did not run: an earlier direct captured op on this communicator failed, and none runs after that"
         ),
         k::PEER_FAILED => format!(
-            "a replayed all-reduce (direct op #{e}) did not run: rank {} reported that its own replay failed earlier (its error says why)",
+            "a replayed collective (direct op #{e}) did not run: rank {} reported that its own replay failed earlier (its error says why)",
             r.rank
         ),
-        c => format!("a replayed all-reduce (direct op #{e}) failed with code {c}"),
+        c => format!("a replayed collective (direct op #{e}) failed with code {c}"),
     }
 }
 
@@ -258,7 +267,7 @@ impl Communicator {
             .is_some_and(|h| h.load(Ordering::Acquire) & doorbell::HINT_BROKEN != 0)
     }
 
-    /// How this communicator's captured all-reduces run: `"direct"` (contract 7),
+    /// How this communicator's captured collectives run: `"direct"` (contract 7),
     /// `"daemon: <why>"` (contract 6, and why not direct), or `"undecided"` before the first
     /// one was captured.
     pub fn cuda_graph_path(&self) -> String {
@@ -287,23 +296,40 @@ impl Communicator {
         Err(Error::Op {
             kind,
             message: format!(
-                "a replay of a GPU all-reduce captured into a CUDA graph on communicator {} failed (its results are not valid): {}",
+                "a replay of a GPU collective captured into a CUDA graph on communicator {} failed (its results are not valid): {}",
                 self.comm_id,
                 explain(&r, self.rank)
             ),
         })
     }
 
-    /// Runs `a` (a captured all-reduce) as a direct op if this communicator can: `Ok(None)`
+    /// Runs `a` (a captured collective) as a direct op if this communicator can: `Ok(None)`
     /// when it takes the persistent-op path instead.
     ///
     /// # Safety
     /// As `post_cuda_ordered`: live streams, device buffers valid for the op.
     pub(crate) unsafe fn try_direct(&self, a: &CudaOpArgs) -> Result<Option<CudaPosted>> {
-        let (Some(op), OpKind::AllReduce) = (a.redop, a.kind) else {
-            return Ok(None);
+        let mode = match a.kind {
+            OpKind::AllReduce => k::MODE_AR,
+            OpKind::AllGather => k::MODE_AG,
+            OpKind::ReduceScatter => k::MODE_RS,
+            OpKind::Broadcast => k::MODE_BC,
+            OpKind::Reduce => k::MODE_RED,
+            _ => return Ok(None),
+        };
+        // Copies (all-gather, broadcast) load the (dtype, sum) module: any dtype has one.
+        let op = match (mode, a.redop) {
+            (k::MODE_AG | k::MODE_BC, _) => RedOp::Sum,
+            (_, Some(op)) => op,
+            (_, None) => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} needs a reduction op",
+                    a.kind.name()
+                )));
+            }
         };
         let cfg = Config::from_env().map_err(Error::InvalidArgument)?;
+        // Bytes per rank: what each rank pushes to a peer, the size of a window slot.
         let bytes = a.count.saturating_mul(a.dtype.size());
         if !cfg.enabled {
             let mut c = lock(&self.gpu);
@@ -317,33 +343,62 @@ impl Communicator {
             || self.nranks > k::MAX_RANKS
             || bytes == 0
             || bytes > cfg.max_bytes_for(self.nranks)
+            || (mode == k::MODE_BC || mode == k::MODE_RED) && a.peer >= self.nranks
         {
             return Ok(None);
         }
-        let (Some(send), Some(recv)) = (a.send, a.recv) else {
-            return Err(Error::InvalidArgument(
-                "all_reduce needs a send and a recv buffer".into(),
-            ));
-        };
+        let n = u64::from(self.nranks);
+        let me_root = a.peer == self.rank;
         let mut device = None;
-        for (what, p) in [("send", send), ("recv", recv)] {
+        let mut bufs = [0u64; 2];
+        for (i, (what, uses, p, elems)) in [
+            (
+                "send",
+                a.kind.uses_send(me_root),
+                a.send,
+                a.kind.send_elems(a.count, n),
+            ),
+            (
+                "recv",
+                a.kind.uses_recv(me_root),
+                a.recv,
+                a.kind.recv_elems(a.count, n),
+            ),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            if !uses {
+                continue;
+            }
+            let p = p.ok_or_else(|| {
+                Error::InvalidArgument(format!("{} needs a {what} buffer", a.kind.name()))
+            })?;
+            let len = elems
+                .and_then(|e| e.checked_mul(a.dtype.size()))
+                .ok_or_else(|| Error::InvalidArgument(format!("count {} overflows", a.count)))?;
             let info = pointer_info(p)?;
-            if p.checked_add(bytes)
+            if p.checked_add(len)
                 .is_none_or(|end| end > info.base + info.size)
             {
                 return Err(Error::InvalidArgument(format!(
-                    "all_reduce {what} buffer {p:#x}: {bytes} bytes run past its allocation ({:#x}, {} bytes)",
-                    info.base, info.size
+                    "{} {what} buffer {p:#x}: {len} bytes run past its allocation ({:#x}, {} bytes)",
+                    a.kind.name(),
+                    info.base,
+                    info.size
                 )));
             }
             if *device.get_or_insert(info.ordinal) != info.ordinal {
                 return Err(Error::InvalidArgument(format!(
-                    "all_reduce buffers on two devices ({} and {})",
+                    "{} buffers on two devices ({} and {})",
+                    a.kind.name(),
                     device.unwrap_or(-1),
                     info.ordinal
                 )));
             }
+            bufs[i] = p;
         }
+        let [send, recv] = bufs;
         let dev = device.unwrap_or(0);
         ensure_context(dev)?;
         let mut c = lock(&self.gpu);
@@ -354,7 +409,8 @@ impl Communicator {
             State::On(w) if w.device == dev => w,
             State::On(w) => {
                 return Err(Error::InvalidArgument(format!(
-                    "all_reduce on device {dev}, but this rank's earlier captured all-reduces on the communicator used device {}",
+                    "{} on device {dev}, but this rank's earlier captured ops on the communicator used device {}",
+                    a.kind.name(),
                     w.device
                 )));
             }
@@ -392,9 +448,11 @@ impl Communicator {
                 .min(u128::from(u64::MAX)) as u64,
             me: self.rank,
             n: self.nranks,
-            sig: signature(a.kind, a.dtype, op),
+            sig: signature(a.kind, a.dtype, op, a.peer),
             k: w.next_k,
             divisor: self.nranks,
+            mode,
+            root: a.peer,
             pad: 0,
         };
         // SAFETY: the windows, record and hint word live for the process (`setup`); the
@@ -565,7 +623,7 @@ impl Communicator {
             }
             if self.rank == 0 {
                 eprintln!(
-                    "commd: communicator {}: all-reduces captured into CUDA graphs take the daemon's path (contract 6), not the direct one: {why}",
+                    "commd: communicator {}: collectives captured into CUDA graphs take the daemon's path (contract 6), not the direct one: {why}",
                     self.comm_id
                 );
             }
@@ -722,16 +780,32 @@ mod tests {
 
     #[test]
     fn signatures_differ_per_field_and_never_equal_the_error_mark() {
-        let a = signature(OpKind::AllReduce, DType::F32, RedOp::Sum);
-        assert_ne!(a, signature(OpKind::AllReduce, DType::BF16, RedOp::Sum));
-        assert_ne!(a, signature(OpKind::AllReduce, DType::F32, RedOp::Max));
+        let a = signature(OpKind::AllReduce, DType::F32, RedOp::Sum, 0);
+        assert_ne!(a, signature(OpKind::AllReduce, DType::BF16, RedOp::Sum, 0));
+        assert_ne!(a, signature(OpKind::AllReduce, DType::F32, RedOp::Max, 0));
+        assert_ne!(
+            a,
+            signature(OpKind::ReduceScatter, DType::F32, RedOp::Sum, 0)
+        );
         assert_ne!(a, k::ERR_SIG);
         assert_eq!(describe_sig(a), "all_reduce f32 sum");
+        // The root counts only where there is one.
+        assert_eq!(a, signature(OpKind::AllReduce, DType::F32, RedOp::Sum, 3));
+        let b = signature(OpKind::Broadcast, DType::BF16, RedOp::Sum, 1);
+        assert_ne!(b, signature(OpKind::Broadcast, DType::BF16, RedOp::Sum, 0));
+        assert_eq!(describe_sig(b), "broadcast bf16 root 1");
+        let r = signature(OpKind::Reduce, DType::F32, RedOp::Max, 7);
+        assert_eq!(describe_sig(r), "reduce f32 max root 7");
+        for kind in [OpKind::Broadcast, OpKind::Reduce, OpKind::AllGather] {
+            for root in 0..8 {
+                assert_ne!(signature(kind, DType::I64, RedOp::Sum, root), k::ERR_SIG);
+            }
+        }
     }
 
     #[test]
     fn a_mismatch_names_the_fields_that_differ() {
-        let sig = u64::from(signature(OpKind::AllReduce, DType::F32, RedOp::Sum));
+        let sig = u64::from(signature(OpKind::AllReduce, DType::F32, RedOp::Sum, 0));
         let r = Record {
             code: k::MISMATCH,
             rank: 1,
@@ -745,7 +819,7 @@ mod tests {
             "{m}"
         );
         assert!(!m.contains("op:") && !m.contains("captured op"), "{m}");
-        let bf = u64::from(signature(OpKind::AllReduce, DType::BF16, RedOp::Sum));
+        let bf = u64::from(signature(OpKind::AllReduce, DType::BF16, RedOp::Sum, 0));
         let r2 = Record {
             theirs: ((7 << 32) | bf, (4 << 32) | 32768),
             ..r

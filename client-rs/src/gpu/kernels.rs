@@ -556,9 +556,13 @@ pub struct DirectArgs {
     /// Index of the op among the communicator's captured direct ops.
     pub k: u32,
     pub divisor: u32,
+    /// `direct::MODE_*`.
+    pub mode: u32,
+    /// Broadcast and reduce: the root.
+    pub root: u32,
     pub pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<DirectArgs>() == 144);
+const _: () = assert!(std::mem::size_of::<DirectArgs>() == 152);
 
 /// What is known about one context (by its process-unique id, `cuCtxGetId`).
 #[derive(Clone, Copy)]

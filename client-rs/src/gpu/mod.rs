@@ -818,8 +818,9 @@ impl Communicator {
             r.check_dtype(a.dtype)
                 .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         }
-        // A captured all-reduce on ranks with a GPU each runs as one kernel of the graph
-        // (contract 7), with no daemon work per replay.
+        // A captured collective (all-reduce, all-gather, reduce-scatter, broadcast, reduce) on
+        // ranks with a GPU each runs as one kernel of the graph (contract 7), with no daemon
+        // work per replay.
         if cap.is_some() && self.nodes <= 1 {
             // SAFETY: the caller's contract.
             if let Some(p) = unsafe { self.try_direct(&a)? } {

@@ -1,9 +1,10 @@
-//! The kernel of a *direct* captured all-reduce (DESIGN.md contract 7): one launch that pushes
-//! this rank's input into every peer's window (NVLink/PCIe stores through IPC-mapped pointers),
-//! signals each peer with a flag, waits for every rank's flag of the same epoch, checks that
-//! the peers run the same op, and reduces its window into the output in the eager one-shot
+//! The kernel of a *direct* captured collective (DESIGN.md contract 7): one launch that pushes
+//! this rank's input (or its chunks) into the peers' windows (NVLink/PCIe stores through
+//! IPC-mapped pointers), signals each peer with a flag, waits for every rank's flag of the same
+//! epoch (every op, whatever it moves, so the ranks stay in lockstep), checks that the peers run
+//! the same op, and reduces (or copies) its window into the output; reductions in the eager
 //! order (own input, then the peers in ascending rank order), so a replay is bit for bit the
-//! eager result. No daemon and no host work per replay.
+//! eager result. No daemon and no host work per replay. `mode` picks the op (`MODE_*`).
 //!
 //! Window of each rank (device memory of that rank's GPU, allocated by its process, opened by
 //! its peers; every offset below is from the window's base):
@@ -55,6 +56,17 @@ pub const PEER_FAILED: u32 = 5;
 /// Signature word of a flag written by a rank whose op did not run.
 pub const ERR_SIG: u32 = u32::MAX;
 
+/// What a direct op does (`struct commd_direct`'s `mode`): all-reduce.
+pub const MODE_AR: u32 = 0;
+/// All-gather: every rank's input into every rank's output, in rank order.
+pub const MODE_AG: u32 = 1;
+/// Reduce-scatter: rank `r` gets the reduction of every rank's chunk `r`.
+pub const MODE_RS: u32 = 2;
+/// Broadcast from `root`.
+pub const MODE_BC: u32 = 3;
+/// Reduce to `root`.
+pub const MODE_RED: u32 = 4;
+
 /// Threads per block of the direct kernel.
 pub const THREADS: u32 = 256;
 
@@ -80,8 +92,27 @@ struct commd_direct {{
     u32 sig;
     u32 k;
     u32 divisor;
+    u32 mode;
+    u32 root;
     u32 pad;
 }};
+
+static __device__ __forceinline__ void commd_copy(u64 dst, u64 src, u64 bytes, u64 tid, u64 stride) {{
+    if (dst == src) {{
+        return;
+    }}
+    u64 j0 = 0;
+    if (((dst | src) & 15ull) == 0ull) {{
+        const u64 nv = bytes / 16ull;
+        for (u64 j = tid; j < nv; j += stride) {{
+            ((commd_v16 *)dst)[j] = ((const commd_v16 *)src)[j];
+        }}
+        j0 = nv * 16ull;
+    }}
+    for (u64 j = j0 + tid; j < bytes; j += stride) {{
+        ((u8 *)dst)[j] = ((const u8 *)src)[j];
+    }}
+}}
 
 static __device__ __forceinline__ u64 commd_ld_acquire(const u64 *p) {{
     u64 v;
@@ -149,30 +180,48 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
         }}
         return;
     }}
-    /* Push this rank's input into slot (p, me) of every peer's window. */
+    /* Push into slot (p, me) of the peers' windows: the whole input (all-reduce, all-gather),
+       the peer's chunk of it (reduce-scatter), the root's input (broadcast), every input to
+       the root (reduce). */
     const u64 tid = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
     const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
     const u64 bytes = a.count * {es}ull;
     const u64 slot_off = {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)a.me) * a.slot;
+    const u32 mode = a.mode;
+    const bool chunked = mode == {MODE_RS}u;
+    u32 to_mask = 0u;
+    for (u32 r = 0; r < a.n; ++r) {{
+        const bool to = r != a.me && (mode == {MODE_BC}u ? a.me == a.root
+                                      : mode == {MODE_RED}u ? r == a.root : true);
+        if (to) {{
+            to_mask |= 1u << r;
+        }}
+    }}
     u64 j0 = 0;
-    if ((a.in & 15ull) == 0ull) {{
+    if ((a.in & 15ull) == 0ull && (!chunked || (bytes & 15ull) == 0ull)) {{
         const u64 nv = bytes / 16ull;
-        const commd_v16 *s = (const commd_v16 *)a.in;
         for (u64 j = tid; j < nv; j += stride) {{
-            const commd_v16 v = s[j];
-            for (u32 r = 0; r < a.n; ++r) {{
-                if (r != a.me) {{
-                    ((commd_v16 *)(a.win[r] + slot_off))[j] = v;
+            if (chunked) {{
+                for (u32 r = 0; r < a.n; ++r) {{
+                    if ((to_mask >> r) & 1u) {{
+                        ((commd_v16 *)(a.win[r] + slot_off))[j] = ((const commd_v16 *)(a.in + (u64)r * bytes))[j];
+                    }}
+                }}
+            }} else if (to_mask != 0u) {{
+                const commd_v16 v = ((const commd_v16 *)a.in)[j];
+                for (u32 r = 0; r < a.n; ++r) {{
+                    if ((to_mask >> r) & 1u) {{
+                        ((commd_v16 *)(a.win[r] + slot_off))[j] = v;
+                    }}
                 }}
             }}
         }}
         j0 = nv * 16ull;
     }}
     for (u64 j = j0 + tid; j < bytes; j += stride) {{
-        const u8 v = ((const u8 *)a.in)[j];
         for (u32 r = 0; r < a.n; ++r) {{
-            if (r != a.me) {{
-                ((u8 *)(a.win[r] + slot_off))[j] = v;
+            if ((to_mask >> r) & 1u) {{
+                ((u8 *)(a.win[r] + slot_off))[j] = ((const u8 *)a.in)[(chunked ? (u64)r * bytes : 0ull) + j];
             }}
         }}
     }}
@@ -238,14 +287,29 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
     if (s_fail != 0u) {{
         return;
     }}
-    /* Reduce: own input first, then the peers' slots in ascending rank order (the eager
-       one-shot order, so the result is bit for bit the eager one). */
+    /* The slot rank r pushed into this window. */
+#define COMMD_SLOT(r) (mine + {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)(r)) * a.slot)
+    if (mode == {MODE_AG}u) {{
+        for (u32 r = 0; r < a.n; ++r) {{
+            commd_copy(a.out + (u64)r * bytes, r == a.me ? a.in : COMMD_SLOT(r), bytes, tid, stride);
+        }}
+        return;
+    }}
+    if (mode == {MODE_BC}u) {{
+        commd_copy(a.out, a.me == a.root ? a.in : COMMD_SLOT(a.root), bytes, tid, stride);
+        return;
+    }}
+    if (mode == {MODE_RED}u && a.me != a.root) {{
+        return;
+    }}
+    /* Reduce: own input (its own chunk for reduce-scatter) first, then the peers' slots in
+       ascending rank order (the eager order, so the result is bit for bit the eager one). */
     struct commd_ins ins;
-    ins.p[0] = (const void *)a.in;
+    ins.p[0] = (const void *)(a.in + (chunked ? (u64)a.me * bytes : 0ull));
     u32 m = 1u;
     for (u32 r = 0; r < a.n; ++r) {{
         if (r != a.me) {{
-            ins.p[m] = (const void *)(mine + {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)r) * a.slot);
+            ins.p[m] = (const void *)COMMD_SLOT(r);
             m += 1u;
         }}
     }}
@@ -254,6 +318,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
     }}
     ins.m = m;
     commd_reduce_body(({elem} *)a.out, ins, a.count, a.divisor, tid, stride);
+#undef COMMD_SLOT
 }}
 "#
     );
