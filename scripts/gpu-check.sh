@@ -178,6 +178,9 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
     run "vllm-decode-nccl-2-gpus" "${tr[@]}" 2 tests/gpu/vllm_decode.py --backend nccl \
       --json "$out/vllm_decode.jsonl"
   fi
+  # The direct protocol with more ranks than GPUs (COMMD_GRAPH_DIRECT=shared: ranks sharing a
+  # GPU take it too, slowly): 4 ranks, whatever the GPU count.
+  COMMD_GRAPH_DIRECT=shared run "graph-capture-direct-shared-4-ranks" "${tr[@]}" 4 tests/gpu/graph_capture.py
   # Communicators of one rank share the daemon's scratch: concurrent reductions stay right.
   run "shared-scratch-2-ranks" "${tr[@]}" 2 tests/gpu/shared_scratch.py
   run "graph-latency-commd-2-ranks" "${tr[@]}" 2 client-py/benchmarks/graph_latency.py \

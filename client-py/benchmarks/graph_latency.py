@@ -28,6 +28,8 @@ p = argparse.ArgumentParser()
 p.add_argument("--backend", default="commd")
 p.add_argument("--sizes", default="8K,16K,32K,64K,128K,256K,512K")
 p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+p.add_argument("--op", default="all_reduce",
+               choices=["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"])
 p.add_argument("--ops", type=int, default=10)
 p.add_argument("--json")
 a = p.parse_args()
@@ -66,10 +68,21 @@ dtype = getattr(torch, a.dtype)
 for size in [parse(x) for x in a.sizes.split(",")]:
     n = size // torch.empty((), dtype=dtype).element_size()
     xs = [torch.full((n,), float(rank + 1), device=dev, dtype=dtype) for _ in range(a.ops)]
+    # Per op, `size` bytes per rank: all_gather's output and reduce_scatter's input are world x.
+    big = [torch.empty(n * world, device=dev, dtype=dtype) for _ in range(a.ops)]
 
     def ops():
-        for x in xs:
-            dist.all_reduce(x)
+        for x, y in zip(xs, big):
+            if a.op == "all_reduce":
+                dist.all_reduce(x)
+            elif a.op == "all_gather":
+                dist.all_gather_into_tensor(y, x)
+            elif a.op == "reduce_scatter":
+                dist.reduce_scatter_tensor(x, y)
+            elif a.op == "broadcast":
+                dist.broadcast(x, src=0)
+            else:
+                dist.reduce(x, dst=0)
 
     s = torch.cuda.Stream(device=dev)
     s.wait_stream(torch.cuda.current_stream(dev))
@@ -87,23 +100,33 @@ for size in [parse(x) for x in a.sizes.split(",")]:
     torch.cuda.synchronize()
     graph_s = timed(g.replay) / a.ops
     eager_s = timed(ops) / a.ops
-    # Correctness: fresh inputs, one replay, the sum of the ranks' values.
-    for x in xs:
+    # Correctness: fresh inputs, one replay, against what the op must give.
+    for x, y in zip(xs, big):
         x.fill_(float(rank + 1))
+        y.fill_(float(rank + 1))
     g.replay()
     torch.cuda.synchronize()
-    want = float(sum(range(1, world + 1)))
-    if not all(bool((x == want).all()) for x in xs):
+    total = float(sum(range(1, world + 1)))
+    if a.op in ("all_reduce", "reduce_scatter") or (a.op == "reduce" and rank == 0):
+        ok = all(bool((x == total).all()) for x in xs)
+    elif a.op == "all_gather":
+        want = torch.arange(1, world + 1, device=dev, dtype=dtype).repeat_interleave(n)
+        ok = all(torch.equal(y, want) for y in big)
+    elif a.op == "broadcast":
+        ok = all(bool((x == 1.0).all()) for x in xs)
+    else:
+        ok = all(bool((x == rank + 1).all()) for x in xs)
+    if not ok:
         bad.append(size)
     del g
     if rank == 0:
         r = {"bench": "graph_latency", "backend": a.backend, "ranks": world,
-             "gpus": torch.cuda.device_count(), "bytes": size, "ops_per_graph": a.ops,
+             "gpus": torch.cuda.device_count(), "op": a.op, "bytes": size, "ops_per_graph": a.ops,
              "graph_us": round(graph_s * 1e6, 2), "eager_us": round(eager_s * 1e6, 2),
              "correct": size not in bad, "dtype": a.dtype, "path": path,
              "direct_max_bytes": os.environ.get("COMMD_GRAPH_DIRECT_MAX_BYTES"),
              "direct_blocks": os.environ.get("COMMD_GRAPH_DIRECT_BLOCKS")}
-        print(f"{a.backend} {world} ranks on {r['gpus']} GPU(s) all_reduce {size // 1024:>4} KiB: "
+        print(f"{a.backend} {world} ranks on {r['gpus']} GPU(s) {a.op} {size // 1024:>4} KiB: "
               f"graph {r['graph_us']:7.1f} us/op, eager {r['eager_us']:7.1f} us/op"
               f"{'' if r['correct'] else '  WRONG RESULT'} [{path[:60]}]", flush=True)
         if a.json:

@@ -73,6 +73,10 @@ pub(crate) struct Windows {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Config {
     pub enabled: bool,
+    /// `COMMD_GRAPH_DIRECT=shared`: ranks that share a GPU take the path too. For tests of
+    /// the protocol with more ranks than GPUs: correct, but each wait is time-sliced against
+    /// the peer's kernel (milliseconds per op).
+    pub shared_gpus: bool,
     /// `None`: [`default_max_bytes`] for the communicator's size.
     pub max_bytes: Option<u64>,
     pub blocks: u32,
@@ -94,12 +98,13 @@ impl Config {
         max: Option<&str>,
         blocks: Option<&str>,
     ) -> std::result::Result<Self, String> {
-        let enabled = match mode.map(str::trim) {
-            None | Some("") | Some("auto") | Some("1") | Some("on") => true,
-            Some("0") | Some("off") => false,
+        let (enabled, shared_gpus) = match mode.map(str::trim) {
+            None | Some("") | Some("auto") | Some("1") | Some("on") => (true, false),
+            Some("0") | Some("off") => (false, false),
+            Some("shared") => (true, true),
             Some(v) => {
                 return Err(format!(
-                    "COMMD_GRAPH_DIRECT={v:?}: expected auto (the default) or 0/off"
+                    "COMMD_GRAPH_DIRECT={v:?}: expected auto (the default), 0/off, or shared (tests only: also ranks sharing a GPU)"
                 ));
             }
         };
@@ -114,6 +119,7 @@ impl Config {
         };
         Ok(Self {
             enabled,
+            shared_gpus,
             max_bytes: num("COMMD_GRAPH_DIRECT_MAX_BYTES", max, 0, 1 << 30)?,
             blocks: num("COMMD_GRAPH_DIRECT_BLOCKS", blocks, 1, 1024)?
                 .map_or(DEFAULT_BLOCKS, |b| b as u32),
@@ -568,7 +574,10 @@ impl Communicator {
                     "rank {r} has another COMMD_GRAPH_DIRECT_MAX_BYTES or COMMD_GRAPH_DIRECT_BLOCKS (or GPU size) than rank {}",
                     self.rank
                 ));
-            } else if let Some(q) = (0..r).find(|&q| part(q)[64..80] == o[64..80]) {
+            } else if let Some(q) = (0..r)
+                .find(|&q| part(q)[64..80] == o[64..80])
+                .filter(|_| !cfg.shared_gpus)
+            {
                 why = Some(format!(
                     "ranks {q} and {r} share a GPU (a kernel that waits for a peer on the same GPU would be time-sliced against it)"
                 ));
@@ -703,7 +712,7 @@ fn open_peer(dev: i32, offer: &[u8]) -> std::result::Result<sys::CUdeviceptr, St
         "cuDeviceCanAccessPeer",
     )
     .map_err(|e| e.to_string())?;
-    if can == 0 {
+    if can == 0 && d != p {
         return Err(format!("no peer access from GPU {dev} to GPU {peer}"));
     }
     let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
@@ -738,6 +747,7 @@ mod tests {
             c,
             Config {
                 enabled: true,
+                shared_gpus: false,
                 max_bytes: None,
                 blocks: DEFAULT_BLOCKS
             }
@@ -758,10 +768,13 @@ mod tests {
         }
         assert!(!Config::parse(Some("0"), None, None).unwrap().enabled);
         assert!(!Config::parse(Some("off"), None, None).unwrap().enabled);
+        let sh = Config::parse(Some("shared"), None, None).unwrap();
+        assert!(sh.enabled && sh.shared_gpus);
         assert_eq!(
             Config::parse(None, Some("65536"), Some("8")).unwrap(),
             Config {
                 enabled: true,
+                shared_gpus: false,
                 max_bytes: Some(65536),
                 blocks: 8
             }
