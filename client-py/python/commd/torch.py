@@ -978,10 +978,12 @@ def check_graphs(group: Any = None) -> None:
 
 
 def graph_path(group: Any = None) -> str:
-    """How all-reduces captured into CUDA graphs run on ``group``: ``"direct"`` (one kernel of
-    the graph per op, no daemon work per replay: ranks with a GPU each, peer access between
-    them, at most ``COMMD_GRAPH_DIRECT_MAX_BYTES``), ``"daemon: <why not direct>"`` (every
-    replay through the daemon's executor), or ``"undecided"`` before the first capture."""
+    """How collectives captured into CUDA graphs run on ``group``: ``"direct"`` (all-reduce,
+    all-gather, reduce-scatter, broadcast and reduce up to ``COMMD_GRAPH_DIRECT_MAX_BYTES`` are
+    one kernel of the graph each, with no daemon work per replay: ranks with a GPU each, peer
+    access between them; docs/design.md contract 7), ``"daemon: <why not direct>"`` (every
+    replay through the daemon's executor, contract 6), or ``"undecided"`` before the first
+    capture on the group."""
     return _backends(group, "graph_path")[0].comm._native.cuda_graph_path()
 
 
