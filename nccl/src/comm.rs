@@ -15,7 +15,7 @@ use commd_client::gpu::cu::{self, sys};
 use commd_client::{Client, Communicator, Request};
 
 use crate::ffi::{self, Failure, Outcome, invalid, usage};
-use crate::{group, host, log};
+use crate::{group, host, log, premul};
 
 pub const UNIQUE_ID_BYTES: usize = 128;
 
@@ -124,6 +124,9 @@ pub struct Comm {
     staging: Mutex<Option<(u64, u64)>>,
     /// The text `ncclGetLastError(comm)` returns for this communicator.
     last_error: Mutex<std::ffi::CString>,
+    /// Ops made by `ncclRedOpCreatePreMulSum`, and where their scaled inputs are staged.
+    pub premul: Mutex<premul::Ops>,
+    premul_staging: Mutex<premul::Staging>,
 }
 
 impl Drop for Comm {
@@ -133,6 +136,7 @@ impl Drop for Comm {
             // it was waited for by its stream before the communicator could be destroyed.
             unsafe { sys::cuMemFree_v2(p) };
         }
+        lock(&self.premul_staging).free();
     }
 }
 
@@ -229,6 +233,8 @@ impl Comm {
             }),
             staging: Mutex::new(None),
             last_error: Mutex::new(std::ffi::CString::default()),
+            premul: Mutex::default(),
+            premul_staging: Mutex::default(),
         });
         let uid = *uid;
         let join = {
@@ -434,7 +440,15 @@ impl Comm {
     fn execute(self: &Arc<Self>, op: Op) -> Outcome {
         let r = self.ready()?;
         self.check_failed()?;
-        let (dtype, redop) = if op.kind.reduces() {
+        // A PreMulSum op (`premul`): this rank's input scaled, then summed.
+        let pre = if op.kind.reduces() && op.redop >= premul::FIRST_OP {
+            Some(lock(&self.premul).get(op.redop, op.dtype)?)
+        } else {
+            None
+        };
+        let (dtype, redop) = if let Some(p) = pre {
+            (p.dtype, Some(commd_client::desc::RedOp::Sum))
+        } else if op.kind.reduces() {
             let (d, o) = ffi::reduce_types(op.dtype, op.redop)?;
             (d, Some(o))
         } else {
@@ -502,9 +516,25 @@ impl Comm {
                 }
             }
             a.defer_wait = op.kind.is_p2p();
+            let mut staged = None;
+            if let (Some(p), Some(s)) = (pre, send) {
+                let elems = op
+                    .kind
+                    .send_elems(op.count, u64::from(self.nranks))
+                    .unwrap_or(op.count);
+                let mut st = lock(&self.premul_staging);
+                // SAFETY: NCCL's contract for `s` and the stream.
+                a.send = Some(unsafe { st.scale(&p, s, elems, op.stream) }?);
+                staged = Some(st);
+            }
             // SAFETY: NCCL's contract: the buffers are device memory of this process holding
-            // the op's elements until the stream passes the op, and the stream is live.
-            let posted = unsafe { r.c.post_cuda_ordered(a) }?;
+            // the op's elements until the stream passes the op, and the stream is live (the
+            // staged input lives with the communicator).
+            let posted = unsafe { r.c.post_cuda_ordered(a) };
+            if let Some(mut st) = staged {
+                st.done(op.stream)?;
+            }
+            let posted = posted?;
             log::info(subsys, self.device, || {
                 format!(
                     "{} posted: last ticket {}{}",
@@ -542,7 +572,19 @@ impl Comm {
             })?;
         }
         // SAFETY: NCCL's contract: the pointers hold the op's elements (host memory).
-        let h = unsafe { host::start(&r, op.kind, dtype, redop, op.count, op.peer, send, recv) }?;
+        let h = unsafe {
+            host::start(
+                &r,
+                op.kind,
+                dtype,
+                redop,
+                op.count,
+                op.peer,
+                send,
+                recv,
+                pre.map(|p| p.scalar),
+            )
+        }?;
         if group::active() {
             group::finish_later(h);
             Ok(())

@@ -41,6 +41,7 @@ pub unsafe fn start(
     peer: i32,
     send: Option<u64>,
     recv: Option<u64>,
+    premul: Option<crate::premul::Scalar>,
 ) -> Outcome<HostOp> {
     let n = u64::from(r.c.nranks());
     let es = dtype.size();
@@ -56,6 +57,9 @@ pub unsafe fn start(
             // SAFETY: the caller's contract: `p` is readable for `len` bytes.
             let src = unsafe { std::slice::from_raw_parts(p as *const u8, len as usize) };
             b.as_mut_slice()[..len as usize].copy_from_slice(src);
+            if let Some(sc) = premul {
+                crate::premul::scale_host(&mut b.as_mut_slice()[..len as usize], dtype, sc)?;
+            }
             Some(b)
         }
         None => None,

@@ -21,6 +21,7 @@ mod ffi;
 mod group;
 mod host;
 mod log;
+mod premul;
 
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
@@ -525,27 +526,33 @@ pub unsafe extern "C" fn ncclCommMemStats(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
-    _op: *mut c_int,
-    _scalar: *mut c_void,
-    _datatype: c_int,
-    _residence: c_int,
-    _comm: ncclComm_t,
+    op: *mut c_int,
+    scalar: *mut c_void,
+    datatype: c_int,
+    residence: c_int,
+    c: ncclComm_t,
 ) -> ncclResult_t {
     guard("ncclRedOpCreatePreMulSum", || {
-        Err(unsupported(
-            "ncclRedOpCreatePreMulSum",
-            "commd has no pre-multiplied sum; scale the input and use ncclSum (or ncclAvg)",
-        ))
+        let comm = comm::get(c)?;
+        if op.is_null() {
+            return Err(invalid("op is NULL"));
+        }
+        // SAFETY: NCCL's contract: a host scalar is readable for one element of the type.
+        let id = unsafe {
+            comm::lock(&comm.premul).create(scalar.cast::<u8>().cast_const(), datatype, residence)
+        }?;
+        // SAFETY: NCCL's contract on the out pointer.
+        unsafe { put(op, id, "op") }?;
+        ok()
     })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, c: ncclComm_t) -> ncclResult_t {
     guard("ncclRedOpDestroy", || {
-        comm::get(c)?;
-        Err(invalid(format!(
-            "reduction op {op} was not created by ncclRedOpCreatePreMulSum (built-in ops cannot be destroyed)"
-        )))
+        let comm = comm::get(c)?;
+        comm::lock(&comm.premul).destroy(op)?;
+        ok()
     })
 }
 

@@ -232,11 +232,45 @@ static void ops(ncclComm_t comm, const char* dir) {
              "out of range");
   EXPECT_ERR(ncclInvalidArgument, ncclAllReduce(NULL, fr, N, ncclFloat, ncclSum, comm, NULL),
              "sendbuff is NULL");
+  /* PreMulSum: each rank scales its own input by its own scalar, then the sum (nccl-tests'
+     -o mulsum gives each rank another scalar and destroys the op right after enqueuing). */
   ncclRedOp_t pm;
-  float scalar = 2.0f;
-  EXPECT_ERR(ncclInvalidUsage,
-             ncclRedOpCreatePreMulSum(&pm, &scalar, ncclFloat, ncclScalarHostImmediate, comm),
-             "not supported");
+  float scalar = (float)(rank + 1);
+  NCCL(ncclRedOpCreatePreMulSum(&pm, &scalar, ncclFloat, ncclScalarHostImmediate, comm));
+  scalar = 100.0f; /* the immediate was read at creation */
+  for (int i = 0; i < N; i++) fs[i] = (float)i;
+  NCCL(ncclAllReduce(fs, fr, N, ncclFloat, pm, comm, NULL));
+  NCCL(ncclRedOpDestroy(pm, comm));
+  for (int i = 0; i < N; i++) {
+    float want = (float)i * (float)(nranks * (nranks + 1) / 2);
+    if (fr[i] != want) FAIL("premulsum allreduce [%d] = %f, want %f", i, fr[i], want);
+    if (fs[i] != (float)i) FAIL("premulsum changed the send buffer [%d] = %f", i, fs[i]);
+  }
+  int64_t pms = 3 - rank, pml[4 * 8], pmr[4];
+  for (int i = 0; i < 4 * nranks && i < 32; i++) pml[i] = i;
+  ncclRedOp_t pm2;
+  NCCL(ncclRedOpCreatePreMulSum(&pm2, &pms, ncclInt64, ncclScalarHostImmediate, comm));
+  NCCL(ncclReduceScatter(pml, pmr, 4, ncclInt64, pm2, comm, NULL));
+  {
+    int64_t sum_s = 0;
+    for (int r = 0; r < nranks; r++) sum_s += 3 - r;
+    for (int i = 0; i < 4; i++)
+      if (pmr[i] != (int64_t)(rank * 4 + i) * sum_s)
+        FAIL("premulsum reducescatter [%d] = %lld", i, (long long)pmr[i]);
+  }
+  EXPECT_ERR(ncclInvalidArgument, ncclAllReduce(fs, fr, N, ncclFloat, pm2, comm, NULL),
+             "created for ncclInt64");
+  NCCL(ncclRedOpDestroy(pm2, comm));
+  EXPECT_ERR(ncclInvalidUsage, ncclAllReduce(fs, fr, N, ncclFloat, pm2, comm, NULL),
+             "not one ncclRedOpCreatePreMulSum created");
+  EXPECT_ERR(ncclInvalidArgument, ncclRedOpDestroy(pm2, comm), "already destroyed");
+  EXPECT_ERR(ncclInvalidArgument,
+             ncclRedOpCreatePreMulSum(&pm, &scalar, ncclFloat, (ncclScalarResidence_t)5, comm),
+             "residence 5");
+  NCCL(ncclRedOpCreatePreMulSum(&pm, &scalar, ncclFloat, ncclScalarDevice, comm));
+  EXPECT_ERR(ncclInvalidUsage, ncclAllReduce(fs, fr, N, ncclFloat, pm, comm, NULL),
+             "ncclScalarDevice");
+  NCCL(ncclRedOpDestroy(pm, comm));
   EXPECT_ERR(ncclInvalidUsage, ncclGroupEnd(), "without a matching ncclGroupStart");
   ncclResult_t ae = ncclInternalError;
   NCCL(ncclCommGetAsyncError(comm, &ae));

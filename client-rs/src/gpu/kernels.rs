@@ -96,6 +96,8 @@ struct Shape {
     finish: String,
     store: String,
     needs_i128: bool,
+    /// `a * b` in the accumulator type, wrapping for integers (the scale kernel, PreMulSum).
+    mul: String,
 }
 
 fn shape(dtype: DType, op: RedOp) -> Result<Shape, KernelError> {
@@ -128,6 +130,7 @@ fn shape(dtype: DType, op: RedOp) -> Result<Shape, KernelError> {
             },
             store: conv(to, "r"),
             needs_i128: false,
+            mul: "a * b".into(),
         }
     };
     let int = |elem: &'static str, unsigned: &'static str, wide: &'static str| {
@@ -160,6 +163,7 @@ fn shape(dtype: DType, op: RedOp) -> Result<Shape, KernelError> {
             },
             store: format!("({elem})r"),
             needs_i128: avg && wide == "i128",
+            mul: format!("({elem})(({unsigned})a * ({unsigned})b)"),
         }
     };
     Ok(match dtype {
@@ -261,6 +265,7 @@ pub fn source(dtype: DType, op: RedOp) -> Result<String, KernelError> {
         finish,
         store,
         needs_i128,
+        mul,
     } = s;
     let mut src = String::with_capacity(4096);
     src.push_str(TYPES);
@@ -374,7 +379,33 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}({elem} *out, stru
 "#
     );
     direct::push_source(&mut src, &direct_kernel_name(dtype, op), elem, dtype.size());
+    if op == RedOp::Sum {
+        // `out[i] = in[i] * s`, `s` read from `sp` when it is not null, else the low bytes of
+        // `imm` (NCCL's PreMulSum: each rank scales its own input before a sum).
+        let _ = write!(
+            src,
+            r#"
+static __device__ __forceinline__ {acc} commd_mul({acc} a, {acc} b) {{ return {mul}; }}
+
+extern "C" __global__ void __launch_bounds__({THREADS}) {scale}({elem} *out, const {elem} *in, u64 count, const {elem} *sp, u64 imm) {{
+    union {{ u64 u; {elem} e; }} b;
+    b.u = imm;
+    const {acc} s = commd_load(sp != 0 ? *sp : b.e);
+    const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
+    for (u64 i = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x; i < count; i += stride) {{
+        out[i] = commd_finish(commd_mul(commd_load(in[i]), s), 1u);
+    }}
+}}
+"#,
+            scale = scale_kernel_name(dtype),
+        );
+    }
     Ok(src)
+}
+
+/// The `extern "C"` name of the scale kernel for `dtype` (in the `(dtype, sum)` module).
+pub fn scale_kernel_name(dtype: DType) -> String {
+    format!("commd_scale_{}", dtype.name())
 }
 
 /// Whether libnvrtc can be loaded (checked once: cudarc panics on its first call without it).
@@ -576,6 +607,8 @@ struct CtxInfo {
 struct Loaded {
     func: usize,
     direct: usize,
+    /// The scale kernel (sum modules only; 0 otherwise).
+    scale: usize,
     sm_count: u32,
 }
 
@@ -763,6 +796,65 @@ impl Kernels {
         Ok(())
     }
 
+    /// Enqueues `out[i] = in[i] * s` for `i < count` on `stream`: `s` is the `dtype` value at
+    /// device address `sp` when it is not 0 (read when the kernel runs), else the low
+    /// `dtype.size()` bytes of `imm` (little-endian bits). f16/bf16 multiply in f32 and round
+    /// once; integers wrap. `out` may be `in`.
+    ///
+    /// # Safety
+    /// `stream` belongs to the current context; `in` and `out` address `count` elements, and
+    /// `sp` (if not 0) one element, of device memory valid until the kernel has run.
+    // The arguments are the kernel's own; a struct would only rename them.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn launch_scale(
+        &self,
+        stream: CUstream,
+        dtype: DType,
+        out: CUdeviceptr,
+        input: CUdeviceptr,
+        count: u64,
+        sp: CUdeviceptr,
+        imm: u64,
+    ) -> Result<(), KernelError> {
+        if count == 0 {
+            return Ok(());
+        }
+        let ctx = current_ctx_id()?;
+        let k = self.get(ctx, dtype, RedOp::Sum)?;
+        let blocks = count
+            .div_ceil(u64::from(THREADS))
+            .min(u64::from(k.sm_count.saturating_mul(self.blocks_per_sm)))
+            .max(1) as u32;
+        let (mut out, mut input, mut count, mut sp, mut imm) = (out, input, count, sp, imm);
+        let mut params: [*mut c_void; 5] = [
+            (&raw mut out).cast(),
+            (&raw mut input).cast(),
+            (&raw mut count).cast(),
+            (&raw mut sp).cast(),
+            (&raw mut imm).cast(),
+        ];
+        // SAFETY: `scale` was loaded in the current context with the (dtype, sum) module;
+        // `params` points at five live 8-byte values laid out as the kernel's parameters,
+        // which the driver copies before returning; the caller vouches for the rest.
+        let r = unsafe {
+            cu_sys::cuLaunchKernel(
+                k.scale as CUfunction,
+                blocks,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        cu::ck(r, &format!("cuLaunchKernel({})", scale_kernel_name(dtype)))?;
+        Ok(())
+    }
+
     /// SMs of the current context's device.
     pub fn sm_count(&self) -> Result<u32, KernelError> {
         let ctx = current_ctx_id()?;
@@ -815,9 +907,22 @@ impl Kernels {
             let _ = unsafe { cu_sys::cuModuleUnload(module) };
             return Err(e.into());
         }
+        let mut scale: CUfunction = std::ptr::null_mut();
+        if op == RedOp::Sum {
+            let sname = CString::new(scale_kernel_name(dtype))
+                .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+            // SAFETY: as above.
+            let r = unsafe { cu_sys::cuModuleGetFunction(&mut scale, module, sname.as_ptr()) };
+            if let Err(e) = cu::ck(r, "cuModuleGetFunction(scale)") {
+                // SAFETY: `module` was loaded above and nothing refers to it.
+                let _ = unsafe { cu_sys::cuModuleUnload(module) };
+                return Err(e.into());
+            }
+        }
         let k = Loaded {
             func: func as usize,
             direct: direct as usize,
+            scale: scale as usize,
             sm_count: info.sm_count,
         };
         st.loaded.insert((id, dtype, op), k);

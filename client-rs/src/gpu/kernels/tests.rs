@@ -71,6 +71,12 @@ fn every_kernel_compiles_with_nvrtc() {
             "{d:?} {op:?}: no direct kernel in the PTX"
         );
         assert!(ptx.contains("ld.acquire.sys") && ptx.contains("st.release.sys"));
+        // Sum modules carry the scale kernel (NCCL's PreMulSum in the NCCL library).
+        assert_eq!(
+            ptx.contains(&format!(".entry {}(", scale_kernel_name(d))),
+            op == RedOp::Sum,
+            "{d:?} {op:?}: scale kernel"
+        );
         // The run-time path: SASS for the device's exact architecture.
         let cubin = compile_cubin(d, op, (9, 0)).unwrap_or_else(|e| panic!("{e}"));
         assert!(cubin.starts_with(b"\x7fELF"), "{d:?} {op:?}: not a CUBIN");

@@ -1,0 +1,477 @@
+//! `ncclRedOpCreatePreMulSum`: reduction ops that scale each rank's input by that rank's scalar
+//! before summing (FSDP2's gradient divide uses one; `nccl-tests -o mulsum` gives each rank its
+//! own scalar). commd computes them exactly as defined: this rank's input is scaled into
+//! staging memory (a kernel on the op's stream, or the CPU for host memory) and the staged data
+//! is summed. Multiplying the sum afterwards would be wrong when the ranks' scalars differ.
+//!
+//! The scalar is kept by value (`ncclScalarHostImmediate`: NCCL programs destroy the op right
+//! after enqueuing the collective) or as a device address read when the op runs
+//! (`ncclScalarDevice`).
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use commd_client::desc::DType;
+use commd_client::gpu::cu::{self, sys};
+use commd_client::gpu::kernels::Kernels;
+
+use crate::ffi::{self, Failure, Outcome, invalid, usage};
+
+/// NCCL's `ncclNumOps`: the first value a created op gets.
+pub const FIRST_OP: i32 = 5;
+/// `ncclScalarDevice`.
+pub const SCALAR_DEVICE: i32 = 0;
+/// `ncclScalarHostImmediate`.
+pub const SCALAR_HOST_IMMEDIATE: i32 = 1;
+
+/// Where a created op's scalar is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scalar {
+    /// Its bits (little-endian, `dtype.size()` bytes).
+    Immediate(u64),
+    /// A device address, read when the op runs.
+    Device(u64),
+}
+
+/// A created op: the NCCL datatype it was made for, and its scalar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PreMul {
+    pub nccl_dtype: i32,
+    pub dtype: DType,
+    pub scalar: Scalar,
+}
+
+/// A communicator's created ops.
+#[derive(Default, Debug)]
+pub struct Ops {
+    next: i32,
+    live: HashMap<i32, PreMul>,
+}
+
+impl Ops {
+    /// Creates an op for `nccl_dtype` with the scalar at `scalar` (a host pointer for
+    /// `ncclScalarHostImmediate`, read now; a device pointer for `ncclScalarDevice`).
+    ///
+    /// # Safety
+    /// For `ncclScalarHostImmediate`, `scalar` must be readable for one element of the type.
+    pub unsafe fn create(
+        &mut self,
+        scalar: *const u8,
+        nccl_dtype: i32,
+        residence: i32,
+    ) -> Outcome<i32> {
+        // The types a sum reduces exactly (unsigned as signed, as ncclSum does; fp8 refused).
+        let (dtype, _) = ffi::reduce_types(nccl_dtype, ffi::op::SUM)?;
+        if scalar.is_null() {
+            return Err(invalid("scalar is NULL"));
+        }
+        let scalar = match residence {
+            SCALAR_HOST_IMMEDIATE => {
+                let mut bits = [0u8; 8];
+                let n = dtype.size() as usize;
+                // SAFETY: the caller's contract: one element of the type at `scalar`.
+                unsafe { std::ptr::copy_nonoverlapping(scalar, bits.as_mut_ptr(), n) };
+                Scalar::Immediate(u64::from_le_bytes(bits))
+            }
+            SCALAR_DEVICE => Scalar::Device(scalar as u64),
+            r => {
+                return Err(invalid(format!(
+                    "scalar residence {r} is invalid (ncclScalarDevice 0 or ncclScalarHostImmediate 1)"
+                )));
+            }
+        };
+        let mut op = FIRST_OP.max(self.next);
+        while self.live.contains_key(&op) {
+            op = op.checked_add(1).unwrap_or(FIRST_OP);
+        }
+        self.next = op.checked_add(1).unwrap_or(FIRST_OP);
+        self.live.insert(
+            op,
+            PreMul {
+                nccl_dtype,
+                dtype,
+                scalar,
+            },
+        );
+        Ok(op)
+    }
+
+    pub fn destroy(&mut self, op: i32) -> Outcome {
+        self.live.remove(&op).map(|_| ()).ok_or_else(|| {
+            invalid(format!(
+                "reduction op {op} was not created by ncclRedOpCreatePreMulSum on this communicator (or was already destroyed; built-in ops cannot be destroyed)"
+            ))
+        })
+    }
+
+    /// The created op `op` used on data of `nccl_dtype`, or why it cannot be.
+    pub fn get(&self, op: i32, nccl_dtype: i32) -> Outcome<PreMul> {
+        let p = *self.live.get(&op).ok_or_else(|| {
+            usage(format!(
+                "reduction op {op} is not one ncclRedOpCreatePreMulSum created on this communicator (or it was destroyed)"
+            ))
+        })?;
+        if p.nccl_dtype != nccl_dtype {
+            return Err(invalid(format!(
+                "reduction op {op} was created for {} but the data is {}",
+                ffi::dtype_name(p.nccl_dtype),
+                ffi::dtype_name(nccl_dtype)
+            )));
+        }
+        Ok(p)
+    }
+}
+
+/// Scales `n` elements at `data` (host memory) in place by an immediate scalar, with the
+/// kernel's semantics: f16/bf16 multiply in f32 and round once to nearest even, integers wrap.
+pub fn scale_host(data: &mut [u8], dtype: DType, scalar: Scalar) -> Outcome {
+    let Scalar::Immediate(bits) = scalar else {
+        return Err(usage(
+            "a PreMulSum op with an ncclScalarDevice scalar on host memory: the scalar is in device memory, the data is not (use ncclScalarHostImmediate)",
+        ));
+    };
+    let b = bits.to_le_bytes();
+    macro_rules! each {
+        ($t:ty, $f:expr) => {{
+            const N: usize = std::mem::size_of::<$t>();
+            let s = <$t>::from_le_bytes(b[..N].try_into().unwrap_or([0; N]));
+            for c in data.chunks_exact_mut(N) {
+                let x = <$t>::from_le_bytes(c.try_into().unwrap_or([0; N]));
+                c.copy_from_slice(&$f(x, s).to_le_bytes());
+            }
+        }};
+    }
+    match dtype {
+        DType::F32 => each!(f32, |x: f32, s: f32| x * s),
+        DType::F64 => each!(f64, |x: f64, s: f64| x * s),
+        DType::F16 => each!(u16, |x: u16, s: u16| f32_to_f16(
+            f16_to_f32(x) * f16_to_f32(s)
+        )),
+        DType::BF16 => each!(u16, |x: u16, s: u16| f32_to_bf16(
+            f32::from_bits(u32::from(x) << 16) * f32::from_bits(u32::from(s) << 16)
+        )),
+        DType::I8 | DType::U8 => each!(i8, |x: i8, s: i8| x.wrapping_mul(s)),
+        DType::I32 => each!(i32, |x: i32, s: i32| x.wrapping_mul(s)),
+        DType::I64 => each!(i64, |x: i64, s: i64| x.wrapping_mul(s)),
+    }
+    Ok(())
+}
+
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exp = (h >> 10) & 0x1f;
+    let man = u32::from(h & 0x3ff);
+    let bits = match exp {
+        0 if man == 0 => sign,
+        0 => {
+            // Subnormal: normalize.
+            let mut e = 127 - 15 + 1;
+            let mut m = man;
+            while m & 0x400 == 0 {
+                m <<= 1;
+                e -= 1;
+            }
+            sign | ((e as u32) << 23) | ((m & 0x3ff) << 13)
+        }
+        0x1f => sign | 0x7f80_0000 | (man << 13) | if man != 0 { 0x0040_0000 } else { 0 },
+        e => sign | ((u32::from(e) + 127 - 15) << 23) | (man << 13),
+    };
+    f32::from_bits(bits)
+}
+
+fn f32_to_f16(f: f32) -> u16 {
+    let x = f.to_bits();
+    let sign = ((x >> 16) & 0x8000) as u16;
+    let exp = ((x >> 23) & 0xff) as i32;
+    let man = x & 0x7f_ffff;
+    if exp == 0xff {
+        return sign
+            | 0x7c00
+            | if man != 0 {
+                0x0200 | (man >> 13) as u16
+            } else {
+                0
+            };
+    }
+    let e = exp - 127 + 15;
+    if e >= 0x1f {
+        return sign | 0x7c00;
+    }
+    if e <= 0 {
+        if e < -10 {
+            return sign;
+        }
+        let m = man | 0x80_0000;
+        let shift = (14 - e) as u32;
+        let half = 1u32 << (shift - 1);
+        let rest = m & ((1u32 << shift) - 1);
+        let mut r = m >> shift;
+        if rest > half || (rest == half && r & 1 == 1) {
+            r += 1;
+        }
+        return sign | r as u16;
+    }
+    let mut r = ((e as u32) << 10) | (man >> 13);
+    let rest = man & 0x1fff;
+    if rest > 0x1000 || (rest == 0x1000 && r & 1 == 1) {
+        r += 1;
+    }
+    sign | r as u16
+}
+
+fn f32_to_bf16(f: f32) -> u16 {
+    let x = f.to_bits();
+    if (x & 0x7fff_ffff) > 0x7f80_0000 {
+        return ((x >> 16) | 0x0040) as u16;
+    }
+    let mut r = x >> 16;
+    if x & 0x8000 != 0 && x & 0x1_7fff != 0 {
+        r += 1;
+    }
+    r as u16
+}
+
+fn kernels() -> &'static Kernels {
+    static K: OnceLock<Kernels> = OnceLock::new();
+    K.get_or_init(Kernels::new)
+}
+
+/// Device memory a communicator's eager PreMulSum ops stage their scaled input in, with the
+/// event after the last op that read it (the next scale waits for it on the GPU).
+#[derive(Default)]
+pub struct Staging {
+    cur: Option<(u64, u64)>,
+    /// Outgrown buffers and those of captured ops (a graph keeps using its own): freed with
+    /// the communicator.
+    kept: Vec<u64>,
+    busy: Option<usize>,
+}
+
+impl Staging {
+    /// Frees everything (the communicator is destroyed: its ops were waited for).
+    pub fn free(&mut self) {
+        for p in self.kept.drain(..).chain(self.cur.take().map(|(p, _)| p)) {
+            // SAFETY: memory allocated below, no longer used.
+            unsafe { sys::cuMemFree_v2(p) };
+        }
+        if let Some(e) = self.busy.take() {
+            // SAFETY: an event created below.
+            unsafe { sys::cuEventDestroy_v2(e as sys::CUevent) };
+        }
+    }
+}
+
+fn cuda(e: cu::CuError) -> Failure {
+    Failure {
+        code: ffi::UNHANDLED_CUDA_ERROR,
+        message: e.to_string(),
+    }
+}
+
+fn ck(r: sys::CUresult, what: &str) -> Outcome {
+    cu::ck(r, what).map_err(cuda)
+}
+
+/// Whether `stream` is being captured into a CUDA graph.
+fn capturing(stream: usize) -> Outcome<bool> {
+    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    ck(
+        // SAFETY: the caller's live stream; valid out pointer.
+        unsafe { sys::cuStreamIsCapturing(stream as sys::CUstream, &mut st) },
+        "cuStreamIsCapturing",
+    )?;
+    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+impl Staging {
+    /// Enqueues on `stream` this rank's input scaled by `p`'s scalar into staging memory and
+    /// returns its address. `done` must then be called with the same stream after the op that
+    /// reads it was enqueued.
+    ///
+    /// # Safety
+    /// `send` is device memory holding `count` elements of `p.dtype` until the stream passes
+    /// the op; the stream is live, of the current context.
+    pub unsafe fn scale(
+        &mut self,
+        p: &PreMul,
+        send: u64,
+        count: u64,
+        stream: usize,
+    ) -> Outcome<u64> {
+        let bytes = count
+            .checked_mul(p.dtype.size())
+            .ok_or_else(|| invalid(format!("count {count} overflows")))?
+            .max(1);
+        let dst = if capturing(stream)? {
+            // A graph replays its own copy: a buffer of its own, kept with the communicator.
+            let mut d = 0;
+            ck(
+                // SAFETY: valid out pointer (relaxed capture mode allows the allocation).
+                unsafe { sys::cuMemAlloc_v2(&mut d, bytes as usize) },
+                "cuMemAlloc(PreMulSum staging)",
+            )?;
+            self.kept.push(d);
+            d
+        } else {
+            if self.cur.is_none_or(|(_, n)| n < bytes) {
+                if let Some((old, _)) = self.cur.take() {
+                    // Ops queued earlier may still read it: kept until the communicator goes.
+                    self.kept.push(old);
+                }
+                let mut d = 0;
+                ck(
+                    // SAFETY: valid out pointer.
+                    unsafe { sys::cuMemAlloc_v2(&mut d, bytes as usize) },
+                    "cuMemAlloc(PreMulSum staging)",
+                )?;
+                self.cur = Some((d, bytes));
+            }
+            if let Some(e) = self.busy {
+                // The previous PreMulSum op (maybe on another stream) has read the buffer.
+                ck(
+                    // SAFETY: a live event of this communicator; the caller's live stream.
+                    unsafe {
+                        sys::cuStreamWaitEvent(stream as sys::CUstream, e as sys::CUevent, 0)
+                    },
+                    "cuStreamWaitEvent",
+                )?;
+            }
+            self.cur.map(|(d, _)| d).unwrap_or_default()
+        };
+        let (sp, imm) = match p.scalar {
+            Scalar::Immediate(b) => (0, b),
+            Scalar::Device(a) => (a, 0),
+        };
+        // SAFETY: the caller's contract for `send` and the stream; `dst` holds `count` elements.
+        unsafe {
+            kernels()
+                .launch_scale(stream as sys::CUstream, p.dtype, dst, send, count, sp, imm)
+                .map_err(|e| Failure {
+                    code: ffi::UNHANDLED_CUDA_ERROR,
+                    message: format!("PreMulSum scale kernel: {e}"),
+                })?;
+        }
+        Ok(dst)
+    }
+
+    /// Records, after the op that read the staging on `stream`, the event the next scale waits
+    /// for (eager ops only: a captured op has its own buffer).
+    pub fn done(&mut self, stream: usize) -> Outcome {
+        if capturing(stream)? {
+            return Ok(());
+        }
+        let e = match self.busy {
+            Some(e) => e,
+            None => {
+                let mut e: sys::CUevent = std::ptr::null_mut();
+                ck(
+                    // SAFETY: valid out pointer.
+                    unsafe {
+                        sys::cuEventCreate(
+                            &mut e,
+                            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+                        )
+                    },
+                    "cuEventCreate",
+                )?;
+                self.busy = Some(e as usize);
+                e as usize
+            }
+        };
+        // SAFETY: a live event of this communicator; the caller's live stream.
+        ck(
+            unsafe { sys::cuEventRecord(e as sys::CUevent, stream as sys::CUstream) },
+            "cuEventRecord",
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ops_are_created_looked_up_and_destroyed() {
+        let mut ops = Ops::default();
+        let two = 2.0f32;
+        // SAFETY: one f32 at the pointer.
+        let a = unsafe {
+            ops.create(
+                (&raw const two).cast(),
+                ffi::dt::FLOAT32,
+                SCALAR_HOST_IMMEDIATE,
+            )
+        }
+        .unwrap();
+        assert_eq!(a, FIRST_OP);
+        let p = ops.get(a, ffi::dt::FLOAT32).unwrap();
+        assert_eq!(p.scalar, Scalar::Immediate(u64::from(2.0f32.to_bits())));
+        let e = ops.get(a, ffi::dt::FLOAT64).unwrap_err();
+        assert!(e.message.contains("created for"), "{}", e.message);
+        // SAFETY: as above.
+        let b = unsafe { ops.create((&raw const two).cast(), ffi::dt::FLOAT32, SCALAR_DEVICE) }
+            .unwrap();
+        assert_ne!(a, b);
+        ops.destroy(a).unwrap();
+        assert!(ops.get(a, ffi::dt::FLOAT32).is_err());
+        assert!(
+            ops.destroy(a)
+                .unwrap_err()
+                .message
+                .contains("already destroyed")
+        );
+        // SAFETY: as above.
+        let bad = unsafe { ops.create((&raw const two).cast(), ffi::dt::FLOAT32, 7) }.unwrap_err();
+        assert!(bad.message.contains("residence 7"), "{}", bad.message);
+        // SAFETY: refused before the pointer is read.
+        let fp8 = unsafe {
+            ops.create(
+                (&raw const two).cast(),
+                ffi::dt::FP8_E4M3,
+                SCALAR_HOST_IMMEDIATE,
+            )
+        };
+        assert!(fp8.is_err());
+    }
+
+    #[test]
+    fn host_scaling_follows_the_kernel() {
+        let mut f: Vec<u8> = [1.5f32, -2.0, 3.25]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        scale_host(
+            &mut f,
+            DType::F32,
+            Scalar::Immediate(u64::from(0.5f32.to_bits())),
+        )
+        .unwrap();
+        let got: Vec<f32> = f
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, vec![0.75, -1.0, 1.625]);
+        let mut i: Vec<u8> = [i32::MAX, -3]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        scale_host(&mut i, DType::I32, Scalar::Immediate(2)).unwrap();
+        let got: Vec<i32> = i
+            .chunks(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, vec![i32::MAX.wrapping_mul(2), -6]);
+        // f16: 1.5 * 3 = 4.5; bf16: 1.5 * 3 = 4.5
+        let mut h = 0x3e00u16.to_le_bytes().to_vec();
+        scale_host(&mut h, DType::F16, Scalar::Immediate(0x4200)).unwrap();
+        assert_eq!(u16::from_le_bytes([h[0], h[1]]), 0x4480);
+        let mut b = 0x3fc0u16.to_le_bytes().to_vec();
+        scale_host(&mut b, DType::BF16, Scalar::Immediate(0x4040)).unwrap();
+        assert_eq!(u16::from_le_bytes([b[0], b[1]]), 0x4090);
+        // f16 round trip of every finite value is exact.
+        for x in 0..0x7c00u16 {
+            assert_eq!(f32_to_f16(f16_to_f32(x)), x, "{x:#x}");
+        }
+        assert!(scale_host(&mut f, DType::F32, Scalar::Device(64)).is_err());
+    }
+}
