@@ -67,6 +67,16 @@ def other_calls(torch, dist, dev, rank, world):
     for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, sbuf, right), dist.P2POp(dist.irecv, rbuf, left)]):
         w.wait()
     assert rbuf.eq(left).all()
+    if dist.get_backend() == "nccl":
+        # ReduceOp.PREMUL_SUM (FSDP2's gradient divide): ncclRedOpCreatePreMulSum with a host
+        # scalar (a Python float) and with a device scalar (a one-element tensor).
+        pm = torch.full((16,), float(rank + 1), device=dev)
+        dist.all_reduce(pm, op=dist._make_nccl_premul_sum(0.5))
+        assert torch.equal(pm, torch.full_like(pm, 0.5 * world * (world + 1) / 2)), pm
+        scale = torch.tensor([2.0], device=dev)
+        dist.reduce_scatter_tensor(rs_out, rs_in, op=dist._make_nccl_premul_sum(scale))
+        want = 2 * world * torch.arange(4 * rank, 4 * rank + 4, device=dev, dtype=torch.float32)
+        assert torch.equal(rs_out, want), rs_out
     sub = dist.new_group(list(range(world)))
     one = torch.ones(3, device=dev)
     dist.all_reduce(one, group=sub)
