@@ -272,29 +272,6 @@ fn ck(r: sys::CUresult, what: &str) -> Outcome {
     cu::ck(r, what).map_err(cuda)
 }
 
-/// This thread's stream capture mode set to relaxed while it lives (restored on drop).
-struct Relaxed(sys::CUstreamCaptureMode);
-
-impl Relaxed {
-    fn enter() -> Outcome<Self> {
-        let mut m = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-        ck(
-            // SAFETY: valid in/out pointer.
-            unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut m) },
-            "cuThreadExchangeStreamCaptureMode",
-        )?;
-        Ok(Self(m))
-    }
-}
-
-impl Drop for Relaxed {
-    fn drop(&mut self) {
-        let mut m = self.0;
-        // SAFETY: valid in/out pointer; restores the mode `enter` saved.
-        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut m) };
-    }
-}
-
 /// Whether `stream` is being captured into a CUDA graph.
 fn capturing(stream: usize) -> Outcome<bool> {
     let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
@@ -329,7 +306,7 @@ impl Staging {
             // A graph replays its own copy: a buffer of its own, kept with the communicator,
             // allocated in relaxed capture mode (NCCL programs capture in thread-local or
             // global mode, where cuMemAlloc on the capturing thread is refused).
-            let _relaxed = Relaxed::enter()?;
+            let _relaxed = commd_client::gpu::Relaxed::enter()?;
             let mut d = 0;
             ck(
                 // SAFETY: valid out pointer (relaxed capture mode allows the allocation).

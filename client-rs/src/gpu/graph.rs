@@ -97,7 +97,8 @@ pub(crate) unsafe fn capture_for(
 /// Makes this thread's stream capture mode relaxed while it lives, so the first captured op
 /// may do its one-time setup (registering host memory with the driver, loading kernels,
 /// opening the daemon's scratch) inside a global-mode capture, as NCCL does for its own setup.
-pub(crate) struct Relaxed(sys::CUstreamCaptureMode);
+/// (The NCCL library uses it too, for the staging of a captured PreMulSum op.)
+pub struct Relaxed(sys::CUstreamCaptureMode);
 
 impl Relaxed {
     pub fn enter() -> Result<Self> {

@@ -6,6 +6,7 @@ pub mod algo;
 pub mod cu;
 pub(crate) mod direct;
 pub(crate) mod graph;
+pub use graph::Relaxed;
 pub mod kernels;
 pub mod regcache;
 pub mod wait;
