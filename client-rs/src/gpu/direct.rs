@@ -737,6 +737,9 @@ fn open_peer(dev: i32, offer: &[u8]) -> std::result::Result<sys::CUdeviceptr, St
 }
 
 #[cfg(test)]
+mod model;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
