@@ -706,10 +706,7 @@ impl Kernels {
             m: ins.len() as u32,
         };
         arg.p[..ins.len()].copy_from_slice(ins);
-        let blocks = count
-            .div_ceil(u64::from(THREADS))
-            .min(u64::from(k.sm_count.saturating_mul(self.blocks_per_sm)))
-            .max(1) as u32;
+        let blocks = self.grid(k, count);
         let mut out = out;
         let mut count = count;
         let mut divisor = divisor;
@@ -821,10 +818,7 @@ impl Kernels {
         }
         let ctx = current_ctx_id()?;
         let k = self.get(ctx, dtype, RedOp::Sum)?;
-        let blocks = count
-            .div_ceil(u64::from(THREADS))
-            .min(u64::from(k.sm_count.saturating_mul(self.blocks_per_sm)))
-            .max(1) as u32;
+        let blocks = self.grid(k, count);
         let (mut out, mut input, mut count, mut sp, mut imm) = (out, input, count, sp, imm);
         let mut params: [*mut c_void; 5] = [
             (&raw mut out).cast(),
@@ -853,6 +847,15 @@ impl Kernels {
         };
         cu::ck(r, &format!("cuLaunchKernel({})", scale_kernel_name(dtype)))?;
         Ok(())
+    }
+
+    /// Blocks of a grid-stride launch over `count` elements: one thread each, capped at
+    /// `blocks_per_sm` per SM.
+    fn grid(&self, k: Loaded, count: u64) -> u32 {
+        count
+            .div_ceil(u64::from(THREADS))
+            .min(u64::from(k.sm_count.saturating_mul(self.blocks_per_sm)))
+            .max(1) as u32
     }
 
     /// SMs of the current context's device.
