@@ -203,7 +203,7 @@ pub(crate) struct CommGpu {
     /// op's stream work (after its ready write for a send/recv whose wait is deferred): the
     /// next op on another stream waits for it first (see `post_cuda`).
     last: Option<(usize, CudaEvent)>,
-    /// Captured all-reduces as direct ops (contract 7): not tried yet, refused, or the windows.
+    /// Captured collectives as direct ops (contract 7): not tried yet, refused, or the windows.
     pub(crate) direct: direct::State,
 }
 
