@@ -43,10 +43,12 @@
 # GPUs and on 4 when there are 4 (~2-3 min on 4x H200): allreduce-N-gpus.log and
 # allreduce.jsonl. COMMD_ALLREDUCE_ALGO=oneshot|rsag in the environment forces commd's
 # all-reduce algorithm (the output records the value in effect).
-# `interference`: client-py/benchmarks/gemm_interference.py on all GPUs up to 4: a bf16 GEMM
-# alone and under a 256 MiB all-reduce loop through NCCL, through commd uncapped and at the
-# pacing caps in COMMD_PACING (GB/s, default 0,300,200,100,50,25; ~2 min):
-# interference-N-gpus.log and interference.jsonl. `all` (the default) is tests + bench; the
+# `interference`: client-py/benchmarks/gemm_interference.py on all GPUs up to 4 (or the counts
+# in INTERFERENCE_GPUS, e.g. "2 4"): a bf16 GEMM alone and under a 256 MiB all-reduce loop
+# through NCCL, through commd uncapped and at the pacing caps in COMMD_PACING (GB/s, default
+# 0,300,200,100,50,25; ~2 min), and commd with one reduction launch per round; then
+# client-py/benchmarks/ddp_overlap.py (a DDP transformer step, buckets overlapped with the
+# backward, commd vs NCCL): interference-N-gpus*.log, interference.jsonl, ddp_overlap.jsonl. `all` (the default) is tests + bench; the
 # two modes above are slower and run only by name; they print the time each section took.
 # `multinode` (also part of `tests`): two more daemons on this machine act as two nodes
 # (loopback TCP between them), and tests/gpu/gpu_ops.py runs every op and dtype on 2 and 4 GPUs
@@ -315,11 +317,18 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     --set peer_listen=off >"$out/daemon-small-slots.log" 2>&1 &
   d2=$!
   for _ in $(seq 100); do [ -S "$sock2" ] && break; sleep 0.1; done
+  # Each once with every round in one launch (the rounds kernel, the default) and once with
+  # one launch per round (COMMD_GPU_FUSED_ROUNDS=0); and the rounds kernel on a grid of 3
+  # blocks (many grid-stride steps per round).
   for n in 2 4; do
     for algo in rsag oneshot; do
       [ "$n" -le "$ngpu" ] && COMMD_SOCKET=$sock2 COMMD_ALLREDUCE_ALGO=$algo \
         run "rounds-$n-gpus-$algo" "${tr[@]}" "$n" tests/gpu/gpu_rounds.py
     done
+    [ "$n" -le "$ngpu" ] && COMMD_SOCKET=$sock2 COMMD_GPU_FUSED_ROUNDS=0 \
+      run "rounds-$n-gpus-per-round" "${tr[@]}" "$n" tests/gpu/gpu_rounds.py
+    [ "$n" -le "$ngpu" ] && COMMD_SOCKET=$sock2 COMMD_GPU_FUSED_BLOCKS=3 \
+      run "rounds-$n-gpus-3-blocks" "${tr[@]}" "$n" tests/gpu/gpu_rounds.py
   done
   kill $d2 2>/dev/null; wait $d2 2>/dev/null
 fi
@@ -387,8 +396,21 @@ if [ "$what" = waitcmp ]; then
   done
 fi
 if [ "$what" = interference ]; then
-  timed 300 "interference-$g-gpus" "${tr[@]}" "$g" client-py/benchmarks/gemm_interference.py \
-    --pacing "${COMMD_PACING:-0,300,200,100,50,25}" --json "$out/interference.jsonl"
+  # INTERFERENCE_GPUS: the GPU counts (default: all up to 4). Per count: NCCL and commd at the
+  # pacing caps, then commd uncapped with one reduction launch per round
+  # (COMMD_GPU_FUSED_ROUNDS=0, the way before the rounds kernel) for comparison; then a DDP
+  # training step with its bucket all-reduces overlapped with the backward pass, commd against
+  # NCCL (client-py/benchmarks/ddp_overlap.py: ddp_overlap.jsonl).
+  for n in ${INTERFERENCE_GPUS:-$g}; do
+    [ "$n" -le "$ngpu" ] || continue
+    timed 300 "interference-$n-gpus" "${tr[@]}" "$n" client-py/benchmarks/gemm_interference.py \
+      --pacing "${COMMD_PACING:-0,300,200,100,50,25}" --json "$out/interference.jsonl"
+    COMMD_GPU_FUSED_ROUNDS=0 timed 200 "interference-$n-gpus-per-round" "${tr[@]}" "$n" \
+      client-py/benchmarks/gemm_interference.py --no-nccl --pacing 0 \
+      --json "$out/interference.jsonl"
+    timed 300 "ddp-overlap-$n-gpus" "${tr[@]}" "$n" client-py/benchmarks/ddp_overlap.py \
+      --json "$out/ddp_overlap.jsonl"
+  done
 fi
 "$bin" status --socket "$COMMD_SOCKET" > "$out/status.txt" 2>&1 || true
 tail -50 "$out/daemon-$what.log"

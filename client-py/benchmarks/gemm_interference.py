@@ -116,6 +116,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def commd_env() -> dict[str, str]:
+    """The COMMD_* settings of this run (the socket left out): which commd variant ran."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("COMMD_") and k not in ("COMMD_SOCKET", "COMMD_COMMIT")}
+
+
 def gbps_arg(cap: float) -> int | float:
     """A cap as set_pacing gets it: an int when it is whole (300, not 300.0)."""
     return int(cap) if cap == int(cap) else cap
@@ -433,7 +439,8 @@ def report(results: list[dict[str, Any]], su: Setup, info: dict[str, Any]) -> No
           f"{drift:+.1f}%); 'vs alone' is relative to their mean. 'AR': the background "
           f"all-reduce, {bc.human_bytes(su.ar_bytes)} {a.ar_dtype} per rank.\n")
     print("\n".join(table(results, alone_tflops)), flush=True)
-    common = {"bench": "gemm_interference", "gemm_n": a.gemm_n, "ar_bytes": su.ar_bytes,
+    common = {"bench": "gemm_interference", "commd_env": commd_env(),
+              "gemm_n": a.gemm_n, "ar_bytes": su.ar_bytes,
               "ar_dtype": a.ar_dtype, "redop": a.redop, "window_s": a.window,
               "alone_window_s": a.alone_window, "gemm_depth": a.gemm_depth,
               "ar_depth": a.ar_depth, "gemm_alone_tflops": alone_tflops,
@@ -473,7 +480,7 @@ def main() -> None:
 
     say(f"# GEMM interference: {world} x {info['gpu']}; torch {info['torch']}; NCCL "
         f"{info['nccl']}; commit {info['commit']}; {info['date']}; "
-        f"NCCL_NVLS_ENABLE={info['nvls']}")
+        f"NCCL_NVLS_ENABLE={info['nvls']}; commd settings {commd_env() or 'default'}")
     say(f"# GEMM: bf16 {a.gemm_n}^3 matmul on the current stream, {a.gemm_depth} queued. "
         f"Background: all_reduce({a.redop.upper()}) of {bc.human_bytes(ar_bytes)} {a.ar_dtype} "
         f"per rank on a side stream, async_op=True, {a.ar_depth} queued. Per case: "

@@ -86,9 +86,75 @@ pub fn one_shot(kind: OpKind, count: u64, es: u64, _nranks: u32, slot_bytes: u64
     Ok(choose(*algo, *max, kind, count, es, slot_bytes))
 }
 
+/// How an eager reduction of several rounds runs its kernels (`kernels::rounds`):
+/// `COMMD_GPU_FUSED_ROUNDS` `1` (default): one cooperative launch for every round; `0`: one
+/// launch per round (the way before; for comparison). `COMMD_GPU_FUSED_BLOCKS`: the launch's
+/// most blocks (default 0: the reduction kernels' cap, 4 per SM). Read once per process. The
+/// choice is the rank's own: the daemon sees the same phases either way.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fused {
+    pub on: bool,
+    pub max_blocks: u32,
+}
+
+fn parse_fused(on: Option<&str>, blocks: Option<&str>) -> std::result::Result<Fused, String> {
+    let on = match on.map(str::trim) {
+        None | Some("") | Some("1") | Some("on") | Some("auto") => true,
+        Some("0") | Some("off") => false,
+        Some(x) => {
+            return Err(format!(
+                "COMMD_GPU_FUSED_ROUNDS={x}: expected 1 (the default) or 0"
+            ));
+        }
+    };
+    let max_blocks = match blocks.map(str::trim) {
+        None | Some("") => 0,
+        Some(x) => x.parse::<u32>().map_err(|_| {
+            format!("COMMD_GPU_FUSED_BLOCKS={x}: expected a number of blocks (0: the default)")
+        })?,
+    };
+    Ok(Fused { on, max_blocks })
+}
+
+/// The process's [`Fused`] setting; an invalid value is an error on every multi-round op.
+pub fn fused() -> Result<Fused> {
+    static S: OnceLock<std::result::Result<Fused, String>> = OnceLock::new();
+    S.get_or_init(|| {
+        parse_fused(
+            std::env::var("COMMD_GPU_FUSED_ROUNDS").ok().as_deref(),
+            std::env::var("COMMD_GPU_FUSED_BLOCKS").ok().as_deref(),
+        )
+    })
+    .clone()
+    .map_err(Error::InvalidArgument)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fused_settings_parse_and_refuse_garbage() {
+        let on = |b| {
+            Ok(Fused {
+                on: true,
+                max_blocks: b,
+            })
+        };
+        assert_eq!(parse_fused(None, None), on(0));
+        assert_eq!(parse_fused(Some(" 1 "), Some("132")), on(132));
+        assert_eq!(
+            parse_fused(Some("0"), None),
+            Ok(Fused {
+                on: false,
+                max_blocks: 0
+            })
+        );
+        let e = parse_fused(Some("yes"), None).unwrap_err();
+        assert!(e.contains("COMMD_GPU_FUSED_ROUNDS=yes"), "{e}");
+        let e = parse_fused(None, Some("-3")).unwrap_err();
+        assert!(e.contains("COMMD_GPU_FUSED_BLOCKS=-3"), "{e}");
+    }
 
     #[test]
     fn settings_parse_and_refuse_garbage() {

@@ -379,6 +379,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}({elem} *out, stru
 "#
     );
     direct::push_source(&mut src, &direct_kernel_name(dtype, op), elem, dtype.size());
+    rounds::push_source(&mut src, &rounds_kernel_name(dtype, op), elem, dtype.size());
     if op == RedOp::Sum {
         // `out[i] = in[i] * s`, `s` read from `sp` when it is not null, else the low bytes of
         // `imm` (NCCL's PreMulSum: each rank scales its own input before a sum).
@@ -401,6 +402,11 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {scale}({elem} *out, con
         );
     }
     Ok(src)
+}
+
+/// The `extern "C"` name of the rounds kernel for `(dtype, op)` (`rounds::push_source`).
+pub fn rounds_kernel_name(dtype: DType, op: RedOp) -> String {
+    format!("commd_rounds_{}_{}", dtype.name(), op.name())
 }
 
 /// The `extern "C"` name of the scale kernel for `dtype` (in the `(dtype, sum)` module).
@@ -595,6 +601,37 @@ pub struct DirectArgs {
 }
 const _: () = assert!(std::mem::size_of::<DirectArgs>() == 152);
 
+/// The parameter of the rounds kernel (`struct commd_rounds`, `rounds::push_source`): the pieces
+/// and scratch slots of every round as `Communicator::post_cuda_ordered` computes them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RoundsArgs {
+    /// Where the op's output starts (round `j`'s piece at `dst + start * es`).
+    pub dst: CUdeviceptr,
+    /// Where this rank's own input starts.
+    pub src: CUdeviceptr,
+    /// This rank's scratch (`commd_proto::desc::cuda_scratch_off` layout).
+    pub scratch: CUdeviceptr,
+    pub slot_bytes: u64,
+    pub round_elems: u64,
+    pub count: u64,
+    /// The doorbell's ready and done words, mapped for the device.
+    pub ready: CUdeviceptr,
+    pub done: CUdeviceptr,
+    /// Two zeroed u32 of device memory, the communicator's own (the grid barrier).
+    pub bar: CUdeviceptr,
+    pub n: u32,
+    pub rank: u32,
+    /// 1: the rank reduces its piece of each round (all-reduce, reduce-scatter + all-gather);
+    /// 0: the whole round.
+    pub piecewise: u32,
+    pub rounds: u32,
+    /// Round 0's ticket (the stream wrote and waited for it before the launch).
+    pub ticket: u32,
+    pub divisor: u32,
+}
+const _: () = assert!(std::mem::size_of::<RoundsArgs>() == 96);
+
 /// What is known about one context (by its process-unique id, `cuCtxGetId`).
 #[derive(Clone, Copy)]
 struct CtxInfo {
@@ -609,6 +646,9 @@ struct Loaded {
     direct: usize,
     /// The scale kernel (sum modules only; 0 otherwise).
     scale: usize,
+    rounds: usize,
+    /// Blocks of the rounds kernel that fit on one SM at once (its cooperative launch limit).
+    rounds_per_sm: u32,
     sm_count: u32,
 }
 
@@ -793,6 +833,87 @@ impl Kernels {
         Ok(())
     }
 
+    /// Enqueues the rounds kernel for `(dtype, op)` (`rounds::push_source`) on `stream`: every
+    /// round of a multi-round reduction in one cooperative launch of at most `max_blocks` blocks
+    /// (0: the reduction kernels' cap, `blocks_per_sm` per SM), never more than fit on the GPU
+    /// at once. Returns the grid used.
+    ///
+    /// # Safety
+    /// `stream` belongs to the current context; `args` addresses live buffers as
+    /// [`RoundsArgs`] describes (inputs, output and scratch for every round, the doorbell words
+    /// mapped for the device, and a barrier no other launch uses at the same time).
+    pub unsafe fn launch_rounds(
+        &self,
+        stream: CUstream,
+        dtype: DType,
+        op: RedOp,
+        max_blocks: u32,
+        args: &RoundsArgs,
+    ) -> Result<u32, KernelError> {
+        op.check_dtype(dtype)?;
+        if args.n < 1 || args.n as usize > MAX_INPUTS || args.rank >= args.n.max(1) {
+            return Err(KernelError::InvalidArgument(format!(
+                "rounds kernel for rank {} of {} ranks (1 to {MAX_INPUTS} supported)",
+                args.rank, args.n
+            )));
+        }
+        if op == RedOp::Avg && args.divisor == 0 {
+            return Err(KernelError::InvalidArgument(
+                "avg with divisor 0 (the divisor is the number of ranks)".into(),
+            ));
+        }
+        if args.bar == 0 || args.ready == 0 || args.done == 0 {
+            return Err(KernelError::InvalidArgument(
+                "rounds kernel without its barrier or doorbell words".into(),
+            ));
+        }
+        let ctx = current_ctx_id()?;
+        let k = self.get(ctx, dtype, op)?;
+        let fit = k.sm_count.saturating_mul(k.rounds_per_sm);
+        if fit == 0 {
+            return Err(KernelError::InvalidArgument(format!(
+                "{} does not fit on this GPU ({} blocks of {} threads per SM)",
+                rounds_kernel_name(dtype, op),
+                k.rounds_per_sm,
+                rounds::THREADS
+            )));
+        }
+        let want = if max_blocks == 0 {
+            k.sm_count.saturating_mul(self.blocks_per_sm)
+        } else {
+            max_blocks
+        };
+        let grid = want.min(fit).max(1);
+        let mut a = *args;
+        let mut params: [*mut c_void; 1] = [(&raw mut a).cast()];
+        // SAFETY: `rounds` was loaded in the current context with `func`; `params` points at one
+        // live value laid out as the kernel's parameter (`struct commd_rounds`), which the driver
+        // copies before returning; `grid` blocks fit on the device at once (occupancy above);
+        // the caller vouches for the stream and the pointers.
+        let r = unsafe {
+            cu_sys::cuLaunchCooperativeKernel(
+                k.rounds as CUfunction,
+                grid,
+                1,
+                1,
+                rounds::THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+            )
+        };
+        cu::ck(
+            r,
+            &format!(
+                "cuLaunchCooperativeKernel({})",
+                rounds_kernel_name(dtype, op)
+            ),
+        )?;
+        Ok(grid)
+    }
+
     /// Enqueues `out[i] = in[i] * s` for `i < count` on `stream`: `s` is the `dtype` value at
     /// device address `sp` when it is not 0 (read when the kernel runs), else the low
     /// `dtype.size()` bytes of `imm` (little-endian bits). f16/bf16 multiply in f32 and round
@@ -922,10 +1043,37 @@ impl Kernels {
                 return Err(e.into());
             }
         }
+        let rname = CString::new(rounds_kernel_name(dtype, op))
+            .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+        let mut rounds: CUfunction = std::ptr::null_mut();
+        // SAFETY: as above.
+        let r = unsafe { cu_sys::cuModuleGetFunction(&mut rounds, module, rname.as_ptr()) };
+        let mut rounds_per_sm: std::ffi::c_int = 0;
+        let r = cu::ck(r, "cuModuleGetFunction(rounds)").and_then(|()| {
+            cu::ck(
+                // SAFETY: `rounds` was just loaded; `rounds_per_sm` is a valid out pointer.
+                unsafe {
+                    cu_sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                        &mut rounds_per_sm,
+                        rounds,
+                        rounds::THREADS as std::ffi::c_int,
+                        0,
+                    )
+                },
+                "cuOccupancyMaxActiveBlocksPerMultiprocessor(rounds)",
+            )
+        });
+        if let Err(e) = r {
+            // SAFETY: `module` was loaded above and nothing refers to it.
+            let _ = unsafe { cu_sys::cuModuleUnload(module) };
+            return Err(e.into());
+        }
         let k = Loaded {
             func: func as usize,
             direct: direct as usize,
             scale: scale as usize,
+            rounds: rounds as usize,
+            rounds_per_sm: rounds_per_sm.max(0) as u32,
             sm_count: info.sm_count,
         };
         st.loaded.insert((id, dtype, op), k);
@@ -968,5 +1116,6 @@ fn ctx_info() -> Result<CtxInfo, KernelError> {
 }
 
 pub mod direct;
+pub mod rounds;
 #[cfg(test)]
 mod tests;

@@ -205,6 +205,10 @@ pub(crate) struct CommGpu {
     last: Option<(usize, CudaEvent)>,
     /// Captured collectives as direct ops (contract 7): not tried yet, refused, or the windows.
     pub(crate) direct: direct::State,
+    /// The grid barrier of the rounds kernel (`kernels::rounds`): two u32 of device memory on
+    /// the communicator's GPU, allocated at its first multi-round eager reduction and kept
+    /// until the process exits (8 bytes per communicator, as the direct windows).
+    rounds_bar: Option<sys::CUdeviceptr>,
 }
 
 impl Default for CommGpu {
@@ -218,6 +222,7 @@ impl Default for CommGpu {
             checked_stream: None,
             last: None,
             direct: direct::State::Unknown,
+            rounds_bar: None,
         }
     }
 }
@@ -1039,6 +1044,46 @@ impl Communicator {
         } else {
             wait::auto_bytes(a.kind, a.count.saturating_mul(es))
         };
+        // An eager reduction of several rounds, where this rank reduces every round: one launch
+        // of the rounds kernel for all of them (`kernels::rounds`), so a GEMM holding the SMs
+        // delays the op once, not once per round. Not on a GPU shared with other ranks (their
+        // contexts would time-slice against a kernel that waits inside).
+        let fused = match (kernels, scratch) {
+            (Some(_), Some(_))
+                if graph_slot.is_none()
+                    && shape.rounds >= 2
+                    && !shared_gpu
+                    && !(a.kind == OpKind::Reduce && !me_root) =>
+            {
+                let f = algo::fused()?;
+                if f.on {
+                    let bar = match c.rounds_bar {
+                        Some(b) => b,
+                        None => {
+                            let mut b: sys::CUdeviceptr = 0;
+                            ck(
+                                // SAFETY: the op's context is current (ensure_context above);
+                                // `b` is a valid out pointer.
+                                unsafe { sys::cuMemAlloc_v2(&mut b, 8) },
+                                "cuMemAlloc(rounds barrier)",
+                            )?;
+                            ck(
+                                // SAFETY: `b` was just allocated with 8 bytes; `s` is the op's
+                                // stream, validated above, so the kernel runs after the memset.
+                                unsafe { sys::cuMemsetD32Async(b, 0, 2, s) },
+                                "cuMemsetD32Async(rounds barrier)",
+                            )?;
+                            c.rounds_bar = Some(b);
+                            b
+                        }
+                    };
+                    Some((bar, f.max_blocks))
+                } else {
+                    None
+                }
+            }
+            _ => None,
+        };
         // Resolved once for the op's waits (a reduction waits rounds + 1 times).
         // SAFETY: `s` was validated above.
         let waiter = unsafe { wait::Waiter::new(s, op_bytes)? };
@@ -1112,10 +1157,50 @@ impl Communicator {
             let op = a
                 .redop
                 .ok_or_else(|| Error::InvalidArgument("reduction op missing".into()))?;
+            // Every round in one launch: round 0's phase waited for here, the later ones
+            // inside the kernel; the same pieces, slots and order as the loop below.
+            let mut from = 0;
+            if let Some((bar, max_blocks)) = fused {
+                write(ticket)?;
+                wait(ticket)?;
+                let (src, piecewise) = match a.kind {
+                    OpKind::AllReduce => (a.send.unwrap_or(0), 1),
+                    OpKind::Reduce => (a.send.unwrap_or(0), 0),
+                    _ => (a.send.unwrap_or(0) + u64::from(self.rank) * a.count * es, 0),
+                };
+                let ra = kernels::RoundsArgs {
+                    dst: a.recv.unwrap_or(0),
+                    src,
+                    scratch: sc.ptr,
+                    slot_bytes: sc.slot_bytes,
+                    round_elems: shape.round_elems,
+                    count: a.count,
+                    ready,
+                    done,
+                    bar,
+                    n: self.nranks,
+                    rank: self.rank,
+                    piecewise,
+                    rounds: shape.rounds as u32,
+                    ticket,
+                    divisor: self.nranks,
+                };
+                // SAFETY: the pieces of every round lie inside the op's buffers and this
+                // rank's scratch (as for the per-round launches); `ready`/`done` are the
+                // doorbell's device-mapped words; the barrier is this communicator's, whose
+                // GPU work is ordered (one stream, or events across streams).
+                match unsafe { k.launch_rounds(s, a.dtype, op, max_blocks, &ra) } {
+                    Ok(_) => from = shape.rounds,
+                    // A launch refused (e.g. too few SMs free for a cooperative grid on this
+                    // GPU): the op goes on with one launch per round, which writes round 0's
+                    // ready again (the same value) and finds its wait satisfied.
+                    Err(e) => warn_once_rounds(&e),
+                }
+            }
             // Phase j: round j's inputs are in the scratch (and, for all-reduce, round j - 1's
             // pieces are out); then this rank's kernel reduces round j. The last phase follows
             // the last kernel (see `commd_proto::desc::CudaShape`).
-            for j in 0..shape.rounds {
+            for j in from..shape.rounds {
                 let t = ticket.wrapping_add(j as u32);
                 write(t)?;
                 wait(t)?;
@@ -1181,6 +1266,18 @@ impl Communicator {
             captured: graph_slot.is_some(),
         })
     }
+}
+
+/// Logs, once per process, that the rounds kernel could not be launched (the op used one launch
+/// per round instead).
+fn warn_once_rounds(e: &kernels::KernelError) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        eprintln!(
+            "commd: the rounds kernel could not be launched ({e}); multi-round GPU reductions \
+             use one launch per round"
+        )
+    });
 }
 
 impl Communicator {

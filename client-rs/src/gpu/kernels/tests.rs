@@ -154,7 +154,53 @@ fn source_is_self_contained_and_named_stably() {
             src.contains("__int128"),
             d == DType::I64 && op == RedOp::Avg
         );
+        assert!(src.contains(&format!(
+            "extern \"C\" __global__ void __launch_bounds__(256) {}(struct commd_rounds a)",
+            rounds_kernel_name(d, op)
+        )));
     }
+    assert_eq!(
+        rounds_kernel_name(DType::F16, RedOp::Max),
+        "commd_rounds_f16_max"
+    );
+}
+
+#[test]
+fn rounds_launch_refuses_bad_arguments_before_cuda() {
+    let k = Kernels::new();
+    let ok = RoundsArgs {
+        n: 2,
+        rank: 1,
+        rounds: 2,
+        divisor: 2,
+        ready: 8,
+        done: 16,
+        bar: 24,
+        ..RoundsArgs::default()
+    };
+    let cases = [
+        (
+            "no ranks",
+            RoundsArgs {
+                n: 0,
+                rank: 0,
+                ..ok
+            },
+        ),
+        ("9 ranks", RoundsArgs { n: 9, ..ok }),
+        ("rank out of range", RoundsArgs { rank: 2, ..ok }),
+        ("no barrier", RoundsArgs { bar: 0, ..ok }),
+        ("no done word", RoundsArgs { done: 0, ..ok }),
+    ];
+    for (what, a) in cases {
+        // SAFETY: refused before any pointer is used or CUDA is called.
+        let r = unsafe { k.launch_rounds(std::ptr::null_mut(), DType::F32, RedOp::Sum, 0, &a) };
+        assert!(matches!(r, Err(KernelError::InvalidArgument(_))), "{what}");
+    }
+    let avg0 = RoundsArgs { divisor: 0, ..ok };
+    // SAFETY: as above.
+    let r = unsafe { k.launch_rounds(std::ptr::null_mut(), DType::F32, RedOp::Avg, 0, &avg0) };
+    assert!(matches!(r, Err(KernelError::InvalidArgument(_))));
 }
 
 fn assert_send_sync<T: Send + Sync>() {}
