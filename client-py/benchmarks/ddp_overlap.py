@@ -14,7 +14,8 @@ the same seed: one wrapped on the default ("commd") group, one on ``dist.new_gro
 between the two in blocks of ``--block`` so clocks and power drift affect both alike.
 
 Reported (rank 0): median and mean step time per backend (CUDA events around forward, backward
-and SGD step; ``--warmup`` steps not counted), the ratio commd/NCCL, the gradient bytes
+and SGD step; ``--warmup`` steps not counted), the same step of a third replica with no
+communication at all (the compute floor: what overlap can at best hide), the ratio commd/NCCL, the gradient bytes
 all-reduced per step, and the largest relative loss difference between the two replicas over
 the steps (the reductions may sum in a different order, so bf16-level differences are
 expected; the run fails if it exceeds ``--loss-rtol``). ``--json`` appends one line.
@@ -99,6 +100,11 @@ def main() -> None:
         m = Decoder(a).to(dev)
         models[name] = DDP(m, device_ids=[local], process_group=pg)
         opts[name] = torch.optim.SGD(models[name].parameters(), lr=a.lr)
+    # The same step with no communication at all (a plain module): the compute floor.
+    torch.manual_seed(1234)
+    models["compute only"] = Decoder(a).to(dev)
+    opts["compute only"] = torch.optim.SGD(models["compute only"].parameters(), lr=a.lr)
+    runs = list(models)
     n_params = sum(p.numel() for p in models["commd"].parameters())
     grad_bytes = 4 * n_params
     say(f"# DDP overlap: {world} x {info['gpu']}; torch {info['torch']}; NCCL {info['nccl']}; "
@@ -107,13 +113,13 @@ def main() -> None:
         f"per step); batch {a.batch} x {a.seq} tokens per rank; bf16 autocast")
 
     gen = torch.Generator(device=dev).manual_seed(99 + rank)
-    times: dict[str, list[float]] = {k: [] for k in groups}
-    losses: dict[str, list[float]] = {k: [] for k in groups}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    losses: dict[str, list[float]] = {k: [] for k in runs}
     total = a.warmup + a.steps
-    done = {k: 0 for k in groups}
+    done = {k: 0 for k in runs}
     batches: list[torch.Tensor] = []
     while min(done.values()) < total:
-        for name in groups:
+        for name in runs:
             for _ in range(a.block):
                 i = done[name]
                 if i >= total:
@@ -151,6 +157,8 @@ def main() -> None:
     say("|---|---:|---:|---:|---:|")
     for j, k in enumerate(groups):
         say(f"| {k} | {ms[k]:.2f} | {mean[k]:.2f} | {lt[j][0]:.4f} | {lt[j][-1]:.4f} |")
+    k = "compute only"
+    say(f"| {k} (no all-reduce) | {ms[k]:.2f} | {mean[k]:.2f} | - | - |")
     ratio = ms["commd"] / ms["nccl"]
     say(f"commd/NCCL step time (median): {ratio:.3f}; largest relative loss difference "
         f"{diff:.2e} (limit {a.loss_rtol:g})")

@@ -87,23 +87,26 @@ pub fn one_shot(kind: OpKind, count: u64, es: u64, _nranks: u32, slot_bytes: u64
 }
 
 /// How an eager reduction of several rounds runs its kernels (`kernels::rounds`):
-/// `COMMD_GPU_FUSED_ROUNDS` `1` (default): one cooperative launch for every round; `0`: one
-/// launch per round (the way before; for comparison). `COMMD_GPU_FUSED_BLOCKS`: the launch's
+/// `COMMD_GPU_FUSED_ROUNDS` `1` (default): one cooperative launch for every round; `plain`: the
+/// same kernel by an ordinary launch (for measurement: nothing then guarantees that every block
+/// is resident at once); `0`: one launch per round (the way before; for comparison). `COMMD_GPU_FUSED_BLOCKS`: the launch's
 /// most blocks (default 0: the reduction kernels' cap, 4 per SM). Read once per process. The
 /// choice is the rank's own: the daemon sees the same phases either way.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Fused {
     pub on: bool,
+    pub cooperative: bool,
     pub max_blocks: u32,
 }
 
 fn parse_fused(on: Option<&str>, blocks: Option<&str>) -> std::result::Result<Fused, String> {
-    let on = match on.map(str::trim) {
-        None | Some("") | Some("1") | Some("on") | Some("auto") => true,
-        Some("0") | Some("off") => false,
+    let (on, cooperative) = match on.map(str::trim) {
+        None | Some("") | Some("1") | Some("on") | Some("auto") => (true, true),
+        Some("plain") => (true, false),
+        Some("0") | Some("off") => (false, true),
         Some(x) => {
             return Err(format!(
-                "COMMD_GPU_FUSED_ROUNDS={x}: expected 1 (the default) or 0"
+                "COMMD_GPU_FUSED_ROUNDS={x}: expected 1 (the default), plain or 0"
             ));
         }
     };
@@ -113,7 +116,11 @@ fn parse_fused(on: Option<&str>, blocks: Option<&str>) -> std::result::Result<Fu
             format!("COMMD_GPU_FUSED_BLOCKS={x}: expected a number of blocks (0: the default)")
         })?,
     };
-    Ok(Fused { on, max_blocks })
+    Ok(Fused {
+        on,
+        cooperative,
+        max_blocks,
+    })
 }
 
 /// The process's [`Fused`] setting; an invalid value is an error on every multi-round op.
@@ -138,18 +145,15 @@ mod tests {
         let on = |b| {
             Ok(Fused {
                 on: true,
+                cooperative: true,
                 max_blocks: b,
             })
         };
         assert_eq!(parse_fused(None, None), on(0));
         assert_eq!(parse_fused(Some(" 1 "), Some("132")), on(132));
-        assert_eq!(
-            parse_fused(Some("0"), None),
-            Ok(Fused {
-                on: false,
-                max_blocks: 0
-            })
-        );
+        assert!(!parse_fused(Some("0"), None).unwrap().on);
+        let plain = parse_fused(Some("plain"), None).unwrap();
+        assert!(plain.on && !plain.cooperative);
         let e = parse_fused(Some("yes"), None).unwrap_err();
         assert!(e.contains("COMMD_GPU_FUSED_ROUNDS=yes"), "{e}");
         let e = parse_fused(None, Some("-3")).unwrap_err();

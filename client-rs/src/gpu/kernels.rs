@@ -618,7 +618,7 @@ pub struct RoundsArgs {
     /// The doorbell's ready and done words, mapped for the device.
     pub ready: CUdeviceptr,
     pub done: CUdeviceptr,
-    /// Two zeroed u32 of device memory, the communicator's own (the grid barrier).
+    /// Four zeroed u32 of device memory, the communicator's own (the grid barrier and `go`).
     pub bar: CUdeviceptr,
     pub n: u32,
     pub rank: u32,
@@ -836,7 +836,8 @@ impl Kernels {
     /// Enqueues the rounds kernel for `(dtype, op)` (`rounds::push_source`) on `stream`: every
     /// round of a multi-round reduction in one cooperative launch of at most `max_blocks` blocks
     /// (0: the reduction kernels' cap, `blocks_per_sm` per SM), never more than fit on the GPU
-    /// at once. Returns the grid used.
+    /// at once. `cooperative` false launches it the ordinary way (for measurement). Returns the
+    /// grid used.
     ///
     /// # Safety
     /// `stream` belongs to the current context; `args` addresses live buffers as
@@ -848,6 +849,7 @@ impl Kernels {
         dtype: DType,
         op: RedOp,
         max_blocks: u32,
+        cooperative: bool,
         args: &RoundsArgs,
     ) -> Result<u32, KernelError> {
         op.check_dtype(dtype)?;
@@ -890,8 +892,30 @@ impl Kernels {
         // live value laid out as the kernel's parameter (`struct commd_rounds`), which the driver
         // copies before returning; `grid` blocks fit on the device at once (occupancy above);
         // the caller vouches for the stream and the pointers.
+        let launch = if cooperative {
+            cu_sys::cuLaunchCooperativeKernel
+        } else {
+            |f, gx, gy, gz, bx, by, bz, sm, st, p| {
+                // SAFETY: the same arguments as the cooperative launch (see below).
+                unsafe {
+                    cu_sys::cuLaunchKernel(
+                        f,
+                        gx,
+                        gy,
+                        gz,
+                        bx,
+                        by,
+                        bz,
+                        sm,
+                        st,
+                        p,
+                        std::ptr::null_mut(),
+                    )
+                }
+            }
+        };
         let r = unsafe {
-            cu_sys::cuLaunchCooperativeKernel(
+            launch(
                 k.rounds as CUfunction,
                 grid,
                 1,
@@ -904,13 +928,7 @@ impl Kernels {
                 params.as_mut_ptr(),
             )
         };
-        cu::ck(
-            r,
-            &format!(
-                "cuLaunchCooperativeKernel({})",
-                rounds_kernel_name(dtype, op)
-            ),
-        )?;
+        cu::ck(r, &format!("launching {}", rounds_kernel_name(dtype, op)))?;
         Ok(grid)
     }
 

@@ -205,9 +205,9 @@ pub(crate) struct CommGpu {
     last: Option<(usize, CudaEvent)>,
     /// Captured collectives as direct ops (contract 7): not tried yet, refused, or the windows.
     pub(crate) direct: direct::State,
-    /// The grid barrier of the rounds kernel (`kernels::rounds`): two u32 of device memory on
+    /// The grid barrier of the rounds kernel (`kernels::rounds`): four u32 of device memory on
     /// the communicator's GPU, allocated at its first multi-round eager reduction and kept
-    /// until the process exits (8 bytes per communicator, as the direct windows).
+    /// until the process exits (16 bytes per communicator, as the direct windows).
     rounds_bar: Option<sys::CUdeviceptr>,
 }
 
@@ -1064,20 +1064,20 @@ impl Communicator {
                             ck(
                                 // SAFETY: the op's context is current (ensure_context above);
                                 // `b` is a valid out pointer.
-                                unsafe { sys::cuMemAlloc_v2(&mut b, 8) },
+                                unsafe { sys::cuMemAlloc_v2(&mut b, 16) },
                                 "cuMemAlloc(rounds barrier)",
                             )?;
                             ck(
-                                // SAFETY: `b` was just allocated with 8 bytes; `s` is the op's
+                                // SAFETY: `b` was just allocated with 16 bytes; `s` is the op's
                                 // stream, validated above, so the kernel runs after the memset.
-                                unsafe { sys::cuMemsetD32Async(b, 0, 2, s) },
+                                unsafe { sys::cuMemsetD32Async(b, 0, 4, s) },
                                 "cuMemsetD32Async(rounds barrier)",
                             )?;
                             c.rounds_bar = Some(b);
                             b
                         }
                     };
-                    Some((bar, f.max_blocks))
+                    Some((bar, f.max_blocks, f.cooperative))
                 } else {
                     None
                 }
@@ -1160,7 +1160,7 @@ impl Communicator {
             // Every round in one launch: round 0's phase waited for here, the later ones
             // inside the kernel; the same pieces, slots and order as the loop below.
             let mut from = 0;
-            if let Some((bar, max_blocks)) = fused {
+            if let Some((bar, max_blocks, coop)) = fused {
                 write(ticket)?;
                 wait(ticket)?;
                 let (src, piecewise) = match a.kind {
@@ -1189,7 +1189,7 @@ impl Communicator {
                 // rank's scratch (as for the per-round launches); `ready`/`done` are the
                 // doorbell's device-mapped words; the barrier is this communicator's, whose
                 // GPU work is ordered (one stream, or events across streams).
-                match unsafe { k.launch_rounds(s, a.dtype, op, max_blocks, &ra) } {
+                match unsafe { k.launch_rounds(s, a.dtype, op, max_blocks, coop, &ra) } {
                     Ok(_) => from = shape.rounds,
                     // A launch refused (e.g. too few SMs free for a cooperative grid on this
                     // GPU): the op goes on with one launch per round, which writes round 0's

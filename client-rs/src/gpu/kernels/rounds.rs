@@ -12,16 +12,20 @@
 //! launches this kernel, then writes and waits for the last phase as before. Inside, round 0 is
 //! reduced at once; for each later round `j` the blocks meet at a grid barrier (every block's
 //! piece of round `j - 1` is written), block 0 writes `ready = ticket + j` (system-scope
-//! release: the daemon's copies then read the reduced piece), and each block's thread 0 polls
-//! `done >= ticket + j` with system-scope acquire before the block reduces round `j` (the
-//! acquire invalidates the SM's L1, so the round `j - 2` data that the same scratch slot held is
-//! not read again; `__syncthreads` orders the block's loads after it). The pieces, scratch
+//! release: the daemon's copies then read the reduced piece) and polls `done >= ticket + j`
+//! (system-scope acquire), then passes the ticket on in a device word (`go`, the barrier's third
+//! word: GPU-scope release) that each other block's thread 0 polls (GPU-scope acquire) before
+//! the block reduces round `j`. The acquires invalidate the SM's L1, so the round `j - 2` data
+//! that the same scratch slot held is not read again; `__syncthreads` orders the block's loads
+//! after them. Only one thread reads the host word: with a reader per block (hundreds of
+//! host-memory reads in flight) the daemon's copies of the same phase took 13-17 ms instead of
+//! 0.2 ms (2x H100, docs/benchmarks.md). The pieces, scratch
 //! slots and reduction order are exactly those of the per-round launches
 //! (`Communicator::post_cuda_ordered`), so the result is bit for bit the same.
 //!
 //! Every block must be resident at once for the grid barrier, so the kernel is launched
 //! cooperatively (`cuLaunchCooperativeKernel`) with at most the occupancy limit of blocks. The
-//! barrier's two words (arrivals, generation) are the communicator's own device memory: its GPU
+//! barrier's words (arrivals, generation, `go`) are the communicator's own device memory: its GPU
 //! ops are ordered on the device (one stream, or events across streams), so two launches never
 //! share them at the same time. The barrier resets its count and advances the generation, so the
 //! words need no reset between launches.
@@ -99,12 +103,19 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_roun
         const u32 t = a.ticket + j;
         if (j > 0) {{
             commd_grid_sync((u32 *)a.bar);
-            if (blockIdx.x == 0 && threadIdx.x == 0) {{
-                asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(a.ready), "r"(t) : "memory");
-            }}
             if (threadIdx.x == 0) {{
-                /* wrap-aware >=, as CU_STREAM_WAIT_VALUE_GEQ */
-                while ((int)(commd_ld_acquire_sys32((const u32 *)a.done) - t) < 0) {{
+                u32 *go = (u32 *)a.bar + 2;
+                if (blockIdx.x == 0) {{
+                    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(a.ready), "r"(t) : "memory");
+                    /* One reader of the host word for the whole grid (wrap-aware >=, as
+                       CU_STREAM_WAIT_VALUE_GEQ): a read from every block kept hundreds of
+                       host-memory reads in flight and slowed the daemon's copies ~80x. */
+                    while ((int)(commd_ld_acquire_sys32((const u32 *)a.done) - t) < 0) {{
+                    }}
+                    asm volatile("st.release.gpu.global.u32 [%0], %1;" :: "l"(go), "r"(t) : "memory");
+                }} else {{
+                    while ((int)(commd_ld_acquire_gpu32(go) - t) < 0) {{
+                    }}
                 }}
             }}
             __syncthreads();

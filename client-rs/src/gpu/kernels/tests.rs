@@ -194,12 +194,14 @@ fn rounds_launch_refuses_bad_arguments_before_cuda() {
     ];
     for (what, a) in cases {
         // SAFETY: refused before any pointer is used or CUDA is called.
-        let r = unsafe { k.launch_rounds(std::ptr::null_mut(), DType::F32, RedOp::Sum, 0, &a) };
+        let r =
+            unsafe { k.launch_rounds(std::ptr::null_mut(), DType::F32, RedOp::Sum, 0, true, &a) };
         assert!(matches!(r, Err(KernelError::InvalidArgument(_))), "{what}");
     }
     let avg0 = RoundsArgs { divisor: 0, ..ok };
     // SAFETY: as above.
-    let r = unsafe { k.launch_rounds(std::ptr::null_mut(), DType::F32, RedOp::Avg, 0, &avg0) };
+    let r =
+        unsafe { k.launch_rounds(std::ptr::null_mut(), DType::F32, RedOp::Avg, 0, true, &avg0) };
     assert!(matches!(r, Err(KernelError::InvalidArgument(_))));
 }
 
