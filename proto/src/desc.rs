@@ -172,9 +172,11 @@ pub mod graph_doorbell {
 /// buffer `j % 2` (see [`cuda_scratch_off`]): while the client's kernel reduces round `j`, the
 /// daemon already fills the other buffer with round `j + 1`. There are `rounds + 1` doorbell
 /// phases: phase `p` ends when round `p`'s inputs are in the scratch (the client then runs the
-/// kernel of round `p`) and, for all-reduce with reduce-scatter + all-gather, round `p - 1`'s
-/// reduced pieces have been pushed out; the last phase only pushes out the last round (or, for
-/// the others, signals that the last kernel has run, so the op's completion follows it).
+/// kernel of round `p`); for all-reduce with reduce-scatter + all-gather, phase `p` also starts
+/// pushing out round `p - 1`'s reduced pieces, which no kernel reads, so they need not be done
+/// for the phase to end; the last phase pushes out the last round (or, for the others, signals
+/// that the last kernel has run) and ends when every copy of the op is done, so the op's
+/// completion follows them all.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CudaShape {
     pub rounds: u64,

@@ -102,6 +102,10 @@ struct Active {
     state: State,
     /// Events of the current phase's `early` copies, issued when the previous phase started.
     ahead: Vec<(usize, sys::CUevent)>,
+    /// Events of earlier phases' `main` copies (an all-reduce's reduced pieces pushed out)
+    /// still in flight: a phase other than the last is done once its `early` copies (the
+    /// round's inputs, all its kernel reads) are, and the last phase waits for these too.
+    trailing: Vec<(usize, sys::CUevent)>,
     /// A failed replay's status and message (persistent jobs only; set by `finish`).
     failure: Option<(u32, String)>,
     /// It holds its scratch (`GpuJob::scratch`), from its first phase's start to its end.
@@ -120,6 +124,7 @@ impl Active {
                 since: Instant::now(),
             },
             ahead: Vec::new(),
+            trailing: Vec::new(),
             failure: None,
             holds: false,
             logged: false,
@@ -550,12 +555,24 @@ fn step(cuda: &'static Cuda, times: &mut PhaseTimes, a: &mut Active) -> (bool, b
             let ready = Instant::now();
             // This phase's copies (its early ones too on the first phase), then the next
             // phase's early ones: per source GPU one push stream, so they run in that order.
+            // The phase is done when its early copies are (the inputs its round's kernels
+            // read); its main copies (the previous round's pieces pushed out, which no kernel
+            // reads) trail on, and the last phase waits for all of them. Measured on 2x H100
+            // (issue 25 row 6, docs/benchmarks.md): waiting for the pushes too kept the
+            // clients' rounds kernels spinning ~200 us longer per round.
             let mut events = std::mem::take(&mut a.ahead);
+            let last = p + 1 == a.job.phases.len();
             let issued = (|| -> Result<Vec<(usize, sys::CUevent)>, CuError> {
                 if p == 0 {
                     events.extend(issue(cuda, &a.job.phases[0].early)?);
                 }
-                events.extend(issue(cuda, &a.job.phases[p].main)?);
+                let main = issue(cuda, &a.job.phases[p].main)?;
+                if last {
+                    events.extend(main);
+                    events.append(&mut a.trailing);
+                } else {
+                    a.trailing.extend(main);
+                }
                 match a.job.phases.get(p + 1) {
                     Some(next) => issue(cuda, &next.early),
                     None => Ok(Vec::new()),
@@ -669,7 +686,7 @@ fn phase_done(cuda: &Cuda, a: &mut Active) -> (bool, bool) {
 /// in `Posted::complete`). Copies issued ahead are waited for first: they read the clients'
 /// buffers, which must stay valid until they are done.
 fn finish(cuda: &Cuda, a: &mut Active, st: u32, msg: Option<String>) {
-    for (g, e) in a.ahead.drain(..) {
+    for (g, e) in a.ahead.drain(..).chain(a.trailing.drain(..)) {
         // SAFETY: the event was recorded by us and is not destroyed while in a job.
         let _ = unsafe { sys::cuEventSynchronize(e) };
         cuda.recycle(g, e);

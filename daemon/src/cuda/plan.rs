@@ -23,8 +23,10 @@ pub struct GpuBufs {
 /// The copies of one doorbell phase. `main` copies start once every rank's stream has reached
 /// the phase (its ready counter); `early` copies only fill the scratch buffer that the previous
 /// round's kernel does not read, so the executor issues them one phase ahead, when the previous
-/// phase starts (the copy engines then keep moving data while the clients' kernels run). The
-/// phase is done when both are.
+/// phase starts (the copy engines then keep moving data while the clients' kernels run). A
+/// phase is done when its `early` copies are (the round's inputs, all its kernels read); its
+/// `main` copies (an all-reduce's previous round pushed out) trail on, and the last phase is
+/// done when every copy of the op is.
 #[derive(Clone, Debug, Default)]
 pub struct Phase {
     pub early: Vec<CopyOp>,
