@@ -106,6 +106,9 @@ struct Active {
     /// still in flight: a phase other than the last is done once its `early` copies (the
     /// round's inputs, all its kernel reads) are, and the last phase waits for these too.
     trailing: Vec<(usize, sys::CUevent)>,
+    /// The current phase's done ticket was written before every rank reached the phase
+    /// (`signal_ahead`).
+    signaled: bool,
     /// A failed replay's status and message (persistent jobs only; set by `finish`).
     failure: Option<(u32, String)>,
     /// It holds its scratch (`GpuJob::scratch`), from its first phase's start to its end.
@@ -125,6 +128,7 @@ impl Active {
             },
             ahead: Vec::new(),
             trailing: Vec::new(),
+            signaled: false,
             failure: None,
             holds: false,
             logged: false,
@@ -520,6 +524,10 @@ fn step(cuda: &'static Cuda, times: &mut PhaseTimes, a: &mut Active) -> (bool, b
                 return (true, true);
             }
             if !a.job.bells.iter().all(|b| b.ready(phase)) {
+                let early = signal_ahead(a);
+                let State::Waiting { since } = &a.state else {
+                    return (early, false);
+                };
                 if since.elapsed() > a.job.timeout {
                     let late = late_streams(&a.job.bells, phase);
                     let msg = format!(
@@ -532,7 +540,7 @@ fn step(cuda: &'static Cuda, times: &mut PhaseTimes, a: &mut Active) -> (bool, b
                     finish(cuda, a, status::TIMEOUT, Some(msg));
                     return (true, true);
                 }
-                return (false, false);
+                return (early, false);
             }
             // A scratch shared with another communicator's running job: wait for it (only
             // reductions have scratch; jobs of one communicator already run in order).
@@ -662,6 +670,38 @@ fn paced_bytes(phases: &[Phase], p: usize, ngpus: usize) -> u64 {
     per.into_iter().max().unwrap_or(0)
 }
 
+/// A phase other than the first and the last needs only its round's inputs (its `early`
+/// copies, issued when the previous phase started) for the clients' kernels of the round; its
+/// `main` copies and the next round's inputs wait for every rank's stream. So once those inputs
+/// are in, each rank's done word gets the phase's ticket at once, before every rank has
+/// reached the phase: a rank whose kernel finished its round sooner goes on with the next
+/// round instead of waiting for the slowest rank (under a GEMM that holds every SM, the ranks'
+/// kernels start at different GEMM boundaries: 0.7 ms apart on average, 2x H100). Eager jobs
+/// only (a graph's done words take constant values per phase, `graphs`). Returns whether it
+/// signalled.
+fn signal_ahead(a: &mut Active) -> bool {
+    let p = a.phase;
+    if a.signaled || p == 0 || p + 1 >= a.job.phases.len() || a.job.persistent || a.ahead.is_empty()
+    {
+        return false;
+    }
+    // SAFETY: the events were recorded by us and are not destroyed while in a job.
+    let done = a
+        .ahead
+        .iter()
+        .all(|(_, e)| unsafe { sys::cuEventQuery(*e) } == sys::CUresult::CUDA_SUCCESS);
+    if !done {
+        return false;
+    }
+    for b in &a.job.bells {
+        if b.graph_words().is_none() {
+            signal_done(b, b.ticket.wrapping_add(p as u32));
+        }
+    }
+    a.signaled = true;
+    true
+}
+
 fn phase_done(cuda: &Cuda, a: &mut Active) -> (bool, bool) {
     let last = a.phase + 1 == a.job.phases.len();
     for b in &a.job.bells {
@@ -672,6 +712,7 @@ fn phase_done(cuda: &Cuda, a: &mut Active) -> (bool, bool) {
         }
     }
     a.phase += 1;
+    a.signaled = false;
     if a.phase == a.job.phases.len() {
         finish(cuda, a, status::OK, None);
         return (true, true);
