@@ -888,45 +888,17 @@ impl Kernels {
         let grid = want.min(fit).max(1);
         let mut a = *args;
         let mut params: [*mut c_void; 1] = [(&raw mut a).cast()];
+        let (f, t, p) = (k.rounds as CUfunction, rounds::THREADS, params.as_mut_ptr());
         // SAFETY: `rounds` was loaded in the current context with `func`; `params` points at one
         // live value laid out as the kernel's parameter (`struct commd_rounds`), which the driver
         // copies before returning; `grid` blocks fit on the device at once (occupancy above);
         // the caller vouches for the stream and the pointers.
-        let launch = if cooperative {
-            cu_sys::cuLaunchCooperativeKernel
-        } else {
-            |f, gx, gy, gz, bx, by, bz, sm, st, p| {
-                // SAFETY: the same arguments as the cooperative launch (see below).
-                unsafe {
-                    cu_sys::cuLaunchKernel(
-                        f,
-                        gx,
-                        gy,
-                        gz,
-                        bx,
-                        by,
-                        bz,
-                        sm,
-                        st,
-                        p,
-                        std::ptr::null_mut(),
-                    )
-                }
-            }
-        };
         let r = unsafe {
-            launch(
-                k.rounds as CUfunction,
-                grid,
-                1,
-                1,
-                rounds::THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-            )
+            if cooperative {
+                cu_sys::cuLaunchCooperativeKernel(f, grid, 1, 1, t, 1, 1, 0, stream, p)
+            } else {
+                cu_sys::cuLaunchKernel(f, grid, 1, 1, t, 1, 1, 0, stream, p, std::ptr::null_mut())
+            }
         };
         cu::ck(r, &format!("launching {}", rounds_kernel_name(dtype, op)))?;
         Ok(grid)

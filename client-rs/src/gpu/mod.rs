@@ -1053,7 +1053,7 @@ impl Communicator {
                 if graph_slot.is_none()
                     && shape.rounds >= 2
                     && !shared_gpu
-                    && !(a.kind == OpKind::Reduce && !me_root) =>
+                    && (me_root || a.kind != OpKind::Reduce) =>
             {
                 let f = algo::fused()?;
                 if f.on {
