@@ -15,7 +15,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -185,3 +185,28 @@ def append_jsonl(path: str, records: Iterable[dict[str, Any]]) -> None:
     with open(path, "a") as f:
         for r in records:
             f.write(json.dumps(r, sort_keys=False) + "\n")
+
+
+def start_vs_nccl(script: str) -> tuple[int, int, torch.device, dict[str, Any], dict[str, Any],
+                                        Callable[..., None]]:
+    """The torchrun setup of a commd-vs-NCCL GPU benchmark: one GPU per local rank, the default
+    group on "commd" and a NCCL group beside it. Returns (rank, world, device, {"commd": group,
+    "nccl": group}, run_info, say), ``say`` printing on rank 0 only."""
+    import commd.torch  # noqa: F401  (registers the backend)
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world < 2:
+        raise SystemExit(f"{script} needs at least 2 ranks (torchrun --nproc_per_node 2 or "
+                         "more)")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    dist.init_process_group("commd")
+    groups = {"commd": dist.group.WORLD, "nccl": dist.new_group(backend="nccl")}
+
+    def say(*m: Any) -> None:
+        if rank == 0:
+            print(*m, flush=True)
+
+    return rank, world, torch.device("cuda", local), groups, run_info(world), say
+

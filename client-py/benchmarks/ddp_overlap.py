@@ -81,18 +81,8 @@ class Decoder(nn.Module):
 
 def main() -> None:
     a = parse()
-    import commd.torch  # noqa: F401  (registers the backend)
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world < 2:
-        raise SystemExit("ddp_overlap.py needs at least 2 ranks (torchrun --nproc_per_node 2+)")
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("commd")
-    groups = {"commd": dist.group.WORLD, "nccl": dist.new_group(backend="nccl")}
-    info = bc.run_info(world)
-    say = (lambda *m: print(*m, flush=True)) if rank == 0 else (lambda *m: None)
+    rank, world, dev, groups, info, say = bc.start_vs_nccl("ddp_overlap.py")
+    local = dev.index
 
     models, opts = {}, {}
     for name, pg in groups.items():

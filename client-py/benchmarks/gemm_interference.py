@@ -451,19 +451,9 @@ def report(results: list[dict[str, Any]], su: Setup, info: dict[str, Any]) -> No
 
 def main() -> None:
     a = parse()
-    import commd.torch  # registers the backend
+    import commd.torch  # set_pacing below
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world < 2:
-        raise SystemExit("gemm_interference.py needs at least 2 ranks (torchrun "
-                         "--nproc_per_node 2 or more)")
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    dev = torch.device("cuda", local)
-    dist.init_process_group("commd")
-    groups = {"commd": dist.group.WORLD, "nccl": dist.new_group(backend="nccl")}
-    info = bc.run_info(world)
-    say = (lambda *m: print(*m, flush=True)) if rank == 0 else (lambda *m: None)
+    rank, world, dev, groups, info, say = bc.start_vs_nccl("gemm_interference.py")
 
     # The GEMM operands and the background tensor (the same for both backends).
     ar_dt = getattr(torch, a.ar_dtype)
