@@ -1019,12 +1019,21 @@ def _env_from_launcher() -> None:
             single_node = env.get(lsize) == env[size]
             if single_node:
                 env.setdefault("MASTER_ADDR", "127.0.0.1")
-            # Every rank derives the same port from the job's id.
+            # Every rank derives the same port from the job's id, below Linux's default
+            # ephemeral range (32768-60999): a port in that range can be taken by any outgoing
+            # connection on rank 0's host (CI saw EADDRINUSE at 34376 with the old 20000-39999).
             job = (env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE")
                    or env.get("OMPI_MCA_orte_ess_jobid") or env.get("PMI_ID_JOB") or "")
             if job and "MASTER_PORT" not in env:
-                env["MASTER_PORT"] = str(20000 + zlib.crc32(job.encode()) % 20000)
+                env["MASTER_PORT"] = str(_MPI_PORT_LOW + zlib.crc32(job.encode())
+                                         % (_MPI_PORT_END - _MPI_PORT_LOW))
             return
+
+
+# The MASTER_PORT range derived from an MPI job's id (``_env_from_launcher``): 20000-32767, below
+# Linux's default ephemeral ports. A job that needs another sets MASTER_PORT itself.
+_MPI_PORT_LOW = 20000
+_MPI_PORT_END = 32768
 
 
 class Options:
