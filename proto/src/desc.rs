@@ -145,6 +145,12 @@ pub mod doorbell {
     /// client's watchdog lost the daemon). Direct captured ops (contract 7) poll it while they
     /// wait for a peer, so a replay stops instead of waiting for a rank that will never come.
     pub const HINT_BROKEN: u32 = 4;
+    /// Hint bit: every local rank of this communicator has bound its GPU scratch and none
+    /// shares this rank's GPU. The client's rounds kernel (one launch spinning between rounds)
+    /// needs it: on a GPU shared under MPS, a rank's kernel holding every SM could keep the
+    /// other rank's kernel, whose ready ticket it waits for, from starting. Without the bit
+    /// (a rank not bound yet, or an older daemon) reductions use one launch per round.
+    pub const HINT_OWN_GPU: u32 = 8;
     /// Slot value of a communicator that has no doorbell slot (more than `SLOTS` in a session).
     pub const NO_SLOT: u32 = u32::MAX;
 }

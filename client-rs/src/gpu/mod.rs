@@ -1036,9 +1036,12 @@ impl Communicator {
         // Ranks sharing this GPU (the daemon's hint, set once every rank bound its scratch):
         // 0, the memory op under `auto`, since a polling kernel would be time-sliced against
         // the daemon's same-GPU copy kernels.
-        let shared_gpu = i.ring.doorbell_hint(self.doorbell_slot).is_some_and(|h| {
-            h.load(std::sync::atomic::Ordering::Acquire) & doorbell::HINT_SHARED_GPU != 0
-        });
+        let hint = i
+            .ring
+            .doorbell_hint(self.doorbell_slot)
+            .map_or(0, |h| h.load(std::sync::atomic::Ordering::Acquire));
+        let shared_gpu = hint & doorbell::HINT_SHARED_GPU != 0;
+        let own_gpu = hint & doorbell::HINT_OWN_GPU != 0 && !shared_gpu;
         let op_bytes = if shared_gpu {
             0
         } else {
@@ -1046,13 +1049,14 @@ impl Communicator {
         };
         // An eager reduction of several rounds, where this rank reduces every round: one launch
         // of the rounds kernel for all of them (`kernels::rounds`), so a GEMM holding the SMs
-        // delays the op once, not once per round. Not on a GPU shared with other ranks (their
-        // contexts would time-slice against a kernel that waits inside).
+        // delays the op once, not once per round. Only once the daemon has said that this
+        // rank's GPU is its own (`HINT_OWN_GPU`): ranks sharing a GPU would time-slice against
+        // a kernel that waits inside, or under MPS keep each other's kernels from starting.
         let fused = match (kernels, scratch) {
             (Some(_), Some(_))
                 if graph_slot.is_none()
                     && shape.rounds >= 2
-                    && !shared_gpu
+                    && own_gpu
                     && (me_root || a.kind != OpKind::Reduce) =>
             {
                 let f = algo::fused()?;

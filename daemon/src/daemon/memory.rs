@@ -226,6 +226,11 @@ impl Daemon {
                 );
             }
         }
+        for (r, own) in own_gpu_ranks(&gpus).into_iter().enumerate() {
+            if own {
+                self.hint(&comm, r as u32, commd_proto::desc::doorbell::HINT_OWN_GPU);
+            }
+        }
         Ok((h, c.slot_bytes, bytes))
     }
 

@@ -383,5 +383,15 @@ pub fn shared_gpu_ranks(gpus: &[Option<usize>]) -> Vec<bool> {
         .collect()
 }
 
+/// Per rank: whether it is known to have a GPU of its own in the communicator: every rank has
+/// bound one and no other rank's is the same (`HINT_OWN_GPU`).
+pub fn own_gpu_ranks(gpus: &[Option<usize>]) -> Vec<bool> {
+    let all = gpus.iter().all(Option::is_some);
+    shared_gpu_ranks(gpus)
+        .into_iter()
+        .map(|shared| all && !shared)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests;

@@ -216,3 +216,15 @@ fn ranks_sharing_a_gpu_are_found_once_bound() {
     );
     assert_eq!(shared_gpu_ranks(&[None, None]), vec![false, false]);
 }
+
+#[test]
+fn ranks_with_a_gpu_of_their_own_are_known_only_once_every_rank_bound() {
+    use super::own_gpu_ranks;
+    assert_eq!(own_gpu_ranks(&[Some(0), None]), vec![false, false]);
+    assert_eq!(own_gpu_ranks(&[Some(0), Some(1)]), vec![true, true]);
+    assert_eq!(own_gpu_ranks(&[Some(0), Some(0)]), vec![false, false]);
+    assert_eq!(
+        own_gpu_ranks(&[Some(0), Some(1), Some(0), Some(2)]),
+        vec![false, true, false, true]
+    );
+}
