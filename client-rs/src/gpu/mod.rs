@@ -1201,9 +1201,9 @@ impl Communicator {
                     Err(e) => warn_once_rounds(&e),
                 }
             }
-            // Phase j: round j's inputs are in the scratch (and, for all-reduce, round j - 1's
-            // pieces are out); then this rank's kernel reduces round j. The last phase follows
-            // the last kernel (see `commd_proto::desc::CudaShape`).
+            // Phase j: round j's inputs are in the scratch (for all-reduce, round j - 1's pieces
+            // are being pushed out); then this rank's kernel reduces round j. The last phase
+            // follows the last kernel (see `commd_proto::desc::CudaShape`).
             for j in from..shape.rounds {
                 let t = ticket.wrapping_add(j as u32);
                 write(t)?;
