@@ -191,3 +191,33 @@ def test_backend_found_by_name_alone(daemon):
                        timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip() == "commd [0.0, 1.0, 2.0, 3.0]", p.stdout
+
+
+def test_a_failed_op_behind_a_completed_cuda_future_is_reported_at_once():
+    """CUDA tensors' work futures complete on the op's stream at once (as NCCL's); the progress
+    thread still watches the op, and a failure is reported then, not only by the next call.
+    Host-side check of that path (no GPU here): a handle that fails and one that succeeds."""
+    import threading
+
+    from commd.torch import _Progress
+
+    class FakeHandle:
+        def __init__(self, err):
+            self.err = err
+
+        def wait(self):
+            if self.err is not None:
+                raise self.err
+
+    reported = []
+    done = threading.Event()
+
+    def report(e):
+        reported.append(e)
+        done.set()
+
+    p = _Progress(report)
+    p.watch(FakeHandle(None), None, None)
+    p.watch(FakeHandle(RuntimeError("peer lost during all_reduce")), None, None)
+    assert done.wait(10), "the failure was not reported"
+    assert [str(e) for e in reported] == ["peer lost during all_reduce"]

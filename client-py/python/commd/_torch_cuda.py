@@ -83,7 +83,8 @@ def _stream_future(dev: int | None, stream: torch.cuda.Stream, value: Any) -> Fu
     order their streams after the op on the GPU instead of blocking the CPU until the daemon
     reports it done (measured: a DDP step 1.45x NCCL's with CPU-completed futures, 2x H100,
     docs/benchmarks.md). A failed op is reported as for ``Work.wait()``: the stream is released
-    and the communicator's next call raises."""
+    and the communicator's next call raises; the progress thread also prints the error at once
+    (``torch._report_async_failure``), as nothing waits on the future."""
     fut = Future(devices=[torch.device("cuda", torch.cuda.current_device() if dev is None
                                        else dev)])
     with torch.cuda.stream(stream):
@@ -155,6 +156,7 @@ class FastCudaWork(_Work):
                 self._fut = _stream_future(self._dev, torch.cuda.ExternalStream(
                     self._done_stream, device=torch.device("cuda", self._dev)),
                     _flat_tensors(self._result))
+                _progress.watch(self._handle(), None, None)
             else:
                 self._fut = Future()
                 _progress.watch(self._handle(), self._fut, _flat_tensors(self._result))
@@ -220,6 +222,7 @@ class CudaWork(_Work):
                 if self._stream is not None and not torch.cuda.is_current_stream_capturing():
                     self._fut = _stream_future(self._dev.index, self._stream,
                                                _flat_tensors(self._result))
+                    _progress.watch(self._h, None, None)
                 else:
                     self._fut = Future()
                     _progress.watch(self._h, self._fut, _flat_tensors(self._result))
