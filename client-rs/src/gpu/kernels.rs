@@ -32,7 +32,7 @@ use super::cu::{self, CuError};
 /// Most inputs one launch reduces.
 pub const MAX_INPUTS: usize = 8;
 /// Threads per block.
-const THREADS: u32 = 256;
+pub const THREADS: u32 = 256;
 /// Default grid cap, in blocks per SM (of the 8 that fit at 256 threads): enough loads in flight
 /// to approach memory bandwidth while leaving room on every SM for the job's own kernels.
 pub const DEFAULT_BLOCKS_PER_SM: u32 = 4;
@@ -731,11 +731,7 @@ impl Kernels {
                 ins.len()
             )));
         }
-        if op == RedOp::Avg && divisor == 0 {
-            return Err(KernelError::InvalidArgument(
-                "avg with divisor 0 (the divisor is the number of ranks)".into(),
-            ));
-        }
+        check_divisor(op, divisor)?;
         if count == 0 {
             return Ok(());
         }
@@ -859,11 +855,7 @@ impl Kernels {
                 args.rank, args.n
             )));
         }
-        if op == RedOp::Avg && args.divisor == 0 {
-            return Err(KernelError::InvalidArgument(
-                "avg with divisor 0 (the divisor is the number of ranks)".into(),
-            ));
-        }
+        check_divisor(op, args.divisor)?;
         if args.bar == 0 || args.ready == 0 || args.done == 0 {
             return Err(KernelError::InvalidArgument(
                 "rounds kernel without its barrier or doorbell words".into(),
@@ -1069,6 +1061,16 @@ impl Kernels {
         st.loaded.insert((id, dtype, op), k);
         Ok(k)
     }
+}
+
+/// AVG divides by the number of ranks: 0 is a caller's bug, refused before any launch.
+fn check_divisor(op: RedOp, divisor: u32) -> Result<(), KernelError> {
+    if op == RedOp::Avg && divisor == 0 {
+        return Err(KernelError::InvalidArgument(
+            "avg with divisor 0 (the divisor is the number of ranks)".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// The process-unique id of the current context (a context destroyed and another created at the

@@ -19,9 +19,9 @@
 //! that the same scratch slot held is not read again; `__syncthreads` orders the block's loads
 //! after them. Only one thread reads the host word: with a reader per block (hundreds of
 //! host-memory reads in flight) the daemon's copies of the same phase took 13-17 ms instead of
-//! 0.2 ms (2x H100, docs/benchmarks.md). The pieces, scratch
-//! slots and reduction order are exactly those of the per-round launches
-//! (`Communicator::post_cuda_ordered`), so the result is bit for bit the same.
+//! 0.2 ms (2x H100, docs/benchmarks.md). The pieces, scratch slots and reduction order are
+//! exactly those of the per-round launches (`Communicator::post_cuda_ordered`), so the result is
+//! bit for bit the same.
 //!
 //! Every block must be resident at once for the grid barrier, so the kernel is launched
 //! cooperatively (`cuLaunchCooperativeKernel`) with at most the occupancy limit of blocks. The
@@ -36,8 +36,8 @@
 
 use std::fmt::Write as _;
 
-/// Threads per block of the rounds kernel (the reduction kernels' block).
-pub const THREADS: u32 = 256;
+/// Threads per block of the rounds kernel: the reduction kernels' (it runs their body).
+pub use super::THREADS;
 
 /// Appends the rounds kernel `name` for elements of `es` bytes to `src`, which already holds
 /// the (dtype, op) helpers and `commd_reduce_body` (see `kernels::source`).
@@ -146,7 +146,6 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_roun
     }}
 }}
 "#,
-        THREADS = THREADS,
         MAX_INPUTS = super::MAX_INPUTS,
     );
 }
