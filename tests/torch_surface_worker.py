@@ -208,7 +208,7 @@ def options_object(rank, world):
     t = torch.ones(8)
     dist.all_reduce(t, group=g)
     assert t.eq(world).all()
-    comm_id = g._get_backend(torch.device("cpu")).comm.id
+    comm_id = commd.torch.backend(g).comm.id
     out = subprocess.run([os.environ["COMMD_BIN"], "status", "--json", "--socket",
                           os.environ["COMMD_SOCKET"]], capture_output=True, text=True, check=True)
     caps = {c["comm_id"]: c["pacing_bytes_per_sec"]
@@ -226,6 +226,12 @@ def options_object(rank, world):
         assert "commd.torch.Options" in str(e), e
     else:
         raise AssertionError("a foreign pg_options was accepted")
+
+
+@check
+def is_completed_untouched(rank, world):
+    """Importing commd.torch leaves torch's own Work class as it was."""
+    assert not getattr(dist.distributed_c10d.Work.is_completed, "_commd_patched", False)
 
 
 @check
@@ -256,12 +262,6 @@ def timeout_error_is_torch_kind(rank, world):
         raise AssertionError("no timeout")
     finally:
         store.set("surface/timeout_done", "1")
-
-
-@check
-def is_completed_untouched(rank, world):
-    """Importing commd.torch leaves torch's own Work class as it was."""
-    assert not getattr(dist.distributed_c10d.Work.is_completed, "_commd_patched", False)
 
 
 def main():

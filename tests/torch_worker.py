@@ -397,7 +397,7 @@ def pacing_in_status(comm_id: int) -> int | None:
 def scenario_pacing(gloo: dist.ProcessGroup, created_gbps: float) -> None:
     """COMMD_COMM_PACING_GBPS at creation, then commd.torch.set_pacing from either rank."""
     rank = dist.get_rank()
-    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    backend = commd.torch.backend()
     comm_id = backend.comm.id
 
     def expect(gbps: float | None) -> None:

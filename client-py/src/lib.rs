@@ -822,6 +822,13 @@ impl Request {
     fn op_id(&self) -> u64 {
         self.inner.user_data()
     }
+
+    /// The rank a receive from any source received from, once it completed (None before, and
+    /// for every other op).
+    #[getter]
+    fn source(&self) -> Option<u32> {
+        self.inner.source()
+    }
 }
 
 /// Waits for `r` up to `timeout` seconds (None: until done), waking every 100 ms for signals.

@@ -989,7 +989,8 @@ impl Drop for Pending<'_> {
 pub struct Request {
     client: Arc<Inner>,
     user_data: u64,
-    outcome: Mutex<Option<std::result::Result<(), Error>>>,
+    /// Once done: the completion's `source` field (a receive from any source), or the error.
+    outcome: Mutex<Option<std::result::Result<u64, Error>>>,
 }
 
 impl std::fmt::Debug for Request {
@@ -1010,12 +1011,12 @@ impl Request {
         if o.is_none() {
             match self.client.wait(self.user_data, limit) {
                 Ok(None) => return Ok(false),
-                Ok(Some(_)) => *o = Some(Ok(())),
+                Ok(Some(c)) => *o = Some(Ok(c.source)),
                 Err(e) => *o = Some(Err(e)),
             }
         }
         match o.as_ref() {
-            Some(Ok(())) => Ok(true),
+            Some(Ok(_)) => Ok(true),
             Some(Err(e)) => Err(e.duplicate()),
             None => Ok(false),
         }
@@ -1029,6 +1030,15 @@ impl Request {
     /// Whether the op completed, without blocking (an `Err` if it failed).
     pub fn test(&self) -> Result<bool> {
         self.wait_for(Some(Duration::ZERO))
+    }
+
+    /// The rank a receive from any source ([`ANY_SOURCE`]) received from, once it completed;
+    /// `None` before that, after a failure, and for every other op.
+    pub fn source(&self) -> Option<u32> {
+        match lock(&self.outcome).as_ref() {
+            Some(Ok(s)) if *s > 0 => u32::try_from(*s - 1).ok(),
+            _ => None,
+        }
     }
 }
 
@@ -1081,6 +1091,10 @@ impl Drop for Communicator {
     }
 }
 
+/// The `peer` of a host receive that takes whichever rank's message comes first
+/// ([`Request::source`] then names the sender; communicators on one node only).
+pub const ANY_SOURCE: u32 = u32::MAX;
+
 /// Arguments of one op, for [`Communicator::post`].
 #[derive(Clone, Copy, Debug)]
 pub struct OpArgs<'b> {
@@ -1088,7 +1102,7 @@ pub struct OpArgs<'b> {
     pub dtype: DType,
     pub redop: Option<RedOp>,
     pub count: u64,
-    /// Root (broadcast, reduce) or peer (send, recv).
+    /// Root (broadcast, reduce) or peer (send, recv; [`ANY_SOURCE`] for a host recv from any rank).
     pub peer: u32,
     pub send: Option<At<'b>>,
     pub recv: Option<At<'b>>,
@@ -1153,14 +1167,19 @@ impl Communicator {
                 )));
             }
         }
+        let any = a.kind == OpKind::Recv && a.peer == ANY_SOURCE;
         let d = SubmitDesc {
             user_data: 0,
             opcode: a.kind.code(),
             dtype: a.dtype.code(),
             redop: a.redop.map(|r| r.code()).unwrap_or(0),
-            flags: 0,
+            flags: if any {
+                commd_proto::desc::flags::ANY_SOURCE
+            } else {
+                0
+            },
             comm: self.handle,
-            peer: a.peer,
+            peer: if any { 0 } else { a.peer },
             count: a.count,
             send_mem: a.send.map(|b| b.0.mem_id).unwrap_or(0),
             recv_mem: a.recv.map(|b| b.0.mem_id).unwrap_or(0),

@@ -31,7 +31,17 @@ pub struct CudaTicket {
 /// `session::Session`, which posts the ops): where an op's completion goes, and, for GPU ops,
 /// its doorbells (`cuda::Client`).
 pub trait Origin: cuda::Client {
-    fn complete(&self, user_data: u64, comm: u32, seq: u64, st: u32, msg: Option<String>);
+    /// `source`: the completion's `source` field (1 + the sender's rank for a receive from any
+    /// source that succeeded, else 0).
+    fn complete(
+        &self,
+        user_data: u64,
+        comm: u32,
+        seq: u64,
+        st: u32,
+        msg: Option<String>,
+        source: u64,
+    );
 }
 
 /// One posted op, validated against its session and the communicator.
@@ -61,7 +71,7 @@ impl cuda::Done for Posted {
     }
     fn report(self: Box<Self>, st: u32, msg: Option<String>) {
         self.session
-            .complete(self.op.user_data, self.op.comm, self.seq, st, msg);
+            .complete(self.op.user_data, self.op.comm, self.seq, st, msg, 0);
     }
 }
 
@@ -72,6 +82,11 @@ impl Posted {
                 "send to rank {} (#{}, {} x {})",
                 self.op.peer,
                 self.seq,
+                self.op.count,
+                self.op.dtype.name()
+            ),
+            OpKind::Recv if self.op.any_source && self.seq == u64::MAX => format!(
+                "recv from any rank ({} x {})",
                 self.op.count,
                 self.op.dtype.name()
             ),
@@ -161,7 +176,12 @@ impl Posted {
             self.transport
         };
         crate::telemetry::op_done(&self.op, transport, st, self.posted_at.elapsed());
+        let source = if self.op.any_source && st == status::OK {
+            u64::from(self.op.peer) + 1
+        } else {
+            0
+        };
         self.session
-            .complete(self.op.user_data, comm, self.seq, st, msg);
+            .complete(self.op.user_data, comm, self.seq, st, msg, source);
     }
 }

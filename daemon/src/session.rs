@@ -81,8 +81,16 @@ impl std::fmt::Debug for Session {
 
 /// Communicators complete the ops of a session through this (they never name `Session`).
 impl crate::comm::Origin for Session {
-    fn complete(&self, user_data: u64, comm: u32, seq: u64, st: u32, msg: Option<String>) {
-        Session::complete(self, user_data, comm, seq, st, msg)
+    fn complete(
+        &self,
+        user_data: u64,
+        comm: u32,
+        seq: u64,
+        st: u32,
+        msg: Option<String>,
+        source: u64,
+    ) {
+        Session::complete_from(self, user_data, comm, seq, st, msg, source)
     }
 }
 
@@ -174,6 +182,19 @@ impl Session {
 
     /// Posts a completion (and keeps the message for `GetOpError`). Never blocks on the client.
     pub fn complete(&self, user_data: u64, comm: u32, seq: u64, st: u32, msg: Option<String>) {
+        self.complete_from(user_data, comm, seq, st, msg, 0)
+    }
+
+    /// [`Session::complete`] with the completion's `source` field (a receive from any source).
+    pub fn complete_from(
+        &self,
+        user_data: u64,
+        comm: u32,
+        seq: u64,
+        st: u32,
+        msg: Option<String>,
+        source: u64,
+    ) {
         if st == status::OK {
             self.ops_completed.fetch_add(1, Ordering::Relaxed);
         } else {
@@ -207,7 +228,7 @@ impl Session {
             status: st,
             comm,
             seq,
-            reserved: 0,
+            source,
         };
         self.ring.write_cq(*tail, &c);
         *tail = tail.wrapping_add(1);
@@ -465,6 +486,22 @@ impl Session {
                     "{}: {} on rank {rank}: {why}",
                     comm.label(),
                     op.kind.name()
+                )),
+            );
+            return;
+        }
+        if op.any_source && comm.members.iter().any(|m| !m.local) {
+            // The ranks of other nodes send through their own daemons, which match by pair
+            // sequence number: a receive from any of them cannot be matched there. Fail it alone.
+            let nodes = crate::comm::comm_nodes(&comm);
+            self.complete(
+                op.user_data,
+                op.comm,
+                0,
+                status::INVALID,
+                Some(format!(
+                    "{}: recv from any source on rank {rank}: supported among the ranks of one node, and this communicator spans {nodes} nodes; name the source rank",
+                    comm.label()
                 )),
             );
             return;

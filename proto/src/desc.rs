@@ -46,7 +46,9 @@ pub struct CompletionDesc {
     pub comm: u32,
     /// Sequence number of the op on its communicator (collectives), or per-peer index (p2p).
     pub seq: u64,
-    pub reserved: u64,
+    /// A receive from any source ([`flags::ANY_SOURCE`]) that succeeded: 1 + the rank whose
+    /// send it received. Else 0 (the field was reserved and always 0 before).
+    pub source: u64,
 }
 
 const _: () = assert!(std::mem::size_of::<SubmitDesc>() == 64);
@@ -116,8 +118,15 @@ pub mod flags {
     /// time every rank's stream writes `1 + p` into the slot's ready word for phase `p`. Not
     /// with [`HOST_STAGED`].
     pub const PERSISTENT: u32 = 8;
+    /// Host RECV only, `peer` 0: receive from whichever rank of the communicator sends to this
+    /// rank first (torch's `recv(src=None)`, gloo's recv-from-any). The completion's `source`
+    /// names the sender. The receive takes that sender's next message in per-pair order, as a
+    /// receive naming it would; named receives posted after it from the same sender shift to
+    /// the following messages. Communicators on one node only (the daemon fails the op with a
+    /// clear error on a communicator that spans nodes). An older daemon rejects the bit.
+    pub const ANY_SOURCE: u32 = 16;
     /// Every flag bit this ABI version knows; the daemon rejects others.
-    pub const KNOWN: u32 = CUDA | ONE_SHOT | HOST_STAGED | PERSISTENT;
+    pub const KNOWN: u32 = CUDA | ONE_SHOT | HOST_STAGED | PERSISTENT | ANY_SOURCE;
 }
 
 /// Doorbell page layout (at `RingHeader::doorbell_off`, one 4 KiB page): per communicator slot
@@ -595,6 +604,10 @@ pub enum DescError {
     Persistent,
     #[error("ticket field is {0:#x}, must be 0 for host ops and below 2^32 for CUDA ops")]
     Ticket(u64),
+    #[error(
+        "the any-source flag is for host recv ops with peer 0 only (got {0}, or a GPU op, or a peer)"
+    )]
+    AnySource(&'static str),
     #[error("count {0} exceeds the maximum {MAX_COUNT}")]
     Count(u64),
     #[error("bitwise reduction {0} is defined for integer dtypes only (got {1})")]
@@ -626,6 +639,9 @@ pub struct Op {
     pub persistent: bool,
     /// [`flags::PERSISTENT`]: the capture's tag (0 for other ops).
     pub graph_tag: u32,
+    /// [`flags::ANY_SOURCE`]: a host receive from any rank (`peer` is set to the sender once
+    /// the daemon matched it).
+    pub any_source: bool,
 }
 
 impl Op {
@@ -673,6 +689,10 @@ impl SubmitDesc {
         if (!cuda && self.ticket != 0) || (!persistent && self.ticket > u64::from(u32::MAX)) {
             return Err(DescError::Ticket(self.ticket));
         }
+        let any_source = self.flags & flags::ANY_SOURCE != 0;
+        if any_source && (kind != OpKind::Recv || cuda || self.peer != 0) {
+            return Err(DescError::AnySource(kind.name()));
+        }
         if self.count > MAX_COUNT {
             return Err(DescError::Count(self.count));
         }
@@ -701,6 +721,7 @@ impl SubmitDesc {
             } else {
                 0
             },
+            any_source,
         })
     }
 }
@@ -725,7 +746,7 @@ mod tests {
                 opcode: op % 12,
                 dtype: dt % 10,
                 redop: ro % 10,
-                flags: if fl % 4 == 0 { fl } else { fl & 15 },
+                flags: if fl % 4 == 0 { fl } else { fl & 31 },
                 comm: cm,
                 peer: pe,
                 count: if w[1] % 3 == 0 { w[1] } else { w[1] % 4096 },
@@ -863,6 +884,28 @@ mod tests {
         assert!(!d.decode().unwrap().persistent);
     }
 
+    #[test]
+    fn any_source_flag_only_on_host_recv_with_peer_zero() {
+        let mut d = SubmitDesc {
+            opcode: opcode::RECV,
+            dtype: dtype::F32,
+            flags: flags::ANY_SOURCE,
+            count: 4,
+            ..Default::default()
+        };
+        assert!(d.decode().unwrap().any_source);
+        d.peer = 1;
+        assert!(matches!(d.decode(), Err(DescError::AnySource(_))));
+        d.peer = 0;
+        d.opcode = opcode::SEND;
+        assert!(matches!(d.decode(), Err(DescError::AnySource(_))));
+        d.opcode = opcode::RECV;
+        d.flags = flags::ANY_SOURCE | flags::CUDA;
+        assert!(matches!(d.decode(), Err(DescError::AnySource(_))));
+        d.flags = 0;
+        assert!(!d.decode().unwrap().any_source);
+    }
+
     proptest! {
         #[test]
         fn decode_never_panics_and_accepts_only_valid(d in arb_desc()) {
@@ -877,6 +920,8 @@ mod tests {
                 prop_assert_eq!(op.staged, d.flags & flags::HOST_STAGED != 0);
                 prop_assert!(!op.staged || (cuda && !op.one_shot));
                 prop_assert_eq!(op.persistent, d.flags & flags::PERSISTENT != 0);
+                prop_assert_eq!(op.any_source, d.flags & flags::ANY_SOURCE != 0);
+                prop_assert!(!op.any_source || (!cuda && op.kind == OpKind::Recv && op.peer == 0));
                 prop_assert!(!op.persistent || (cuda && !op.staged && (d.ticket as u32) < graph_doorbell::SLOTS));
                 let ticket_ok = if op.persistent { true } else if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 };
                 prop_assert!(ticket_ok);

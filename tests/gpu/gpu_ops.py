@@ -230,7 +230,7 @@ if SOCKS:
 
 # IPC handle cache: one open per allocation across 100 ops and two communicators.
 pg = dist.distributed_c10d._get_default_group()
-backend = pg if hasattr(pg, "client") else pg._get_backend(dev)
+backend = pg if hasattr(pg, "client") else commd.torch.backend(pg)
 client = backend.client._native
 st0 = json.loads(client.status_json())
 r0 = client.cuda_registration_stats()

@@ -20,6 +20,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import commd.torch  # noqa: E402
 
 import torchrun_env
 
@@ -36,7 +37,7 @@ def say(msg: str) -> None:
 
 def client():  # the native client of the default group's commd backend
     pg = dist.distributed_c10d._get_default_group()
-    backend = pg if hasattr(pg, "client") else pg._get_backend(dev)
+    backend = pg if hasattr(pg, "client") else commd.torch.backend(pg)
     return backend.client._native
 
 

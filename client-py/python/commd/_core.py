@@ -160,6 +160,10 @@ def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
+# The peer of a receive from any source (commd_client::ANY_SOURCE).
+_ANY_SOURCE = 0xFFFFFFFF
+
+
 class Handle:
     """An op in flight. ``wait()`` completes it (and copies staged results back)."""
 
@@ -177,9 +181,12 @@ class Handle:
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
+        self._source: int | None = None
 
     def _complete(self) -> None:
         # Called with the lock held once every request finished (or one failed).
+        self._source = next((s for s in (getattr(r, "source", None) for r in self._requests)
+                             if s is not None), None)
         try:
             if self._error is None and self._finish is not None:
                 self._finish()
@@ -239,6 +246,12 @@ class Handle:
         """The op's error once completed, else None."""
         with self._lock:
             return self._error
+
+    def source(self) -> int | None:
+        """The rank a receive from any source (``recv(x, None)``) received from, once it
+        completed; None before that and for every other op."""
+        with self._lock:
+            return self._source
 
     @staticmethod
     def done(result: Any = None) -> Handle:
@@ -656,8 +669,14 @@ class Communicator:
         self._check_root(peer, "peer")
         return self._run("send", "u8", x.nbytes, [x], [], peer=peer, async_op=async_op)
 
-    def recv(self, x: np.ndarray, peer: int, *, async_op: bool = False) -> Any:
-        """Receives into ``x`` from ``peer``."""
+    def recv(self, x: np.ndarray, peer: int | None, *, async_op: bool = False) -> Any:
+        """Receives into ``x`` from ``peer``. ``peer=None`` receives from whichever rank sends
+        to this one first (communicators on one node only): with ``async_op=True`` the Handle's
+        ``source()`` then names the sender. It takes that sender's next message, as a receive
+        naming it would, and receives posted after it get the messages after it."""
+        if peer is None:
+            return self._run("recv", "u8", x.nbytes, [], [x], peer=_ANY_SOURCE,
+                             async_op=async_op, result=x)
         self._check_root(peer, "peer")
         return self._run("recv", "u8", x.nbytes, [], [x], peer=peer, async_op=async_op,
                          result=x)

@@ -10,6 +10,15 @@ CPU tensors are staged through shared memory (see ``commd._core``); tensors made
 path (``commd._torch_cuda``): ops are ordered after the current stream, ``Work.wait()`` makes
 the current stream wait without blocking the CPU, and the daemon moves the data with copy
 engines.
+
+torch sees the backend through a small C++ shell (``commd/_c10d.cpp``, built on first use
+against the torch in the process and cached; ``python -m commd._c10d`` builds it ahead of time):
+torch hands a backend written in Python Works that answer only ``wait()`` and ``get_future()``,
+so without the shell ``is_completed()`` would always be False, a receive from any source could
+not name its sender, and groups could not be split. Where it cannot be built (no C++ compiler,
+ninja or Python headers; or ``COMMD_TORCH_EXT=0``) the backend still works, says so once on
+stderr, refuses ``recv(src=None)`` and ``split_group`` with a clear error, and makes
+``is_completed()`` answer from the Work's future by patching torch's Work class.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from . import _core, _native
 from ._core import Handle
 from ._torch_cuda import _COMPLEX, _REAL, CudaOps
 
-__all__ = ["CommdBackend", "register", "empty", "set_pacing", "BACKEND"]
+__all__ = ["CommdBackend", "register", "empty", "set_pacing", "backend", "BACKEND"]
 
 BACKEND = "commd"
 
@@ -321,6 +330,11 @@ class _CommdWork(_Work):
     def is_success(self) -> bool:
         return self._h.is_completed() and self._h.exception() is None
 
+    def source_rank(self) -> int | None:
+        """The sender of a receive from any source, once it completed (the C++ shell's
+        ``Work::sourceRank``, torch's ``Work._source_rank()``)."""
+        return self._h.source()
+
     def exception(self) -> Any:
         return self._h.exception()
 
@@ -409,10 +423,13 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         self._rank = rank
         self._size = size
         self._group_name = group_name
+        # Set by _create once torch holds this backend through the C++ shell (commd/_c10d.cpp).
+        self._shell = False
         self.client = _core.connect(name=f"torch pid {os.getpid()} rank {rank}")
         o = options or Options()
         self._commd_options = o
         secs = _seconds(timeout)
+        self._timeout_s = secs
         op_secs = _seconds(o.op_timeout) if o.op_timeout is not None else secs
         if isinstance(o.op_timeout, (int, float)) and o.op_timeout > 0:
             op_secs = float(o.op_timeout)
@@ -741,8 +758,78 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         return self._work(self.comm.recv(_np(t, "recv"), src, async_op=True), tensors)
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        raise ValueError("commd recv: receiving from any source is not supported; name the "
-                         "source rank")
+        """``recv(src=None)``: whichever rank sends to this one first (CPU tensors, ranks of one
+        node, as gloo's); the Work's ``_source_rank()`` names the sender."""
+        t = _one(tensors, "recv")
+        if not self._shell:
+            raise ValueError(_no_shell("receiving from any source"))
+        if _is_cuda(t):
+            raise ValueError("commd recv: receiving from any source takes CPU tensors (as gloo); "
+                             "for CUDA tensors name the source rank")
+        return self._work(self.comm.recv(_np(t, "recv"), None, async_op=True), tensors)
+
+    def monitored_barrier(self, opts: Any, wait_all_ranks: bool = False) -> None:
+        """gloo's monitored barrier: rank 0 waits for every other rank, up to the timeout,
+        and names each rank that did not arrive in time ("Rank 2 failed to pass
+        monitoredBarrier in 3000 ms"; with ``wait_all_ranks`` every such rank, else the first);
+        then it releases the others, which fail in turn if rank 0 never does."""
+        secs = _seconds(getattr(opts, "timeout", None)) or self._timeout_s or 1800.0
+        ms = int(secs * 1000)
+        if self._size == 1:
+            return
+        flag = np.zeros(1, np.uint8)
+        if self._rank != 0:
+            for h in (self.comm.send(flag, 0, async_op=True),
+                      self.comm.recv(np.zeros(1, np.uint8), 0, async_op=True)):
+                try:
+                    h.wait(secs)
+                except TimeoutError:
+                    raise dist.DistBackendError(
+                        f"[Rank {self._rank}]: timed out in monitoredBarrier after {ms} ms: "
+                        "rank 0 did not release it (rank 0 failed or is waiting for another "
+                        "rank)") from None
+                except _native.CommError as e:
+                    raise _dist_error(e) from e
+            return
+        import time
+        deadline = time.monotonic() + secs
+        waits = [(r, self.comm.recv(np.zeros(1, np.uint8), r, async_op=True))
+                 for r in range(1, self._size)]
+        late: list[int] = []
+        for r, h in waits:
+            try:
+                h.wait(max(deadline - time.monotonic(), 0.001))
+            except TimeoutError:
+                late.append(r)
+                if not wait_all_ranks:
+                    break
+            except _native.CommError as e:
+                raise _dist_error(e) from e
+        if late:
+            who = (f"Rank {late[0]}" if len(late) == 1
+                   else "Ranks " + ", ".join(str(r) for r in late))
+            raise dist.DistBackendError(
+                f"[Rank 0]: {who} failed to pass monitoredBarrier in {ms} ms")
+        for r in range(1, self._size):
+            self.comm.send(flag, r)
+
+    def split(self, store: Any, ranks: list[int], timeout_s: float,
+              group_name: str) -> CommdBackend | None:
+        """``split_group``: the backend of this rank's part (its rank there is its position in
+        ``ranks``, which are this group's ranks), on a new communicator; None on a rank outside
+        ``ranks``. Called by the C++ shell on every rank of this group, with the child's store."""
+        if self._rank not in ranks:
+            return None
+        child = CommdBackend(store, ranks.index(self._rank), len(ranks),
+                             timedelta(seconds=timeout_s) if timeout_s > 0 else None,
+                             group_name, options=self._commd_options)
+        child._shell = True
+        return child
+
+    def set_timeout(self, secs: float) -> None:
+        """torch's ``_set_pg_timeout``: the default of monitored barriers and of later splits
+        (the daemon's op timeout was fixed when the communicator was made)."""
+        self._timeout_s = secs if secs > 0 else None
 
     def barrier(self, opts: Any = None) -> Any:
         return self._work(self.comm.barrier(async_op=True), [], opts)
@@ -958,6 +1045,17 @@ def set_pacing(gbps: float | None, group: Any = None) -> None:
         b.comm.set_pacing(gbps)
 
 
+def backend(group: Any = None) -> CommdBackend:
+    """The commd backend object of ``group`` (default: the default group): its ``comm`` is the
+    group's commd communicator (``comm.id`` as ``commd status`` shows it). torch's own
+    ``group._get_backend(device)`` returns the C++ shell that torch holds. ValueError for a group
+    that does not use commd or a rank outside it."""
+    found = _backends(group, "backend")
+    if not found:
+        raise ValueError("commd.torch.backend: this rank is not a member of the group")
+    return found[0]
+
+
 def _backends(group: Any, what: str) -> list[CommdBackend]:
     """The commd backends of ``group`` (default: the default group); none on a rank that is
     not a member. ValueError for a group that does not use commd."""
@@ -974,6 +1072,7 @@ def _backends(group: Any, what: str) -> list[CommdBackend]:
                 b = group._get_backend(torch.device(dev))
             except RuntimeError:  # no backend for that device type
                 continue
+            b = _impl_of(b)
             if isinstance(b, CommdBackend) and all(b is not x for x in backends):
                 backends.append(b)
     if not backends:
@@ -1074,12 +1173,47 @@ class Options:
                 f"op_timeout={self.op_timeout!r})")
 
 
-def _create(opts: Any, backend_options: Any = None) -> CommdBackend:
+def _create(opts: Any, backend_options: Any = None) -> Any:
     if backend_options is not None and not isinstance(backend_options, Options):
         raise TypeError(f"the commd backend takes commd.torch.Options as pg_options, got "
                         f"{type(backend_options).__name__}")
-    return CommdBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                        str(opts.group_id), options=backend_options)
+    b = CommdBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                     str(opts.group_id), options=backend_options)
+    shell = _shell()
+    if shell is None:
+        return b
+    b._shell = True
+    return shell.wrap(b, opts.group_rank, opts.group_size, b._timeout_s or 0.0)
+
+
+def _shell() -> Any:
+    """The C++ shell module (``commd._c10d``), built on first use; None where it cannot be,
+    after saying so once and patching ``Work.is_completed`` (see the module docstring)."""
+    from . import _c10d
+    mod = _c10d.load()
+    if mod is None and not getattr(_shell, "_said", False):
+        _shell._said = True  # type: ignore[attr-defined]
+        print(f"commd: the torch backend runs without its C++ shell ({_c10d.why_not()}): "
+              "recv(src=None) and split_group are refused, and Work.is_completed is patched; "
+              "`python -m commd._c10d` shows why it cannot be built", file=sys.stderr,
+              flush=True)
+        _patch_is_completed()
+    return mod
+
+
+def _impl_of(b: Any) -> Any:
+    """The commd.torch.CommdBackend behind a torch Backend object (itself when not shelled)."""
+    if isinstance(b, CommdBackend):
+        return b
+    from . import _c10d
+    mod = _c10d.load(quiet=True)
+    return mod.impl_of(b) if mod is not None else None
+
+
+def _no_shell(what: str) -> str:
+    from . import _c10d
+    return (f"commd: {what} needs the backend's C++ shell, which could not be built here "
+            f"({_c10d.why_not()}); run `python -m commd._c10d` to see why")
 
 
 def register() -> None:
@@ -1090,11 +1224,11 @@ def register() -> None:
 
 
 def _patch_is_completed() -> None:
-    """torch (2.15) wraps every Work a Python backend returns in a holder that forwards only
-    ``wait`` and ``get_future``, so ``is_completed()`` on it is always False. Our async Works
-    complete their future when the op finishes; this makes ``is_completed()`` fall back to that
-    future. Works of other backends are unaffected: their own answer is used first, and their
-    future is never done before they are."""
+    """Only without the C++ shell: torch (2.15) wraps every Work a Python backend returns in a
+    holder that forwards only ``wait`` and ``get_future``, so ``is_completed()`` on it is always
+    False. Our async Works complete their future when the op finishes; this makes
+    ``is_completed()`` fall back to that future. Works of other backends are unaffected: their
+    own answer is used first, and their future is never done before they are."""
     orig = _Work.is_completed
     if getattr(orig, "_commd_patched", False):
         return
@@ -1113,7 +1247,6 @@ def _patch_is_completed() -> None:
 
 
 _env_from_launcher()
-_patch_is_completed()
 register()
 
 # Re-exported so `except commd.torch.PeerLostError` reads naturally next to torch code.

@@ -477,7 +477,7 @@ impl Communicator {
             request: Request {
                 client: i.clone(),
                 user_data: 0,
-                outcome: std::sync::Mutex::new(Some(Ok(()))),
+                outcome: std::sync::Mutex::new(Some(Ok(0))),
             },
             done,
             device: dev,

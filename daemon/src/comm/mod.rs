@@ -82,7 +82,7 @@ impl Inner {
     /// Why `p` can never complete because a rank destroyed the communicator: a collective once
     /// any rank left (it will never post its part), a send or recv whose peer left.
     fn departed(&self, p: &Posted) -> Option<String> {
-        let who = if p.op.kind.is_p2p() {
+        let who = if p.op.kind.is_p2p() && !p.op.any_source {
             Some(p.op.peer)
         } else {
             (0..self.left.len() as u32).find(|&r| self.left[r as usize])
@@ -185,6 +185,8 @@ impl Comm {
         let r = p.rank;
         p.seq = match p.op.kind {
             OpKind::Send => next(&mut g.send_next, (r, p.op.peer)),
+            // A receive from any source takes its sender's sequence number when it is matched.
+            OpKind::Recv if p.op.any_source => ANY_UNMATCHED,
             OpKind::Recv => next(&mut g.recv_next, (p.op.peer, r)),
             _ => {
                 let s = g.coll_next[r as usize];
@@ -347,17 +349,36 @@ impl Comm {
                     continue;
                 }
                 let b = s.op.peer as usize;
-                let found = g.queues[b]
+                // A receive posted after a receive from any source waits until that one is
+                // matched: it gets its sender's messages after the ones the earlier receive took.
+                let named = g.queues[b]
                     .iter()
-                    .take_while(|p| p.op.kind.is_p2p())
+                    .take_while(|p| p.op.kind.is_p2p() && !p.op.any_source)
                     .position(|p| {
-                        p.op.kind == OpKind::Recv && p.op.peer as usize == a && p.seq == s.seq
+                        p.op.kind == OpKind::Recv
+                            && !p.op.any_source
+                            && p.op.peer as usize == a
+                            && p.seq == s.seq
                     });
-                if let Some(j) = found {
+                let found = named.map(|j| (j, false)).or_else(|| {
+                    // The first send to b in a's queue is a's next message to b.
+                    let first = !g.queues[a]
+                        .iter()
+                        .take(i)
+                        .any(|p| p.op.kind == OpKind::Send && p.op.peer as usize == b);
+                    first
+                        .then(|| any_source_taker(&g.queues[b], a))
+                        .flatten()
+                        .map(|j| (j, true))
+                });
+                if let Some((j, any)) = found {
                     let send = g.queues[a].remove(i)?;
                     // Removing from queue a shifted indices only if a == b (self send/recv).
                     let j = if a == b && j > i { j - 1 } else { j };
-                    let recv = g.queues[b].remove(j)?;
+                    let mut recv = g.queues[b].remove(j)?;
+                    if any {
+                        take_any_source(g, &mut recv, a as u32, send.seq);
+                    }
                     return Some(self.p2p_step(send, recv));
                 }
             }
@@ -669,6 +690,45 @@ pub struct Stuck {
 
 /// Renders one field of an op for mismatch reports.
 type FieldFn = dyn Fn(&Op) -> String;
+
+/// The sequence number of a receive from any source until it is matched.
+const ANY_UNMATCHED: u64 = u64::MAX;
+
+/// Where in `q` (rank b's queue) a receive from any source may take rank `a`'s next message to
+/// b: the first such receive of b's leading p2p group, unless a receive naming `a` comes before
+/// it (that one is owed a's next message first, in b's program order).
+fn any_source_taker(q: &VecDeque<Posted>, a: usize) -> Option<usize> {
+    for (j, p) in q.iter().enumerate() {
+        if !p.op.kind.is_p2p() {
+            return None;
+        }
+        if p.op.kind != OpKind::Recv {
+            continue;
+        }
+        if p.op.any_source {
+            return Some(j);
+        }
+        if p.op.peer as usize == a {
+            return None;
+        }
+    }
+    None
+}
+
+/// Rank b's receive from any source `recv` takes rank `a`'s message number `seq` (a's next one
+/// to b): it becomes a receive from `a` with that number, and b's later receives naming `a`,
+/// which were numbered when posted, move to the message after it.
+fn take_any_source(g: &mut Inner, recv: &mut Posted, a: u32, seq: u64) {
+    let b = recv.rank;
+    recv.op.peer = a;
+    recv.seq = seq;
+    for p in g.queues[b as usize].iter_mut() {
+        if p.op.kind == OpKind::Recv && !p.op.any_source && p.op.peer == a && p.seq >= seq {
+            p.seq += 1;
+        }
+    }
+    *g.recv_next.entry((a, b)).or_insert(0) += 1;
+}
 
 fn next(m: &mut HashMap<(u32, u32), u64>, k: (u32, u32)) -> u64 {
     let e = m.entry(k).or_insert(0);

@@ -344,6 +344,7 @@ mod tests {
             staged: false,
             persistent: false,
             graph_tag: 0,
+            any_source: false,
         }
     }
 

@@ -1,0 +1,381 @@
+// commd's c10d backend as a C++ torch Backend (built on first use by commd/_c10d.py against the
+// torch in the process, with torch.utils.cpp_extension; cached per torch version).
+//
+// Why C++: torch wraps every Work that a backend written in Python returns in a holder that
+// forwards only wait() and get_future(). Through it, is_completed() is always false and a receive
+// from any source cannot name its sender (Work::sourceRank), so commd.torch used to patch torch's
+// Work class and refuse `recv(src=None)`. This backend is a thin C++ shell: each c10d call goes to
+// the same method of the Python implementation (commd.torch.CommdBackend), and each Work it
+// returns is wrapped in CommdWork, which forwards every Work method, not only those two.
+//
+// Nothing here moves data: the collectives run in the daemon as before.
+
+#include <torch/extension.h>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace commd {
+
+using c10d::Backend;
+using c10d::Work;
+
+namespace {
+
+// A Python reference that may be dropped on any thread (torch frees Works and backends on its
+// own threads): the GIL is taken for the decref, and the reference is leaked, not freed, once
+// the interpreter is gone (freeing it then would crash at exit).
+class PyRef {
+ public:
+  explicit PyRef(py::object o) : o_(std::move(o)) {}
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() {
+    if (!Py_IsInitialized()) {
+      o_.release();
+      return;
+    }
+    py::gil_scoped_acquire gil;
+    o_ = py::object();
+  }
+  const py::object& get() const { return o_; }
+
+ private:
+  py::object o_;
+};
+
+void flatten(const py::handle& h, std::vector<at::Tensor>& out) {
+  if (h.is_none()) {
+    return;
+  }
+  if (THPVariable_Check(h.ptr())) {
+    out.push_back(THPVariable_Unpack(h.ptr()));
+    return;
+  }
+  if (py::isinstance<py::sequence>(h) && !py::isinstance<py::str>(h)) {
+    for (auto item : py::reinterpret_borrow<py::sequence>(h)) {
+      flatten(item, out);
+    }
+  }
+}
+
+}  // namespace
+
+// A Work of the Python implementation, every method forwarded.
+class CommdWork : public Work {
+ public:
+  explicit CommdWork(py::object w) : w_(std::move(w)) {}
+
+  bool isCompleted() override {
+    py::gil_scoped_acquire gil;
+    return w_.get().attr("is_completed")().cast<bool>();
+  }
+
+  bool isSuccess() const override {
+    py::gil_scoped_acquire gil;
+    return w_.get().attr("is_success")().cast<bool>();
+  }
+
+  std::exception_ptr exception() const override {
+    py::gil_scoped_acquire gil;
+    py::object e = w_.get().attr("exception")();
+    if (e.is_none()) {
+      return nullptr;
+    }
+    return std::make_exception_ptr(std::runtime_error(py::str(e).cast<std::string>()));
+  }
+
+  int sourceRank() const override {
+    py::gil_scoped_acquire gil;
+    py::object r = py::getattr(w_.get(), "source_rank", py::none());
+    if (!r.is_none()) {
+      r = r();
+    }
+    TORCH_CHECK(!r.is_none(),
+                "sourceRank() may only be called on work objects that correspond to a recv "
+                "or recv-from-any call (commd)");
+    return r.cast<int>();
+  }
+
+  std::vector<at::Tensor> result() override {
+    py::gil_scoped_acquire gil;
+    std::vector<at::Tensor> out;
+    flatten(w_.get().attr("result")(), out);
+    return out;
+  }
+
+  void synchronize() override {
+    py::gil_scoped_acquire gil;
+    w_.get().attr("synchronize")();
+  }
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override {
+    py::gil_scoped_acquire gil;
+    // The Python Works take None (no limit) or a number of milliseconds.
+    py::object t = timeout.count() > 0 ? py::object(py::float_(static_cast<double>(timeout.count())))
+                                       : py::object(py::none());
+    py::object r = w_.get().attr("wait")(t);
+    return r.is_none() ? true : r.cast<bool>();
+  }
+
+  void abort() override {
+    py::gil_scoped_acquire gil;
+    py::object f = py::getattr(w_.get(), "abort", py::none());
+    if (!f.is_none()) {
+      f();
+    }
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    py::gil_scoped_acquire gil;
+    py::object o = w_.get().attr("get_future")();
+    return o.cast<std::shared_ptr<torch::jit::PythonFutureWrapper>>()->fut;
+  }
+
+  // The Python object, for tests and for code that needs its own attributes.
+  py::object impl() const { return w_.get(); }
+
+ private:
+  PyRef w_;
+};
+
+// The backend: each c10d method calls the Python implementation's method of the same (Python)
+// name and wraps the Work it returns.
+class CommdBackend : public Backend {
+ public:
+  CommdBackend(py::object impl, int rank, int size, std::chrono::milliseconds timeout)
+      : Backend(rank, size),
+        impl_(std::move(impl)),
+        options_(c10::make_intrusive<Options>("commd", timeout)) {}
+
+  py::object impl() const { return impl_.get(); }
+
+  const std::string getBackendName() const override { return "commd"; }
+
+  c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
+
+  bool supportsSplitting() const override { return true; }
+
+  c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
+                                     const c10d::BroadcastOptions& opts) override {
+    return call("broadcast", tensors, opts);
+  }
+
+  c10::intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& tensors,
+                                     const c10d::AllreduceOptions& opts) override {
+    return call("allreduce", tensors, opts);
+  }
+
+  c10::intrusive_ptr<Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                            const c10d::AllreduceOptions& opts) override {
+    return call("allreduce", tensors, opts);  // the Python allreduce takes sparse tensors
+  }
+
+  c10::intrusive_ptr<Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override {
+    return call("allreduce_coalesced", tensors, opts);
+  }
+
+  c10::intrusive_ptr<Work> reduce(std::vector<at::Tensor>& tensors,
+                                  const c10d::ReduceOptions& opts) override {
+    return call("reduce", tensors, opts);
+  }
+
+  c10::intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                     std::vector<at::Tensor>& inputs,
+                                     const c10d::AllgatherOptions& opts) override {
+    return call("allgather", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> all_gather_single(at::Tensor& output, at::Tensor& input,
+                                             const c10d::AllgatherOptions& opts) override {
+    return call("_allgather_base", output, input, opts);
+  }
+
+  c10::intrusive_ptr<Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                           const c10d::AllgatherOptions& opts) override {
+    return call("_allgather_base", output, input, opts);
+  }
+
+  c10::intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                               std::vector<at::Tensor>& inputs,
+                                               const c10d::AllgatherOptions& opts) override {
+    return call("allgather_coalesced", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> all_gather_single_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override {
+    return call("allgather_into_tensor_coalesced", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override {
+    return call("allgather_into_tensor_coalesced", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                  std::vector<at::Tensor>& inputs,
+                                  const c10d::GatherOptions& opts) override {
+    return call("gather", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> scatter(std::vector<at::Tensor>& outputs,
+                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                   const c10d::ScatterOptions& opts) override {
+    return call("scatter", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                          std::vector<std::vector<at::Tensor>>& inputs,
+                                          const c10d::ReduceScatterOptions& opts) override {
+    return call("reduce_scatter", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter_single(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::ReduceScatterOptions& opts) override {
+    return call("_reduce_scatter_base", output, input, opts);
+  }
+
+  c10::intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    return call("_reduce_scatter_base", output, input, opts);
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter_single_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override {
+    return call("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override {
+    return call("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
+                                             std::vector<int64_t>& output_splits,
+                                             std::vector<int64_t>& input_splits,
+                                             const c10d::AllToAllOptions& opts) override {
+    return call("alltoall_base", output, input, output_splits, input_splits, opts);
+  }
+
+  c10::intrusive_ptr<Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                         std::vector<int64_t>& output_splits,
+                                         std::vector<int64_t>& input_splits,
+                                         const c10d::AllToAllOptions& opts) override {
+    return call("alltoall_base", output, input, output_splits, input_splits, opts);
+  }
+
+  c10::intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outputs,
+                                    std::vector<at::Tensor>& inputs,
+                                    const c10d::AllToAllOptions& opts) override {
+    return call("alltoall", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    return call("send", tensors, dst, tag);
+  }
+
+  c10::intrusive_ptr<Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    return call("recv", tensors, src, tag);
+  }
+
+  c10::intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    return call("recv_anysource", tensors, tag);
+  }
+
+  c10::intrusive_ptr<Work> barrier(const c10d::BarrierOptions& opts) override {
+    return call("barrier", opts);
+  }
+
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
+    py::gil_scoped_acquire gil;
+    impl_.get().attr("monitored_barrier")(opts, waitAllRanks);
+  }
+
+  // Called on every rank of the parent (members and not) with the child's store; returns the
+  // child's backend, or null on a rank outside `ranks`.
+  c10::intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                    const std::vector<int>& ranks,
+                                    const c10::intrusive_ptr<Options>& opts) override {
+    py::gil_scoped_acquire gil;
+    std::chrono::milliseconds timeout = opts ? opts->timeout : options_->timeout;
+    py::object child = impl_.get().attr("split")(
+        store, ranks, static_cast<double>(timeout.count()) / 1000.0,
+        opts ? opts->group_name : std::string());
+    if (child.is_none()) {
+      return nullptr;
+    }
+    int r = child.attr("rank")().cast<int>();
+    int n = child.attr("size")().cast<int>();
+    return c10::make_intrusive<CommdBackend>(child, r, n, timeout);
+  }
+
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    options_->timeout = timeout;
+    py::gil_scoped_acquire gil;
+    impl_.get().attr("set_timeout")(static_cast<double>(timeout.count()) / 1000.0);
+  }
+
+  void abort() override {
+    py::gil_scoped_acquire gil;
+    impl_.get().attr("abort")();
+  }
+
+  void shutdown() override {
+    py::gil_scoped_acquire gil;
+    impl_.get().attr("shutdown")();
+  }
+
+ private:
+  template <typename... Args>
+  c10::intrusive_ptr<Work> call(const char* name, Args&&... args) {
+    py::gil_scoped_acquire gil;
+    py::object w = impl_.get().attr(name)(std::forward<Args>(args)...);
+    TORCH_CHECK(!w.is_none(), "commd: ", name, " returned no Work");
+    return c10::make_intrusive<CommdWork>(std::move(w));
+  }
+
+  PyRef impl_;
+  c10::intrusive_ptr<Options> options_;
+};
+
+}  // namespace commd
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "commd's c10d backend shell (commd/_c10d.cpp)";
+  m.def(
+      "wrap",
+      [](py::object impl, int rank, int size, double timeout_s) -> c10::intrusive_ptr<c10d::Backend> {
+        auto ms = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+        return c10::make_intrusive<commd::CommdBackend>(std::move(impl), rank, size, ms);
+      },
+      "A torch Backend whose calls go to `impl` (a commd.torch.CommdBackend).");
+  m.def(
+      "impl_of",
+      [](const c10::intrusive_ptr<c10d::Backend>& b) -> py::object {
+        auto* c = dynamic_cast<commd::CommdBackend*>(b.get());
+        return c != nullptr ? c->impl() : py::object(py::none());
+      },
+      "The Python implementation behind a backend made by wrap(), else None.");
+  m.def(
+      "work_impl",
+      [](const c10::intrusive_ptr<c10d::Work>& w) -> py::object {
+        auto* c = dynamic_cast<commd::CommdWork*>(w.get());
+        return c != nullptr ? c->impl() : py::object(py::none());
+      },
+      "The Python Work behind a Work of this backend, else None.");
+}
