@@ -145,6 +145,40 @@ def _mismatch(comm, c, rank, n):
     return ("no error", 0, "")
 
 
+def _any_source(comm, c, rank, n):
+    """Ranks 1..n-1 send two messages each (value 10 * rank + k) to rank 0, which posts a
+    receive from any source, a receive naming rank 2, then receives from any source for the
+    rest."""
+    if rank != 0:
+        for k in range(2):
+            comm.send(np.full(3, 10 * rank + k, np.int32), 0)
+        return None
+    bufs = [np.zeros(3, np.int32) for _ in range(2 * (n - 1))]
+    hs = [comm.recv(bufs[0], None, async_op=True), comm.recv(bufs[1], 2, async_op=True)]
+    hs += [comm.recv(b, None, async_op=True) for b in bufs[2:]]
+    for h in hs:
+        h.wait()
+    return [(h.source(), b.tolist()) for h, b in zip(hs, bufs)]
+
+
+def test_recv_from_any_source_names_the_sender_and_keeps_pair_order(daemon):
+    n = 4
+    got = _ok(_ranks(daemon, n, _any_source))[0]
+    named = got.pop(1)
+    assert named[0] is None and named[1] in ([20] * 3, [21] * 3), named
+    msgs = [named[1][0]]
+    for src, vals in got:
+        assert src is not None and 1 <= src < n, got
+        assert vals == [vals[0]] * 3 and vals[0] // 10 == src, (src, vals)
+        msgs.append(vals[0])
+    assert sorted(msgs) == sorted(10 * r + k for r in range(1, n) for k in range(2)), msgs
+    # Per sender, the receives (in the order posted) took its messages in the order sent.
+    order = [got[0][1][0], named[1][0]] + [v[0] for _, v in got[1:]]
+    for r in range(1, n):
+        mine = [m % 10 for m in order if m // 10 == r]
+        assert mine == [0, 1], (r, order)
+
+
 def test_mismatch_raises_mismatch_error_on_every_rank(daemon):
     for kind, secs, msg in _ok(_ranks(daemon, 3, _mismatch)):
         assert kind == "MismatchError", msg
@@ -306,9 +340,14 @@ def test_communicator_reports_the_nodes_it_spans(tmp_path):
                 x = np.full(1001, rank + 1.0, dtype=np.float32)
                 comm.all_reduce(x)
                 solo = c.communicator(c.unique_id(), 0, 1)
-                q.put((rank, comm.nodes, solo.nodes, float(x[0]), float(x[-1])))
+                try:  # a receive from any source is for ranks of one node: refused, clearly
+                    comm.recv(np.zeros(1), None)
+                    any_src = "accepted"
+                except commd.CommError as e:
+                    any_src = "spans 2 nodes; name the source rank" in str(e)
+                q.put((rank, comm.nodes, solo.nodes, float(x[0]), float(x[-1]), any_src))
             except BaseException as e:  # noqa: BLE001 - reported to the test
-                q.put((rank, f"{type(e).__name__}: {e}", None, None, None))
+                q.put((rank, f"{type(e).__name__}: {e}", None, None, None, None))
 
         procs = [CTX.Process(target=body, args=(r,)) for r in range(2)]
         for p in procs:
@@ -316,7 +355,7 @@ def test_communicator_reports_the_nodes_it_spans(tmp_path):
         got = sorted(q.get(timeout=60) for _ in procs)
         for p in procs:
             p.join(10)
-        assert got == [(0, 2, 1, 3.0, 3.0), (1, 2, 1, 3.0, 3.0)], got
+        assert got == [(0, 2, 1, 3.0, 3.0, True), (1, 2, 1, 3.0, 3.0, True)], got
     finally:
         for d in nodes:
             d.stop()

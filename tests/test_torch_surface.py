@@ -1,7 +1,6 @@
 """The torch.distributed surface that DeepSpeed, dinov2 and older c10d code touch beyond the
 basic collectives (tests/torch_surface_worker.py), on "commd" and on gloo in the same test: every
-check gloo passes, commd must pass, except the gaps listed below, which must fail with a clear
-error (never a hang or a wrong result) until they are built."""
+check gloo passes, commd must pass."""
 
 import json
 import subprocess
@@ -16,14 +15,16 @@ WORKER = str(Path(__file__).resolve().parent / "torch_surface_worker.py")
 # recv from any source, monitored_barrier, split_group and an untouched Work class need the
 # backend's C++ shell (commd/_c10d.cpp), which the test command builds; each is checked against
 # gloo like every other check. Without the shell they fail clearly (test_without_the_shell_...).
-GAPS: dict[str, str] = {}
+
+# Checks that leave the group unusable for the next one: each runs alone.
+ALONE = ("timeout_error_is_torch_kind", "monitored_barrier_names_late_ranks")
 
 
-def run(daemon, backend, nproc, checks):
+def run(daemon, backend, nproc, checks, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            f"--master_port={free_port()}", WORKER, backend, *checks]
-    p = subprocess.run(cmd, env=job_env(daemon, COMMD_BIN=COMMD), capture_output=True, text=True,
-                       timeout=300)
+    p = subprocess.run(cmd, env=job_env(daemon, COMMD_BIN=COMMD, **env), capture_output=True,
+                       text=True, timeout=300)
     rows = [json.loads(l) for l in p.stdout.splitlines() if l.startswith("{")]
     return p, {(r["check"], r["rank"]): r for r in rows}
 
@@ -31,29 +32,46 @@ def run(daemon, backend, nproc, checks):
 def test_commd_passes_what_gloo_passes(daemon):
     sys.path.insert(0, str(Path(WORKER).parent))
     import torch_surface_worker as w
-    checks = [c for c in w.CHECKS if c not in GAPS]
+    checks = [c for c in w.CHECKS if c not in ALONE]
     nproc = 3
-    results = {}
     for backend in ("gloo", "commd"):
-        p, rows = run(daemon, backend, nproc, checks)
-        results[backend] = rows
-        for c in checks:
-            for r in range(nproc):
-                row = rows.get((c, r))
-                assert row is not None, f"{backend}: no result for {c} on rank {r}\n{p.stderr[-3000:]}"
-                if backend == "gloo":
-                    assert row["ok"], f"gloo fails {c}: {row}"
-                else:
-                    assert row["ok"], f"commd fails {c} where gloo passes: {row}"
+        for batch in (checks, *([c] for c in ALONE)):
+            check_batch(daemon, backend, nproc, batch)
 
 
-def test_known_gaps_fail_clearly(daemon):
-    for check, text in GAPS.items():
-        p, rows = run(daemon, "commd", 2, [check])
+def check_batch(daemon, backend, nproc, checks):
+    p, rows = run(daemon, backend, nproc, checks)
+    for c in checks:
+        for r in range(nproc):
+            row = rows.get((c, r))
+            assert row is not None, f"{backend}: no result for {c} on rank {r}\n{p.stderr[-3000:]}"
+            if backend == "gloo":
+                assert row["ok"], f"gloo fails {c}: {row}"
+            else:
+                assert row["ok"], f"commd fails {c} where gloo passes: {row}"
+
+
+def test_without_the_shell_what_needs_it_fails_clearly(daemon):
+    """COMMD_TORCH_EXT=0 (as where the C++ shell cannot be built): the backend still runs, says
+    why once, and what needs the shell fails with a clear error instead of a wrong answer."""
+    needs = {
+        "recv_any_source": "needs the backend's C++ shell",
+        "irecv_any_source": "needs the backend's C++ shell",
+        "split_group": "does not support splitting",
+        "is_completed_untouched": "AssertionError",
+    }
+    works = ["monitored_barrier", "all_reduce_coalesced", "async_wait_timeout"]
+    cmd_env = dict(COMMD_TORCH_EXT="0")
+    p, rows = run(daemon, "commd", 2, [*needs, *works], **cmd_env)
+    for check, text in needs.items():
         got = [rows.get((check, r)) for r in range(2)]
         assert any(g and not g["ok"] and text in g["error"] for g in got), (
-            f"{check}: expected a clear failure containing {text!r} (built now? move it out of "
-            f"GAPS), got {got}\n{p.stderr[-2000:]}")
+            f"{check}: expected a clear failure containing {text!r}, got {got}\n"
+            f"{p.stderr[-2000:]}")
+    for check in works:
+        got = [rows.get((check, r)) for r in range(2)]
+        assert all(g and g["ok"] for g in got), (check, got, p.stderr[-2000:])
+    assert p.stderr.count("runs without its C++ shell (switched off by COMMD_TORCH_EXT=0)") == 2
 
 
 def test_commd_debug_info_prints_the_communicator_and_its_paths(daemon):

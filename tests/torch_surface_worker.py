@@ -69,6 +69,46 @@ def irecv_any_source(rank, world):
 
 
 @check
+def any_source_then_named(rank, world):
+    """A receive from any source, then a receive naming rank 1, and rank 1 sends two messages:
+    each receive gets one of them and the sender is named. commd keeps MPI's non-overtaking
+    order (the earlier receive takes the earlier message); gloo was seen handing the named
+    receive the first one, so the order is checked on commd only."""
+    if rank == 0:
+        first, second = torch.zeros(4), torch.zeros(4)
+        w = dist.irecv(first)
+        dist.recv(second, src=1)
+        w.wait()
+        assert w._source_rank() == 1, w._source_rank()
+        got = sorted([first[0].item(), second[0].item()])
+        assert got == [1.0, 11.0] and first.eq(first[0]).all() and second.eq(second[0]).all(), (
+            first, second)
+        if dist.get_backend() == "commd":
+            assert first.eq(1).all() and second.eq(11).all(), (first, second)
+    elif rank == 1:
+        dist.send(torch.full((4,), 1.0), 0)
+        dist.send(torch.full((4,), 11.0), 0)
+
+
+@check
+def any_source_is_completed(rank, world):
+    """is_completed() of a pending receive from any source is False until a rank sends, then
+    True; the sender is named."""
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        t = torch.zeros(4)
+        w = dist.irecv(t)
+        assert not w.is_completed()
+        store.set("surface/any_posted", "1")
+        w.wait()
+        assert w.is_completed() and w._source_rank() == world - 1, w._source_rank()
+        assert t.eq(world - 1).all(), t
+    elif rank == world - 1:
+        store.wait(["surface/any_posted"], timedelta(seconds=60))
+        dist.send(torch.full((4,), float(rank)), 0)
+
+
+@check
 def all_gather_coalesced(rank, world):
     ins = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 + rank)]
     outs = [[torch.empty(3), torch.empty(2, 2)] for _ in range(world)]
@@ -105,6 +145,26 @@ def object_collectives(rank, world):
 def monitored_barrier(rank, world):
     dist.monitored_barrier(timeout=timedelta(seconds=30))
     dist.monitored_barrier(timeout=timedelta(seconds=30), wait_all_ranks=True)
+
+
+@check
+def monitored_barrier_names_late_ranks(rank, world):
+    """Only rank 0 enters: it must fail after the timeout naming every other rank (with
+    wait_all_ranks), in gloo's words. Runs last (the other ranks' state is left as is)."""
+    store = dist.distributed_c10d._get_default_store()
+    if rank != 0:
+        store.wait(["surface/mb_done"], timedelta(seconds=120))
+        return
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=2), wait_all_ranks=True)
+    except RuntimeError as e:
+        text = str(e)
+        late = ", ".join(str(r) for r in range(1, world))
+        assert "failed to pass monitoredBarrier" in text and late in text, text
+    else:
+        raise AssertionError("monitored_barrier passed with ranks missing")
+    finally:
+        store.set("surface/mb_done", "1")
 
 
 @check
@@ -280,7 +340,7 @@ def main():
         # One write per line: ranks share the pipe, and print() writes the newline apart.
         sys.stdout.write(json.dumps(row) + "\n")
         sys.stdout.flush()
-        if name == "timeout_error_is_torch_kind":
+        if name in ("timeout_error_is_torch_kind", "monitored_barrier_names_late_ranks"):
             # A timed-out op may leave the group unusable (gloo aborts it): stop here.
             break
         dist.barrier()

@@ -512,7 +512,15 @@ impl Comm {
             return;
         }
         let n = self.nranks as usize;
-        let msg = if p.op.kind.is_p2p() {
+        let msg = if p.op.any_source {
+            format!(
+                "{}: {} on rank {} timed out after {:.1} s: no rank sent to it",
+                self.label(),
+                p.describe(),
+                p.rank,
+                waited.as_secs_f64()
+            )
+        } else if p.op.kind.is_p2p() {
             let (peer, what) = if p.op.kind == OpKind::Send {
                 (p.op.peer, "recv")
             } else {
