@@ -179,6 +179,40 @@ def test_recv_from_any_source_names_the_sender_and_keeps_pair_order(daemon):
         assert mine == [0, 1], (r, order)
 
 
+REPORT_FAILURE = r"""
+import os, sys, time, numpy as np, commd
+sock, uid, rank = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3])
+comm = commd.connect(sock).communicator(uid, rank, 2, op_timeout=30)
+comm.barrier()
+if rank == 1:
+    comm.recv(np.zeros(4), 0)
+    time.sleep(1)
+    os._exit(0)  # gone with rank 0's second op in flight: it fails (peer lost)
+good = comm.send(np.ones(4), 1, async_op=True)
+good.report_failure("the send")
+bad = comm.recv(np.zeros(4), 1, async_op=True)
+bad.report_failure("the recv")
+print("posted", flush=True)
+time.sleep(4)
+"""
+
+
+def test_report_failure_prints_a_failed_op_with_nobody_waiting(daemon, tmp_path):
+    """Handle.report_failure (what GPU ops behind stream-completed futures use): a thread of
+    the native library waits for the op and prints its error at once, with no Python call."""
+    script = tmp_path / "report.py"
+    script.write_text(REPORT_FAILURE)
+    uid = commd.Client(str(daemon.socket)).unique_id().hex()
+    procs = [subprocess.Popen([sys.executable, str(script), str(daemon.socket), uid, str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    out, err = procs[0].communicate(timeout=60)
+    procs[1].communicate(timeout=60)
+    assert "posted" in out, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("commd: ERROR:")]
+    assert len(lines) == 1 and "the recv: " in lines[0] and "lost" in lines[0], err
+
+
 def test_mismatch_raises_mismatch_error_on_every_rank(daemon):
     for kind, secs, msg in _ok(_ranks(daemon, 3, _mismatch)):
         assert kind == "MismatchError", msg

@@ -193,6 +193,201 @@ def test_backend_found_by_name_alone(daemon):
     assert p.stdout.strip() == "commd [0.0, 1.0, 2.0, 3.0]", p.stdout
 
 
+"""The torch.distributed backend "commd" in real multi-process jobs (torchrun, mpirun, or plain
+processes with torch's env:// variables), against the real daemon, compared with gloo."""
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import torch  # noqa: F401 - the README's test command installs it; a missing torch must fail
+
+WORKER = str(Path(__file__).resolve().parent / "torch_worker.py")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env(daemon, **extra):
+    env = dict(os.environ)
+    env.update(COMMD_SOCKET=str(daemon.socket), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(extra)
+    return env
+
+
+def torchrun(daemon, nproc, *args, timeout=600):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           f"--master_port={free_port()}", WORKER, *args]
+    p = subprocess.run(cmd, env=job_env(daemon), capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"torchrun failed ({p.returncode}):\n{out[-6000:]}"
+    for r in range(nproc):
+        assert f"PASS rank {r}" in out, out[-6000:]
+    return out
+
+
+def spawn(daemon, nranks, *args):
+    """Starts ranks as plain processes (no launcher that would kill survivors)."""
+    port = str(free_port())
+    procs = []
+    for r in range(nranks):
+        env = job_env(daemon, RANK=str(r), WORLD_SIZE=str(nranks), LOCAL_RANK=str(r),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, WORKER, *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+    return procs
+
+
+def test_metrics_count_data_movement_under_the_tensor_dtype(daemon):
+    """A bf16 broadcast is counted as bf16 in the daemon's metrics (it was u8: bytes)."""
+    def scrape():
+        addr = daemon.status()["metrics_listen"]
+        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    torchrun(daemon, 2, "dtypes")
+    text = scrape()
+    # Bytes as the daemon counts them: each rank's count (per-rank block for all_gather and
+    # all_to_all) times the element size, summed over the 2 ranks.
+    for op, dt, nbytes in [("broadcast", "bf16", 2 * 8 * 2), ("all_gather", "i64", 2 * 5 * 8),
+                           ("all_to_all", "f16", 2 * 4 * 2)]:
+        want = f'commd_op_bytes_total{{op="{op}",dtype="{dt}",transport="shm"}} '
+        line = [ln for ln in text.splitlines() if ln.startswith(want)]
+        assert line, f"no {want!r} series:\n" + "\n".join(
+            ln for ln in text.splitlines() if ln.startswith("commd_op_bytes_total"))
+        assert float(line[0].split()[-1]) == nbytes, line
+    assert 'commd_op_bytes_total{op="broadcast",dtype="u8"' not in text
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_premul_sum_scales_before_summing(daemon, nproc):
+    """ReduceOp.PREMUL_SUM, which gloo lacks and FSDP2 uses: checked against its definition."""
+    torchrun(daemon, nproc, "premul")
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_every_op_and_dtype_matches_gloo(daemon, nproc):
+    out = torchrun(daemon, nproc, "ops")
+    assert "compared" in out and "ops with gloo" in out
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_ddp_20_steps_match_gloo(daemon, nproc):
+    out = torchrun(daemon, nproc, "ddp", "20")
+    assert "DDP 20 steps match gloo" in out
+
+
+@pytest.mark.parametrize("kind,exc", [("mismatch", "MismatchError"), ("kill", "PeerLostError")])
+def test_errors_raise_in_every_surviving_rank_within_5s(daemon, kind, exc):
+    n = 3
+    procs = spawn(daemon, n, f"error-{kind}")
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out))
+    survivors = outs[:-1] if kind == "kill" else outs
+    if kind == "kill":
+        assert outs[-1][0] == -9, outs[-1]
+    for code, out in survivors:
+        assert code == 0, out[-3000:]
+        line = next(ln for ln in out.splitlines() if ln.startswith("RAISED"))
+        assert line.startswith(f"RAISED {exc} "), line
+        secs = float(line.split(" after ")[1].split("s:")[0])
+        assert secs < 5.0, line
+        if kind == "mismatch":
+            # the message names what differs and which ranks
+            assert "count" in line and "rank" in line, line
+        else:
+            assert "rank 2" in line, line
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None and not os.environ.get("COMMD_REQUIRE_ALL"),
+                    reason="mpirun not installed")
+def test_init_under_mpirun(daemon):
+    """mpirun sets only OMPI_* variables; `import commd.torch` fills in torch's env://."""
+    n = 2
+    env = job_env(daemon)
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n),
+           "-x", "COMMD_SOCKET", "-x", "OMP_NUM_THREADS", "-x", "PYTHONUNBUFFERED",
+           sys.executable, WORKER, "ddp", "3"]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    for r in range(n):
+        assert f"PASS rank {r}" in out, out[-6000:]
+
+
+def test_daemon_unavailable_names_socket_and_fix(tmp_path):
+    missing = tmp_path / "nope.sock"
+    code = (
+        "import commd, torch.distributed as dist, commd.torch\n"
+        "try:\n"
+        f"    commd.Client({str(missing)!r})\n"
+        "except commd.DaemonUnavailableError as e:\n"
+        "    print('OK', e)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("OK "), p.stdout + p.stderr
+    assert str(missing) in p.stdout and "commd serve" in p.stdout, p.stdout
+
+
+def test_init_process_group_without_daemon_fails_fast(tmp_path):
+    """No daemon: init_process_group("commd") raises DaemonUnavailableError, not a hang."""
+    env = dict(os.environ, COMMD_SOCKET=str(tmp_path / "none.sock"), RANK="0", WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    code = (
+        "import time, commd, commd.torch, torch.distributed as dist\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    dist.init_process_group('commd')\n"
+        "except commd.DaemonUnavailableError as e:\n"
+        "    print('OK', round(time.monotonic() - t, 3), e)\n"
+    )
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.startswith("OK "), p.stdout + p.stderr[-3000:]
+    assert float(p.stdout.split()[1]) < 5.0, p.stdout
+    assert time.monotonic() - t0 < 60
+
+
+def test_backend_found_by_name_alone(daemon):
+    """No `import commd`: torch finds the backend through the package's entry point."""
+    env = job_env(daemon, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(free_port()))
+    code = (
+        "import sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('commd')\n"
+        "assert 'commd' not in sys.argv\n"
+        "t = torch.arange(4.0); dist.all_reduce(t)\n"
+        "print(dist.get_backend(), t.tolist())\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "commd [0.0, 1.0, 2.0, 3.0]", p.stdout
+
+
 def test_a_failed_op_behind_a_completed_cuda_future_is_reported_at_once():
     """CUDA tensors' work futures complete on the op's stream at once (as NCCL's); the progress
     thread still watches the op, and a failure is reported then, not only by the next call.

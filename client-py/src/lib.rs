@@ -764,6 +764,11 @@ impl CudaRequest {
         py.detach(move || r.test()).map_err(to_py)
     }
 
+    /// Prints the op's error on stderr if it fails (see `Request.report_failure`).
+    fn report_failure(&self, what: String) {
+        report_failure(self.inner.clone(), what)
+    }
+
     /// Makes `stream` wait on the GPU for the op (the CPU does not wait), then raises the op's
     /// error if it already failed. A deferred send/recv: `stream` waits for the op's done
     /// ticket (one stream operation, no event); an op posted on `stream` itself without
@@ -828,6 +833,60 @@ impl Request {
     #[getter]
     fn source(&self) -> Option<u32> {
         self.inner.source()
+    }
+
+    /// Prints the op's error on stderr if it fails ("commd: ERROR: {what}: {error}"); nothing
+    /// if it succeeds. For ops whose outcome nothing else waits for (GPU ops behind futures
+    /// completed on their stream). One thread of the library looks at such ops every 50 ms,
+    /// without the GIL and without waiting on the completion queue: a thread that waited for
+    /// each op (woken by the daemon per completion) made a DDP step 3-7% slower.
+    fn report_failure(&self, what: String) {
+        report_failure(self.inner.clone(), what)
+    }
+}
+
+type FailureWatch = (Arc<commd_client::Request>, String);
+
+/// Queues `r` for the failure reporter thread (started on first use, and again in a forked
+/// child, which has no copy of the parent's threads).
+fn report_failure(r: Arc<commd_client::Request>, what: String) {
+    static TX: std::sync::Mutex<Option<(u32, std::sync::mpsc::Sender<FailureWatch>)>> =
+        std::sync::Mutex::new(None);
+    let mut g = TX.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if g.as_ref().is_none_or(|(p, _)| *p != pid) {
+        let (tx, rx) = std::sync::mpsc::channel::<FailureWatch>();
+        let started = std::thread::Builder::new()
+            .name("commd-failures".into())
+            .spawn(move || {
+                let mut pending: Vec<FailureWatch> = Vec::new();
+                loop {
+                    if pending.is_empty() {
+                        match rx.recv() {
+                            Ok(w) => pending.push(w),
+                            Err(_) => return,
+                        }
+                    }
+                    pending.extend(rx.try_iter());
+                    pending.retain(|(r, what)| match r.test() {
+                        Ok(done) => !done,
+                        Err(e) => {
+                            eprintln!("commd: ERROR: {what}: {e}");
+                            false
+                        }
+                    });
+                    if !pending.is_empty() {
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                }
+            });
+        if started.is_err() {
+            return;
+        }
+        *g = Some((pid, tx));
+    }
+    if let Some((_, tx)) = g.as_ref() {
+        let _ = tx.send((r, what));
     }
 }
 

@@ -150,7 +150,9 @@ class CommdWork : public Work {
 };
 
 // The backend: each c10d method calls the Python implementation's method of the same (Python)
-// name and wraps the Work it returns.
+// name and wraps the Work it returns. The methods marked "torch >= 2.15" are the newer names of
+// the ones beside them; older torch has no such virtual, so there they override nothing and are
+// never called (the older name, also here, is).
 class CommdBackend : public Backend {
  public:
   CommdBackend(py::object impl, int rank, int size, std::chrono::milliseconds timeout)
@@ -198,7 +200,7 @@ class CommdBackend : public Backend {
   }
 
   c10::intrusive_ptr<Work> all_gather_single(at::Tensor& output, at::Tensor& input,
-                                             const c10d::AllgatherOptions& opts) override {
+                                             const c10d::AllgatherOptions& opts) /* override (torch >= 2.15) */ {
     return call("_allgather_base", output, input, opts);
   }
 
@@ -215,7 +217,7 @@ class CommdBackend : public Backend {
 
   c10::intrusive_ptr<Work> all_gather_single_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::AllgatherOptions& opts) override {
+      const c10d::AllgatherOptions& opts) /* override (torch >= 2.15) */ {
     return call("allgather_into_tensor_coalesced", outputs, inputs, opts);
   }
 
@@ -244,7 +246,7 @@ class CommdBackend : public Backend {
   }
 
   c10::intrusive_ptr<Work> reduce_scatter_single(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::ReduceScatterOptions& opts) override {
+                                                 const c10d::ReduceScatterOptions& opts) /* override (torch >= 2.15) */ {
     return call("_reduce_scatter_base", output, input, opts);
   }
 
@@ -255,7 +257,7 @@ class CommdBackend : public Backend {
 
   c10::intrusive_ptr<Work> reduce_scatter_single_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
-      const c10d::ReduceScatterOptions& opts) override {
+      const c10d::ReduceScatterOptions& opts) /* override (torch >= 2.15) */ {
     return call("reduce_scatter_tensor_coalesced", outputs, inputs, opts);
   }
 
@@ -268,7 +270,7 @@ class CommdBackend : public Backend {
   c10::intrusive_ptr<Work> all_to_all_single(at::Tensor& output, at::Tensor& input,
                                              std::vector<int64_t>& output_splits,
                                              std::vector<int64_t>& input_splits,
-                                             const c10d::AllToAllOptions& opts) override {
+                                             const c10d::AllToAllOptions& opts) /* override (torch >= 2.15) */ {
     return call("alltoall_base", output, input, output_splits, input_splits, opts);
   }
 

@@ -47,8 +47,10 @@ def load(quiet: bool = False) -> ModuleType | None:
         _loaded = cpp_extension.load(name=name, sources=[str(_SOURCE)],
                                      extra_cflags=["-O2"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure falls back, with the reason
-        first = str(e).strip().splitlines()
-        _why_not = f"{type(e).__name__}: {first[0] if first else ''}"[:400]
+        # A failed build's text is the whole compiler command and output: keep its first error.
+        lines = str(e).strip().splitlines()
+        errs = [ln.strip() for ln in lines if " error" in ln or ln.lstrip().startswith("error")]
+        _why_not = f"{type(e).__name__}: {(errs or lines or [''])[0]}"[:500]
         return None
     return _loaded
 

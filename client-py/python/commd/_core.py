@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -246,6 +247,19 @@ class Handle:
         """The op's error once completed, else None."""
         with self._lock:
             return self._error
+
+    def report_failure(self, what: str) -> None:
+        """Prints the op's error on stderr once it fails ("commd: ERROR: {what}: {error}"),
+        from a thread of the native library (no Python thread waits); nothing if it succeeds.
+        For ops whose outcome nothing else waits for."""
+        with self._lock:
+            if not self._done:
+                for r in self._requests:
+                    r.report_failure(what)
+                return
+            e = self._error
+        if e is not None:
+            print(f"commd: ERROR: {what}: {e}", file=sys.stderr, flush=True)
 
     def source(self) -> int | None:
         """The rank a receive from any source (``recv(x, None)``) received from, once it

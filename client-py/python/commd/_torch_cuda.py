@@ -77,14 +77,20 @@ def _done(result: Any) -> _Work:
     return _DoneWork(result)
 
 
+# How a GPU op's failure is printed when its future had completed on the stream already.
+_ASYNC_FAILURE = ("a GPU collective failed after its future had completed (its results are not "
+                  "valid; the communicator's next call raises)")
+
+
 def _stream_future(dev: int | None, stream: torch.cuda.Stream, value: Any) -> Future:
     """A CUDA-aware future completed at once, as NCCL's work futures are: its completion is
     recorded on ``stream`` after the op, so ``wait()`` and callbacks (DDP's reducer, comm hooks)
     order their streams after the op on the GPU instead of blocking the CPU until the daemon
     reports it done (measured: a DDP step 1.45x NCCL's with CPU-completed futures, 2x H100,
     docs/benchmarks.md). A failed op is reported as for ``Work.wait()``: the stream is released
-    and the communicator's next call raises; the progress thread also prints the error at once
-    (``torch._report_async_failure``), as nothing waits on the future."""
+    and the communicator's next call raises; and as nothing waits on the future, the op's error
+    is also printed at once (``_report_failure``: a thread of the native library, without the
+    GIL)."""
     fut = Future(devices=[torch.device("cuda", torch.cuda.current_device() if dev is None
                                        else dev)])
     with torch.cuda.stream(stream):
@@ -156,7 +162,7 @@ class FastCudaWork(_Work):
                 self._fut = _stream_future(self._dev, torch.cuda.ExternalStream(
                     self._done_stream, device=torch.device("cuda", self._dev)),
                     _flat_tensors(self._result))
-                _progress.watch(self._handle(), None, None)
+                self._req.report_failure(_ASYNC_FAILURE)
             else:
                 self._fut = Future()
                 _progress.watch(self._handle(), self._fut, _flat_tensors(self._result))
@@ -222,7 +228,7 @@ class CudaWork(_Work):
                 if self._stream is not None and not torch.cuda.is_current_stream_capturing():
                     self._fut = _stream_future(self._dev.index, self._stream,
                                                _flat_tensors(self._result))
-                    _progress.watch(self._h, None, None)
+                    self._h.report_failure(_ASYNC_FAILURE)
                 else:
                     self._fut = Future()
                     _progress.watch(self._h, self._fut, _flat_tensors(self._result))

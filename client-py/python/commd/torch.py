@@ -236,26 +236,15 @@ def _seconds(timeout: Any) -> float | None:
     return s if s > 0 else None
 
 
-def _report_async_failure(e: BaseException) -> None:
-    """A GPU op whose CUDA-aware future had already completed (``_torch_cuda._stream_future``)
-    failed: nothing waits on it, so say so at once; the communicator's next call raises."""
-    print(f"commd: ERROR: a GPU collective failed after its future had completed (its results "
-          f"are not valid; the communicator's next call raises): {e}", file=sys.stderr,
-          flush=True)
-
-
 class _Progress:
-    """Completes futures of ops nobody waits on directly (DDP's reducer, get_future().then).
-    ``fut`` None: the future was completed on the op's stream already; a failure is reported
-    through ``report``."""
+    """Completes futures of ops nobody waits on directly (DDP's reducer, get_future().then)."""
 
-    def __init__(self, report: Callable[[BaseException], None] = _report_async_failure) -> None:
-        self._report = report
-        self._q: queue.SimpleQueue[tuple[Handle, Future | None, Any]] = queue.SimpleQueue()
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple[Handle, Future, Any]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def watch(self, h: Handle, fut: Future | None, value: Any) -> None:
+    def watch(self, h: Handle, fut: Future, value: Any) -> None:
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="commd-progress",
@@ -269,13 +258,9 @@ class _Progress:
             try:
                 h.wait()
             except BaseException as e:  # noqa: BLE001 - delivered through the future
-                if fut is None:
-                    self._report(e)
-                else:
-                    fut.set_exception(_dist_error(e))
+                fut.set_exception(_dist_error(e))
             else:
-                if fut is not None:
-                    fut.set_result(value)
+                fut.set_result(value)
 
 
 _progress = _Progress()

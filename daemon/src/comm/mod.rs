@@ -80,9 +80,22 @@ struct Inner {
 
 impl Inner {
     /// Why `p` can never complete because a rank destroyed the communicator: a collective once
-    /// any rank left (it will never post its part), a send or recv whose peer left.
+    /// any rank left (it will never post its part), a send or recv whose peer left, a receive
+    /// from any source once every other rank left.
     fn departed(&self, p: &Posted) -> Option<String> {
-        let who = if p.op.kind.is_p2p() && !p.op.any_source {
+        if p.op.any_source {
+            // Any other rank may still send: only when all of them left can it never match.
+            let mut others = (0..self.left.len() as u32).filter(|&r| r != p.rank);
+            return others
+                .all(|r| self.left[r as usize])
+                .then(|| {
+                    (0..self.left.len() as u32)
+                        .filter(|&r| r != p.rank)
+                        .find_map(|r| self.left_msg.get(&r).cloned())
+                })
+                .flatten();
+        }
+        let who = if p.op.kind.is_p2p() {
             Some(p.op.peer)
         } else {
             (0..self.left.len() as u32).find(|&r| self.left[r as usize])
