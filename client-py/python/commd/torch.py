@@ -30,7 +30,7 @@ import sys
 import threading
 import zlib
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

@@ -423,7 +423,6 @@ mod tests {
             pacer: Arc::new(crate::pacing::Pacer::new(None)),
             persistent: true,
             graph_tag: 1,
-            any_source: false,
             scratch: Vec::new(),
         }
     }
