@@ -278,11 +278,19 @@ def _dist_error(e: BaseException) -> BaseException:
     cls = type(e)
     kind = _DIST_KINDS.get(cls)
     if kind is None:
-        kind = type(cls.__name__, (cls, dist.DistBackendError), {"__module__": "commd.torch"})
+        # A timeout is also Python's TimeoutError, so `except TimeoutError` catches it too.
+        extra = (TimeoutError,) if issubclass(cls, _native.CommTimeoutError) else ()
+        kind = type(cls.__name__, (cls, dist.DistBackendError, *extra),
+                    {"__module__": "commd.torch"})
         _DIST_KINDS[cls] = kind
     out = kind(*e.args)
     out.__cause__ = e.__cause__
     return out
+
+
+class WaitTimeoutError(dist.DistBackendError, TimeoutError):
+    """``Work.wait(timeout)`` ran out first (the op keeps running): torch's DistBackendError,
+    worded "Timed out" as gloo's, and Python's TimeoutError."""
 
 
 class _CommdWork(_Work):
@@ -302,7 +310,7 @@ class _CommdWork(_Work):
         try:
             self._h.wait(secs)
         except TimeoutError:
-            raise dist.DistBackendError(
+            raise WaitTimeoutError(
                 f"commd: Timed out waiting {secs * 1000:.0f} ms for the op to complete (it "
                 "keeps running; a later wait() can still complete it)") from None
         except _native.CommError as e:
@@ -769,7 +777,7 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                 try:
                     h.wait(secs)
                 except TimeoutError:
-                    raise dist.DistBackendError(
+                    raise WaitTimeoutError(
                         f"[Rank {self._rank}]: timed out in monitoredBarrier after {ms} ms: "
                         "rank 0 did not release it (rank 0 failed or is waiting for another "
                         "rank)") from None
