@@ -304,6 +304,17 @@ def test_out_of_bounds_descriptor_is_refused_by_the_daemon(daemon):
         comm._native.post("all_reduce", "f32", 1000, (buf, 0), (buf, 0), "sum").wait(10)
 
 
+def test_invalid_recv_from_any_source_fails_alone_at_once(daemon):
+    """A receive from any source owes no rank its error: an invalid one fails now, alone,
+    instead of waiting to take (and fail) some sender's message."""
+    c = commd.Client(str(daemon.socket))
+    comm = c.communicator(c.unique_id(), 0, 1)
+    buf = c.alloc(64)
+    req = comm._native.post("recv", "u8", 1000, None, (buf, 0), None, 0xFFFFFFFF)
+    with pytest.raises(commd.InvalidOpError, match="recv from any source on rank 0: .*(bounds|outside|exceeds|past)"):
+        req.wait(10)
+
+
 def test_fork_child_gets_its_own_session(daemon):
     """A session inherited through fork() is refused in the child (with a clear message), and
     connect() in the child makes a new one; the parent's session is unharmed."""

@@ -44,6 +44,9 @@ pub trait Origin: cuda::Client {
     );
 }
 
+/// The `seq` of a receive from any source until it is matched (then its sender's number).
+pub const ANY_UNMATCHED: u64 = u64::MAX;
+
 /// One posted op, validated against its session and the communicator.
 pub struct Posted {
     pub op: Op,
@@ -85,7 +88,7 @@ impl Posted {
                 self.op.count,
                 self.op.dtype.name()
             ),
-            OpKind::Recv if self.op.any_source && self.seq == u64::MAX => format!(
+            OpKind::Recv if self.op.any_source && self.seq == ANY_UNMATCHED => format!(
                 "recv from any rank ({} x {})",
                 self.op.count,
                 self.op.dtype.name()

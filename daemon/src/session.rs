@@ -490,17 +490,27 @@ impl Session {
             );
             return;
         }
-        if op.any_source && comm.members.iter().any(|m| !m.local) {
-            // The ranks of other nodes send through their own daemons, which match by pair
-            // sequence number: a receive from any of them cannot be matched there. Fail it alone.
-            let nodes = crate::comm::comm_nodes(&comm);
+        // A receive from any source owes no rank its failure (it has no sequence number yet),
+        // so one that cannot run fails alone, now: an invalid one, and one on a communicator
+        // that spans nodes (other nodes' ranks send through their own daemons, which match by
+        // pair sequence number).
+        let refuse_any = match (&invalid, op.any_source) {
+            (_, false) => None,
+            (Some(why), true) => Some(why.clone()),
+            (None, true) if comm.members.iter().any(|m| !m.local) => Some(format!(
+                "supported among the ranks of one node, and this communicator spans {} nodes; name the source rank",
+                crate::comm::comm_nodes(&comm)
+            )),
+            (None, true) => None,
+        };
+        if let Some(why) = refuse_any {
             self.complete(
                 op.user_data,
                 op.comm,
                 0,
                 status::INVALID,
                 Some(format!(
-                    "{}: recv from any source on rank {rank}: supported among the ranks of one node, and this communicator spans {nodes} nodes; name the source rank",
+                    "{}: recv from any source on rank {rank}: {why}",
                     comm.label()
                 )),
             );

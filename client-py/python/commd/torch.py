@@ -28,6 +28,7 @@ import os
 import queue
 import sys
 import threading
+import time
 import zlib
 from datetime import timedelta
 from typing import Any
@@ -771,11 +772,12 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         if self._size == 1:
             return
         flag = np.zeros(1, np.uint8)
+        deadline = time.monotonic() + secs
         if self._rank != 0:
             for h in (self.comm.send(flag, 0, async_op=True),
                       self.comm.recv(np.zeros(1, np.uint8), 0, async_op=True)):
                 try:
-                    h.wait(secs)
+                    h.wait(max(deadline - time.monotonic(), 0.001))
                 except TimeoutError:
                     raise WaitTimeoutError(
                         f"[Rank {self._rank}]: timed out in monitoredBarrier after {ms} ms: "
@@ -784,8 +786,6 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                 except _native.CommError as e:
                     raise _dist_error(e) from e
             return
-        import time
-        deadline = time.monotonic() + secs
         waits = [(r, self.comm.recv(np.zeros(1, np.uint8), r, async_op=True))
                  for r in range(1, self._size)]
         late: list[int] = []

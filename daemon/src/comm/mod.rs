@@ -85,15 +85,11 @@ impl Inner {
     fn departed(&self, p: &Posted) -> Option<String> {
         if p.op.any_source {
             // Any other rank may still send: only when all of them left can it never match.
-            let mut others = (0..self.left.len() as u32).filter(|&r| r != p.rank);
-            return others
-                .all(|r| self.left[r as usize])
-                .then(|| {
-                    (0..self.left.len() as u32)
-                        .filter(|&r| r != p.rank)
-                        .find_map(|r| self.left_msg.get(&r).cloned())
-                })
-                .flatten();
+            let others = || (0..self.left.len()).filter(|&r| r != p.rank as usize);
+            if !others().all(|r| self.left[r]) {
+                return None;
+            }
+            return others().find_map(|r| self.left_msg.get(&(r as u32)).cloned());
         }
         let who = if p.op.kind.is_p2p() {
             Some(p.op.peer)
@@ -199,7 +195,7 @@ impl Comm {
         p.seq = match p.op.kind {
             OpKind::Send => next(&mut g.send_next, (r, p.op.peer)),
             // A receive from any source takes its sender's sequence number when it is matched.
-            OpKind::Recv if p.op.any_source => ANY_UNMATCHED,
+            OpKind::Recv if p.op.any_source => crate::posted::ANY_UNMATCHED,
             OpKind::Recv => next(&mut g.recv_next, (p.op.peer, r)),
             _ => {
                 let s = g.coll_next[r as usize];
@@ -711,9 +707,6 @@ pub struct Stuck {
 
 /// Renders one field of an op for mismatch reports.
 type FieldFn = dyn Fn(&Op) -> String;
-
-/// The sequence number of a receive from any source until it is matched.
-const ANY_UNMATCHED: u64 = u64::MAX;
 
 /// Where in `q` (rank b's queue) a receive from any source may take rank `a`'s next message to
 /// b: the first such receive of b's leading p2p group, unless a receive naming `a` comes before
