@@ -89,6 +89,25 @@ def test_every_op_and_dtype_matches_gloo(daemon, nproc):
     assert "compared" in out and "ops with gloo" in out
 
 
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_large_cpu_tensors_run_in_place_and_fork_safely(daemon, mode):
+    """commd's CPU allocator: ops on large ordinary tensors (every op kind, views, out of place,
+    a reused block, after a fork whose child writes the tensor) equal gloo's and run in place;
+    with COMMD_CPU_ALLOC=0 the allocator is unused and results are the same."""
+    extra = {} if mode == "on" else {"COMMD_CPU_ALLOC": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",
+           f"--master_port={free_port()}", WORKER, "cpu_alloc", mode]
+    p = subprocess.run(cmd, env=job_env(daemon, **extra), capture_output=True, text=True,
+                       timeout=600)
+    out = p.stdout + p.stderr
+    # The first rank's failure is the cause; the others then report it as a lost peer.
+    first = [ln for ln in out.splitlines() if "Error" in ln and "PeerLost" not in ln][:5]
+    assert p.returncode == 0, "\n".join(first) + "\n" + out[-6000:]
+    for r in range(3):
+        assert f"PASS rank {r}" in out, out[-6000:]
+    assert f"cpu_alloc {mode}: results equal gloo's" in out, out[-6000:]
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ddp_20_steps_match_gloo(daemon, nproc):
     out = torchrun(daemon, nproc, "ddp", "20")

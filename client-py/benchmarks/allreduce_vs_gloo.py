@@ -6,14 +6,19 @@ Rank 0 prints one table: median latency, algorithm and bus bandwidth (nccl-tests
 busbw = algbw * 2 (n-1) / n) for both, and the ratio. Results are checked (sum of known inputs).
 
     python client-py/benchmarks/allreduce_vs_gloo.py [--nranks 4] [--socket PATH]
-        [--min-bytes 4096] [--max-bytes 67108864] [--iters N] [--registered] [--json FILE]
+        [--min-bytes 4096] [--max-bytes 67108864] [--iters N] [--staged] [--registered]
+        [--json FILE]
 
 Needs a running daemon (``commd serve``) or ``--start-daemon PATH_TO_COMMD``. With
 ``--nodes K`` (and ``--start-daemon``) it starts K daemons on this host as separate nodes (own
 sockets, peer ports on loopback) and spreads the ranks over them in contiguous blocks, so commd's
 inter-node path (TCP between daemons) runs against gloo with the same processes on loopback.
-``--registered`` also measures commd on tensors allocated in commd shared memory
-(``commd.torch.empty``), which skip the staging copies.
+The "commd" column is ordinary torch tensors (``torch.empty``): with commd's CPU allocator
+(installed by the backend unless ``COMMD_CPU_ALLOC=0``) those of 1 MiB and up run in place.
+``--staged`` also measures commd on tensors over numpy's memory, which the allocator does not
+serve, so every op copies them through shared memory (what ordinary tensors cost without the
+allocator). ``--registered`` also measures tensors allocated in commd shared memory
+(``commd.torch.empty``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ def iters_for(nbytes: int, base: int) -> int:
 
 
 def rank_main(args: argparse.Namespace) -> None:
+    import numpy as np
     import torch
     import torch.distributed as dist
 
@@ -65,12 +71,19 @@ def rank_main(args: argparse.Namespace) -> None:
     for nbytes in sizes(args.min_bytes, args.max_bytes):
         count = nbytes // 4
         iters = iters_for(nbytes, args.iters)
-        variants = [("gloo", gloo, False), ("commd", world, False)]
+        variants = [("gloo", gloo, "plain"), ("commd", world, "plain")]
+        if args.staged:
+            variants.append(("commd-staged", world, "numpy"))
         if args.registered:
-            variants.append(("commd-registered", world, True))
+            variants.append(("commd-registered", world, "registered"))
         row: dict = {"bytes": nbytes, "iters": iters}
-        for name, group, registered in variants:
-            x = ct.empty(count) if registered else torch.empty(count)
+        for name, group, memory in variants:
+            if memory == "registered":
+                x = ct.empty(count)
+            elif memory == "numpy":
+                x = torch.from_numpy(np.empty(count, np.float32))
+            else:
+                x = torch.empty(count)
             x.fill_(rank + 1)
             # warm-up (and a correctness check: after k in-place sums the value is known)
             dist.all_reduce(x, group=group)
@@ -95,8 +108,6 @@ def rank_main(args: argparse.Namespace) -> None:
         rows.append(row)
     if rank == 0:
         # Reference: one process copying 32 MiB (the machine's memory speed during this run).
-        import numpy as np
-
         a = np.ones(8 << 20, np.float32)
         b = np.empty_like(a)
         ts = []
@@ -111,7 +122,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
 
 def report(rows: list[dict], n: int, args: argparse.Namespace) -> None:
-    cols = ["gloo", "commd"] + (["commd-registered"] if args.registered else [])
+    cols = (["gloo", "commd"] + (["commd-staged"] if args.staged else [])
+            + (["commd-registered"] if args.registered else []))
     print(f"# all_reduce f32, {n} ranks on {args.nodes} commd node(s), torch.distributed; median "
           f"over iterations of the slowest rank; busbw = algbw*2(n-1)/n")
     hdr = f"{'bytes':>10} {'iters':>5}"
@@ -145,7 +157,10 @@ def main() -> None:
     ap.add_argument("--min-bytes", type=int, default=4096)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--iters", type=int, default=0, help="iterations per size (0: by size)")
-    ap.add_argument("--registered", action="store_true")
+    ap.add_argument("--staged", action="store_true",
+                    help="also tensors over numpy memory (staged: copied for every op)")
+    ap.add_argument("--registered", action="store_true",
+                    help="also tensors from commd.torch.empty (commd shared memory)")
     ap.add_argument("--nodes", type=int, default=1, help="daemons as separate nodes (needs --start-daemon)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)

@@ -219,6 +219,23 @@ impl Client {
         })
     }
 
+    /// `(Buffer, byte offset)` when `[address, address + nbytes)` lies in one block of commd's
+    /// CPU allocator (`host_allocator`), which the first call moves into shared memory and
+    /// registers with this session (see commd_client::hostmem); None otherwise. The Buffer is
+    /// a registration only: its bytes cannot be exported.
+    fn adopt(&self, py: Python<'_>, address: usize, nbytes: usize) -> Option<(Buffer, u64)> {
+        py.detach(|| commd_client::hostmem::adopt(&self.inner, address, nbytes))
+            .map(|(b, off)| {
+                (
+                    Buffer {
+                        inner: b,
+                        exports: std::sync::atomic::AtomicUsize::new(0),
+                    },
+                    off,
+                )
+            })
+    }
+
     /// (allocations this process registered with the daemon, registration cache hits).
     fn cuda_registration_stats(&self) -> (u64, u64) {
         self.inner.cuda_registration_stats()
@@ -303,6 +320,12 @@ impl Buffer {
             return Err(PyBufferError::new_err("null view"));
         }
         let me = slf.get();
+        if me.inner.is_block() {
+            return Err(PyBufferError::new_err(
+                "this Buffer is the registration of a commd CPU allocator block (its bytes \
+                 belong to the tensor that owns the block)",
+            ));
+        }
         let len = me.inner.len() as ffi::Py_ssize_t;
         // SAFETY: `view` is non-null and owned by the caller for the duration of this call; we
         // fill every field. The exporter object is kept alive by the new reference in `obj`.
@@ -926,6 +949,38 @@ fn default_socket() -> String {
     commd_client::resolve_socket_path().display().to_string()
 }
 
+/// The addresses of commd's CPU allocator functions `(alloc, free)`: `void *alloc(size_t)`
+/// (null when out of memory) and `void free(void *)`, for an allocator written in C++
+/// (`commd._c10d` installs them as torch's CPU allocator for large tensors).
+#[pyfunction]
+fn host_allocator() -> (usize, usize) {
+    (
+        commd_client::hostmem::alloc as *const () as usize,
+        commd_client::hostmem::free as *const () as usize,
+    )
+}
+
+/// The CPU allocator's counters (commd_client::hostmem::Stats) as a dict.
+#[pyfunction]
+fn host_blocks(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let s = commd_client::hostmem::stats();
+    let d = pyo3::types::PyDict::new(py);
+    for (k, v) in [
+        ("allocs", s.allocs),
+        ("reused", s.reused),
+        ("moved", s.moved),
+        ("registered", s.registered),
+        ("fork_copies", s.fork_copies),
+        ("live", s.live),
+        ("live_bytes", s.live_bytes),
+        ("live_shared", s.live_shared),
+        ("cached_bytes", s.cached_bytes),
+    ] {
+        d.set_item(k, v)?;
+    }
+    Ok(d)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -935,6 +990,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Request>()?;
     m.add_class::<CudaRequest>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(host_allocator, m)?)?;
+    m.add_function(wrap_pyfunction!(host_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(default_socket, m)?)?;
     m.add("CommError", py.get_type::<CommError>())?;
     m.add(

@@ -16,6 +16,7 @@
 pub mod check;
 mod error;
 pub mod gpu;
+pub mod hostmem;
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -371,7 +372,7 @@ impl Client {
         Ok(Buffer {
             client: self.inner.clone(),
             mem_id,
-            map,
+            map: Mapping::Own(map),
             len: bytes,
         })
     }
@@ -903,8 +904,16 @@ pub struct CommOptions {
 pub struct Buffer {
     client: Arc<Inner>,
     mem_id: u32,
-    map: MmapRaw,
+    map: Mapping,
     len: u64,
+}
+
+/// Where a [`Buffer`]'s bytes are mapped in this process.
+enum Mapping {
+    /// The buffer's own mapping, unmapped with it.
+    Own(MmapRaw),
+    /// A [`hostmem`] block's address: the block owns the mapping; the buffer is its registration.
+    Block(usize),
 }
 
 impl std::fmt::Debug for Buffer {
@@ -924,17 +933,30 @@ impl Buffer {
         self.len == 0
     }
     pub fn as_ptr(&self) -> *mut u8 {
-        self.map.as_mut_ptr()
+        match &self.map {
+            Mapping::Own(m) => m.as_mut_ptr(),
+            Mapping::Block(a) => *a as *mut u8,
+        }
+    }
+    /// True for the registration of a [`hostmem`] block (its bytes belong to the block, which
+    /// the allocator may unmap while this registration lives on in an op): never hand such a
+    /// buffer's bytes out.
+    pub fn is_block(&self) -> bool {
+        matches!(self.map, Mapping::Block(_))
+    }
+    /// Does `self` belong to `client`'s session?
+    pub fn is_of(&self, client: &Client) -> bool {
+        Arc::ptr_eq(&self.client, &client.inner)
     }
     /// The buffer's bytes. Do not hold this across an op that writes the buffer.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is `len` bytes, lives as long as self, and is only written by the
         // daemon during ops that name it, which the module-level ownership rules exclude here.
-        unsafe { std::slice::from_raw_parts(self.map.as_ptr(), self.len as usize) }
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len as usize) }
     }
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only reference from this process.
-        unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr(), self.len as usize) }
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len as usize) }
     }
 }
 

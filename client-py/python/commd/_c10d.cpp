@@ -9,6 +9,10 @@
 // returns is wrapped in CommdWork, which forwards every Work method, not only those two.
 //
 // Nothing here moves data: the collectives run in the daemon as before.
+//
+// It also carries commd's CPU allocator for torch (install_cpu_allocator): large CPU tensors are
+// allocated by commd (commd_client::hostmem), so the daemon can run ops on them in place instead
+// of staging them through shared memory.
 
 #include <torch/extension.h>
 
@@ -18,6 +22,9 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <c10/core/CPUAllocator.h>
+
+#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -357,6 +364,52 @@ class CommdBackend : public Backend {
 
 }  // namespace commd
 
+namespace commd {
+
+// Large CPU allocations (at least `min_bytes`) come from commd's allocator, whose functions
+// (from commd._native.host_allocator) are passed in by address; smaller ones, and any that
+// allocator cannot serve, go to the allocator that was installed before.
+class CpuAllocator final : public c10::Allocator {
+ public:
+  using AllocFn = void* (*)(size_t);
+  using FreeFn = void (*)(void*);
+
+  CpuAllocator(c10::Allocator* fallback, AllocFn alloc, FreeFn free, size_t min_bytes)
+      : fallback_(fallback), min_bytes_(min_bytes) {
+    alloc_ = alloc;
+    free_ = free;
+  }
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n >= min_bytes_.load(std::memory_order_relaxed)) {
+      void* p = alloc_(n);
+      if (p != nullptr) {
+        return {p, p, &CpuAllocator::release, c10::Device(c10::DeviceType::CPU)};
+      }
+    }
+    return fallback_->allocate(n);
+  }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  void set_min_bytes(size_t n) { min_bytes_.store(n, std::memory_order_relaxed); }
+
+ private:
+  static void release(void* p) { free_(p); }
+
+  c10::Allocator* fallback_;
+  std::atomic<size_t> min_bytes_;
+  static inline FreeFn free_ = nullptr;
+  static inline AllocFn alloc_ = nullptr;
+};
+
+// Installed once per process, and never destroyed: tensors it made may outlive everything.
+CpuAllocator* g_cpu_allocator = nullptr;
+
+}  // namespace commd
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "commd's c10d backend shell (commd/_c10d.cpp)";
   m.def(
@@ -380,4 +433,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return c != nullptr ? c->impl() : py::object(py::none());
       },
       "The Python Work behind a Work of this backend, else None.");
+  m.def(
+      "install_cpu_allocator",
+      [](uintptr_t alloc, uintptr_t free, size_t min_bytes) -> bool {
+        if (commd::g_cpu_allocator == nullptr) {
+          commd::g_cpu_allocator = new commd::CpuAllocator(
+              c10::GetCPUAllocator(), reinterpret_cast<commd::CpuAllocator::AllocFn>(alloc),
+              reinterpret_cast<commd::CpuAllocator::FreeFn>(free), min_bytes);
+          // Priority 1: above torch's default CPU allocator (0), so it takes effect.
+          c10::SetCPUAllocator(commd::g_cpu_allocator, 1);
+        }
+        commd::g_cpu_allocator->set_min_bytes(min_bytes);
+        return c10::GetCPUAllocator() == commd::g_cpu_allocator;
+      },
+      "Makes commd's allocator (commd._native.host_allocator) torch's CPU allocator for "
+      "allocations of at least min_bytes (a later call changes min_bytes); true when it is the CPU allocator now (another "
+      "allocator installed at a higher priority keeps its place).");
 }

@@ -161,6 +161,19 @@ def _address(a: np.ndarray) -> int:
     return a.__array_interface__["data"][0]
 
 
+# Set when commd's CPU allocator serves allocations of at least this size in this process
+# (commd.torch.use_cpu_allocator): Client.locate then looks arrays up in its blocks too.
+_blocks_in_use = False
+_blocks_min_bytes = 1 << 20
+
+
+def _blocks_installed(min_bytes: int) -> None:
+    global _blocks_in_use, _blocks_min_bytes
+    # The smallest size ever served: blocks made under an earlier, lower minimum still exist.
+    _blocks_min_bytes = min(_blocks_min_bytes, min_bytes) if _blocks_in_use else min_bytes
+    _blocks_in_use = True
+
+
 # The peer of a receive from any source (commd_client::ANY_SOURCE).
 _ANY_SOURCE = 0xFFFFFFFF
 
@@ -355,10 +368,15 @@ class Client:
         return buf
 
     def locate(self, a: np.ndarray) -> tuple[_native.Buffer, int] | None:
-        """(buffer, byte offset) if ``a`` is a C-contiguous array inside a shared buffer."""
+        """(buffer, byte offset) if ``a`` is a C-contiguous array inside a shared buffer, or
+        inside a block of commd's CPU allocator (see :func:`commd.torch.use_cpu_allocator`),
+        which this moves into shared memory on its first op."""
         if a.nbytes == 0 or not a.flags.c_contiguous:
             return None
-        return self._registry.find(_address(a), a.nbytes)
+        found = self._registry.find(_address(a), a.nbytes)
+        if found is None and _blocks_in_use and a.nbytes >= _blocks_min_bytes:
+            found = self._native.adopt(_address(a), a.nbytes)
+        return found
 
     def status(self) -> dict[str, Any]:
         import json
@@ -510,8 +528,9 @@ class Communicator:
         finish: Callable[[], None] | None = None
         zs = self.client.locate(ins[0]) if len(ins) == 1 else None
         zr = self.client.locate(outs[0]) if len(outs) == 1 else None
-        if in_off is not None and zs is not None and zr is not None and zs[0] is zr[0]:
-            # Both sides are shared memory already (in place or not): no staging at all.
+        if in_off is not None and zs is not None and zr is not None:
+            # Both sides are shared memory already (in place or not, one buffer or two): no
+            # staging at all.
             send, recv = zs, zr
         elif in_off is not None:
             size = region if region is not None else max(sbytes, rbytes)

@@ -5,8 +5,11 @@ torchrun (``env://``), with any store or init_method, and under mpirun (``RANK``
 etc. are filled in from Open MPI's or PMI's variables when torch's are absent). Rank 0 of each
 group creates the communicator id and publishes it in the group's store; every rank then joins.
 
-CPU tensors are staged through shared memory (see ``commd._core``); tensors made by
-:func:`empty` already live there and skip the copies. CUDA tensors take the stream-ordered GPU
+CPU tensors of 1 MiB and up run in place: creating the backend makes commd's allocator torch's
+CPU allocator for such tensors (:func:`use_cpu_allocator`; ``COMMD_CPU_ALLOC=0`` keeps torch's),
+and the first op on a tensor moves its memory into shared memory the daemon maps. Other CPU
+tensors are staged (copied) through shared memory (see ``commd._core``); tensors made by
+:func:`empty` live there from the start. CUDA tensors take the stream-ordered GPU
 path (``commd._torch_cuda``): ops are ordered after the current stream, ``Work.wait()`` makes
 the current stream wait without blocking the CPU, and the daemon moves the data with copy
 engines.
@@ -45,7 +48,8 @@ from . import _core, _native
 from ._core import Handle
 from ._torch_cuda import _COMPLEX, _REAL, CudaOps
 
-__all__ = ["CommdBackend", "register", "empty", "set_pacing", "backend", "BACKEND"]
+__all__ = ["CommdBackend", "register", "empty", "set_pacing", "backend", "BACKEND",
+           "use_cpu_allocator"]
 
 BACKEND = "commd"
 
@@ -1175,8 +1179,67 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
     shell = _shell()
     if shell is None:
         return b
+    if _env_flag("COMMD_CPU_ALLOC", True):
+        use_cpu_allocator()
     b._shell = True
     return shell.wrap(b, opts.group_rank, opts.group_size, b._timeout_s or 0.0)
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return default
+    return v not in ("0", "off", "false", "no")
+
+
+def _size_env(name: str, default: int) -> int:
+    """A byte count from the environment: an integer with an optional K, M or G (binary)."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(v[-1].lower(), 1)
+    try:
+        n = int(v[:-1] if mult != 1 else v) * mult
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not a byte count (e.g. 1048576, 512K, 1M)") from None
+    if n < 0:
+        raise ValueError(f"{name}={v!r} is negative")
+    return n
+
+
+def use_cpu_allocator(min_bytes: int | None = None) -> bool:
+    """Makes commd's allocator torch's CPU allocator for allocations of at least ``min_bytes``
+    (default ``COMMD_CPU_ALLOC_MIN``, else 1 MiB), so collectives on such tensors run in place
+    in the daemon instead of being copied through shared memory. Creating the backend calls it
+    (unless ``COMMD_CPU_ALLOC=0``); call it earlier to cover tensors made before
+    ``init_process_group`` (a model built first). Tensors that already exist are not changed.
+
+    What it does: such allocations are whole pages owned by commd (freed ones of the same size
+    are reused, up to ``COMMD_CPU_CACHE_MIB``, default 256); the first op on one copies it into
+    a memfd mapped at the same address and registered with the daemon. So during a tensor's
+    *first* op, do not write to its storage (not even outside the op's range) from another
+    thread. A forked child gets private copies of such tensors (the parent waits until they
+    are made). Returns True when the allocator is in place; False when it cannot be (no C++
+    shell, or another CPU allocator installed at a higher priority), with the reason on stderr
+    once."""
+    if min_bytes is None:
+        min_bytes = _size_env("COMMD_CPU_ALLOC_MIN", 1 << 20)
+    min_bytes = max(int(min_bytes), 1)
+    from . import _c10d
+    mod = _c10d.load(quiet=True)
+    if mod is None:
+        ok, why = False, f"the C++ shell is missing: {_c10d.why_not()}"
+    else:
+        a, f = _native.host_allocator()
+        ok = bool(mod.install_cpu_allocator(a, f, min_bytes))
+        why = "another CPU allocator was installed at a higher priority"
+    if ok:
+        _core._blocks_installed(min_bytes)
+    elif not getattr(use_cpu_allocator, "_said", False):
+        use_cpu_allocator._said = True  # type: ignore[attr-defined]
+        print(f"commd: CPU tensors stay staged (copied) for collectives: {why}",
+              file=sys.stderr, flush=True)
+    return ok
 
 
 def _shell() -> Any:

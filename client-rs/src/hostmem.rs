@@ -1,0 +1,527 @@
+//! Host blocks: large CPU allocations owned by commd, so that collectives on them run in place.
+//!
+//! An ordinary allocation lives in the process's private pages, which the daemon cannot map, so
+//! every op on it is staged: copied into a shared buffer and back (two copies per rank and op,
+//! 2-2.6x the op itself on a 2-core host; docs/benchmarks.md). Reading the private pages from the
+//! daemon (`process_vm_readv`) measured no faster than staging. So the allocations themselves
+//! are made where the daemon can reach them: [`alloc`]/[`free`] are an allocator (torch's CPU
+//! allocator calls them for large tensors, through `commd._c10d`), and [`adopt`] gives an op on a
+//! block its registration with the daemon.
+//!
+//! - A block starts as a private anonymous mapping of whole pages: nothing changes for memory
+//!   that is never communicated.
+//! - The first op on a block *moves* it into a sealed memfd: its bytes are copied into the memfd,
+//!   which is then mapped over the same addresses (`mremap`), and the memfd is registered with
+//!   the daemon. Later ops on it copy nothing. The move copies the block's bytes at that moment:
+//!   another thread writing to the same allocation during that first op (also outside the op's
+//!   range) may lose that write, so the ownership rule of an op covers its whole allocation for
+//!   the first op.
+//! - [`free`] keeps up to [`cache_limit`] bytes of freed blocks for reuse by an allocation of the
+//!   same page count: moved blocks keep their registration, so a training loop allocating the
+//!   same sizes every step moves and registers each block once.
+//! - `fork()`: a shared mapping would stay shared with the child, so a child writing to a tensor
+//!   it inherited would change the parent's (and the parent's later writes would show in the
+//!   child). A `pthread_atfork` child handler gives the child a private copy of every moved live
+//!   block and unmaps the cached ones, while the parent waits in its own handler until that is
+//!   done, so the child's copy is the memory as it was at the fork. Blocks never moved are
+//!   private anyway and fork as usual (copy on write).
+//! - Safety: the daemon maps the memfd itself, so freeing a block (or the process dying) during
+//!   an op never leaves the daemon with freed pages; it only ever sees memfds this process sent.
+//!
+//! The table is one mutex (a pthread mutex, locked across `fork` by the prepare handler).
+
+use std::cell::UnsafeCell;
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Once};
+
+use crate::{Buffer, Client, Mapping};
+
+/// The default bound on freed blocks kept for reuse (`COMMD_CPU_CACHE_MIB` overrides).
+pub const DEFAULT_CACHE_BYTES: usize = 256 << 20;
+
+struct Shared {
+    fd: OwnedFd,
+    /// The registration with a session (the one that last ran an op on the block).
+    reg: Option<Arc<Buffer>>,
+}
+
+struct Block {
+    len: usize,
+    live: bool,
+    shared: Option<Shared>,
+}
+
+struct Table {
+    blocks: BTreeMap<usize, Block>,
+    /// Freed blocks kept for reuse: page-rounded length -> addresses.
+    free: BTreeMap<usize, Vec<usize>>,
+    cached: usize,
+}
+
+struct Locked {
+    m: UnsafeCell<libc::pthread_mutex_t>,
+    t: UnsafeCell<Table>,
+}
+
+// SAFETY: `t` is only reached through `Guard`, which holds `m`.
+unsafe impl Sync for Locked {}
+
+static STATE: Locked = Locked {
+    m: UnsafeCell::new(libc::PTHREAD_MUTEX_INITIALIZER),
+    t: UnsafeCell::new(Table {
+        blocks: BTreeMap::new(),
+        free: BTreeMap::new(),
+        cached: 0,
+    }),
+};
+
+struct Guard;
+
+fn lock() -> Guard {
+    // SAFETY: a statically initialised, never destroyed mutex.
+    unsafe { libc::pthread_mutex_lock(STATE.m.get()) };
+    Guard
+}
+
+impl std::ops::Deref for Guard {
+    type Target = Table;
+    fn deref(&self) -> &Table {
+        // SAFETY: the mutex is held while the guard lives.
+        unsafe { &*STATE.t.get() }
+    }
+}
+
+impl std::ops::DerefMut for Guard {
+    fn deref_mut(&mut self) -> &mut Table {
+        // SAFETY: as in deref; one guard at a time.
+        unsafe { &mut *STATE.t.get() }
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        // SAFETY: locked by `lock`.
+        unsafe { libc::pthread_mutex_unlock(STATE.m.get()) };
+    }
+}
+
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+static REUSED: AtomicU64 = AtomicU64::new(0);
+static MOVED: AtomicU64 = AtomicU64::new(0);
+static REGISTERED: AtomicU64 = AtomicU64::new(0);
+static FORK_COPIES: AtomicU64 = AtomicU64::new(0);
+static CACHE_LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
+static REFUSED_SAID: Once = Once::new();
+
+/// Counters of the allocator since the process started (`commd._native.host_blocks()`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Blocks handed out by [`alloc`] (fresh or reused).
+    pub allocs: u64,
+    /// Of those, reused from the cache of freed blocks.
+    pub reused: u64,
+    /// Blocks moved into shared memory by a first op.
+    pub moved: u64,
+    /// Registrations with a session.
+    pub registered: u64,
+    /// Moved blocks copied private in a forked child (counted in the child).
+    pub fork_copies: u64,
+    /// Live blocks now, their bytes, and how many of them are shared.
+    pub live: u64,
+    pub live_bytes: u64,
+    pub live_shared: u64,
+    /// Freed blocks kept for reuse, in bytes.
+    pub cached_bytes: u64,
+}
+
+pub fn stats() -> Stats {
+    let t = lock();
+    let mut s = Stats {
+        allocs: ALLOCS.load(Ordering::Relaxed),
+        reused: REUSED.load(Ordering::Relaxed),
+        moved: MOVED.load(Ordering::Relaxed),
+        registered: REGISTERED.load(Ordering::Relaxed),
+        fork_copies: FORK_COPIES.load(Ordering::Relaxed),
+        cached_bytes: t.cached as u64,
+        ..Stats::default()
+    };
+    for b in t.blocks.values().filter(|b| b.live) {
+        s.live += 1;
+        s.live_bytes += b.len as u64;
+        s.live_shared += u64::from(b.shared.is_some());
+    }
+    s
+}
+
+/// The bound on freed blocks kept for reuse: `COMMD_CPU_CACHE_MIB` (MiB), else
+/// [`DEFAULT_CACHE_BYTES`].
+pub fn cache_limit() -> usize {
+    let v = CACHE_LIMIT.load(Ordering::Relaxed);
+    if v != usize::MAX {
+        return v;
+    }
+    let v = std::env::var("COMMD_CPU_CACHE_MIB")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .map(|m| m.saturating_mul(1 << 20))
+        .unwrap_or(DEFAULT_CACHE_BYTES);
+    CACHE_LIMIT.store(v, Ordering::Relaxed);
+    v
+}
+
+fn page() -> usize {
+    rustix::param::page_size()
+}
+
+fn round(n: usize) -> Option<usize> {
+    let p = page();
+    n.max(1).checked_add(p - 1).map(|v| v / p * p)
+}
+
+/// Allocates `bytes` (page-aligned, whole pages); null when the memory cannot be had. For
+/// allocators: pair it with [`free`].
+pub extern "C" fn alloc(bytes: usize) -> *mut libc::c_void {
+    static FORK: Once = Once::new();
+    FORK.call_once(|| {
+        // SAFETY: the handlers follow pthread_atfork's rules (see each).
+        unsafe { libc::pthread_atfork(Some(prepare), Some(parent), Some(child)) };
+    });
+    let Some(len) = round(bytes) else {
+        return std::ptr::null_mut();
+    };
+    ALLOCS.fetch_add(1, Ordering::Relaxed);
+    {
+        let mut t = lock();
+        if let Some(addr) = t.free.get_mut(&len).and_then(|v| v.pop()) {
+            if t.free.get(&len).is_some_and(|v| v.is_empty()) {
+                t.free.remove(&len);
+            }
+            t.cached -= len;
+            if let Some(b) = t.blocks.get_mut(&addr) {
+                b.live = true;
+            }
+            REUSED.fetch_add(1, Ordering::Relaxed);
+            return addr as *mut libc::c_void;
+        }
+    }
+    // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return std::ptr::null_mut();
+    }
+    lock().blocks.insert(
+        p as usize,
+        Block {
+            len,
+            live: true,
+            shared: None,
+        },
+    );
+    p
+}
+
+/// Frees a block from [`alloc`]; a pointer that is not one is ignored (never unmapped).
+pub extern "C" fn free(p: *mut libc::c_void) {
+    let addr = p as usize;
+    let limit = cache_limit();
+    let release = {
+        let mut t = lock();
+        let Some(b) = t.blocks.get_mut(&addr) else {
+            return;
+        };
+        if !b.live {
+            return;
+        }
+        b.live = false;
+        let len = b.len;
+        let anon = b.shared.is_none();
+        if t.cached + len <= limit {
+            t.cached += len;
+            t.free.entry(len).or_default().push(addr);
+            if anon {
+                // Its pages may go back to the system under pressure (a reuse refaults them).
+                // SAFETY: the block's own pages, which nobody uses now.
+                unsafe { libc::madvise(p, len, libc::MADV_FREE) };
+            }
+            None
+        } else {
+            t.blocks.remove(&addr)
+        }
+    };
+    if let Some(b) = release {
+        // SAFETY: the block's own mapping, removed from the table above.
+        unsafe { libc::munmap(p, b.len) };
+        // The registration (if any) ends when its last op lets go of it; the daemon keeps its
+        // own mapping of the memfd until then.
+        drop_off_thread(b.shared.and_then(|s| s.reg));
+    }
+}
+
+/// Drops a registration on a helper thread: its drop deregisters with a daemon call, which
+/// an allocator's `free` (called anywhere, locks held) must not wait for.
+fn drop_off_thread(reg: Option<Arc<Buffer>>) {
+    static REAPER: Mutex<Option<(u32, std::sync::mpsc::Sender<Arc<Buffer>>)>> = Mutex::new(None);
+    let Some(reg) = reg else { return };
+    let mut r = REAPER.lock().unwrap_or_else(|e| e.into_inner());
+    let pid = std::process::id();
+    if r.as_ref().is_none_or(|(p, _)| *p != pid) {
+        let (tx, rx) = std::sync::mpsc::channel::<Arc<Buffer>>();
+        let spawned = std::thread::Builder::new()
+            .name("commd-hostmem".into())
+            .spawn(move || rx.into_iter().for_each(drop));
+        if spawned.is_err() {
+            // No thread to be had: deregister here (the caller holds no lock of ours).
+            drop(r);
+            drop(reg);
+            return;
+        }
+        *r = Some((pid, tx));
+    }
+    if let Some((_, tx)) = r.as_ref()
+        && let Err(e) = tx.send(reg)
+    {
+        drop(r);
+        drop(e.0);
+    }
+}
+
+/// The registration and byte offset of `[addr, addr + bytes)` when it lies in one live block,
+/// moving the block into shared memory and registering it with `client` first if needed; None
+/// when the range is not in a block (the op is staged as before). An error is returned only
+/// where the move failed half-way, which cannot happen with a working kernel; a registration
+/// the daemon refuses (its memory limits) returns None and is said once on stderr.
+///
+/// The returned buffer's bytes belong to the block: do not read them through it.
+pub fn adopt(client: &Client, addr: usize, bytes: usize) -> Option<(Arc<Buffer>, u64)> {
+    let mut t = lock();
+    let (&start, b) = t.blocks.range_mut(..=addr).next_back()?;
+    if !b.live || bytes == 0 || addr.checked_add(bytes)? > start + b.len {
+        return None;
+    }
+    if b.shared.is_none() {
+        let fd = move_to_memfd(start, b.len).ok()?;
+        MOVED.fetch_add(1, Ordering::Relaxed);
+        b.shared = Some(Shared { fd, reg: None });
+    }
+    let len = b.len;
+    let sh = b.shared.as_mut()?;
+    if let Some(r) = &sh.reg
+        && r.is_of(client)
+    {
+        return Some((r.clone(), (addr - start) as u64));
+    }
+    // Register (a daemon call) under the table's lock: a block's registration is made once.
+    match client.register_fd(sh.fd.as_fd(), len as u64) {
+        Ok(mem_id) => {
+            REGISTERED.fetch_add(1, Ordering::Relaxed);
+            let reg = Arc::new(Buffer {
+                client: client.inner.clone(),
+                mem_id,
+                map: Mapping::Block(start),
+                len: len as u64,
+            });
+            let old = sh.reg.replace(reg.clone());
+            drop(t);
+            drop_off_thread(old);
+            Some((reg, (addr - start) as u64))
+        }
+        Err(e) => {
+            drop(t);
+            REFUSED_SAID.call_once(|| {
+                eprintln!(
+                    "commd: a CPU tensor's memory could not be registered with the daemon ({e}); ops on such tensors are staged (copied) instead"
+                )
+            });
+            None
+        }
+    }
+}
+
+/// Copies the block at `start` into a new sealed memfd and maps the memfd over it.
+fn move_to_memfd(start: usize, len: usize) -> std::io::Result<OwnedFd> {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let fd = rustix::fs::memfd_create(
+        "commd-cpu-tensor",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )?;
+    rustix::fs::ftruncate(&fd, len as u64)?;
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: a fresh shared mapping of the memfd, then a copy of the block's own `len` bytes
+    // into it and a move of that mapping over the block (MREMAP_FIXED replaces the block's pages
+    // at the same addresses in one step).
+    unsafe {
+        let tmp = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        );
+        if tmp == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        std::ptr::copy_nonoverlapping(start as *const u8, tmp as *mut u8, len);
+        let r = libc::mremap(
+            tmp,
+            len,
+            len,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            start as *mut libc::c_void,
+        );
+        if r == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            libc::munmap(tmp, len);
+            return Err(e);
+        }
+    }
+    Ok(fd)
+}
+
+/// The pipe on which a forked child tells its parent that its blocks are private (read end,
+/// write end); -1 when no live block was shared at the fork.
+static FORK_PIPE: [std::sync::atomic::AtomicI32; 2] = [
+    std::sync::atomic::AtomicI32::new(-1),
+    std::sync::atomic::AtomicI32::new(-1),
+];
+
+extern "C" fn prepare() {
+    // Held until `parent`/`child`: no other thread is inside the table at the fork.
+    std::mem::forget(lock());
+    // SAFETY: the table is locked by this thread (above).
+    let t = unsafe { &*STATE.t.get() };
+    if t.blocks.values().any(|b| b.live && b.shared.is_some()) {
+        let mut fds = [-1; 2];
+        // SAFETY: a plain pipe2 call on a local array.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == 0 {
+            FORK_PIPE[0].store(fds[0], Ordering::Relaxed);
+            FORK_PIPE[1].store(fds[1], Ordering::Relaxed);
+        }
+    }
+}
+
+extern "C" fn parent() {
+    let (r, w) = (
+        FORK_PIPE[0].swap(-1, Ordering::Relaxed),
+        FORK_PIPE[1].swap(-1, Ordering::Relaxed),
+    );
+    if r >= 0 {
+        // SAFETY: our pipe's fds. Wait for the child's byte, or its end (EOF: it died).
+        unsafe {
+            libc::close(w);
+            let mut b = 0u8;
+            while libc::read(r, (&mut b as *mut u8).cast(), 1) < 0
+                && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted
+            {
+            }
+            libc::close(r);
+        }
+    }
+    // SAFETY: locked by `prepare` in this thread.
+    unsafe { libc::pthread_mutex_unlock(STATE.m.get()) };
+}
+
+extern "C" fn child() {
+    // SAFETY: the table was locked by `prepare` in the thread that forked, which this is; the
+    // child has no other thread. Only system calls and the table's own memory are used.
+    let t = unsafe { &mut *STATE.t.get() };
+    let mut gone = Vec::new();
+    for (&start, b) in t.blocks.iter_mut() {
+        let Some(sh) = b.shared.take() else { continue };
+        // The registration belongs to the parent's session: never dropped (that would
+        // deregister the parent's memory), only forgotten.
+        std::mem::forget(sh.reg);
+        drop(sh.fd);
+        if b.live {
+            // SAFETY: copies the block's bytes into a fresh private mapping and moves it over
+            // the shared one at the same addresses. On failure the child keeps the shared
+            // mapping and must not run on: it exits rather than share the parent's memory.
+            unsafe {
+                let tmp = libc::mmap(
+                    std::ptr::null_mut(),
+                    b.len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                );
+                let ok = tmp != libc::MAP_FAILED && {
+                    std::ptr::copy_nonoverlapping(start as *const u8, tmp as *mut u8, b.len);
+                    libc::mremap(
+                        tmp,
+                        b.len,
+                        b.len,
+                        libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+                        start as *mut libc::c_void,
+                    ) != libc::MAP_FAILED
+                };
+                if !ok {
+                    let msg = b"commd: a forked child could not copy its parent's shared CPU tensors (out of memory); it exits\n";
+                    libc::write(2, msg.as_ptr().cast(), msg.len());
+                    libc::_exit(127);
+                }
+            }
+            FORK_COPIES.fetch_add(1, Ordering::Relaxed);
+        } else {
+            // A cached block: nobody in the child can hold it.
+            // SAFETY: the block's mapping, dropped from the table below.
+            unsafe { libc::munmap(start as *mut libc::c_void, b.len) };
+            gone.push(start);
+        }
+    }
+    for a in gone {
+        if let Some(b) = t.blocks.remove(&a)
+            && let Some(v) = t.free.get_mut(&b.len)
+        {
+            v.retain(|&x| x != a);
+            t.cached -= b.len;
+        }
+    }
+    t.free.retain(|_, v| !v.is_empty());
+    let w = FORK_PIPE[1].swap(-1, Ordering::Relaxed);
+    let r = FORK_PIPE[0].swap(-1, Ordering::Relaxed);
+    if w >= 0 {
+        // SAFETY: our pipe's fds.
+        unsafe {
+            libc::write(w, b"x".as_ptr().cast(), 1);
+            libc::close(w);
+            libc::close(r);
+        }
+    }
+    // SAFETY: locked by `prepare` in the thread that forked.
+    unsafe { libc::pthread_mutex_unlock(STATE.m.get()) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn alloc_reuses_freed_blocks_of_the_same_page_count_and_ignores_foreign_pointers() {
+        let p = alloc(3 * page() + 5);
+        assert!(!p.is_null());
+        assert_eq!(p as usize % page(), 0);
+        // SAFETY: 4 pages were allocated.
+        unsafe { std::ptr::write_bytes(p as *mut u8, 7, 4 * page()) };
+        free(p);
+        let q = alloc(4 * page());
+        assert_eq!(p, q, "a freed block of the same page count is reused");
+        let mut x = 5u64;
+        free((&mut x as *mut u64).cast()); // not a block: ignored
+        assert_eq!(x, 5);
+        free(q);
+        free(q); // a second free of a cached block is ignored
+    }
+}
