@@ -950,7 +950,8 @@ fn default_socket() -> String {
 }
 
 /// The addresses of commd's CPU allocator functions `(alloc, free)`: `void *alloc(size_t)`
-/// (null when out of memory) and `void free(void *)`, for an allocator written in C++
+/// (null when out of memory) and `bool free(void *)` (false, doing nothing, for a pointer that is not
+/// one of its blocks), for an allocator written in C++
 /// (`commd._c10d` installs them as torch's CPU allocator for large tensors).
 #[pyfunction]
 fn host_allocator() -> (usize, usize) {

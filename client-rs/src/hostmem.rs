@@ -231,17 +231,18 @@ pub extern "C" fn alloc(bytes: usize) -> *mut libc::c_void {
     p
 }
 
-/// Frees a block from [`alloc`]; a pointer that is not one is ignored (never unmapped).
-pub extern "C" fn free(p: *mut libc::c_void) {
+/// Frees a block from [`alloc`] and returns true; a pointer that is not a live block is
+/// ignored (never unmapped) and returns false, so a caller can hand it to another allocator.
+pub extern "C" fn free(p: *mut libc::c_void) -> bool {
     let addr = p as usize;
     let limit = cache_limit();
     let release = {
         let mut t = lock();
         let Some(b) = t.blocks.get_mut(&addr) else {
-            return;
+            return false;
         };
         if !b.live {
-            return;
+            return false;
         }
         b.live = false;
         let len = b.len;
@@ -252,7 +253,7 @@ pub extern "C" fn free(p: *mut libc::c_void) {
             if anon {
                 // Its pages may go back to the system under pressure (a reuse refaults them).
                 // SAFETY: the block's own pages, which nobody uses now.
-                unsafe { libc::madvise(p, len, libc::MADV_FREE) };
+                unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_FREE) };
             }
             None
         } else {
@@ -261,11 +262,12 @@ pub extern "C" fn free(p: *mut libc::c_void) {
     };
     if let Some(b) = release {
         // SAFETY: the block's own mapping, removed from the table above.
-        unsafe { libc::munmap(p, b.len) };
+        unsafe { libc::munmap(addr as *mut libc::c_void, b.len) };
         // The registration (if any) ends when its last op lets go of it; the daemon keeps its
         // own mapping of the memfd until then.
         drop_off_thread(b.shared.and_then(|s| s.reg));
     }
+    true
 }
 
 /// Drops a registration on a helper thread: its drop deregisters with a daemon call, which
@@ -515,13 +517,13 @@ mod tests {
         assert_eq!(p as usize % page(), 0);
         // SAFETY: 4 pages were allocated.
         unsafe { std::ptr::write_bytes(p as *mut u8, 7, 4 * page()) };
-        free(p);
+        assert!(free(p));
         let q = alloc(4 * page());
         assert_eq!(p, q, "a freed block of the same page count is reused");
         let mut x = 5u64;
-        free((&mut x as *mut u64).cast()); // not a block: ignored
+        assert!(!free((&mut x as *mut u64).cast()), "not a block: ignored");
         assert_eq!(x, 5);
-        free(q);
-        free(q); // a second free of a cached block is ignored
+        assert!(free(q));
+        assert!(!free(q), "a second free of a cached block is ignored");
     }
 }

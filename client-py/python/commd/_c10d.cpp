@@ -372,12 +372,14 @@ namespace commd {
 class CpuAllocator final : public c10::Allocator {
  public:
   using AllocFn = void* (*)(size_t);
-  using FreeFn = void (*)(void*);
+  // Frees a block of commd's allocator; false (and nothing done) for any other pointer.
+  using FreeFn = bool (*)(void*);
 
   CpuAllocator(c10::Allocator* fallback, AllocFn alloc, FreeFn free, size_t min_bytes)
       : fallback_(fallback), min_bytes_(min_bytes) {
     alloc_ = alloc;
     free_ = free;
+    fallback_raw_ = fallback->raw_deleter();
   }
 
   c10::DataPtr allocate(size_t n) override {
@@ -394,14 +396,27 @@ class CpuAllocator final : public c10::Allocator {
     default_copy_data(dest, src, count);
   }
 
+  // raw_allocate/raw_deallocate (oneDNN's scratch buffers use them) free through this, so it
+  // must take both kinds of pointer: a block goes back to commd, anything else to the
+  // previous allocator's raw deleter. Without one, raw_deallocate is refused as before.
+  c10::DeleterFnPtr raw_deleter() const override {
+    return fallback_raw_ != nullptr ? &CpuAllocator::release_any : nullptr;
+  }
+
   void set_min_bytes(size_t n) { min_bytes_.store(n, std::memory_order_relaxed); }
 
  private:
   static void release(void* p) { free_(p); }
+  static void release_any(void* p) {
+    if (!free_(p)) {
+      fallback_raw_(p);
+    }
+  }
 
   c10::Allocator* fallback_;
   std::atomic<size_t> min_bytes_;
   static inline FreeFn free_ = nullptr;
+  static inline c10::DeleterFnPtr fallback_raw_ = nullptr;
   static inline AllocFn alloc_ = nullptr;
 };
 
