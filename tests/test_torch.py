@@ -89,12 +89,13 @@ def test_every_op_and_dtype_matches_gloo(daemon, nproc):
     assert "compared" in out and "ops with gloo" in out
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("mode", ["on", "off", "nocache"])
 def test_large_cpu_tensors_run_in_place_and_fork_safely(daemon, mode):
     """commd's CPU allocator: ops on large ordinary tensors (every op kind, views, out of place,
     a reused block, after a fork whose child writes the tensor) equal gloo's and run in place;
-    with COMMD_CPU_ALLOC=0 the allocator is unused and results are the same."""
-    extra = {} if mode == "on" else {"COMMD_CPU_ALLOC": "0"}
+    with COMMD_CPU_ALLOC=0 the allocator is unused and results are the same; with no cache of
+    freed blocks, their registrations are dropped."""
+    extra = {"on": {}, "off": {"COMMD_CPU_ALLOC": "0"}, "nocache": {"COMMD_CPU_CACHE_MIB": "0"}}[mode]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",
            f"--master_port={free_port()}", WORKER, "cpu_alloc", mode]
     p = subprocess.run(cmd, env=job_env(daemon, **extra), capture_output=True, text=True,

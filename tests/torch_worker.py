@@ -574,6 +574,27 @@ def scenario_cpu_alloc(gloo: dist.ProcessGroup, mode: str) -> None:
         return
     if s0["moved"] < 5 or s0["registered"] < 5:
         raise AssertionError(f"ops on large tensors did not run in place: {s0}")
+    if mode == "nocache":
+        # COMMD_CPU_CACHE_MIB=0: every freed block is unmapped and its registration dropped
+        # (by the helper thread), so the daemon's registrations do not grow with the loop.
+        def regs() -> int:
+            dist.barrier(group=gloo)
+            time.sleep(0.5)  # the helper thread's deregistrations
+            r = commd.connect().status()["registrations"]
+            dist.barrier(group=gloo)
+            return r
+        r0 = regs()
+        for i in range(10):
+            t = torch.ones(N + 4096 * i)  # a new page count every time
+            dist.all_reduce(t)
+            check(f"all_reduce {i}", t, torch.full((N + 4096 * i,), float(n)))
+            del t
+        r1 = regs()
+        if r1 - r0 > 3 * n:
+            raise AssertionError(f"registrations grew from {r0} to {r1} over 10 freed tensors "
+                                 f"per rank: freed blocks were not deregistered")
+        log(f"cpu_alloc nocache: results equal gloo's, registrations {r0} -> {r1}")
+        return
 
     # A steady loop: the same tensor again, then a new tensor of the same size (a reused block)
     # costs no move and no registration.

@@ -34,7 +34,7 @@ use std::cell::UnsafeCell;
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Once};
+use std::sync::{Arc, Once};
 
 use crate::{Buffer, Client, Mapping};
 
@@ -58,6 +58,8 @@ struct Table {
     /// Freed blocks kept for reuse: page-rounded length -> addresses.
     free: BTreeMap<usize, Vec<usize>>,
     cached: usize,
+    /// The channel to the helper thread that drops registrations (forgotten in a forked child).
+    reaper: Option<std::sync::mpsc::Sender<Arc<Buffer>>>,
 }
 
 struct Locked {
@@ -74,6 +76,7 @@ static STATE: Locked = Locked {
         blocks: BTreeMap::new(),
         free: BTreeMap::new(),
         cached: 0,
+        reaper: None,
     }),
 };
 
@@ -236,8 +239,8 @@ pub extern "C" fn alloc(bytes: usize) -> *mut libc::c_void {
 pub extern "C" fn free(p: *mut libc::c_void) -> bool {
     let addr = p as usize;
     let limit = cache_limit();
+    let mut t = lock();
     let release = {
-        let mut t = lock();
         let Some(b) = t.blocks.get_mut(&addr) else {
             return false;
         };
@@ -260,42 +263,37 @@ pub extern "C" fn free(p: *mut libc::c_void) -> bool {
             t.blocks.remove(&addr)
         }
     };
+    let mut left = None;
     if let Some(b) = release {
         // SAFETY: the block's own mapping, removed from the table above.
         unsafe { libc::munmap(addr as *mut libc::c_void, b.len) };
         // The registration (if any) ends when its last op lets go of it; the daemon keeps its
         // own mapping of the memfd until then.
-        drop_off_thread(b.shared.and_then(|s| s.reg));
+        left = drop_off_thread(&mut t, b.shared.and_then(|s| s.reg));
     }
+    drop(t);
+    drop(left);
     true
 }
 
-/// Drops a registration on a helper thread: its drop deregisters with a daemon call, which
-/// an allocator's `free` (called anywhere, locks held) must not wait for.
-fn drop_off_thread(reg: Option<Arc<Buffer>>) {
-    static REAPER: Mutex<Option<(u32, std::sync::mpsc::Sender<Arc<Buffer>>)>> = Mutex::new(None);
-    let Some(reg) = reg else { return };
-    let mut r = REAPER.lock().unwrap_or_else(|e| e.into_inner());
-    let pid = std::process::id();
-    if r.as_ref().is_none_or(|(p, _)| *p != pid) {
+/// Hands a registration to a helper thread that drops it: its drop deregisters with a daemon
+/// call, which an allocator's `free` (called anywhere, locks held) must not wait for. Called
+/// under the table's lock, so no thread is inside the channel at a fork. Returns the
+/// registration when no helper can be had: the caller drops it after unlocking.
+fn drop_off_thread(t: &mut Table, reg: Option<Arc<Buffer>>) -> Option<Arc<Buffer>> {
+    let reg = reg?;
+    if t.reaper.is_none() {
         let (tx, rx) = std::sync::mpsc::channel::<Arc<Buffer>>();
         let spawned = std::thread::Builder::new()
             .name("commd-hostmem".into())
             .spawn(move || rx.into_iter().for_each(drop));
         if spawned.is_err() {
-            // No thread to be had: deregister here (the caller holds no lock of ours).
-            drop(r);
-            drop(reg);
-            return;
+            return Some(reg);
         }
-        *r = Some((pid, tx));
+        t.reaper = Some(tx);
     }
-    if let Some((_, tx)) = r.as_ref()
-        && let Err(e) = tx.send(reg)
-    {
-        drop(r);
-        drop(e.0);
-    }
+    let tx = t.reaper.as_ref()?;
+    tx.send(reg).err().map(|e| e.0)
 }
 
 /// The registration and byte offset of `[addr, addr + bytes)` when it lies in one live block,
@@ -334,8 +332,9 @@ pub fn adopt(client: &Client, addr: usize, bytes: usize) -> Option<(Arc<Buffer>,
                 len: len as u64,
             });
             let old = sh.reg.replace(reg.clone());
+            let left = drop_off_thread(&mut t, old);
             drop(t);
-            drop_off_thread(old);
+            drop(left);
             Some((reg, (addr - start) as u64))
         }
         Err(e) => {
@@ -439,6 +438,9 @@ extern "C" fn child() {
     // SAFETY: the table was locked by `prepare` in the thread that forked, which this is; the
     // child has no other thread. Only system calls and the table's own memory are used.
     let t = unsafe { &mut *STATE.t.get() };
+    // The parent's helper thread is not in the child, and its channel may have been mid-call
+    // in that thread at the fork: never touched here (a drop could wait on its lock).
+    std::mem::forget(t.reaper.take());
     let mut gone = Vec::new();
     for (&start, b) in t.blocks.iter_mut() {
         let Some(sh) = b.shared.take() else { continue };
