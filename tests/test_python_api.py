@@ -135,6 +135,46 @@ def test_numpy_collectives_match_numpy_references(daemon):
         np.testing.assert_array_equal(res["ring"], data((rank - 1) % n, 9, np.uint8))
 
 
+def _large_plain(comm, c, rank, n):
+    """Ordinary numpy arrays of 1 MiB and up: made by commd's allocator (connect() installs it
+    as numpy's handler), so ops run on them in place after the first moves them."""
+    from commd import _native
+    from numpy._core import _multiarray_umath as mu
+
+    m = (1 << 18) + 5  # 1 MiB of f32 and a bit
+    x = data(rank, m, np.float32)
+    assert mu.get_handler_name(x) == "commd", mu.get_handler_name(x)
+    res = {"sum": comm.all_reduce(x).copy()}
+    res["gather"] = comm.all_gather(data(rank, m, np.int32))  # out of place: two blocks
+    res["rs"] = comm.reduce_scatter(data(rank, m * n, np.float64), np.empty(m))
+    res["bcast"] = comm.broadcast(data(rank, m, np.int64), root=1)
+    s1 = _native.host_blocks()
+    for _ in range(3):
+        comm.all_reduce(x)  # the same array again: nothing moved or registered
+    s2 = _native.host_blocks()
+    res["again"] = x
+    res["stats"] = (s1, s2)
+    return res
+
+
+def test_ordinary_numpy_arrays_run_in_place_with_right_results(daemon):
+    n = 3
+    m = (1 << 18) + 5
+    got = _ok(_ranks(daemon, n, _large_plain))
+    total = sum(data(r, m, np.float32) for r in range(n))
+    for rank, res in enumerate(got):
+        np.testing.assert_array_equal(res["sum"], total)
+        np.testing.assert_array_equal(res["again"], total * n ** 3)
+        np.testing.assert_array_equal(res["gather"], np.stack([data(r, m, np.int32)
+                                                               for r in range(n)]))
+        full = sum(data(r, m * n, np.float64) for r in range(n))
+        np.testing.assert_array_equal(res["rs"], full[rank * m:(rank + 1) * m])
+        np.testing.assert_array_equal(res["bcast"], data(1, m, np.int64))
+        s1, s2 = res["stats"]
+        assert s1["moved"] >= 4 and s1["registered"] >= 4, s1
+        assert (s2["moved"], s2["registered"]) == (s1["moved"], s1["registered"]), (s1, s2)
+
+
 def _mismatch(comm, c, rank, n):
     x = np.ones(10 if rank == 0 else 12, np.float32)
     t0 = time.monotonic()

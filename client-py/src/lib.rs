@@ -961,6 +961,86 @@ fn host_allocator() -> (usize, usize) {
     )
 }
 
+/// numpy's `PyDataMemAllocator` (NEP 49), version 1.
+#[repr(C)]
+struct NpAllocator {
+    ctx: *mut c_void,
+    malloc: unsafe extern "C" fn(*mut c_void, usize) -> *mut c_void,
+    calloc: unsafe extern "C" fn(*mut c_void, usize, usize) -> *mut c_void,
+    realloc: unsafe extern "C" fn(*mut c_void, *mut c_void, usize) -> *mut c_void,
+    free: unsafe extern "C" fn(*mut c_void, *mut c_void, usize),
+}
+
+/// numpy's `PyDataMem_Handler`.
+#[repr(C)]
+struct NpHandler {
+    name: [u8; 127],
+    version: u8,
+    allocator: NpAllocator,
+}
+
+// SAFETY: immutable; `ctx` is null and never used.
+unsafe impl Sync for NpHandler {}
+
+unsafe extern "C" fn np_malloc(_: *mut c_void, n: usize) -> *mut c_void {
+    commd_client::hostmem::malloc(n)
+}
+unsafe extern "C" fn np_calloc(_: *mut c_void, n: usize, size: usize) -> *mut c_void {
+    commd_client::hostmem::calloc(n, size)
+}
+unsafe extern "C" fn np_realloc(_: *mut c_void, p: *mut c_void, n: usize) -> *mut c_void {
+    // SAFETY: numpy passes a pointer this handler allocated (it frees arrays with the handler
+    // that made them).
+    unsafe { commd_client::hostmem::realloc(p, n) }
+}
+unsafe extern "C" fn np_free(_: *mut c_void, p: *mut c_void, _size: usize) {
+    // SAFETY: as in np_realloc.
+    unsafe { commd_client::hostmem::free_any(p) }
+}
+
+static NP_HANDLER: NpHandler = NpHandler {
+    name: {
+        let mut n = [0u8; 127];
+        let s = b"commd";
+        let mut i = 0;
+        while i < s.len() {
+            n[i] = s[i];
+            i += 1;
+        }
+        n
+    },
+    version: 1,
+    allocator: NpAllocator {
+        ctx: std::ptr::null_mut(),
+        malloc: np_malloc,
+        calloc: np_calloc,
+        realloc: np_realloc,
+        free: np_free,
+    },
+};
+
+/// A `mem_handler` capsule for numpy's `PyDataMem_SetHandler` (NEP 49): arrays of at least
+/// `min_bytes` come from commd's CPU allocator (so ops on them run in place), smaller ones
+/// from the C library. The handler is named "commd".
+#[pyfunction]
+fn numpy_mem_handler(py: Python<'_>, min_bytes: usize) -> PyResult<Py<PyAny>> {
+    commd_client::hostmem::set_min_bytes(min_bytes);
+    // SAFETY: a capsule over a static that lives as long as the process, with a static name
+    // and no destructor.
+    let cap = unsafe {
+        ffi::PyCapsule_New(
+            &NP_HANDLER as *const NpHandler as *mut c_void,
+            c"mem_handler".as_ptr(),
+            None,
+        )
+    };
+    if cap.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: a new reference, owned from here on.
+    Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
+}
+
 /// The CPU allocator's counters (commd_client::hostmem::Stats) as a dict.
 #[pyfunction]
 fn host_blocks(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
@@ -993,6 +1073,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_function(wrap_pyfunction!(host_allocator, m)?)?;
     m.add_function(wrap_pyfunction!(host_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(numpy_mem_handler, m)?)?;
     m.add_function(wrap_pyfunction!(default_socket, m)?)?;
     m.add("CommError", py.get_type::<CommError>())?;
     m.add(

@@ -186,6 +186,15 @@ fn round(n: usize) -> Option<usize> {
 /// Allocates `bytes` (page-aligned, whole pages); null when the memory cannot be had. For
 /// allocators: pair it with [`free`].
 pub extern "C" fn alloc(bytes: usize) -> *mut libc::c_void {
+    take(bytes, false)
+}
+
+/// Like [`alloc`], with the block's bytes zero (a fresh mapping is; a reused one is cleared).
+pub fn alloc_zeroed(bytes: usize) -> *mut libc::c_void {
+    take(bytes, true)
+}
+
+fn take(bytes: usize, zero: bool) -> *mut libc::c_void {
     static FORK: Once = Once::new();
     FORK.call_once(|| {
         // SAFETY: the handlers follow pthread_atfork's rules (see each).
@@ -202,11 +211,24 @@ pub extern "C" fn alloc(bytes: usize) -> *mut libc::c_void {
                 t.free.remove(&len);
             }
             t.cached -= len;
+            let mut shared = false;
             if let Some(b) = t.blocks.get_mut(&addr) {
                 b.live = true;
+                shared = b.shared.is_some();
             }
+            drop(t);
             REUSED.fetch_add(1, Ordering::Relaxed);
-            return addr as *mut libc::c_void;
+            let p = addr as *mut libc::c_void;
+            if zero {
+                // SAFETY: the block's own `len` bytes, just handed out. Private pages are
+                // zeroed by dropping them (MADV_DONTNEED); a memfd's must be written.
+                unsafe {
+                    if shared || libc::madvise(p, len, libc::MADV_DONTNEED) != 0 {
+                        std::ptr::write_bytes(p as *mut u8, 0, len);
+                    }
+                }
+            }
+            return p;
         }
     }
     // SAFETY: a fresh anonymous mapping; no existing memory is touched.
@@ -232,6 +254,88 @@ pub extern "C" fn alloc(bytes: usize) -> *mut libc::c_void {
         },
     );
     p
+}
+
+/// The bound from which [`malloc`], [`calloc`] and [`realloc`] serve blocks (1 MiB unless set).
+static MIN_BYTES: AtomicUsize = AtomicUsize::new(1 << 20);
+
+pub fn set_min_bytes(n: usize) {
+    MIN_BYTES.store(n.max(1), Ordering::Relaxed);
+}
+
+/// A `malloc` that serves requests of at least the minimum ([`set_min_bytes`]) from blocks
+/// and smaller ones (and any a block cannot serve) from the C library. Pair with [`free_any`].
+pub fn malloc(bytes: usize) -> *mut libc::c_void {
+    if bytes >= MIN_BYTES.load(Ordering::Relaxed) {
+        let p = alloc(bytes);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: plain C allocation.
+    unsafe { libc::malloc(bytes) }
+}
+
+/// `calloc` of the same kind as [`malloc`].
+pub fn calloc(n: usize, size: usize) -> *mut libc::c_void {
+    let Some(bytes) = n.checked_mul(size) else {
+        return std::ptr::null_mut();
+    };
+    if bytes >= MIN_BYTES.load(Ordering::Relaxed) {
+        let p = alloc_zeroed(bytes);
+        if !p.is_null() {
+            return p;
+        }
+    }
+    // SAFETY: plain C allocation.
+    unsafe { libc::calloc(n, size) }
+}
+
+/// `realloc` of the same kind as [`malloc`]: a pointer from either source, moved to a block
+/// when it grows to the minimum, kept in place when a block shrinks.
+///
+/// # Safety
+/// `p` is null or a live pointer from [`malloc`]/[`calloc`]/[`realloc`].
+pub unsafe fn realloc(p: *mut libc::c_void, bytes: usize) -> *mut libc::c_void {
+    if p.is_null() {
+        return malloc(bytes);
+    }
+    let block = {
+        let t = lock();
+        t.blocks
+            .get(&(p as usize))
+            .filter(|b| b.live)
+            .map(|b| b.len)
+    };
+    let old = match block {
+        Some(len) if bytes <= len => return p,
+        Some(len) => len,
+        None if bytes < MIN_BYTES.load(Ordering::Relaxed) => {
+            // SAFETY: a C library pointer (the caller's contract), staying one.
+            return unsafe { libc::realloc(p, bytes) };
+        }
+        // SAFETY: a live C library pointer.
+        None => unsafe { libc::malloc_usable_size(p) },
+    };
+    let q = malloc(bytes);
+    if !q.is_null() {
+        // SAFETY: both live, distinct; `old.min(bytes)` fits in each.
+        unsafe { std::ptr::copy_nonoverlapping(p as *const u8, q as *mut u8, old.min(bytes)) };
+        // SAFETY: the caller's pointer, now replaced.
+        unsafe { free_any(p) };
+    }
+    q
+}
+
+/// Frees a pointer from [`malloc`]/[`calloc`]/[`realloc`], a block or not.
+///
+/// # Safety
+/// `p` is null or a live pointer from those functions.
+pub unsafe fn free_any(p: *mut libc::c_void) {
+    if !p.is_null() && !free(p) {
+        // SAFETY: not a block, so a C library pointer (the caller's contract).
+        unsafe { libc::free(p) };
+    }
 }
 
 /// Frees a block from [`alloc`] and returns true; a pointer that is not a live block is
@@ -527,5 +631,44 @@ mod tests {
         assert_eq!(x, 5);
         assert!(free(q));
         assert!(!free(q), "a second free of a cached block is ignored");
+    }
+
+    #[test]
+    fn the_malloc_family_keeps_bytes_and_zeroes_reused_blocks() {
+        set_min_bytes(64 << 10);
+        let small = malloc(100);
+        let big = calloc(1, 200 << 10);
+        // SAFETY: each pointer is used within its size; freed once.
+        unsafe {
+            assert!(!small.is_null() && !big.is_null());
+            assert!(lock().blocks.contains_key(&(big as usize)));
+            assert!(!lock().blocks.contains_key(&(small as usize)));
+            assert!(
+                std::slice::from_raw_parts(big as *const u8, 200 << 10)
+                    .iter()
+                    .all(|&b| b == 0)
+            );
+            std::ptr::write_bytes(big as *mut u8, 9, 200 << 10);
+            std::ptr::write_bytes(small as *mut u8, 5, 100);
+            // Growing a C pointer past the minimum moves it into a block, bytes kept.
+            let grown = realloc(small, 300 << 10);
+            assert!(lock().blocks.contains_key(&(grown as usize)));
+            assert!(
+                std::slice::from_raw_parts(grown as *const u8, 100)
+                    .iter()
+                    .all(|&b| b == 5)
+            );
+            free_any(big);
+            // The freed block comes back zeroed to calloc.
+            let again = calloc(200 << 10, 1);
+            assert_eq!(again, big, "the cached block is reused");
+            assert!(
+                std::slice::from_raw_parts(again as *const u8, 200 << 10)
+                    .iter()
+                    .all(|&b| b == 0)
+            );
+            free_any(again);
+            free_any(grown);
+        }
     }
 }

@@ -19,7 +19,15 @@ captured on a communicator that spans nodes: refused, never run wrongly).
 """
 
 from . import _native
-from ._core import REDUCE_OPS, Client, Communicator, Handle, connect, dtype_name
+from ._core import (
+    REDUCE_OPS,
+    Client,
+    Communicator,
+    Handle,
+    connect,
+    dtype_name,
+    use_numpy_allocator,
+)
 from ._native import (
     AbortedError,
     CommError,
@@ -54,4 +62,5 @@ __all__ = [
     "connect",
     "default_socket",
     "dtype_name",
+    "use_numpy_allocator",
 ]

@@ -167,6 +167,63 @@ _blocks_in_use = False
 _blocks_min_bytes = 1 << 20
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return default
+    return v not in ("0", "off", "false", "no")
+
+
+def _size_env(name: str, default: int) -> int:
+    """A byte count from the environment: an integer with an optional K, M or G (binary)."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(v[-1].lower(), 1)
+    try:
+        n = int(v[:-1] if mult != 1 else v) * mult
+    except ValueError:
+        raise ValueError(f"{name}={v!r} is not a byte count (e.g. 1048576, 512K, 1M)") from None
+    if n < 0:
+        raise ValueError(f"{name}={v!r} is negative")
+    return n
+
+
+def use_numpy_allocator(min_bytes: int | None = None) -> bool:
+    """Makes commd's allocator numpy's data allocator (NEP 49) for arrays of at least
+    ``min_bytes`` (default ``COMMD_CPU_ALLOC_MIN``, else 1 MiB) made from now on in this thread
+    (numpy keeps its handler per thread and context), so ops on them run in place. ``connect()``
+    calls it unless ``COMMD_CPU_ALLOC=0``. Arrays keep the allocator that made them. The rules
+    of :func:`commd.torch.use_cpu_allocator` apply (first op, fork). Returns False where numpy
+    has no handler API (numpy < 1.22)."""
+    import ctypes
+
+    if min_bytes is None:
+        min_bytes = _size_env("COMMD_CPU_ALLOC_MIN", 1 << 20)
+    min_bytes = max(int(min_bytes), 1)
+    try:
+        try:
+            from numpy._core import _multiarray_umath as mu
+        except ImportError:
+            from numpy.core import _multiarray_umath as mu  # type: ignore[no-redef]
+        if not hasattr(mu, "get_handler_name"):
+            return False
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype = ctypes.c_void_p
+        get.argtypes = [ctypes.py_object, ctypes.c_char_p]
+        table = ctypes.cast(get(mu._ARRAY_API, None), ctypes.POINTER(ctypes.c_void_p))
+        # PyDataMem_SetHandler is entry 304 of numpy's C API table (numpy >= 1.22); the GIL is
+        # held through the call (PYFUNCTYPE).
+        set_handler = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.py_object)(table[304])
+        set_handler(_native.numpy_mem_handler(min_bytes))
+        ok = mu.get_handler_name() == "commd"
+    except (AttributeError, ImportError, ValueError):
+        return False
+    if ok:
+        _blocks_installed(min_bytes)
+    return ok
+
+
 def _blocks_installed(min_bytes: int) -> None:
     global _blocks_in_use, _blocks_min_bytes
     # The smallest size ever served: blocks made under an earlier, lower minimum still exist.
@@ -410,6 +467,8 @@ def connect(socket: str | None = None, name: str | None = None) -> Client:
     with _default_lock:
         if _default is None or (socket is not None and socket != _default.socket):
             _default = Client(socket, name)
+            if _env_flag("COMMD_CPU_ALLOC", True):
+                use_numpy_allocator()
         return _default
 
 

@@ -1179,32 +1179,10 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
     shell = _shell()
     if shell is None:
         return b
-    if _env_flag("COMMD_CPU_ALLOC", True):
+    if _core._env_flag("COMMD_CPU_ALLOC", True):
         use_cpu_allocator()
     b._shell = True
     return shell.wrap(b, opts.group_rank, opts.group_size, b._timeout_s or 0.0)
-
-
-def _env_flag(name: str, default: bool) -> bool:
-    v = os.environ.get(name, "").strip().lower()
-    if not v:
-        return default
-    return v not in ("0", "off", "false", "no")
-
-
-def _size_env(name: str, default: int) -> int:
-    """A byte count from the environment: an integer with an optional K, M or G (binary)."""
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(v[-1].lower(), 1)
-    try:
-        n = int(v[:-1] if mult != 1 else v) * mult
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not a byte count (e.g. 1048576, 512K, 1M)") from None
-    if n < 0:
-        raise ValueError(f"{name}={v!r} is negative")
-    return n
 
 
 def use_cpu_allocator(min_bytes: int | None = None) -> bool:
@@ -1223,7 +1201,7 @@ def use_cpu_allocator(min_bytes: int | None = None) -> bool:
     shell, or another CPU allocator installed at a higher priority), with the reason on stderr
     once."""
     if min_bytes is None:
-        min_bytes = _size_env("COMMD_CPU_ALLOC_MIN", 1 << 20)
+        min_bytes = _core._size_env("COMMD_CPU_ALLOC_MIN", 1 << 20)
     min_bytes = max(int(min_bytes), 1)
     from . import _c10d
     mod = _c10d.load(quiet=True)
