@@ -175,6 +175,30 @@ def test_ordinary_numpy_arrays_run_in_place_with_right_results(daemon):
         assert (s2["moved"], s2["registered"]) == (s1["moved"], s1["registered"]), (s1, s2)
 
 
+def _dropped_handle(comm, c, rank, n):
+    """A receive into an ordinary (allocator-made) array whose handle and array are dropped
+    before the data arrives: the array's memory must not go to a new array meanwhile."""
+    m = 1 << 19  # 2 MiB of f32
+    if rank == 0:
+        x = np.zeros(m, np.float32)
+        comm.recv(x, 1, async_op=True)  # the handle is dropped at once
+        del x
+        y = np.full(m, 7.0, np.float32)  # same size: the freed block would be reused
+        time.sleep(1.5)  # rank 1 sends after 0.5 s
+        comm.barrier()  # a new op: dropped handles of completed ops are let go
+        return int(np.count_nonzero(y != 7.0))
+    if rank == 1:
+        time.sleep(0.5)
+        comm.send(np.full(m, 3.0, np.float32), 0)
+        comm.barrier()
+    return 0
+
+
+def test_a_dropped_handle_keeps_its_arrays_until_the_op_is_done(daemon):
+    got = _ok(_ranks(daemon, 2, _dropped_handle))
+    assert got[0] == 0, f"{got[0]} elements of a new array were written by a dropped receive"
+
+
 def _mismatch(comm, c, rank, n):
     x = np.ones(10 if rank == 0 else 12, np.float32)
     t0 = time.monotonic()

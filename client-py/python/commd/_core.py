@@ -234,6 +234,27 @@ def _blocks_installed(min_bytes: int) -> None:
 # The peer of a receive from any source (commd_client::ANY_SOURCE).
 _ANY_SOURCE = 0xFFFFFFFF
 
+# Handles dropped before their op completed, with the arrays the op uses: the daemon may still
+# read or write those arrays' memory, so it must not be freed (and handed to a new array by an
+# allocator) until the op is done. Swept at every new op.
+_orphans: list[tuple[list[Any], Any]] = []
+_orphans_lock = threading.Lock()
+
+
+def _sweep_orphans() -> None:
+    with _orphans_lock:
+        if not _orphans:
+            return
+        keep = []
+        for reqs, arrays in _orphans:
+            try:
+                done = all(r.test() for r in reqs)
+            except Exception:  # noqa: BLE001 - a failed op is done too
+                done = True
+            if not done:
+                keep.append((reqs, arrays))
+        _orphans[:] = keep
+
 
 class Handle:
     """An op in flight. ``wait()`` completes it (and copies staged results back)."""
@@ -249,6 +270,7 @@ class Handle:
         self._finish = finish
         self._release = release
         self._result = result
+        self._keep: Any = None  # the arrays the op uses, kept alive until it completes
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
@@ -266,10 +288,17 @@ class Handle:
         finally:
             self._done = True
             self._requests = []
+            self._keep = None
             self._finish = None
             if self._release is not None:
                 self._release()
                 self._release = None
+
+    def __del__(self) -> None:
+        reqs = getattr(self, "_requests", None)
+        if reqs and not getattr(self, "_done", True):
+            with _orphans_lock:
+                _orphans.append((reqs, (self._keep, self._result)))
 
     def wait(self, timeout: float | None = None) -> Any:
         """Waits for the op (``timeout`` seconds; None: until done). Returns the op's result
@@ -581,6 +610,7 @@ class Communicator:
         from the recv region. With ``in_off`` given the op runs in place in one staged region
         of ``region`` bytes: inputs at ``in_off``, outputs read from ``out_off`` (NCCL's
         in-place layouts)."""
+        _sweep_orphans()
         sbytes, rbytes = _flat_bytes(ins), _flat_bytes(outs)
         stage = _Stage(self.client)
         send = recv = None
@@ -624,6 +654,7 @@ class Communicator:
             stage.release()
             raise
         h = Handle([req], finish, stage.release, result)
+        h._keep = (ins, outs)
         return h if async_op else h.wait()
 
     @staticmethod
