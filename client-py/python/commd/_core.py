@@ -297,8 +297,12 @@ class Handle:
     def __del__(self) -> None:
         reqs = getattr(self, "_requests", None)
         if reqs and not getattr(self, "_done", True):
-            with _orphans_lock:
-                _orphans.append((reqs, (self._keep, self._result)))
+            try:
+                with _orphans_lock:
+                    _orphans.append((reqs, (getattr(self, "_keep", None),
+                                            getattr(self, "_result", None))))
+            except Exception:  # noqa: BLE001 - interpreter shutdown: nothing is reused now
+                pass
 
     def wait(self, timeout: float | None = None) -> Any:
         """Waits for the op (``timeout`` seconds; None: until done). Returns the op's result
@@ -474,15 +478,19 @@ _default: Client | None = None
 _default_lock = threading.Lock()
 # Sessions inherited through fork(): they belong to the parent (its runtime, its session), so
 # the child never uses them and never drops them (dropping would end the parent's session).
-_inherited: list[Client] = []
+_inherited: list[Any] = []
 
 
 def _after_fork_in_child() -> None:
-    global _default, _default_lock
+    global _default, _default_lock, _orphans, _orphans_lock
     if _default is not None:
         _inherited.append(_default)
     _default = None
     _default_lock = threading.Lock()
+    # The parent's dropped handles: its ops, never touched here (kept, like its sessions).
+    _inherited.append(_orphans)
+    _orphans = []
+    _orphans_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
