@@ -115,7 +115,11 @@ impl Comm {
             match (ops[0].gbufs.send.clone(), ops[1].gbufs.recv.clone()) {
                 (Some(src), Some(dst)) if src.bytes > 0 => Ok(vec![cuda::Phase {
                     early: Vec::new(),
-                    main: vec![cuda::CopyOp { src, dst }],
+                    main: vec![cuda::CopyOp {
+                        src,
+                        dst,
+                        after: None,
+                    }],
                 }]),
                 _ => Ok(vec![cuda::Phase::default()]),
             }

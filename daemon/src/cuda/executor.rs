@@ -774,6 +774,9 @@ pub(super) fn push_stream(from: usize, to: usize, ngpus: usize) -> usize {
 /// call costs 2-4 us, so one thread issuing the 12 copies of a 4-GPU phase delayed the last
 /// GPU's first push by 30-40 us.
 fn issue(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, CuError> {
+    if copies.iter().any(|c| c.after.is_some()) {
+        return issue_ordered(cuda, copies);
+    }
     let ng = cuda.gpus.len();
     // Round r holds the pushes from each GPU to the GPU r after it; local copies (round 0, a
     // stream of their own, fast) go last.
@@ -831,6 +834,93 @@ fn issue(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, C
         for (g, ev) in events {
             // SAFETY: recorded by `issue_from` above and not yet handed to anyone.
             let _ = unsafe { sys::cuEventSynchronize(ev) };
+            cuda.recycle(g, ev);
+        }
+        return Err(e);
+    }
+    Ok(events)
+}
+
+/// Issues copies with dependencies (`CopyOp::after`, a chained broadcast) in the listed order
+/// from the calling thread: a copy another one waits for records an event, and the waiting
+/// copy's stream waits for it (`cuStreamWaitEvent`, across GPUs) before its copy. Returns those
+/// events and one per stream used, as [`issue_from`] does; on failure the issued copies are
+/// waited for and the events given back.
+fn issue_ordered(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, CuError> {
+    let ng = cuda.gpus.len();
+    let awaited: Vec<bool> = (0..copies.len())
+        .map(|i| copies.iter().any(|c| c.after == Some(i)))
+        .collect();
+    let mut arrived: Vec<Option<sys::CUevent>> = vec![None; copies.len()];
+    let mut events: Vec<(usize, sys::CUevent)> = Vec::new();
+    let mut used: Vec<(usize, usize)> = Vec::new();
+    let r = (|| -> Result<(), CuError> {
+        for (i, c) in copies.iter().enumerate() {
+            let (from, to) = (c.src.mem.gpu, c.dst.mem.gpu);
+            let si = push_stream(from, to, ng);
+            let g = &cuda.gpus[from];
+            let src = c.src.mem.ptr_on(from)? + c.src.off;
+            let dst = c.dst.mem.ptr_on(from)? + c.dst.off;
+            if let Some(j) = c.after {
+                let Some(e) = arrived.get(j).copied().flatten() else {
+                    return Err(CuError {
+                        what: "ordering copies".into(),
+                        code: 0,
+                        name: "COMMD_INTERNAL".into(),
+                        text: format!("copy {i} waits for copy {j}, which is not before it"),
+                    });
+                };
+                cu::set_current(g.ctx)?;
+                ck(
+                    // SAFETY: the event was recorded above on another stream of this process;
+                    // the stream belongs to the current context.
+                    unsafe { sys::cuStreamWaitEvent(g.streams[si], e, 0) },
+                    "cuStreamWaitEvent",
+                )?;
+            }
+            cu::set_current(g.ctx)?;
+            ck(
+                // SAFETY: as in `issue_from`.
+                unsafe { sys::cuMemcpyAsync(dst, src, c.src.bytes as usize, g.streams[si]) },
+                "cuMemcpyAsync",
+            )?;
+            crate::telemetry::links::gpu_copy(from, to, c.src.bytes);
+            if awaited[i] {
+                let e = cuda.event(from)?;
+                events.push((from, e));
+                cu::set_current(g.ctx)?;
+                ck(
+                    // SAFETY: event and stream belong to the source GPU's context.
+                    unsafe { sys::cuEventRecord(e, g.streams[si]) },
+                    "cuEventRecord",
+                )?;
+                arrived[i] = Some(e);
+            }
+            if !used.contains(&(from, si)) {
+                used.push((from, si));
+            }
+        }
+        for &(from, si) in &used {
+            let e = cuda.event(from)?;
+            events.push((from, e));
+            cu::set_current(cuda.gpus[from].ctx)?;
+            ck(
+                // SAFETY: event and stream belong to the source GPU's context.
+                unsafe { sys::cuEventRecord(e, cuda.gpus[from].streams[si]) },
+                "cuEventRecord",
+            )?;
+        }
+        Ok(())
+    })();
+    if let Err(e) = r {
+        // What was issued must be done before the caller fails the op: wait for every stream
+        // used (the events recorded so far may not cover the last copies).
+        for &(from, si) in &used {
+            let _ = cu::set_current(cuda.gpus[from].ctx);
+            // SAFETY: a stream of the GPU's context, now current.
+            let _ = unsafe { sys::cuStreamSynchronize(cuda.gpus[from].streams[si]) };
+        }
+        for (g, ev) in events {
             cuda.recycle(g, ev);
         }
         return Err(e);

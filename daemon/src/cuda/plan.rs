@@ -7,10 +7,80 @@
 use super::*;
 
 /// One copy of a phase, issued on the source GPU's stream towards the destination (a push).
+/// `after`: the index, in the same list, of a copy that must be done before this one starts
+/// (a chained broadcast forwards a chunk once it has arrived); such a list is issued in order.
 #[derive(Clone, Debug)]
 pub struct CopyOp {
     pub src: GpuSpan,
     pub dst: GpuSpan,
+    pub after: Option<usize>,
+}
+
+/// A broadcast of at least this many bytes on 3 or more ranks is a pipelined chain
+/// ([`chain_hops`]) instead of the root pushing the whole buffer to every rank: a GPU's pushes
+/// to several peers share its egress (4x H200: ~380 GB/s for one push, 190 GB/s for three
+/// together), so the root's n-1 pushes took (n-1) x the one-push time (2.8x NCCL on 4 GPUs).
+pub const CHAIN_MIN_BYTES: u64 = 32 << 20;
+
+/// When a broadcast is a chain: by default when every rank has a GPU of its own (where the
+/// root's egress is the limit). With ranks sharing GPUs the chain measured 5-17% slower than
+/// the pushes on 2x H100 (3 and 4 ranks; docs/benchmarks.md), so they keep the pushes.
+/// `COMMD_GPU_BCAST_CHAIN` in the daemon's environment: `0` never, `all` in every layout (to
+/// test the chain on fewer GPUs than ranks).
+fn chain_for(gpus: &[usize]) -> bool {
+    static MODE: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    let mode = *MODE.get_or_init(|| {
+        match std::env::var("COMMD_GPU_BCAST_CHAIN")
+            .as_deref()
+            .map(str::trim)
+        {
+            Ok("0") => 0,
+            Ok("all") => 2,
+            _ => 1,
+        }
+    });
+    match mode {
+        0 => false,
+        2 => true,
+        _ => gpus.iter().enumerate().all(|(i, g)| !gpus[..i].contains(g)),
+    }
+}
+
+/// One copy of a chained broadcast: bytes `[off, off + len)` from rank `from` to rank `to`,
+/// after the hop `after` (the one that brought this chunk to `from`), if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hop {
+    pub from: usize,
+    pub to: usize,
+    pub off: u64,
+    pub len: u64,
+    pub after: Option<usize>,
+}
+
+/// The hops of a pipelined chain broadcast of `bytes` from `root` over `n` ranks: root, root+1,
+/// ... (mod n), each rank forwarding chunk c to the next once it has it. Chunks of at least 16
+/// MiB, at most 32 of them (each costs a few driver calls per hop, issued while the copies
+/// run). Listed hop by hop: where two hops leave one GPU on one stream (ranks sharing GPUs),
+/// the later hop's chunks queue behind the earlier hop's instead of each chunk waiting for the
+/// hops between them (seen on 2x H100, 4 ranks: chunk by chunk took 3x the one-hop time).
+pub fn chain_hops(n: usize, root: usize, bytes: u64) -> Vec<Hop> {
+    let chunk = (bytes.div_ceil(32)).max(16 << 20).min(bytes.max(1));
+    let chunks: Vec<(u64, u64)> = (0..bytes.div_ceil(chunk))
+        .map(|c| (c * chunk, chunk.min(bytes - c * chunk)))
+        .collect();
+    let mut hops = Vec::new();
+    for k in 0..n.saturating_sub(1) {
+        for (c, &(off, len)) in chunks.iter().enumerate() {
+            hops.push(Hop {
+                from: (root + k) % n,
+                to: (root + k + 1) % n,
+                off,
+                len,
+                after: (k > 0).then(|| (k - 1) * chunks.len() + c),
+            });
+        }
+    }
+    hops
 }
 
 /// One rank's GPU buffers for a matched op.
@@ -67,7 +137,11 @@ pub fn plan(
     };
     let push = |v: &mut Vec<CopyOp>, src: GpuSpan, dst: GpuSpan| {
         if src.bytes > 0 && !src.same_range(&dst) {
-            v.push(CopyOp { src, dst });
+            v.push(CopyOp {
+                src,
+                dst,
+                after: None,
+            });
         }
     };
     if kind.reduces() {
@@ -164,6 +238,49 @@ pub fn plan(
                 }
             }
         }
+        OpKind::Broadcast
+            if n >= 3
+                && blk >= CHAIN_MIN_BYTES
+                && chain_for(
+                    &bufs
+                        .iter()
+                        .map(|b| b.recv.as_ref().map_or(usize::MAX, |s| s.mem.gpu))
+                        .collect::<Vec<_>>(),
+                ) =>
+        {
+            let t = root as usize;
+            let src = send(t)?;
+            // The root's own copy (out of place) runs beside the chain.
+            push(&mut a, src.clone(), recv(t)?);
+            let base = a.len();
+            for h in chain_hops(n, t, blk) {
+                let from = if h.from == t {
+                    src.clone()
+                } else {
+                    recv(h.from)?
+                };
+                a.push(CopyOp {
+                    src: sub(&from, h.off, h.len)?,
+                    dst: sub(&recv(h.to)?, h.off, h.len)?,
+                    after: h.after.map(|i| base + i),
+                });
+            }
+            // A chain reads what its earlier hops wrote (ordered by `after`); no destination
+            // may overlap another or the root's input.
+            for (i, c) in a.iter().enumerate() {
+                if a.iter()
+                    .enumerate()
+                    .any(|(j, o)| i != j && c.dst.overlaps(&o.dst))
+                    || c.dst.overlaps(&src)
+                {
+                    return Err(overlap_error(kind));
+                }
+            }
+            return Ok(vec![Phase {
+                early: Vec::new(),
+                main: a,
+            }]);
+        }
         OpKind::Broadcast => {
             let src = send(root as usize)?;
             for r in 0..n {
@@ -191,11 +308,7 @@ pub fn plan(
             .enumerate()
             .any(|(j, o)| (i != j && c.dst.overlaps(&o.dst)) || c.dst.overlaps(&o.src))
         {
-            return Err(format!(
-                "{}: GPU buffers overlap (in-place {} is not supported on GPU memory; use separate send and recv tensors)",
-                kind.name(),
-                kind.name()
-            ));
+            return Err(overlap_error(kind));
         }
     }
     Ok(vec![Phase {
@@ -204,9 +317,68 @@ pub fn plan(
     }])
 }
 
+fn overlap_error(kind: OpKind) -> String {
+    format!(
+        "{}: GPU buffers overlap (in-place {} is not supported on GPU memory; use separate send and recv tensors)",
+        kind.name(),
+        kind.name()
+    )
+}
+
 fn unreachable_kind(kind: OpKind) -> Result<(), String> {
     Err(format!("{} has no GPU plan (internal error)", kind.name()))
 }
 
 /// Pieces of an all-reduce round: the client's split, shared so both sides agree.
 pub use commd_client::gpu::piece;
+
+#[cfg(test)]
+mod tests {
+    use super::{Hop, chain_hops};
+
+    #[test]
+    fn a_chain_brings_every_chunk_to_every_rank_once_after_it_arrived_upstream() {
+        for (n, root, bytes) in [
+            (3, 0, 32u64 << 20),
+            (4, 2, 1 << 30),
+            (4, 1, (100 << 20) + 7),
+            (8, 7, 600 << 20),
+        ] {
+            let hops = chain_hops(n, root, bytes);
+            // Each non-root rank receives every byte exactly once; the root receives nothing.
+            for r in 0..n {
+                let mut got: Vec<(u64, u64)> = hops
+                    .iter()
+                    .filter(|h| h.to == r)
+                    .map(|h| (h.off, h.len))
+                    .collect();
+                got.sort();
+                if r == root {
+                    assert!(got.is_empty());
+                    continue;
+                }
+                let mut at = 0;
+                for (o, l) in got {
+                    assert_eq!(o, at, "n {n} root {root}: rank {r} has a gap or overlap");
+                    at += l;
+                }
+                assert_eq!(at, bytes);
+            }
+            for (i, h) in hops.iter().enumerate() {
+                assert!(h.len >= 1 && h.len <= bytes);
+                match h.after {
+                    // Only the root starts a chunk; a forward waits for the hop that brought
+                    // that chunk to its source, listed earlier.
+                    None => assert_eq!(h.from, root),
+                    Some(j) => {
+                        let up: Hop = hops[j];
+                        assert!(j < i);
+                        assert_eq!((up.to, up.off, up.len), (h.from, h.off, h.len));
+                    }
+                }
+            }
+            let chunks = hops.iter().filter(|h| h.after.is_none()).count();
+            assert!((1..=32).contains(&chunks), "{chunks} chunks");
+        }
+    }
+}
