@@ -194,6 +194,21 @@ def _dropped_handle(comm, c, rank, n):
     return 0
 
 
+def test_bad_allocator_settings_are_refused_with_their_name():
+    env = dict(os.environ, COMMD_CPU_ALLOC_MIN="lots")
+    p = subprocess.run([sys.executable, "-c", "import commd; commd.use_numpy_allocator()"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "COMMD_CPU_ALLOC_MIN='lots' is not a byte count" in p.stderr, \
+        p.stderr
+    env = dict(os.environ, COMMD_CPU_CACHE_MIB="x")
+    code = ("import numpy as np, commd; commd.use_numpy_allocator(1 << 20); "
+            "a = np.ones(1 << 20); del a; print('ok')")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stderr
+    assert "COMMD_CPU_CACHE_MIB=\"x\" is not a whole number of MiB" in p.stderr, p.stderr
+
+
 def test_a_dropped_handle_keeps_its_arrays_until_the_op_is_done(daemon):
     got = _ok(_ranks(daemon, 2, _dropped_handle))
     assert got[0] == 0, f"{got[0]} elements of a new array were written by a dropped receive"

@@ -165,11 +165,19 @@ pub fn cache_limit() -> usize {
     if v != usize::MAX {
         return v;
     }
-    let v = std::env::var("COMMD_CPU_CACHE_MIB")
-        .ok()
-        .and_then(|s| s.trim().parse::<usize>().ok())
-        .map(|m| m.saturating_mul(1 << 20))
-        .unwrap_or(DEFAULT_CACHE_BYTES);
+    let v = match std::env::var("COMMD_CPU_CACHE_MIB") {
+        Err(_) => DEFAULT_CACHE_BYTES,
+        Ok(s) => match s.trim().parse::<usize>() {
+            Ok(m) => m.saturating_mul(1 << 20),
+            Err(_) => {
+                eprintln!(
+                    "commd: COMMD_CPU_CACHE_MIB={s:?} is not a whole number of MiB; using {}",
+                    DEFAULT_CACHE_BYTES >> 20
+                );
+                DEFAULT_CACHE_BYTES
+            }
+        },
+    };
     CACHE_LIMIT.store(v, Ordering::Relaxed);
     v
 }

@@ -775,7 +775,8 @@ pub(super) fn push_stream(from: usize, to: usize, ngpus: usize) -> usize {
 /// GPU's first push by 30-40 us.
 fn issue(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, CuError> {
     if copies.iter().any(|c| c.after.is_some()) {
-        return issue_ordered(cuda, copies);
+        // Dependencies name positions in the list: issued as listed, from this thread.
+        return issue_from(cuda, &copies.iter().collect::<Vec<_>>());
     }
     let ng = cuda.gpus.len();
     // Round r holds the pushes from each GPU to the GPU r after it; local copies (round 0, a
@@ -841,16 +842,19 @@ fn issue(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, C
     Ok(events)
 }
 
-/// Issues copies with dependencies (`CopyOp::after`, a chained broadcast) in the listed order
-/// from the calling thread: a copy another one waits for records an event, and the waiting
-/// copy's stream waits for it (`cuStreamWaitEvent`, across GPUs) before its copy. Returns those
-/// events and one per stream used, as [`issue_from`] does; on failure the issued copies are
-/// waited for and the events given back.
-fn issue_ordered(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, CuError> {
+/// Issues `copies` in this order from the calling thread, then records one event per stream
+/// used. A copy with `after` (an index into `copies`: a chained broadcast's forward) first makes
+/// its stream wait (`cuStreamWaitEvent`, across GPUs) for an event recorded after the copy it
+/// names; those events are returned too. On failure the copies issued are waited for, the
+/// events given back, and the error returned.
+fn issue_from(cuda: &Cuda, copies: &[&CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, CuError> {
     let ng = cuda.gpus.len();
-    let awaited: Vec<bool> = (0..copies.len())
-        .map(|i| copies.iter().any(|c| c.after == Some(i)))
-        .collect();
+    let mut awaited = vec![false; copies.len()];
+    for j in copies.iter().filter_map(|c| c.after) {
+        if let Some(a) = awaited.get_mut(j) {
+            *a = true;
+        }
+    }
     let mut arrived: Vec<Option<sys::CUevent>> = vec![None; copies.len()];
     let mut events: Vec<(usize, sys::CUevent)> = Vec::new();
     let mut used: Vec<(usize, usize)> = Vec::new();
@@ -861,6 +865,7 @@ fn issue_ordered(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUev
             let g = &cuda.gpus[from];
             let src = c.src.mem.ptr_on(from)? + c.src.off;
             let dst = c.dst.mem.ptr_on(from)? + c.dst.off;
+            cu::set_current(g.ctx)?;
             if let Some(j) = c.after {
                 let Some(e) = arrived.get(j).copied().flatten() else {
                     return Err(CuError {
@@ -870,7 +875,6 @@ fn issue_ordered(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUev
                         text: format!("copy {i} waits for copy {j}, which is not before it"),
                     });
                 };
-                cu::set_current(g.ctx)?;
                 ck(
                     // SAFETY: the event was recorded above on another stream of this process;
                     // the stream belongs to the current context.
@@ -878,37 +882,23 @@ fn issue_ordered(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUev
                     "cuStreamWaitEvent",
                 )?;
             }
-            cu::set_current(g.ctx)?;
             ck(
-                // SAFETY: as in `issue_from`.
+                // SAFETY: both spans were bounds-checked against live mappings (valid in the
+                // source GPU's context, see `ptr_on`) that the job keeps alive until its events
+                // complete; the stream belongs to the source GPU's context.
                 unsafe { sys::cuMemcpyAsync(dst, src, c.src.bytes as usize, g.streams[si]) },
                 "cuMemcpyAsync",
             )?;
             crate::telemetry::links::gpu_copy(from, to, c.src.bytes);
-            if awaited[i] {
-                let e = cuda.event(from)?;
-                events.push((from, e));
-                cu::set_current(g.ctx)?;
-                ck(
-                    // SAFETY: event and stream belong to the source GPU's context.
-                    unsafe { sys::cuEventRecord(e, g.streams[si]) },
-                    "cuEventRecord",
-                )?;
-                arrived[i] = Some(e);
-            }
             if !used.contains(&(from, si)) {
                 used.push((from, si));
             }
+            if awaited[i] {
+                arrived[i] = Some(record(cuda, from, si, &mut events)?);
+            }
         }
         for &(from, si) in &used {
-            let e = cuda.event(from)?;
-            events.push((from, e));
-            cu::set_current(cuda.gpus[from].ctx)?;
-            ck(
-                // SAFETY: event and stream belong to the source GPU's context.
-                unsafe { sys::cuEventRecord(e, cuda.gpus[from].streams[si]) },
-                "cuEventRecord",
-            )?;
+            record(cuda, from, si, &mut events)?;
         }
         Ok(())
     })();
@@ -928,41 +918,22 @@ fn issue_ordered(cuda: &Cuda, copies: &[CopyOp]) -> Result<Vec<(usize, sys::CUev
     Ok(events)
 }
 
-/// Issues `copies` in this order from the calling thread, then records one event per stream used.
-fn issue_from(cuda: &Cuda, copies: &[&CopyOp]) -> Result<Vec<(usize, sys::CUevent)>, CuError> {
-    let ng = cuda.gpus.len();
-    let mut used: Vec<(usize, usize)> = Vec::new();
-    for c in copies {
-        let (from, to) = (c.src.mem.gpu, c.dst.mem.gpu);
-        let si = push_stream(from, to, ng);
-        let g = &cuda.gpus[from];
-        let src = c.src.mem.ptr_on(from)? + c.src.off;
-        let dst = c.dst.mem.ptr_on(from)? + c.dst.off;
-        cu::set_current(g.ctx)?;
-        ck(
-            // SAFETY: both spans were bounds-checked against live mappings (valid in the source
-            // GPU's context, see `ptr_on`) that the job keeps alive until its events complete; the
-            // stream belongs to the source GPU's context.
-            unsafe { sys::cuMemcpyAsync(dst, src, c.src.bytes as usize, g.streams[si]) },
-            "cuMemcpyAsync",
-        )?;
-        if !used.contains(&(from, si)) {
-            used.push((from, si));
-        }
-        crate::telemetry::links::gpu_copy(from, to, c.src.bytes);
-    }
-    let mut events = Vec::with_capacity(used.len());
-    for (from, si) in used {
-        let e = cuda.event(from)?;
-        cu::set_current(cuda.gpus[from].ctx)?;
-        ck(
-            // SAFETY: event and stream belong to the source GPU's context.
-            unsafe { sys::cuEventRecord(e, cuda.gpus[from].streams[si]) },
-            "cuEventRecord",
-        )?;
-        events.push((from, e));
-    }
-    Ok(events)
+/// Records an event on GPU `from`'s stream `si`, adds it to `events` and returns it.
+fn record(
+    cuda: &Cuda,
+    from: usize,
+    si: usize,
+    events: &mut Vec<(usize, sys::CUevent)>,
+) -> Result<sys::CUevent, CuError> {
+    let e = cuda.event(from)?;
+    events.push((from, e));
+    cu::set_current(cuda.gpus[from].ctx)?;
+    ck(
+        // SAFETY: event and stream belong to the source GPU's context.
+        unsafe { sys::cuEventRecord(e, cuda.gpus[from].streams[si]) },
+        "cuEventRecord",
+    )?;
+    Ok(e)
 }
 
 #[cfg(test)]

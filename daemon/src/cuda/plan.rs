@@ -36,7 +36,11 @@ fn chain_for(gpus: &[usize]) -> bool {
         {
             Ok("0") => 0,
             Ok("all") => 2,
-            _ => 1,
+            Ok("1") | Ok("") | Err(_) => 1,
+            Ok(v) => {
+                tracing::warn!(target: "commd::cuda", "COMMD_GPU_BCAST_CHAIN={v:?} is not 0, 1 or all; using 1 (a chain when every rank has its own GPU)");
+                1
+            }
         }
     });
     match mode {
