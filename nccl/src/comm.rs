@@ -9,7 +9,7 @@
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
-use commd_client::desc::{DType, OpKind};
+use commd_client::desc::{DType, OpKind, RedOp};
 use commd_client::gpu::CudaOpArgs;
 use commd_client::gpu::cu::{self, sys};
 use commd_client::{Client, Communicator, Request};
@@ -447,7 +447,7 @@ impl Comm {
             None
         };
         let (dtype, redop) = if let Some(p) = pre {
-            (p.dtype, Some(commd_client::desc::RedOp::Sum))
+            (p.dtype, Some(RedOp::Sum))
         } else if op.kind.reduces() {
             let (d, o) = ffi::reduce_types(op.dtype, op.redop)?;
             (d, Some(o))
@@ -478,7 +478,11 @@ impl Comm {
         if recv == Some(0) {
             return Err(invalid("recvbuff is NULL"));
         }
-        let mem: Vec<Memory> = [send, recv].into_iter().flatten().map(memory_of).collect();
+        // Asked with the communicator's device current: without a context the driver answers
+        // nothing, and device memory taken for host memory would be read by the CPU.
+        let mem: Vec<Memory> = group::on_device(self.device, || {
+            [send, recv].into_iter().flatten().map(memory_of).collect()
+        });
         if mem.len() == 2 && mem[0] != mem[1] {
             return Err(usage(
                 "sendbuff and recvbuff are in different kinds of memory (one CUDA device memory, one host memory)",
@@ -504,63 +508,13 @@ impl Comm {
             )
         });
         if mem.first() == Some(&Memory::Device) {
-            let mut a = CudaOpArgs::new(op.kind, dtype, op.count, op.stream as sys::CUstream);
-            a.redop = redop;
-            a.peer = op.peer.max(0) as u32;
-            a.send = send;
-            a.recv = recv;
-            if op.kind == OpKind::AllToAll {
-                let bytes = op.count * u64::from(self.nranks) * dtype.size();
-                if op.send < op.recv + bytes && op.recv < op.send + bytes {
-                    a.send = Some(self.stage_in(op.send, bytes, op.stream)?);
-                }
-            }
-            a.defer_wait = op.kind.is_p2p();
-            let mut staged = None;
-            if let (Some(p), Some(s)) = (pre, send) {
-                let elems = op
-                    .kind
-                    .send_elems(op.count, u64::from(self.nranks))
-                    .unwrap_or(op.count);
-                let mut st = lock(&self.premul_staging);
-                // SAFETY: NCCL's contract for `s` and the stream.
-                a.send = Some(unsafe { st.scale(&p, s, elems, op.stream) }?);
-                staged = Some(st);
-            }
-            // SAFETY: NCCL's contract: the buffers are device memory of this process holding
-            // the op's elements until the stream passes the op, and the stream is live (the
-            // staged input lives with the communicator).
-            let posted = unsafe { r.c.post_cuda_ordered(a) };
-            if let Some(mut st) = staged {
-                st.done(op.stream)?;
-            }
-            let posted = posted?;
-            log::info(subsys, self.device, || {
-                format!(
-                    "{} posted: last ticket {}{}",
-                    op.kind.name(),
-                    posted.last_ticket,
-                    if a.defer_wait {
-                        " (wait deferred to the group's end)"
-                    } else {
-                        ""
-                    }
-                )
+            // One process may drive the communicators of several GPUs from one thread (NCCL's
+            // `ncclCommInitAll`; nccl-tests `-g 2` posts both ranks' ops in one group without
+            // switching devices): the op is posted, its staging allocated and its stream waited
+            // on with this communicator's device current, as NCCL does.
+            return group::on_device(self.device, || {
+                self.post_on_device(&r, &op, pre, (dtype, redop), (send, recv))
             });
-            // A captured op (contract 6) runs at each replay; its failures come back through
-            // the error word and the graph check, not through this request.
-            if !posted.captured {
-                self.track(posted.request);
-            }
-            if a.defer_wait {
-                if group::active() {
-                    group::flush_later(r, op.stream, self.device);
-                } else {
-                    // SAFETY: the caller's live stream.
-                    unsafe { r.c.cuda_flush(op.stream as sys::CUstream) }?;
-                }
-            }
-            return Ok(());
         }
         if cuda() && op.stream != 0 {
             // Host memory a stream may still be writing: ordered after it, conservatively.
@@ -591,6 +545,80 @@ impl Comm {
         } else {
             h.finish()
         }
+    }
+
+    /// The device-memory branch of [`Self::execute`]: the op on the caller's stream, with
+    /// this communicator's device current.
+    fn post_on_device(
+        &self,
+        r: &Arc<Ready>,
+        op: &Op,
+        pre: Option<premul::PreMul>,
+        (dtype, redop): (DType, Option<RedOp>),
+        (send, recv): (Option<u64>, Option<u64>),
+    ) -> Outcome {
+        let subsys = if op.kind.is_p2p() {
+            log::P2P
+        } else {
+            log::COLL
+        };
+        let mut a = CudaOpArgs::new(op.kind, dtype, op.count, op.stream as sys::CUstream);
+        a.redop = redop;
+        a.peer = op.peer.max(0) as u32;
+        a.send = send;
+        a.recv = recv;
+        if op.kind == OpKind::AllToAll {
+            let bytes = op.count * u64::from(self.nranks) * dtype.size();
+            if op.send < op.recv + bytes && op.recv < op.send + bytes {
+                a.send = Some(self.stage_in(op.send, bytes, op.stream)?);
+            }
+        }
+        a.defer_wait = op.kind.is_p2p();
+        let mut staged = None;
+        if let (Some(p), Some(s)) = (pre, send) {
+            let elems = op
+                .kind
+                .send_elems(op.count, u64::from(self.nranks))
+                .unwrap_or(op.count);
+            let mut st = lock(&self.premul_staging);
+            // SAFETY: NCCL's contract for `s` and the stream.
+            a.send = Some(unsafe { st.scale(&p, s, elems, op.stream) }?);
+            staged = Some(st);
+        }
+        // SAFETY: NCCL's contract: the buffers are device memory of this process holding
+        // the op's elements until the stream passes the op, and the stream is live (the
+        // staged input lives with the communicator).
+        let posted = unsafe { r.c.post_cuda_ordered(a) };
+        if let Some(mut st) = staged {
+            st.done(op.stream)?;
+        }
+        let posted = posted?;
+        log::info(subsys, self.device, || {
+            format!(
+                "{} posted: last ticket {}{}",
+                op.kind.name(),
+                posted.last_ticket,
+                if a.defer_wait {
+                    " (wait deferred to the group's end)"
+                } else {
+                    ""
+                }
+            )
+        });
+        // A captured op (contract 6) runs at each replay; its failures come back through
+        // the error word and the graph check, not through this request.
+        if !posted.captured {
+            self.track(posted.request);
+        }
+        if a.defer_wait {
+            if group::active() {
+                group::flush_later(r.clone(), op.stream, self.device);
+            } else {
+                // SAFETY: the caller's live stream.
+                unsafe { r.c.cuda_flush(op.stream as sys::CUstream) }?;
+            }
+        }
+        Ok(())
     }
 
     /// Copies `bytes` at `src` into this communicator's staging memory on `stream` (an

@@ -55,7 +55,7 @@ pub fn flush_later(r: Arc<Ready>, stream: usize, device: i32) {
 /// Runs `f` with the primary context of `device` current (a group may span the devices of a
 /// process, one communicator each, and ends with the last one current), then restores the
 /// thread's context.
-fn on_device<T>(device: i32, f: impl FnOnce() -> T) -> T {
+pub fn on_device<T>(device: i32, f: impl FnOnce() -> T) -> T {
     if device < 0 {
         return f();
     }

