@@ -143,6 +143,18 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     [ "$n" -le "$ngpu" ] && run "wait-mix-$n-gpus" "${tr[@]}" "$n" tests/gpu/wait_mix.py
   done
   run kill-rank tests/gpu/kill_rank.sh
+  # Eager collectives as direct ops (contract 7 rule 8; off by default): every op, dtype and
+  # size against references, two streams, a mismatch; the suite and a killed rank on that path;
+  # ranks sharing a GPU keep the daemon's path under auto and take the protocol under shared.
+  if [ "$ngpu" -ge 2 ]; then
+    COMMD_EAGER_DIRECT=auto run "eager-direct-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
+    COMMD_EAGER_DIRECT=auto run "ops-2-gpus-eager-direct" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+    COMMD_EAGER_DIRECT=auto KILL_RANK_ELEMS=4096 run "kill-rank-eager-direct" tests/gpu/kill_rank.sh
+  fi
+  [ "$ngpu" -ge 4 ] && COMMD_EAGER_DIRECT=auto run "eager-direct-4-gpus" "${tr[@]}" 4 tests/gpu/eager_direct.py
+  COMMD_EAGER_DIRECT=auto EAGER_DIRECT_EXPECT=daemon run "eager-direct-auto-shared-gpu-2-ranks" \
+    env CUDA_VISIBLE_DEVICES=0 "${tr[@]}" 2 tests/gpu/eager_direct.py
+  COMMD_EAGER_DIRECT=shared run "eager-direct-shared-3-ranks" "${tr[@]}" 3 tests/gpu/eager_direct.py
   # init_process_group(device_id=...), new_group after it, zero-element CUDA tensors.
   run "empty-device-id-2-ranks" "${tr[@]}" 2 tests/gpu/empty_device_id.py
   run "p2p-overlap-2-ranks" "${tr[@]}" 2 tests/gpu/p2p_overlap.py

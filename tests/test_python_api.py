@@ -445,6 +445,47 @@ def test_wait_timeout_and_interrupt_leave_the_op_running(daemon):
     np.testing.assert_array_equal(y, np.full(8, 3, np.float32))
 
 
+def _shares(comm, c, rank, n):
+    return comm.ranks_share_a_process
+
+
+def test_ranks_in_one_process_are_told_so_alike(daemon):
+    """The daemon tells every rank whether two ranks of the communicator are one process: the
+    client keeps such communicators' eager GPU ops off the direct path (DESIGN.md contract 7),
+    whose setup would block a thread that drives several ranks."""
+    import threading
+
+    # Two processes, one rank each; then three ranks of which two are threads of this process.
+    assert _ok(_ranks(daemon, 2, _shares)) == [False, False]
+    uid = commd.Client(str(daemon.socket)).unique_id()
+    got, errs = {}, []
+
+    def join(rank):
+        try:
+            c = commd.connect(str(daemon.socket))
+            got[rank] = c.communicator(uid, rank, 3, op_timeout=30).ranks_share_a_process
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errs.append(f"rank {rank}: {e}")
+
+    def other():
+        # Rank 2 in a process of its own.
+        c = commd.connect(str(daemon.socket))
+        comm = c.communicator(uid, 2, 3, op_timeout=30)
+        os._exit(0 if comm.ranks_share_a_process else 3)
+
+    child = CTX.Process(target=other)
+    child.start()
+    ts = [threading.Thread(target=join, args=(r,)) for r in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    child.join(60)
+    assert not errs, errs
+    assert got == {0: True, 1: True}
+    assert child.exitcode == 0, "the rank in its own process was not told that two others share one"
+
+
 def test_communicator_reports_the_nodes_it_spans(tmp_path):
     # Two daemons as two nodes: a communicator over both says 2 (its GPU ops are host-staged),
     # one within a node says 1; the data still adds up across the nodes.

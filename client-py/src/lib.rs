@@ -482,6 +482,13 @@ impl Communicator {
         Ok(self.get()?.paths().to_vec())
     }
 
+    /// Whether two of the communicator's ranks on this node are one process, as the daemon
+    /// said at init.
+    #[getter]
+    fn ranks_share_a_process(&self) -> PyResult<bool> {
+        Ok(self.get()?.ranks_share_a_process())
+    }
+
     /// Caps the daemon's GPU copies for this communicator at `gbps` GB/s (None or 0:
     /// uncapped), for every rank on this node, from the next copy phase on.
     #[pyo3(signature = (gbps))]
@@ -676,7 +683,7 @@ impl Communicator {
             captured: posted.captured,
             last_ticket: posted.last_ticket,
             bytes: posted.bytes,
-            done: std::sync::Mutex::new(posted.done.map(Arc::new)),
+            done: std::sync::Mutex::new(posted.done),
             stash: self.stash.clone(),
         })
     }
@@ -702,6 +709,12 @@ impl Communicator {
     /// "daemon: <why not direct>" or "undecided" (DESIGN.md contracts 6 and 7).
     fn cuda_graph_path(&self) -> PyResult<String> {
         Ok(self.get()?.cuda_graph_path())
+    }
+
+    /// How small eager GPU collectives run on this communicator: "direct", "daemon: <why
+    /// not>" or "undecided" (DESIGN.md contract 7 rule 8, COMMD_EAGER_DIRECT).
+    fn cuda_eager_path(&self) -> PyResult<String> {
+        Ok(self.get()?.cuda_eager_path())
     }
 
     /// The status code of a failed GPU op on this communicator since the last call, or None.

@@ -347,6 +347,7 @@ impl Client {
             doorbell_slot: r.doorbell_slot,
             nodes: r.nodes.max(1),
             paths: r.paths,
+            ranks_share_a_process: r.ranks_share_a_process,
             op_timeout: o.op_timeout,
             gpu: Mutex::new(gpu::CommGpu::default()),
         })
@@ -1013,6 +1014,9 @@ pub struct Request {
     user_data: u64,
     /// Once done: the completion's `source` field (a receive from any source), or the error.
     outcome: Mutex<Option<std::result::Result<u64, Error>>>,
+    /// An eager GPU op run as a direct op (DESIGN.md contract 7 rule 8): it completes from the
+    /// event after its kernel and its status word, not from the daemon (`user_data` is 0).
+    local: Option<gpu::direct::LocalDone>,
 }
 
 impl std::fmt::Debug for Request {
@@ -1030,6 +1034,15 @@ impl Request {
     /// `Err`: the op failed (the same error on every later call).
     pub fn wait_for(&self, limit: Option<Duration>) -> Result<bool> {
         let mut o = lock(&self.outcome);
+        if o.is_none()
+            && let Some(l) = &self.local
+        {
+            match l.poll(limit) {
+                Ok(None) => return Ok(false),
+                Ok(Some(r)) => *o = Some(r),
+                Err(e) => *o = Some(Err(e)),
+            }
+        }
         if o.is_none() {
             match self.client.wait(self.user_data, limit) {
                 Ok(None) => return Ok(false),
@@ -1066,7 +1079,8 @@ impl Request {
 
 impl Drop for Request {
     fn drop(&mut self) {
-        if lock(&self.outcome).is_none() {
+        // A direct op's status word is read by its pool when the word is needed again.
+        if self.local.is_none() && lock(&self.outcome).is_none() {
             self.client.abandon(self.user_data);
         }
     }
@@ -1085,6 +1099,9 @@ pub struct Communicator {
     nodes: u32,
     /// How its data moves, as the daemon described it at init.
     paths: Vec<String>,
+    /// Two of its ranks on this node are one process (the daemon's word at init): eager ops
+    /// never take the direct path, whose setup blocks a rank until every rank takes part.
+    ranks_share_a_process: bool,
     /// The op timeout asked for at creation (the daemon's default when `None`): how long a
     /// direct captured op waits for a peer (contract 7).
     op_timeout: Option<Duration>,
@@ -1152,6 +1169,11 @@ impl Communicator {
     }
     pub fn handle(&self) -> u32 {
         self.handle
+    }
+    /// Whether two of this communicator's ranks on this node are one process (threads of it,
+    /// or one thread driving several GPUs), as the daemon said at init.
+    pub fn ranks_share_a_process(&self) -> bool {
+        self.ranks_share_a_process
     }
 
     /// Caps the bandwidth of the daemon's GPU copies for this communicator at `bytes_per_sec`
@@ -1223,6 +1245,7 @@ impl Communicator {
             client: self.client.clone(),
             user_data: self.submit(a)?,
             outcome: Mutex::new(None),
+            local: None,
         })
     }
 

@@ -139,17 +139,21 @@ impl Local for LocalService {
             .join(s, &r.unique_id, r.rank, r.nranks, opts, wait)?;
         match tokio::time::timeout(wait, rx).await {
             Ok(Ok(Ok((comm, comm_id, doorbell_slot, nodes)))) => {
-                let paths = self
-                    .daemon
-                    .comm_by_id(comm_id)
-                    .map(|c| crate::comm::comm_paths(&c))
+                let c = self.daemon.comm_by_id(comm_id);
+                let paths = c
+                    .as_ref()
+                    .map(|c| crate::comm::comm_paths(c))
                     .unwrap_or_default();
+                let ranks_share_a_process = c
+                    .as_ref()
+                    .is_some_and(|c| crate::comm::ranks_share_a_process(c));
                 Ok(Response::new(pb::CreateCommunicatorReply {
                     comm,
                     comm_id,
                     doorbell_slot,
                     nodes,
                     paths,
+                    ranks_share_a_process,
                 }))
             }
             Ok(Ok(Err(e))) => Err(e.into()),

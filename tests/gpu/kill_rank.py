@@ -31,7 +31,8 @@ if SOCKS:
     os.environ["COMMD_SOCKET"] = SOCKS[min(rank * len(SOCKS) // world, len(SOCKS) - 1)]
 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
 dist.init_process_group("commd")
-t = torch.ones(1 << 24, device="cuda")
+# KILL_RANK_ELEMS: a small op takes the eager direct path under COMMD_EAGER_DIRECT=auto.
+t = torch.ones(int(os.environ.get("KILL_RANK_ELEMS", 1 << 24)), device="cuda")
 dist.all_reduce(t)  # a healthy op first
 torch.cuda.synchronize()
 ok_first = bool(torch.all(t == world).item())
@@ -48,7 +49,14 @@ sync_s = time.perf_counter() - t0
 deadline = time.time() + 20
 while not w.is_completed() and time.time() < deadline:
     time.sleep(0.01)
-err = w.exception() if w.is_completed() else None
+err = None
+if w.is_completed():
+    # The op's error, as wait() raises it (Work.exception() of the C++ shell's Work returns a
+    # std::exception_ptr that Python cannot convert).
+    try:
+        w.wait()
+    except Exception as e:  # noqa: BLE001 - whatever the backend raised is the finding
+        err = e
 ok = ok_first and err is not None and f"rank {victim}" in str(err)
 print(f"rank {rank}: stream released after {sync_s:.3f} s; error: {err!r}", flush=True)
 print(("PASS" if ok else "FAIL") + f" kill_rank rank {rank}", flush=True)

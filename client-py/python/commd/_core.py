@@ -569,6 +569,13 @@ class Communicator:
         return list(self._native.paths)
 
     @property
+    def ranks_share_a_process(self) -> bool:
+        """Whether two of this communicator's ranks on this node are one process (threads of
+        it), as the daemon said at init: eager GPU ops then never run as direct ops (DESIGN.md
+        contract 7), whose setup blocks a rank until every rank takes part."""
+        return bool(self._native.ranks_share_a_process)
+
+    @property
     def nodes(self) -> int:
         """Nodes (daemons) this communicator spans; above 1 its GPU ops are staged through host
         memory by the daemons (see docs/multinode.md)."""

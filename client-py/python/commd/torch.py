@@ -1098,6 +1098,15 @@ def graph_path(group: Any = None) -> str:
     return _backends(group, "graph_path")[0].comm._native.cuda_graph_path()
 
 
+def eager_path(group: Any = None) -> str:
+    """How small eager GPU collectives run on ``group``: ``"direct"`` (with
+    ``COMMD_EAGER_DIRECT=auto``, all-reduce, all-gather, reduce-scatter, broadcast and reduce up
+    to ``COMMD_EAGER_DIRECT_MAX_BYTES`` are one kernel each, with no daemon round trip: ranks
+    with a GPU each, peer access between them; docs/design.md contract 7 rule 8),
+    ``"daemon: <why not direct>"``, or ``"undecided"`` before the first such op on the group."""
+    return _backends(group, "eager_path")[0].comm._native.cuda_eager_path()
+
+
 def empty(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A CPU tensor in commd shared memory: collectives on it skip the staging copies."""
     if len(size) == 1 and isinstance(size[0], (tuple, list)):

@@ -17,6 +17,7 @@
 //! agrees on the outcome: every rank takes the path, or none does (and says why, once).
 //! Windows stay mapped for the life of the process: a graph may outlive its communicator.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use commd_proto::desc::{DType, OpKind, RedOp, doorbell};
@@ -63,9 +64,11 @@ pub(crate) struct Windows {
     rec_host: usize,
     rec_dev: sys::CUdeviceptr,
     hint_dev: sys::CUdeviceptr,
-    /// Captured direct ops so far: the next op's index (part of its flag, so ranks that
-    /// replay different captured ops never pair).
+    /// Direct ops so far (captured ones, or eager ones for eager windows): the next op's index
+    /// (part of its flag, so ranks that replay different captured ops never pair).
     next_k: u32,
+    /// Eager windows: their ops' status words (in the record page).
+    status: Option<Arc<eager::StatusPool>>,
 }
 
 /// The configuration from the environment: `COMMD_GRAPH_DIRECT` (`auto`, the default, or
@@ -180,8 +183,9 @@ fn describe_sig(sig: u32) -> String {
     }
 }
 
-/// What a failure record means, for the error the client raises.
-pub fn explain(r: &Record, me: u32) -> String {
+/// What a failure record means, for the error the client raises: of a replay of a captured op,
+/// or (`eager`) of an eager direct op (contract 7 rule 8).
+pub fn explain(r: &Record, me: u32, eager: bool) -> String {
     let e = r.epoch;
     let (m_sig, m_k, m_count) = (r.mine.0 as u32, (r.mine.1 >> 32) as u32, r.mine.1 as u32);
     let (t_sig, t_k, t_count) = (
@@ -189,6 +193,11 @@ pub fn explain(r: &Record, me: u32) -> String {
         (r.theirs.1 >> 32) as u32,
         r.theirs.1 as u32,
     );
+    let (coll, runs) = if eager {
+        ("a collective", "ran")
+    } else {
+        ("a replayed collective", "replayed")
+    };
     match r.code {
         k::MISMATCH => {
             let mut fields = Vec::new();
@@ -207,58 +216,78 @@ pub fn explain(r: &Record, me: u32) -> String {
                 ));
             }
             if m_k != t_k {
-                fields.push(format!(
-                    "captured op: rank {me} replayed its captured direct op #{m_k}, rank {} its #{t_k} (the ranks replay different graphs, or captured different sequences)",
-                    r.rank
-                ));
+                fields.push(if eager {
+                    format!(
+                        "direct op: rank {me} ran its eager direct op #{m_k}, rank {} its #{t_k} (the ranks issued different sequences of collectives)",
+                        r.rank
+                    )
+                } else {
+                    format!(
+                        "captured op: rank {me} replayed its captured direct op #{m_k}, rank {} its #{t_k} (the ranks replay different graphs, or captured different sequences)",
+                        r.rank
+                    )
+                });
             }
+            let within = if eager {
+                "an eager direct op"
+            } else {
+                "a CUDA-graph replay"
+            };
             format!(
-                "mismatched collective in a CUDA-graph replay (direct op #{e} of the communicator): {}",
+                "mismatched collective in {within} (direct op #{e} of the communicator): {}",
                 fields.join("; ")
             )
         }
         k::TIMEOUT => format!(
-            "a replayed collective (direct op #{e}) timed out waiting for rank {}: its stream never reached the same replay (it is stuck, or replays other graphs)",
+            "{coll} (direct op #{e}) timed out waiting for rank {}: its stream never reached the same op (it is stuck, or {runs} other ops)",
             r.rank
         ),
         k::BROKEN => format!(
-            "a replayed collective (direct op #{e}) stopped waiting for rank {}: the communicator is broken (a rank's process or the daemon was lost; the next op on the communicator names it)",
+            "{coll} (direct op #{e}) stopped waiting for rank {}: the communicator is broken (a rank's process or the daemon was lost; the next op on the communicator names it)",
             r.rank
         ),
         k::POISONED => format!(
-            "a replayed collective (direct op #{e}) did not run: an earlier direct captured op on this communicator failed, and none runs after that"
+            "{coll} (direct op #{e}) did not run: an earlier direct op on this communicator failed, and none runs after that"
         ),
         k::PEER_FAILED => format!(
-            "a replayed collective (direct op #{e}) did not run: rank {} reported that its own replay failed earlier (its error says why)",
+            "{coll} (direct op #{e}) did not run: rank {} reported that its own op failed earlier (its error says why)",
             r.rank
         ),
-        c => format!("a replayed collective (direct op #{e}) failed with code {c}"),
+        c => format!("{coll} (direct op #{e}) failed with code {c}"),
     }
 }
 
 impl Windows {
     /// Takes the failure record, if the kernel wrote one since the last look.
     fn take(&self) -> Option<Record> {
-        let base = self.rec_host as *mut u8;
-        // SAFETY: the record is a leaked page (see `setup`), 8-byte aligned; the GPU writes
-        // it with volatile stores, code last, so code is read first with acquire.
-        unsafe {
-            let code = &*base.cast::<AtomicU32>();
-            let c = code.load(Ordering::Acquire);
-            if c == 0 {
-                return None;
-            }
-            let w = |i: usize| std::ptr::read_volatile(base.cast::<u64>().add(i));
-            let r = Record {
-                code: c,
-                rank: std::ptr::read_volatile(base.cast::<u32>().add(1)),
-                epoch: w(1),
-                mine: (w(2), w(3)),
-                theirs: (w(4), w(5)),
-            };
-            code.store(0, Ordering::Release);
-            Some(r)
+        read_record(self.rec_host, true)
+    }
+}
+
+/// The failure record at `page` (a set of windows' record page), if the kernel wrote one since
+/// the last look; `take`: cleared (the kernel writes the next failure's there).
+fn read_record(page: usize, take: bool) -> Option<Record> {
+    let base = page as *mut u8;
+    // SAFETY: the record is a leaked page (see `setup`), 8-byte aligned; the GPU writes
+    // it with volatile stores, code last, so code is read first with acquire.
+    unsafe {
+        let code = &*base.cast::<AtomicU32>();
+        let c = code.load(Ordering::Acquire);
+        if c == 0 {
+            return None;
         }
+        let w = |i: usize| std::ptr::read_volatile(base.cast::<u64>().add(i));
+        let r = Record {
+            code: c,
+            rank: std::ptr::read_volatile(base.cast::<u32>().add(1)),
+            epoch: w(1),
+            mine: (w(2), w(3)),
+            theirs: (w(4), w(5)),
+        };
+        if take {
+            code.store(0, Ordering::Release);
+        }
+        Some(r)
     }
 }
 
@@ -284,37 +313,67 @@ impl Communicator {
         }
     }
 
-    /// The failure of a replayed direct op on this communicator since the last look, as the
-    /// error to raise (`cuda_graph_check`).
-    pub(crate) fn direct_check(&self) -> Result<()> {
-        let c = lock(&self.gpu);
-        let State::On(w) = &c.direct else {
-            return Ok(());
+    /// How this communicator's small eager collectives run: `"direct"` (rule 8,
+    /// `COMMD_EAGER_DIRECT`), `"daemon: <why>"`, or `"undecided"` before the first one that
+    /// could.
+    pub fn cuda_eager_path(&self) -> String {
+        let e = match EagerConfig::cached() {
+            Ok(e) => e,
+            Err(e) => return format!("daemon: {e}"),
         };
-        let Some(r) = w.take() else {
-            return Ok(());
-        };
-        let kind = match r.code {
-            k::MISMATCH => crate::OpErrorKind::from_status(commd_proto::desc::status::MISMATCH),
-            k::TIMEOUT => crate::OpErrorKind::from_status(commd_proto::desc::status::TIMEOUT),
-            _ => crate::OpErrorKind::from_status(commd_proto::desc::status::PEER_LOST),
-        };
-        Err(Error::Op {
-            kind,
-            message: format!(
-                "a replay of a GPU collective captured into a CUDA graph on communicator {} failed (its results are not valid): {}",
-                self.comm_id,
-                explain(&r, self.rank)
-            ),
-        })
+        if !e.enabled {
+            return "daemon: COMMD_EAGER_DIRECT is off".into();
+        }
+        if self.ranks_share_a_process {
+            return "daemon: two ranks of the communicator are one process".into();
+        }
+        match &lock(&self.gpu).eager {
+            State::Unknown => "undecided".into(),
+            State::Off(why) => format!("daemon: {why}"),
+            State::On(_) => "direct".into(),
+        }
     }
 
-    /// Runs `a` (a captured collective) as a direct op if this communicator can: `Ok(None)`
-    /// when it takes the persistent-op path instead.
+    /// The failure of a direct op (a replay, or an eager op) on this communicator since the last
+    /// look, as the error to raise (`cuda_graph_check`).
+    pub(crate) fn direct_check(&self) -> Result<()> {
+        let c = lock(&self.gpu);
+        // A replay's failure, then an eager direct op's (rule 8: its request fails too, and
+        // the communicator's next call raises, as for a failed op of the daemon's path).
+        for (state, eager) in [(&c.direct, false), (&c.eager, true)] {
+            let State::On(w) = state else {
+                continue;
+            };
+            let Some(r) = w.take() else {
+                continue;
+            };
+            let what = if eager {
+                "an eager GPU collective run as a direct op"
+            } else {
+                "a replay of a GPU collective captured into a CUDA graph"
+            };
+            return Err(Error::Op {
+                kind: eager::op_error_kind(r.code),
+                message: format!(
+                    "{what} on communicator {} failed (its results are not valid): {}",
+                    self.comm_id,
+                    explain(&r, self.rank, eager)
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs `a` as a direct op if this communicator can: a captured collective (contract 7),
+    /// or with `eager` an eager one (rule 8). `Ok(None)`: it takes the daemon's path instead.
     ///
     /// # Safety
     /// As `post_cuda_ordered`: live streams, device buffers valid for the op.
-    pub(crate) unsafe fn try_direct(&self, a: &CudaOpArgs) -> Result<Option<CudaPosted>> {
+    pub(crate) unsafe fn try_direct(
+        &self,
+        a: &CudaOpArgs,
+        eager: bool,
+    ) -> Result<Option<CudaPosted>> {
         let mode = match a.kind {
             OpKind::AllReduce => k::MODE_AR,
             OpKind::AllGather => k::MODE_AG,
@@ -334,9 +393,26 @@ impl Communicator {
                 )));
             }
         };
-        let cfg = Config::from_env().map_err(Error::InvalidArgument)?;
+        let graph_cfg = Config::from_env().map_err(Error::InvalidArgument)?;
         // Bytes per rank: what each rank pushes to a peer, the size of a window slot.
         let bytes = a.count.saturating_mul(a.dtype.size());
+        // Eager ops (rule 8): their own windows, sized and shared as COMMD_EAGER_DIRECT says,
+        // never where two ranks are one process (the windows' setup blocks each rank until
+        // every rank takes part, and one thread may drive several ranks).
+        let cfg = if eager {
+            let e = EagerConfig::cached()?;
+            if !e.enabled || self.ranks_share_a_process {
+                return Ok(None);
+            }
+            Config {
+                enabled: true,
+                shared_gpus: e.shared_gpus,
+                max_bytes: e.max_bytes,
+                blocks: graph_cfg.blocks,
+            }
+        } else {
+            graph_cfg
+        };
         if !cfg.enabled {
             let mut c = lock(&self.gpu);
             if matches!(c.direct, State::Unknown) {
@@ -408,10 +484,17 @@ impl Communicator {
         let dev = device.unwrap_or(0);
         ensure_context(dev)?;
         let mut c = lock(&self.gpu);
-        if matches!(c.direct, State::Unknown) {
-            c.direct = self.setup(&cfg, dev);
+        let super::CommGpu {
+            direct,
+            eager: eager_state,
+            last,
+            ..
+        } = &mut *c;
+        let state = if eager { eager_state } else { direct };
+        if matches!(state, State::Unknown) {
+            *state = self.setup(&cfg, dev, eager);
         }
-        let w = match &mut c.direct {
+        let w = match state {
             State::On(w) if w.device == dev => w,
             State::On(w) => {
                 return Err(Error::InvalidArgument(format!(
@@ -439,6 +522,26 @@ impl Communicator {
             // SAFETY: `a.stream` is live (caller).
             unsafe { ev.wait_on(a.stream)? };
         }
+        // An eager op on another stream than the communicator's last eager op (of either path)
+        // waits for it on the GPU: the windows' epochs and the daemon's ready counter both
+        // need the communicator's ops in issue order (as `post_cuda_ordered`).
+        if eager
+            && let Some((ls, ev)) = last.as_ref()
+            && *ls != a.stream as usize
+        {
+            // SAFETY: `a.stream` is live (caller); the event is owned by the communicator.
+            unsafe { ev.wait_on(a.stream)? };
+        }
+        // An eager op's status word, zeroed (the kernel writes its failure code there).
+        let status = match (&w.status, eager) {
+            (Some(sp), true) => Some((sp.clone(), sp.take()?)),
+            (None, true) => {
+                return Err(Error::InvalidArgument(
+                    "eager direct windows without status words (internal error)".into(),
+                ));
+            }
+            _ => None,
+        };
         let args = DirectArgs {
             win: w.win,
             input: send,
@@ -459,37 +562,74 @@ impl Communicator {
             divisor: self.nranks,
             mode,
             root: a.peer,
-            pad: 0,
+            status: status.as_ref().map_or(0, |(_, w)| *w),
         };
         // SAFETY: the windows, record and hint word live for the process (`setup`); the
         // buffers were checked above; the caller vouches for the stream.
-        unsafe { kern.launch_direct(a.stream, a.dtype, op, w.grid, &args)? };
+        if let Err(e) = unsafe { kern.launch_direct(a.stream, a.dtype, op, w.grid, &args) } {
+            if let Some((sp, word)) = &status {
+                sp.give_back(*word);
+            }
+            return Err(e.into());
+        }
         w.next_k = w.next_k.wrapping_add(1);
-        let done = if a.record {
-            let ev = pool.get(dev)?;
-            // SAFETY: `a.stream` is live and of the event's device.
-            unsafe { ev.record(a.stream)? };
-            Some(ev)
-        } else {
-            None
+        let Some((sp, word)) = status else {
+            let done = if a.record {
+                let ev = pool.get(dev)?;
+                // SAFETY: `a.stream` is live and of the event's device.
+                unsafe { ev.record(a.stream)? };
+                Some(Arc::new(ev))
+            } else {
+                None
+            };
+            return Ok(Some(CudaPosted {
+                request: Request {
+                    client: i.clone(),
+                    user_data: 0,
+                    outcome: std::sync::Mutex::new(Some(Ok(0))),
+                    local: None,
+                },
+                done,
+                device: dev,
+                last_ticket: 0,
+                bytes,
+                captured: true,
+            }));
         };
+        // Eager: one event after the kernel is the op's completion, the order point for the
+        // communicator's next op on another stream, and (`a.record`) the caller's done event.
+        // (A word whose kernel was launched is never given back: if this record failed, the
+        // kernel could still write it after another op took it.)
+        let ev = Arc::new(pool.get(dev)?);
+        // SAFETY: `a.stream` is live and of the event's device.
+        unsafe { ev.record(a.stream)? };
+        *last = Some((a.stream as usize, ev.clone()));
+        let op_status = sp.launched(word, ev.clone());
         Ok(Some(CudaPosted {
             request: Request {
                 client: i.clone(),
                 user_data: 0,
-                outcome: std::sync::Mutex::new(Some(Ok(0))),
+                outcome: std::sync::Mutex::new(None),
+                local: Some(LocalDone {
+                    pool: sp,
+                    op: op_status,
+                    comm_id: self.comm_id,
+                    rank: self.rank,
+                    what: a.kind.name(),
+                }),
             },
-            done,
+            done: a.record.then_some(ev),
             device: dev,
             last_ticket: 0,
             bytes,
-            captured: true,
+            captured: false,
         }))
     }
 
-    /// Sets up the windows (module doc): the same outcome on every rank.
-    fn setup(&self, cfg: &Config, dev: i32) -> State {
-        match self.setup_inner(cfg, dev) {
+    /// Sets up the windows (module doc): the same outcome on every rank. `eager`: the windows
+    /// of eager direct ops (rule 8), apart from the captured ops' ones.
+    fn setup(&self, cfg: &Config, dev: i32, eager: bool) -> State {
+        match self.setup_inner(cfg, dev, eager) {
             Ok(s) => s,
             // An error of the exchange itself (a peer that did not take part) is the same on
             // every rank that saw it; the others fail their all-gather the same way.
@@ -497,7 +637,7 @@ impl Communicator {
         }
     }
 
-    fn setup_inner(&self, cfg: &Config, dev: i32) -> Result<State> {
+    fn setup_inner(&self, cfg: &Config, dev: i32, eager: bool) -> Result<State> {
         let n = self.nranks;
         let i = &self.client;
         let slot = cfg.max_bytes_for(n).div_ceil(4096).max(1) * 4096;
@@ -571,7 +711,12 @@ impl Communicator {
                 why = Some(format!("rank {r} could not allocate its window"));
             } else if o[80..88] != offer[80..88] || o[88..92] != offer[88..92] {
                 why = Some(format!(
-                    "rank {r} has another COMMD_GRAPH_DIRECT_MAX_BYTES or COMMD_GRAPH_DIRECT_BLOCKS (or GPU size) than rank {}",
+                    "rank {r} has another {} or COMMD_GRAPH_DIRECT_BLOCKS (or GPU size) than rank {}",
+                    if eager {
+                        "COMMD_EAGER_DIRECT_MAX_BYTES"
+                    } else {
+                        "COMMD_GRAPH_DIRECT_MAX_BYTES"
+                    },
                     self.rank
                 ));
             } else if let Some(q) = (0..r)
@@ -631,8 +776,13 @@ impl Communicator {
                 unsafe { sys::cuMemFree_v2(win) };
             }
             if self.rank == 0 {
+                let which = if eager {
+                    "eager GPU collectives (COMMD_EAGER_DIRECT)"
+                } else {
+                    "collectives captured into CUDA graphs"
+                };
                 eprintln!(
-                    "commd: communicator {}: collectives captured into CUDA graphs take the daemon's path (contract 6), not the direct one: {why}",
+                    "commd: communicator {}: {which} take the daemon's path (contract 6), not the direct one: {why}",
                     self.comm_id
                 );
             }
@@ -667,6 +817,8 @@ impl Communicator {
             rec_dev,
             hint_dev,
             next_k: 0,
+            // SAFETY: the page is leaked above: it lives for the process.
+            status: eager.then(|| Arc::new(unsafe { eager::StatusPool::new(page as usize) })),
         })))
     }
 
@@ -735,6 +887,10 @@ fn open_peer(dev: i32, offer: &[u8]) -> std::result::Result<sys::CUdeviceptr, St
     .map_err(|e| e.to_string())?;
     Ok(ptr)
 }
+
+mod eager;
+pub use eager::EagerConfig;
+pub(crate) use eager::LocalDone;
 
 #[cfg(test)]
 mod model;
@@ -829,7 +985,7 @@ mod tests {
             mine: ((7 << 32) | sig, (3 << 32) | 32768),
             theirs: ((7 << 32) | sig, (3 << 32) | 16384),
         };
-        let m = explain(&r, 0);
+        let m = explain(&r, 0, false);
         assert!(
             m.contains("mismatch") && m.contains("count: rank 0 32768 vs rank 1 16384"),
             "{m}"
@@ -840,19 +996,28 @@ mod tests {
             theirs: ((7 << 32) | bf, (4 << 32) | 32768),
             ..r
         };
-        let m = explain(&r2, 0);
+        let m = explain(&r2, 0, false);
         assert!(
             m.contains("all_reduce f32 sum vs rank 1 all_reduce bf16 sum"),
             "{m}"
         );
         assert!(m.contains("#3, rank 1 its #4"), "{m}");
+        // The same record of an eager direct op (rule 8) speaks of eager ops, not replays.
+        let m = explain(&r2, 0, true);
+        assert!(
+            m.contains("in an eager direct op")
+                && m.contains("eager direct op #3, rank 1 its #4")
+                && m.contains("different sequences of collectives")
+                && !m.contains("replay"),
+            "{m}"
+        );
         for (code, word) in [
             (k::TIMEOUT, "timed out waiting for rank 1"),
             (k::BROKEN, "broken"),
             (k::POISONED, "earlier"),
             (k::PEER_FAILED, "rank 1 reported"),
         ] {
-            let m = explain(&Record { code, ..r }, 0);
+            let m = explain(&Record { code, ..r }, 0, false);
             assert!(m.contains(word), "{code}: {m}");
         }
     }

@@ -597,7 +597,9 @@ pub struct DirectArgs {
     pub mode: u32,
     /// Broadcast and reduce: the root.
     pub root: u32,
-    pub pad: u32,
+    /// An eager op's status word (index + 1 in the record page, `direct::STATUS_OFF`); 0 for
+    /// a captured op.
+    pub status: u32,
 }
 const _: () = assert!(std::mem::size_of::<DirectArgs>() == 152);
 

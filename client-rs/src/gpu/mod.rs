@@ -163,6 +163,15 @@ impl CudaEvent {
         Ok(())
     }
 
+    /// [`CudaEvent::done`] from any thread at any time: with the event's device's primary
+    /// context made current if the thread has none, and in relaxed capture mode (a query
+    /// while another thread captures in global mode would invalidate that capture).
+    pub fn query(&self) -> Result<bool> {
+        ensure_context(self.device)?;
+        let _relaxed = graph::Relaxed::enter()?;
+        self.done()
+    }
+
     /// Whether the recorded work completed (never blocks).
     pub fn done(&self) -> Result<bool> {
         // SAFETY: the event is owned here and live.
@@ -202,9 +211,12 @@ pub(crate) struct CommGpu {
     /// The stream of the communicator's last eager op and an event recorded on it after that
     /// op's stream work (after its ready write for a send/recv whose wait is deferred): the
     /// next op on another stream waits for it first (see `post_cuda`).
-    last: Option<(usize, CudaEvent)>,
+    last: Option<(usize, Arc<CudaEvent>)>,
     /// Captured collectives as direct ops (contract 7): not tried yet, refused, or the windows.
     pub(crate) direct: direct::State,
+    /// Eager collectives as direct ops (contract 7 rule 8, `COMMD_EAGER_DIRECT`): windows of
+    /// their own.
+    pub(crate) eager: direct::State,
     /// The grid barrier of the rounds kernel (`kernels::rounds`): four u32 of device memory on
     /// the communicator's GPU, allocated at its first multi-round eager reduction and kept
     /// until the process exits (16 bytes per communicator, as the direct windows).
@@ -222,6 +234,7 @@ impl Default for CommGpu {
             checked_stream: None,
             last: None,
             direct: direct::State::Unknown,
+            eager: direct::State::Unknown,
             rounds_bar: None,
         }
     }
@@ -279,7 +292,7 @@ impl CudaOpArgs {
 #[derive(Debug)]
 pub struct CudaPosted {
     pub request: Request,
-    pub done: Option<CudaEvent>,
+    pub done: Option<Arc<CudaEvent>>,
     pub device: i32,
     pub last_ticket: u32,
     pub bytes: u64,
@@ -829,7 +842,15 @@ impl Communicator {
         // work per replay.
         if cap.is_some() && self.nodes <= 1 {
             // SAFETY: the caller's contract.
-            if let Some(p) = unsafe { self.try_direct(&a)? } {
+            if let Some(p) = unsafe { self.try_direct(&a, false)? } {
+                return Ok(p);
+            }
+        }
+        // An eager one too, with COMMD_EAGER_DIRECT (rule 8): its request completes from the
+        // event after its kernel, not from the daemon.
+        if cap.is_none() && self.nodes <= 1 && !a.kind.is_p2p() {
+            // SAFETY: the caller's contract.
+            if let Some(p) = unsafe { self.try_direct(&a, true)? } {
                 return Ok(p);
             }
         }
@@ -1103,6 +1124,7 @@ impl Communicator {
             client: i.clone(),
             user_data,
             outcome: Mutex::new(None),
+            local: None,
         };
         // From here on the op is posted: a failure to enqueue must not leave the daemon waiting
         // for ready counters that never come, so later phases are signalled anyway (the error
@@ -1119,11 +1141,11 @@ impl Communicator {
         // The op's stream work is queued: the event the communicator's next op on another
         // stream waits for.
         let mut order_ev = order_ev;
-        let mut mark = |last: &mut Option<(usize, CudaEvent)>| -> Result<()> {
+        let mut mark = |last: &mut Option<(usize, Arc<CudaEvent>)>| -> Result<()> {
             if let Some(ev) = order_ev.take() {
                 // SAFETY: `s` was validated above and is of the event's device.
                 unsafe { ev.record(s)? };
-                *last = Some((s as usize, ev));
+                *last = Some((s as usize, Arc::new(ev)));
             }
             Ok(())
         };
@@ -1263,7 +1285,7 @@ impl Communicator {
         })();
         enq.map(|()| CudaPosted {
             request: req,
-            done: done_ev,
+            done: done_ev.map(Arc::new),
             device: dev,
             last_ticket: ticket.wrapping_add(phases as u32).wrapping_sub(1),
             bytes: op_bytes,

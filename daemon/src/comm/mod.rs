@@ -15,7 +15,9 @@ mod report;
 mod step;
 
 pub use crate::posted::{CudaTicket, Origin, Posted};
-pub use report::{comm_device, comm_formed, comm_nodes, comm_paths, op_executed, op_span};
+pub use report::{
+    comm_device, comm_formed, comm_nodes, comm_paths, op_executed, op_span, ranks_share_a_process,
+};
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -115,6 +115,23 @@ pub fn comm_paths(comm: &Comm) -> Vec<String> {
         .collect()
 }
 
+/// Whether two of the communicator's ranks on this node are one process (threads of one
+/// process, or one thread driving several GPUs as `ncclCommInitAll` does): a client then keeps
+/// its ops off paths whose setup blocks a rank until every rank takes part
+/// (`CreateCommunicatorReply.ranks_share_a_process`).
+pub fn ranks_share_a_process(comm: &Comm) -> bool {
+    let mut pids: Vec<i32> = comm
+        .members
+        .iter()
+        .filter(|m| m.local)
+        .map(|m| m.pid)
+        .collect();
+    let n = pids.len();
+    pids.sort_unstable();
+    pids.dedup();
+    pids.len() < n
+}
+
 /// Nodes a communicator spans (1 unless it has a network thread).
 pub fn comm_nodes(comm: &Comm) -> usize {
     comm.net

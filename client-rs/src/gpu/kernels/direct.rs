@@ -22,10 +22,12 @@
 //! `e` (stream order on `j`). The same argument bounds a peer's flag to `e - 2 ..= e + 1`, so the
 //! epoch comparison is done on 32 bits, wrap-aware.
 //!
-//! Failure record (host memory mapped for the device, one per communicator, read by the client's
-//! `cuda_graph_check`): `code` (u32, written last), `rank` (u32), `epoch` (u64), this rank's
-//! flag words, the other rank's flag words. Codes: [`MISMATCH`], [`TIMEOUT`], [`BROKEN`],
-//! [`POISONED`], [`PEER_FAILED`].
+//! Failure record (host memory mapped for the device, one per set of windows, read by the
+//! client's `cuda_graph_check`): `code` (u32, written last), `rank` (u32), `epoch` (u64), this
+//! rank's flag words, the other rank's flag words. Codes: [`MISMATCH`], [`TIMEOUT`], [`BROKEN`],
+//! [`POISONED`], [`PEER_FAILED`]. The rest of its page holds the status words of eager direct
+//! ops (contract 7 rule 8; [`STATUS_OFF`]): each failing op writes its code into its own word
+//! too, so every op's outcome is known, not only the first failure's.
 
 use std::fmt::Write as _;
 
@@ -39,6 +41,13 @@ pub const DEAD_OFF: u64 = STATE_OFF + 16;
 pub const DATA_OFF: u64 = 4096;
 /// Bytes of the failure record.
 pub const RECORD_BYTES: u64 = 64;
+/// Offset of the status words in the record page: an eager direct op (`status` non-zero)
+/// writes its failure code into word `status - 1`; a word left 0 once the op's event completed
+/// means the op succeeded.
+pub const STATUS_OFF: u64 = RECORD_BYTES;
+/// Status words in the record page (4096 bytes): eager direct ops of one communicator in flight
+/// at once, at most.
+pub const STATUS_WORDS: u32 = ((4096 - STATUS_OFF) / 4) as u32;
 /// Ranks a direct op supports (the flag area holds 8 sources per parity).
 pub const MAX_RANKS: u32 = 8;
 
@@ -94,7 +103,7 @@ struct commd_direct {{
     u32 divisor;
     u32 mode;
     u32 root;
-    u32 pad;
+    u32 status;
 }};
 
 static __device__ __forceinline__ void commd_copy(u64 dst, u64 src, u64 bytes, u64 tid, u64 stride) {{
@@ -136,6 +145,11 @@ static __device__ void commd_direct_fail(const struct commd_direct &a, u32 code,
                                          u64 m0, u64 m1, u64 t0, u64 t1) {{
     u32 *dead = (u32 *)(a.win[a.me] + {DEAD_OFF}ull);
     u32 was = atomicCAS(dead, 0u, code);
+    if (a.status != 0u) {{
+        /* An eager op: its own status word says it failed (read once its event completed). */
+        ((volatile u32 *)(a.rec + {STATUS_OFF}ull))[a.status - 1u] = code;
+        __threadfence_system();
+    }}
     volatile u32 *rc = (volatile u32 *)a.rec;
     if (was == 0u || rc[0] == 0u) {{
         volatile u64 *r = (volatile u64 *)a.rec;

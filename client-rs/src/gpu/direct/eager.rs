@@ -1,0 +1,381 @@
+//! Eager collectives as direct ops (DESIGN.md contract 7, rule 8): the same kernel as a
+//! captured direct op, launched for an op posted outside any capture, on windows of their own
+//! (so eager ops and graph replays never share a protocol instance).
+//!
+//! A captured op's failure is raised at the communicator's next call; an eager op has a
+//! `Request` that must say whether *that* op succeeded. So every eager direct op gets a status
+//! word of its own in the windows' record page (`kernels::direct::STATUS_OFF`), zeroed before
+//! the launch: the kernel writes its failure code there, and once the event recorded after the
+//! op completed, the word is the op's outcome (0: done). Words are reused only after their
+//! op's outcome was read ([`StatusPool`]); a communicator's direct ops run in order on the GPU,
+//! so when every word is in flight, the oldest op is the first to finish.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::{Record, k};
+use crate::{Error, Result, lock};
+
+/// `COMMD_EAGER_DIRECT` (`0`/`off`, the default; `auto`/`on`/`1`; `shared`, tests only: ranks
+/// sharing a GPU too) and `COMMD_EAGER_DIRECT_MAX_BYTES` (the largest op, bytes per rank;
+/// default `direct::default_max_bytes`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EagerConfig {
+    pub enabled: bool,
+    pub shared_gpus: bool,
+    pub max_bytes: Option<u64>,
+}
+
+impl EagerConfig {
+    pub fn parse(mode: Option<&str>, max: Option<&str>) -> std::result::Result<Self, String> {
+        let (enabled, shared_gpus) = match mode.map(str::trim) {
+            None | Some("") | Some("0") | Some("off") => (false, false),
+            Some("auto") | Some("1") | Some("on") => (true, false),
+            Some("shared") => (true, true),
+            Some(v) => {
+                return Err(format!(
+                    "COMMD_EAGER_DIRECT={v:?}: expected 0/off (the default), auto/on, or shared (tests only: also ranks sharing a GPU)"
+                ));
+            }
+        };
+        let max_bytes = match max.map(str::trim) {
+            None | Some("") => None,
+            Some(s) => Some(
+                s.parse::<u64>()
+                    .ok()
+                    .filter(|x| (1..=1 << 30).contains(x))
+                    .ok_or_else(|| {
+                        format!(
+                            "COMMD_EAGER_DIRECT_MAX_BYTES={s:?}: expected an integer from 1 to {}",
+                            1u64 << 30
+                        )
+                    })?,
+            ),
+        };
+        Ok(Self {
+            enabled,
+            shared_gpus,
+            max_bytes,
+        })
+    }
+
+    /// The process's setting, read once (every eager GPU op asks).
+    pub fn cached() -> Result<Self> {
+        static C: OnceLock<std::result::Result<EagerConfig, String>> = OnceLock::new();
+        C.get_or_init(|| {
+            Self::parse(
+                std::env::var("COMMD_EAGER_DIRECT").ok().as_deref(),
+                std::env::var("COMMD_EAGER_DIRECT_MAX_BYTES")
+                    .ok()
+                    .as_deref(),
+            )
+        })
+        .clone()
+        .map_err(Error::InvalidArgument)
+    }
+}
+
+/// Whether an op's GPU work has finished (the event recorded after it).
+pub(crate) trait Completion: Send + Sync {
+    fn finished(&self) -> Result<bool>;
+}
+
+impl Completion for crate::gpu::CudaEvent {
+    fn finished(&self) -> Result<bool> {
+        self.query()
+    }
+}
+
+/// One eager direct op's status word and completion.
+pub(crate) struct OpStatus {
+    /// Word index + 1 (the kernel's `status`).
+    index: u32,
+    done: Arc<dyn Completion>,
+    /// The word's value once read (the op's outcome).
+    code: OnceLock<u32>,
+}
+
+#[derive(Default)]
+struct PoolState {
+    free: Vec<u32>,
+    /// Ops whose word is in use, oldest first.
+    inflight: VecDeque<Arc<OpStatus>>,
+}
+
+/// The status words of one set of eager windows, and the failure record before them.
+pub(crate) struct StatusPool {
+    /// Host address of the record page (the record, then the words at `STATUS_OFF`).
+    page: usize,
+    st: Mutex<PoolState>,
+}
+
+impl StatusPool {
+    /// # Safety
+    /// `page` is the address of a page (4096 bytes, 8-aligned) that lives as long as the pool.
+    pub(crate) unsafe fn new(page: usize) -> Self {
+        Self {
+            page,
+            st: Mutex::new(PoolState {
+                free: (1..=k::STATUS_WORDS).rev().collect(),
+                inflight: VecDeque::new(),
+            }),
+        }
+    }
+
+    fn word(&self, index: u32) -> &AtomicU32 {
+        debug_assert!((1..=k::STATUS_WORDS).contains(&index));
+        // SAFETY: `index` is in 1..=STATUS_WORDS, so the word lies in the page (`new`'s
+        // contract), which outlives `self`; u32 words are 4-aligned there.
+        unsafe {
+            &*((self.page + k::STATUS_OFF as usize) as *const AtomicU32).add(index as usize - 1)
+        }
+    }
+
+    /// A zeroed word for the next op (its kernel's `status`). When every word is in flight, waits
+    /// for the oldest op to finish (the communicator's direct ops finish in order).
+    pub(crate) fn take(&self) -> Result<u32> {
+        loop {
+            let oldest = {
+                let mut g = lock(&self.st);
+                if let Some(i) = g.free.pop() {
+                    self.word(i).store(0, Ordering::Release);
+                    return Ok(i);
+                }
+                g.inflight.front().cloned()
+            };
+            let Some(op) = oldest else {
+                return Err(Error::InvalidArgument(
+                    "no status word free and none in flight (internal error)".into(),
+                ));
+            };
+            self.poll(&op, None)?;
+        }
+    }
+
+    /// A word taken for an op that was not launched.
+    pub(crate) fn give_back(&self, index: u32) {
+        lock(&self.st).free.push(index);
+    }
+
+    /// The launched op of word `index`, finished once `done` says so.
+    pub(crate) fn launched(&self, index: u32, done: Arc<dyn Completion>) -> Arc<OpStatus> {
+        let op = Arc::new(OpStatus {
+            index,
+            done,
+            code: OnceLock::new(),
+        });
+        lock(&self.st).inflight.push_back(op.clone());
+        op
+    }
+
+    /// Reads the word of a finished op (once), frees it, and returns the op's code.
+    fn finish(&self, op: &Arc<OpStatus>) -> u32 {
+        let mut g = lock(&self.st);
+        if let Some(c) = op.code.get() {
+            return *c;
+        }
+        let c = self.word(op.index).load(Ordering::Acquire);
+        let _ = op.code.set(c);
+        // Only this op's entry (an entry is removed once, under the lock, with its code set).
+        if let Some(p) = g.inflight.iter().position(|x| Arc::ptr_eq(x, op)) {
+            g.inflight.remove(p);
+        }
+        g.free.push(op.index);
+        c
+    }
+
+    /// The op's code once it finished: `Ok(None)` while it runs after `limit` (forever if
+    /// `None`).
+    pub(crate) fn poll(&self, op: &Arc<OpStatus>, limit: Option<Duration>) -> Result<Option<u32>> {
+        if let Some(c) = op.code.get() {
+            return Ok(Some(*c));
+        }
+        let t0 = Instant::now();
+        let mut nap = Duration::from_micros(20);
+        let mut spins = 0u32;
+        loop {
+            if op.done.finished()? {
+                return Ok(Some(self.finish(op)));
+            }
+            let waited = t0.elapsed();
+            if limit.is_some_and(|l| waited >= l) {
+                return Ok(None);
+            }
+            // A small op finishes within microseconds: yield first, then sleep, longer and
+            // longer (at most 1 ms), never past `limit`.
+            if spins < 200 {
+                spins += 1;
+                std::thread::yield_now();
+            } else {
+                let left = limit.map_or(nap, |l| l.saturating_sub(waited));
+                std::thread::sleep(nap.min(left));
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// The windows' failure record, if the kernel wrote one not yet raised (left for the
+    /// communicator's next call, which raises it: `direct_check`).
+    fn peek_record(&self) -> Option<Record> {
+        super::read_record(self.page, false)
+    }
+}
+
+/// What a [`crate::Request`] of an eager direct op completes from (instead of the daemon's
+/// completion queue).
+pub(crate) struct LocalDone {
+    pub(crate) pool: Arc<StatusPool>,
+    pub(crate) op: Arc<OpStatus>,
+    pub(crate) comm_id: u64,
+    pub(crate) rank: u32,
+    pub(crate) what: &'static str,
+}
+
+impl LocalDone {
+    /// The op's outcome once it finished (`Ok(None)` while it runs after `limit`), as the
+    /// request keeps it: `Ok(0)` done, or the error saying why it failed.
+    pub(crate) fn poll(
+        &self,
+        limit: Option<Duration>,
+    ) -> Result<Option<std::result::Result<u64, Error>>> {
+        let Some(code) = self.pool.poll(&self.op, limit)? else {
+            return Ok(None);
+        };
+        if code == 0 {
+            return Ok(Some(Ok(0)));
+        }
+        // The record says more (the peer, the fields that differ) when it is this op's: the
+        // first failure of the windows writes it, later ops are POISONED.
+        let detail = match self.pool.peek_record() {
+            Some(r) if r.code == code => super::explain(&r, self.rank, true),
+            _ => explain_code(code),
+        };
+        Ok(Some(Err(Error::Op {
+            kind: op_error_kind(code),
+            message: format!(
+                "{} on communicator {} (an eager GPU collective run as a direct op) failed; its results are not valid: {detail}",
+                self.what, self.comm_id
+            ),
+        })))
+    }
+}
+
+/// The error kind of a direct op's failure code.
+pub(crate) fn op_error_kind(code: u32) -> crate::OpErrorKind {
+    use commd_proto::desc::status;
+    crate::OpErrorKind::from_status(match code {
+        k::MISMATCH => status::MISMATCH,
+        k::TIMEOUT => status::TIMEOUT,
+        _ => status::PEER_LOST,
+    })
+}
+
+/// A failure code alone (the record described an earlier failure).
+fn explain_code(code: u32) -> String {
+    match code {
+        k::MISMATCH => "a peer ran another collective (mismatch)".into(),
+        k::TIMEOUT => "a peer's op did not come within the op timeout".into(),
+        k::BROKEN => "the communicator is broken (a rank's process or the daemon was lost; the next op on the communicator names it)".into(),
+        k::POISONED => "an earlier direct op on this communicator failed, and none runs after that (its error says why)".into(),
+        k::PEER_FAILED => "a peer reported that its own op failed earlier (its error says why)".into(),
+        c => format!("failure code {c}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    struct Fake(AtomicBool);
+    impl Completion for Fake {
+        fn finished(&self) -> Result<bool> {
+            Ok(self.0.load(Ordering::Acquire))
+        }
+    }
+
+    fn page() -> usize {
+        let p: &'static mut [u64; 512] = Box::leak(Box::new([0u64; 512]));
+        p.as_mut_ptr() as usize
+    }
+
+    #[test]
+    fn config_is_off_by_default_and_refuses_bad_values() {
+        assert_eq!(
+            EagerConfig::parse(None, None).unwrap(),
+            EagerConfig {
+                enabled: false,
+                shared_gpus: false,
+                max_bytes: None
+            }
+        );
+        let on = EagerConfig::parse(Some("auto"), Some("65536")).unwrap();
+        assert!(on.enabled && !on.shared_gpus && on.max_bytes == Some(65536));
+        let sh = EagerConfig::parse(Some("shared"), None).unwrap();
+        assert!(sh.enabled && sh.shared_gpus);
+        assert!(!EagerConfig::parse(Some("off"), None).unwrap().enabled);
+        for (m, x) in [
+            (Some("yes"), None),
+            (None, Some("0")),
+            (None, Some("-5")),
+            (None, Some("2147483648")),
+        ] {
+            let e = EagerConfig::parse(m, x).unwrap_err();
+            assert!(e.contains("COMMD_EAGER_DIRECT"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_word_is_reused_only_after_its_op_was_read() {
+        // SAFETY: a leaked, zeroed, 8-aligned page.
+        let pool = unsafe { StatusPool::new(page()) };
+        let f1 = Arc::new(Fake(AtomicBool::new(false)));
+        let i1 = pool.take().unwrap();
+        let op1 = pool.launched(i1, f1.clone());
+        // The kernel fails the op: its word holds the code, but the op has not finished yet.
+        pool.word(i1).store(k::MISMATCH, Ordering::Release);
+        assert_eq!(pool.poll(&op1, Some(Duration::ZERO)).unwrap(), None);
+        // Every other word, taken and launched.
+        let mut ops = Vec::new();
+        for _ in 1..k::STATUS_WORDS {
+            let i = pool.take().unwrap();
+            assert_ne!(i, i1);
+            ops.push(pool.launched(i, Arc::new(Fake(AtomicBool::new(true)))));
+        }
+        // All in flight: the next take waits for the oldest (op1) and reads it first, so its
+        // failure is kept, not wiped by the word's next user.
+        f1.0.store(true, Ordering::Release);
+        let again = pool.take().unwrap();
+        assert_eq!(again, i1);
+        assert_eq!(pool.word(i1).load(Ordering::Acquire), 0, "zeroed for reuse");
+        assert_eq!(pool.poll(&op1, None).unwrap(), Some(k::MISMATCH));
+        // A finished op read twice gives the same code; a succeeded op gives 0.
+        assert_eq!(pool.poll(&ops[0], None).unwrap(), Some(0));
+        assert_eq!(pool.poll(&ops[0], None).unwrap(), Some(0));
+        pool.give_back(again);
+        let g = lock(&pool.st);
+        assert_eq!(g.inflight.len(), ops.len() - 1);
+        assert_eq!(g.free.len(), 2);
+    }
+
+    #[test]
+    fn a_running_op_times_out_its_poll_but_not_its_word() {
+        // SAFETY: as above.
+        let pool = unsafe { StatusPool::new(page()) };
+        let f = Arc::new(Fake(AtomicBool::new(false)));
+        let i = pool.take().unwrap();
+        let op = pool.launched(i, f.clone());
+        let t0 = Instant::now();
+        assert_eq!(
+            pool.poll(&op, Some(Duration::from_millis(30))).unwrap(),
+            None
+        );
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        assert!(!lock(&pool.st).free.contains(&i));
+        f.0.store(true, Ordering::Release);
+        assert_eq!(pool.poll(&op, Some(Duration::ZERO)).unwrap(), Some(0));
+        assert!(lock(&pool.st).free.contains(&i));
+    }
+}

@@ -1,0 +1,194 @@
+"""Eager collectives as direct ops (DESIGN.md contract 7 rule 8, COMMD_EAGER_DIRECT=auto, or
+=shared with ranks sharing GPUs): right results, every op's own outcome, no hang. torchrun, 2+
+ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
+
+1. Every op the direct kernel runs (all-reduce sum/max/min/avg, all-gather, reduce-scatter,
+   broadcast and reduce from every root) in f32, bf16, f16, i32 and u8 (the copies), at sizes
+   from 1 element to the direct limit and just past it (the daemon's path), async and blocking,
+   against references computed here from every rank's known inputs (integer-valued, so every
+   sum is exact in any order; avg with a tolerance).
+2. The group says its small ops run direct (``commd.torch.eager_path``).
+3. One communicator's ops on two streams with no CPU sync between them, direct and daemon ops
+   mixed, each ordered after the one before (the windows' epochs need it): right results.
+4. A mismatch (rank 0 one count, the others another, both under the limit) on a group of its
+   own: every rank's op raises a mismatch naming the count, at once, and no rank hangs; the
+   group's next direct op fails too (poisoned), and the default group is untouched.
+5. Works complete: ``is_completed()`` becomes true without ``wait()``.
+Exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import commd.torch
+import torchrun_env
+
+rank, world, dev = torchrun_env.start()
+assert world >= 2, "run with at least 2 ranks"
+failures: list[str] = []
+LIMIT = int(os.environ.get("COMMD_EAGER_DIRECT_MAX_BYTES", "0")) or (
+    min(4 << 20, 1 << ((8 << 20) // (world - 1)).bit_length() - 1))
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 0.0) -> None:
+    g, w = got.double().cpu(), want.double().cpu()
+    ok = torch.allclose(g, w, rtol=tol, atol=tol) if tol else torch.equal(g, w)
+    if not ok:
+        bad = (g - w).abs().argmax().item() if g.shape == w.shape else -1
+        failures.append(f"{name}: wrong result (first bad index {bad}: got "
+                        f"{g.flatten()[bad].item() if bad >= 0 else g.shape}, want "
+                        f"{w.flatten()[bad].item() if bad >= 0 else w.shape})")
+
+
+def data(r: int, n: int, dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """Rank ``r``'s input: small integers, exact in every dtype and in any sum order."""
+    v = (torch.arange(n, device=dev, dtype=torch.int64) * 7 + r * 5 + salt) % 9
+    return v.to(dtype)
+
+
+def all_in(n: int, dtype: torch.dtype, salt: int = 0) -> list[torch.Tensor]:
+    return [data(r, n, dtype, salt) for r in range(world)]
+
+
+def reduce_ref(ins: list[torch.Tensor], op: str) -> torch.Tensor:
+    s = torch.stack([t.double() for t in ins])
+    return {"sum": s.sum(0), "max": s.max(0).values, "min": s.min(0).values,
+            "avg": s.sum(0) / world}[op]
+
+
+OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+       "avg": dist.ReduceOp.AVG}
+
+
+def sizes(es: int) -> list[int]:
+    """Elements: tiny, odd, mid, the largest direct op, and one past it (the daemon's path)."""
+    most = LIMIT // es
+    return sorted({1, 3, 1000, 4097, most // 2 + 1, most, most + 1})
+
+
+def case_all(dtype: torch.dtype, n: int, async_op: bool, salt: int) -> None:
+    tag = f"{dtype} n={n} async={async_op}"
+    ins = all_in(n, dtype, salt)
+    for name, op in OPS.items():
+        if name == "avg" and not dtype.is_floating_point:
+            continue
+        t = ins[rank].clone()
+        w = dist.all_reduce(t, op=op, async_op=async_op)
+        if async_op:
+            w.wait()
+        tol = 1e-2 if name == "avg" else 0.0
+        check(f"all_reduce {name} {tag}", t, reduce_ref(ins, name).to(dtype), tol)
+    # all-gather and reduce-scatter (chunks of n elements each)
+    out = torch.empty(world * n, device=dev, dtype=dtype)
+    w = dist.all_gather_into_tensor(out, ins[rank], async_op=async_op)
+    if async_op:
+        w.wait()
+    check(f"all_gather {tag}", out, torch.cat(ins))
+    big = all_in(world * n, dtype, salt + 1)
+    rs = torch.empty(n, device=dev, dtype=dtype)
+    w = dist.reduce_scatter_tensor(rs, big[rank], async_op=async_op)
+    if async_op:
+        w.wait()
+    check(f"reduce_scatter {tag}", rs, reduce_ref(big, "sum")[rank * n:(rank + 1) * n].to(dtype))
+    for root in range(world):
+        b = ins[rank].clone() if rank == root else torch.zeros(n, device=dev, dtype=dtype)
+        w = dist.broadcast(b, src=root, async_op=async_op)
+        if async_op:
+            w.wait()
+        check(f"broadcast root {root} {tag}", b, ins[root])
+        t = ins[rank].clone()
+        w = dist.reduce(t, dst=root, async_op=async_op)
+        if async_op:
+            w.wait()
+        want = reduce_ref(ins, "sum").to(dtype) if rank == root else ins[rank]
+        check(f"reduce root {root} {tag}", t, want)
+
+
+# 1. every op, dtype and size
+salt = 0
+for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32):
+    for n in sizes(torch.empty((), dtype=dtype).element_size()):
+        for async_op in (True, False):
+            salt += 1
+            case_all(dtype, n, async_op, salt)
+for n in (1, 4097, LIMIT, LIMIT + 1):  # u8: copies only
+    ins = all_in(n, torch.uint8, 3)
+    out = torch.empty(world * n, device=dev, dtype=torch.uint8)
+    dist.all_gather_into_tensor(out, ins[rank])
+    check(f"all_gather u8 n={n}", out, torch.cat(ins))
+torch.cuda.synchronize()
+
+# 2. the path
+path = commd.torch.eager_path()
+want_direct = os.environ.get("EAGER_DIRECT_EXPECT", "direct")
+if not path.startswith(want_direct):
+    failures.append(f"eager path is {path!r}, expected {want_direct!r}")
+
+# 3. two streams, no CPU sync between ops, direct and daemon-path ops mixed
+s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+small, large = 4096, LIMIT // 4 + 1024  # f32 elements: direct, then daemon (> LIMIT bytes)
+ts, wants = [], []
+for i in range(40):
+    n = small if i % 3 else large
+    x = data(rank, n, torch.float32, 100 + i)
+    ts.append(x)
+    wants.append(reduce_ref(all_in(n, torch.float32, 100 + i), "sum").float())
+torch.cuda.synchronize()
+for i, x in enumerate(ts):
+    # Blocking calls run on the current stream itself (async ones would all go to the
+    # backend's communication stream): the communicator's ops alternate between two streams.
+    with torch.cuda.stream(s1 if i % 2 else s2):
+        dist.all_reduce(x)
+torch.cuda.synchronize()
+for i, (x, w) in enumerate(zip(ts, wants)):
+    check(f"two streams op {i}", x, w)
+
+# 5. completion without wait()
+x = data(rank, 1024, torch.float32, 7)
+w = dist.all_reduce(x, async_op=True)
+deadline = time.time() + 30
+while not w.is_completed() and time.time() < deadline:
+    time.sleep(0.001)
+if not w.is_completed():
+    failures.append("an async direct all_reduce never reported completion without wait()")
+w.wait()
+check("completion", x, reduce_ref(all_in(1024, torch.float32, 7), "sum").float())
+
+# 4. mismatch on a group of its own
+g = dist.new_group(list(range(world)))
+x = data(rank, 4096 if rank == 0 else 2048, torch.float32)
+dist.all_reduce(x, group=g)  # first op on g (sets up its windows): counts differ
+t0 = time.time()
+err = None
+try:
+    torch.cuda.synchronize()
+    dist.all_reduce(torch.ones(16, device=dev), group=g)
+    torch.cuda.synchronize()
+except Exception as e:  # noqa: BLE001 - the error is the finding
+    err = e
+took = time.time() - t0
+if err is None:
+    failures.append("a mismatched direct all_reduce raised nothing at the group's next call")
+elif "mismatch" not in str(err).lower() or "count" not in str(err):
+    failures.append(f"the mismatch error does not name the count: {err}")
+if took > 60:
+    failures.append(f"the mismatch took {took:.1f} s to surface")
+# The default group still works.
+y = data(rank, 2048, torch.float32, 9)
+dist.all_reduce(y)
+check("default group after a mismatch on another", y,
+      reduce_ref(all_in(2048, torch.float32, 9), "sum").float())
+torch.cuda.synchronize()
+
+print(f"rank {rank}: eager path {path!r}; {len(failures)} failure(s)", flush=True)
+for f in failures[:20]:
+    print(f"rank {rank}: FAIL {f}", flush=True)
+print(("PASS" if not failures else "FAIL") + f" eager_direct rank {rank}", flush=True)
+sys.stdout.flush()
+os._exit(0 if not failures else 1)
