@@ -13,7 +13,7 @@
 #   4. vLLM's pynccl calls through ctypes, captured into a CUDA graph and replayed.
 # Library: $COMMD_NCCL_LIB (default target/release/libcommd_nccl.so, else .gpu/libcommd_nccl.so).
 # NCCL_PARTS picks parts (default "symbols pynccl ddp nccltests"), NCCL_TESTS_LIST the nccl-tests
-# programs, NCCL_TESTS_MODES the layouts (1rank shared gpus onegpus), NCCL_TESTS_MAX the largest size
+# programs, NCCL_TESTS_MODES the layouts (1rank shared gpus eager onegpus), NCCL_TESTS_MAX the largest size
 # (64M; NCCL_TESTS_MIN the smallest, 8); NCCL_TESTS_BIN names a folder of nccl-tests programs built earlier (the build leaves
 # them in OUT/nccl-tests-bin.tgz); NCCL_TESTS_LIMIT the seconds a multi-rank run may take (180).
 set -uo pipefail
@@ -93,8 +93,8 @@ args=(-b ${NCCL_TESTS_MIN:-8} -e ${NCCL_TESTS_MAX:-64M} -f 8 -c 1 -n 10 -w 3)
 # shellcheck disable=SC2206
 args+=(${NCCL_TESTS_EXTRA:-})
 # 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: $NCCL_TESTS_NP ranks (default 2) on as many GPUs (both);
-# onegpus: one process, $NCCL_TESTS_NP GPUs (both).
-modes=${NCCL_TESTS_MODES:-1rank shared gpus onegpus}
+# eager: as gpus, commd only, with COMMD_EAGER_DIRECT=auto; onegpus: one process, $NCCL_TESTS_NP GPUs (both).
+modes=${NCCL_TESTS_MODES:-1rank shared gpus eager onegpus}
 limit_mpi=${NCCL_TESTS_LIMIT:-180}  # seconds per multi-rank run (a hang ends there)
 # Every COMMD_* setting of this shell reaches mpirun's ranks (mpirun passes only what -x names).
 fwd=()
@@ -118,6 +118,12 @@ for t in $tests; do
       step "nccltests-$t-${np}gpus-$who" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe -np "$np" \
         -x LD_LIBRARY_PATH="$ompi/lib:$d" "${fwd[@]}" -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
     done
+  fi
+  # eager: 2 processes on 2 GPUs on commd with eager direct ops on (contract 7 rule 8).
+  if [ "$ngpu" -ge "$np" ] && [ "$np" -ge 2 ] && [[ " $modes " == *" eager "* ]]; then
+    step "nccltests-$t-${np}gpus-commd-eager-direct" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe \
+      -np "$np" -x LD_LIBRARY_PATH="$ompi/lib:$ours" "${fwd[@]}" -x COMMD_EAGER_DIRECT=auto \
+      -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
   fi
   # onegpus: one process driving $NCCL_TESTS_NP GPUs (ncclCommInitAll, `-g N`: every rank's op
   # posted from one thread, in one group, without the program switching devices).

@@ -498,7 +498,7 @@ impl Communicator {
             State::On(w) if w.device == dev => w,
             State::On(w) => {
                 return Err(Error::InvalidArgument(format!(
-                    "{} on device {dev}, but this rank's earlier captured ops on the communicator used device {}",
+                    "{} on device {dev}, but this rank's earlier direct ops on the communicator used device {}",
                     a.kind.name(),
                     w.device
                 )));
