@@ -3,7 +3,9 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|deepspeed|dinov2|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|nccl|deepspeed|dinov2|all] [OUTDIR]
+# `eager` (contract 7 rule 8; run only by name): eager direct ops' tests, and their per-op
+# latency against the daemon's path and NCCL (graph_latency.py's eager column): eager.jsonl.
 # `nccl` (issue 22; run only by name): tests/gpu/nccl.sh, the NCCL-compatible library
 # (libcommd_nccl.so, target/release or .gpu/) under NCCL's own nccl-tests (every collective,
 # -c 1; real NCCL in the same run), a torch DDP job on the "nccl" backend name preloaded with it
@@ -77,7 +79,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|nccl|deepspeed|dinov2|all) ;;
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|nccl|deepspeed|dinov2|all) ;;
   *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, nccl, deepspeed, dinov2 or all"
      exit 2 ;;
 esac
@@ -217,6 +219,29 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   COMMD_SOCKET=$sockdir/kill.sock COMMD_TEST_DAEMON_PID=$kpid \
     run "kill-daemon-2-ranks" "${tr[@]}" 2 tests/gpu/kill_daemon.py
   wait $kpid 2>/dev/null
+fi
+if [ "$what" = eager ]; then
+  # Contract 7 rule 8 (eager direct ops, off by default), run only by name: the tests of
+  # `tests` for it, then per-op eager latency (graph_latency.py's eager column) with it off,
+  # with it on, and NCCL's, on 2 GPUs (and 4 where there are 4): eager.jsonl.
+  if [ "$ngpu" -ge 2 ]; then
+    COMMD_EAGER_DIRECT=auto run "eager-direct-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
+    COMMD_EAGER_DIRECT=auto run "ops-2-gpus-eager-direct" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+    COMMD_EAGER_DIRECT=auto KILL_RANK_ELEMS=4096 run "kill-rank-eager-direct" tests/gpu/kill_rank.sh
+  fi
+  COMMD_EAGER_DIRECT=shared run "eager-direct-shared-3-ranks" "${tr[@]}" 3 tests/gpu/eager_direct.py
+  for n in 2 4; do
+    [ "$n" -le "$ngpu" ] || continue
+    for op in ${EAGER_OPS:-all_reduce all_gather}; do
+      for v in 0 auto; do
+        COMMD_EAGER_DIRECT=$v run "eager-latency-$op-$n-gpus-commd-$v" "${tr[@]}" "$n" \
+          client-py/benchmarks/graph_latency.py --backend commd --op "$op" \
+          --sizes 8K,64K,512K,1M,2M --json "$out/eager.jsonl"
+      done
+      run "eager-latency-$op-$n-gpus-nccl" "${tr[@]}" "$n" client-py/benchmarks/graph_latency.py \
+        --backend nccl --op "$op" --sizes 8K,64K,512K,1M,2M --json "$out/eager.jsonl"
+    done
+  done
 fi
 if [ "$what" = nccl ]; then
   run_timeout=3000

@@ -95,6 +95,7 @@ for size in [parse(x) for x in a.sizes.split(",")]:
         ops()
     # How commd ran the captured ops (contract 6 through the daemon, or 7: direct).
     path = commd.torch.graph_path() if a.backend == "commd" else "-"
+    eager_path = commd.torch.eager_path() if a.backend == "commd" else "-"
     for _ in range(5):
         g.replay()
     torch.cuda.synchronize()
@@ -125,10 +126,12 @@ for size in [parse(x) for x in a.sizes.split(",")]:
              "graph_us": round(graph_s * 1e6, 2), "eager_us": round(eager_s * 1e6, 2),
              "correct": size not in bad, "dtype": a.dtype, "path": path,
              "direct_max_bytes": os.environ.get("COMMD_GRAPH_DIRECT_MAX_BYTES"),
-             "direct_blocks": os.environ.get("COMMD_GRAPH_DIRECT_BLOCKS")}
+             "direct_blocks": os.environ.get("COMMD_GRAPH_DIRECT_BLOCKS"),
+             "eager_direct": os.environ.get("COMMD_EAGER_DIRECT", "0"), "eager_path": eager_path}
         print(f"{a.backend} {world} ranks on {r['gpus']} GPU(s) {a.op} {size // 1024:>4} KiB: "
               f"graph {r['graph_us']:7.1f} us/op, eager {r['eager_us']:7.1f} us/op"
-              f"{'' if r['correct'] else '  WRONG RESULT'} [{path[:60]}]", flush=True)
+              f"{'' if r['correct'] else '  WRONG RESULT'} [{path[:60]}; eager {eager_path[:40]}]",
+              flush=True)
         if a.json:
             with open(a.json, "a") as f:
                 f.write(json.dumps(r) + "\n")
