@@ -80,7 +80,7 @@ cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
   tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|nccl|deepspeed|dinov2|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, nccl, deepspeed, dinov2 or all"
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, nccl, deepspeed, dinov2 or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
