@@ -492,7 +492,18 @@ impl Communicator {
         } = &mut *c;
         let state = if eager { eager_state } else { direct };
         if matches!(state, State::Unknown) {
-            *state = self.setup(&cfg, dev, eager);
+            match self.setup(&cfg, dev, eager) {
+                Ok(s) => *state = s,
+                Err(e) => {
+                    // The exchange itself failed (a rank that posted another op instead, whose
+                    // op failed as a mismatch with it): this op fails too, so that every rank
+                    // has spent one op of the communicator's sequence and the next ops pair as
+                    // posted. Taking the daemon's path now would pair this op with the peer's
+                    // next one.
+                    *state = State::Off(format!("setting up the direct path failed: {e}"));
+                    return Err(e);
+                }
+            }
         }
         let w = match state {
             State::On(w) if w.device == dev => w,
@@ -627,17 +638,10 @@ impl Communicator {
     }
 
     /// Sets up the windows (module doc): the same outcome on every rank. `eager`: the windows
-    /// of eager direct ops (rule 8), apart from the captured ops' ones.
-    fn setup(&self, cfg: &Config, dev: i32, eager: bool) -> State {
-        match self.setup_inner(cfg, dev, eager) {
-            Ok(s) => s,
-            // An error of the exchange itself (a peer that did not take part) is the same on
-            // every rank that saw it; the others fail their all-gather the same way.
-            Err(e) => State::Off(format!("setting up the direct path failed: {e}")),
-        }
-    }
-
-    fn setup_inner(&self, cfg: &Config, dev: i32, eager: bool) -> Result<State> {
+    /// of eager direct ops (rule 8), apart from the captured ops' ones. An error is of the
+    /// exchange itself (a peer that did not take part), the same on every rank that saw it; the
+    /// others fail their all-gather the same way.
+    fn setup(&self, cfg: &Config, dev: i32, eager: bool) -> Result<State> {
         let n = self.nranks;
         let i = &self.client;
         let slot = cfg.max_bytes_for(n).div_ceil(4096).max(1) * 4096;
@@ -752,6 +756,19 @@ impl Communicator {
                 }
             }
         }
+        // The failure record (one leaked page, mapped for the device) and the hint word: made
+        // before the verdict, so that a rank that cannot make them says so there instead of
+        // leaving the others waiting for its flags.
+        let mut rec = None;
+        if mine_ok {
+            match self.record_page() {
+                Ok(r) => rec = Some(r),
+                Err(e) => {
+                    my_why = format!("rank {}: {e}", self.rank);
+                    mine_ok = false;
+                }
+            }
+        }
         // Every rank says whether it could; all or none take the path.
         let mut verdict = vec![0u8; 8];
         verdict[0] = u8::from(mine_ok);
@@ -760,7 +777,7 @@ impl Communicator {
         if why.is_none() && !failed.is_empty() {
             why = Some(if my_why.is_empty() {
                 format!(
-                    "rank(s) {failed:?} could not map their peers' windows (peer access between the GPUs, or GPUs not visible to those processes)"
+                    "rank(s) {failed:?} could not map their peers' windows (peer access between the GPUs, or GPUs not visible to those processes) or their failure record"
                 )
             } else {
                 my_why
@@ -788,10 +805,38 @@ impl Communicator {
             }
             return Ok(State::Off(why));
         }
-        // The failure record: one leaked page, mapped for the device.
+        let Some((page, rec_dev, hint_dev)) = rec else {
+            return Err(Error::InvalidArgument(
+                "direct path: the verdict was taken without a record (internal error)".into(),
+            ));
+        };
+        Ok(State::On(Box::new(Windows {
+            win: wins,
+            slot,
+            grid,
+            device: dev,
+            rec_host: page as usize,
+            rec_dev,
+            hint_dev,
+            next_k: 0,
+            // SAFETY: `record_page` leaks the page: it lives for the process.
+            status: eager.then(|| Arc::new(unsafe { eager::StatusPool::new(page as usize) })),
+        })))
+    }
+
+    /// A zeroed page for the failure record (and eager status words), leaked (a graph may
+    /// outlive the communicator) and mapped for the device; and the device address of this
+    /// communicator's doorbell hint word.
+    fn record_page(&self) -> Result<(*mut u8, sys::CUdeviceptr, sys::CUdeviceptr)> {
+        let i = &self.client;
+        if self.doorbell_slot == doorbell::NO_SLOT {
+            return Err(Error::InvalidArgument(
+                "the communicator has no doorbell slot".into(),
+            ));
+        }
         let layout = std::alloc::Layout::from_size_align(4096, 4096)
             .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-        // SAFETY: non-zero size; zeroed; never freed (a graph may outlive the communicator).
+        // SAFETY: non-zero size; zeroed; never freed.
         let page = unsafe { std::alloc::alloc_zeroed(layout) };
         if page.is_null() {
             return Err(Error::InvalidArgument(
@@ -805,21 +850,7 @@ impl Communicator {
             i.doorbell_dev(&mut g)?
         } + doorbell::HINT_OFF
             + 4 * u64::from(self.doorbell_slot);
-        if self.doorbell_slot == doorbell::NO_SLOT {
-            return Ok(State::Off("the communicator has no doorbell slot".into()));
-        }
-        Ok(State::On(Box::new(Windows {
-            win: wins,
-            slot,
-            grid,
-            device: dev,
-            rec_host: page as usize,
-            rec_dev,
-            hint_dev,
-            next_k: 0,
-            // SAFETY: the page is leaked above: it lives for the process.
-            status: eager.then(|| Arc::new(unsafe { eager::StatusPool::new(page as usize) })),
-        })))
+        Ok((page, rec_dev, hint_dev))
     }
 
     /// All-gathers `mine` (the same length on every rank) through the daemon (host memory).
