@@ -163,10 +163,12 @@ check("completion", x, reduce_ref(all_in(1024, torch.float32, 7), "sum").float()
 # 4. mismatch on a group of its own
 g = dist.new_group(list(range(world)))
 x = data(rank, 4096 if rank == 0 else 2048, torch.float32)
-dist.all_reduce(x, group=g)  # first op on g (sets up its windows): counts differ
 t0 = time.time()
 err = None
 try:
+    # The first op on g (it sets up g's windows): counts differ. Its Work may raise at once
+    # (the kernel already finished), else the group's next call raises.
+    dist.all_reduce(x, group=g)
     torch.cuda.synchronize()
     dist.all_reduce(torch.ones(16, device=dev), group=g)
     torch.cuda.synchronize()
