@@ -130,6 +130,22 @@ timed() { # seconds, name, command...: `run` under that time limit, then the tim
 }
 # (not a shell function: `timeout` runs programs)
 tr=(python3 -m torch.distributed.run --standalone --nproc_per_node)
+# Eager collectives as direct ops (contract 7 rule 8; off by default): every op, dtype and size
+# against references, two streams, a mismatch; the suite and a killed rank on that path; ranks
+# sharing a GPU keep the daemon's path under auto and take the protocol under shared.
+eager_tests() {
+  if [ "$ngpu" -ge 2 ]; then
+    COMMD_EAGER_DIRECT=auto run "eager-direct-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
+    COMMD_EAGER_DIRECT=auto run "ops-2-gpus-eager-direct" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+    COMMD_EAGER_DIRECT=auto KILL_RANK_ELEMS=4096 run "kill-rank-eager-direct" tests/gpu/kill_rank.sh
+  fi
+  if [ "$ngpu" -ge 4 ]; then
+    COMMD_EAGER_DIRECT=auto run "eager-direct-4-gpus" "${tr[@]}" 4 tests/gpu/eager_direct.py
+  fi
+  COMMD_EAGER_DIRECT=auto EAGER_DIRECT_EXPECT=daemon run "eager-direct-auto-shared-gpu-2-ranks" \
+    env CUDA_VISIBLE_DEVICES=0 "${tr[@]}" 2 tests/gpu/eager_direct.py
+  COMMD_EAGER_DIRECT=shared run "eager-direct-shared-3-ranks" "${tr[@]}" 3 tests/gpu/eager_direct.py
+}
 if [ "$what" = tests ] || [ "$what" = all ]; then
   for n in 2 4; do
     [ "$n" -le "$ngpu" ] && run "ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
@@ -145,18 +161,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     [ "$n" -le "$ngpu" ] && run "wait-mix-$n-gpus" "${tr[@]}" "$n" tests/gpu/wait_mix.py
   done
   run kill-rank tests/gpu/kill_rank.sh
-  # Eager collectives as direct ops (contract 7 rule 8; off by default): every op, dtype and
-  # size against references, two streams, a mismatch; the suite and a killed rank on that path;
-  # ranks sharing a GPU keep the daemon's path under auto and take the protocol under shared.
-  if [ "$ngpu" -ge 2 ]; then
-    COMMD_EAGER_DIRECT=auto run "eager-direct-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
-    COMMD_EAGER_DIRECT=auto run "ops-2-gpus-eager-direct" "${tr[@]}" 2 tests/gpu/gpu_ops.py
-    COMMD_EAGER_DIRECT=auto KILL_RANK_ELEMS=4096 run "kill-rank-eager-direct" tests/gpu/kill_rank.sh
-  fi
-  [ "$ngpu" -ge 4 ] && COMMD_EAGER_DIRECT=auto run "eager-direct-4-gpus" "${tr[@]}" 4 tests/gpu/eager_direct.py
-  COMMD_EAGER_DIRECT=auto EAGER_DIRECT_EXPECT=daemon run "eager-direct-auto-shared-gpu-2-ranks" \
-    env CUDA_VISIBLE_DEVICES=0 "${tr[@]}" 2 tests/gpu/eager_direct.py
-  COMMD_EAGER_DIRECT=shared run "eager-direct-shared-3-ranks" "${tr[@]}" 3 tests/gpu/eager_direct.py
+  eager_tests
   # init_process_group(device_id=...), new_group after it, zero-element CUDA tensors.
   run "empty-device-id-2-ranks" "${tr[@]}" 2 tests/gpu/empty_device_id.py
   run "p2p-overlap-2-ranks" "${tr[@]}" 2 tests/gpu/p2p_overlap.py
@@ -224,12 +229,7 @@ if [ "$what" = eager ]; then
   # Contract 7 rule 8 (eager direct ops, off by default), run only by name: the tests of
   # `tests` for it, then per-op eager latency (graph_latency.py's eager column) with it off,
   # with it on, and NCCL's, on 2 GPUs (and 4 where there are 4): eager.jsonl.
-  if [ "$ngpu" -ge 2 ]; then
-    COMMD_EAGER_DIRECT=auto run "eager-direct-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
-    COMMD_EAGER_DIRECT=auto run "ops-2-gpus-eager-direct" "${tr[@]}" 2 tests/gpu/gpu_ops.py
-    COMMD_EAGER_DIRECT=auto KILL_RANK_ELEMS=4096 run "kill-rank-eager-direct" tests/gpu/kill_rank.sh
-  fi
-  COMMD_EAGER_DIRECT=shared run "eager-direct-shared-3-ranks" "${tr[@]}" 3 tests/gpu/eager_direct.py
+  eager_tests
   for n in 2 4; do
     [ "$n" -le "$ngpu" ] || continue
     for op in ${EAGER_OPS:-all_reduce all_gather}; do
