@@ -462,14 +462,16 @@ def test_ranks_in_one_process_are_told_so_alike(daemon):
 
     def join(rank):
         try:
-            c = commd.connect(str(daemon.socket))
+            # A session of its own (not commd.connect(): the test process keeps no default
+            # session or allocator behind).
+            c = commd.Client(str(daemon.socket))
             got[rank] = c.communicator(uid, rank, 3, op_timeout=30).ranks_share_a_process
         except BaseException as e:  # noqa: BLE001 - reported below
             errs.append(f"rank {rank}: {e}")
 
     def other():
         # Rank 2 in a process of its own.
-        c = commd.connect(str(daemon.socket))
+        c = commd.Client(str(daemon.socket))
         comm = c.communicator(uid, 2, 3, op_timeout=30)
         os._exit(0 if comm.ranks_share_a_process else 3)
 
@@ -484,6 +486,26 @@ def test_ranks_in_one_process_are_told_so_alike(daemon):
     assert not errs, errs
     assert got == {0: True, 1: True}
     assert child.exitcode == 0, "the rank in its own process was not told that two others share one"
+
+
+def _eager_path(comm, c, rank, n, setting):
+    # Read once per process, at the first GPU op or question: set here, in the forked rank.
+    if setting is not None:
+        os.environ["COMMD_EAGER_DIRECT"] = setting
+    return comm._native.cuda_eager_path()
+
+
+@pytest.mark.parametrize("setting, want", [
+    (None, "daemon: COMMD_EAGER_DIRECT is off"),
+    ("auto", "undecided"),
+    ("bogus", 'daemon: COMMD_EAGER_DIRECT="bogus": expected 0/off'),
+])
+def test_eager_direct_setting_is_said(daemon, setting, want):
+    """Eager direct ops (DESIGN.md contract 7 rule 8) are off unless asked for; asked for, the
+    path is decided at the first GPU op; a bad value is said with its name (and GPU ops then
+    fail with it rather than guess)."""
+    for got in _ok(_ranks(daemon, 2, _eager_path, setting)):
+        assert got.startswith(want), got
 
 
 def test_communicator_reports_the_nodes_it_spans(tmp_path):

@@ -317,7 +317,7 @@ impl Communicator {
     /// `COMMD_EAGER_DIRECT`), `"daemon: <why>"`, or `"undecided"` before the first one that
     /// could.
     pub fn cuda_eager_path(&self) -> String {
-        let e = match EagerConfig::cached() {
+        let e = match EagerConfig::cached_text() {
             Ok(e) => e,
             Err(e) => return format!("daemon: {e}"),
         };

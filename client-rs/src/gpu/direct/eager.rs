@@ -61,8 +61,14 @@ impl EagerConfig {
         })
     }
 
-    /// The process's setting, read once (every eager GPU op asks).
+    /// The process's setting, read once (every eager GPU op asks); a bad one fails every
+    /// eager GPU op with its name rather than guess.
     pub fn cached() -> Result<Self> {
+        Self::cached_text().map_err(Error::InvalidArgument)
+    }
+
+    /// As [`Self::cached`], the error as its text.
+    pub fn cached_text() -> std::result::Result<Self, String> {
         static C: OnceLock<std::result::Result<EagerConfig, String>> = OnceLock::new();
         C.get_or_init(|| {
             Self::parse(
@@ -73,7 +79,6 @@ impl EagerConfig {
             )
         })
         .clone()
-        .map_err(Error::InvalidArgument)
     }
 }
 
