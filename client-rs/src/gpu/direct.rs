@@ -393,7 +393,6 @@ impl Communicator {
                 )));
             }
         };
-        let graph_cfg = Config::from_env().map_err(Error::InvalidArgument)?;
         // Bytes per rank: what each rank pushes to a peer, the size of a window slot.
         let bytes = a.count.saturating_mul(a.dtype.size());
         // Eager ops (rule 8): their own windows, sized and shared as COMMD_EAGER_DIRECT says,
@@ -404,14 +403,22 @@ impl Communicator {
             if !e.enabled || self.ranks_share_a_process {
                 return Ok(None);
             }
+            // The environment read once for eager ops (each one asks: a few microseconds
+            // per op otherwise); captures read it each time, as before.
+            static BLOCKS: std::sync::OnceLock<std::result::Result<u32, String>> =
+                std::sync::OnceLock::new();
+            let blocks = BLOCKS
+                .get_or_init(|| Config::from_env().map(|c| c.blocks))
+                .clone()
+                .map_err(Error::InvalidArgument)?;
             Config {
                 enabled: true,
                 shared_gpus: e.shared_gpus,
                 max_bytes: e.max_bytes,
-                blocks: graph_cfg.blocks,
+                blocks,
             }
         } else {
-            graph_cfg
+            Config::from_env().map_err(Error::InvalidArgument)?
         };
         if !cfg.enabled {
             let mut c = lock(&self.gpu);
