@@ -425,7 +425,11 @@ impl Comm {
     /// host staging. A failure of the op itself (not of its arguments) is also the
     /// communicator's sticky async error, as in NCCL.
     pub fn run(self: &Arc<Self>, op: Op) -> Outcome {
-        let out = self.execute(op);
+        // One process may drive the communicators of several GPUs from one thread (NCCL's
+        // `ncclCommInitAll`; nccl-tests `-g 2` posts both ranks' ops in one group without
+        // switching devices): the op runs with this communicator's device current, as NCCL
+        // does (its buffers' kind asked, its staging allocated, its stream waited on there).
+        let out = group::on_device(self.device, || self.execute(op));
         if let Err(f) = &out
             && matches!(
                 f.code,
@@ -478,11 +482,9 @@ impl Comm {
         if recv == Some(0) {
             return Err(invalid("recvbuff is NULL"));
         }
-        // Asked with the communicator's device current: without a context the driver answers
-        // nothing, and device memory taken for host memory would be read by the CPU.
-        let mem: Vec<Memory> = group::on_device(self.device, || {
-            [send, recv].into_iter().flatten().map(memory_of).collect()
-        });
+        // Asked with the communicator's device current (`run`): without a context the driver
+        // answers nothing, and device memory taken for host memory would be read by the CPU.
+        let mem: Vec<Memory> = [send, recv].into_iter().flatten().map(memory_of).collect();
         if mem.len() == 2 && mem[0] != mem[1] {
             return Err(usage(
                 "sendbuff and recvbuff are in different kinds of memory (one CUDA device memory, one host memory)",
@@ -508,13 +510,7 @@ impl Comm {
             )
         });
         if mem.first() == Some(&Memory::Device) {
-            // One process may drive the communicators of several GPUs from one thread (NCCL's
-            // `ncclCommInitAll`; nccl-tests `-g 2` posts both ranks' ops in one group without
-            // switching devices): the op is posted, its staging allocated and its stream waited
-            // on with this communicator's device current, as NCCL does.
-            return group::on_device(self.device, || {
-                self.post_on_device(&r, &op, pre, (dtype, redop), (send, recv))
-            });
+            return self.post_on_device(&r, &op, pre, (dtype, redop), (send, recv));
         }
         if cuda() && op.stream != 0 {
             // Host memory a stream may still be writing: ordered after it, conservatively.

@@ -838,7 +838,8 @@ fn rooted(
             }
             Ok(())
         };
-        let out = body();
+        // The root's own block is copied with its device current too (as `Comm::run`).
+        let out = group::on_device(comm.device, body);
         let end = group::end();
         out?;
         end
