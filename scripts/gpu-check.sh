@@ -115,7 +115,9 @@ trap 'kill $dpid 2>/dev/null; wait $dpid 2>/dev/null' EXIT
 for _ in $(seq 100); do [ -S "$COMMD_SOCKET" ] && break; sleep 0.1; done
 "$bin" topo --socket "$COMMD_SOCKET" 2>&1 | tee "$out/topo.txt" || true
 rc=0
-run_timeout=900 # seconds for one command of `run`
+# GPU_CHECK_RUN_LIMIT: seconds one command of `run` may take (default 900; a hang ends there).
+run_limit=${GPU_CHECK_RUN_LIMIT:-900}
+run_timeout=$run_limit
 run() { # name, command...
   local name=$1; shift
   echo "== $name"
@@ -125,7 +127,7 @@ timed() { # seconds, name, command...: `run` under that time limit, then the tim
   local limit=$1 name=$2 t0=$SECONDS; shift
   run_timeout=$limit
   run "$@"
-  run_timeout=900
+  run_timeout=$run_limit
   echo "-- $name: $((SECONDS - t0)) s"
 }
 # (not a shell function: `timeout` runs programs)
@@ -246,7 +248,7 @@ fi
 if [ "$what" = nccl ]; then
   run_timeout=3000
   run "nccl" tests/gpu/nccl.sh "$out"
-  run_timeout=900
+  run_timeout=$run_limit
 fi
 if [ "$what" = deepspeed ]; then
   if ! python3 -c "import deepspeed" 2>/dev/null && ls .whl/deepspeed-*.whl >/dev/null 2>&1; then
