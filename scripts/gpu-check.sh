@@ -132,13 +132,14 @@ timed() { # seconds, name, command...: `run` under that time limit, then the tim
 }
 # (not a shell function: `timeout` runs programs)
 tr=(python3 -m torch.distributed.run --standalone --nproc_per_node)
-# Eager collectives as direct ops (contract 7 rule 8; off by default): every op, dtype and size
-# against references, two streams, a mismatch; the suite and a killed rank on that path; ranks
-# sharing a GPU keep the daemon's path under auto and take the protocol under shared.
+# Eager collectives as direct ops (contract 7 rule 8; on by default): every op, dtype and size
+# against references, two streams, a mismatch; a killed rank on that path; the suite with it off
+# (small eager ops through the daemon); ranks sharing a GPU keep the daemon's path under auto
+# and take the protocol under shared (3 ranks on 2 GPUs where there are 2).
 eager_tests() {
   if [ "$ngpu" -ge 2 ]; then
     COMMD_EAGER_DIRECT=auto run "eager-direct-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
-    COMMD_EAGER_DIRECT=auto run "ops-2-gpus-eager-direct" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+    COMMD_EAGER_DIRECT=0 run "ops-2-gpus-eager-daemon" "${tr[@]}" 2 tests/gpu/gpu_ops.py
     COMMD_EAGER_DIRECT=auto KILL_RANK_ELEMS=4096 run "kill-rank-eager-direct" tests/gpu/kill_rank.sh
   fi
   if [ "$ngpu" -ge 4 ]; then
@@ -146,7 +147,9 @@ eager_tests() {
   fi
   COMMD_EAGER_DIRECT=auto EAGER_DIRECT_EXPECT=daemon run "eager-direct-auto-shared-gpu-2-ranks" \
     env CUDA_VISIBLE_DEVICES=0 "${tr[@]}" 2 tests/gpu/eager_direct.py
-  COMMD_EAGER_DIRECT=shared run "eager-direct-shared-3-ranks" "${tr[@]}" 3 tests/gpu/eager_direct.py
+  local two=0; [ "$ngpu" -ge 2 ] && two=0,1
+  COMMD_EAGER_DIRECT=shared run "eager-direct-shared-3-ranks" \
+    env CUDA_VISIBLE_DEVICES=$two "${tr[@]}" 3 tests/gpu/eager_direct.py
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
   for n in 2 4; do
@@ -228,11 +231,11 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   wait $kpid 2>/dev/null
 fi
 if [ "$what" = eager ]; then
-  # Contract 7 rule 8 (eager direct ops, off by default), run only by name: the tests of
-  # `tests` for it, then per-op eager latency (graph_latency.py's eager column) with it off,
-  # with it on, and NCCL's, on 2 GPUs (and 4 where there are 4): eager.jsonl.
+  # Contract 7 rule 8 (eager direct ops), run only by name: the tests of `tests` for it, then
+  # per-op eager latency (graph_latency.py's eager column) with it off, with it on, and NCCL's,
+  # on 2 GPUs (and 4 where there are 4): eager.jsonl. EAGER_LATENCY=0: the tests alone.
   eager_tests
-  for n in 2 4; do
+  [ "${EAGER_LATENCY:-1}" = 0 ] || for n in 2 4; do
     [ "$n" -le "$ngpu" ] || continue
     for op in ${EAGER_OPS:-all_reduce all_gather}; do
       for v in 0 auto; do
@@ -275,6 +278,11 @@ if [ "$what" = deepspeed ]; then
           $stage "$out/ctl-z$stage-nccl2ch.json" "${dsargs[@]}"
         ctl=(--control "$out/ctl-z$stage-nccl2ch.json")
       fi
+      # NCCL's run of another stage: the same training through other collectives (a control
+      # where NCCL's channel count leaves the order as it was; deepspeed_compare.py).
+      for f in "$out"/ds-z*-nccl-1.json; do
+        [ -f "$f" ] && [ "$f" != "$out/ds-z$stage-nccl-1.json" ] && ctl+=(--control "$f")
+      done
       run "deepspeed-z$stage-compare" python3 tests/gpu/deepspeed_compare.py \
         --json "$out/deepspeed.jsonl" "${ctl[@]}" "$out/ds-z$stage-nccl-1.json" "$out"/ds-z$stage-*.json
     done

@@ -496,13 +496,14 @@ def _eager_path(comm, c, rank, n, setting):
 
 
 @pytest.mark.parametrize("setting, want", [
-    (None, "daemon: COMMD_EAGER_DIRECT is off"),
+    (None, "undecided"),
+    ("0", "daemon: COMMD_EAGER_DIRECT is off"),
     ("auto", "undecided"),
-    ("bogus", 'daemon: COMMD_EAGER_DIRECT="bogus": expected 0/off'),
+    ("bogus", 'daemon: COMMD_EAGER_DIRECT="bogus": expected auto/on'),
 ])
 def test_eager_direct_setting_is_said(daemon, setting, want):
-    """Eager direct ops (DESIGN.md contract 7 rule 8) are off unless asked for; asked for, the
-    path is decided at the first GPU op; a bad value is said with its name (and GPU ops then
+    """Eager direct ops (DESIGN.md contract 7 rule 8) are on unless turned off; on, the path is
+    decided at the first GPU op; a bad value is said with its name (and GPU ops then
     fail with it rather than guess)."""
     for got in _ok(_ranks(daemon, 2, _eager_path, setting)):
         assert got.startswith(want), got

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import commd.torch  # noqa: F401  (registers the backend)
+import commd.torch  # registers the backend
 
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
@@ -234,7 +234,12 @@ backend = pg if hasattr(pg, "client") else commd.torch.backend(pg)
 client = backend.client._native
 st0 = json.loads(client.status_json())
 r0 = client.cuda_registration_stats()
-t = torch.ones(1 << 16, device=dev)
+# Small eager ops may run as direct ops (contract 7 rule 8), which never reach the daemon or its
+# cache: then an op past the largest direct one.
+n_reg = 1 << 16
+if not commd.torch.eager_path(cg).startswith("daemon"):
+    n_reg = int(os.environ.get("COMMD_EAGER_DIRECT_MAX_BYTES") or 4 << 20) // 4 + 1024
+t = torch.ones(n_reg, device=dev)
 for _ in range(100):
     dist.all_reduce(t, group=cg)
 torch.cuda.synchronize()

@@ -1099,8 +1099,8 @@ def graph_path(group: Any = None) -> str:
 
 
 def eager_path(group: Any = None) -> str:
-    """How small eager GPU collectives run on ``group``: ``"direct"`` (with
-    ``COMMD_EAGER_DIRECT=auto``, all-reduce, all-gather, reduce-scatter, broadcast and reduce up
+    """How small eager GPU collectives run on ``group``: ``"direct"`` (unless
+    ``COMMD_EAGER_DIRECT=0``, all-reduce, all-gather, reduce-scatter, broadcast and reduce up
     to ``COMMD_EAGER_DIRECT_MAX_BYTES`` are one kernel each, with no daemon round trip: ranks
     with a GPU each, peer access between them; docs/design.md contract 7 rule 8),
     ``"daemon: <why not direct>"``, or ``"undecided"`` before the first such op on the group."""

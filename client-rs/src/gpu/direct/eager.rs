@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 use super::{Record, k};
 use crate::{Error, Result, lock};
 
-/// `COMMD_EAGER_DIRECT` (`0`/`off`, the default; `auto`/`on`/`1`; `shared`, tests only: ranks
-/// sharing a GPU too) and `COMMD_EAGER_DIRECT_MAX_BYTES` (the largest op, bytes per rank;
+/// `COMMD_EAGER_DIRECT` (`auto`/`on`/`1`, the default since it was measured on GPUs:
+/// docs/benchmarks.md, "Eager collectives as direct ops"; `0`/`off`: every eager op through the
+/// daemon; `shared`, tests only: ranks sharing a GPU too) and `COMMD_EAGER_DIRECT_MAX_BYTES` (the largest op, bytes per rank;
 /// default `direct::default_max_bytes`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EagerConfig {
@@ -31,12 +32,12 @@ pub struct EagerConfig {
 impl EagerConfig {
     pub fn parse(mode: Option<&str>, max: Option<&str>) -> std::result::Result<Self, String> {
         let (enabled, shared_gpus) = match mode.map(str::trim) {
-            None | Some("") | Some("0") | Some("off") => (false, false),
-            Some("auto") | Some("1") | Some("on") => (true, false),
+            Some("0") | Some("off") => (false, false),
+            None | Some("") | Some("auto") | Some("1") | Some("on") => (true, false),
             Some("shared") => (true, true),
             Some(v) => {
                 return Err(format!(
-                    "COMMD_EAGER_DIRECT={v:?}: expected 0/off (the default), auto/on, or shared (tests only: also ranks sharing a GPU)"
+                    "COMMD_EAGER_DIRECT={v:?}: expected auto/on (the default), 0/off, or shared (tests only: also ranks sharing a GPU)"
                 ));
             }
         };
@@ -307,11 +308,11 @@ mod tests {
     }
 
     #[test]
-    fn config_is_off_by_default_and_refuses_bad_values() {
+    fn config_is_on_by_default_and_refuses_bad_values() {
         assert_eq!(
             EagerConfig::parse(None, None).unwrap(),
             EagerConfig {
-                enabled: false,
+                enabled: true,
                 shared_gpus: false,
                 max_bytes: None
             }
@@ -321,6 +322,8 @@ mod tests {
         let sh = EagerConfig::parse(Some("shared"), None).unwrap();
         assert!(sh.enabled && sh.shared_gpus);
         assert!(!EagerConfig::parse(Some("off"), None).unwrap().enabled);
+        assert!(!EagerConfig::parse(Some("0"), None).unwrap().enabled);
+        assert!(EagerConfig::parse(Some(""), None).unwrap().enabled);
         for (m, x) in [
             (Some("yes"), None),
             (None, Some("0")),
