@@ -14,6 +14,7 @@ pub mod wait;
 use std::collections::{BTreeMap, HashMap};
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use commd_proto::desc::{DType, OpKind, RedOp, SubmitDesc, doorbell, flags, graph_doorbell};
 use commd_proto::pb;
@@ -221,6 +222,10 @@ pub(crate) struct CommGpu {
     /// the communicator's GPU, allocated at its first multi-round eager reduction and kept
     /// until the process exits (16 bytes per communicator, as the direct windows).
     rounds_bar: Option<sys::CUdeviceptr>,
+    /// The communicator's error word was set and an op posted since completed without error:
+    /// the failure did not break the communicator (a failed replay), so later ops are posted as
+    /// usual until the word is cleared (`post_cuda_ordered`).
+    error_word_survived: bool,
 }
 
 impl Default for CommGpu {
@@ -236,6 +241,7 @@ impl Default for CommGpu {
             direct: direct::State::Unknown,
             eager: direct::State::Unknown,
             rounds_bar: None,
+            error_word_survived: false,
         }
     }
 }
@@ -805,6 +811,43 @@ impl Communicator {
     /// # Safety
     /// As [`Communicator::post_cuda`]; `a.after`, if any, must be a live stream.
     pub unsafe fn post_cuda_ordered(&self, a: CudaOpArgs) -> Result<CudaPosted> {
+        // Contract 5: a failed GPU op releases its stream and sets the communicator's error word,
+        // and the communicator's next call raises. Its completion reaches this process
+        // asynchronously, so one rank may already raise (at `wait()`) while another posts its
+        // next op. The daemon breaks a communicator whose eager GPU op failed (every later op
+        // fails at once, naming the first error, on every rank: no rank waits for a peer that
+        // stopped), and here a call made after the word was set waits for that answer, so it
+        // raises the error itself rather than leaving it to a later look.
+        let word = self
+            .client
+            .ring
+            .doorbell(self.doorbell_slot)
+            .map_or(0, |(_, _, e)| e.load(std::sync::atomic::Ordering::Acquire));
+        let check = {
+            let mut c = lock(&self.gpu);
+            if word == 0 {
+                c.error_word_survived = false;
+            }
+            word != 0 && !c.error_word_survived
+        };
+        // SAFETY: same contract as ours.
+        let p = unsafe { self.post_cuda_once(a)? };
+        if check && p.request.local.is_none() && !p.captured {
+            match p.request.wait_for(Some(Duration::from_millis(500))) {
+                Err(e) => return Err(e),
+                // Completed: the communicator still works (the word was a failed replay's).
+                Ok(true) => lock(&self.gpu).error_word_survived = true,
+                Ok(false) => {}
+            }
+        }
+        Ok(p)
+    }
+
+    /// [`Communicator::post_cuda_ordered`] without the check of an earlier failure.
+    ///
+    /// # Safety
+    /// As [`Communicator::post_cuda_ordered`].
+    unsafe fn post_cuda_once(&self, a: CudaOpArgs) -> Result<CudaPosted> {
         let i = &self.client;
         i.check_owner()?;
         driver()?;

@@ -290,6 +290,23 @@ impl Comm {
                 {
                     let _ = h.submit(net::Cmd::Abort(msg.clone()));
                 }
+                // A failed eager GPU op is raised asynchronously (its stream released, the
+                // error word set; the client raises at its next call or wait), so its ranks
+                // can no longer agree on which of their later ops still run: one may raise
+                // while another posts its next op and would wait for it forever. The
+                // communicator breaks, and every later op fails at once with this error on
+                // every rank. (Host ops, waited for by the caller, leave it usable: both ranks
+                // see the failure at the same op. Captured ops fail at a replay, seen alike.)
+                let abort = abort.or_else(|| {
+                    ops.iter()
+                        .find(|(p, _, _)| p.cuda.is_some_and(|c| !c.graph))
+                        .map(|(_, _, msg)| {
+                            (
+                                status::ABORTED,
+                                format!("aborted after an earlier error: {msg}"),
+                            )
+                        })
+                });
                 if let Some(a) = abort {
                     let mut g = self.lock();
                     if g.broken.is_none() {
