@@ -156,14 +156,16 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     [ "$n" -le "$ngpu" ] && run "ops-$n-gpus" "${tr[@]}" "$n" tests/gpu/gpu_ops.py
   done
   # Both ways streams wait for done counters (client-rs/src/gpu/wait.rs; the default, auto,
-  # mixes them by op size): every op with the polling kernel, and with cuStreamWaitValue32.
+  # mixes them by op size): every op with the polling kernel, and with cuStreamWaitValue32. The
+  # daemon's path for every op (small eager ops are direct ops by default, with no such wait).
   if [ "$ngpu" -ge 2 ]; then
-    COMMD_GPU_WAIT=kernel run "ops-2-gpus-kernel" "${tr[@]}" 2 tests/gpu/gpu_ops.py
-    COMMD_GPU_WAIT=memop run "ops-2-gpus-memop" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+    COMMD_EAGER_DIRECT=0 COMMD_GPU_WAIT=kernel run "ops-2-gpus-kernel" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+    COMMD_EAGER_DIRECT=0 COMMD_GPU_WAIT=memop run "ops-2-gpus-memop" "${tr[@]}" 2 tests/gpu/gpu_ops.py
   fi
-  # Small (memory-op wait) and large (kernel wait) ops alternating on one stream, no CPU sync.
+  # Small (memory-op wait) and large (kernel wait) ops alternating on one stream, no CPU sync
+  # (the daemon's path, as above).
   for n in 1 2; do
-    [ "$n" -le "$ngpu" ] && run "wait-mix-$n-gpus" "${tr[@]}" "$n" tests/gpu/wait_mix.py
+    [ "$n" -le "$ngpu" ] && COMMD_EAGER_DIRECT=0 run "wait-mix-$n-gpus" "${tr[@]}" "$n" tests/gpu/wait_mix.py
   done
   run kill-rank tests/gpu/kill_rank.sh
   eager_tests
@@ -430,6 +432,7 @@ if [ "$what" = allreduce ]; then
   echo "-- allreduce: $((SECONDS - t_mode)) s in all"
 fi
 if [ "$what" = waitcmp ]; then
+  export COMMD_EAGER_DIRECT=0 # the waits of the daemon's path are what is compared
   for r in $(seq "${COMMD_WAITCMP_ROUNDS:-2}"); do
     for w in ${COMMD_WAITCMP_MODES:-memop auto}; do
       COMMD_GPU_WAIT=$w timed 300 "waitcmp-sendrecv-$w-$r" "${tr[@]}" 2 client-py/benchmarks/gpu_vs_nccl.py \
