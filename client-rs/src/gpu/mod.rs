@@ -224,7 +224,7 @@ pub(crate) struct CommGpu {
     rounds_bar: Option<sys::CUdeviceptr>,
     /// The communicator's error word was set and an op posted since completed without error:
     /// the failure did not break the communicator (a failed replay), so later ops are posted as
-    /// usual until the word is cleared (`post_cuda_ordered`).
+    /// usual until the word is cleared (`cuda_take_error`; see `post_cuda_ordered`).
     error_word_survived: bool,
 }
 
@@ -708,12 +708,26 @@ impl Communicator {
         Ok(s)
     }
 
+    /// The communicator's doorbell error word: a failed GPU op's status, 0 while none failed.
+    fn error_word(&self) -> Option<&std::sync::atomic::AtomicU32> {
+        self.client
+            .ring
+            .doorbell(self.doorbell_slot)
+            .map(|(_, _, e)| e)
+    }
+
     /// The doorbell error word of this communicator (a failed GPU op's status), cleared on read.
     pub fn cuda_take_error(&self) -> Option<u32> {
-        let (_, _, e) = self.client.ring.doorbell(self.doorbell_slot)?;
-        match e.swap(0, std::sync::atomic::Ordering::AcqRel) {
+        match self
+            .error_word()?
+            .swap(0, std::sync::atomic::Ordering::AcqRel)
+        {
             0 => None,
-            s => Some(s),
+            s => {
+                // A later failure sets the word anew: `post_cuda_ordered` checks again.
+                lock(&self.gpu).error_word_survived = false;
+                Some(s)
+            }
         }
     }
 
@@ -818,18 +832,11 @@ impl Communicator {
         // fails at once, naming the first error, on every rank: no rank waits for a peer that
         // stopped), and here a call made after the word was set waits for that answer, so it
         // raises the error itself rather than leaving it to a later look.
-        let word = self
-            .client
-            .ring
-            .doorbell(self.doorbell_slot)
-            .map_or(0, |(_, _, e)| e.load(std::sync::atomic::Ordering::Acquire));
-        let check = {
-            let mut c = lock(&self.gpu);
-            if word == 0 {
-                c.error_word_survived = false;
-            }
-            word != 0 && !c.error_word_survived
-        };
+        // One load per op while nothing failed; the lock only once the word is set.
+        let check = self
+            .error_word()
+            .is_some_and(|e| e.load(std::sync::atomic::Ordering::Acquire) != 0)
+            && !lock(&self.gpu).error_word_survived;
         // SAFETY: same contract as ours.
         let p = unsafe { self.post_cuda_once(a)? };
         if check && p.request.local.is_none() && !p.captured {

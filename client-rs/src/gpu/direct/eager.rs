@@ -20,8 +20,8 @@ use crate::{Error, Result, lock};
 
 /// `COMMD_EAGER_DIRECT` (`auto`/`on`/`1`, the default since it was measured on GPUs:
 /// docs/benchmarks.md, "Eager collectives as direct ops"; `0`/`off`: every eager op through the
-/// daemon; `shared`, tests only: ranks sharing a GPU too) and `COMMD_EAGER_DIRECT_MAX_BYTES` (the largest op, bytes per rank;
-/// default `direct::default_max_bytes`).
+/// daemon; `shared`, tests only: ranks sharing a GPU too) and `COMMD_EAGER_DIRECT_MAX_BYTES`
+/// (the largest op, bytes per rank; default `direct::default_max_bytes`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EagerConfig {
     pub enabled: bool,
