@@ -10,7 +10,9 @@
 # (libcommd_nccl.so, target/release or .gpu/) under NCCL's own nccl-tests (every collective,
 # -c 1; real NCCL in the same run), a torch DDP job on the "nccl" backend name preloaded with it
 # against gloo, and vLLM's pynccl calls captured into a CUDA graph: nccl*.log,
-# nccltests-summary.txt, ddp-*.json, nccl.jsonl.
+# nccltests-summary.txt, ddp-*.json, nccl.jsonl. NCCL_PARTS=vstorch (run only by name) is issue
+# 22's performance goal: nccl-tests through the library against commd's torch backend measured
+# the same way, size by size, 8 B .. 1 GiB: vs-*.log, vs-torch-*.jsonl, nccl-vs-torch.md.
 # `deepspeed` (issues 25/26; run only by name): DeepSpeed's own ZeRO-2 (and ZeRO-3) training
 # step, tests/deepspeed_worker.py --cuda (a 3-layer MLP of hidden $DS_HIDDEN, default 4096:
 # 16.9M parameters), one rank per GPU, through NCCL and through commd ("commd" backend name),

@@ -240,6 +240,30 @@ def _any_source(comm, c, rank, n):
     return [(h.source(), b.tolist()) for h, b in zip(hs, bufs)]
 
 
+def _many_unwaited(comm, c, rank, n, ops):
+    """``ops`` async all-reduces posted before any is waited for (each handle held), then
+    waited for newest first; returns how many came out wrong."""
+    xs = [np.full(64, float(rank + 1 + i), np.float32) for i in range(ops)]
+    hs = [comm.all_reduce(x, async_op=True) for x in xs]
+    for h in reversed(hs):
+        h.wait()
+    want = [sum(float(r + 1 + i) for r in range(n)) for i in range(ops)]
+    return sum(int(np.count_nonzero(x != w)) for x, w in zip(xs, want))
+
+
+def test_more_ops_waited_late_than_the_ring_holds(tmp_path):
+    """Five times as many ops in flight and unwaited as the session's rings have entries: a
+    completion read off the ring waits for its request without taking ring room, so posting
+    goes on (2026-11-27: a process with ring_entries unwaited ops waited in `post` forever;
+    torch's all_to_all_single on GPUs hung after about 1000 calls)."""
+    from conftest import Daemon
+    d = Daemon(tmp_path, "--set", "ring_entries=8").start()
+    try:
+        assert _ok(_ranks(d, 2, _many_unwaited, 40, timeout=60)) == [0, 0]
+    finally:
+        assert d.stop() == 0, d.log()
+
+
 def test_recv_from_any_source_names_the_sender_and_keeps_pair_order(daemon):
     n = 4
     got = _ok(_ranks(daemon, n, _any_source))[0]

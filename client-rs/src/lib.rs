@@ -139,6 +139,12 @@ struct Inner {
     cq: Mutex<CqState>,
     next_user_data: AtomicU64,
     next_token: AtomicU64,
+    /// Ops posted whose completions are not yet read off the completion ring (`reap`). Kept
+    /// at most `limit`, so the daemon always has room for every completion it owes. A
+    /// completion read off the ring but not yet claimed by its request (a `Work` nobody waited
+    /// for yet, or a dropped one) takes no ring entry, so it does not count: counting it made a
+    /// process with `limit` unclaimed ops wait here forever (2026-11-27: torch's
+    /// all_to_all_single on GPUs hung after about 1000 calls).
     inflight: AtomicU32,
     limit: u32,
     spin: Duration,
@@ -685,13 +691,51 @@ impl Inner {
         for _ in 0..avail {
             let c = self.ring.read_cq(cq.head);
             cq.head = cq.head.wrapping_add(1);
-            if cq.abandoned.remove(&c.user_data) {
-                self.inflight.fetch_sub(1, Ordering::AcqRel);
-            } else {
+            if !cq.abandoned.remove(&c.user_data) {
                 cq.done.insert(c.user_data, c);
             }
         }
         self.ring.cq_head().store(cq.head, Ordering::Release);
+        self.inflight.fetch_sub(avail, Ordering::AcqRel);
+    }
+
+    /// Waits (a short nap at most) for completions to come off the completion ring, for
+    /// `post` when `limit` ops are in flight. An error once the daemon is gone or stalled.
+    fn wait_cq_room(&self) -> Result<()> {
+        {
+            let mut cq = lock(&self.cq);
+            self.reap(&mut cq);
+        }
+        if self.inflight.load(Ordering::Acquire) < self.limit {
+            return Ok(());
+        }
+        let r = &self.ring;
+        r.cq_sleepers().fetch_add(1, Ordering::SeqCst);
+        let bell = r.cq_bell().load(Ordering::SeqCst);
+        if r.cq_tail().load(Ordering::SeqCst) == lock(&self.cq).head {
+            commd_proto::futex::wait(r.cq_bell(), bell, Duration::from_millis(10));
+        }
+        r.cq_sleepers().fetch_sub(1, Ordering::SeqCst);
+        if r.cq_tail().load(Ordering::Acquire) == lock(&self.cq).head {
+            self.check_daemon("while this process waited for room to post an op")?;
+        }
+        Ok(())
+    }
+
+    /// For a waiter that saw no progress: an error once the session was closed, the daemon
+    /// exited (`when` says what was waiting), or its heartbeat stood still too long.
+    fn check_daemon(&self, when: &str) -> Result<()> {
+        if self.ring.session_error().load(Ordering::Acquire) != 0 && self.daemon_gone() {
+            return Err(self.session_closed_error());
+        }
+        if self.daemon_gone() {
+            self.abandon_session();
+            return Err(self.lost(&format!("the daemon exited (its socket closed) {when}")));
+        }
+        match self.daemon_stalled() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     fn post(&self, mut d: SubmitDesc) -> Result<u64> {
@@ -701,10 +745,7 @@ impl Inner {
         }
         // Never more ops in flight than the completion ring holds.
         while self.inflight.load(Ordering::Acquire) >= self.limit {
-            if let Err(e @ Error::DaemonLost { .. }) = self.wait(0, Some(Duration::from_millis(10)))
-            {
-                return Err(e);
-            }
+            self.wait_cq_room()?;
         }
         self.inflight.fetch_add(1, Ordering::AcqRel);
         d.user_data = self.next_user_data.fetch_add(1, Ordering::Relaxed);
@@ -739,9 +780,7 @@ impl Inner {
     fn abandon(&self, user_data: u64) {
         let mut cq = lock(&self.cq);
         self.reap(&mut cq);
-        if cq.done.remove(&user_data).is_some() {
-            self.inflight.fetch_sub(1, Ordering::AcqRel);
-        } else {
+        if cq.done.remove(&user_data).is_none() {
             cq.abandoned.insert(user_data);
         }
     }
@@ -760,7 +799,6 @@ impl Inner {
                     }
                 } else if let Some(c) = cq.done.remove(&user_data) {
                     drop(cq);
-                    self.inflight.fetch_sub(1, Ordering::AcqRel);
                     return self.finish(c).map(Some);
                 }
                 if limit.is_some_and(|l| t0.elapsed() >= l) {
@@ -798,18 +836,7 @@ impl Inner {
                     }
             };
             if idle {
-                if r.session_error().load(Ordering::Acquire) != 0 && self.daemon_gone() {
-                    return Err(self.session_closed_error());
-                }
-                if self.daemon_gone() {
-                    self.abandon_session();
-                    return Err(
-                        self.lost("the daemon exited (its socket closed) with this op in flight")
-                    );
-                }
-                if let Some(e) = self.daemon_stalled() {
-                    return Err(e);
-                }
+                self.check_daemon("with this op in flight")?;
             }
         }
     }

@@ -12,6 +12,8 @@
 #   3. a torch DDP job naming the "nccl" backend, with the library preloaded, against gloo;
 #   4. vLLM's pynccl calls through ctypes, captured into a CUDA graph and replayed.
 # Library: $COMMD_NCCL_LIB (default target/release/libcommd_nccl.so, else .gpu/libcommd_nccl.so).
+# 5. (part "vstorch", run only by name) issue 22's performance goal, nccl-tests through the
+#    library against commd's torch backend measured the same way; see the part below.
 # NCCL_PARTS picks parts (default "symbols pynccl ddp nccltests"), NCCL_TESTS_LIST the nccl-tests
 # programs, NCCL_TESTS_MODES the layouts (1rank shared gpus eager onegpus), NCCL_TESTS_MAX the largest size
 # (64M; NCCL_TESTS_MIN the smallest, 8); NCCL_TESTS_BIN names a folder of nccl-tests programs built earlier (the build leaves
@@ -64,8 +66,8 @@ if has ddp; then
   cat "$out/ddp-compare.log"
 fi
 
-# 2. nccl-tests.
-has nccltests || exit $rc
+# 2. nccl-tests (and 5., which runs them too).
+has nccltests || has vstorch || exit $rc
 nccl_pkg=$(python3 -c "import nvidia.nccl as m; print(list(m.__path__)[0])")
 real=$(mktemp -d)
 mkdir -p "$real/lib"
@@ -99,6 +101,7 @@ limit_mpi=${NCCL_TESTS_LIMIT:-180}  # seconds per multi-rank run (a hang ends th
 # Every COMMD_* setting of this shell reaches mpirun's ranks (mpirun passes only what -x names).
 fwd=()
 for v in $(compgen -e | grep '^COMMD_'); do fwd+=(-x "$v"); done
+has nccltests || tests=""
 for t in $tests; do
   exe=$build/${t}_perf
   [ -x "$exe" ] || { echo "no $exe"; rc=1; continue; }
@@ -135,9 +138,47 @@ for t in $tests; do
     done
   fi
 done
+# 5. Issue 22's performance goal: nccl-tests through the library against commd's own torch
+# backend measured the same way (client-py/benchmarks/nccltests_torch.py: nccl-tests' sizes,
+# buffers, loop and formulas), NCCL through both in the same run; $VS_NP ranks (default 2) on as
+# many GPUs, $VS_ROUNDS rounds (2) alternating the routes, $VS_ARGS (-b 8 -e 1G -f 2 -n 50 -w 10),
+# $VS_LIST the collectives. tests/gpu/nccl_vs_torch.py compares: nccl-vs-torch.md and .jsonl.
+if has vstorch; then
+  vnp=${VS_NP:-2}
+  # shellcheck disable=SC2206
+  vargs=(${VS_ARGS:--b 8 -e 1G -f 2 -n 50 -w 10})
+  vlist=${VS_LIST:-all_reduce all_gather broadcast reduce reduce_scatter alltoall sendrecv}
+  if [ "$ngpu" -lt "$vnp" ]; then
+    echo "vstorch: $vnp ranks need $vnp GPUs (this machine has $ngpu); skipped"; rc=1
+  else
+    for round in $(seq "${VS_ROUNDS:-2}"); do
+      for t in $vlist; do
+        for who in commd nccl; do
+          d=$real/lib; [ $who = commd ] && d=$ours
+          step "vs-$t-$who-r$round" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe -np "$vnp" \
+            -x LD_LIBRARY_PATH="$ompi/lib:$d" "${fwd[@]}" -x NCCL_NVLS_ENABLE=0 \
+            "$build/${t}_perf" "${vargs[@]}" -c 1 -g 1
+        done
+      done
+      for who in commd nccl; do
+        rm -f "$out/vs-torch-$who-r$round.jsonl"
+        step "vs-torch-$who-r$round" 600 python3 -m torch.distributed.run --standalone \
+          --nproc_per_node "$vnp" client-py/benchmarks/nccltests_torch.py --backend "$who" \
+          --ops "${vlist// /,}" "${vargs[@]}" --json "$out/vs-torch-$who-r$round.jsonl"
+      done
+    done
+    python3 tests/gpu/nccl_vs_torch.py "$out" --md "$out/nccl-vs-torch.md" \
+      --json "$out/nccl-vs-torch.jsonl" >"$out/nccl-vs-torch.log" 2>&1
+    vrc=$?
+    echo "nccl_vs_torch exit $vrc (1: a goal missed at some size; 2: missing or wrong results)"
+    [ "$vrc" -ne 2 ] || rc=1
+    grep -v '^|' "$out/nccl-vs-torch.log"
+  fi
+fi
+
 # A line per run: the test's own summary (wrong results are counted there: "#wrong").
-grep -H -e "Out of bounds values" -e "Avg bus bandwidth" "$out"/nccltests-*.log | sed "s|$out/||" >"$out/nccltests-summary.txt"
+grep -H -e "Out of bounds values" -e "Avg bus bandwidth" "$out"/nccltests-*.log "$out"/vs-*.log 2>/dev/null | sed "s|$out/||" >"$out/nccltests-summary.txt"
 cat "$out/nccltests-summary.txt"
-if grep -q "Out of bounds values : [1-9]" "$out"/nccltests-*.log; then rc=1; echo "FAILED: wrong values"; fi
+if grep -q "Out of bounds values : [1-9]" "$out"/nccltests-*.log "$out"/vs-*.log 2>/dev/null; then rc=1; echo "FAILED: wrong values"; fi
 
 exit $rc

@@ -265,8 +265,16 @@ class Handle:
         finish: Callable[[], None] | None = None,
         release: Callable[[], None] | None = None,
         result: Any = None,
+        orphan: bool = True,
     ) -> None:
+        """``orphan``: a handle dropped before its op completed keeps the op's arrays alive
+        (in ``_orphans``) until a later op sees it done, because the daemon may still read or
+        write their memory. False for GPU ops: their tensors are recorded on the op's stream
+        (torch's allocator reuses them only after the stream passed the op) and their requests
+        are let go at once (a dropped request's completion is discarded), so nothing waits for a
+        sweep that only host ops make."""
         self._requests = list(requests)
+        self._orphan = orphan
         self._finish = finish
         self._release = release
         self._result = result
@@ -296,7 +304,7 @@ class Handle:
 
     def __del__(self) -> None:
         reqs = getattr(self, "_requests", None)
-        if reqs and not getattr(self, "_done", True):
+        if reqs and not getattr(self, "_done", True) and getattr(self, "_orphan", True):
             try:
                 with _orphans_lock:
                     _orphans.append((reqs, (getattr(self, "_keep", None),

@@ -132,7 +132,7 @@ class FastCudaWork(_Work):
 
     def _handle(self) -> Handle:
         if self._h is None:
-            self._h = Handle([self._req], result=self._result)
+            self._h = Handle([self._req], result=self._result, orphan=False)
         return self._h
 
     def is_completed(self) -> bool:
@@ -331,7 +331,7 @@ class CudaOps:
         def release() -> None:
             keep.clear()
 
-        h = Handle(reqs, release=release, result=result)
+        h = Handle(reqs, release=release, result=result, orphan=False)
         flush = None
         if p2p:
             native = self._native
