@@ -4,7 +4,8 @@ Every rank runs every op and dtype through the ``commd`` backend and through NCC
 random tensors (odd counts, in and out of place) and compares: exact for integers and data
 movement, a tolerance for float reductions (the summation order differs). Then: the IPC handle
 cache (one open per allocation across 100 ops and two communicators), a CUDA-stream ordering
-check (no CPU sync between a producer kernel and the op), and Work.wait() not blocking the CPU.
+check (no CPU sync between a producer kernel and the op), Work.wait() not blocking the CPU, and
+more unwaited ops on torch's generic path than the session's ring holds.
 Prints one line per check; exits non-zero on any failure.
 """
 
@@ -227,6 +228,25 @@ if SOCKS:
         failures.append(f"50 all-reduces across nodes took {el:.2f} s (stalls between ops?)")
     if not torch.all(t == float(world) ** 50).item():
         failures.append("50 chained all-reduces across nodes gave wrong data")
+
+# More ops on torch's generic GPU path (all_to_all_single) than a session's ring has entries
+# (1024 by default), none waited for on the CPU: their Works only order streams. Until
+# 2026-11-27 each one's requests stayed counted as in flight, and the 1025th call waited
+# forever in post (docs/design.md, "Sessions and the ring").
+ring = 1024
+t = torch.arange(world * 16, device=dev, dtype=torch.float32) + 1000 * rank
+o = torch.empty_like(t)
+t0 = time.perf_counter()
+for _ in range(ring + 100):
+    dist.all_to_all_single(o, t, group=cg)
+torch.cuda.synchronize()
+el = time.perf_counter() - t0
+want = torch.cat([torch.arange(rank * 16, rank * 16 + 16, device=dev, dtype=torch.float32)
+                  + 1000 * r for r in range(world)])
+if not torch.equal(o, want):
+    failures.append("all_to_all_single after more calls than the ring holds: wrong data")
+checks += 1
+say(f"{ring + 100} all_to_all_single calls, none waited on the CPU: {el * 1e3:.1f} ms")
 
 # IPC handle cache: one open per allocation across 100 ops and two communicators.
 pg = dist.distributed_c10d._get_default_group()
