@@ -211,3 +211,80 @@ def test_backend_found_by_name_alone(daemon):
                        timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip() == "commd [0.0, 1.0, 2.0, 3.0]", p.stdout
+
+
+BENCH = Path(__file__).resolve().parent.parent / "client-py" / "benchmarks" / "nccltests_torch.py"
+VS = Path(__file__).resolve().parent / "gpu" / "nccl_vs_torch.py"
+
+
+def test_nccltests_harness_checks_every_op_on_the_commd_backend(daemon, tmp_path):
+    """client-py/benchmarks/nccltests_torch.py (issue 22's torch side of nccl-tests), on CPU
+    tensors here: every op at every size checked against the values it computes, 3 ranks."""
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",
+           f"--master_port={free_port()}", str(BENCH), "--backend", "commd", "--device", "cpu",
+           "-b", "8", "-e", "64K", "-f", "8", "-n", "3", "-w", "1", "--watchdog", "60",
+           "--json", str(out)]
+    p = subprocess.run(cmd, env=job_env(daemon), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    assert '{"wrong_total": 0}' in p.stdout, p.stdout[-3000:]
+    import json
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ops = {r["op"] for r in rows}
+    assert ops == {"all_reduce", "all_gather", "broadcast", "reduce", "reduce_scatter",
+                   "alltoall", "sendrecv"}, ops
+    for r in rows:
+        assert r["wrong"] == 0 and r["time_us"] > 0 and r["size"] > 0, r
+    # nccl-tests' sizes: all_gather's is the output, each rank's share rounded down to 4
+    # elements (3 ranks: 32 KiB -> 3 x 2728 floats).
+    ag = {r["size"]: r["count"] for r in rows if r["op"] == "all_gather"}
+    assert ag[32736] == 2728, ag
+
+
+def _nccltests_log(path, rows):
+    """A log in nccl-tests' table format: (size, out-of-place us, in-place us, wrong)."""
+    lines = ["# nccl-tests version 2.19.6", "#       size         count      type   redop    root"
+             "     time   algbw   busbw  #wrong     time   algbw   busbw  #wrong"]
+    for size, oop, ip, wrong in rows:
+        lines.append(f"{size:>12} {size // 4:>13}     float     sum      -1 {oop:>8.2f}    0.00"
+                     f"    0.00 {wrong:>7} {ip:>8.2f}    0.00    0.00 {wrong:>7}")
+    lines.append("# Out of bounds values : 0 OK")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _torch_rows(path, op, rows):
+    import json
+    path.write_text("".join(json.dumps({"op": op, "size": s, "time_us": t, "wrong": 0}) + "\n"
+                            for s, t in rows))
+
+
+def _vs(tmp_path, lib, torch_commd, nccl=((8, 5.0, 5.0, 0), (1 << 20, 50.0, 50.0, 0)),
+        torch_nccl=((8, 30.0), (1 << 20, 60.0))):
+    d = tmp_path / "vs"
+    d.mkdir(exist_ok=True)
+    _nccltests_log(d / "vs-all_reduce-commd-r1.log", lib)
+    _nccltests_log(d / "vs-all_reduce-nccl-r1.log", nccl)
+    _torch_rows(d / "vs-torch-commd-r1.jsonl", "all_reduce", torch_commd)
+    _torch_rows(d / "vs-torch-nccl-r1.jsonl", "all_reduce", torch_nccl)
+    (d / "vs-torch-commd-r1.log").write_text("not nccl-tests' output\n")
+    return subprocess.run([sys.executable, str(VS), str(d)], capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_library_vs_torch_comparison_flags_each_miss(tmp_path):
+    """tests/gpu/nccl_vs_torch.py: all_reduce is compared in place; 5% over the torch backend
+    is a miss, and so is a library slower than NCCL where the torch backend is not."""
+    ok = _vs(tmp_path, lib=((8, 99.0, 9.0, 0), (1 << 20, 99.0, 40.0, 0)),
+             torch_commd=((8, 40.0), (1 << 20, 42.0)))
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "2 of 2 sizes" in ok.stdout, ok.stdout
+    slow = _vs(tmp_path, lib=((8, 1.0, 9.0, 0), (1 << 20, 1.0, 44.2, 0)),
+               torch_commd=((8, 40.0), (1 << 20, 42.0)))
+    assert slow.returncode == 1, slow.stdout + slow.stderr
+    assert "MISS: all_reduce 1 MiB: library 44.2 us vs torch backend 42.0 us" in slow.stdout
+    below = _vs(tmp_path, lib=((8, 9.0, 9.0, 0), (1 << 20, 55.0, 55.0, 0)),
+                torch_commd=((8, 40.0), (1 << 20, 58.0)))
+    assert below.returncode == 1 and "torch backend at NCCL" in below.stdout, below.stdout
+    wrong = _vs(tmp_path, lib=((8, 9.0, 9.0, 3), (1 << 20, 40.0, 40.0, 0)),
+                torch_commd=((8, 40.0), (1 << 20, 42.0)))
+    assert wrong.returncode == 2 and "6 wrong values" in wrong.stdout, wrong.stdout
