@@ -288,3 +288,19 @@ def test_library_vs_torch_comparison_flags_each_miss(tmp_path):
     wrong = _vs(tmp_path, lib=((8, 9.0, 9.0, 3), (1 << 20, 40.0, 40.0, 0)),
                 torch_commd=((8, 40.0), (1 << 20, 42.0)))
     assert wrong.returncode == 2 and "6 wrong values" in wrong.stdout, wrong.stdout
+
+
+def test_nccltests_harness_refuses_bad_arguments_by_name():
+    for args, want in ((["--ops", "all_reduce,bogus"], "unknown op 'bogus'"),
+                       (["-f", "1"], "need -f >= 2"),
+                       (["-b", "2M", "-e", "1M"], "1 <= -b <= -e"),
+                       (["-e", "lots"], "not a size: 'lots'")):
+        p = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True,
+                           timeout=120, cwd=BENCH.parent)
+        assert p.returncode == 2 and want in p.stderr, (args, p.returncode, p.stderr[-2000:])
+
+
+def test_library_vs_torch_comparison_without_results_says_so(tmp_path):
+    p = subprocess.run([sys.executable, str(VS), str(tmp_path)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "no vs-*.log or vs-torch-*.jsonl" in p.stderr, p.stderr

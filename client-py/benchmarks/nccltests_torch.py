@@ -228,12 +228,19 @@ class Bench:
         return rows, bad
 
 
+def size_arg(text: str) -> int:
+    try:
+        return bc.parse_size(text)
+    except ValueError as e:  # argparse prints an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="commd", help="torch backend to measure (commd, nccl)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
-    p.add_argument("-b", "--min-bytes", default="8", type=bc.parse_size)
-    p.add_argument("-e", "--max-bytes", default="1G", type=bc.parse_size)
+    p.add_argument("-b", "--min-bytes", default="8", type=size_arg)
+    p.add_argument("-e", "--max-bytes", default="1G", type=size_arg)
     p.add_argument("-f", "--factor", default=2, type=int)
     p.add_argument("-n", "--iters", default=20, type=int)
     p.add_argument("-w", "--warmup", default=5, type=int)

@@ -709,17 +709,23 @@ impl Inner {
         if self.inflight.load(Ordering::Acquire) < self.limit {
             return Ok(());
         }
+        self.nap_on_cq(Duration::from_millis(10));
+        if self.ring.cq_tail().load(Ordering::Acquire) == lock(&self.cq).head {
+            self.check_daemon("while this process waited for room to post an op")?;
+        }
+        Ok(())
+    }
+
+    /// Sleeps on the CQ doorbell for up to `nap` unless a completion is already there,
+    /// announcing the sleeper so the daemon's next completion wakes it.
+    fn nap_on_cq(&self, nap: Duration) {
         let r = &self.ring;
         r.cq_sleepers().fetch_add(1, Ordering::SeqCst);
         let bell = r.cq_bell().load(Ordering::SeqCst);
         if r.cq_tail().load(Ordering::SeqCst) == lock(&self.cq).head {
-            commd_proto::futex::wait(r.cq_bell(), bell, Duration::from_millis(10));
+            commd_proto::futex::wait(r.cq_bell(), bell, nap);
         }
         r.cq_sleepers().fetch_sub(1, Ordering::SeqCst);
-        if r.cq_tail().load(Ordering::Acquire) == lock(&self.cq).head {
-            self.check_daemon("while this process waited for room to post an op")?;
-        }
-        Ok(())
     }
 
     /// For a waiter that saw no progress: an error once the session was closed, the daemon
@@ -785,19 +791,15 @@ impl Inner {
         }
     }
 
-    /// Waits for `user_data` (0: for any progress), up to `limit`. Returns the completion, or
-    /// `None` when `limit` passed first (always `None` for `user_data` 0).
+    /// Waits for `user_data`, up to `limit`. Returns the completion, or `None` when `limit`
+    /// passed first.
     fn wait(&self, user_data: u64, limit: Option<Duration>) -> Result<Option<CompletionDesc>> {
         let t0 = Instant::now();
         loop {
             {
                 let mut cq = lock(&self.cq);
                 self.reap(&mut cq);
-                if user_data == 0 {
-                    if !cq.done.is_empty() {
-                        return Ok(None);
-                    }
-                } else if let Some(c) = cq.done.remove(&user_data) {
+                if let Some(c) = cq.done.remove(&user_data) {
                     drop(cq);
                     return self.finish(c).map(Some);
                 }
@@ -810,30 +812,18 @@ impl Inner {
                 std::thread::yield_now();
                 continue;
             }
-            // Sleep on the CQ doorbell, announcing ourselves so the daemon wakes us.
-            let r = &self.ring;
-            r.cq_sleepers().fetch_add(1, Ordering::SeqCst);
-            let bell = r.cq_bell().load(Ordering::SeqCst);
-            let head = lock(&self.cq).head;
-            if r.cq_tail().load(Ordering::SeqCst) == head {
-                let mut nap = Duration::from_millis(100);
-                if let Some(l) = limit {
-                    nap = nap.min(
-                        l.saturating_sub(t0.elapsed())
-                            .max(Duration::from_micros(50)),
-                    );
-                }
-                commd_proto::futex::wait(r.cq_bell(), bell, nap);
+            let mut nap = Duration::from_millis(100);
+            if let Some(l) = limit {
+                nap = nap.min(
+                    l.saturating_sub(t0.elapsed())
+                        .max(Duration::from_micros(50)),
+                );
             }
-            r.cq_sleepers().fetch_sub(1, Ordering::SeqCst);
+            self.nap_on_cq(nap);
+            let r = &self.ring;
             let idle = {
                 let cq = lock(&self.cq);
-                r.cq_tail().load(Ordering::Acquire) == cq.head
-                    && if user_data == 0 {
-                        cq.done.is_empty()
-                    } else {
-                        !cq.done.contains_key(&user_data)
-                    }
+                r.cq_tail().load(Ordering::Acquire) == cq.head && !cq.done.contains_key(&user_data)
             };
             if idle {
                 self.check_daemon("with this op in flight")?;
