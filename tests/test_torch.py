@@ -304,3 +304,23 @@ def test_library_vs_torch_comparison_without_results_says_so(tmp_path):
     p = subprocess.run([sys.executable, str(VS), str(tmp_path)], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and "no vs-*.log or vs-torch-*.jsonl" in p.stderr, p.stderr
+
+
+def test_library_vs_torch_comparison_shows_a_base_library(tmp_path):
+    """A second build of the library (nccl.sh's VS_BASE_LIB) gets its own column and the
+    library's ratio to it; the goals stay the four routes'."""
+    d = tmp_path / "vs"
+    d.mkdir()
+    _nccltests_log(d / "vs-all_reduce-base-r1.log", ((8, 20.0, 12.0, 0), (1 << 20, 99.0, 80.0, 0)))
+    _nccltests_log(d / "vs-all_reduce-base-r2.log", ((8, 20.0, 10.0, 0), (1 << 20, 99.0, 88.0, 0)))
+    p = _vs(tmp_path, lib=((8, 9.0, 4.0, 0), (1 << 20, 40.0, 40.0, 0)),
+            torch_commd=((8, 40.0), (1 << 20, 42.0)))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "| base library | lib/base |" in p.stdout, p.stdout
+    # best of the base's rounds: 10 us at 8 B (in place), 80 us at 1 MiB
+    assert "| 10.0 | 0.40 |" in p.stdout and "| 80.0 | 0.50 |" in p.stdout, p.stdout
+    wrong = tmp_path / "vs" / "vs-all_reduce-base-r3.log"
+    _nccltests_log(wrong, ((8, 20.0, 10.0, 2),))
+    p = _vs(tmp_path, lib=((8, 9.0, 4.0, 0), (1 << 20, 40.0, 40.0, 0)),
+            torch_commd=((8, 40.0), (1 << 20, 42.0)))
+    assert p.returncode == 2 and "vs-all_reduce-base-r3.log: 4 wrong values" in p.stdout, p.stdout

@@ -3,7 +3,7 @@
 ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
 
 1. Every op the direct kernel runs (all-reduce sum/max/min/avg, all-gather, reduce-scatter,
-   broadcast and reduce from every root) in f32, bf16, f16, i32 and u8 (the copies), at sizes
+   all-to-all, broadcast and reduce from every root) in f32, bf16, f16, i32 and u8 (the copies), at sizes
    from 1 element to the direct limit and just past it (the daemon's path), async and blocking,
    against references computed here from every rank's known inputs (integer-valued, so every
    sum is exact in any order; avg with a tolerance).
@@ -96,6 +96,19 @@ def case_all(dtype: torch.dtype, n: int, async_op: bool, salt: int) -> None:
     if async_op:
         w.wait()
     check(f"reduce_scatter {tag}", rs, reduce_ref(big, "sum")[rank * n:(rank + 1) * n].to(dtype))
+    # all-to-all: chunk r of every rank's input to rank r (chunks of n elements), out of place
+    # (the per-op path) and in place (torch's generic path: a copy of the input first)
+    a2a = torch.empty(world * n, device=dev, dtype=dtype)
+    w = dist.all_to_all_single(a2a, big[rank], async_op=async_op)
+    if async_op:
+        w.wait()
+    a2a_want = torch.cat([b[rank * n:(rank + 1) * n] for b in big])
+    check(f"all_to_all {tag}", a2a, a2a_want)
+    a2a = big[rank].clone()
+    w = dist.all_to_all_single(a2a, a2a, async_op=async_op)
+    if async_op:
+        w.wait()
+    check(f"all_to_all in place {tag}", a2a, a2a_want)
     for root in range(world):
         b = ins[rank].clone() if rank == root else torch.zeros(n, device=dev, dtype=dtype)
         w = dist.broadcast(b, src=root, async_op=async_op)

@@ -229,24 +229,38 @@ if SOCKS:
     if not torch.all(t == float(world) ** 50).item():
         failures.append("50 chained all-reduces across nodes gave wrong data")
 
-# More ops on torch's generic GPU path (all_to_all_single) than a session's ring has entries
-# (1024 by default), none waited for on the CPU: their Works only order streams. Until
+# More ops on torch's generic GPU path (all_gather into a list) than a session's ring has
+# entries (1024 by default), none waited for on the CPU: their Works only order streams. Until
 # 2026-11-27 each one's requests stayed counted as in flight, and the 1025th call waited
-# forever in post (docs/design.md, "Sessions and the ring").
+# forever in post (docs/design.md, "Sessions and the ring"; found with all_to_all_single, which
+# took that path then).
 ring = 1024
-t = torch.arange(world * 16, device=dev, dtype=torch.float32) + 1000 * rank
-o = torch.empty_like(t)
+t = torch.arange(16, device=dev, dtype=torch.float32) + 1000 * rank
+outs = [torch.empty_like(t) for _ in range(world)]
 t0 = time.perf_counter()
 for _ in range(ring + 100):
-    dist.all_to_all_single(o, t, group=cg)
+    dist.all_gather(outs, t, group=cg)
 torch.cuda.synchronize()
 el = time.perf_counter() - t0
-want = torch.cat([torch.arange(rank * 16, rank * 16 + 16, device=dev, dtype=torch.float32)
-                  + 1000 * r for r in range(world)])
-if not torch.equal(o, want):
-    failures.append("all_to_all_single after more calls than the ring holds: wrong data")
+if not all(torch.equal(o, torch.arange(16, device=dev, dtype=torch.float32) + 1000 * r)
+           for r, o in enumerate(outs)):
+    failures.append("all_gather(list) after more calls than the ring holds: wrong data")
 checks += 1
-say(f"{ring + 100} all_to_all_single calls, none waited on the CPU: {el * 1e3:.1f} ms")
+say(f"{ring + 100} all_gather(list) calls, none waited on the CPU: {el * 1e3:.1f} ms")
+
+# all_to_all_single in place (the generic path: a copy of the input first) and out of place
+# (the per-op path), each against what every rank sent.
+for inplace in (False, True):
+    t = torch.arange(world * 8, device=dev, dtype=torch.float32) + 1000 * rank
+    o = t if inplace else torch.empty_like(t)
+    dist.all_to_all_single(o, t, group=cg)
+    want = torch.cat([torch.arange(rank * 8, rank * 8 + 8, device=dev, dtype=torch.float32)
+                      + 1000 * r for r in range(world)])
+    torch.cuda.synchronize()
+    if not torch.equal(o, want):
+        failures.append(f"all_to_all_single {'in place' if inplace else 'out of place'}: "
+                        f"wrong data")
+    checks += 1
 
 # IPC handle cache: one open per allocation across 100 ops and two communicators.
 pg = dist.distributed_c10d._get_default_group()

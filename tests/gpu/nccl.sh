@@ -143,6 +143,8 @@ done
 # buffers, loop and formulas), NCCL through both in the same run; $VS_NP ranks (default 2) on as
 # many GPUs, $VS_ROUNDS rounds (2) alternating the routes, $VS_ARGS (-b 8 -e 1G -f 2 -n 50 -w 10),
 # $VS_LIST the collectives. tests/gpu/nccl_vs_torch.py compares: nccl-vs-torch.md and .jsonl.
+# $VS_BASE_LIB: another build of the library (e.g. the last commit's), run by nccl-tests in the
+# same rounds as route "base" (a change against what it replaces; not part of the goals).
 if has vstorch; then
   vnp=${VS_NP:-2}
   # shellcheck disable=SC2206
@@ -151,10 +153,16 @@ if has vstorch; then
   if [ "$ngpu" -lt "$vnp" ]; then
     echo "vstorch: $vnp ranks need $vnp GPUs (this machine has $ngpu); skipped"; rc=1
   else
+    whos="commd nccl"
+    if [ -n "${VS_BASE_LIB:-}" ]; then
+      base=$(mktemp -d)
+      ln -s "$(readlink -f "$VS_BASE_LIB")" "$base/libnccl.so.2"
+      whos="commd base nccl"
+    fi
     for round in $(seq "${VS_ROUNDS:-2}"); do
       for t in $vlist; do
-        for who in commd nccl; do
-          d=$real/lib; [ $who = commd ] && d=$ours
+        for who in $whos; do
+          d=$real/lib; [ $who = commd ] && d=$ours; [ $who = base ] && d=$base
           step "vs-$t-$who-r$round" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe -np "$vnp" \
             -x LD_LIBRARY_PATH="$ompi/lib:$d" "${fwd[@]}" -x NCCL_NVLS_ENABLE=0 \
             "$build/${t}_perf" "${vargs[@]}" -c 1 -g 1

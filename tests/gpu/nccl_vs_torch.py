@@ -16,6 +16,11 @@ all_reduce, broadcast and reduce are compared in place (torch has only that form
 of place. Exit status: 0 when both goals hold at every size all four routes measured, 1 when one
 does not (each miss is listed), 2 when no size has all four or a run reported wrong values or
 printed no rows (sizes a route lacks are listed as gaps).
+
+``vs-<op>-base-r<round>.log`` (nccl.sh's ``VS_BASE_LIB``: nccl-tests through another build of
+the library, e.g. the last commit's, in the same rounds) add a ``base`` column and the
+library's time over it (``lib/base``): a change measured against what it replaces on the same
+machine. The goals do not use it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from collections import defaultdict
 IN_PLACE = ("all_reduce", "broadcast", "reduce")
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+\w+\s+\w+\s+-?\d+\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)"
                  r"\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s*$")
-LOG = re.compile(r"vs-(?P<op>[a-z_]+)-(?P<who>nccl|commd)-r(?P<round>\d+)\.log$")
+LOG = re.compile(r"vs-(?P<op>[a-z_]+)-(?P<who>nccl|commd|base)-r(?P<round>\d+)\.log$")
+ROUTE = {"commd": "lib", "nccl": "nccl", "base": "base"}
 TORCH = re.compile(r"vs-torch-(?P<who>commd|nccl)-r(?P<round>\d+)\.jsonl$")
 
 
@@ -66,7 +72,7 @@ def load(out: str) -> tuple[dict, list[str]]:
         m = LOG.search(path)
         if not m or m["op"] == "torch":  # vs-torch-*.log: the torch harness's own output
             continue
-        route = "lib" if m["who"] == "commd" else "nccl"
+        route = ROUTE[m["who"]]
         times, wrong = parse_nccltests(path, m["op"])
         if wrong:
             problems.append(f"{os.path.basename(path)}: {wrong} wrong values")
@@ -119,6 +125,10 @@ def compare(data: dict, tol: float = 0.05) -> tuple[list[dict], list[str], list[
                    "within_5pct": within, "torch_at_least_nccl": torch_at_nccl,
                    "lib_at_least_nccl": lib_at_nccl,
                    "spread": {r: round(s, 3) for r, s in spread.items()}}
+            base = data.get(("base", op), {}).get(size)
+            if base:
+                row["base_us"] = min(base)
+                row["lib_over_base"] = round(have["lib"] / min(base), 3)
             rows.append(row)
             if not within:
                 misses.append(f"{op} {human(size)}: library {have['lib']:.1f} us vs torch backend "
@@ -131,15 +141,21 @@ def compare(data: dict, tol: float = 0.05) -> tuple[list[dict], list[str], list[
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| op | size | library | torch backend | lib/torch | NCCL (nccl-tests) | NCCL (torch) |",
-           "|---|---:|---:|---:|---:|---:|---:|"]
+    base = any("base_us" in r for r in rows)
+    out = ["| op | size | library | torch backend | lib/torch | NCCL (nccl-tests) | NCCL (torch) |"
+           + (" base library | lib/base |" if base else ""),
+           "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if base else "")]
     for r in rows:
         mark = "" if r["within_5pct"] else " **x**"
         if r["torch_at_least_nccl"] and not r["lib_at_least_nccl"]:
             mark += " **<NCCL**"
-        out.append(f"| {r['op']} | {human(r['size'])} | {r['lib_us']:.1f} | "
-                   f"{r['torch_commd_us']:.1f} | {r['lib_over_torch']:.2f}{mark} | "
-                   f"{r['nccl_us']:.1f} | {r['torch_nccl_us']:.1f} |")
+        line = (f"| {r['op']} | {human(r['size'])} | {r['lib_us']:.1f} | "
+                f"{r['torch_commd_us']:.1f} | {r['lib_over_torch']:.2f}{mark} | "
+                f"{r['nccl_us']:.1f} | {r['torch_nccl_us']:.1f} |")
+        if base:
+            line += (f" {r['base_us']:.1f} | {r['lib_over_base']:.2f} |" if "base_us" in r
+                     else " | |")
+        out.append(line)
     return "\n".join(out)
 
 

@@ -277,11 +277,13 @@ class CudaOps:
         return c
 
     def fast(self, code: tuple[int, int], t: torch.Tensor, send: int, recv: int, peer: int,
-             result: Any, keep: Any, cur: bool = False, p2p: bool = False) -> FastCudaWork:
+             result: Any, keep: Any, cur: bool = False, p2p: bool = False,
+             parts: int = 1) -> FastCudaWork:
         """Posts one op on ``t``'s device through ``cuda_op``: on the current stream (``cur``,
         with a code made with ``cur``), else on the communication stream ordered after the
-        current one; ``keep`` stays referenced until the daemon reports the op done. An
-        empty tensor moves nothing: the op completes at once, as NCCL's do with count 0."""
+        current one; ``keep`` stays referenced until the daemon reports the op done. The op's
+        count is ``t``'s elements over ``parts`` (all-to-all: one chunk). An empty tensor moves
+        nothing: the op completes at once, as NCCL's do with count 0."""
         if t.numel() == 0:
             return _done(result)
         dev = t.get_device()
@@ -293,8 +295,8 @@ class CudaOps:
             if s is None:
                 self.stream(t.device)
                 s = self._raw[dev]
-        req = self._native.cuda_op(code[0], peer, t.numel() * code[1], (send, recv, s, now),
-                                   keep)
+        req = self._native.cuda_op(code[0], peer, t.numel() // parts * code[1],
+                                   (send, recv, s, now), keep)
         return FastCudaWork(req, dev, result, torch.cuda.is_current_stream_capturing(),
                             None if p2p else s)
 
@@ -439,7 +441,12 @@ class CudaOps:
         keep = [t, src, out, dst] + list(outs or [])
         return self.run(keep, result, post, after)
 
-    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, result: Any) -> CudaWork:
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, result: Any,
+                   sync: bool = False) -> CudaWork | FastCudaWork:
+        if (FAST and t.is_contiguous() and out.is_contiguous() and out.device == t.device
+                and t.data_ptr() != out.data_ptr()):
+            return self.fast(self._code("all_to_all", t, cur=sync), t, t.data_ptr(),
+                             out.data_ptr(), 0, result, (t, out), sync, parts=self._size)
         src, _ = self.flat(t)
         dst, back = self.flat(out)
         if src.data_ptr() == dst.data_ptr():

@@ -713,7 +713,7 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                     raise ValueError(
                         f"commd {what}: without split sizes, input and output must have the "
                         f"same number of elements, divisible by {self._size}")
-                return self.gpu.all_to_all(output, input, [output])
+                return self.gpu.all_to_all(output, input, [output], sync=_sync(opts))
             ins = _split_t(input, input_split_sizes, self._size, "input", what)
             outs = _split_t(output, output_split_sizes, self._size, "output", what)
             return self._gpu_alltoallv(ins, outs, [output])

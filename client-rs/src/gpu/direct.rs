@@ -178,7 +178,7 @@ fn describe_sig(sig: u32) -> String {
     match OpKind::from_code((sig & 0xff) as u16) {
         Some(OpKind::Broadcast) => format!("{kind} {dt} root {root}"),
         Some(OpKind::Reduce) => format!("{kind} {dt} {op} root {root}"),
-        Some(OpKind::AllGather) => format!("{kind} {dt}"),
+        Some(OpKind::AllGather | OpKind::AllToAll) => format!("{kind} {dt}"),
         _ => format!("{kind} {dt} {op}"),
     }
 }
@@ -380,11 +380,12 @@ impl Communicator {
             OpKind::ReduceScatter => k::MODE_RS,
             OpKind::Broadcast => k::MODE_BC,
             OpKind::Reduce => k::MODE_RED,
+            OpKind::AllToAll => k::MODE_A2A,
             _ => return Ok(None),
         };
         // Copies (all-gather, broadcast) load the (dtype, sum) module: any dtype has one.
         let op = match (mode, a.redop) {
-            (k::MODE_AG | k::MODE_BC, _) => RedOp::Sum,
+            (k::MODE_AG | k::MODE_BC | k::MODE_A2A, _) => RedOp::Sum,
             (_, Some(op)) => op,
             (_, None) => {
                 return Err(Error::InvalidArgument(format!(

@@ -1,17 +1,23 @@
 //! A model of the direct-op protocol (DESIGN.md contract 7), run under random interleavings of
 //! the ranks: the window rules of `kernels/direct.rs` (epoch from a per-window counter, parity
-//! `e & 1`, data slot (p, source), flags per (p, source), the own flag written last, a wait for
-//! every rank's flag of the epoch, then the reads) as steps of one actor per rank. It checks
-//! what the design claims: with two parities no read ever sees another epoch's data, a peer's
-//! flag in a parity slot is only ever epoch e - 2 or e when rank waits for e, ranks that run
-//! the same ops always finish, and ranks that do not are told (a mismatch), never paired
-//! silently. With one parity the same model finds overwritten reads: the test can fail.
+//! `e & 1`, a flag's second word (capture index, count) written to every window when the op
+//! starts, data slot (p, source), the flag's first word (epoch, signature) per (p, source)
+//! after every push, the own one last, a wait for every rank's first word of the epoch, then
+//! its second word and the reads) as steps of one actor per rank. It checks what the design
+//! claims: with two parities no read ever sees another epoch's data, a peer's flag in a parity
+//! slot is only ever epoch e - 2 or e when rank waits for e, the second word read after the
+//! first is of the same epoch (it carries no epoch of its own), ranks that run the same ops
+//! always finish, and ranks that do not are told (a mismatch), never paired silently. With one
+//! parity the same model finds overwritten reads: the test can fail.
 
-/// One flag: epoch, signature, capture index.
-type Flag = (u64, u32, u32);
+/// A flag's first word: epoch, signature.
+type Flag = (u64, u32);
 
 struct Window {
     flags: Vec<[Option<Flag>; 2]>,
+    /// A flag's second word: the capture index, with the epoch that wrote it (known to the
+    /// model only, for the check; the kernel's word has none).
+    aux: Vec<[Option<(u64, u32)>; 2]>,
     /// (epoch, source, value) per (source, parity).
     data: Vec<[Option<(u64, usize, u64)>; 2]>,
     entered: u64,
@@ -20,6 +26,7 @@ struct Window {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Step {
     Start,
+    Aux(usize),
     Push(usize),
     Flag(usize),
     Wait(usize),
@@ -69,6 +76,7 @@ fn run(programs: &[Vec<(u32, u32)>], parities: u64, seed: u64) -> End {
     let mut win: Vec<Window> = (0..n)
         .map(|_| Window {
             flags: vec![[None; 2]; n],
+            aux: vec![[None; 2]; n],
             data: vec![[None; 2]; n],
             entered: 0,
         })
@@ -105,7 +113,13 @@ fn run(programs: &[Vec<(u32, u32)>], parities: u64, seed: u64) -> End {
                 stalls = 0;
                 win[me].entered += 1;
                 r.epoch = win[me].entered;
-                r.step = Step::Push(0);
+                r.step = Step::Aux(0);
+            }
+            Step::Aux(to) => {
+                // The first block writes every window's second word before any push.
+                let p = (r.epoch % parities) as usize;
+                win[to].aux[me][p] = Some((r.epoch, k));
+                r.step = next(to).map_or(Step::Push(0), Step::Aux);
             }
             Step::Push(to) => {
                 let p = (r.epoch % parities) as usize;
@@ -118,15 +132,21 @@ fn run(programs: &[Vec<(u32, u32)>], parities: u64, seed: u64) -> End {
                 // The own flag last (`kernels/direct.rs`: the last block writes every flag
                 // after every block pushed; modelled as peers first, then its own).
                 let to = (me + 1 + i) % n;
-                win[to].flags[me][p] = Some((r.epoch, sig, k));
+                win[to].flags[me][p] = Some((r.epoch, sig));
                 r.step = next(i).map_or(Step::Wait(0), Step::Flag);
             }
             Step::Wait(from) => {
                 match win[me].flags[from][p] {
-                    Some((e, s, kk)) if e >= r.epoch => {
+                    Some((e, s)) if e >= r.epoch => {
                         assert!(
                             e == r.epoch || parities == 1,
                             "rank {me} waiting for epoch {} saw rank {from}'s flag of epoch {e}",
+                            r.epoch
+                        );
+                        let (ae, kk) = win[me].aux[from][p].unwrap_or((0, u32::MAX));
+                        assert!(
+                            ae == e || parities == 1,
+                            "rank {me}, epoch {}: rank {from}'s second flag word is of epoch {ae}",
                             r.epoch
                         );
                         if (s, kk) != (sig, k) || e != r.epoch {
@@ -139,7 +159,7 @@ fn run(programs: &[Vec<(u32, u32)>], parities: u64, seed: u64) -> End {
                         r.step = next(from).map_or(Step::Read(0), Step::Wait);
                         stalls = 0;
                     }
-                    Some((e, _, _)) => {
+                    Some((e, _)) => {
                         assert!(
                             e + 2 == r.epoch || parities == 1,
                             "rank {me} waiting for epoch {} saw rank {from}'s flag of epoch {e} in its parity slot",

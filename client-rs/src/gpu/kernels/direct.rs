@@ -10,7 +10,12 @@
 //! its peers; every offset below is from the window's base):
 //! - `FLAGS_OFF`: per parity `p` (epoch & 1) and source rank `r`, 16 bytes: word 0 = epoch
 //!   (high 32 bits) | op signature (low 32), word 1 = capture index (high) | count (low). The
-//!   source writes word 1, then word 0 with release semantics; the reader acquires word 0.
+//!   source's first block writes word 1 into every window when the op starts (it is known
+//!   then, and the slot is free: the reader finished epoch e - 2 before it wrote its flag of
+//!   e - 1, which this op's start follows); the last block to finish pushing writes word 0 into
+//!   every window after one system fence (a release pattern: one fence, then plain stores, so
+//!   the flags to n windows cost one round trip, not n); the reader acquires word 0, then
+//!   reads word 1.
 //! - `STATE_OFF`: `entered` (u64, blocks that started an op; epoch = entered / grid + 1, the grid
 //!   being fixed per communicator), `arrive[2]` (u32, blocks that finished pushing, per parity),
 //!   `dead` (u32, non-zero once an op of the communicator failed: every later op stops at once).
@@ -75,6 +80,9 @@ pub const MODE_RS: u32 = 2;
 pub const MODE_BC: u32 = 3;
 /// Reduce to `root`.
 pub const MODE_RED: u32 = 4;
+/// All-to-all: rank `r` gets chunk `r` of every rank's input, in rank order (chunks of `count`
+/// elements).
+pub const MODE_A2A: u32 = 5;
 
 /// Threads per block of the direct kernel.
 pub const THREADS: u32 = 256;
@@ -133,6 +141,11 @@ static __device__ __forceinline__ void commd_st_release(u64 *p, u64 v) {{
     asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }}
 
+/* A strong store with no fence of its own: after a fence, the two are a release pattern. */
+static __device__ __forceinline__ void commd_st_relaxed(u64 *p, u64 v) {{
+    asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}}
+
 static __device__ __forceinline__ u64 commd_globaltimer() {{
     u64 t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -172,11 +185,14 @@ static __device__ __forceinline__ void commd_direct_flag(const struct commd_dire
 
 extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_direct a) {{
     __shared__ u64 s_e;
+    __shared__ u32 s_first;
     __shared__ volatile u32 s_fail;
     const u64 mine = a.win[a.me];
     u32 *dead = (u32 *)(mine + {DEAD_OFF}ull);
     if (threadIdx.x == 0) {{
-        s_e = atomicAdd((unsigned long long *)(mine + {STATE_OFF}ull), 1ull) / (u64)gridDim.x + 1ull;
+        const u64 ticket = atomicAdd((unsigned long long *)(mine + {STATE_OFF}ull), 1ull);
+        s_e = ticket / (u64)gridDim.x + 1ull;
+        s_first = (ticket % (u64)gridDim.x) == 0ull ? 1u : 0u;
         s_fail = *(volatile u32 *)dead;
     }}
     __syncthreads();
@@ -195,14 +211,18 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
         return;
     }}
     /* Push into slot (p, me) of the peers' windows: the whole input (all-reduce, all-gather),
-       the peer's chunk of it (reduce-scatter), the root's input (broadcast), every input to
-       the root (reduce). */
+       the peer's chunk of it (reduce-scatter, all-to-all), the root's input (broadcast), every
+       input to the root (reduce). */
     const u64 tid = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
     const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
     const u64 bytes = a.count * {es}ull;
     const u64 slot_off = {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)a.me) * a.slot;
     const u32 mode = a.mode;
-    const bool chunked = mode == {MODE_RS}u;
+    if (s_first != 0u && threadIdx.x < a.n) {{
+        /* Word 1 of this rank's flag in window r, before any push (see the module doc). */
+        ((volatile u64 *)(a.win[threadIdx.x] + {FLAGS_OFF}ull + (u64)(p * 8u + a.me) * 16ull))[1] = w1;
+    }}
+    const bool chunked = mode == {MODE_RS}u || mode == {MODE_A2A}u;
     u32 to_mask = 0u;
     for (u32 r = 0; r < a.n; ++r) {{
         const bool to = r != a.me && (mode == {MODE_BC}u ? a.me == a.root
@@ -239,17 +259,23 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
             }}
         }}
     }}
-    __threadfence_system();
+    /* The block's pushes (and word 1 of the flags) are ordered before its arrival by one
+       fence of one thread after the barrier (the barrier orders the other threads' stores
+       before that fence; causality is transitive), not one fence per thread. */
     __syncthreads();
     /* The last block to finish pushing writes this epoch's flag into every window (its own
        too: no block reduces, and so writes the output, before every block has pushed). */
     if (threadIdx.x == 0) {{
+        __threadfence_system();
         u32 *arrive = (u32 *)(mine + {STATE_OFF}ull + 8ull) + p;
         if (atomicAdd(arrive, 1u) == gridDim.x - 1u) {{
             *arrive = 0u;
+            /* One fence (acquiring the other blocks' arrivals, releasing their pushes), then
+               word 0 into every window with no fence between the stores. */
             __threadfence_system();
-            for (u32 r = 0; r < a.n; ++r) {{
-                commd_direct_flag(a, r, p, w0, w1);
+            for (u32 i = 1; i <= a.n; ++i) {{
+                const u32 r = (a.me + i) % a.n; /* the peers first, this rank's own last */
+                commd_st_relaxed((u64 *)(a.win[r] + {FLAGS_OFF}ull + (u64)(p * 8u + a.me) * 16ull), w0);
             }}
         }}
     }}
@@ -306,6 +332,15 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
     if (mode == {MODE_AG}u) {{
         for (u32 r = 0; r < a.n; ++r) {{
             commd_copy(a.out + (u64)r * bytes, r == a.me ? a.in : COMMD_SLOT(r), bytes, tid, stride);
+        }}
+        return;
+    }}
+    if (mode == {MODE_A2A}u) {{
+        /* In place is safe: this rank's own chunk stays where it is, and the others are
+           written only now, after every block of this rank has pushed. */
+        for (u32 r = 0; r < a.n; ++r) {{
+            commd_copy(a.out + (u64)r * bytes, r == a.me ? a.in + (u64)a.me * bytes : COMMD_SLOT(r),
+                       bytes, tid, stride);
         }}
         return;
     }}
