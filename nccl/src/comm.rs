@@ -301,33 +301,41 @@ impl Comm {
         matches!(&*lock(&self.init), Init::Joining)
     }
 
+    /// Drops the finished requests at the front of `pending` (every finished one with `all`),
+    /// keeping the first failure. In place: called for every op, with up to `MAX_PENDING`
+    /// requests queued.
     fn reap(st: &mut State, all: bool) {
-        let mut keep = VecDeque::with_capacity(st.pending.len());
-        while let Some(q) = st.pending.pop_front() {
-            match q.test() {
-                Ok(true) => {}
-                Ok(false) => {
-                    keep.push_back(q);
-                    if !all {
-                        break;
-                    }
-                }
+        let mut failed = Vec::new();
+        if all {
+            st.pending.retain(|q| match q.test() {
+                Ok(done) => !done,
                 Err(e) => {
-                    // A failed request carries the daemon's reason: it replaces a bare
-                    // error-word failure.
-                    let f = Failure::from(e);
-                    if st
-                        .error
-                        .as_ref()
-                        .is_none_or(|x| x.message.starts_with("a GPU op"))
-                    {
-                        st.error = Some(f);
-                    }
+                    failed.push(e);
+                    false
                 }
+            });
+        } else {
+            while let Some(q) = st.pending.front() {
+                match q.test() {
+                    Ok(false) => break,
+                    Ok(true) => {}
+                    Err(e) => failed.push(e),
+                }
+                st.pending.pop_front();
             }
         }
-        keep.append(&mut st.pending);
-        st.pending = keep;
+        for e in failed {
+            // A failed request carries the daemon's reason: it replaces a bare error-word
+            // failure.
+            let f = Failure::from(e);
+            if st
+                .error
+                .as_ref()
+                .is_none_or(|x| x.message.starts_with("a GPU op"))
+            {
+                st.error = Some(f);
+            }
+        }
     }
 
     fn track(&self, q: Request) {

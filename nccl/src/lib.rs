@@ -557,10 +557,13 @@ pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, c: ncclComm_t) -> ncclResul
 }
 
 fn run(func: &str, c: ncclComm_t, op: Op) -> ncclResult_t {
-    guard(func, || {
+    commd_client::gpu::prof::begin();
+    let r = guard(func, || {
         comm::get(c)?.run(op)?;
         ok()
-    })
+    });
+    commd_client::gpu::prof::end();
+    r
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -32,6 +32,15 @@ pub fn ck(r: CUresult, what: &str) -> Result<(), CuError> {
     })
 }
 
+/// [`ck`] with the call's name made only on failure (per-op paths: no allocation when the
+/// call succeeds).
+pub fn ck_with(r: CUresult, what: impl FnOnce() -> String) -> Result<(), CuError> {
+    if r == CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    ck(r, &what())
+}
+
 /// The driver's name and description of an error code.
 pub fn describe(r: CUresult) -> (String, String) {
     let mut name: *const std::ffi::c_char = std::ptr::null();

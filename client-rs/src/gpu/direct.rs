@@ -24,7 +24,7 @@ use commd_proto::desc::{DType, OpKind, RedOp, doorbell};
 
 use super::cu::{self, ck, sys};
 use super::kernels::{self, DirectArgs, direct as k};
-use super::{CudaOpArgs, CudaPosted, ensure_context, map_host, pointer_info};
+use super::{CudaOpArgs, CudaPosted, ensure_context, map_host, pointer_span};
 use crate::{Client, Communicator, Error, Request, Result, lock};
 
 /// Bytes each rank sends in the first all-gather.
@@ -441,6 +441,7 @@ impl Communicator {
         let me_root = a.peer == self.rank;
         let mut device = None;
         let mut bufs = [0u64; 2];
+        let mut span = None;
         for (i, (what, uses, p, elems)) in [
             (
                 "send",
@@ -467,23 +468,23 @@ impl Communicator {
             let len = elems
                 .and_then(|e| e.checked_mul(a.dtype.size()))
                 .ok_or_else(|| Error::InvalidArgument(format!("count {} overflows", a.count)))?;
-            let info = pointer_info(p)?;
-            if p.checked_add(len)
-                .is_none_or(|end| end > info.base + info.size)
-            {
+            // In place: one query for both buffers.
+            let (base, size, ordinal) = match span {
+                Some((q, s)) if q == p => s,
+                _ => pointer_span(p)?,
+            };
+            span = Some((p, (base, size, ordinal)));
+            if p.checked_add(len).is_none_or(|end| end > base + size) {
                 return Err(Error::InvalidArgument(format!(
-                    "{} {what} buffer {p:#x}: {len} bytes run past its allocation ({:#x}, {} bytes)",
+                    "{} {what} buffer {p:#x}: {len} bytes run past its allocation ({base:#x}, {size} bytes)",
                     a.kind.name(),
-                    info.base,
-                    info.size
                 )));
             }
-            if *device.get_or_insert(info.ordinal) != info.ordinal {
+            if *device.get_or_insert(ordinal) != ordinal {
                 return Err(Error::InvalidArgument(format!(
-                    "{} buffers on two devices ({} and {})",
+                    "{} buffers on two devices ({} and {ordinal})",
                     a.kind.name(),
                     device.unwrap_or(-1),
-                    info.ordinal
                 )));
             }
             bufs[i] = p;
@@ -491,6 +492,7 @@ impl Communicator {
         let [send, recv] = bufs;
         let dev = device.unwrap_or(0);
         ensure_context(dev)?;
+        super::prof::mark(super::prof::BUFFERS);
         let mut c = lock(&self.gpu);
         let super::CommGpu {
             direct,
@@ -583,6 +585,7 @@ impl Communicator {
             root: a.peer,
             status: status.as_ref().map_or(0, |(_, w)| *w),
         };
+        super::prof::mark(super::prof::PREPARE);
         // SAFETY: the windows, record and hint word live for the process (`setup`); the
         // buffers were checked above; the caller vouches for the stream.
         if let Err(e) = unsafe { kern.launch_direct(a.stream, a.dtype, op, w.grid, &args) } {
@@ -591,6 +594,7 @@ impl Communicator {
             }
             return Err(e.into());
         }
+        super::prof::mark(super::prof::LAUNCH);
         w.next_k = w.next_k.wrapping_add(1);
         let Some((sp, word)) = status else {
             let done = if a.record {
@@ -624,6 +628,7 @@ impl Communicator {
         unsafe { ev.record(a.stream)? };
         *last = Some((a.stream as usize, ev.clone()));
         let op_status = sp.launched(word, ev.clone());
+        super::prof::mark(super::prof::EVENT);
         Ok(Some(CudaPosted {
             request: Request {
                 client: i.clone(),

@@ -773,7 +773,7 @@ impl Kernels {
                 std::ptr::null_mut(),
             )
         };
-        cu::ck(r, &format!("cuLaunchKernel({})", kernel_name(dtype, op)))?;
+        cu::ck_with(r, || format!("cuLaunchKernel({})", kernel_name(dtype, op)))?;
         Ok(())
     }
 
@@ -824,10 +824,9 @@ impl Kernels {
                 std::ptr::null_mut(),
             )
         };
-        cu::ck(
-            r,
-            &format!("cuLaunchKernel({})", direct_kernel_name(dtype, op)),
-        )?;
+        cu::ck_with(r, || {
+            format!("cuLaunchKernel({})", direct_kernel_name(dtype, op))
+        })?;
         Ok(())
     }
 
@@ -894,7 +893,7 @@ impl Kernels {
                 cu_sys::cuLaunchKernel(f, grid, 1, 1, t, 1, 1, 0, stream, p, std::ptr::null_mut())
             }
         };
-        cu::ck(r, &format!("launching {}", rounds_kernel_name(dtype, op)))?;
+        cu::ck_with(r, || format!("launching {}", rounds_kernel_name(dtype, op)))?;
         Ok(grid)
     }
 
@@ -950,7 +949,9 @@ impl Kernels {
                 std::ptr::null_mut(),
             )
         };
-        cu::ck(r, &format!("cuLaunchKernel({})", scale_kernel_name(dtype)))?;
+        cu::ck_with(r, || {
+            format!("cuLaunchKernel({})", scale_kernel_name(dtype))
+        })?;
         Ok(())
     }
 

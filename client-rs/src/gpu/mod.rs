@@ -6,6 +6,7 @@ pub mod algo;
 pub mod cu;
 pub(crate) mod direct;
 pub(crate) mod graph;
+pub mod prof;
 pub use graph::Relaxed;
 pub mod kernels;
 pub mod regcache;
@@ -377,11 +378,7 @@ fn pointer_info(ptr: sys::CUdeviceptr) -> Result<PtrInfo> {
         unsafe { sys::cuPointerGetAttributes(7, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) },
         "cuPointerGetAttributes",
     )?;
-    if mtype != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || ordinal < 0 || base == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "address {ptr:#x} is not CUDA device memory of this process (memory type {mtype}); GPU ops need tensors allocated on a CUDA device"
-        )));
-    }
+    device_memory(ptr, mtype, ordinal, base)?;
     Ok(PtrInfo {
         base,
         size: size as u64,
@@ -390,6 +387,45 @@ fn pointer_info(ptr: sys::CUdeviceptr) -> Result<PtrInfo> {
         legacy_ipc: legacy & 0xffff_ffff != 0,
         handle_types: types as u32,
     })
+}
+
+fn device_memory(ptr: sys::CUdeviceptr, mtype: u32, ordinal: i32, base: u64) -> Result<()> {
+    if mtype != sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 || ordinal < 0 || base == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "address {ptr:#x} is not CUDA device memory of this process (memory type {mtype}); GPU ops need tensors allocated on a CUDA device"
+        )));
+    }
+    Ok(())
+}
+
+/// The allocation holding device pointer `ptr` and its device: (base, size, ordinal). The
+/// four attributes a direct op needs, in one driver call (fewer than [`pointer_info`]'s: the
+/// per-op host cost of small eager ops).
+fn pointer_span(ptr: sys::CUdeviceptr) -> Result<(u64, u64, i32)> {
+    use sys::CUpointer_attribute as P;
+    let mut base: sys::CUdeviceptr = 0;
+    let mut size: usize = 0;
+    let mut ordinal: i32 = -1;
+    let mut mtype: u32 = 0;
+    let mut attrs = [
+        P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+        P::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+        P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+        P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+    ];
+    let mut data: [*mut std::ffi::c_void; 4] = [
+        (&mut base as *mut sys::CUdeviceptr).cast(),
+        (&mut size as *mut usize).cast(),
+        (&mut ordinal as *mut i32).cast(),
+        (&mut mtype as *mut u32).cast(),
+    ];
+    ck(
+        // SAFETY: each data pointer points to a variable of the type the attribute writes.
+        unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) },
+        "cuPointerGetAttributes",
+    )?;
+    device_memory(ptr, mtype, ordinal, base)?;
+    Ok((base, size as u64, ordinal))
 }
 
 /// The cuMem mapping holding `ptr`: (mapping base, size, buffer id).
@@ -839,6 +875,7 @@ impl Communicator {
             && !lock(&self.gpu).error_word_survived;
         // SAFETY: same contract as ours.
         let p = unsafe { self.post_cuda_once(a)? };
+        prof::mark(prof::DAEMON);
         if check && p.request.local.is_none() && !p.captured {
             match p.request.wait_for(Some(Duration::from_millis(500))) {
                 Err(e) => return Err(e),
@@ -855,6 +892,7 @@ impl Communicator {
     /// # Safety
     /// As [`Communicator::post_cuda_ordered`].
     unsafe fn post_cuda_once(&self, a: CudaOpArgs) -> Result<CudaPosted> {
+        prof::mark(prof::CALLER);
         let i = &self.client;
         i.check_owner()?;
         driver()?;
@@ -887,6 +925,7 @@ impl Communicator {
             r.check_dtype(a.dtype)
                 .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         }
+        prof::mark(prof::CHECKS);
         // A captured collective (all-reduce, all-gather, reduce-scatter, broadcast, reduce) on
         // ranks with a GPU each runs as one kernel of the graph (contract 7), with no daemon
         // work per replay.
