@@ -198,13 +198,14 @@ impl StatusPool {
         if let Some(c) = op.code.get() {
             return Ok(Some(*c));
         }
+        // One query before any clock read: a test (`limit` zero) of a finished op costs only it.
+        if op.done.finished()? {
+            return Ok(Some(self.finish(op)));
+        }
         let t0 = Instant::now();
         let mut nap = Duration::from_micros(20);
         let mut spins = 0u32;
         loop {
-            if op.done.finished()? {
-                return Ok(Some(self.finish(op)));
-            }
             let waited = t0.elapsed();
             if limit.is_some_and(|l| waited >= l) {
                 return Ok(None);
@@ -218,6 +219,9 @@ impl StatusPool {
                 let left = limit.map_or(nap, |l| l.saturating_sub(waited));
                 std::thread::sleep(nap.min(left));
                 nap = (nap * 2).min(Duration::from_millis(1));
+            }
+            if op.done.finished()? {
+                return Ok(Some(self.finish(op)));
             }
         }
     }
