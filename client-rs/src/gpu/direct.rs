@@ -1055,6 +1055,16 @@ mod tests {
                 && !m.contains("replay"),
             "{m}"
         );
+        // A copy op against another: named without a reduction (all-to-all is a direct op too).
+        let a2a = u64::from(signature(OpKind::AllToAll, DType::F32, RedOp::Sum, 0));
+        let ag = u64::from(signature(OpKind::AllGather, DType::F32, RedOp::Sum, 0));
+        let r3 = Record {
+            mine: ((7 << 32) | a2a, (3 << 32) | 32768),
+            theirs: ((7 << 32) | ag, (3 << 32) | 32768),
+            ..r
+        };
+        let m = explain(&r3, 0, true);
+        assert!(m.contains("all_to_all f32 vs rank 1 all_gather f32"), "{m}");
         for (code, word) in [
             (k::TIMEOUT, "timed out waiting for rank 1"),
             (k::BROKEN, "broken"),
