@@ -500,7 +500,11 @@ impl Comm {
         }
         // Asked with the communicator's device current (`run`): without a context the driver
         // answers nothing, and device memory taken for host memory would be read by the CPU.
-        let mem: Vec<Memory> = [send, recv].into_iter().flatten().map(memory_of).collect();
+        // One query for both buffers in place (a driver call each: part of a small op's cost).
+        let mem: Vec<Memory> = match (send, recv) {
+            (Some(s), Some(r)) if s == r => vec![memory_of(s); 2],
+            _ => [send, recv].into_iter().flatten().map(memory_of).collect(),
+        };
         if mem.len() == 2 && mem[0] != mem[1] {
             return Err(usage(
                 "sendbuff and recvbuff are in different kinds of memory (one CUDA device memory, one host memory)",
