@@ -938,6 +938,8 @@ pub(crate) use eager::LocalDone;
 
 #[cfg(test)]
 mod model;
+#[cfg(test)]
+mod p2p_model;
 
 #[cfg(test)]
 mod tests {
