@@ -400,9 +400,16 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {scale}({elem} *out, con
 "#,
             scale = scale_kernel_name(dtype),
         );
+        // Direct send/recv (not wired to ops yet; compiled so that NVRTC checks them).
+        p2p::push_source(&mut src, P2P_SEND, P2P_RECV);
     }
     Ok(src)
 }
+
+/// The `extern "C"` names of the direct send and receive kernels (`p2p::push_source`), in every
+/// `(dtype, sum)` module.
+pub const P2P_SEND: &str = "commd_p2p_send";
+pub const P2P_RECV: &str = "commd_p2p_recv";
 
 /// The `extern "C"` name of the rounds kernel for `(dtype, op)` (`rounds::push_source`).
 pub fn rounds_kernel_name(dtype: DType, op: RedOp) -> String {
@@ -1111,6 +1118,7 @@ fn ctx_info() -> Result<CtxInfo, KernelError> {
 }
 
 pub mod direct;
+pub mod p2p;
 pub mod rounds;
 #[cfg(test)]
 mod tests;

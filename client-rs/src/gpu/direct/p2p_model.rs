@@ -222,7 +222,7 @@ fn programs(n: usize, groups: usize, seed: u64) -> Vec<Vec<Op>> {
         let mut edges = Vec::new();
         for s in 0..n {
             for d in 0..n {
-                if s != d && rng.next() % 3 == 0 {
+                if s != d && rng.next().is_multiple_of(3) {
                     let sig = (rng.next() % 3) as u32;
                     let count = 1 + (rng.next() % 4) as u32;
                     let times = 1 + (rng.next() % 2) as usize;
