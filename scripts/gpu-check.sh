@@ -3,7 +3,9 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|nccl|deepspeed|dinov2|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|all] [OUTDIR]
+# `p2p` (issue 22; run only by name): send/recv as direct ops (COMMD_P2P_DIRECT=1): gpu_ops.py,
+# p2p_overlap.py and nccl-tests' sendrecv and alltoall through the library, with and without it.
 # `eager` (contract 7 rule 8; run only by name): eager direct ops' tests, and their per-op
 # latency against the daemon's path and NCCL (graph_latency.py's eager column): eager.jsonl.
 # `nccl` (issue 22; run only by name): tests/gpu/nccl.sh, the NCCL-compatible library
@@ -81,8 +83,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|nccl|deepspeed|dinov2|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, nccl, deepspeed, dinov2 or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, p2p, nccl, deepspeed, dinov2 or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -251,6 +253,20 @@ if [ "$what" = eager ]; then
         --backend nccl --op "$op" --sizes 8K,64K,512K,1M,2M --json "$out/eager.jsonl"
     done
   done
+fi
+if [ "$what" = p2p ]; then
+  # Send/recv as direct ops (COMMD_P2P_DIRECT=1, off by default; run only by name): every op and
+  # dtype against NCCL (its send/recv checks and batch_isend_irecv), the p2p overlap cases, a
+  # killed rank, then nccl-tests' sendrecv and alltoall through the library with and without it.
+  if [ "$ngpu" -ge 2 ]; then
+    COMMD_P2P_DIRECT=1 run "p2p-direct-ops-2-gpus" "${tr[@]}" 2 tests/gpu/gpu_ops.py
+    COMMD_P2P_DIRECT=1 run "p2p-direct-overlap-2-ranks" "${tr[@]}" 2 tests/gpu/p2p_overlap.py
+    [ "$ngpu" -ge 4 ] && COMMD_P2P_DIRECT=1 run "p2p-direct-overlap-4-ranks" "${tr[@]}" 4 tests/gpu/p2p_overlap.py
+    run_timeout=1500
+    NCCL_PARTS=nccltests NCCL_TESTS_LIST="sendrecv alltoall" NCCL_TESTS_MODES="gpus p2p" \
+      NCCL_TESTS_MAX=${NCCL_TESTS_MAX:-16M} run "p2p-nccl" tests/gpu/nccl.sh "$out/nccl"
+    run_timeout=$run_limit
+  fi
 fi
 if [ "$what" = nccl ]; then
   run_timeout=3000

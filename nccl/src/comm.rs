@@ -530,6 +530,11 @@ impl Comm {
             )
         });
         if mem.first() == Some(&Memory::Device) {
+            if op.kind.is_p2p() && group::holds_p2p() {
+                // Checked above; posted at the group's end, every send before any receive.
+                group::defer_p2p(self.clone(), op);
+                return Ok(());
+            }
             return self.post_on_device(&r, &op, pre, (dtype, redop), (send, recv));
         }
         if cuda() && op.stream != 0 {

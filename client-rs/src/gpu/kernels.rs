@@ -608,6 +608,31 @@ pub struct DirectArgs {
     /// a captured op.
     pub status: u32,
 }
+
+/// The argument of the direct send and receive kernels (`struct commd_p2p`, `p2p::push_source`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct P2pArgs {
+    /// This rank's inbox from the peer (its own GPU memory).
+    pub local: CUdeviceptr,
+    /// The peer's inbox from this rank (opened here).
+    pub remote: CUdeviceptr,
+    /// The send's input or the receive's output.
+    pub buf: CUdeviceptr,
+    pub bytes: u64,
+    /// Bytes of one data slot.
+    pub slot: u64,
+    /// The failure record and status words (host memory mapped for the device).
+    pub rec: CUdeviceptr,
+    /// The communicator's doorbell hint word.
+    pub hint: CUdeviceptr,
+    pub timeout_ns: u64,
+    /// The op's sequence number on its direction of the pair, from 1.
+    pub seq: u64,
+    pub sig: u32,
+    /// The op's status word (index + 1 in the record page).
+    pub status: u32,
+}
 const _: () = assert!(std::mem::size_of::<DirectArgs>() == 152);
 
 /// The parameter of the rounds kernel (`struct commd_rounds`, `rounds::push_source`): the pieces
@@ -655,6 +680,9 @@ struct Loaded {
     direct: usize,
     /// The scale kernel (sum modules only; 0 otherwise).
     scale: usize,
+    /// The direct send and receive kernels (sum modules only; 0 otherwise).
+    p2p_send: usize,
+    p2p_recv: usize,
     rounds: usize,
     /// Blocks of the rounds kernel that fit on one SM at once (its cooperative launch limit).
     rounds_per_sm: u32,
@@ -833,6 +861,55 @@ impl Kernels {
         };
         cu::ck_with(r, || {
             format!("cuLaunchKernel({})", direct_kernel_name(dtype, op))
+        })?;
+        Ok(())
+    }
+
+    /// Enqueues the direct send (`send`) or receive kernel of the `(dtype, sum)` module on
+    /// `stream` with `grid` blocks.
+    ///
+    /// # Safety
+    /// The inboxes, buffer, record and hint word in `args` are valid for the kernel in the
+    /// current context, and `stream` is a live stream of it.
+    pub unsafe fn launch_p2p(
+        &self,
+        stream: CUstream,
+        dtype: DType,
+        send: bool,
+        grid: u32,
+        args: &P2pArgs,
+    ) -> Result<(), KernelError> {
+        let ctx = current_ctx_id()?;
+        let k = self.get(ctx, dtype, RedOp::Sum)?;
+        let f = if send { k.p2p_send } else { k.p2p_recv };
+        if f == 0 {
+            return Err(KernelError::InvalidArgument(format!(
+                "no direct send/recv kernel in the {} module",
+                dtype.name()
+            )));
+        }
+        let mut a = *args;
+        let mut params: [*mut c_void; 1] = [(&raw mut a).cast()];
+        // SAFETY: `f` was loaded in the current context; `params` points at one live value laid
+        // out as the kernel's parameter (`struct commd_p2p`), copied by the driver before it
+        // returns; the caller vouches for the stream and the pointers.
+        let r = unsafe {
+            cu_sys::cuLaunchKernel(
+                f as CUfunction,
+                grid.max(1),
+                1,
+                1,
+                direct::THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        cu::ck_with(r, || {
+            format!("cuLaunchKernel({})", if send { P2P_SEND } else { P2P_RECV })
         })?;
         Ok(())
     }
@@ -1024,15 +1101,23 @@ impl Kernels {
             return Err(e.into());
         }
         let mut scale: CUfunction = std::ptr::null_mut();
+        let mut p2p_send: CUfunction = std::ptr::null_mut();
+        let mut p2p_recv: CUfunction = std::ptr::null_mut();
         if op == RedOp::Sum {
-            let sname = CString::new(scale_kernel_name(dtype))
-                .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
-            // SAFETY: as above.
-            let r = unsafe { cu_sys::cuModuleGetFunction(&mut scale, module, sname.as_ptr()) };
-            if let Err(e) = cu::ck(r, "cuModuleGetFunction(scale)") {
-                // SAFETY: `module` was loaded above and nothing refers to it.
-                let _ = unsafe { cu_sys::cuModuleUnload(module) };
-                return Err(e.into());
+            for (f, name) in [
+                (&mut scale, scale_kernel_name(dtype)),
+                (&mut p2p_send, P2P_SEND.to_string()),
+                (&mut p2p_recv, P2P_RECV.to_string()),
+            ] {
+                let cname =
+                    CString::new(name).map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+                // SAFETY: as above.
+                let r = unsafe { cu_sys::cuModuleGetFunction(f, module, cname.as_ptr()) };
+                if let Err(e) = cu::ck(r, "cuModuleGetFunction(scale, p2p)") {
+                    // SAFETY: `module` was loaded above and nothing refers to it.
+                    let _ = unsafe { cu_sys::cuModuleUnload(module) };
+                    return Err(e.into());
+                }
             }
         }
         let rname = CString::new(rounds_kernel_name(dtype, op))
@@ -1064,6 +1149,8 @@ impl Kernels {
             func: func as usize,
             direct: direct as usize,
             scale: scale as usize,
+            p2p_send: p2p_send as usize,
+            p2p_recv: p2p_recv as usize,
             rounds: rounds as usize,
             rounds_per_sm: rounds_per_sm.max(0) as u32,
             sm_count: info.sm_count,
