@@ -637,16 +637,31 @@ impl Communicator {
         // SAFETY: `a.stream` is live and of the event's device.
         unsafe { ev.record(a.stream)? };
         *last = Some((a.stream as usize, ev.clone()));
-        let op_status = sp.launched(word, ev.clone());
+        let posted = self.eager_posted(a, sp, word, ev, dev, bytes);
         super::prof::mark(super::prof::EVENT);
-        Ok(Some(CudaPosted {
+        Ok(Some(posted))
+    }
+
+    /// The posted op of an eager direct op (collective or send/recv) launched with status word
+    /// `word` of `pool`, completed by `ev` (recorded after its kernel).
+    pub(crate) fn eager_posted(
+        &self,
+        a: &CudaOpArgs,
+        pool: Arc<eager::StatusPool>,
+        word: u32,
+        ev: Arc<super::CudaEvent>,
+        dev: i32,
+        bytes: u64,
+    ) -> CudaPosted {
+        let op = pool.launched(word, ev.clone());
+        CudaPosted {
             request: Request {
-                client: i.clone(),
+                client: self.client.clone(),
                 user_data: 0,
                 outcome: std::sync::Mutex::new(None),
                 local: Some(LocalDone {
-                    pool: sp,
-                    op: op_status,
+                    pool,
+                    op,
                     comm_id: self.comm_id,
                     rank: self.rank,
                     what: a.kind.name(),
@@ -657,7 +672,7 @@ impl Communicator {
             last_ticket: 0,
             bytes,
             captured: false,
-        }))
+        }
     }
 
     /// Sets up the windows (module doc): the same outcome on every rank. `eager`: the windows

@@ -406,6 +406,42 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {scale}({elem} *out, con
     Ok(src)
 }
 
+/// Launches kernel `f` (a `CUfunction`) with `grid` blocks of `direct::THREADS` threads and
+/// one by-value parameter `args`; `name` names it in the error.
+///
+/// # Safety
+/// `f` is a kernel of the current context whose single parameter has `T`'s layout, and what
+/// `args` points to is valid for it; `stream` is a live stream of the context.
+unsafe fn launch_one<T: Copy>(
+    f: usize,
+    grid: u32,
+    stream: CUstream,
+    args: &T,
+    name: impl FnOnce() -> String,
+) -> Result<(), KernelError> {
+    let mut a = *args;
+    let mut params: [*mut c_void; 1] = [(&raw mut a).cast()];
+    // SAFETY: the caller's contract; `params` points at one live value, which the driver
+    // copies before returning.
+    let r = unsafe {
+        cu_sys::cuLaunchKernel(
+            f as CUfunction,
+            grid.max(1),
+            1,
+            1,
+            direct::THREADS,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    cu::ck_with(r, || format!("cuLaunchKernel({})", name()))?;
+    Ok(())
+}
+
 /// The `extern "C"` names of the direct send and receive kernels (`p2p::push_source`), in every
 /// `(dtype, sum)` module.
 pub const P2P_SEND: &str = "commd_p2p_send";
@@ -839,30 +875,13 @@ impl Kernels {
         }
         let ctx = current_ctx_id()?;
         let k = self.get(ctx, dtype, op)?;
-        let mut a = *args;
-        let mut params: [*mut c_void; 1] = [(&raw mut a).cast()];
-        // SAFETY: `direct` was loaded in the current context with `func`; `params` points at
-        // one live value laid out as the kernel's parameter (`struct commd_direct`), which the
-        // driver copies before returning; the caller vouches for the stream and the pointers.
-        let r = unsafe {
-            cu_sys::cuLaunchKernel(
-                k.direct as CUfunction,
-                grid.max(1),
-                1,
-                1,
-                direct::THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        cu::ck_with(r, || {
-            format!("cuLaunchKernel({})", direct_kernel_name(dtype, op))
-        })?;
-        Ok(())
+        // SAFETY: `k.direct` was loaded in the current context; its parameter is
+        // `struct commd_direct`, laid out as `DirectArgs`; the caller vouches for the rest.
+        unsafe {
+            launch_one(k.direct, grid, stream, args, || {
+                direct_kernel_name(dtype, op)
+            })
+        }
     }
 
     /// Enqueues the direct send (`send`) or receive kernel of the `(dtype, sum)` module on
@@ -888,30 +907,13 @@ impl Kernels {
                 dtype.name()
             )));
         }
-        let mut a = *args;
-        let mut params: [*mut c_void; 1] = [(&raw mut a).cast()];
-        // SAFETY: `f` was loaded in the current context; `params` points at one live value laid
-        // out as the kernel's parameter (`struct commd_p2p`), copied by the driver before it
-        // returns; the caller vouches for the stream and the pointers.
-        let r = unsafe {
-            cu_sys::cuLaunchKernel(
-                f as CUfunction,
-                grid.max(1),
-                1,
-                1,
-                direct::THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        cu::ck_with(r, || {
-            format!("cuLaunchKernel({})", if send { P2P_SEND } else { P2P_RECV })
-        })?;
-        Ok(())
+        // SAFETY: `f` was loaded in the current context; its parameter is `struct commd_p2p`,
+        // laid out as `P2pArgs`; the caller vouches for the rest.
+        unsafe {
+            launch_one(f, grid, stream, args, || {
+                (if send { P2P_SEND } else { P2P_RECV }).to_string()
+            })
+        }
     }
 
     /// Enqueues the rounds kernel for `(dtype, op)` (`rounds::push_source`) on `stream`: every

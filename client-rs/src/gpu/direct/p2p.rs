@@ -18,9 +18,9 @@ use commd_proto::desc::{DType, OpKind};
 use super::super::cu::sys;
 use super::super::kernels::{self, P2pArgs, p2p as kp};
 use super::super::{CudaOpArgs, CudaPosted, ensure_context, pointer_span};
-use super::eager::{LocalDone, StatusPool};
+use super::eager::StatusPool;
 use super::{DEFAULT_TIMEOUT_S, alloc_window, open_peer};
-use crate::{Client, Communicator, Error, Request, Result, lock};
+use crate::{Client, Communicator, Error, Result, lock};
 
 /// `COMMD_P2P_DIRECT` (`0`/`off`, the default for now; `1`/`on`/`auto`) and
 /// `COMMD_P2P_DIRECT_MAX_BYTES` (the largest send, default 4 MiB: the slot size).
@@ -240,26 +240,14 @@ impl Communicator {
         // SAFETY: `a.stream` is live and of the event's device.
         unsafe { ev.record(a.stream)? };
         *last = Some((a.stream as usize, ev.clone()));
-        let op_status = shared.pool.launched(word, ev.clone());
-        Ok(Some(CudaPosted {
-            request: Request {
-                client: i.clone(),
-                user_data: 0,
-                outcome: std::sync::Mutex::new(None),
-                local: Some(LocalDone {
-                    pool: shared.pool.clone(),
-                    op: op_status,
-                    comm_id: self.comm_id,
-                    rank: self.rank,
-                    what: a.kind.name(),
-                }),
-            },
-            done: a.record.then_some(ev),
-            device: dev,
-            last_ticket: 0,
+        Ok(Some(self.eager_posted(
+            a,
+            shared.pool.clone(),
+            word,
+            ev,
+            dev,
             bytes,
-            captured: false,
-        }))
+        )))
     }
 
     /// Sets up the channel with `peer` (both directions), with `peer` doing the same.

@@ -18,6 +18,8 @@
 
 use std::collections::HashMap;
 
+use super::model::Xorshift;
+
 /// An op of a rank's program: send to / receive from `peer`, with its signature (dtype) and
 /// count.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,19 +75,6 @@ impl Knobs {
 
 fn value(src: usize, dst: usize, q: u64) -> u64 {
     (src as u64) << 48 | (dst as u64) << 40 | q
-}
-
-struct Xorshift(u64);
-
-impl Xorshift {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
 }
 
 fn run(programs: &[Vec<Op>], k: &Knobs, seed: u64) -> End {
