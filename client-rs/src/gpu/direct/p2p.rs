@@ -174,8 +174,20 @@ impl Communicator {
         let mut c = lock(&self.gpu);
         if !c.p2p.contains_key(&peer) {
             // The pair's first eligible op, on both sides: the exchange (through the daemon).
-            let pair = self.p2p_setup(peer, dev, &cfg, &mut c.p2p_shared)?;
-            c.p2p.insert(peer, pair);
+            // If the exchange itself fails (the peer posted another op: a mismatch there), this
+            // op fails and the pair keeps the daemon's path, as a refused setup does.
+            match self.p2p_setup(peer, dev, &cfg, &mut c.p2p_shared) {
+                Ok(pair) => {
+                    c.p2p.insert(peer, pair);
+                }
+                Err(e) => {
+                    c.p2p.insert(
+                        peer,
+                        Pair::Off(format!("setting up the direct send/recv failed: {e}")),
+                    );
+                    return Err(e);
+                }
+            }
         }
         let super::super::CommGpu {
             p2p,

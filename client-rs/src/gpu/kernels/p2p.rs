@@ -54,13 +54,13 @@ struct commd_p2p {{
 /* A failed op of the pair: its status word, both sides' dead words (the peer's next op stops
    too), and the record if none is pending. */
 static __device__ void commd_p2p_fail(const struct commd_p2p &a, u32 code, u64 m0, u64 t0) {{
-    atomicCAS((u32 *)(a.local + {DEAD_OFF}ull), 0u, code);
+    const u32 was = atomicCAS((u32 *)(a.local + {DEAD_OFF}ull), 0u, code);
     atomicCAS((u32 *)(a.remote + {DEAD_OFF}ull), 0u, code);
     if (a.status != 0u) {{
         ((volatile u32 *)(a.rec + {STATUS_OFF}ull))[a.status - 1u] = code;
     }}
     volatile u32 *rc = (volatile u32 *)a.rec;
-    if (rc[0] == 0u) {{
+    if (was == 0u && rc[0] == 0u) {{
         volatile u64 *r = (volatile u64 *)a.rec;
         r[1] = a.seq;
         r[2] = m0;
@@ -116,7 +116,9 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {send}(struct commd_p2p 
         if (s_fail == 0u && blockIdx.x == 0) {{
             ((volatile u64 *)(a.remote + {FLAG_OFF}ull + (u64)p * 16ull))[1] = a.bytes;
         }}
-        if (s_fail != 0u && blockIdx.x == 0) {{
+        if (s_fail != 0u) {{
+            /* Any block that stops says so: the op never reports success with a block's
+               share unsent (the receiver, with no flag, fails too). */
             commd_p2p_fail(a, s_fail, (a.seq << 32) | (u64)a.sig, 0ull);
         }}
     }}
@@ -155,7 +157,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {recv}(struct commd_p2p 
         if (s_fail == 0u && (v != want || ((volatile const u64 *)f)[1] != a.bytes)) {{
             s_fail = {MISMATCH}u;
         }}
-        if (s_fail != 0u && blockIdx.x == 0) {{
+        if (s_fail != 0u) {{
             commd_p2p_fail(a, s_fail, want, v);
         }}
     }}
