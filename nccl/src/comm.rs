@@ -304,8 +304,7 @@ impl Comm {
     }
 
     /// Drops the finished requests at the front of `pending` (every finished one with `all`),
-    /// keeping the first failure. In place: called for every op, with up to `MAX_PENDING`
-    /// requests queued.
+    /// keeping the first failure. In place: up to `MAX_PENDING` requests may be queued.
     fn reap(st: &mut State, all: bool) {
         let mut failed = Vec::new();
         if all {

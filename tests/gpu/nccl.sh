@@ -162,6 +162,7 @@ if has vstorch; then
   else
     whos="commd nccl"
     if [ -n "${VS_BASE_LIB:-}" ]; then
+      [ -f "$VS_BASE_LIB" ] || { echo "VS_BASE_LIB=$VS_BASE_LIB: no such file (a libcommd_nccl.so to compare with)"; exit 2; }
       base=$(mktemp -d)
       ln -s "$(readlink -f "$VS_BASE_LIB")" "$base/libnccl.so.2"
       whos="commd base nccl"

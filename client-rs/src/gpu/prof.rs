@@ -1,8 +1,10 @@
 //! `COMMD_EAGER_PROFILE=N` (diagnostics, off by default): where the host time of one posted GPU
 //! op goes, by phase, per thread; every `N` ops the means are printed to stderr and reset.
-//! Phases are marked where the work happens (`mark`); a caller that wraps the post (the NCCL
-//! library's API functions) starts the op (`begin`) and ends it (`end`), so its own cost shows
-//! as the first and last phases. Off, each call is one load of a cached value.
+//! Only ops a caller wraps are counted (the NCCL library's API functions): it starts the op
+//! (`begin`) and ends it (`end`), so its own cost shows as the first and last phases; the
+//! phases between are marked where the work happens (`mark`, a no-op outside a wrapped op).
+//! Off, each call is one load of a cached value; a value that is not a count is named on
+//! stderr once and leaves it off.
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -28,13 +30,23 @@ pub const EVENT: usize = 5;
 pub const DAEMON: usize = 6;
 const RETURN: usize = 7;
 
+/// `COMMD_EAGER_PROFILE`'s value: ops per report (0: off), or why it is not one.
+fn parse(v: Option<&str>) -> Result<u64, String> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(0),
+        Some(t) => t.parse().map_err(|_| {
+            format!("COMMD_EAGER_PROFILE={t:?} is not a count of ops (0: off); profiling stays off")
+        }),
+    }
+}
+
 fn every() -> u64 {
     static N: OnceLock<u64> = OnceLock::new();
     *N.get_or_init(|| {
-        std::env::var("COMMD_EAGER_PROFILE")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(0)
+        parse(std::env::var("COMMD_EAGER_PROFILE").ok().as_deref()).unwrap_or_else(|e| {
+            eprintln!("commd: {e}");
+            0
+        })
     })
 }
 
@@ -62,19 +74,21 @@ pub fn begin() {
     });
 }
 
-/// The time since the last mark goes to `phase`. Without an open op (no wrapper), the first
-/// mark opens one.
+/// The time since the last mark of the open op goes to `phase` (nothing outside a `begin` /
+/// `end` pair).
 pub fn mark(phase: usize) {
     if every() == 0 {
         return;
     }
     ACC.with(|a| {
         let mut a = a.borrow_mut();
+        if !a.open {
+            return;
+        }
         let now = Instant::now();
-        if let Some(l) = a.last.filter(|_| a.open) {
+        if let Some(l) = a.last {
             a.ns[phase] += (now - l).as_nanos() as u64;
         }
-        a.open = true;
         a.last = Some(now);
     });
 }
@@ -111,4 +125,21 @@ pub fn end() {
             a.ops = 0;
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse;
+
+    #[test]
+    fn the_setting_is_a_count_or_named_as_wrong() {
+        assert_eq!(parse(None), Ok(0));
+        assert_eq!(parse(Some(" 2000 ")), Ok(2000));
+        let e = parse(Some("lots")).unwrap_err();
+        assert!(
+            e.contains("COMMD_EAGER_PROFILE=\"lots\"") && e.contains("stays off"),
+            "{e}"
+        );
+        assert!(parse(Some("-5")).is_err());
+    }
 }
