@@ -4,8 +4,9 @@
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
 # Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|all] [OUTDIR]
-# `p2p` (issue 22; run only by name): send/recv as direct ops (COMMD_P2P_DIRECT=1): gpu_ops.py,
-# p2p_overlap.py and nccl-tests' sendrecv and alltoall through the library, with and without it.
+# `p2p` (issue 22; run only by name): send/recv as direct ops (COMMD_P2P_DIRECT=1) in the NCCL
+# library: tests/gpu/nccl_p2p.py (torch's "nccl" backend on it) and nccl-tests' sendrecv and
+# alltoall, with and without it.
 # `eager` (contract 7 rule 8; run only by name): eager direct ops' tests, and their per-op
 # latency against the daemon's path and NCCL (graph_latency.py's eager column): eager.jsonl.
 # `nccl` (issue 22; run only by name): tests/gpu/nccl.sh, the NCCL-compatible library
@@ -255,13 +256,19 @@ if [ "$what" = eager ]; then
   done
 fi
 if [ "$what" = p2p ]; then
-  # Send/recv as direct ops (COMMD_P2P_DIRECT=1, off by default; run only by name): every op and
-  # dtype against NCCL (its send/recv checks and batch_isend_irecv), the p2p overlap cases, a
-  # killed rank, then nccl-tests' sendrecv and alltoall through the library with and without it.
+  # Send/recv as direct ops (COMMD_P2P_DIRECT=1, off by default; run only by name; the NCCL
+  # library's ops only): torch's own "nccl" backend on the library (tests/gpu/nccl_p2p.py:
+  # rings, every pair at once, small beside large, single ops; every value checked) with and
+  # without it, then nccl-tests' sendrecv and alltoall through the library with and without it.
+  plib=${COMMD_NCCL_LIB:-target/release/libcommd_nccl.so}
+  [ -f "$plib" ] || plib=.gpu/libcommd_nccl.so
+  plib=$(readlink -f "$plib")
   if [ "$ngpu" -ge 2 ]; then
-    COMMD_P2P_DIRECT=1 run "p2p-direct-ops-2-gpus" "${tr[@]}" 2 tests/gpu/gpu_ops.py
-    COMMD_P2P_DIRECT=1 run "p2p-direct-overlap-2-ranks" "${tr[@]}" 2 tests/gpu/p2p_overlap.py
-    [ "$ngpu" -ge 4 ] && COMMD_P2P_DIRECT=1 run "p2p-direct-overlap-4-ranks" "${tr[@]}" 4 tests/gpu/p2p_overlap.py
+    for n in 2 4; do
+      [ "$ngpu" -ge "$n" ] || continue
+      COMMD_P2P_DIRECT=1 LD_PRELOAD=$plib run "p2p-lib-direct-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
+      LD_PRELOAD=$plib run "p2p-lib-daemon-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
+    done
     run_timeout=1500
     NCCL_PARTS=nccltests NCCL_TESTS_LIST="sendrecv alltoall" NCCL_TESTS_MODES="gpus p2p" \
       NCCL_TESTS_MAX=${NCCL_TESTS_MAX:-16M} run "p2p-nccl" tests/gpu/nccl.sh "$out/nccl"

@@ -133,6 +133,21 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
         }
     });
     let mut held_failed: Option<Failure> = None;
+    // Every pair of the held ops gets its channel before any op is posted (the setup is an
+    // exchange with each peer: posted one op at a time, a ring's pairs would wait on each
+    // other).
+    let mut pairs: Vec<(Arc<Comm>, Vec<u32>)> = Vec::new();
+    for (c, op) in &held {
+        let peer = op.peer.max(0) as u32;
+        match pairs.iter_mut().find(|(x, _)| Arc::ptr_eq(x, c)) {
+            Some((_, peers)) if !peers.contains(&peer) => peers.push(peer),
+            Some(_) => {}
+            None => pairs.push((c.clone(), vec![peer])),
+        }
+    }
+    for (c, peers) in pairs {
+        c.prepare_p2p(&peers);
+    }
     let (sends, recvs): (Vec<_>, Vec<_>) = held
         .into_iter()
         .partition(|(_, op)| op.kind == commd_client::desc::OpKind::Send);

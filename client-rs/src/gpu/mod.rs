@@ -278,6 +278,11 @@ pub struct CudaOpArgs {
     /// Record an event on `stream` after the op (not for deferred p2p ops: their event belongs
     /// after the group's wait, see [`Communicator::cuda_record`]).
     pub record: bool,
+    /// send/recv only: may run as a direct op (`COMMD_P2P_DIRECT`). Set by the NCCL library,
+    /// whose callers follow NCCL's rules (a group's send/recv in one `ncclGroupStart/End`); the
+    /// torch backend's single sends and receives, which may come in any order across ranks,
+    /// keep the daemon's path.
+    pub p2p_direct: bool,
 }
 
 impl CudaOpArgs {
@@ -295,6 +300,7 @@ impl CudaOpArgs {
             defer_wait: false,
             after: None,
             record: false,
+            p2p_direct: false,
         }
     }
 }

@@ -110,6 +110,15 @@ impl P2pShared {
     }
 }
 
+/// The device of the current context (the library's communicator device: `Comm::run` makes
+/// it current).
+fn current_device() -> Result<i32> {
+    let mut dev = 0;
+    // SAFETY: valid out pointer; fails when no context is current.
+    super::super::cu::ck(unsafe { sys::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
+    Ok(dev)
+}
+
 /// Blocks for a send or receive of `bytes`: one per 64 KiB, 1 to 32.
 fn grid_for(bytes: u64) -> u32 {
     (bytes.div_ceil(64 << 10)).clamp(1, 32) as u32
@@ -146,13 +155,21 @@ impl Communicator {
         let peer = a.peer;
         let bytes = a.count.saturating_mul(a.dtype.size());
         if !cfg.enabled
+            || !a.p2p_direct
             || self.ranks_share_a_process
             || self.nodes > 1
             || peer >= self.nranks
             || peer == self.rank
-            || bytes == 0
-            || bytes > cfg.max_bytes
         {
+            return Ok(None);
+        }
+        if !lock(&self.gpu).p2p.contains_key(&peer) {
+            // The pair's first op of any size sets its channel up, on both sides: its exchange
+            // is then the first message each way between the two ranks, wherever each side
+            // starts (a group's end prepares all its pairs at once: `cuda_p2p_prepare`).
+            self.cuda_p2p_prepare(&[peer], current_device()?)?;
+        }
+        if bytes == 0 || bytes > cfg.max_bytes {
             return Ok(None);
         }
         let (what, buf) = if send {
@@ -172,23 +189,6 @@ impl Communicator {
         }
         ensure_context(dev)?;
         let mut c = lock(&self.gpu);
-        if !c.p2p.contains_key(&peer) {
-            // The pair's first eligible op, on both sides: the exchange (through the daemon).
-            // If the exchange itself fails (the peer posted another op: a mismatch there), this
-            // op fails and the pair keeps the daemon's path, as a refused setup does.
-            match self.p2p_setup(peer, dev, &cfg, &mut c.p2p_shared) {
-                Ok(pair) => {
-                    c.p2p.insert(peer, pair);
-                }
-                Err(e) => {
-                    c.p2p.insert(
-                        peer,
-                        Pair::Off(format!("setting up the direct send/recv failed: {e}")),
-                    );
-                    return Err(e);
-                }
-            }
-        }
         let super::super::CommGpu {
             p2p,
             p2p_shared,
@@ -262,57 +262,108 @@ impl Communicator {
         )))
     }
 
-    /// Sets up the channel with `peer` (both directions), with `peer` doing the same.
-    fn p2p_setup(
-        &self,
-        peer: u32,
-        dev: i32,
-        cfg: &P2pConfig,
-        shared: &mut Option<P2pShared>,
-    ) -> Result<Pair> {
+    /// Sets up the direct send/recv channels with `peers` (those without one yet) on `device`,
+    /// whose context must be current: the NCCL library calls it at a group's end with every
+    /// peer of the group's send/recv ops before it posts them, so that a group whose pairs
+    /// form a cycle does not wait on itself. With `COMMD_P2P_DIRECT` off it does nothing. A
+    /// pair whose setup fails keeps the daemon's path (said once on stderr, and by
+    /// [`Self::cuda_p2p_path`]).
+    pub fn cuda_p2p_prepare(&self, peers: &[u32], device: i32) -> Result<()> {
+        let cfg = P2pConfig::cached()?;
+        if !cfg.enabled || self.ranks_share_a_process || self.nodes > 1 {
+            return Ok(());
+        }
+        let mut c = lock(&self.gpu);
+        self.p2p_setup(peers, device, &cfg, &mut c);
+        Ok(())
+    }
+
+    /// Sets up the channels of this rank with every rank of `peers` that has none yet (both
+    /// directions of each pair), each of those ranks doing the same for this one (through
+    /// [`Self::cuda_p2p_prepare`] at the end of its group, or at its first send/recv with this
+    /// rank). Every exchange message of a round is posted before any is waited for, so a group
+    /// whose pairs form a cycle (a ring's sends and receives) sets up without a deadlock.
+    fn p2p_setup(&self, peers: &[u32], dev: i32, cfg: &P2pConfig, c: &mut super::super::CommGpu) {
         let slot = cfg.max_bytes.div_ceil(4096) * 4096;
-        let mut offer = vec![0u8; OFFER];
-        let mut why = None;
-        let mut local = 0;
-        match alloc_window(kp::DATA_OFF + 2 * slot, kp::DATA_OFF) {
-            Ok((p, h)) => {
-                local = p;
-                offer[..64].copy_from_slice(&h);
-                offer[88] = 1;
-            }
-            Err(e) => why = Some(format!("rank {}: {e}", self.rank)),
-        }
-        offer[64..80].copy_from_slice(&super::super::device_uuid(dev)?);
-        offer[80..88].copy_from_slice(&slot.to_le_bytes());
-        let theirs = self.host_exchange(peer, &offer)?;
-        if why.is_none() {
-            if theirs[88] != 1 {
-                why = Some(format!("rank {peer} could not allocate its inbox"));
-            } else if theirs[80..88] != offer[80..88] {
-                why = Some(format!(
-                    "rank {peer} has another COMMD_P2P_DIRECT_MAX_BYTES than rank {}",
-                    self.rank
-                ));
-            } else if theirs[64..80] == offer[64..80] {
-                why = Some(format!("ranks {} and {peer} share a GPU", self.rank));
+        let mut todo: Vec<Setup> = Vec::new();
+        for &peer in peers {
+            if peer < self.nranks
+                && peer != self.rank
+                && !c.p2p.contains_key(&peer)
+                && !todo.iter().any(|t| t.peer == peer)
+            {
+                todo.push(Setup {
+                    peer,
+                    local: 0,
+                    remote: 0,
+                    offer: vec![0u8; OFFER],
+                    why: None,
+                });
             }
         }
-        let mut remote = 0;
-        if why.is_none() {
-            match open_peer(dev, &theirs) {
-                Ok(p) => remote = p,
-                Err(e) => {
-                    why = Some(format!(
-                        "rank {} cannot map rank {peer}'s inbox: {e}",
-                        self.rank
-                    ))
+        if todo.is_empty() {
+            return;
+        }
+        let uuid = super::super::device_uuid(dev);
+        for t in &mut todo {
+            match &uuid {
+                Ok(u) => t.offer[64..80].copy_from_slice(u),
+                Err(e) => t.why = Some(format!("rank {}: {e}", self.rank)),
+            }
+            t.offer[80..88].copy_from_slice(&slot.to_le_bytes());
+            if t.why.is_none() {
+                match alloc_window(kp::DATA_OFF + 2 * slot, kp::DATA_OFF) {
+                    Ok((p, h)) => {
+                        t.local = p;
+                        t.offer[..64].copy_from_slice(&h);
+                        t.offer[88] = 1;
+                    }
+                    Err(e) => t.why = Some(format!("rank {}: {e}", self.rank)),
                 }
             }
         }
-        if why.is_none() && shared.is_none() {
+        // Round 1: the offers (inbox handle, device, slot size).
+        let offers: Vec<&[u8]> = todo.iter().map(|t| t.offer.as_slice()).collect();
+        let peers: Vec<u32> = todo.iter().map(|t| t.peer).collect();
+        let theirs = self.host_exchange(&peers, &offers);
+        for (t, theirs) in todo.iter_mut().zip(theirs) {
+            let theirs = match theirs {
+                Ok(v) => v,
+                Err(e) => {
+                    t.why
+                        .get_or_insert(format!("the exchange with rank {} failed: {e}", t.peer));
+                    continue;
+                }
+            };
+            if t.why.is_some() {
+                continue;
+            }
+            let peer = t.peer;
+            if theirs[88] != 1 {
+                t.why = Some(format!("rank {peer} could not allocate its inbox"));
+            } else if theirs[80..88] != t.offer[80..88] {
+                t.why = Some(format!(
+                    "rank {peer} has another COMMD_P2P_DIRECT_MAX_BYTES than rank {}",
+                    self.rank
+                ));
+            } else if theirs[64..80] == t.offer[64..80] {
+                t.why = Some(format!("ranks {} and {peer} share a GPU", self.rank));
+            } else {
+                match open_peer(dev, &theirs) {
+                    Ok(p) => t.remote = p,
+                    Err(e) => {
+                        t.why = Some(format!(
+                            "rank {} cannot map rank {peer}'s inbox: {e}",
+                            self.rank
+                        ))
+                    }
+                }
+            }
+        }
+        if c.p2p_shared.is_none() && todo.iter().any(|t| t.why.is_none()) {
             match self.record_page() {
                 Ok((page, rec_dev, hint_dev)) => {
-                    *shared = Some(P2pShared {
+                    c.p2p_shared = Some(P2pShared {
                         page: page as usize,
                         // SAFETY: `record_page` leaks the page: it lives for the process.
                         pool: Arc::new(unsafe { StatusPool::new(page as usize) }),
@@ -320,57 +371,108 @@ impl Communicator {
                         hint_dev,
                     })
                 }
-                Err(e) => why = Some(format!("rank {}: {e}", self.rank)),
+                Err(e) => {
+                    for t in todo.iter_mut().filter(|t| t.why.is_none()) {
+                        t.why = Some(format!("rank {}: {e}", self.rank));
+                    }
+                }
             }
         }
-        let verdict = [u8::from(why.is_none()); 8];
-        let their_verdict = self.host_exchange(peer, &verdict)?;
-        if why.is_none() && their_verdict[0] != 1 {
-            why = Some(format!(
-                "rank {peer} could not map this rank's inbox or make its record"
-            ));
-        }
-        if let Some(why) = why {
-            if remote != 0 {
-                // SAFETY: opened above with cuIpcOpenMemHandle; no work uses it.
-                unsafe { sys::cuIpcCloseMemHandle(remote) };
+        // Round 2: the verdicts (both sides take the direct path, or neither does).
+        let verdicts: Vec<[u8; 8]> = todo
+            .iter()
+            .map(|t| [u8::from(t.why.is_none()); 8])
+            .collect();
+        let refs: Vec<&[u8]> = verdicts.iter().map(|v| v.as_slice()).collect();
+        let theirs = self.host_exchange(&peers, &refs);
+        for (t, theirs) in todo.into_iter().zip(theirs) {
+            let mut t = t;
+            match theirs {
+                Err(e) => {
+                    t.why
+                        .get_or_insert(format!("the exchange with rank {} failed: {e}", t.peer));
+                }
+                Ok(v) if t.why.is_none() && v[0] != 1 => {
+                    t.why = Some(format!(
+                        "rank {} could not map this rank's inbox or make its record",
+                        t.peer
+                    ));
+                }
+                Ok(_) => {}
             }
-            if local != 0 {
-                // SAFETY: allocated above; no work uses it.
-                unsafe { sys::cuMemFree_v2(local) };
-            }
-            eprintln!(
-                "commd: communicator {}: send/recv between ranks {} and {peer} take the daemon's path, not the direct one: {why}",
-                self.comm_id, self.rank
-            );
-            return Ok(Pair::Off(why));
+            let pair = match t.why {
+                None => Pair::On(Box::new(Channel {
+                    local: t.local,
+                    remote: t.remote,
+                    slot,
+                    device: dev,
+                    sent: 0,
+                    received: 0,
+                })),
+                Some(why) => {
+                    if t.remote != 0 {
+                        // SAFETY: opened above with cuIpcOpenMemHandle; no work uses it.
+                        unsafe { sys::cuIpcCloseMemHandle(t.remote) };
+                    }
+                    if t.local != 0 {
+                        // SAFETY: allocated above; no work uses it.
+                        unsafe { sys::cuMemFree_v2(t.local) };
+                    }
+                    eprintln!(
+                        "commd: communicator {}: send/recv between ranks {} and {} take the daemon's path, not the direct one: {why}",
+                        self.comm_id, self.rank, t.peer
+                    );
+                    Pair::Off(why)
+                }
+            };
+            c.p2p.insert(t.peer, pair);
         }
-        Ok(Pair::On(Box::new(Channel {
-            local,
-            remote,
-            slot,
-            device: dev,
-            sent: 0,
-            received: 0,
-        })))
     }
 
-    /// Sends `mine` to `peer` and receives as many bytes from it, through the daemon (host
-    /// memory; both posted before either is waited for).
-    fn host_exchange(&self, peer: u32, mine: &[u8]) -> Result<Vec<u8>> {
+    /// Sends `mine[i]` to `peers[i]` and receives as many bytes from it, through the daemon
+    /// (host memory): every send and receive posted before any is waited for. One result per
+    /// peer.
+    fn host_exchange(&self, peers: &[u32], mine: &[&[u8]]) -> Vec<Result<Vec<u8>>> {
         let client = Client {
             inner: self.client.clone(),
         };
-        let len = mine.len() as u64;
-        let mut s = client.alloc(len)?;
-        s.as_mut_slice().copy_from_slice(mine);
-        let r = client.alloc(len)?;
-        let ps = self.send((&s, 0), len, DType::U8, peer)?;
-        let pr = self.recv((&r, 0), len, DType::U8, peer)?;
-        ps.wait()?;
-        pr.wait()?;
-        Ok(r.as_slice().to_vec())
+        let mut bufs = Vec::with_capacity(peers.len());
+        for m in mine {
+            let len = m.len() as u64;
+            bufs.push(client.alloc(len).and_then(|mut s| {
+                s.as_mut_slice().copy_from_slice(m);
+                Ok((s, client.alloc(len)?))
+            }));
+        }
+        let posted: Vec<_> = bufs
+            .iter()
+            .zip(peers)
+            .map(|(b, &peer)| {
+                let (s, r) = b.as_ref().map_err(|e| Error::Unsupported(e.to_string()))?;
+                let ps = self.send((s, 0), s.len(), DType::U8, peer)?;
+                let pr = self.recv((r, 0), r.len(), DType::U8, peer)?;
+                Ok((ps, pr, r))
+            })
+            .collect();
+        posted
+            .into_iter()
+            .map(|p: Result<_>| {
+                let (ps, pr, r) = p?;
+                ps.wait()?;
+                pr.wait()?;
+                Ok(r.as_slice().to_vec())
+            })
+            .collect()
     }
+}
+
+/// One pair's setup in progress on this rank.
+struct Setup {
+    peer: u32,
+    local: sys::CUdeviceptr,
+    remote: sys::CUdeviceptr,
+    offer: Vec<u8>,
+    why: Option<String>,
 }
 
 /// The flag's signature of a send/recv: its dtype (a pair whose sides disagree on it, or on the
