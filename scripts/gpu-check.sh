@@ -3,7 +3,10 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|nccl|deepspeed|dinov2|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|all] [OUTDIR]
+# `p2p` (issue 22; run only by name): send/recv as direct ops (COMMD_P2P_DIRECT=1) in the NCCL
+# library: tests/gpu/nccl_p2p.py (torch's "nccl" backend on it) and nccl-tests' sendrecv and
+# alltoall, with and without it.
 # `eager` (contract 7 rule 8; run only by name): eager direct ops' tests, and their per-op
 # latency against the daemon's path and NCCL (graph_latency.py's eager column): eager.jsonl.
 # `nccl` (issue 22; run only by name): tests/gpu/nccl.sh, the NCCL-compatible library
@@ -81,8 +84,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|nccl|deepspeed|dinov2|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, nccl, deepspeed, dinov2 or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, p2p, nccl, deepspeed, dinov2 or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -251,6 +254,26 @@ if [ "$what" = eager ]; then
         --backend nccl --op "$op" --sizes 8K,64K,512K,1M,2M --json "$out/eager.jsonl"
     done
   done
+fi
+if [ "$what" = p2p ]; then
+  # Send/recv as direct ops (COMMD_P2P_DIRECT=1, off by default; run only by name; the NCCL
+  # library's ops only): torch's own "nccl" backend on the library (tests/gpu/nccl_p2p.py:
+  # rings, every pair at once, small beside large, single ops; every value checked) with and
+  # without it, then nccl-tests' sendrecv and alltoall through the library with and without it.
+  plib=${COMMD_NCCL_LIB:-target/release/libcommd_nccl.so}
+  [ -f "$plib" ] || plib=.gpu/libcommd_nccl.so
+  plib=$(readlink -f "$plib")
+  if [ "$ngpu" -ge 2 ]; then
+    for n in 2 4; do
+      [ "$ngpu" -ge "$n" ] || continue
+      COMMD_P2P_DIRECT=1 LD_PRELOAD=$plib run "p2p-lib-direct-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
+      LD_PRELOAD=$plib run "p2p-lib-daemon-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
+    done
+    run_timeout=1500
+    NCCL_PARTS=nccltests NCCL_TESTS_LIST="sendrecv alltoall" NCCL_TESTS_MODES="gpus p2p" \
+      NCCL_TESTS_MAX=${NCCL_TESTS_MAX:-16M} run "p2p-nccl" tests/gpu/nccl.sh "$out/nccl"
+    run_timeout=$run_limit
+  fi
 fi
 if [ "$what" = nccl ]; then
   run_timeout=3000

@@ -578,6 +578,8 @@ impl Communicator {
             defer_wait,
             after: None,
             record: false,
+            // The torch backend's send/recv keep the daemon's path (CudaOpArgs::p2p_direct).
+            p2p_direct: false,
         };
         let comm = self.get()?;
         let c = comm.clone();

@@ -456,6 +456,21 @@ impl Comm {
         out
     }
 
+    /// Sets up the direct send/recv channels with `peers` (`COMMD_P2P_DIRECT`) before a
+    /// group's send/recv ops are posted: every pair of the group at once, so that pairs in a
+    /// cycle (a ring) cannot wait on each other. A failure leaves the pairs on the daemon's
+    /// path; the ops then say why if they fail.
+    pub fn prepare_p2p(self: &Arc<Self>, peers: &[u32]) {
+        let Ok(r) = self.ready() else { return };
+        group::on_device(self.device, || {
+            if let Err(e) = r.c.cuda_p2p_prepare(peers, self.device) {
+                log::info(log::P2P, self.device, || {
+                    format!("direct send/recv setup with ranks {peers:?}: {e}")
+                });
+            }
+        });
+    }
+
     fn execute(self: &Arc<Self>, op: Op) -> Outcome {
         let r = self.ready()?;
         self.check_failed()?;
@@ -529,6 +544,11 @@ impl Comm {
             )
         });
         if mem.first() == Some(&Memory::Device) {
+            if op.kind.is_p2p() && group::holds_p2p() {
+                // Checked above; posted at the group's end, every send before any receive.
+                group::defer_p2p(self.clone(), op);
+                return Ok(());
+            }
             return self.post_on_device(&r, &op, pre, (dtype, redop), (send, recv));
         }
         if cuda() && op.stream != 0 {
@@ -589,6 +609,7 @@ impl Comm {
             }
         }
         a.defer_wait = op.kind.is_p2p();
+        a.p2p_direct = op.kind.is_p2p();
         let mut staged = None;
         if let (Some(p), Some(s)) = (pre, send) {
             let elems = op

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use commd_client::gpu::cu::{self, sys};
 
-use crate::comm::{Comm, Ready};
+use crate::comm::{Comm, Op, Ready};
 use crate::ffi::{self, Failure, Outcome, usage};
 use crate::host::HostOp;
 
@@ -22,6 +22,11 @@ struct Group {
     flush: Vec<(Arc<Ready>, usize, i32)>,
     host: Vec<HostOp>,
     joins: Vec<Arc<Comm>>,
+    /// Send/recv ops on device memory held for the group's end (with COMMD_P2P_DIRECT: a
+    /// direct receive's kernel waits for its send, so every send of the group is launched
+    /// before any receive), and whether the end is posting them now.
+    p2p: Vec<(Arc<Comm>, Op)>,
+    posting: bool,
 }
 
 thread_local! {
@@ -35,6 +40,20 @@ pub fn start() {
 
 pub fn active() -> bool {
     G.with(|g| g.borrow().depth > 0)
+}
+
+/// Whether a send/recv on device memory should wait for the group's end (`defer_p2p`): in a
+/// group, with direct send/recv on (`COMMD_P2P_DIRECT`), unless the end is posting them.
+pub fn holds_p2p() -> bool {
+    G.with(|g| {
+        let g = g.borrow();
+        g.depth > 0 && !g.posting
+    }) && commd_client::gpu::P2pConfig::cached().is_ok_and(|c| c.enabled)
+}
+
+/// Holds a send/recv for the group's end.
+pub fn defer_p2p(c: Arc<Comm>, op: Op) {
+    G.with(|g| g.borrow_mut().p2p.push((c, op)));
 }
 
 /// The stream of a deferred send/recv on `r` (a communicator of `device`), waited for at the
@@ -102,6 +121,42 @@ pub fn joined_later(c: Arc<Comm>) {
 /// `ncclGroupEnd`: the first failure among the group's deferred work, else success (or
 /// `ncclInProgress` while a non-blocking communicator of the group is still joining).
 pub fn end() -> Outcome<ffi::ncclResult_t> {
+    // The outermost end first posts the send/recv ops held for it, every send before any
+    // receive, while the group is still open (their stream waits are deferred as usual).
+    let held = G.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 1 {
+            g.posting = true;
+            std::mem::take(&mut g.p2p)
+        } else {
+            Vec::new()
+        }
+    });
+    let mut held_failed: Option<Failure> = None;
+    // Every pair of the held ops gets its channel before any op is posted (the setup is an
+    // exchange with each peer: posted one op at a time, a ring's pairs would wait on each
+    // other).
+    let mut pairs: Vec<(Arc<Comm>, Vec<u32>)> = Vec::new();
+    for (c, op) in &held {
+        let peer = op.peer.max(0) as u32;
+        match pairs.iter_mut().find(|(x, _)| Arc::ptr_eq(x, c)) {
+            Some((_, peers)) if !peers.contains(&peer) => peers.push(peer),
+            Some(_) => {}
+            None => pairs.push((c.clone(), vec![peer])),
+        }
+    }
+    for (c, peers) in pairs {
+        c.prepare_p2p(&peers);
+    }
+    let (sends, recvs): (Vec<_>, Vec<_>) = held
+        .into_iter()
+        .partition(|(_, op)| op.kind == commd_client::desc::OpKind::Send);
+    for (c, op) in sends.into_iter().chain(recvs) {
+        if let Err(f) = c.run(op) {
+            held_failed.get_or_insert(f);
+        }
+    }
+    G.with(|g| g.borrow_mut().posting = false);
     let work = G.with(|g| {
         let mut g = g.borrow_mut();
         if g.depth == 0 {
@@ -120,7 +175,7 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
     let Some((flush, host, joins)) = work else {
         return Ok(ffi::SUCCESS);
     };
-    let mut first: Option<Failure> = None;
+    let mut first: Option<Failure> = held_failed;
     for (r, stream, device) in flush {
         crate::log::info(crate::log::P2P, device, || {
             format!("group end: stream {stream:#x} waits for the group's send/recv ops")

@@ -361,6 +361,16 @@ impl Communicator {
                 ),
             });
         }
+        if let Some(r) = c.p2p_shared.as_ref().and_then(|s| s.take_record()) {
+            return Err(Error::Op {
+                kind: eager::op_error_kind(r.code),
+                message: format!(
+                    "an eager GPU send/recv run as a direct op on communicator {} failed (its results are not valid): {}",
+                    self.comm_id,
+                    eager::explain_p2p_code(r.code)
+                ),
+            });
+        }
         Ok(())
     }
 
@@ -627,16 +637,31 @@ impl Communicator {
         // SAFETY: `a.stream` is live and of the event's device.
         unsafe { ev.record(a.stream)? };
         *last = Some((a.stream as usize, ev.clone()));
-        let op_status = sp.launched(word, ev.clone());
+        let posted = self.eager_posted(a, sp, word, ev, dev, bytes);
         super::prof::mark(super::prof::EVENT);
-        Ok(Some(CudaPosted {
+        Ok(Some(posted))
+    }
+
+    /// The posted op of an eager direct op (collective or send/recv) launched with status word
+    /// `word` of `pool`, completed by `ev` (recorded after its kernel).
+    pub(crate) fn eager_posted(
+        &self,
+        a: &CudaOpArgs,
+        pool: Arc<eager::StatusPool>,
+        word: u32,
+        ev: Arc<super::CudaEvent>,
+        dev: i32,
+        bytes: u64,
+    ) -> CudaPosted {
+        let op = pool.launched(word, ev.clone());
+        CudaPosted {
             request: Request {
-                client: i.clone(),
+                client: self.client.clone(),
                 user_data: 0,
                 outcome: std::sync::Mutex::new(None),
                 local: Some(LocalDone {
-                    pool: sp,
-                    op: op_status,
+                    pool,
+                    op,
                     comm_id: self.comm_id,
                     rank: self.rank,
                     what: a.kind.name(),
@@ -647,7 +672,7 @@ impl Communicator {
             last_ticket: 0,
             bytes,
             captured: false,
-        }))
+        }
     }
 
     /// Sets up the windows (module doc): the same outcome on every rank. `eager`: the windows
@@ -668,48 +693,10 @@ impl Communicator {
         // My window: allocated, its header zeroed, exported.
         let mut local_err = None;
         let mut win: sys::CUdeviceptr = 0;
-        let alloc = (|| -> std::result::Result<(), cu::CuError> {
-            ck(
-                // SAFETY: valid out pointer; the context of `dev` is current (ensure_context).
-                unsafe { sys::cuMemAlloc_v2(&mut win, wbytes as usize) },
-                "cuMemAlloc",
-            )?;
-            let mut s: sys::CUstream = std::ptr::null_mut();
-            // A stream of its own: a memset on the legacy stream would invalidate the
-            // caller's capture.
-            ck(
-                // SAFETY: valid out pointer.
-                unsafe {
-                    sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
-                },
-                "cuStreamCreate",
-            )?;
-            // SAFETY: `win` has `wbytes` >= DATA_OFF bytes; `s` is live.
-            let r = ck(
-                unsafe { sys::cuMemsetD8Async(win, 0, k::DATA_OFF as usize, s) },
-                "cuMemsetD8Async",
-            )
-            .and_then(|()| {
-                ck(
-                    // SAFETY: as above.
-                    unsafe { sys::cuStreamSynchronize(s) },
-                    "cuStreamSynchronize",
-                )
-            });
-            // SAFETY: `s` was created above.
-            unsafe { sys::cuStreamDestroy_v2(s) };
-            r?;
-            let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-            ck(
-                // SAFETY: `win` is a cuMemAlloc allocation; valid out pointer.
-                unsafe { sys::cuIpcGetMemHandle(&mut h, win) },
-                "cuIpcGetMemHandle",
-            )?;
-            for (d, s) in offer[..64].iter_mut().zip(h.reserved.iter()) {
-                *d = *s as u8;
-            }
-            Ok(())
-        })();
+        let alloc = alloc_window(wbytes, k::DATA_OFF).map(|(p, h)| {
+            win = p;
+            offer[..64].copy_from_slice(&h);
+        });
         if let Err(e) = alloc {
             local_err = Some(format!("rank {}: {e}", self.rank));
         }
@@ -881,6 +868,60 @@ impl Communicator {
     }
 }
 
+/// A window of `bytes` on the current context's device, its first `zero` bytes zeroed, and its
+/// IPC handle: (address, handle).
+fn alloc_window(
+    bytes: u64,
+    zero: u64,
+) -> std::result::Result<(sys::CUdeviceptr, [u8; 64]), cu::CuError> {
+    let mut win: sys::CUdeviceptr = 0;
+    ck(
+        // SAFETY: valid out pointer; the caller made the device's context current.
+        unsafe { sys::cuMemAlloc_v2(&mut win, bytes as usize) },
+        "cuMemAlloc",
+    )?;
+    let fail = |e| {
+        // SAFETY: allocated above; nothing uses it.
+        unsafe { sys::cuMemFree_v2(win) };
+        e
+    };
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    // A stream of its own: a memset on the legacy stream would invalidate the caller's capture.
+    ck(
+        // SAFETY: valid out pointer.
+        unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+        "cuStreamCreate",
+    )
+    .map_err(fail)?;
+    // SAFETY: `win` has `bytes` >= `zero` bytes (the caller's sizes); `s` is live.
+    let r = ck(
+        unsafe { sys::cuMemsetD8Async(win, 0, zero.min(bytes) as usize, s) },
+        "cuMemsetD8Async",
+    )
+    .and_then(|()| {
+        ck(
+            // SAFETY: as above.
+            unsafe { sys::cuStreamSynchronize(s) },
+            "cuStreamSynchronize",
+        )
+    });
+    // SAFETY: `s` was created above.
+    unsafe { sys::cuStreamDestroy_v2(s) };
+    r.map_err(fail)?;
+    let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+    ck(
+        // SAFETY: `win` is a cuMemAlloc allocation; valid out pointer.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, win) },
+        "cuIpcGetMemHandle",
+    )
+    .map_err(fail)?;
+    let mut out = [0u8; 64];
+    for (d, s) in out.iter_mut().zip(h.reserved.iter()) {
+        *d = *s as u8;
+    }
+    Ok((win, out))
+}
+
 /// Maps the window that a peer's offer names, in the current context (of `dev`).
 fn open_peer(dev: i32, offer: &[u8]) -> std::result::Result<sys::CUdeviceptr, String> {
     let uuid: [u8; 16] = offer[64..80]
@@ -936,8 +977,14 @@ mod eager;
 pub use eager::EagerConfig;
 pub(crate) use eager::LocalDone;
 
+mod p2p;
+pub use p2p::P2pConfig;
+pub(crate) use p2p::{P2pShared, Pair};
+
 #[cfg(test)]
 mod model;
+#[cfg(test)]
+mod p2p_model;
 
 #[cfg(test)]
 mod tests {

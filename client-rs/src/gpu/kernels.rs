@@ -400,9 +400,52 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {scale}({elem} *out, con
 "#,
             scale = scale_kernel_name(dtype),
         );
+        // Direct send/recv (not wired to ops yet; compiled so that NVRTC checks them).
+        p2p::push_source(&mut src, P2P_SEND, P2P_RECV);
     }
     Ok(src)
 }
+
+/// Launches kernel `f` (a `CUfunction`) with `grid` blocks of `direct::THREADS` threads and
+/// one by-value parameter `args`; `name` names it in the error.
+///
+/// # Safety
+/// `f` is a kernel of the current context whose single parameter has `T`'s layout, and what
+/// `args` points to is valid for it; `stream` is a live stream of the context.
+unsafe fn launch_one<T: Copy>(
+    f: usize,
+    grid: u32,
+    stream: CUstream,
+    args: &T,
+    name: impl FnOnce() -> String,
+) -> Result<(), KernelError> {
+    let mut a = *args;
+    let mut params: [*mut c_void; 1] = [(&raw mut a).cast()];
+    // SAFETY: the caller's contract; `params` points at one live value, which the driver
+    // copies before returning.
+    let r = unsafe {
+        cu_sys::cuLaunchKernel(
+            f as CUfunction,
+            grid.max(1),
+            1,
+            1,
+            direct::THREADS,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    };
+    cu::ck_with(r, || format!("cuLaunchKernel({})", name()))?;
+    Ok(())
+}
+
+/// The `extern "C"` names of the direct send and receive kernels (`p2p::push_source`), in every
+/// `(dtype, sum)` module.
+pub const P2P_SEND: &str = "commd_p2p_send";
+pub const P2P_RECV: &str = "commd_p2p_recv";
 
 /// The `extern "C"` name of the rounds kernel for `(dtype, op)` (`rounds::push_source`).
 pub fn rounds_kernel_name(dtype: DType, op: RedOp) -> String {
@@ -601,6 +644,31 @@ pub struct DirectArgs {
     /// a captured op.
     pub status: u32,
 }
+
+/// The argument of the direct send and receive kernels (`struct commd_p2p`, `p2p::push_source`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct P2pArgs {
+    /// This rank's inbox from the peer (its own GPU memory).
+    pub local: CUdeviceptr,
+    /// The peer's inbox from this rank (opened here).
+    pub remote: CUdeviceptr,
+    /// The send's input or the receive's output.
+    pub buf: CUdeviceptr,
+    pub bytes: u64,
+    /// Bytes of one data slot.
+    pub slot: u64,
+    /// The failure record and status words (host memory mapped for the device).
+    pub rec: CUdeviceptr,
+    /// The communicator's doorbell hint word.
+    pub hint: CUdeviceptr,
+    pub timeout_ns: u64,
+    /// The op's sequence number on its direction of the pair, from 1.
+    pub seq: u64,
+    pub sig: u32,
+    /// The op's status word (index + 1 in the record page).
+    pub status: u32,
+}
 const _: () = assert!(std::mem::size_of::<DirectArgs>() == 152);
 
 /// The parameter of the rounds kernel (`struct commd_rounds`, `rounds::push_source`): the pieces
@@ -648,6 +716,9 @@ struct Loaded {
     direct: usize,
     /// The scale kernel (sum modules only; 0 otherwise).
     scale: usize,
+    /// The direct send and receive kernels (sum modules only; 0 otherwise).
+    p2p_send: usize,
+    p2p_recv: usize,
     rounds: usize,
     /// Blocks of the rounds kernel that fit on one SM at once (its cooperative launch limit).
     rounds_per_sm: u32,
@@ -804,30 +875,45 @@ impl Kernels {
         }
         let ctx = current_ctx_id()?;
         let k = self.get(ctx, dtype, op)?;
-        let mut a = *args;
-        let mut params: [*mut c_void; 1] = [(&raw mut a).cast()];
-        // SAFETY: `direct` was loaded in the current context with `func`; `params` points at
-        // one live value laid out as the kernel's parameter (`struct commd_direct`), which the
-        // driver copies before returning; the caller vouches for the stream and the pointers.
-        let r = unsafe {
-            cu_sys::cuLaunchKernel(
-                k.direct as CUfunction,
-                grid.max(1),
-                1,
-                1,
-                direct::THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        cu::ck_with(r, || {
-            format!("cuLaunchKernel({})", direct_kernel_name(dtype, op))
-        })?;
-        Ok(())
+        // SAFETY: `k.direct` was loaded in the current context; its parameter is
+        // `struct commd_direct`, laid out as `DirectArgs`; the caller vouches for the rest.
+        unsafe {
+            launch_one(k.direct, grid, stream, args, || {
+                direct_kernel_name(dtype, op)
+            })
+        }
+    }
+
+    /// Enqueues the direct send (`send`) or receive kernel of the `(dtype, sum)` module on
+    /// `stream` with `grid` blocks.
+    ///
+    /// # Safety
+    /// The inboxes, buffer, record and hint word in `args` are valid for the kernel in the
+    /// current context, and `stream` is a live stream of it.
+    pub unsafe fn launch_p2p(
+        &self,
+        stream: CUstream,
+        dtype: DType,
+        send: bool,
+        grid: u32,
+        args: &P2pArgs,
+    ) -> Result<(), KernelError> {
+        let ctx = current_ctx_id()?;
+        let k = self.get(ctx, dtype, RedOp::Sum)?;
+        let f = if send { k.p2p_send } else { k.p2p_recv };
+        if f == 0 {
+            return Err(KernelError::InvalidArgument(format!(
+                "no direct send/recv kernel in the {} module",
+                dtype.name()
+            )));
+        }
+        // SAFETY: `f` was loaded in the current context; its parameter is `struct commd_p2p`,
+        // laid out as `P2pArgs`; the caller vouches for the rest.
+        unsafe {
+            launch_one(f, grid, stream, args, || {
+                (if send { P2P_SEND } else { P2P_RECV }).to_string()
+            })
+        }
     }
 
     /// Enqueues the rounds kernel for `(dtype, op)` (`rounds::push_source`) on `stream`: every
@@ -1017,15 +1103,23 @@ impl Kernels {
             return Err(e.into());
         }
         let mut scale: CUfunction = std::ptr::null_mut();
+        let mut p2p_send: CUfunction = std::ptr::null_mut();
+        let mut p2p_recv: CUfunction = std::ptr::null_mut();
         if op == RedOp::Sum {
-            let sname = CString::new(scale_kernel_name(dtype))
-                .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
-            // SAFETY: as above.
-            let r = unsafe { cu_sys::cuModuleGetFunction(&mut scale, module, sname.as_ptr()) };
-            if let Err(e) = cu::ck(r, "cuModuleGetFunction(scale)") {
-                // SAFETY: `module` was loaded above and nothing refers to it.
-                let _ = unsafe { cu_sys::cuModuleUnload(module) };
-                return Err(e.into());
+            for (f, name) in [
+                (&mut scale, scale_kernel_name(dtype)),
+                (&mut p2p_send, P2P_SEND.to_string()),
+                (&mut p2p_recv, P2P_RECV.to_string()),
+            ] {
+                let cname =
+                    CString::new(name).map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
+                // SAFETY: as above.
+                let r = unsafe { cu_sys::cuModuleGetFunction(f, module, cname.as_ptr()) };
+                if let Err(e) = cu::ck(r, "cuModuleGetFunction(scale, p2p)") {
+                    // SAFETY: `module` was loaded above and nothing refers to it.
+                    let _ = unsafe { cu_sys::cuModuleUnload(module) };
+                    return Err(e.into());
+                }
             }
         }
         let rname = CString::new(rounds_kernel_name(dtype, op))
@@ -1057,6 +1151,8 @@ impl Kernels {
             func: func as usize,
             direct: direct as usize,
             scale: scale as usize,
+            p2p_send: p2p_send as usize,
+            p2p_recv: p2p_recv as usize,
             rounds: rounds as usize,
             rounds_per_sm: rounds_per_sm.max(0) as u32,
             sm_count: info.sm_count,
@@ -1111,6 +1207,7 @@ fn ctx_info() -> Result<CtxInfo, KernelError> {
 }
 
 pub mod direct;
+pub mod p2p;
 pub mod rounds;
 #[cfg(test)]
 mod tests;

@@ -5,6 +5,7 @@
 pub mod algo;
 pub mod cu;
 pub(crate) mod direct;
+pub use direct::P2pConfig;
 pub(crate) mod graph;
 pub mod prof;
 pub use graph::Relaxed;
@@ -227,6 +228,10 @@ pub(crate) struct CommGpu {
     /// the failure did not break the communicator (a failed replay), so later ops are posted as
     /// usual until the word is cleared (`cuda_take_error`; see `post_cuda_ordered`).
     error_word_survived: bool,
+    /// Eager send/recv as direct ops (`COMMD_P2P_DIRECT`): each peer's channel, set up at the
+    /// pair's first eligible op, and what the channels share.
+    pub(crate) p2p: std::collections::HashMap<u32, direct::Pair>,
+    pub(crate) p2p_shared: Option<direct::P2pShared>,
 }
 
 impl Default for CommGpu {
@@ -243,6 +248,8 @@ impl Default for CommGpu {
             eager: direct::State::Unknown,
             rounds_bar: None,
             error_word_survived: false,
+            p2p: std::collections::HashMap::new(),
+            p2p_shared: None,
         }
     }
 }
@@ -271,6 +278,11 @@ pub struct CudaOpArgs {
     /// Record an event on `stream` after the op (not for deferred p2p ops: their event belongs
     /// after the group's wait, see [`Communicator::cuda_record`]).
     pub record: bool,
+    /// send/recv only: may run as a direct op (`COMMD_P2P_DIRECT`). Set by the NCCL library,
+    /// whose callers follow NCCL's rules (a group's send/recv in one `ncclGroupStart/End`); the
+    /// torch backend's single sends and receives, which may come in any order across ranks,
+    /// keep the daemon's path.
+    pub p2p_direct: bool,
 }
 
 impl CudaOpArgs {
@@ -288,6 +300,7 @@ impl CudaOpArgs {
             defer_wait: false,
             after: None,
             record: false,
+            p2p_direct: false,
         }
     }
 }
@@ -940,6 +953,13 @@ impl Communicator {
         if cap.is_none() && self.nodes <= 1 && !a.kind.is_p2p() {
             // SAFETY: the caller's contract.
             if let Some(p) = unsafe { self.try_direct(&a, true)? } {
+                return Ok(p);
+            }
+        }
+        // An eager send/recv too, with COMMD_P2P_DIRECT (off by default).
+        if cap.is_none() && self.nodes <= 1 && a.kind.is_p2p() {
+            // SAFETY: the caller's contract.
+            if let Some(p) = unsafe { self.try_direct_p2p(&a)? } {
                 return Ok(p);
             }
         }

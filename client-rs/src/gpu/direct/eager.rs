@@ -258,14 +258,21 @@ impl LocalDone {
         }
         // The record says more (the peer, the fields that differ) when it is this op's: the
         // first failure of the windows writes it, later ops are POISONED.
+        let p2p = self.what == "send" || self.what == "recv";
         let detail = match self.pool.peek_record() {
+            _ if p2p => explain_p2p_code(code),
             Some(r) if r.code == code => super::explain(&r, self.rank, true),
             _ => explain_code(code),
+        };
+        let how = if p2p {
+            "an eager GPU send/recv run as a direct op"
+        } else {
+            "an eager GPU collective run as a direct op"
         };
         Ok(Some(Err(Error::Op {
             kind: op_error_kind(code),
             message: format!(
-                "{} on communicator {} (an eager GPU collective run as a direct op) failed; its results are not valid: {detail}",
+                "{} on communicator {} ({how}) failed; its results are not valid: {detail}",
                 self.what, self.comm_id
             ),
         })))
@@ -280,6 +287,16 @@ pub(crate) fn op_error_kind(code: u32) -> crate::OpErrorKind {
         k::TIMEOUT => status::TIMEOUT,
         _ => status::PEER_LOST,
     })
+}
+
+/// A direct send/recv's failure code (`kernels::p2p`).
+pub(crate) fn explain_p2p_code(code: u32) -> String {
+    match code {
+        k::MISMATCH => "the peer's send and this receive disagree on the bytes or the dtype (mismatch)".into(),
+        k::TIMEOUT => "the peer's matching op did not come within the op timeout".into(),
+        k::POISONED => "an earlier direct send/recv between these two ranks failed, and none runs after that (its error says why)".into(),
+        c => explain_code(c),
+    }
 }
 
 /// A failure code alone (the record described an earlier failure).

@@ -56,10 +56,10 @@ fn value(src: usize, e: u64) -> u64 {
     (src as u64) << 40 | e
 }
 
-struct Xorshift(u64);
+pub(super) struct Xorshift(pub(super) u64);
 
 impl Xorshift {
-    fn next(&mut self) -> u64 {
+    pub(super) fn next(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x << 13;
         x ^= x >> 7;

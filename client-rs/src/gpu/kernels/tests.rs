@@ -53,6 +53,13 @@ fn every_kernel_compiles_with_nvrtc() {
                 "{d:?} {op:?}: no entry point in the PTX"
             );
             assert!(ptx.contains(&format!(".target sm_{}{}", arch.0, arch.1)));
+            for name in [super::P2P_SEND, super::P2P_RECV] {
+                assert_eq!(
+                    ptx.contains(&format!(".entry {name}(")),
+                    op == RedOp::Sum,
+                    "{d:?} {op:?}: {name}"
+                );
+            }
             // The aligned path moves 16 bytes per load and store.
             assert!(
                 moves_16_bytes(&ptx, "ld"),

@@ -1,0 +1,507 @@
+//! Eager send/recv as direct ops (`COMMD_P2P_DIRECT`, off by default until it has run on GPUs;
+//! docs/design.md, "What is left"): a channel per ordered pair, the protocol of
+//! `p2p_model.rs`, the kernels of `kernels::p2p`.
+//!
+//! A pair's channel is set up at the first eligible send or receive between the two ranks, by
+//! those two alone: each allocates its inbox from the other (a 4 KiB header, two slots), and a
+//! host send + receive through the daemon exchanges the IPC handles, device UUIDs and slot
+//! sizes, then each side's verdict (both take the path or neither does, for the pair's life).
+//! Both sides reach that exchange at the same point of the pair's op sequence because the
+//! choice depends only on what both see alike (the setting, the op's bytes). Sequence numbers
+//! are counted per direction on the host; ops of a communicator run in issue order (the order
+//! point of eager ops, `CommGpu::last`).
+
+use std::sync::{Arc, OnceLock};
+
+use commd_proto::desc::{DType, OpKind};
+
+use super::super::cu::sys;
+use super::super::kernels::{self, P2pArgs, p2p as kp};
+use super::super::{CudaOpArgs, CudaPosted, ensure_context, pointer_span};
+use super::eager::StatusPool;
+use super::{DEFAULT_TIMEOUT_S, alloc_window, open_peer};
+use crate::{Client, Communicator, Error, Result, lock};
+
+/// `COMMD_P2P_DIRECT` (`0`/`off`, the default for now; `1`/`on`/`auto`) and
+/// `COMMD_P2P_DIRECT_MAX_BYTES` (the largest send, default 4 MiB: the slot size).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct P2pConfig {
+    pub enabled: bool,
+    pub max_bytes: u64,
+}
+
+const DEFAULT_MAX_BYTES: u64 = 4 << 20;
+/// Bytes each side sends in the handle exchange.
+const OFFER: usize = 96;
+
+impl P2pConfig {
+    pub fn parse(mode: Option<&str>, max: Option<&str>) -> std::result::Result<Self, String> {
+        let enabled = match mode.map(str::trim) {
+            None | Some("") | Some("0") | Some("off") => false,
+            Some("1") | Some("on") | Some("auto") => true,
+            Some(v) => {
+                return Err(format!(
+                    "COMMD_P2P_DIRECT={v:?}: expected 0/off (the default) or 1/on"
+                ));
+            }
+        };
+        let max_bytes = match max.map(str::trim) {
+            None | Some("") => DEFAULT_MAX_BYTES,
+            Some(s) => s
+                .parse::<u64>()
+                .ok()
+                .filter(|x| (1..=1 << 30).contains(x))
+                .ok_or_else(|| {
+                    format!(
+                        "COMMD_P2P_DIRECT_MAX_BYTES={s:?}: expected an integer from 1 to {}",
+                        1u64 << 30
+                    )
+                })?,
+        };
+        Ok(Self { enabled, max_bytes })
+    }
+
+    /// The process's setting, read once; a bad one fails every GPU send/recv with its name.
+    pub fn cached() -> Result<Self> {
+        static C: OnceLock<std::result::Result<P2pConfig, String>> = OnceLock::new();
+        C.get_or_init(|| {
+            Self::parse(
+                std::env::var("COMMD_P2P_DIRECT").ok().as_deref(),
+                std::env::var("COMMD_P2P_DIRECT_MAX_BYTES").ok().as_deref(),
+            )
+        })
+        .clone()
+        .map_err(Error::InvalidArgument)
+    }
+}
+
+/// One ordered pair's state on this rank: refused (why), or the channel.
+pub(crate) enum Pair {
+    Off(String),
+    On(Box<Channel>),
+}
+
+pub(crate) struct Channel {
+    /// This rank's inbox from the peer, and the peer's inbox from this rank (opened).
+    local: sys::CUdeviceptr,
+    remote: sys::CUdeviceptr,
+    slot: u64,
+    device: i32,
+    /// The last sequence sent to / received from the peer.
+    sent: u64,
+    received: u64,
+}
+
+/// What every channel of a communicator shares: the status words and failure record, and the
+/// doorbell hint word.
+pub(crate) struct P2pShared {
+    /// Host address of the record page.
+    page: usize,
+    pool: Arc<StatusPool>,
+    rec_dev: sys::CUdeviceptr,
+    hint_dev: sys::CUdeviceptr,
+}
+
+impl P2pShared {
+    /// A failure the kernels recorded since the last look (the communicator's next call
+    /// raises it, as for the other direct ops).
+    pub(crate) fn take_record(&self) -> Option<super::Record> {
+        super::read_record(self.page, true)
+    }
+}
+
+/// The device of the current context (the library's communicator device: `Comm::run` makes
+/// it current).
+fn current_device() -> Result<i32> {
+    let mut dev = 0;
+    // SAFETY: valid out pointer; fails when no context is current.
+    super::super::cu::ck(unsafe { sys::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
+    Ok(dev)
+}
+
+/// Blocks for a send or receive of `bytes`: one per 64 KiB, 1 to 32.
+fn grid_for(bytes: u64) -> u32 {
+    (bytes.div_ceil(64 << 10)).clamp(1, 32) as u32
+}
+
+impl Communicator {
+    /// Which path this rank's GPU send/recv with `peer` take and why: `direct`, `daemon: why`,
+    /// or `undecided` before the pair's first eligible op.
+    pub fn cuda_p2p_path(&self, peer: u32) -> String {
+        match P2pConfig::cached() {
+            Err(e) => return format!("daemon: {e}"),
+            Ok(c) if !c.enabled => return "daemon: COMMD_P2P_DIRECT is off".into(),
+            Ok(_) => {}
+        }
+        match lock(&self.gpu).p2p.get(&peer) {
+            None => "undecided".into(),
+            Some(Pair::Off(why)) => format!("daemon: {why}"),
+            Some(Pair::On(_)) => "direct".into(),
+        }
+    }
+
+    /// Runs an eager send or receive as a direct op if this communicator and the op can
+    /// (`COMMD_P2P_DIRECT`); `Ok(None)`: it takes the daemon's path.
+    ///
+    /// # Safety
+    /// As `post_cuda_ordered`: a live stream, a device buffer valid for the op.
+    pub(crate) unsafe fn try_direct_p2p(&self, a: &CudaOpArgs) -> Result<Option<CudaPosted>> {
+        let send = match a.kind {
+            OpKind::Send => true,
+            OpKind::Recv => false,
+            _ => return Ok(None),
+        };
+        let cfg = P2pConfig::cached()?;
+        let peer = a.peer;
+        let bytes = a.count.saturating_mul(a.dtype.size());
+        if !cfg.enabled
+            || !a.p2p_direct
+            || self.ranks_share_a_process
+            || self.nodes > 1
+            || peer >= self.nranks
+            || peer == self.rank
+        {
+            return Ok(None);
+        }
+        if !lock(&self.gpu).p2p.contains_key(&peer) {
+            // The pair's first op of any size sets its channel up, on both sides: its exchange
+            // is then the first message each way between the two ranks, wherever each side
+            // starts (a group's end prepares all its pairs at once: `cuda_p2p_prepare`).
+            self.cuda_p2p_prepare(&[peer], current_device()?)?;
+        }
+        if bytes == 0 || bytes > cfg.max_bytes {
+            return Ok(None);
+        }
+        let (what, buf) = if send {
+            ("send", a.send)
+        } else {
+            ("recv", a.recv)
+        };
+        let buf = buf.ok_or_else(|| {
+            Error::InvalidArgument(format!("{} needs a {what} buffer", a.kind.name()))
+        })?;
+        let (base, size, dev) = pointer_span(buf)?;
+        if buf.checked_add(bytes).is_none_or(|end| end > base + size) {
+            return Err(Error::InvalidArgument(format!(
+                "{} {what} buffer {buf:#x}: {bytes} bytes run past its allocation ({base:#x}, {size} bytes)",
+                a.kind.name(),
+            )));
+        }
+        ensure_context(dev)?;
+        let mut c = lock(&self.gpu);
+        let super::super::CommGpu {
+            p2p,
+            p2p_shared,
+            last,
+            ..
+        } = &mut *c;
+        let (Some(Pair::On(ch)), Some(shared)) = (p2p.get_mut(&peer), p2p_shared.as_ref()) else {
+            return Ok(None);
+        };
+        if ch.device != dev {
+            return Err(Error::InvalidArgument(format!(
+                "{} on device {dev}, but this rank's earlier direct send/recv with rank {peer} used device {}",
+                a.kind.name(),
+                ch.device
+            )));
+        }
+        let i = &self.client;
+        let mut g = lock(&i.gpu);
+        let pool = g.events.clone();
+        let kern = g.kernels.get_or_insert_with(kernels::Kernels::new);
+        kern.prepare(a.dtype, commd_proto::desc::RedOp::Sum)?;
+        // In issue order with the communicator's other eager ops (the pair's sequences).
+        if let Some((ls, ev)) = last.as_ref()
+            && *ls != a.stream as usize
+        {
+            // SAFETY: `a.stream` is live (caller); the event is owned by the communicator.
+            unsafe { ev.wait_on(a.stream)? };
+        }
+        let word = shared.pool.take()?;
+        let seq = if send { ch.sent + 1 } else { ch.received + 1 };
+        let args = P2pArgs {
+            local: ch.local,
+            remote: ch.remote,
+            buf,
+            bytes,
+            slot: ch.slot,
+            rec: shared.rec_dev,
+            hint: shared.hint_dev,
+            timeout_ns: self
+                .op_timeout
+                .unwrap_or(std::time::Duration::from_secs(DEFAULT_TIMEOUT_S))
+                .as_nanos()
+                .min(u128::from(u64::MAX)) as u64,
+            seq,
+            sig: p2p_signature(a.dtype),
+            status: word,
+        };
+        // SAFETY: the inboxes, record and hint word live for the process (`p2p_setup`); the
+        // buffer was checked above; the caller vouches for the stream.
+        if let Err(e) = unsafe { kern.launch_p2p(a.stream, a.dtype, send, grid_for(bytes), &args) }
+        {
+            shared.pool.give_back(word);
+            return Err(e.into());
+        }
+        if send {
+            ch.sent = seq;
+        } else {
+            ch.received = seq;
+        }
+        let ev = Arc::new(pool.get(dev)?);
+        // SAFETY: `a.stream` is live and of the event's device.
+        unsafe { ev.record(a.stream)? };
+        *last = Some((a.stream as usize, ev.clone()));
+        Ok(Some(self.eager_posted(
+            a,
+            shared.pool.clone(),
+            word,
+            ev,
+            dev,
+            bytes,
+        )))
+    }
+
+    /// Sets up the direct send/recv channels with `peers` (those without one yet) on `device`,
+    /// whose context must be current: the NCCL library calls it at a group's end with every
+    /// peer of the group's send/recv ops before it posts them, so that a group whose pairs
+    /// form a cycle does not wait on itself. With `COMMD_P2P_DIRECT` off it does nothing. A
+    /// pair whose setup fails keeps the daemon's path (said once on stderr, and by
+    /// [`Self::cuda_p2p_path`]).
+    pub fn cuda_p2p_prepare(&self, peers: &[u32], device: i32) -> Result<()> {
+        let cfg = P2pConfig::cached()?;
+        if !cfg.enabled || self.ranks_share_a_process || self.nodes > 1 {
+            return Ok(());
+        }
+        let mut c = lock(&self.gpu);
+        self.p2p_setup(peers, device, &cfg, &mut c);
+        Ok(())
+    }
+
+    /// Sets up the channels of this rank with every rank of `peers` that has none yet (both
+    /// directions of each pair), each of those ranks doing the same for this one (through
+    /// [`Self::cuda_p2p_prepare`] at the end of its group, or at its first send/recv with this
+    /// rank). Every exchange message of a round is posted before any is waited for, so a group
+    /// whose pairs form a cycle (a ring's sends and receives) sets up without a deadlock.
+    fn p2p_setup(&self, peers: &[u32], dev: i32, cfg: &P2pConfig, c: &mut super::super::CommGpu) {
+        let slot = cfg.max_bytes.div_ceil(4096) * 4096;
+        let mut todo: Vec<Setup> = Vec::new();
+        for &peer in peers {
+            if peer < self.nranks
+                && peer != self.rank
+                && !c.p2p.contains_key(&peer)
+                && !todo.iter().any(|t| t.peer == peer)
+            {
+                todo.push(Setup {
+                    peer,
+                    local: 0,
+                    remote: 0,
+                    offer: vec![0u8; OFFER],
+                    why: None,
+                });
+            }
+        }
+        if todo.is_empty() {
+            return;
+        }
+        let uuid = super::super::device_uuid(dev);
+        for t in &mut todo {
+            match &uuid {
+                Ok(u) => t.offer[64..80].copy_from_slice(u),
+                Err(e) => t.why = Some(format!("rank {}: {e}", self.rank)),
+            }
+            t.offer[80..88].copy_from_slice(&slot.to_le_bytes());
+            if t.why.is_none() {
+                match alloc_window(kp::DATA_OFF + 2 * slot, kp::DATA_OFF) {
+                    Ok((p, h)) => {
+                        t.local = p;
+                        t.offer[..64].copy_from_slice(&h);
+                        t.offer[88] = 1;
+                    }
+                    Err(e) => t.why = Some(format!("rank {}: {e}", self.rank)),
+                }
+            }
+        }
+        // Round 1: the offers (inbox handle, device, slot size).
+        let offers: Vec<&[u8]> = todo.iter().map(|t| t.offer.as_slice()).collect();
+        let peers: Vec<u32> = todo.iter().map(|t| t.peer).collect();
+        let theirs = self.host_exchange(&peers, &offers);
+        for (t, theirs) in todo.iter_mut().zip(theirs) {
+            let theirs = match theirs {
+                Ok(v) => v,
+                Err(e) => {
+                    t.why
+                        .get_or_insert(format!("the exchange with rank {} failed: {e}", t.peer));
+                    continue;
+                }
+            };
+            if t.why.is_some() {
+                continue;
+            }
+            let peer = t.peer;
+            if theirs[88] != 1 {
+                t.why = Some(format!("rank {peer} could not allocate its inbox"));
+            } else if theirs[80..88] != t.offer[80..88] {
+                t.why = Some(format!(
+                    "rank {peer} has another COMMD_P2P_DIRECT_MAX_BYTES than rank {}",
+                    self.rank
+                ));
+            } else if theirs[64..80] == t.offer[64..80] {
+                t.why = Some(format!("ranks {} and {peer} share a GPU", self.rank));
+            } else {
+                match open_peer(dev, &theirs) {
+                    Ok(p) => t.remote = p,
+                    Err(e) => {
+                        t.why = Some(format!(
+                            "rank {} cannot map rank {peer}'s inbox: {e}",
+                            self.rank
+                        ))
+                    }
+                }
+            }
+        }
+        if c.p2p_shared.is_none() && todo.iter().any(|t| t.why.is_none()) {
+            match self.record_page() {
+                Ok((page, rec_dev, hint_dev)) => {
+                    c.p2p_shared = Some(P2pShared {
+                        page: page as usize,
+                        // SAFETY: `record_page` leaks the page: it lives for the process.
+                        pool: Arc::new(unsafe { StatusPool::new(page as usize) }),
+                        rec_dev,
+                        hint_dev,
+                    })
+                }
+                Err(e) => {
+                    for t in todo.iter_mut().filter(|t| t.why.is_none()) {
+                        t.why = Some(format!("rank {}: {e}", self.rank));
+                    }
+                }
+            }
+        }
+        // Round 2: the verdicts (both sides take the direct path, or neither does).
+        let verdicts: Vec<[u8; 8]> = todo
+            .iter()
+            .map(|t| [u8::from(t.why.is_none()); 8])
+            .collect();
+        let refs: Vec<&[u8]> = verdicts.iter().map(|v| v.as_slice()).collect();
+        let theirs = self.host_exchange(&peers, &refs);
+        for (t, theirs) in todo.into_iter().zip(theirs) {
+            let mut t = t;
+            match theirs {
+                Err(e) => {
+                    t.why
+                        .get_or_insert(format!("the exchange with rank {} failed: {e}", t.peer));
+                }
+                Ok(v) if t.why.is_none() && v[0] != 1 => {
+                    t.why = Some(format!(
+                        "rank {} could not map this rank's inbox or make its record",
+                        t.peer
+                    ));
+                }
+                Ok(_) => {}
+            }
+            let pair = match t.why {
+                None => Pair::On(Box::new(Channel {
+                    local: t.local,
+                    remote: t.remote,
+                    slot,
+                    device: dev,
+                    sent: 0,
+                    received: 0,
+                })),
+                Some(why) => {
+                    if t.remote != 0 {
+                        // SAFETY: opened above with cuIpcOpenMemHandle; no work uses it.
+                        unsafe { sys::cuIpcCloseMemHandle(t.remote) };
+                    }
+                    if t.local != 0 {
+                        // SAFETY: allocated above; no work uses it.
+                        unsafe { sys::cuMemFree_v2(t.local) };
+                    }
+                    eprintln!(
+                        "commd: communicator {}: send/recv between ranks {} and {} take the daemon's path, not the direct one: {why}",
+                        self.comm_id, self.rank, t.peer
+                    );
+                    Pair::Off(why)
+                }
+            };
+            c.p2p.insert(t.peer, pair);
+        }
+    }
+
+    /// Sends `mine[i]` to `peers[i]` and receives as many bytes from it, through the daemon
+    /// (host memory): every send and receive posted before any is waited for. One result per
+    /// peer.
+    fn host_exchange(&self, peers: &[u32], mine: &[&[u8]]) -> Vec<Result<Vec<u8>>> {
+        let client = Client {
+            inner: self.client.clone(),
+        };
+        let mut bufs = Vec::with_capacity(peers.len());
+        for m in mine {
+            let len = m.len() as u64;
+            bufs.push(client.alloc(len).and_then(|mut s| {
+                s.as_mut_slice().copy_from_slice(m);
+                Ok((s, client.alloc(len)?))
+            }));
+        }
+        let posted: Vec<_> = bufs
+            .iter()
+            .zip(peers)
+            .map(|(b, &peer)| {
+                let (s, r) = b.as_ref().map_err(|e| Error::Unsupported(e.to_string()))?;
+                let ps = self.send((s, 0), s.len(), DType::U8, peer)?;
+                let pr = self.recv((r, 0), r.len(), DType::U8, peer)?;
+                Ok((ps, pr, r))
+            })
+            .collect();
+        posted
+            .into_iter()
+            .map(|p: Result<_>| {
+                let (ps, pr, r) = p?;
+                ps.wait()?;
+                pr.wait()?;
+                Ok(r.as_slice().to_vec())
+            })
+            .collect()
+    }
+}
+
+/// One pair's setup in progress on this rank.
+struct Setup {
+    peer: u32,
+    local: sys::CUdeviceptr,
+    remote: sys::CUdeviceptr,
+    offer: Vec<u8>,
+    why: Option<String>,
+}
+
+/// The flag's signature of a send/recv: its dtype (a pair whose sides disagree on it, or on the
+/// bytes, fails at the receiver).
+fn p2p_signature(dtype: DType) -> u32 {
+    0x5050_0000 | u32::from(dtype.code())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_is_off_by_default_and_refuses_bad_values() {
+        let c = P2pConfig::parse(None, None).unwrap();
+        assert!(!c.enabled);
+        assert_eq!(c.max_bytes, DEFAULT_MAX_BYTES);
+        assert!(P2pConfig::parse(Some("1"), Some("65536")).unwrap().enabled);
+        let e = P2pConfig::parse(Some("maybe"), None).unwrap_err();
+        assert!(e.contains("COMMD_P2P_DIRECT=\"maybe\""), "{e}");
+        let e = P2pConfig::parse(Some("1"), Some("0")).unwrap_err();
+        assert!(e.contains("COMMD_P2P_DIRECT_MAX_BYTES"), "{e}");
+    }
+
+    #[test]
+    fn grids_grow_with_the_bytes_up_to_32_blocks() {
+        assert_eq!(grid_for(8), 1);
+        assert_eq!(grid_for(64 << 10), 1);
+        assert_eq!(grid_for((64 << 10) + 1), 2);
+        assert_eq!(grid_for(4 << 20), 32);
+    }
+}

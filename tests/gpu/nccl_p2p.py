@@ -1,0 +1,118 @@
+"""Send/recv through commd's NCCL library with torch's own "nccl" backend (run under torchrun with
+LD_PRELOAD=libcommd_nccl.so by scripts/gpu-check.sh p2p, with and without COMMD_P2P_DIRECT=1).
+
+torch's code decides how the ops reach the library: batch_isend_irecv is one
+ncclGroupStart/ncclGroupEnd, a single isend/irecv is an op of its own. Every received value is
+checked against what its sender must have sent (a function of sender, receiver, round and
+index), so a lost, stale or misplaced message fails, whichever path carried it:
+- a ring (send to the next rank, receive from the previous one) in one group, receive listed
+  first or send first, 60 rounds on the same buffers (the inboxes' two slots reused);
+- every pair at once in one group (all-to-all's pattern), odd counts and five dtypes;
+- one group with a small (direct) and a large (past COMMD_P2P_DIRECT_MAX_BYTES: the daemon's
+  path) message to the same peer, in both orders;
+- single isend/irecv between partners (even ranks send first), then the reverse direction.
+Prints one line per failure and a summary; exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+rank = int(os.environ["RANK"])
+world = int(os.environ["WORLD_SIZE"])
+local = int(os.environ.get("LOCAL_RANK", rank))
+torch.cuda.set_device(local)
+dev = torch.device("cuda", local)
+dist.init_process_group("nccl", device_id=dev)
+failures: list[str] = []
+checks = 0
+
+
+def payload(src: int, dst: int, rnd: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    i = torch.arange(n, device=dev, dtype=torch.int64)
+    v = (i * 7 + src * 101 + dst * 13 + rnd * 31) % 127
+    return v.to(dtype)
+
+
+def check(what: str, got: torch.Tensor, src: int, rnd: int) -> None:
+    global checks
+    checks += 1
+    want = payload(src, rank, rnd, got.numel(), got.dtype)
+    if not torch.equal(got, want):
+        bad = (got != want).nonzero()
+        failures.append(f"{what}: from rank {src} round {rnd}: {bad.numel()} wrong values, "
+                        f"first at {bad[0].item()}: {got.flatten()[bad[0]].item()} "
+                        f"instead of {want.flatten()[bad[0]].item()}")
+        print(f"rank {rank}: FAIL {failures[-1]}", flush=True)
+
+
+def run(ops: list[dist.P2POp]) -> None:
+    for r in dist.batch_isend_irecv(ops):
+        r.wait()
+
+
+# 1. The ring, 60 rounds on the same buffers, recv listed first in odd rounds.
+nxt, prv = (rank + 1) % world, (rank - 1) % world
+for n, dtype in ((1, torch.float32), (1023, torch.bfloat16), (65537, torch.int32)):
+    out = torch.empty(n, device=dev, dtype=dtype)
+    for rnd in range(60):
+        x = payload(rank, nxt, rnd, n, dtype)
+        s = dist.P2POp(dist.isend, x, nxt)
+        r = dist.P2POp(dist.irecv, out, prv)
+        run([r, s] if rnd % 2 else [s, r])
+        check(f"ring n={n} {dtype}", out, prv, rnd)
+
+# 2. Every pair at once, as all-to-all does.
+for n, dtype in ((3, torch.int8), (4097, torch.float16), (250001, torch.float32),
+                 (33, torch.int64), (1 << 20, torch.uint8)):
+    for rnd in range(3):
+        outs = {p: torch.empty(n, device=dev, dtype=dtype) for p in range(world) if p != rank}
+        ops = []
+        for p in outs:
+            ops.append(dist.P2POp(dist.isend, payload(rank, p, rnd, n, dtype), p))
+            ops.append(dist.P2POp(dist.irecv, outs[p], p))
+        run(ops)
+        for p, o in outs.items():
+            check(f"all pairs n={n} {dtype}", o, p, rnd)
+
+# 3. Small and large to the same peer in one group, both orders (the large one is past the
+#    direct limit: the daemon's path, its sequence apart from the direct one).
+big = (int(os.environ.get("COMMD_P2P_DIRECT_MAX_BYTES", 4 << 20)) // 4) + 5
+for rnd in range(4):
+    small_out = torch.empty(999, device=dev, dtype=torch.float32)
+    big_out = torch.empty(big, device=dev, dtype=torch.float32)
+    sends = [dist.P2POp(dist.isend, payload(rank, nxt, rnd, 999, torch.float32), nxt),
+             dist.P2POp(dist.isend, payload(rank, nxt, rnd + 100, big, torch.float32), nxt)]
+    recvs = [dist.P2POp(dist.irecv, small_out, prv), dist.P2POp(dist.irecv, big_out, prv)]
+    if rnd % 2:
+        sends.reverse()
+        recvs.reverse()
+    run(recvs + sends if rnd % 3 else sends + recvs)
+    check("small beside large", small_out, prv, rnd)
+    check("large beside small", big_out, prv, rnd + 100)
+
+# 4. Single isend/irecv between partners: even ranks send first, then the other way round.
+if world % 2 == 0:
+    partner = rank ^ 1
+    for rnd in range(20):
+        n = 1 + rnd * 4099
+        out = torch.empty(n, device=dev, dtype=torch.float32)
+        x = payload(rank, partner, rnd, n, torch.float32)
+        if rank % 2 == 0:
+            dist.send(x, partner)
+            dist.recv(out, partner)
+        else:
+            dist.recv(out, partner)
+            dist.send(x, partner)
+        check("single send/recv", out, partner, rnd)
+
+torch.cuda.synchronize()
+dist.barrier()
+print(f"rank {rank}: {checks} checks, {len(failures)} failures "
+      f"(COMMD_P2P_DIRECT={os.environ.get('COMMD_P2P_DIRECT', '')})", flush=True)
+dist.destroy_process_group()
+sys.exit(1 if failures else 0)
