@@ -471,6 +471,55 @@ impl Comm {
         });
     }
 
+    /// Posts held send/recv ops of a group (`ops`, sends first; each already checked by
+    /// `execute` before it was held) that can be direct ops as one kernel
+    /// (`Communicator::post_cuda_p2p_group`). One flag per op: posted here, or left for `run`
+    /// (which also reports any failure of it).
+    pub fn post_p2p_group(self: &Arc<Self>, ops: &[Op]) -> Vec<bool> {
+        let mut done = vec![false; ops.len()];
+        if ops.len() < 2 {
+            return done;
+        }
+        let Ok(r) = self.ready() else { return done };
+        if self.check_failed().is_err() {
+            return done;
+        }
+        let args: Vec<CudaOpArgs> = ops
+            .iter()
+            .map(|op| {
+                let dtype = ffi::copy_dtype(op.dtype).unwrap_or(DType::U8);
+                let mut a = CudaOpArgs::new(op.kind, dtype, op.count, op.stream as sys::CUstream);
+                a.peer = op.peer.max(0) as u32;
+                if op.kind == OpKind::Send {
+                    a.send = Some(op.send);
+                } else {
+                    a.recv = Some(op.recv);
+                }
+                a.defer_wait = true;
+                // An op whose dtype has no copy type is left to `run`, which reports it.
+                a.p2p_direct = ffi::copy_dtype(op.dtype).is_ok();
+                a
+            })
+            .collect();
+        // SAFETY: NCCL's contract for every op: device buffers holding its elements until its
+        // stream passes it, live streams (checked by `execute` when each op was held).
+        let posted = group::on_device(self.device, || unsafe { r.c.post_cuda_p2p_group(&args) });
+        let Ok(posted) = posted else { return done };
+        for ((op, p), d) in ops.iter().zip(posted).zip(done.iter_mut()) {
+            let Some(p) = p else { continue };
+            log::info(log::P2P, self.device, || {
+                format!(
+                    "{} posted as part of the group's direct kernel (wait deferred to the group's end)",
+                    op.kind.name()
+                )
+            });
+            self.track(p.request);
+            group::flush_later(r.clone(), op.stream, self.device);
+            *d = true;
+        }
+        done
+    }
+
     fn execute(self: &Arc<Self>, op: Op) -> Outcome {
         let r = self.ready()?;
         self.check_failed()?;

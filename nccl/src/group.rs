@@ -145,13 +145,29 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
             None => pairs.push((c.clone(), vec![peer])),
         }
     }
-    for (c, peers) in pairs {
-        c.prepare_p2p(&peers);
+    for (c, peers) in &pairs {
+        c.prepare_p2p(peers);
     }
     let (sends, recvs): (Vec<_>, Vec<_>) = held
         .into_iter()
         .partition(|(_, op)| op.kind == commd_client::desc::OpKind::Send);
-    for (c, op) in sends.into_iter().chain(recvs) {
+    let ordered: Vec<(Arc<Comm>, Op)> = sends.into_iter().chain(recvs).collect();
+    // Each communicator's ops that can be direct go as one kernel (`Comm::post_p2p_group`);
+    // the rest one at a time, every send before any receive.
+    let mut posted = vec![false; ordered.len()];
+    for (c, _) in &pairs {
+        let mine: Vec<usize> = (0..ordered.len())
+            .filter(|&i| Arc::ptr_eq(&ordered[i].0, c))
+            .collect();
+        let ops: Vec<Op> = mine.iter().map(|&i| ordered[i].1).collect();
+        for (i, done) in mine.into_iter().zip(c.post_p2p_group(&ops)) {
+            posted[i] = done;
+        }
+    }
+    for ((c, op), done) in ordered.into_iter().zip(posted) {
+        if done {
+            continue;
+        }
         if let Err(f) = c.run(op) {
             held_failed.get_or_insert(f);
         }

@@ -9,7 +9,7 @@ index), so a lost, stale or misplaced message fails, whichever path carried it:
   first or send first, 60 rounds on the same buffers (the inboxes' two slots reused);
 - every pair at once in one group (all-to-all's pattern), odd counts and five dtypes;
 - one group with a small (direct) and a large (past COMMD_P2P_DIRECT_MAX_BYTES: the daemon's
-  path) message to the same peer, in both orders;
+  path) message to the same peer, in both orders, and one with two small ones each way;
 - single isend/irecv between partners (even ranks send first), then the reverse direction.
 Prints one line per failure and a summary; exits non-zero on any failure.
 """
@@ -94,6 +94,17 @@ for rnd in range(4):
     run(recvs + sends if rnd % 3 else sends + recvs)
     check("small beside large", small_out, prv, rnd)
     check("large beside small", big_out, prv, rnd + 100)
+
+# 3b. Two small messages each way to the same peer in one group (one direction of a pair twice:
+#     the library posts them one at a time, not in one group kernel).
+for rnd in range(6):
+    outs = [torch.empty(513 + k, device=dev, dtype=torch.float32) for k in range(2)]
+    ops = [dist.P2POp(dist.isend, payload(rank, nxt, rnd * 2 + k, 513 + k, torch.float32), nxt)
+           for k in range(2)]
+    ops += [dist.P2POp(dist.irecv, outs[k], prv) for k in range(2)]
+    run(ops)
+    for k in range(2):
+        check("two each way", outs[k], prv, rnd * 2 + k)
 
 # 4. Single isend/irecv between partners: even ranks send first, then the other way round.
 if world % 2 == 0:

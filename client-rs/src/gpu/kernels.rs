@@ -400,8 +400,8 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {scale}({elem} *out, con
 "#,
             scale = scale_kernel_name(dtype),
         );
-        // Direct send/recv (not wired to ops yet; compiled so that NVRTC checks them).
-        p2p::push_source(&mut src, P2P_SEND, P2P_RECV);
+        // Direct send/recv (`direct/p2p.rs`), single and grouped.
+        p2p::push_source(&mut src, P2P_SEND, P2P_RECV, P2P_GROUP);
     }
     Ok(src)
 }
@@ -446,6 +446,8 @@ unsafe fn launch_one<T: Copy>(
 /// `(dtype, sum)` module.
 pub const P2P_SEND: &str = "commd_p2p_send";
 pub const P2P_RECV: &str = "commd_p2p_recv";
+/// The `extern "C"` name of the kernel of a group's direct send/recv ops (`p2p::push_source`).
+pub const P2P_GROUP: &str = "commd_p2p_group";
 
 /// The `extern "C"` name of the rounds kernel for `(dtype, op)` (`rounds::push_source`).
 pub fn rounds_kernel_name(dtype: DType, op: RedOp) -> String {
@@ -702,6 +704,18 @@ pub struct RoundsArgs {
 }
 const _: () = assert!(std::mem::size_of::<RoundsArgs>() == 96);
 
+/// The argument of the group kernel (`struct commd_p2p_group`, `p2p::push_source`, which checks
+/// the size): op i runs on blocks `first[i]..first[i + 1]`, as a send where bit i of `sends` is
+/// set.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct P2pGroupArgs {
+    pub n: u32,
+    pub sends: u32,
+    pub first: [u32; p2p::GROUP_MAX + 1],
+    pub ops: [P2pArgs; p2p::GROUP_MAX],
+}
+
 /// What is known about one context (by its process-unique id, `cuCtxGetId`).
 #[derive(Clone, Copy)]
 struct CtxInfo {
@@ -719,6 +733,7 @@ struct Loaded {
     /// The direct send and receive kernels (sum modules only; 0 otherwise).
     p2p_send: usize,
     p2p_recv: usize,
+    p2p_group: usize,
     rounds: usize,
     /// Blocks of the rounds kernel that fit on one SM at once (its cooperative launch limit).
     rounds_per_sm: u32,
@@ -916,6 +931,37 @@ impl Kernels {
         }
     }
 
+    /// Enqueues the group kernel of the `(dtype, sum)` module on `stream`: `args.n` send/recv
+    /// ops on `args.first[args.n]` blocks (the caller keeps that within [`Self::sm_count`]:
+    /// a block that waits for the peer must not keep the peer's counterpart from running).
+    ///
+    /// # Safety
+    /// As [`Self::launch_p2p`], for every op of `args`.
+    pub unsafe fn launch_p2p_group(
+        &self,
+        stream: CUstream,
+        dtype: DType,
+        args: &P2pGroupArgs,
+    ) -> Result<(), KernelError> {
+        let ctx = current_ctx_id()?;
+        let k = self.get(ctx, dtype, RedOp::Sum)?;
+        if k.p2p_group == 0 {
+            return Err(KernelError::InvalidArgument(format!(
+                "no direct send/recv group kernel in the {} module",
+                dtype.name()
+            )));
+        }
+        let n = (args.n as usize).min(p2p::GROUP_MAX);
+        // SAFETY: loaded in the current context; its parameter is `struct commd_p2p_group`,
+        // laid out as `P2pGroupArgs` (the source asserts the size); the caller vouches for the
+        // rest.
+        unsafe {
+            launch_one(k.p2p_group, args.first[n], stream, args, || {
+                P2P_GROUP.to_string()
+            })
+        }
+    }
+
     /// Enqueues the rounds kernel for `(dtype, op)` (`rounds::push_source`) on `stream`: every
     /// round of a multi-round reduction in one cooperative launch of at most `max_blocks` blocks
     /// (0: the reduction kernels' cap, `blocks_per_sm` per SM), never more than fit on the GPU
@@ -1105,11 +1151,13 @@ impl Kernels {
         let mut scale: CUfunction = std::ptr::null_mut();
         let mut p2p_send: CUfunction = std::ptr::null_mut();
         let mut p2p_recv: CUfunction = std::ptr::null_mut();
+        let mut p2p_group: CUfunction = std::ptr::null_mut();
         if op == RedOp::Sum {
             for (f, name) in [
                 (&mut scale, scale_kernel_name(dtype)),
                 (&mut p2p_send, P2P_SEND.to_string()),
                 (&mut p2p_recv, P2P_RECV.to_string()),
+                (&mut p2p_group, P2P_GROUP.to_string()),
             ] {
                 let cname =
                     CString::new(name).map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
@@ -1153,6 +1201,7 @@ impl Kernels {
             scale: scale as usize,
             p2p_send: p2p_send as usize,
             p2p_recv: p2p_recv as usize,
+            p2p_group: p2p_group as usize,
             rounds: rounds as usize,
             rounds_per_sm: rounds_per_sm.max(0) as u32,
             sm_count: info.sm_count,

@@ -146,12 +146,95 @@ impl Communicator {
     /// # Safety
     /// As `post_cuda_ordered`: a live stream, a device buffer valid for the op.
     pub(crate) unsafe fn try_direct_p2p(&self, a: &CudaOpArgs) -> Result<Option<CudaPosted>> {
+        let cfg = P2pConfig::cached()?;
+        let Some(one) = self.p2p_plan(a, &cfg, true)? else {
+            return Ok(None);
+        };
+        // SAFETY: the caller's contract.
+        let mut posted = unsafe { self.p2p_launch(&[(a, one)])? };
+        Ok(posted.pop().flatten())
+    }
+
+    /// Posts a group's send/recv ops (`ops`, as the NCCL library holds them at `ncclGroupEnd`:
+    /// every send before any receive) that can be direct ops as one kernel: one launch, one
+    /// event, a status word and a request each. One entry per op: its posted op, or `None` for
+    /// one the caller posts the usual way (after these). Groups of fewer than two such ops,
+    /// more than `kernels::p2p::GROUP_MAX`, more blocks than the GPU has SMs, two in one
+    /// direction of a pair, or such ops on two streams are left to the usual way whole. The pairs must be set up
+    /// already ([`Self::cuda_p2p_prepare`]): an op of a pair without a channel is left out.
+    ///
+    /// # Safety
+    /// As `post_cuda_ordered`, for every op: live streams, device buffers valid for the ops.
+    pub unsafe fn post_cuda_p2p_group(
+        &self,
+        ops: &[CudaOpArgs],
+    ) -> Result<Vec<Option<CudaPosted>>> {
+        let mut out: Vec<Option<CudaPosted>> = ops.iter().map(|_| None).collect();
+        let cfg = P2pConfig::cached()?;
+        if !cfg.enabled || ops.len() < 2 {
+            return Ok(out);
+        }
+        let mut pick = Vec::new();
+        let mut at = Vec::new();
+        let mut blocks = 0u32;
+        for (i, a) in ops.iter().enumerate() {
+            // An op this path cannot take, or whose checks fail, goes the usual way (which
+            // reports the same failure for that op alone).
+            let Ok(Some(one)) = self.p2p_plan(a, &cfg, false) else {
+                continue;
+            };
+            if !matches!(lock(&self.gpu).p2p.get(&a.peer), Some(Pair::On(_))) {
+                continue;
+            }
+            if pick
+                .first()
+                .is_some_and(|(f, _): &(&CudaOpArgs, Plan)| f.stream != a.stream)
+            {
+                // Direct ops on two streams: one op at a time, sends first, as without the
+                // group kernel (a kernel holding receives must not hold back a send on another
+                // stream, which would wait for it through the communicator's order).
+                return Ok(out);
+            }
+            if pick
+                .iter()
+                .any(|(f, p): &(&CudaOpArgs, Plan)| f.peer == a.peer && p.send == one.send)
+            {
+                // Two ops of one direction of a pair: one at a time. In one kernel the later
+                // receive could finish first and its ack would free the earlier one's slot
+                // while that one is still being read.
+                return Ok(out);
+            }
+            blocks += grid_for(one.bytes);
+            pick.push((a, one));
+            at.push(i);
+        }
+        let sms = {
+            let mut g = lock(&self.client.gpu);
+            g.kernels
+                .get_or_insert_with(kernels::Kernels::new)
+                .sm_count()?
+        };
+        if pick.len() < 2 || pick.len() > kp::GROUP_MAX || blocks > sms {
+            return Ok(out);
+        }
+        // SAFETY: the caller's contract.
+        let posted = unsafe { self.p2p_launch(&pick)? };
+        for (i, p) in at.into_iter().zip(posted) {
+            out[i] = p;
+        }
+        Ok(out)
+    }
+
+    /// Whether `a` can be a direct op now, and its buffer, bytes and device; sets its pair up
+    /// first if `setup` and it has no channel yet (the pair's first op of any size, on both
+    /// sides: the exchange is then the first message each way between the two ranks,
+    /// wherever each side starts; a group's end prepares all its pairs at once).
+    fn p2p_plan(&self, a: &CudaOpArgs, cfg: &P2pConfig, setup: bool) -> Result<Option<Plan>> {
         let send = match a.kind {
             OpKind::Send => true,
             OpKind::Recv => false,
             _ => return Ok(None),
         };
-        let cfg = P2pConfig::cached()?;
         let peer = a.peer;
         let bytes = a.count.saturating_mul(a.dtype.size());
         if !cfg.enabled
@@ -163,10 +246,7 @@ impl Communicator {
         {
             return Ok(None);
         }
-        if !lock(&self.gpu).p2p.contains_key(&peer) {
-            // The pair's first op of any size sets its channel up, on both sides: its exchange
-            // is then the first message each way between the two ranks, wherever each side
-            // starts (a group's end prepares all its pairs at once: `cuda_p2p_prepare`).
+        if setup && !lock(&self.gpu).p2p.contains_key(&peer) {
             self.cuda_p2p_prepare(&[peer], current_device()?)?;
         }
         if bytes == 0 || bytes > cfg.max_bytes {
@@ -187,6 +267,27 @@ impl Communicator {
                 a.kind.name(),
             )));
         }
+        Ok(Some(Plan {
+            send,
+            buf,
+            bytes,
+            dev,
+        }))
+    }
+
+    /// Launches `ops` (all on the first one's stream and device) as one kernel: the op's own
+    /// kernel for one, the group kernel for more. One entry per op: `None` where its pair has
+    /// no channel (or another device's), if there is only one op; with more, any such op
+    /// leaves them all to the usual way.
+    ///
+    /// # Safety
+    /// As `post_cuda_ordered`, for every op.
+    unsafe fn p2p_launch(&self, ops: &[(&CudaOpArgs, Plan)]) -> Result<Vec<Option<CudaPosted>>> {
+        let none = || ops.iter().map(|_| None).collect();
+        let Some(&(first, Plan { dev, .. })) = ops.first() else {
+            return Ok(Vec::new());
+        };
+        let stream = first.stream;
         ensure_context(dev)?;
         let mut c = lock(&self.gpu);
         let super::super::CommGpu {
@@ -195,71 +296,124 @@ impl Communicator {
             last,
             ..
         } = &mut *c;
-        let (Some(Pair::On(ch)), Some(shared)) = (p2p.get_mut(&peer), p2p_shared.as_ref()) else {
-            return Ok(None);
+        let Some(shared) = p2p_shared.as_ref() else {
+            return Ok(none());
         };
-        if ch.device != dev {
-            return Err(Error::InvalidArgument(format!(
-                "{} on device {dev}, but this rank's earlier direct send/recv with rank {peer} used device {}",
-                a.kind.name(),
-                ch.device
-            )));
+        // Every op's channel, as it stands (sequences counted here, kept on success).
+        let mut seqs: Vec<(u32, u64, u64)> = Vec::new();
+        let mut chans = Vec::with_capacity(ops.len());
+        for (a, pl) in ops {
+            match p2p.get(&a.peer) {
+                Some(Pair::On(ch)) if ch.device == pl.dev && pl.dev == dev => {
+                    if !seqs.iter().any(|(p, _, _)| *p == a.peer) {
+                        seqs.push((a.peer, ch.sent, ch.received));
+                    }
+                    chans.push((ch.local, ch.remote, ch.slot));
+                }
+                Some(Pair::On(ch)) if ops.len() == 1 => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} on device {}, but this rank's earlier direct send/recv with rank {} used device {}",
+                        a.kind.name(),
+                        pl.dev,
+                        a.peer,
+                        ch.device
+                    )));
+                }
+                _ => return Ok(none()),
+            }
         }
         let i = &self.client;
         let mut g = lock(&i.gpu);
         let pool = g.events.clone();
         let kern = g.kernels.get_or_insert_with(kernels::Kernels::new);
-        kern.prepare(a.dtype, commd_proto::desc::RedOp::Sum)?;
+        kern.prepare(first.dtype, commd_proto::desc::RedOp::Sum)?;
         // In issue order with the communicator's other eager ops (the pair's sequences).
         if let Some((ls, ev)) = last.as_ref()
-            && *ls != a.stream as usize
+            && *ls != stream as usize
         {
-            // SAFETY: `a.stream` is live (caller); the event is owned by the communicator.
-            unsafe { ev.wait_on(a.stream)? };
+            // SAFETY: `stream` is live (caller); the event is owned by the communicator.
+            unsafe { ev.wait_on(stream)? };
         }
-        let word = shared.pool.take()?;
-        let seq = if send { ch.sent + 1 } else { ch.received + 1 };
-        let args = P2pArgs {
-            local: ch.local,
-            remote: ch.remote,
-            buf,
-            bytes,
-            slot: ch.slot,
-            rec: shared.rec_dev,
-            hint: shared.hint_dev,
-            timeout_ns: self
-                .op_timeout
-                .unwrap_or(std::time::Duration::from_secs(DEFAULT_TIMEOUT_S))
-                .as_nanos()
-                .min(u128::from(u64::MAX)) as u64,
-            seq,
-            sig: p2p_signature(a.dtype),
-            status: word,
-        };
+        let timeout_ns = self
+            .op_timeout
+            .unwrap_or(std::time::Duration::from_secs(DEFAULT_TIMEOUT_S))
+            .as_nanos()
+            .min(u128::from(u64::MAX)) as u64;
+        let mut group = kernels::P2pGroupArgs::default();
+        let mut words = Vec::with_capacity(ops.len());
+        let mut blocks = 0u32;
+        for (k, ((a, pl), &(local, remote, slot))) in ops.iter().zip(&chans).enumerate() {
+            // Every op's peer is in `seqs` (pushed above).
+            let Some(s) = seqs.iter_mut().find(|(p, _, _)| *p == a.peer) else {
+                words.iter().for_each(|w| shared.pool.give_back(*w));
+                return Ok(none());
+            };
+            let word = match shared.pool.take() {
+                Ok(w) => w,
+                Err(e) => {
+                    words.iter().for_each(|w| shared.pool.give_back(*w));
+                    return Err(e);
+                }
+            };
+            words.push(word);
+            let seq = if pl.send {
+                s.1 += 1;
+                s.1
+            } else {
+                s.2 += 1;
+                s.2
+            };
+            group.ops[k] = P2pArgs {
+                local,
+                remote,
+                buf: pl.buf,
+                bytes: pl.bytes,
+                slot,
+                rec: shared.rec_dev,
+                hint: shared.hint_dev,
+                timeout_ns,
+                seq,
+                sig: p2p_signature(a.dtype),
+                status: word,
+            };
+            group.first[k] = blocks;
+            blocks += grid_for(pl.bytes);
+            if pl.send {
+                group.sends |= 1 << k;
+            }
+        }
+        group.n = ops.len() as u32;
+        group.first[ops.len()] = blocks;
         // SAFETY: the inboxes, record and hint word live for the process (`p2p_setup`); the
-        // buffer was checked above; the caller vouches for the stream.
-        if let Err(e) = unsafe { kern.launch_p2p(a.stream, a.dtype, send, grid_for(bytes), &args) }
-        {
-            shared.pool.give_back(word);
+        // buffers were checked (`p2p_plan`); the caller vouches for the stream.
+        let launched = unsafe {
+            if ops.len() == 1 {
+                kern.launch_p2p(stream, first.dtype, ops[0].1.send, blocks, &group.ops[0])
+            } else {
+                kern.launch_p2p_group(stream, first.dtype, &group)
+            }
+        };
+        if let Err(e) = launched {
+            words.iter().for_each(|w| shared.pool.give_back(*w));
             return Err(e.into());
         }
-        if send {
-            ch.sent = seq;
-        } else {
-            ch.received = seq;
+        for (peer, sent, received) in seqs {
+            if let Some(Pair::On(ch)) = p2p.get_mut(&peer) {
+                ch.sent = sent;
+                ch.received = received;
+            }
         }
         let ev = Arc::new(pool.get(dev)?);
-        // SAFETY: `a.stream` is live and of the event's device.
-        unsafe { ev.record(a.stream)? };
-        *last = Some((a.stream as usize, ev.clone()));
-        Ok(Some(self.eager_posted(
-            a,
-            shared.pool.clone(),
-            word,
-            ev,
-            dev,
-            bytes,
-        )))
+        // SAFETY: `stream` is live and of the event's device.
+        unsafe { ev.record(stream)? };
+        *last = Some((stream as usize, ev.clone()));
+        Ok(ops
+            .iter()
+            .zip(words)
+            .map(|((a, pl), word)| {
+                Some(self.eager_posted(a, shared.pool.clone(), word, ev.clone(), dev, pl.bytes))
+            })
+            .collect())
     }
 
     /// Sets up the direct send/recv channels with `peers` (those without one yet) on `device`,
@@ -464,6 +618,15 @@ impl Communicator {
             })
             .collect()
     }
+}
+
+/// A send or receive that can be a direct op: its direction, buffer, bytes and device.
+#[derive(Clone, Copy)]
+struct Plan {
+    send: bool,
+    buf: sys::CUdeviceptr,
+    bytes: u64,
+    dev: i32,
 }
 
 /// One pair's setup in progress on this rank.

@@ -1,6 +1,8 @@
-//! The kernels of a *direct* send and receive (docs/design.md, "What is left": send/recv as
-//! direct ops; the protocol is `direct/p2p_model.rs`'s). Not wired to any op yet: the source is
-//! compiled with every `(dtype, sum)` module so that NVRTC checks it.
+//! The kernels of a *direct* send and receive (docs/design.md, "Send/recv as direct ops"; the
+//! protocol is `direct/p2p_model.rs`'s; the host side `direct/p2p.rs`), in every `(dtype, sum)`
+//! module: one op per launch, or a group's ops in one launch (`commd_p2p_group`: at most one op
+//! per direction of a pair, so that a direction's ops stay one after another, as the model has
+//! them, and an ack always means every earlier sequence was read).
 //!
 //! One inbox per ordered pair, in the receiver's GPU memory, opened by the sender (offsets from
 //! its base):
@@ -27,11 +29,15 @@ pub const STATE_OFF: u64 = 128;
 pub const DEAD_OFF: u64 = 160;
 /// Offset of the data slots.
 pub const DATA_OFF: u64 = 4096;
+/// The most send/recv ops one group kernel carries (`struct commd_p2p_group`).
+pub const GROUP_MAX: usize = 16;
 
 /// Appends the send and receive kernels to `src`, which already holds the direct kernel's
 /// helpers (`direct::push_source`: `commd_copy`, `commd_ld_acquire`, `commd_st_relaxed`,
 /// `commd_globaltimer`).
-pub fn push_source(src: &mut String, send: &str, recv: &str) {
+pub fn push_source(src: &mut String, send: &str, recv: &str, group: &str) {
+    let group_max = GROUP_MAX;
+    let group_size = std::mem::size_of::<super::P2pGroupArgs>();
     let hint_broken = commd_proto::desc::doorbell::HINT_BROKEN;
     // `write!` to a String cannot fail.
     let _ = write!(
@@ -103,9 +109,9 @@ static __device__ u64 commd_p2p_wait(const struct commd_p2p &a, const u64 *p, u3
     }}
 }}
 
-/* Send `bytes` at `buf` as sequence `seq` into the peer's inbox (`remote`). */
-extern "C" __global__ void __launch_bounds__({THREADS}) {send}(struct commd_p2p a) {{
-    __shared__ u32 s_fail;
+/* Send `bytes` at `buf` as sequence `seq` into the peer's inbox (`remote`): block `lb` of the
+   op's `nb` blocks (a kernel of its own, or a share of a group kernel). */
+static __device__ void commd_p2p_send_run(const struct commd_p2p &a, u32 lb, u32 nb, u32 &s_fail) {{
     const u32 p = (u32)(a.seq & 1ull);
     if (threadIdx.x == 0) {{
         s_fail = *(volatile u32 *)(a.local + {DEAD_OFF}ull) != 0u ? {POISONED}u : 0u;
@@ -113,7 +119,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {send}(struct commd_p2p 
             /* The slot of sequence seq - 2 is free once the peer acknowledged it. */
             (void)commd_p2p_wait(a, (const u64 *)(a.local + {ACK_OFF}ull), (u32)a.seq - 2u, false, &s_fail);
         }}
-        if (s_fail == 0u && blockIdx.x == 0) {{
+        if (s_fail == 0u && lb == 0u) {{
             ((volatile u64 *)(a.remote + {FLAG_OFF}ull + (u64)p * 16ull))[1] = a.bytes;
         }}
         if (s_fail != 0u) {{
@@ -126,14 +132,14 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {send}(struct commd_p2p 
     if (s_fail != 0u) {{
         return;
     }}
-    const u64 tid = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
-    const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
+    const u64 tid = (u64)lb * (u64)blockDim.x + (u64)threadIdx.x;
+    const u64 stride = (u64)nb * (u64)blockDim.x;
     commd_copy(a.remote + {DATA_OFF}ull + (u64)p * a.slot, a.buf, a.bytes, tid, stride);
     __syncthreads();
     if (threadIdx.x == 0) {{
         __threadfence_system();
         u32 *arrive = (u32 *)(a.local + {STATE_OFF}ull) + p;
-        if (atomicAdd(arrive, 1u) == gridDim.x - 1u) {{
+        if (atomicAdd(arrive, 1u) == nb - 1u) {{
             *arrive = 0u;
             __threadfence_system();
             commd_st_relaxed((u64 *)(a.remote + {FLAG_OFF}ull + (u64)p * 16ull), (a.seq << 32) | (u64)a.sig);
@@ -143,8 +149,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {send}(struct commd_p2p 
 
 /* Receive sequence `seq` from the peer's pushes into this rank's inbox (`local`) into `buf`,
    then acknowledge it in the peer's inbox from this rank (`remote`). */
-extern "C" __global__ void __launch_bounds__({THREADS}) {recv}(struct commd_p2p a) {{
-    __shared__ u32 s_fail;
+static __device__ void commd_p2p_recv_run(const struct commd_p2p &a, u32 lb, u32 nb, u32 &s_fail) {{
     const u32 p = (u32)(a.seq & 1ull);
     if (threadIdx.x == 0) {{
         s_fail = *(volatile u32 *)(a.local + {DEAD_OFF}ull) != 0u ? {POISONED}u : 0u;
@@ -165,19 +170,56 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {recv}(struct commd_p2p 
     if (s_fail != 0u) {{
         return;
     }}
-    const u64 tid = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x;
-    const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
+    const u64 tid = (u64)lb * (u64)blockDim.x + (u64)threadIdx.x;
+    const u64 stride = (u64)nb * (u64)blockDim.x;
     commd_copy(a.buf, a.local + {DATA_OFF}ull + (u64)p * a.slot, a.bytes, tid, stride);
     __syncthreads();
     if (threadIdx.x == 0) {{
         /* The block's reads are done before the fence; the last block's ack frees the slot. */
         __threadfence_system();
         u32 *arrive = (u32 *)(a.local + {STATE_OFF}ull) + 2u + p;
-        if (atomicAdd(arrive, 1u) == gridDim.x - 1u) {{
+        if (atomicAdd(arrive, 1u) == nb - 1u) {{
             *arrive = 0u;
             __threadfence_system();
             commd_st_relaxed((u64 *)(a.remote + {ACK_OFF}ull), a.seq);
         }}
+    }}
+}}
+
+extern "C" __global__ void __launch_bounds__({THREADS}) {send}(struct commd_p2p a) {{
+    __shared__ u32 s_fail;
+    commd_p2p_send_run(a, blockIdx.x, gridDim.x, s_fail);
+}}
+
+extern "C" __global__ void __launch_bounds__({THREADS}) {recv}(struct commd_p2p a) {{
+    __shared__ u32 s_fail;
+    commd_p2p_recv_run(a, blockIdx.x, gridDim.x, s_fail);
+}}
+
+/* A group's send/recv ops on one stream in one launch: op i has blocks first[i] to
+   first[i + 1] - 1; bit i of `sends` says it is a send. No block waits for another block of
+   this kernel (a send waits for the peer's acks, a receive for the peer's flags), and the host
+   keeps the grid within one block per SM. */
+struct commd_p2p_group {{
+    u32 n;
+    u32 sends;
+    u32 first[{group_max} + 1];
+    struct commd_p2p op[{group_max}];
+}};
+static_assert(sizeof(struct commd_p2p_group) == {group_size}, "commd_p2p_group layout");
+
+extern "C" __global__ void __launch_bounds__({THREADS}) {group}(struct commd_p2p_group g) {{
+    __shared__ u32 s_fail;
+    u32 i = 0u;
+    while (i + 1u < g.n && blockIdx.x >= g.first[i + 1u]) {{
+        ++i;
+    }}
+    const u32 lb = blockIdx.x - g.first[i];
+    const u32 nb = g.first[i + 1u] - g.first[i];
+    if (((g.sends >> i) & 1u) != 0u) {{
+        commd_p2p_send_run(g.op[i], lb, nb, s_fail);
+    }} else {{
+        commd_p2p_recv_run(g.op[i], lb, nb, s_fail);
     }}
 }}
 "#
