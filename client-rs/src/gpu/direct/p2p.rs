@@ -160,8 +160,9 @@ impl Communicator {
     /// event, a status word and a request each. One entry per op: its posted op, or `None` for
     /// one the caller posts the usual way (after these). Groups of fewer than two such ops,
     /// more than `kernels::p2p::GROUP_MAX`, more blocks than the GPU has SMs, two in one
-    /// direction of a pair, or such ops on two streams are left to the usual way whole. The pairs must be set up
-    /// already ([`Self::cuda_p2p_prepare`]): an op of a pair without a channel is left out.
+    /// direction of a pair, or such ops on two streams are left to the usual way whole. The
+    /// pairs must be set up already ([`Self::cuda_p2p_prepare`]): an op of a pair without a
+    /// channel is left out.
     ///
     /// # Safety
     /// As `post_cuda_ordered`, for every op: live streams, device buffers valid for the ops.

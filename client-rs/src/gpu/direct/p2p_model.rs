@@ -1,5 +1,5 @@
-//! A model of the direct send/recv protocol (docs/design.md, "What is left": send/recv as direct
-//! ops), run under random interleavings of the ranks before any GPU code exists for it.
+//! A model of the direct send/recv protocol (docs/design.md, "Send/recv as direct ops"), run
+//! under random interleavings of the ranks; written before the GPU code, which follows it.
 //!
 //! One channel per ordered pair (s -> d), in memory of the receiver d: two data slots, two
 //! flags (word 0: sequence | signature, word 1: count), and in the *sender's* inbox from d the
@@ -7,14 +7,15 @@
 //! host, from 1. A send of sequence q (parity q & 1) waits until the ack is at least q - 2 (the
 //! slot is free), writes word 1, pushes, then writes word 0; a receive of q waits until word 0
 //! of its parity reaches q, reads word 1, checks both against its own op, reads the slot, and
-//! acknowledges q. Each rank runs its ops in issue order (one stream); a group's sends are
-//! launched before its receives.
+//! acknowledges q. A group's sends come before its receives; a rank runs its ops one after
+//! another (a kernel each, one stream), or a whole group at once (the group kernel) where the
+//! group holds at most one op per direction of a pair.
 //!
 //! Checked: no receive ever reads data of another sequence, a flag found in a parity slot is
 //! only ever q - 2 or q, the ranks finish every program whose groups match, and a send/recv
 //! pair that disagrees (count or dtype) is reported by the receiver, never read silently.
-//! Mutations the model must catch (so the test can fail): one slot instead of two, and a send
-//! that does not wait for the ack.
+//! Mutations the model must catch (so the test can fail): one slot instead of two, a send that
+//! does not wait for the ack, and a group kernel holding two ops of one direction of a pair.
 
 use std::collections::HashMap;
 
@@ -42,7 +43,6 @@ struct Channel {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Step {
-    Start,
     WaitAck,
     Word1,
     Push,
@@ -64,82 +64,130 @@ struct Knobs {
     slots: u64,
     /// How far a send may run ahead of the receiver's ack (`None`: no wait at all).
     ahead: Option<u64>,
+    /// How a group's ops run.
+    grouping: Grouping,
+}
+
+/// How a rank runs a group's ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Grouping {
+    /// One op after another (a kernel each, in issue order on one stream).
+    Serial,
+    /// All at once in one kernel (`commd_p2p_group`) where the group has at most one op per
+    /// direction of a pair, else one after another (as `post_cuda_p2p_group` does).
+    Kernel,
+    /// All at once in one kernel whatever the group holds (the mutation the rule rules out).
+    KernelAlways,
 }
 
 impl Knobs {
     /// The protocol as designed (checks its claims strictly; mutations only need to fail).
     fn built(&self) -> bool {
-        self.slots == 2 && self.ahead == Some(2)
+        self.slots == 2 && self.ahead == Some(2) && self.grouping != Grouping::KernelAlways
     }
+}
+
+/// The units a rank runs one after another: each a set of ops that run at once.
+fn units(groups: &[Vec<Op>], g: Grouping) -> Vec<Vec<Op>> {
+    let key = |o: &Op| match *o {
+        Op::Send { peer, .. } => (peer, true),
+        Op::Recv { peer, .. } => (peer, false),
+    };
+    let mut out = Vec::new();
+    for group in groups {
+        let once = group
+            .iter()
+            .enumerate()
+            .all(|(i, o)| group[..i].iter().all(|x| key(x) != key(o)));
+        if g == Grouping::KernelAlways || (g == Grouping::Kernel && once) {
+            out.push(group.clone());
+        } else {
+            out.extend(group.iter().map(|o| vec![*o]));
+        }
+    }
+    out
 }
 
 fn value(src: usize, dst: usize, q: u64) -> u64 {
     (src as u64) << 48 | (dst as u64) << 40 | q
 }
 
-fn run(programs: &[Vec<Op>], k: &Knobs, seed: u64) -> End {
+fn run(programs: &[Vec<Vec<Op>>], k: &Knobs, seed: u64) -> End {
     let n = programs.len();
+    let units: Vec<Vec<Vec<Op>>> = programs.iter().map(|p| units(p, k.grouping)).collect();
     let mut ch: HashMap<(usize, usize), Channel> = HashMap::new();
+    // Per rank: the unit it runs, and each of its ops' step and sequence (0: not started).
     let mut at = vec![0usize; n];
-    let mut step = vec![Step::Start; n];
-    let mut seq = vec![0u64; n];
+    let mut live: Vec<Vec<(Step, u64, bool)>> = vec![Vec::new(); n];
     let mut sent: HashMap<(usize, usize), u64> = HashMap::new();
     let mut recvd: HashMap<(usize, usize), u64> = HashMap::new();
     let mut rng = Xorshift(seed | 1);
     let mut stalls = 0u32;
     loop {
-        if (0..n).all(|r| at[r] == programs[r].len()) {
+        if (0..n).all(|r| at[r] == units[r].len()) {
             return End::Done;
         }
         let me = (rng.next() % n as u64) as usize;
-        if at[me] == programs[me].len() {
+        if at[me] == units[me].len() {
             stalls += 1;
             if stalls > 200_000 {
                 return End::Stuck;
             }
             continue;
         }
-        let op = programs[me][at[me]];
-        let q = seq[me];
+        let unit = &units[me][at[me]];
+        if live[me].is_empty() {
+            // The unit starts: its sequences are counted on the host, in issue order.
+            for op in unit {
+                let q = match *op {
+                    Op::Send { peer, .. } => {
+                        let c = sent.entry((me, peer)).or_default();
+                        *c += 1;
+                        *c
+                    }
+                    Op::Recv { peer, .. } => {
+                        let c = recvd.entry((peer, me)).or_default();
+                        *c += 1;
+                        *c
+                    }
+                };
+                let first = match op {
+                    Op::Send { .. } if k.ahead.is_some() => Step::WaitAck,
+                    Op::Send { .. } => Step::Word1,
+                    Op::Recv { .. } => Step::WaitFlag,
+                };
+                live[me].push((first, q, false));
+            }
+        }
+        // One step of one of the unit's unfinished ops, picked at random.
+        let open: Vec<usize> = (0..unit.len()).filter(|&i| !live[me][i].2).collect();
+        let j = open[(rng.next() % open.len() as u64) as usize];
+        let op = unit[j];
+        let (st, q, _) = live[me][j];
         let p = (q % k.slots) as usize;
         let mut progressed = true;
-        match (op, step[me]) {
-            (Op::Send { peer, .. }, Step::Start) => {
-                let c = sent.entry((me, peer)).or_default();
-                *c += 1;
-                seq[me] = *c;
-                step[me] = if k.ahead.is_some() {
-                    Step::WaitAck
-                } else {
-                    Step::Word1
-                };
-            }
-            (Op::Recv { peer, .. }, Step::Start) => {
-                let c = recvd.entry((peer, me)).or_default();
-                *c += 1;
-                seq[me] = *c;
-                step[me] = Step::WaitFlag;
-            }
+        let mut next = st;
+        let mut finished = false;
+        match (op, st) {
             (Op::Send { peer, .. }, Step::WaitAck) => {
                 let c = ch.entry((me, peer)).or_default();
                 if c.ack + k.ahead.unwrap_or(u64::MAX / 2) >= q {
-                    step[me] = Step::Word1;
+                    next = Step::Word1;
                 } else {
                     progressed = false;
                 }
             }
             (Op::Send { peer, count, .. }, Step::Word1) => {
                 ch.entry((me, peer)).or_default().w1[p] = Some((q, count));
-                step[me] = Step::Push;
+                next = Step::Push;
             }
             (Op::Send { peer, .. }, Step::Push) => {
                 ch.entry((me, peer)).or_default().data[p] = Some((q, value(me, peer, q)));
-                step[me] = Step::Word0;
+                next = Step::Word0;
             }
             (Op::Send { peer, sig, .. }, Step::Word0) => {
                 ch.entry((me, peer)).or_default().w0[p] = Some((q, sig));
-                at[me] += 1;
-                step[me] = Step::Start;
+                finished = true;
             }
             (Op::Recv { peer, sig, count }, Step::WaitFlag) => {
                 let c = ch.entry((peer, me)).or_default();
@@ -161,7 +209,7 @@ fn run(programs: &[Vec<Op>], k: &Knobs, seed: u64) -> End {
                                 seq: q,
                             };
                         }
-                        step[me] = Step::Read;
+                        next = Step::Read;
                     }
                     Some((e, _)) => {
                         assert!(
@@ -180,14 +228,19 @@ fn run(programs: &[Vec<Op>], k: &Knobs, seed: u64) -> End {
                     Some((q, value(peer, me, q))),
                     "rank {me}, sequence {q} from {peer}: slot holds {got:?} (stale or overwritten)"
                 );
-                step[me] = Step::Ack;
+                next = Step::Ack;
             }
             (Op::Recv { peer, .. }, Step::Ack) => {
+                // The last writer wins, as the kernels' plain store does.
                 ch.entry((peer, me)).or_default().ack = q;
-                at[me] += 1;
-                step[me] = Step::Start;
+                finished = true;
             }
             (op, s) => unreachable!("{op:?} at {s:?}"),
+        }
+        live[me][j] = (next, q, finished);
+        if live[me].iter().all(|x| x.2) {
+            live[me].clear();
+            at[me] += 1;
         }
         if progressed {
             stalls = 0;
@@ -202,8 +255,9 @@ fn run(programs: &[Vec<Op>], k: &Knobs, seed: u64) -> End {
 
 /// Programs of `groups` groups in which every rank sends to some peers and receives from the
 /// ranks that send to it (the pattern drawn per group, the same on every rank: every send has
-/// its receive), sends launched before receives within a group.
-fn programs(n: usize, groups: usize, seed: u64) -> Vec<Vec<Op>> {
+/// its receive), sends before receives within a group; an edge may carry two messages (one
+/// direction of a pair twice in a group).
+fn programs(n: usize, groups: usize, seed: u64) -> Vec<Vec<Vec<Op>>> {
     let mut rng = Xorshift(seed | 1);
     let mut ps = vec![Vec::new(); n];
     for _ in 0..groups {
@@ -222,9 +276,10 @@ fn programs(n: usize, groups: usize, seed: u64) -> Vec<Vec<Op>> {
             }
         }
         for (r, prog) in ps.iter_mut().enumerate() {
+            let mut group = Vec::new();
             for &(s, d, sig, count) in &edges {
                 if s == r {
-                    prog.push(Op::Send {
+                    group.push(Op::Send {
                         peer: d,
                         sig,
                         count,
@@ -233,12 +288,15 @@ fn programs(n: usize, groups: usize, seed: u64) -> Vec<Vec<Op>> {
             }
             for &(s, d, sig, count) in &edges {
                 if d == r {
-                    prog.push(Op::Recv {
+                    group.push(Op::Recv {
                         peer: s,
                         sig,
                         count,
                     });
                 }
+            }
+            if !group.is_empty() {
+                prog.push(group);
             }
         }
     }
@@ -248,18 +306,22 @@ fn programs(n: usize, groups: usize, seed: u64) -> Vec<Vec<Op>> {
 const BUILT: Knobs = Knobs {
     slots: 2,
     ahead: Some(2),
+    grouping: Grouping::Kernel,
 };
 
 #[test]
 fn sends_and_receives_pair_in_order_and_always_finish() {
-    for n in [2, 3, 4] {
-        for seed in 0..120u64 {
-            let ps = programs(n, 12, seed);
-            assert_eq!(
-                run(&ps, &BUILT, seed * 7919 + 5),
-                End::Done,
-                "{n} ranks, seed {seed}"
-            );
+    for grouping in [Grouping::Serial, Grouping::Kernel] {
+        let k = Knobs { grouping, ..BUILT };
+        for n in [2, 3, 4] {
+            for seed in 0..120u64 {
+                let ps = programs(n, 12, seed);
+                assert_eq!(
+                    run(&ps, &k, seed * 7919 + 5),
+                    End::Done,
+                    "{n} ranks, seed {seed}, {grouping:?}"
+                );
+            }
         }
     }
 }
@@ -269,16 +331,15 @@ fn a_pair_that_disagrees_is_reported_by_the_receiver() {
     for seed in 0..100u64 {
         let mut ps = programs(3, 8, seed);
         // Rank 1's third receive from anyone expects another count than was sent.
-        let Some(i) = ps[1]
-            .iter()
-            .enumerate()
-            .filter(|(_, o)| matches!(o, Op::Recv { .. }))
+        let Some(op) = ps[1]
+            .iter_mut()
+            .flatten()
+            .filter(|o| matches!(o, Op::Recv { .. }))
             .nth(2)
-            .map(|(i, _)| i)
         else {
             continue;
         };
-        if let Op::Recv { count, .. } = &mut ps[1][i] {
+        if let Op::Recv { count, .. } = op {
             *count += 10;
         }
         match run(&ps, &BUILT, seed + 3) {
@@ -286,6 +347,18 @@ fn a_pair_that_disagrees_is_reported_by_the_receiver() {
             other => panic!("seed {seed}: {other:?}, want a mismatch at rank 1"),
         }
     }
+}
+
+/// How many of 300 schedules of `knobs` do not end as designed (a panic of the model's checks,
+/// a mismatch or a stuck run).
+fn failures(knobs: &Knobs, n: usize) -> usize {
+    (0..300u64)
+        .filter(|&seed| {
+            let ps = programs(n, 20, seed);
+            let r = std::panic::catch_unwind(|| run(&ps, knobs, seed * 104_729 + 3));
+            !matches!(r, Ok(End::Done))
+        })
+        .count()
 }
 
 #[test]
@@ -296,25 +369,34 @@ fn one_slot_or_no_ack_wait_is_caught() {
         Knobs {
             slots: 1,
             ahead: Some(2),
+            grouping: Grouping::Serial,
         },
         Knobs {
             slots: 2,
             ahead: None,
+            grouping: Grouping::Serial,
         },
     ] {
-        let mut caught = 0;
-        for seed in 0..300u64 {
-            let ps = programs(2, 20, seed);
-            let r = std::panic::catch_unwind(|| run(&ps, &knobs, seed * 104_729 + 3));
-            if !matches!(r, Ok(End::Done)) {
-                caught += 1;
-            }
-        }
         assert!(
-            caught > 0,
+            failures(&knobs, 2) > 0,
             "slots {} ahead {:?}: never went wrong in 300 schedules",
             knobs.slots,
             knobs.ahead
         );
     }
+}
+
+#[test]
+fn two_ops_of_one_direction_in_one_group_kernel_is_caught() {
+    // The group kernel's rule (at most one op per direction of a pair, `post_cuda_p2p_group`):
+    // without it a later receive's ack can free an earlier one's slot while it is being read.
+    let always = Knobs {
+        grouping: Grouping::KernelAlways,
+        ..BUILT
+    };
+    assert!(
+        failures(&always, 2) + failures(&always, 3) > 0,
+        "one kernel for every group never went wrong in 600 schedules"
+    );
+    assert_eq!(failures(&BUILT, 3), 0, "the rule as built went wrong");
 }
