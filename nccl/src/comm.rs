@@ -456,6 +456,18 @@ impl Comm {
         out
     }
 
+    /// GPU memory held for this communicator (`ncclCommMemStats`): the client's direct-op
+    /// windows and send/recv inboxes (`Communicator::cuda_memory_bytes`), and the library's
+    /// in-place all-to-all and PreMulSum staging. None of it can be suspended.
+    pub fn gpu_memory_bytes(&self) -> u64 {
+        let client = match &*lock(&self.init) {
+            Init::Ready(r) => r.c.cuda_memory_bytes(),
+            _ => 0,
+        };
+        let staging = lock(&self.staging).map_or(0, |(_, n)| n);
+        client + staging + lock(&self.premul_staging).bytes()
+    }
+
     /// Sets up the direct send/recv channels with `peers` (`COMMD_P2P_DIRECT`) before a
     /// group's send/recv ops are posted: every pair of the group at once, so that pairs in a
     /// cycle (a ring) cannot wait on each other. A failure leaves the pairs on the daemon's

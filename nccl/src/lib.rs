@@ -512,14 +512,18 @@ pub unsafe extern "C" fn ncclCommMemStats(
     value: *mut u64,
 ) -> ncclResult_t {
     guard("ncclCommMemStats", || {
-        comm::get(c)?;
-        if !(0..=3).contains(&stat) {
-            return Err(invalid(format!("unknown memory statistic {stat}")));
-        }
-        // The library allocates no GPU memory for a communicator (the daemon owns scratch and
-        // reports it in `commd status`); nothing is suspended.
+        let comm = comm::get(c)?;
+        // ncclStatGpuMemSuspend 0, ...Suspended 1, ...Persist 2, ...Total 3 (nccl.h). The GPU
+        // memory this process holds for the communicator (direct-op windows, send/recv
+        // inboxes, staging; the daemon's scratch is the daemon's, in `commd status`) cannot be
+        // suspended: all of it is persistent, and nothing is suspended.
+        let v = match stat {
+            0 | 1 => 0,
+            2 | 3 => comm.gpu_memory_bytes(),
+            _ => return Err(invalid(format!("unknown memory statistic {stat}"))),
+        };
         // SAFETY: NCCL's contract on the out pointer.
-        unsafe { put(value, 0, "value") }?;
+        unsafe { put(value, v, "value") }?;
         ok()
     })
 }

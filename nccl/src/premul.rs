@@ -172,16 +172,21 @@ fn kernels() -> &'static Kernels {
 #[derive(Default)]
 pub struct Staging {
     cur: Option<(u64, u64)>,
-    /// Outgrown buffers and those of captured ops (a graph keeps using its own): freed with
-    /// the communicator.
-    kept: Vec<u64>,
+    /// Outgrown buffers and those of captured ops (a graph keeps using its own), with their
+    /// bytes: freed with the communicator.
+    kept: Vec<(u64, u64)>,
     busy: Option<usize>,
 }
 
 impl Staging {
+    /// Bytes of device memory held (`ncclCommMemStats`).
+    pub fn bytes(&self) -> u64 {
+        self.kept.iter().chain(&self.cur).map(|(_, n)| n).sum()
+    }
+
     /// Frees everything (the communicator is destroyed: its ops were waited for).
     pub fn free(&mut self) {
-        for p in self.kept.drain(..).chain(self.cur.take().map(|(p, _)| p)) {
+        for (p, _) in self.kept.drain(..).chain(self.cur.take()) {
             // SAFETY: memory allocated below, no longer used.
             unsafe { sys::cuMemFree_v2(p) };
         }
@@ -244,11 +249,11 @@ impl Staging {
                 unsafe { sys::cuMemAlloc_v2(&mut d, bytes as usize) },
                 "cuMemAlloc(PreMulSum staging)",
             )?;
-            self.kept.push(d);
+            self.kept.push((d, bytes));
             d
         } else {
             if self.cur.is_none_or(|(_, n)| n < bytes) {
-                if let Some((old, _)) = self.cur.take() {
+                if let Some(old) = self.cur.take() {
                     // Ops queued earlier may still read it: kept until the communicator goes.
                     self.kept.push(old);
                 }

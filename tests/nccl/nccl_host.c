@@ -85,6 +85,20 @@ static void ops(ncclComm_t comm, const char* dir) {
   NCCL(ncclCommCuDevice(comm, &dev));
   if (n != nranks || r != rank || dev < 0) FAIL("count %d rank %d dev %d", n, r, dev);
 
+  /* memory statistics: what the library holds cannot be suspended (total = persistent) */
+  uint64_t ms[4];
+  for (int k = 0; k < 4; k++) {
+    ms[k] = 77;
+    NCCL(ncclCommMemStats(comm, (ncclCommMemStat_t)k, &ms[k]));
+  }
+  if (ms[ncclStatGpuMemTotal] != ms[ncclStatGpuMemPersist] || ms[ncclStatGpuMemSuspend] != 0 ||
+      ms[ncclStatGpuMemSuspended] != 0)
+    FAIL("memstats: suspend %llu suspended %llu persist %llu total %llu",
+         (unsigned long long)ms[0], (unsigned long long)ms[1], (unsigned long long)ms[2],
+         (unsigned long long)ms[3]);
+  EXPECT_ERR(ncclInvalidArgument, ncclCommMemStats(comm, (ncclCommMemStat_t)4, &ms[0]),
+             "unknown memory statistic");
+
   /* all-reduce: float sum out of place, in place, avg; int32 max; uint32 sum wrapping */
   float fs[N], fr[N];
   for (int i = 0; i < N; i++) fs[i] = (float)(rank + i);

@@ -824,6 +824,19 @@ impl Communicator {
         })))
     }
 
+    /// GPU memory this process allocated for the communicator's direct ops, in bytes: the
+    /// windows of captured and eager collectives, the rounds kernel's barrier and the
+    /// send/recv inboxes. All of it is kept until the process exits (peers and graphs may
+    /// still use it), so it only grows; the NCCL library reports it as `ncclCommMemStats`.
+    pub fn cuda_memory_bytes(&self) -> u64 {
+        let c = lock(&self.gpu);
+        let win = |s: &State| match s {
+            State::On(w) => window_bytes(self.nranks, w.slot),
+            _ => 0,
+        };
+        win(&c.direct) + win(&c.eager) + c.rounds_bar.map_or(0, |_| 16) + p2p::inbox_bytes(&c.p2p)
+    }
+
     /// A zeroed page for the failure record (and eager status words), leaked (a graph may
     /// outlive the communicator) and mapped for the device; and the device address of this
     /// communicator's doorbell hint word.

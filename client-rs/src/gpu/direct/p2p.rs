@@ -110,6 +110,18 @@ impl P2pShared {
     }
 }
 
+/// GPU memory of the inboxes of `pairs` (this rank's, one per peer with a channel): kept until
+/// the process exits (the peer may still map it).
+pub(crate) fn inbox_bytes(pairs: &std::collections::HashMap<u32, Pair>) -> u64 {
+    pairs
+        .values()
+        .map(|p| match p {
+            Pair::On(ch) => kp::DATA_OFF + 2 * ch.slot,
+            Pair::Off(_) => 0,
+        })
+        .sum()
+}
+
 /// The device of the current context (the library's communicator device: `Comm::run` makes
 /// it current).
 fn current_device() -> Result<i32> {
@@ -208,6 +220,16 @@ impl Communicator {
             blocks += grid_for(one.bytes);
             pick.push((a, one));
             at.push(i);
+        }
+        // A captured group goes the usual way, op by op (captured send/recv are persistent
+        // ops of the daemon, contract 6): host-counted sequences baked into a graph would
+        // repeat at every replay.
+        if let Some((f, _)) = pick.first() {
+            // SAFETY: the caller's live stream.
+            match unsafe { super::super::graph::capture_of(f.stream, "a send/recv group") } {
+                Ok(None) => {}
+                _ => return Ok(out),
+            }
         }
         let sms = {
             let mut g = lock(&self.client.gpu);
@@ -439,6 +461,10 @@ impl Communicator {
     /// rank). Every exchange message of a round is posted before any is waited for, so a group
     /// whose pairs form a cycle (a ring's sends and receives) sets up without a deadlock.
     fn p2p_setup(&self, peers: &[u32], dev: i32, cfg: &P2pConfig, c: &mut super::super::CommGpu) {
+        // A group's end may come inside a CUDA graph capture (its ops then go the daemon's
+        // way): the inboxes are allocated in relaxed capture mode, which allows it (torch and
+        // NCCL programs capture in global or thread-local mode, which refuse it).
+        let _relaxed = super::super::Relaxed::enter().ok();
         let slot = cfg.max_bytes.div_ceil(4096) * 4096;
         let mut todo: Vec<Setup> = Vec::new();
         for &peer in peers {
