@@ -10,7 +10,8 @@ index), so a lost, stale or misplaced message fails, whichever path carried it:
 - every pair at once in one group (all-to-all's pattern), odd counts and five dtypes;
 - one group with a small (direct) and a large (past COMMD_P2P_DIRECT_MAX_BYTES: the daemon's
   path) message to the same peer, in both orders, and one with two small ones each way;
-- single isend/irecv between partners (even ranks send first), then the reverse direction.
+- single isend/irecv between partners (even ranks send first), then the reverse direction;
+- a ring captured into a CUDA graph and replayed with new input, eager rings in between.
 Prints one line per failure and a summary; exits non-zero on any failure.
 """
 
@@ -120,6 +121,34 @@ if world % 2 == 0:
             dist.recv(out, partner)
             dist.send(x, partner)
         check("single send/recv", out, partner, rnd)
+
+# 5. A ring captured into a CUDA graph, replayed with new input each time: captured send/recv
+#    are the daemon's persistent ops (a captured group must not become a direct kernel, whose
+#    host-counted sequences would repeat at every replay), before and after eager direct ops.
+n = 4099
+gx = torch.empty(n, device=dev, dtype=torch.float32)
+gout = torch.empty(n, device=dev, dtype=torch.float32)
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    gx.copy_(payload(rank, nxt, 1000, n, torch.float32))
+    run([dist.P2POp(dist.isend, gx, nxt), dist.P2POp(dist.irecv, gout, prv)])
+torch.cuda.current_stream().wait_stream(side)
+check("ring before capture", gout, prv, 1000)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    run([dist.P2POp(dist.isend, gx, nxt), dist.P2POp(dist.irecv, gout, prv)])
+for rnd in range(1001, 1011):
+    gx.copy_(payload(rank, nxt, rnd, n, torch.float32))
+    graph.replay()
+    torch.cuda.synchronize()
+    check("captured ring, replayed", gout, prv, rnd)
+    # An eager direct op of the same pairs between replays.
+    out = torch.empty(77, device=dev, dtype=torch.float32)
+    run([dist.P2POp(dist.isend, payload(rank, nxt, rnd, 77, torch.float32), nxt),
+         dist.P2POp(dist.irecv, out, prv)])
+    check("eager ring between replays", out, prv, rnd)
+del graph
 
 torch.cuda.synchronize()
 dist.barrier()
