@@ -499,8 +499,13 @@ impl Comm {
         let args: Vec<CudaOpArgs> = ops
             .iter()
             .map(|op| {
-                let dtype = ffi::copy_dtype(op.dtype).unwrap_or(DType::U8);
-                let mut a = CudaOpArgs::new(op.kind, dtype, op.count, op.stream as sys::CUstream);
+                let dtype = ffi::copy_dtype(op.dtype);
+                let mut a = CudaOpArgs::new(
+                    op.kind,
+                    *dtype.as_ref().unwrap_or(&DType::U8),
+                    op.count,
+                    op.stream as sys::CUstream,
+                );
                 a.peer = op.peer.max(0) as u32;
                 if op.kind == OpKind::Send {
                     a.send = Some(op.send);
@@ -509,7 +514,7 @@ impl Comm {
                 }
                 a.defer_wait = true;
                 // An op whose dtype has no copy type is left to `run`, which reports it.
-                a.p2p_direct = ffi::copy_dtype(op.dtype).is_ok();
+                a.p2p_direct = dtype.is_ok();
                 a
             })
             .collect();

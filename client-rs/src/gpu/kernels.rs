@@ -899,6 +899,23 @@ impl Kernels {
         }
     }
 
+    /// A direct send/recv kernel (`pick` of the loaded ones) of the `(dtype, sum)` module in the
+    /// current context, loading the module if needed.
+    fn p2p_kernel(
+        &self,
+        dtype: DType,
+        pick: impl Fn(&Loaded) -> usize,
+    ) -> Result<usize, KernelError> {
+        let k = self.get(current_ctx_id()?, dtype, RedOp::Sum)?;
+        match pick(&k) {
+            0 => Err(KernelError::InvalidArgument(format!(
+                "no direct send/recv kernel in the {} module",
+                dtype.name()
+            ))),
+            f => Ok(f),
+        }
+    }
+
     /// Enqueues the direct send (`send`) or receive kernel of the `(dtype, sum)` module on
     /// `stream` with `grid` blocks.
     ///
@@ -913,15 +930,7 @@ impl Kernels {
         grid: u32,
         args: &P2pArgs,
     ) -> Result<(), KernelError> {
-        let ctx = current_ctx_id()?;
-        let k = self.get(ctx, dtype, RedOp::Sum)?;
-        let f = if send { k.p2p_send } else { k.p2p_recv };
-        if f == 0 {
-            return Err(KernelError::InvalidArgument(format!(
-                "no direct send/recv kernel in the {} module",
-                dtype.name()
-            )));
-        }
+        let f = self.p2p_kernel(dtype, |k| if send { k.p2p_send } else { k.p2p_recv })?;
         // SAFETY: `f` was loaded in the current context; its parameter is `struct commd_p2p`,
         // laid out as `P2pArgs`; the caller vouches for the rest.
         unsafe {
@@ -943,23 +952,12 @@ impl Kernels {
         dtype: DType,
         args: &P2pGroupArgs,
     ) -> Result<(), KernelError> {
-        let ctx = current_ctx_id()?;
-        let k = self.get(ctx, dtype, RedOp::Sum)?;
-        if k.p2p_group == 0 {
-            return Err(KernelError::InvalidArgument(format!(
-                "no direct send/recv group kernel in the {} module",
-                dtype.name()
-            )));
-        }
+        let f = self.p2p_kernel(dtype, |k| k.p2p_group)?;
         let n = (args.n as usize).min(p2p::GROUP_MAX);
         // SAFETY: loaded in the current context; its parameter is `struct commd_p2p_group`,
         // laid out as `P2pGroupArgs` (the source asserts the size); the caller vouches for the
         // rest.
-        unsafe {
-            launch_one(k.p2p_group, args.first[n], stream, args, || {
-                P2P_GROUP.to_string()
-            })
-        }
+        unsafe { launch_one(f, args.first[n], stream, args, || P2P_GROUP.to_string()) }
     }
 
     /// Enqueues the rounds kernel for `(dtype, op)` (`rounds::push_source`) on `stream`: every

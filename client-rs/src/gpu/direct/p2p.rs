@@ -31,8 +31,12 @@ pub struct P2pConfig {
 }
 
 const DEFAULT_MAX_BYTES: u64 = 4 << 20;
-/// Bytes each side sends in the handle exchange.
-const OFFER: usize = 96;
+/// Bytes each side sends in the handle exchange (the first 89 used) and in the verdict (the
+/// first used): odd sizes, so that a peer whose `COMMD_P2P_DIRECT` differs, posting its own
+/// first send/recv there instead, fails as a mismatched send/recv (the daemon checks count and
+/// dtype) rather than taking these bytes for its data.
+const OFFER: usize = 1021;
+const VERDICT: usize = 1019;
 
 impl P2pConfig {
     pub fn parse(mode: Option<&str>, max: Option<&str>) -> std::result::Result<Self, String> {
@@ -190,13 +194,14 @@ impl Communicator {
         let mut pick = Vec::new();
         let mut at = Vec::new();
         let mut blocks = 0u32;
+        let c = lock(&self.gpu);
         for (i, a) in ops.iter().enumerate() {
             // An op this path cannot take, or whose checks fail, goes the usual way (which
             // reports the same failure for that op alone).
             let Ok(Some(one)) = self.p2p_plan(a, &cfg, false) else {
                 continue;
             };
-            if !matches!(lock(&self.gpu).p2p.get(&a.peer), Some(Pair::On(_))) {
+            if !matches!(c.p2p.get(&a.peer), Some(Pair::On(_))) {
                 continue;
             }
             if pick
@@ -221,6 +226,7 @@ impl Communicator {
             pick.push((a, one));
             at.push(i);
         }
+        drop(c);
         // A captured group goes the usual way, op by op (captured send/recv are persistent
         // ops of the daemon, contract 6): host-counted sequences baked into a graph would
         // repeat at every replay.
@@ -560,9 +566,9 @@ impl Communicator {
             }
         }
         // Round 2: the verdicts (both sides take the direct path, or neither does).
-        let verdicts: Vec<[u8; 8]> = todo
+        let verdicts: Vec<Vec<u8>> = todo
             .iter()
-            .map(|t| [u8::from(t.why.is_none()); 8])
+            .map(|t| vec![u8::from(t.why.is_none()); VERDICT])
             .collect();
         let refs: Vec<&[u8]> = verdicts.iter().map(|v| v.as_slice()).collect();
         let theirs = self.host_exchange(&peers, &refs);
