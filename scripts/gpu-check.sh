@@ -4,7 +4,7 @@
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
 # Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|all] [OUTDIR]
-# `p2p` (issue 22; run only by name): send/recv as direct ops (COMMD_P2P_DIRECT=1) in the NCCL
+# `p2p` (issue 22; run only by name): send/recv as direct ops (COMMD_P2P_DIRECT, on by default) in the NCCL
 # library: tests/gpu/nccl_p2p.py (torch's "nccl" backend on it) and nccl-tests' sendrecv and
 # alltoall, with and without it.
 # `eager` (contract 7 rule 8; run only by name): eager direct ops' tests, and their per-op
@@ -256,18 +256,20 @@ if [ "$what" = eager ]; then
   done
 fi
 if [ "$what" = p2p ]; then
-  # Send/recv as direct ops (COMMD_P2P_DIRECT=1, off by default; run only by name; the NCCL
+  # Send/recv as direct ops (COMMD_P2P_DIRECT: on by default; run only by name; the NCCL
   # library's ops only): torch's own "nccl" backend on the library (tests/gpu/nccl_p2p.py:
-  # rings, every pair at once, small beside large, single ops; every value checked) with and
-  # without it, then nccl-tests' sendrecv and alltoall through the library with and without it.
+  # rings, LL and simple sizes, every pair at once, small beside large, single ops, a captured
+  # ring; every value checked) by default, asked for by name, and with it off (=0), then
+  # nccl-tests' sendrecv and alltoall through the library with and without it.
   plib=${COMMD_NCCL_LIB:-target/release/libcommd_nccl.so}
   [ -f "$plib" ] || plib=.gpu/libcommd_nccl.so
   plib=$(readlink -f "$plib")
   if [ "$ngpu" -ge 2 ]; then
     for n in 2 4; do
       [ "$ngpu" -ge "$n" ] || continue
+      LD_PRELOAD=$plib run "p2p-lib-default-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
       COMMD_P2P_DIRECT=1 LD_PRELOAD=$plib run "p2p-lib-direct-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
-      LD_PRELOAD=$plib run "p2p-lib-daemon-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
+      COMMD_P2P_DIRECT=0 LD_PRELOAD=$plib run "p2p-lib-daemon-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
     done
     run_timeout=1500
     NCCL_PARTS=nccltests NCCL_TESTS_LIST="sendrecv alltoall" NCCL_TESTS_MODES="gpus p2p" \

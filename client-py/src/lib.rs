@@ -580,6 +580,7 @@ impl Communicator {
             record: false,
             // The torch backend's send/recv keep the daemon's path (CudaOpArgs::p2p_direct).
             p2p_direct: false,
+            span: None,
         };
         let comm = self.get()?;
         let c = comm.clone();

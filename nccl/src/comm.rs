@@ -154,6 +154,9 @@ pub struct Op {
     pub send: u64,
     pub recv: u64,
     pub stream: usize,
+    /// send/recv on device memory: its buffer's allocation (base, size, device), asked once
+    /// when the op is called (`execute`) and passed on to the client's direct path.
+    pub span: Option<(u64, u64, i32)>,
 }
 
 fn live() -> MutexGuard<'static, BTreeSet<usize>> {
@@ -515,6 +518,7 @@ impl Comm {
                 a.defer_wait = true;
                 // An op whose dtype has no copy type is left to `run`, which reports it.
                 a.p2p_direct = dtype.is_ok();
+                a.span = op.span;
                 a
             })
             .collect();
@@ -534,6 +538,7 @@ impl Comm {
             group::flush_later(r.clone(), op.stream, self.device);
             *d = true;
         }
+        commd_client::gpu::prof::mark(commd_client::gpu::prof::TRACKED);
         done
     }
 
@@ -581,8 +586,20 @@ impl Comm {
         // Asked with the communicator's device current (`run`): without a context the driver
         // answers nothing, and device memory taken for host memory would be read by the CPU.
         // One query for both buffers in place (a driver call each: part of a small op's cost).
+        // A send/recv has one buffer: asked for its allocation at once (device memory's base,
+        // size and device, which its direct path needs too), else for the kind of memory.
+        let mut op = op;
         let mem: Vec<Memory> = match (send, recv) {
             (Some(s), Some(r)) if s == r => vec![memory_of(s); 2],
+            (Some(b), None) | (None, Some(b)) if op.kind.is_p2p() && cuda() => {
+                match commd_client::gpu::buffer_span(b) {
+                    Ok(span) => {
+                        op.span = Some(span);
+                        vec![Memory::Device]
+                    }
+                    Err(_) => vec![memory_of(b)],
+                }
+            }
             _ => [send, recv].into_iter().flatten().map(memory_of).collect(),
         };
         if mem.len() == 2 && mem[0] != mem[1] {

@@ -205,6 +205,7 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
             first.get_or_insert(e.into());
         }
     }
+    commd_client::gpu::prof::mark(commd_client::gpu::prof::FLUSHED);
     for h in host {
         if let Err(f) = h.finish() {
             first.get_or_insert(f);

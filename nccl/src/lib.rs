@@ -566,7 +566,11 @@ fn run(func: &str, c: ncclComm_t, op: Op) -> ncclResult_t {
         comm::get(c)?.run(op)?;
         ok()
     });
-    commd_client::gpu::prof::end();
+    if group::active() {
+        commd_client::gpu::prof::pause();
+    } else {
+        commd_client::gpu::prof::end();
+    }
     r
 }
 
@@ -590,6 +594,7 @@ fn coll(
         send: send as u64,
         recv: recv as u64,
         stream: stream as usize,
+        span: None,
     }
 }
 
@@ -819,6 +824,7 @@ fn rooted(
             send: if kind == OpKind::Send { buf } else { 0 },
             recv: if kind == OpKind::Recv { buf } else { 0 },
             stream: stream as usize,
+            span: None,
         };
         group::start();
         let body = || -> Outcome {
@@ -945,7 +951,14 @@ pub extern "C" fn ncclGroupStart() -> ncclResult_t {
 
 #[unsafe(no_mangle)]
 pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
-    guard("ncclGroupEnd", group::end)
+    commd_client::gpu::prof::begin();
+    let r = guard("ncclGroupEnd", group::end);
+    if group::active() {
+        commd_client::gpu::prof::pause();
+    } else {
+        commd_client::gpu::prof::end();
+    }
+    r
 }
 
 /// Entry points of NCCL's API that commd does not implement: each returns

@@ -96,7 +96,8 @@ args=(-b ${NCCL_TESTS_MIN:-8} -e ${NCCL_TESTS_MAX:-64M} -f 8 -c 1 -n 10 -w 3)
 args+=(${NCCL_TESTS_EXTRA:-})
 # 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: $NCCL_TESTS_NP ranks (default 2) on as many GPUs (both);
 # eager: as gpus, commd only, with COMMD_EAGER_DIRECT=auto; p2p: as gpus, commd only, with
-# COMMD_P2P_DIRECT=1 (run only by name); onegpus: one process, $NCCL_TESTS_NP GPUs (both).
+# send/recv on the daemon's path (COMMD_P2P_DIRECT=0; gpus has them direct, the default; run
+# only by name); onegpus: one process, $NCCL_TESTS_NP GPUs (both).
 modes=${NCCL_TESTS_MODES:-1rank shared gpus eager onegpus}
 limit_mpi=${NCCL_TESTS_LIMIT:-180}  # seconds per multi-rank run (a hang ends there)
 # Every COMMD_* setting of this shell reaches mpirun's ranks (mpirun passes only what -x names).
@@ -129,10 +130,10 @@ for t in $tests; do
       -np "$np" -x LD_LIBRARY_PATH="$ompi/lib:$ours" "${fwd[@]}" -x COMMD_EAGER_DIRECT=auto \
       -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
   fi
-  # p2p: as gpus, commd only, with send/recv as direct ops (COMMD_P2P_DIRECT=1).
+  # p2p: as gpus, commd only, with send/recv on the daemon's path (COMMD_P2P_DIRECT=0).
   if [ "$ngpu" -ge "$np" ] && [ "$np" -ge 2 ] && [[ " $modes " == *" p2p "* ]]; then
-    step "nccltests-$t-${np}gpus-commd-p2p-direct" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe \
-      -np "$np" -x LD_LIBRARY_PATH="$ompi/lib:$ours" "${fwd[@]}" -x COMMD_P2P_DIRECT=1 \
+    step "nccltests-$t-${np}gpus-commd-p2p-daemon" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe \
+      -np "$np" -x LD_LIBRARY_PATH="$ompi/lib:$ours" "${fwd[@]}" -x COMMD_P2P_DIRECT=0 \
       -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
   fi
   # onegpus: one process driving $NCCL_TESTS_NP GPUs (ncclCommInitAll, `-g N`: every rank's op

@@ -1,5 +1,5 @@
 """Send/recv through commd's NCCL library with torch's own "nccl" backend (run under torchrun with
-LD_PRELOAD=libcommd_nccl.so by scripts/gpu-check.sh p2p, with and without COMMD_P2P_DIRECT=1).
+LD_PRELOAD=libcommd_nccl.so by scripts/gpu-check.sh p2p, by default, with COMMD_P2P_DIRECT=1 and with it 0).
 
 torch's code decides how the ops reach the library: batch_isend_irecv is one
 ncclGroupStart/ncclGroupEnd, a single isend/irecv is an op of its own. Every received value is
@@ -7,6 +7,9 @@ checked against what its sender must have sent (a function of sender, receiver, 
 index), so a lost, stale or misplaced message fails, whichever path carried it:
 - a ring (send to the next rank, receive from the previous one) in one group, receive listed
   first or send first, 60 rounds on the same buffers (the inboxes' two slots reused);
+- a ring of byte messages whose sizes straddle the LL limit (COMMD_P2P_LL_MAX_BYTES, 256 KiB:
+  small ones travel as flagged lines, larger ones through the slots), mixed round by round,
+  at odd offsets (unaligned buffers) and of odd lengths;
 - every pair at once in one group (all-to-all's pattern), odd counts and five dtypes;
 - one group with a small (direct) and a large (past COMMD_P2P_DIRECT_MAX_BYTES: the daemon's
   path) message to the same peer, in both orders, and one with two small ones each way;
@@ -66,6 +69,25 @@ for n, dtype in ((1, torch.float32), (1023, torch.bfloat16), (65537, torch.int32
         r = dist.P2POp(dist.irecv, out, prv)
         run([r, s] if rnd % 2 else [s, r])
         check(f"ring n={n} {dtype}", out, prv, rnd)
+
+# 1b. Byte messages around the LL limit, mixed round by round (both protocols on one pair's
+#     slots and flags), at odd offsets of larger buffers (unaligned) and of odd lengths.
+ll_max = int(os.environ.get("COMMD_P2P_LL_MAX_BYTES", 256 << 10))
+sizes = [1, 7, 8, 9, 4095, max(ll_max - 1, 1), max(ll_max, 1), ll_max + 1, ll_max + 4097, 3]
+for rnd in range(80):
+    n = sizes[(rnd * 7 + rnd // len(sizes)) % len(sizes)]
+    off = rnd % 3
+    x_all = torch.empty(n + 8, device=dev, dtype=torch.uint8)
+    x_all[off:off + n] = payload(rank, nxt, rnd, n, torch.uint8)
+    out_all = torch.full((n + 8,), 255, device=dev, dtype=torch.uint8)
+    oo = (rnd // 3) % 3
+    run([dist.P2POp(dist.isend, x_all[off:off + n], nxt),
+         dist.P2POp(dist.irecv, out_all[oo:oo + n], prv)])
+    check(f"LL limit n={n} offsets {off}/{oo}", out_all[oo:oo + n], prv, rnd)
+    # Nothing written past the message.
+    if not bool((out_all[:oo] == 255).all() and (out_all[oo + n:] == 255).all()):
+        failures.append(f"LL limit n={n}: bytes written outside the receive buffer")
+        print(f"rank {rank}: FAIL {failures[-1]}", flush=True)
 
 # 2. Every pair at once, as all-to-all does.
 for n, dtype in ((3, torch.int8), (4097, torch.float16), (250001, torch.float32),

@@ -637,23 +637,23 @@ impl Communicator {
         // SAFETY: `a.stream` is live and of the event's device.
         unsafe { ev.record(a.stream)? };
         *last = Some((a.stream as usize, ev.clone()));
-        let posted = self.eager_posted(a, sp, word, ev, dev, bytes);
+        let op = sp.launched(word, ev.clone(), false);
+        let posted = self.eager_posted(a, sp, op, ev, dev, bytes);
         super::prof::mark(super::prof::EVENT);
         Ok(Some(posted))
     }
 
-    /// The posted op of an eager direct op (collective or send/recv) launched with status word
-    /// `word` of `pool`, completed by `ev` (recorded after its kernel).
+    /// The posted op of an eager direct op (collective or send/recv): its status `op` (launched
+    /// on a word of `pool`), completed by `ev` (recorded after its kernel).
     pub(crate) fn eager_posted(
         &self,
         a: &CudaOpArgs,
         pool: Arc<eager::StatusPool>,
-        word: u32,
+        op: Arc<eager::OpStatus>,
         ev: Arc<super::CudaEvent>,
         dev: i32,
         bytes: u64,
     ) -> CudaPosted {
-        let op = pool.launched(word, ev.clone());
         CudaPosted {
             request: Request {
                 client: self.client.clone(),

@@ -401,7 +401,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {scale}({elem} *out, con
             scale = scale_kernel_name(dtype),
         );
         // Direct send/recv (`direct/p2p.rs`), single and grouped.
-        p2p::push_source(&mut src, P2P_SEND, P2P_RECV, P2P_GROUP);
+        p2p::push_source(&mut src, P2P_SEND, P2P_RECV, P2P_GROUP, P2P_TWO);
     }
     Ok(src)
 }
@@ -448,6 +448,8 @@ pub const P2P_SEND: &str = "commd_p2p_send";
 pub const P2P_RECV: &str = "commd_p2p_recv";
 /// The `extern "C"` name of the kernel of a group's direct send/recv ops (`p2p::push_source`).
 pub const P2P_GROUP: &str = "commd_p2p_group";
+/// The `extern "C"` name of the kernel of a group of two direct send/recv ops.
+pub const P2P_TWO: &str = "commd_p2p_two";
 
 /// The `extern "C"` name of the rounds kernel for `(dtype, op)` (`rounds::push_source`).
 pub fn rounds_kernel_name(dtype: DType, op: RedOp) -> String {
@@ -670,8 +672,12 @@ pub struct P2pArgs {
     pub sig: u32,
     /// The op's status word (index + 1 in the record page).
     pub status: u32,
+    /// Non-zero: the LL protocol (`p2p` module doc; both sides choose it by the bytes).
+    pub ll: u32,
+    pub pad: u32,
 }
 const _: () = assert!(std::mem::size_of::<DirectArgs>() == 152);
+const _: () = assert!(std::mem::size_of::<P2pArgs>() == 88);
 
 /// The parameter of the rounds kernel (`struct commd_rounds`, `rounds::push_source`): the pieces
 /// and scratch slots of every round as `Communicator::post_cuda_ordered` computes them.
@@ -716,6 +722,17 @@ pub struct P2pGroupArgs {
     pub ops: [P2pArgs; p2p::GROUP_MAX],
 }
 
+/// The argument of the kernel of a group of two (`struct commd_p2p_two`): op 0 on blocks
+/// `0..split`, op 1 on the rest, a send where bit i of `sends` is set.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct P2pTwoArgs {
+    pub split: u32,
+    pub sends: u32,
+    pub ops: [P2pArgs; 2],
+}
+const _: () = assert!(std::mem::size_of::<P2pTwoArgs>() == 184);
+
 /// What is known about one context (by its process-unique id, `cuCtxGetId`).
 #[derive(Clone, Copy)]
 struct CtxInfo {
@@ -734,6 +751,7 @@ struct Loaded {
     p2p_send: usize,
     p2p_recv: usize,
     p2p_group: usize,
+    p2p_two: usize,
     rounds: usize,
     /// Blocks of the rounds kernel that fit on one SM at once (its cooperative launch limit).
     rounds_per_sm: u32,
@@ -960,6 +978,23 @@ impl Kernels {
         unsafe { launch_one(f, args.first[n], stream, args, || P2P_GROUP.to_string()) }
     }
 
+    /// As [`Self::launch_p2p_group`] for a group of two ops on `grid` blocks.
+    ///
+    /// # Safety
+    /// As [`Self::launch_p2p`], for both ops of `args`.
+    pub unsafe fn launch_p2p_two(
+        &self,
+        stream: CUstream,
+        dtype: DType,
+        grid: u32,
+        args: &P2pTwoArgs,
+    ) -> Result<(), KernelError> {
+        let f = self.p2p_kernel(dtype, |k| k.p2p_two)?;
+        // SAFETY: loaded in the current context; its parameter is `struct commd_p2p_two`, laid
+        // out as `P2pTwoArgs` (the source asserts the size); the caller vouches for the rest.
+        unsafe { launch_one(f, grid, stream, args, || P2P_TWO.to_string()) }
+    }
+
     /// Enqueues the rounds kernel for `(dtype, op)` (`rounds::push_source`) on `stream`: every
     /// round of a multi-round reduction in one cooperative launch of at most `max_blocks` blocks
     /// (0: the reduction kernels' cap, `blocks_per_sm` per SM), never more than fit on the GPU
@@ -1150,12 +1185,14 @@ impl Kernels {
         let mut p2p_send: CUfunction = std::ptr::null_mut();
         let mut p2p_recv: CUfunction = std::ptr::null_mut();
         let mut p2p_group: CUfunction = std::ptr::null_mut();
+        let mut p2p_two: CUfunction = std::ptr::null_mut();
         if op == RedOp::Sum {
             for (f, name) in [
                 (&mut scale, scale_kernel_name(dtype)),
                 (&mut p2p_send, P2P_SEND.to_string()),
                 (&mut p2p_recv, P2P_RECV.to_string()),
                 (&mut p2p_group, P2P_GROUP.to_string()),
+                (&mut p2p_two, P2P_TWO.to_string()),
             ] {
                 let cname =
                     CString::new(name).map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
@@ -1200,6 +1237,7 @@ impl Kernels {
             p2p_send: p2p_send as usize,
             p2p_recv: p2p_recv as usize,
             p2p_group: p2p_group as usize,
+            p2p_two: p2p_two as usize,
             rounds: rounds as usize,
             rounds_per_sm: rounds_per_sm.max(0) as u32,
             sm_count: info.sm_count,

@@ -283,6 +283,9 @@ pub struct CudaOpArgs {
     /// torch backend's single sends and receives, which may come in any order across ranks,
     /// keep the daemon's path.
     pub p2p_direct: bool,
+    /// send/recv only: the buffer's allocation (base, size, device ordinal) as
+    /// [`buffer_span`] gave it when the caller already asked; `None`: asked here.
+    pub span: Option<(u64, u64, i32)>,
 }
 
 impl CudaOpArgs {
@@ -301,6 +304,7 @@ impl CudaOpArgs {
             after: None,
             record: false,
             p2p_direct: false,
+            span: None,
         }
     }
 }
@@ -409,6 +413,14 @@ fn device_memory(ptr: sys::CUdeviceptr, mtype: u32, ordinal: i32, base: u64) -> 
         )));
     }
     Ok(())
+}
+
+/// The allocation holding device pointer `ptr` and its device: (base, size, ordinal), or why
+/// it is not CUDA device memory of this process. One driver call; a caller that must tell
+/// device from host memory anyway (the NCCL library) asks this once and passes it on in
+/// [`CudaOpArgs::span`].
+pub fn buffer_span(ptr: sys::CUdeviceptr) -> Result<(u64, u64, i32)> {
+    pointer_span(ptr)
 }
 
 /// The allocation holding device pointer `ptr` and its device: (base, size, ordinal). The
@@ -956,7 +968,7 @@ impl Communicator {
                 return Ok(p);
             }
         }
-        // An eager send/recv too, with COMMD_P2P_DIRECT (off by default).
+        // An eager send/recv too, with COMMD_P2P_DIRECT (on by default in the NCCL library).
         if cap.is_none() && self.nodes <= 1 && a.kind.is_p2p() {
             // SAFETY: the caller's contract.
             if let Some(p) = unsafe { self.try_direct_p2p(&a)? } {

@@ -3,6 +3,7 @@
 //! Only ops a caller wraps are counted (the NCCL library's API functions): it starts the op
 //! (`begin`) and ends it (`end`), so its own cost shows as the first and last phases; the
 //! phases between are marked where the work happens (`mark`, a no-op outside a wrapped op).
+//! Ops inside a group `pause` instead of ending: a group and its ops count as one op.
 //! Off, each call is one load of a cached value; a value that is not a count is named on
 //! stderr once and leaves it off.
 
@@ -11,15 +12,19 @@ use std::sync::OnceLock;
 use std::time::Instant;
 
 /// The phases, in order of an op's path.
-pub const PHASES: [&str; 8] = [
-    "caller",  // the wrapper's entry to the client's post
-    "checks",  // owner, driver, earlier failures, capture state
-    "buffers", // pointer queries and the device's context
-    "prepare", // windows, kernel module, stream order, status word
-    "launch",  // the kernel launch
-    "event",   // the completion event and the request
-    "daemon",  // an op of the daemon's path, from the checks to its post
-    "return",  // back to the wrapper's exit
+pub const PHASES: [&str; 12] = [
+    "caller",   // the wrapper's entry to the client's post
+    "checks",   // owner, driver, earlier failures, capture state
+    "buffers",  // pointer queries and the device's context
+    "prepare",  // windows, kernel module, stream order, status word
+    "launch",   // the kernel launch
+    "event",    // the completion event and the request
+    "daemon",   // an op of the daemon's path, from the checks to its post
+    "return",   // back to the wrapper's exit
+    "held",     // ops of a group, held for its end (their whole wrapper)
+    "requests", // a group's requests made (after its event)
+    "tracked",  // the library's bookkeeping of a group's posted ops
+    "flushed",  // the group end's stream waits
 ];
 pub const CALLER: usize = 0;
 pub const CHECKS: usize = 1;
@@ -29,6 +34,10 @@ pub const LAUNCH: usize = 4;
 pub const EVENT: usize = 5;
 pub const DAEMON: usize = 6;
 const RETURN: usize = 7;
+const HELD: usize = 8;
+pub const REQUESTS: usize = 9;
+pub const TRACKED: usize = 10;
+pub const FLUSHED: usize = 11;
 
 /// `COMMD_EAGER_PROFILE`'s value: ops per report (0: off), or why it is not one.
 fn parse(v: Option<&str>) -> Result<u64, String> {
@@ -74,6 +83,21 @@ pub fn begin() {
     });
 }
 
+/// Adds the time since the open op's last mark to `phase`; `close`: the op stops there.
+/// Whether an op was open (nothing outside a `begin` / `end` pair).
+fn lap(a: &mut Acc, phase: usize, close: bool) -> bool {
+    if !a.open {
+        return false;
+    }
+    let now = Instant::now();
+    if let Some(l) = a.last {
+        a.ns[phase] += (now - l).as_nanos() as u64;
+    }
+    a.last = Some(now);
+    a.open = !close;
+    true
+}
+
 /// The time since the last mark of the open op goes to `phase` (nothing outside a `begin` /
 /// `end` pair).
 pub fn mark(phase: usize) {
@@ -81,15 +105,18 @@ pub fn mark(phase: usize) {
         return;
     }
     ACC.with(|a| {
-        let mut a = a.borrow_mut();
-        if !a.open {
-            return;
-        }
-        let now = Instant::now();
-        if let Some(l) = a.last {
-            a.ns[phase] += (now - l).as_nanos() as u64;
-        }
-        a.last = Some(now);
+        lap(&mut a.borrow_mut(), phase, false);
+    });
+}
+
+/// An op inside a group stops for now (the wrapper's exit): its time so far stays with the
+/// group, which counts as one op when its end (a wrapped `ncclGroupEnd`) ends.
+pub fn pause() {
+    if every() == 0 {
+        return;
+    }
+    ACC.with(|a| {
+        lap(&mut a.borrow_mut(), HELD, true);
     });
 }
 
@@ -101,14 +128,9 @@ pub fn end() {
     }
     ACC.with(|a| {
         let mut a = a.borrow_mut();
-        if !a.open {
+        if !lap(&mut a, RETURN, true) {
             return;
         }
-        let now = Instant::now();
-        if let Some(l) = a.last {
-            a.ns[RETURN] += (now - l).as_nanos() as u64;
-        }
-        a.open = false;
         a.ops += 1;
         if a.ops >= n {
             let total: u64 = a.ns.iter().sum();

@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use super::super::kernels::p2p as kp;
 use super::{Record, k};
 use crate::{Error, Result, lock};
 
@@ -99,6 +100,10 @@ pub(crate) struct OpStatus {
     /// Word index + 1 (the kernel's `status`).
     index: u32,
     done: Arc<dyn Completion>,
+    /// Its kernel writes [`kp::DONE`] into the word when it succeeded (direct send/recv): a
+    /// look at the word, not the event, tells it finished (a failure code still waits for the
+    /// event: other blocks of the op may still run).
+    signals: bool,
     /// The word's value once read (the op's outcome).
     code: OnceLock<u32>,
 }
@@ -166,10 +171,16 @@ impl StatusPool {
     }
 
     /// The launched op of word `index`, finished once `done` says so.
-    pub(crate) fn launched(&self, index: u32, done: Arc<dyn Completion>) -> Arc<OpStatus> {
+    pub(crate) fn launched(
+        &self,
+        index: u32,
+        done: Arc<dyn Completion>,
+        signals: bool,
+    ) -> Arc<OpStatus> {
         let op = Arc::new(OpStatus {
             index,
             done,
+            signals,
             code: OnceLock::new(),
         });
         lock(&self.st).inflight.push_back(op.clone());
@@ -182,7 +193,10 @@ impl StatusPool {
         if let Some(c) = op.code.get() {
             return *c;
         }
-        let c = self.word(op.index).load(Ordering::Acquire);
+        let c = match self.word(op.index).load(Ordering::Acquire) {
+            kp::DONE if op.signals => 0,
+            c => c,
+        };
         let _ = op.code.set(c);
         // Only this op's entry (an entry is removed once, under the lock, with its code set).
         if let Some(p) = g.inflight.iter().position(|x| Arc::ptr_eq(x, op)) {
@@ -197,6 +211,11 @@ impl StatusPool {
     pub(crate) fn poll(&self, op: &Arc<OpStatus>, limit: Option<Duration>) -> Result<Option<u32>> {
         if let Some(c) = op.code.get() {
             return Ok(Some(*c));
+        }
+        // A send/recv that says it is done costs no driver call (each is one, and the
+        // library looks at every op it posted).
+        if op.signals && self.word(op.index).load(Ordering::Acquire) == kp::DONE {
+            return Ok(Some(self.finish(op)));
         }
         // One query before any clock read: a test (`limit` zero) of a finished op costs only it.
         if op.done.finished()? {
@@ -362,7 +381,7 @@ mod tests {
         let pool = unsafe { StatusPool::new(page()) };
         let f1 = Arc::new(Fake(AtomicBool::new(false)));
         let i1 = pool.take().unwrap();
-        let op1 = pool.launched(i1, f1.clone());
+        let op1 = pool.launched(i1, f1.clone(), false);
         // The kernel fails the op: its word holds the code, but the op has not finished yet.
         pool.word(i1).store(k::MISMATCH, Ordering::Release);
         assert_eq!(pool.poll(&op1, Some(Duration::ZERO)).unwrap(), None);
@@ -371,7 +390,7 @@ mod tests {
         for _ in 1..k::STATUS_WORDS {
             let i = pool.take().unwrap();
             assert_ne!(i, i1);
-            ops.push(pool.launched(i, Arc::new(Fake(AtomicBool::new(true)))));
+            ops.push(pool.launched(i, Arc::new(Fake(AtomicBool::new(true))), false));
         }
         // All in flight: the next take waits for the oldest (op1) and reads it first, so its
         // failure is kept, not wiped by the word's next user.
@@ -390,12 +409,43 @@ mod tests {
     }
 
     #[test]
+    fn a_send_recv_that_says_done_finishes_without_its_event_but_a_failure_waits() {
+        // SAFETY: as above.
+        let pool = unsafe { StatusPool::new(page()) };
+        let ev = Arc::new(Fake(AtomicBool::new(false)));
+        let i = pool.take().unwrap();
+        let op = pool.launched(i, ev.clone(), true);
+        assert_eq!(pool.poll(&op, Some(Duration::ZERO)).unwrap(), None);
+        pool.word(i).store(kp::DONE, Ordering::Release);
+        // Done, with the event not yet seen complete: success, the word free again.
+        assert_eq!(pool.poll(&op, Some(Duration::ZERO)).unwrap(), Some(0));
+        assert!(lock(&pool.st).free.contains(&i));
+        // A failure code: the op's other blocks may still run, so its event decides.
+        let j = pool.take().unwrap();
+        let op = pool.launched(j, ev.clone(), true);
+        pool.word(j).store(k::TIMEOUT, Ordering::Release);
+        assert_eq!(pool.poll(&op, Some(Duration::ZERO)).unwrap(), None);
+        ev.0.store(true, Ordering::Release);
+        assert_eq!(
+            pool.poll(&op, Some(Duration::ZERO)).unwrap(),
+            Some(k::TIMEOUT)
+        );
+        // An op that does not signal (a collective): DONE is not its word's to have, and only
+        // its event says it finished.
+        let ev2 = Arc::new(Fake(AtomicBool::new(false)));
+        let q = pool.take().unwrap();
+        let op = pool.launched(q, ev2.clone(), false);
+        pool.word(q).store(kp::DONE, Ordering::Release);
+        assert_eq!(pool.poll(&op, Some(Duration::ZERO)).unwrap(), None);
+    }
+
+    #[test]
     fn a_running_op_times_out_its_poll_but_not_its_word() {
         // SAFETY: as above.
         let pool = unsafe { StatusPool::new(page()) };
         let f = Arc::new(Fake(AtomicBool::new(false)));
         let i = pool.take().unwrap();
-        let op = pool.launched(i, f.clone());
+        let op = pool.launched(i, f.clone(), false);
         let t0 = Instant::now();
         assert_eq!(
             pool.poll(&op, Some(Duration::from_millis(30))).unwrap(),

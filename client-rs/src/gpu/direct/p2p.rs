@@ -1,5 +1,5 @@
-//! Eager send/recv as direct ops (`COMMD_P2P_DIRECT`, off by default until it has run on GPUs;
-//! docs/design.md, "What is left"): a channel per ordered pair, the protocol of
+//! Eager send/recv of the NCCL library as direct ops (`COMMD_P2P_DIRECT`, on by default;
+//! docs/design.md, "Send/recv as direct ops"): a channel per ordered pair, the protocol of
 //! `p2p_model.rs`, the kernels of `kernels::p2p`.
 //!
 //! A pair's channel is set up at the first eligible send or receive between the two ranks, by
@@ -22,16 +22,23 @@ use super::eager::StatusPool;
 use super::{DEFAULT_TIMEOUT_S, alloc_window, open_peer};
 use crate::{Client, Communicator, Error, Result, lock};
 
-/// `COMMD_P2P_DIRECT` (`0`/`off`, the default for now; `1`/`on`/`auto`) and
-/// `COMMD_P2P_DIRECT_MAX_BYTES` (the largest send, default 4 MiB: the slot size).
+/// `COMMD_P2P_DIRECT` (unset or `auto`: on, a pair that cannot take the path keeps the
+/// daemon's quietly; `1`/`on`: on, such a pair says why on stderr; `0`/`off`: every send/recv
+/// takes the daemon's path),
+/// `COMMD_P2P_DIRECT_MAX_BYTES` (the largest send, default 4 MiB: the slot size) and
+/// `COMMD_P2P_LL_MAX_BYTES` (the largest send of the LL protocol, 0 to 256 KiB, default 256 KiB;
+/// 0 sends every message the simple way).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct P2pConfig {
     pub enabled: bool,
+    /// Asked for by name (`1`/`on`): a pair left on the daemon's path says why on stderr.
+    pub explicit: bool,
     pub max_bytes: u64,
+    pub ll_max: u64,
 }
 
 const DEFAULT_MAX_BYTES: u64 = 4 << 20;
-/// Bytes each side sends in the handle exchange (the first 89 used) and in the verdict (the
+/// Bytes each side sends in the handle exchange (the first 97 used) and in the verdict (the
 /// first used): odd sizes, so that a peer whose `COMMD_P2P_DIRECT` differs, posting its own
 /// first send/recv there instead, fails as a mismatched send/recv (the daemon checks count and
 /// dtype) rather than taking these bytes for its data.
@@ -39,13 +46,18 @@ const OFFER: usize = 1021;
 const VERDICT: usize = 1019;
 
 impl P2pConfig {
-    pub fn parse(mode: Option<&str>, max: Option<&str>) -> std::result::Result<Self, String> {
-        let enabled = match mode.map(str::trim) {
-            None | Some("") | Some("0") | Some("off") => false,
-            Some("1") | Some("on") | Some("auto") => true,
+    pub fn parse(
+        mode: Option<&str>,
+        max: Option<&str>,
+        ll: Option<&str>,
+    ) -> std::result::Result<Self, String> {
+        let (enabled, explicit) = match mode.map(str::trim) {
+            None | Some("") | Some("auto") => (true, false),
+            Some("1") | Some("on") => (true, true),
+            Some("0") | Some("off") => (false, false),
             Some(v) => {
                 return Err(format!(
-                    "COMMD_P2P_DIRECT={v:?}: expected 0/off (the default) or 1/on"
+                    "COMMD_P2P_DIRECT={v:?}: expected auto (the default), 1/on or 0/off"
                 ));
             }
         };
@@ -62,7 +74,25 @@ impl P2pConfig {
                     )
                 })?,
         };
-        Ok(Self { enabled, max_bytes })
+        let ll_max = match ll.map(str::trim) {
+            None | Some("") => kp::LL_CAP,
+            Some(s) => s
+                .parse::<u64>()
+                .ok()
+                .filter(|x| *x <= kp::LL_CAP)
+                .ok_or_else(|| {
+                    format!(
+                        "COMMD_P2P_LL_MAX_BYTES={s:?}: expected an integer from 0 to {}",
+                        kp::LL_CAP
+                    )
+                })?,
+        };
+        Ok(Self {
+            enabled,
+            explicit,
+            max_bytes,
+            ll_max,
+        })
     }
 
     /// The process's setting, read once; a bad one fails every GPU send/recv with its name.
@@ -72,6 +102,7 @@ impl P2pConfig {
             Self::parse(
                 std::env::var("COMMD_P2P_DIRECT").ok().as_deref(),
                 std::env::var("COMMD_P2P_DIRECT_MAX_BYTES").ok().as_deref(),
+                std::env::var("COMMD_P2P_LL_MAX_BYTES").ok().as_deref(),
             )
         })
         .clone()
@@ -135,9 +166,11 @@ fn current_device() -> Result<i32> {
     Ok(dev)
 }
 
-/// Blocks for a send or receive of `bytes`: one per 64 KiB, 1 to 32.
-fn grid_for(bytes: u64) -> u32 {
-    (bytes.div_ceil(64 << 10)).clamp(1, 32) as u32
+/// Blocks for a send or receive of `bytes`: one per 8 KiB (1024 lines) of an LL message, one
+/// per 16 KiB of the others, up to 32.
+fn grid_for(bytes: u64, ll: bool) -> u32 {
+    let per = if ll { 8 << 10 } else { 16 << 10 };
+    (bytes.div_ceil(per)).clamp(1, 32) as u32
 }
 
 impl Communicator {
@@ -222,7 +255,7 @@ impl Communicator {
                 // while that one is still being read.
                 return Ok(out);
             }
-            blocks += grid_for(one.bytes);
+            blocks += grid_for(one.bytes, one.ll);
             pick.push((a, one));
             at.push(i);
         }
@@ -289,7 +322,10 @@ impl Communicator {
         let buf = buf.ok_or_else(|| {
             Error::InvalidArgument(format!("{} needs a {what} buffer", a.kind.name()))
         })?;
-        let (base, size, dev) = pointer_span(buf)?;
+        let (base, size, dev) = match a.span {
+            Some(s) => s,
+            None => pointer_span(buf)?,
+        };
         if buf.checked_add(bytes).is_none_or(|end| end > base + size) {
             return Err(Error::InvalidArgument(format!(
                 "{} {what} buffer {buf:#x}: {bytes} bytes run past its allocation ({base:#x}, {size} bytes)",
@@ -301,6 +337,7 @@ impl Communicator {
             buf,
             bytes,
             dev,
+            ll: bytes <= cfg.ll_max,
         }))
     }
 
@@ -317,6 +354,7 @@ impl Communicator {
             return Ok(Vec::new());
         };
         let stream = first.stream;
+        super::super::prof::mark(super::super::prof::BUFFERS);
         ensure_context(dev)?;
         let mut c = lock(&self.gpu);
         let super::super::CommGpu {
@@ -404,24 +442,35 @@ impl Communicator {
                 seq,
                 sig: p2p_signature(a.dtype),
                 status: word,
+                ll: u32::from(pl.ll),
+                pad: 0,
             };
             group.first[k] = blocks;
-            blocks += grid_for(pl.bytes);
+            blocks += grid_for(pl.bytes, pl.ll);
             if pl.send {
                 group.sends |= 1 << k;
             }
         }
         group.n = ops.len() as u32;
         group.first[ops.len()] = blocks;
+        super::super::prof::mark(super::super::prof::PREPARE);
         // SAFETY: the inboxes, record and hint word live for the process (`p2p_setup`); the
         // buffers were checked (`p2p_plan`); the caller vouches for the stream.
         let launched = unsafe {
-            if ops.len() == 1 {
-                kern.launch_p2p(stream, first.dtype, ops[0].1.send, blocks, &group.ops[0])
-            } else {
-                kern.launch_p2p_group(stream, first.dtype, &group)
+            match ops.len() {
+                1 => kern.launch_p2p(stream, first.dtype, ops[0].1.send, blocks, &group.ops[0]),
+                2 => {
+                    let two = kernels::P2pTwoArgs {
+                        split: group.first[1],
+                        sends: group.sends,
+                        ops: [group.ops[0], group.ops[1]],
+                    };
+                    kern.launch_p2p_two(stream, first.dtype, blocks, &two)
+                }
+                _ => kern.launch_p2p_group(stream, first.dtype, &group),
             }
         };
+        super::super::prof::mark(super::super::prof::LAUNCH);
         if let Err(e) = launched {
             words.iter().for_each(|w| shared.pool.give_back(*w));
             return Err(e.into());
@@ -436,13 +485,17 @@ impl Communicator {
         // SAFETY: `stream` is live and of the event's device.
         unsafe { ev.record(stream)? };
         *last = Some((stream as usize, ev.clone()));
-        Ok(ops
+        super::super::prof::mark(super::super::prof::EVENT);
+        let out = ops
             .iter()
             .zip(words)
             .map(|((a, pl), word)| {
-                Some(self.eager_posted(a, shared.pool.clone(), word, ev.clone(), dev, pl.bytes))
+                let op = shared.pool.launched(word, ev.clone(), true);
+                Some(self.eager_posted(a, shared.pool.clone(), op, ev.clone(), dev, pl.bytes))
             })
-            .collect())
+            .collect();
+        super::super::prof::mark(super::super::prof::REQUESTS);
+        Ok(out)
     }
 
     /// Sets up the direct send/recv channels with `peers` (those without one yet) on `device`,
@@ -498,6 +551,7 @@ impl Communicator {
                 Err(e) => t.why = Some(format!("rank {}: {e}", self.rank)),
             }
             t.offer[80..88].copy_from_slice(&slot.to_le_bytes());
+            t.offer[89..97].copy_from_slice(&cfg.ll_max.to_le_bytes());
             if t.why.is_none() {
                 match alloc_window(kp::DATA_OFF + 2 * slot, kp::DATA_OFF) {
                     Ok((p, h)) => {
@@ -531,6 +585,11 @@ impl Communicator {
             } else if theirs[80..88] != t.offer[80..88] {
                 t.why = Some(format!(
                     "rank {peer} has another COMMD_P2P_DIRECT_MAX_BYTES than rank {}",
+                    self.rank
+                ));
+            } else if theirs[89..97] != t.offer[89..97] {
+                t.why = Some(format!(
+                    "rank {peer} has another COMMD_P2P_LL_MAX_BYTES than rank {}",
                     self.rank
                 ));
             } else if theirs[64..80] == t.offer[64..80] {
@@ -605,10 +664,14 @@ impl Communicator {
                         // SAFETY: allocated above; no work uses it.
                         unsafe { sys::cuMemFree_v2(t.local) };
                     }
-                    eprintln!(
-                        "commd: communicator {}: send/recv between ranks {} and {} take the daemon's path, not the direct one: {why}",
-                        self.comm_id, self.rank, t.peer
-                    );
+                    // By default quietly (two ranks sharing a GPU is a normal setup); the
+                    // reason stays in `cuda_p2p_path`.
+                    if cfg.explicit {
+                        eprintln!(
+                            "commd: communicator {}: send/recv between ranks {} and {} take the daemon's path, not the direct one: {why}",
+                            self.comm_id, self.rank, t.peer
+                        );
+                    }
                     Pair::Off(why)
                 }
             };
@@ -660,6 +723,8 @@ struct Plan {
     buf: sys::CUdeviceptr,
     bytes: u64,
     dev: i32,
+    /// The LL protocol (at most `COMMD_P2P_LL_MAX_BYTES`, which both sides share).
+    ll: bool,
 }
 
 /// One pair's setup in progress on this rank.
@@ -682,22 +747,42 @@ mod tests {
     use super::*;
 
     #[test]
-    fn config_is_off_by_default_and_refuses_bad_values() {
-        let c = P2pConfig::parse(None, None).unwrap();
-        assert!(!c.enabled);
+    fn config_is_on_by_default_and_refuses_bad_values() {
+        let c = P2pConfig::parse(None, None, None).unwrap();
+        assert!(c.enabled && !c.explicit);
+        assert_eq!(P2pConfig::parse(Some("auto"), None, None).unwrap(), c);
+        let on = P2pConfig::parse(Some(" on "), None, None).unwrap();
+        assert!(on.enabled && on.explicit);
+        assert!(!P2pConfig::parse(Some("0"), None, None).unwrap().enabled);
+        assert!(!P2pConfig::parse(Some("off"), None, None).unwrap().enabled);
         assert_eq!(c.max_bytes, DEFAULT_MAX_BYTES);
-        assert!(P2pConfig::parse(Some("1"), Some("65536")).unwrap().enabled);
-        let e = P2pConfig::parse(Some("maybe"), None).unwrap_err();
+        assert_eq!(c.ll_max, kp::LL_CAP);
+        assert!(
+            P2pConfig::parse(Some("1"), Some("65536"), None)
+                .unwrap()
+                .enabled
+        );
+        let e = P2pConfig::parse(Some("maybe"), None, None).unwrap_err();
         assert!(e.contains("COMMD_P2P_DIRECT=\"maybe\""), "{e}");
-        let e = P2pConfig::parse(Some("1"), Some("0")).unwrap_err();
+        let e = P2pConfig::parse(Some("1"), Some("0"), None).unwrap_err();
         assert!(e.contains("COMMD_P2P_DIRECT_MAX_BYTES"), "{e}");
+        assert_eq!(
+            P2pConfig::parse(Some("1"), None, Some("0")).unwrap().ll_max,
+            0
+        );
+        let e = P2pConfig::parse(Some("1"), None, Some("262145")).unwrap_err();
+        assert!(e.contains("COMMD_P2P_LL_MAX_BYTES=\"262145\""), "{e}");
     }
 
     #[test]
     fn grids_grow_with_the_bytes_up_to_32_blocks() {
-        assert_eq!(grid_for(8), 1);
-        assert_eq!(grid_for(64 << 10), 1);
-        assert_eq!(grid_for((64 << 10) + 1), 2);
-        assert_eq!(grid_for(4 << 20), 32);
+        assert_eq!(grid_for(8, false), 1);
+        assert_eq!(grid_for(16 << 10, false), 1);
+        assert_eq!(grid_for((16 << 10) + 1, false), 2);
+        assert_eq!(grid_for(4 << 20, false), 32);
+        assert_eq!(grid_for(8, true), 1);
+        assert_eq!(grid_for(8 << 10, true), 1);
+        assert_eq!(grid_for((8 << 10) + 1, true), 2);
+        assert_eq!(grid_for(kp::LL_CAP, true), 32);
     }
 }

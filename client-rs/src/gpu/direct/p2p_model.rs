@@ -400,3 +400,125 @@ fn two_ops_of_one_direction_in_one_group_kernel_is_caught() {
     );
     assert_eq!(failures(&BUILT, 3), 0, "the rule as built went wrong");
 }
+
+mod ll_flags {
+    //! The LL protocol's stale-flag rule (`kernels::p2p` module doc) modelled with flags of `BITS` bits instead of 32, so
+    //! that the sequences wrap within a test: one direction of a pair, both parities, every
+    //! flag location the kernels write (LL header and lines, the simple flag), messages of
+    //! either protocol and any size. Before each send writes, nothing its receive would take
+    //! (or take for a mismatch) may already be there.
+    use super::super::super::kernels::p2p::{REFRESH_PERIOD, refreshes};
+    use super::super::model::Xorshift;
+
+    const BITS: u32 = 10;
+    const MASK: u64 = (1 << BITS) - 1;
+    /// As REFRESH_PERIOD is to 32 bits: a flag is at most 2 * period + 2 sequences old, under
+    /// half the flag's range.
+    const PERIOD: u64 = 1 << (BITS - 3);
+    const LINES: usize = 64;
+
+    struct Dir {
+        /// Per parity: LL header and lines 1..=LINES, and the simple flag (masked sequences).
+        ll: [[u64; LINES + 1]; 2],
+        simple: [u64; 2],
+    }
+
+    /// Whether `got` reads as `want` or later (32-bit wrap-aware in the kernels).
+    fn at_or_after(got: u64, want: u64) -> bool {
+        let d = got.wrapping_sub(want) & MASK;
+        d < (1 << (BITS - 1))
+    }
+
+    /// Runs `msgs` (`Some(lines)`: LL; `None`: simple) with or without the refresh; the first
+    /// sequence at which a receive could take an old flag, if any.
+    fn run(msgs: &[Option<usize>], refresh: bool) -> Option<u64> {
+        let mut d = Dir {
+            ll: [[0; LINES + 1]; 2],
+            simple: [0; 2],
+        };
+        for (k, m) in msgs.iter().enumerate() {
+            let seq = k as u64 + 1;
+            let (p, f) = ((seq & 1) as usize, seq & MASK);
+            let marker = seq.wrapping_sub(2) & MASK;
+            // What the receive of `seq` sees before the send writes: a header or simple flag
+            // at or after its sequence (taken, or a false mismatch), the other protocol's
+            // flag at or after it (a false mismatch), an LL line equal to it (taken).
+            let stale = at_or_after(d.ll[p][0], f)
+                || at_or_after(d.simple[p], f)
+                || m.is_some_and(|n| d.ll[p][1..=n].contains(&f));
+            if stale {
+                return Some(seq);
+            }
+            let r = refresh && refreshes(seq, PERIOD);
+            match *m {
+                Some(n) => {
+                    d.ll[p][0] = f;
+                    for (i, line) in d.ll[p][1..].iter_mut().enumerate() {
+                        if i < n {
+                            *line = f;
+                        } else if r {
+                            *line = marker;
+                        }
+                    }
+                    if r {
+                        d.simple[p] = marker;
+                    }
+                }
+                None => {
+                    d.simple[p] = f;
+                    if r {
+                        d.ll[p] = [marker; LINES + 1];
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    #[test]
+    fn ll_flags_are_never_taken_stale_with_the_refresh() {
+        assert!(REFRESH_PERIOD.is_power_of_two() && 2 * REFRESH_PERIOD + 2 < 1 << 31);
+        assert!(refreshes(1, REFRESH_PERIOD) && refreshes(2, REFRESH_PERIOD));
+        assert!(!refreshes(3, REFRESH_PERIOD) && refreshes(2 * REFRESH_PERIOD + 1, REFRESH_PERIOD));
+        let mut rng = Xorshift(0x11_22_33);
+        let mut stale_without = 0;
+        for _ in 0..20 {
+            // Long runs of one kind: large LL messages, then small ones or simple ones for
+            // longer than the flags' range.
+            let mut msgs = Vec::new();
+            while msgs.len() < 12 << BITS {
+                let len = 1 + (rng.next() % (3 << BITS)) as usize;
+                let kind = rng.next() % 3;
+                for _ in 0..len {
+                    msgs.push(match kind {
+                        0 => Some(1 + (rng.next() % LINES as u64) as usize),
+                        1 => Some(1),
+                        _ => None,
+                    });
+                }
+            }
+            assert_eq!(run(&msgs, true), None);
+            stale_without += usize::from(run(&msgs, false).is_some());
+        }
+        // The same programs reach a stale flag without the rule (they test something).
+        assert!(stale_without >= 10, "{stale_without}");
+    }
+
+    #[test]
+    fn ll_flags_are_taken_stale_without_the_refresh() {
+        // One full LL message per parity, then simple ones past the flags' range, then small
+        // LL ones: without the refresh, the header or a line is taken from 2^BITS sequences
+        // before (the mutation the rule exists for).
+        let mut msgs = vec![Some(LINES), Some(LINES)];
+        msgs.extend(std::iter::repeat_n(None, 1 << BITS));
+        msgs.extend(std::iter::repeat_n(Some(1), 4));
+        assert!(run(&msgs, false).is_some());
+        assert_eq!(run(&msgs, true), None);
+        // Only small LL messages: the lines past them go stale.
+        let mut msgs = vec![Some(LINES), Some(LINES)];
+        msgs.extend(std::iter::repeat_n(Some(1), (1 << BITS) - 2));
+        msgs.extend([Some(LINES), Some(LINES)]);
+        assert!(run(&msgs, false).is_some());
+        assert_eq!(run(&msgs, true), None);
+    }
+}
