@@ -592,7 +592,7 @@ impl Comm {
         let mem: Vec<Memory> = match (send, recv) {
             (Some(s), Some(r)) if s == r => vec![memory_of(s); 2],
             (Some(b), None) | (None, Some(b)) if op.kind.is_p2p() && cuda() => {
-                match commd_client::gpu::buffer_span(b) {
+                match commd_client::gpu::pointer_span(b) {
                     Ok(span) => {
                         op.span = Some(span);
                         vec![Memory::Device]

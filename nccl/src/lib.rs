@@ -566,12 +566,18 @@ fn run(func: &str, c: ncclComm_t, op: Op) -> ncclResult_t {
         comm::get(c)?.run(op)?;
         ok()
     });
+    prof_exit();
+    r
+}
+
+/// The exit of a profiled API call (`COMMD_EAGER_PROFILE`): inside a group the op waits for
+/// the group's end and counts with it.
+fn prof_exit() {
     if group::active() {
         commd_client::gpu::prof::pause();
     } else {
         commd_client::gpu::prof::end();
     }
-    r
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -953,11 +959,7 @@ pub extern "C" fn ncclGroupStart() -> ncclResult_t {
 pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
     commd_client::gpu::prof::begin();
     let r = guard("ncclGroupEnd", group::end);
-    if group::active() {
-        commd_client::gpu::prof::pause();
-    } else {
-        commd_client::gpu::prof::end();
-    }
+    prof_exit();
     r
 }
 

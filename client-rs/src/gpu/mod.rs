@@ -284,7 +284,7 @@ pub struct CudaOpArgs {
     /// keep the daemon's path.
     pub p2p_direct: bool,
     /// send/recv only: the buffer's allocation (base, size, device ordinal) as
-    /// [`buffer_span`] gave it when the caller already asked; `None`: asked here.
+    /// [`pointer_span`] gave it when the caller already asked; `None`: asked here.
     pub span: Option<(u64, u64, i32)>,
 }
 
@@ -416,17 +416,11 @@ fn device_memory(ptr: sys::CUdeviceptr, mtype: u32, ordinal: i32, base: u64) -> 
 }
 
 /// The allocation holding device pointer `ptr` and its device: (base, size, ordinal), or why
-/// it is not CUDA device memory of this process. One driver call; a caller that must tell
-/// device from host memory anyway (the NCCL library) asks this once and passes it on in
-/// [`CudaOpArgs::span`].
-pub fn buffer_span(ptr: sys::CUdeviceptr) -> Result<(u64, u64, i32)> {
-    pointer_span(ptr)
-}
-
-/// The allocation holding device pointer `ptr` and its device: (base, size, ordinal). The
-/// four attributes a direct op needs, in one driver call (fewer than [`pointer_info`]'s: the
-/// per-op host cost of small eager ops).
-fn pointer_span(ptr: sys::CUdeviceptr) -> Result<(u64, u64, i32)> {
+/// it is not CUDA device memory of this process. The four attributes a direct op needs, in one
+/// driver call (fewer than [`pointer_info`]'s: the per-op host cost of small eager ops); a
+/// caller that must tell device from host memory anyway (the NCCL library) asks it once and
+/// passes it on in [`CudaOpArgs::span`].
+pub fn pointer_span(ptr: sys::CUdeviceptr) -> Result<(u64, u64, i32)> {
     use sys::CUpointer_attribute as P;
     let mut base: sys::CUdeviceptr = 0;
     let mut size: usize = 0;
