@@ -290,6 +290,24 @@ def test_library_vs_torch_comparison_flags_each_miss(tmp_path):
     assert wrong.returncode == 2 and "6 wrong values" in wrong.stdout, wrong.stdout
 
 
+def test_library_vs_torch_comparison_says_when_a_miss_is_inside_nccls_spread(tmp_path):
+    """A library slower than NCCL's best round but not than its worst is still a miss of the
+    goal, said to be inside NCCL's own spread; one slower than every NCCL round is not."""
+    d = tmp_path / "vs"
+    d.mkdir()
+    _nccltests_log(d / "vs-all_reduce-nccl-r2.log", ((8, 6.0, 6.0, 0), (1 << 20, 52.0, 52.0, 0)))
+    p = _vs(tmp_path, lib=((8, 9.0, 5.5, 0), (1 << 20, 60.0, 60.0, 0)),
+            torch_commd=((8, 40.0), (1 << 20, 58.0)), torch_nccl=((8, 45.0), (1 << 20, 60.0)))
+    assert p.returncode == 1, p.stdout + p.stderr
+    small = [m for m in p.stdout.splitlines() if m.startswith("MISS: all_reduce 8 B")]
+    large = [m for m in p.stdout.splitlines() if m.startswith("MISS: all_reduce 1 MiB")]
+    assert small and "inside NCCL's own spread over the rounds (its worst 6.0 us)" in small[0], \
+        p.stdout
+    assert large and "spread" not in large[0], p.stdout
+    assert "2 sizes where the torch backend is at NCCL and the library is not; at 1 of them" \
+        in p.stdout, p.stdout
+
+
 def test_nccltests_harness_refuses_bad_arguments_by_name():
     for args, want in ((["--ops", "all_reduce,bogus"], "unknown op 'bogus'"),
                        (["-f", "1"], "need -f >= 2"),

@@ -11,7 +11,9 @@ the rounds (the spread is printed). For every op and size:
 - ``lib/torch``: the library's time over the torch backend's; the goal is at most 1.05 (the
   library as fast as the backend, within 5%);
 - where the torch backend is at least as fast as NCCL through torch, the library must be at
-  least as fast as NCCL through nccl-tests (``vs NCCL``).
+  least as fast as NCCL through nccl-tests (``vs NCCL``). A miss of it still counts when the
+  library's best is no slower than NCCL's worst round; the line says so (rounds of one build
+  differed by up to 1.35x on 2x H100, 2026-11-28).
 all_reduce, broadcast and reduce are compared in place (torch has only that form), the rest out
 of place. Exit status: 0 when both goals hold at every size all four routes measured, 1 when one
 does not (each miss is listed), 2 when no size has all four or a run reported wrong values or
@@ -134,9 +136,14 @@ def compare(data: dict, tol: float = 0.05) -> tuple[list[dict], list[str], list[
                 misses.append(f"{op} {human(size)}: library {have['lib']:.1f} us vs torch backend "
                               f"{have['torch-commd']:.1f} us ({ratio:.2f}x)")
             if torch_at_nccl and not lib_at_nccl:
+                # Still a miss; said when NCCL's own rounds spread past the library's best.
+                worst = max(routes["nccl"][size])
+                row["lib_inside_nccl_spread"] = have["lib"] <= worst
+                noise = (f"; inside NCCL's own spread over the rounds (its worst {worst:.1f} us)"
+                         if row["lib_inside_nccl_spread"] else "")
                 misses.append(f"{op} {human(size)}: torch backend at NCCL ({have['torch-commd']:.1f}"
                               f" vs {have['torch-nccl']:.1f} us) but the library is not "
-                              f"({have['lib']:.1f} vs {have['nccl']:.1f} us)")
+                              f"({have['lib']:.1f} vs {have['nccl']:.1f} us){noise}")
     return rows, misses, gaps
 
 
@@ -183,6 +190,10 @@ def main() -> int:
     within = sum(r["within_5pct"] for r in rows)
     print(f"\n{within} of {len(rows)} sizes with the library within {a.tol:.0%} of the torch "
           f"backend (or faster)")
+    under = [r for r in rows if r["torch_at_least_nccl"] and not r["lib_at_least_nccl"]]
+    inside = sum(r["lib_inside_nccl_spread"] for r in under)
+    print(f"{len(under)} sizes where the torch backend is at NCCL and the library is not; "
+          f"at {inside} of them the library's best is inside NCCL's own spread over the rounds")
     for m in misses:
         print("MISS:", m)
     for g in gaps:
