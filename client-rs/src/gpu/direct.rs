@@ -43,6 +43,25 @@ pub fn default_max_bytes(nranks: u32) -> u64 {
     // The largest power of two at most `per`, capped at 4 MiB.
     (1u64 << (63 - per.leading_zeros())).min(4 << 20)
 }
+/// A direct path's integer setting `name` with value `v`: `None` when unset or empty, else an
+/// integer from `lo` to `hi`, or the error naming the setting and its value.
+pub(crate) fn env_int(
+    name: &str,
+    v: Option<&str>,
+    lo: u64,
+    hi: u64,
+) -> std::result::Result<Option<u64>, String> {
+    match v.map(str::trim) {
+        None | Some("") => Ok(None),
+        Some(s) => s
+            .parse::<u64>()
+            .ok()
+            .filter(|x| (lo..=hi).contains(x))
+            .map(Some)
+            .ok_or_else(|| format!("{name}={s:?}: expected an integer from {lo} to {hi}")),
+    }
+}
+
 /// How long a direct op waits for a peer's flag when the communicator has no op timeout.
 const DEFAULT_TIMEOUT_S: u64 = 300;
 
@@ -111,20 +130,11 @@ impl Config {
                 ));
             }
         };
-        let num = |name: &str, v: Option<&str>, lo: u64, hi: u64| match v.map(str::trim) {
-            None | Some("") => Ok(None),
-            Some(s) => s
-                .parse::<u64>()
-                .ok()
-                .filter(|x| (lo..=hi).contains(x))
-                .map(Some)
-                .ok_or_else(|| format!("{name}={s:?}: expected an integer from {lo} to {hi}")),
-        };
         Ok(Self {
             enabled,
             shared_gpus,
-            max_bytes: num("COMMD_GRAPH_DIRECT_MAX_BYTES", max, 0, 1 << 30)?,
-            blocks: num("COMMD_GRAPH_DIRECT_BLOCKS", blocks, 1, 1024)?
+            max_bytes: env_int("COMMD_GRAPH_DIRECT_MAX_BYTES", max, 0, 1 << 30)?,
+            blocks: env_int("COMMD_GRAPH_DIRECT_BLOCKS", blocks, 1, 1024)?
                 .map_or(DEFAULT_BLOCKS, |b| b as u32),
         })
     }

@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::super::kernels::p2p as kp;
-use super::{Record, k};
+use super::{Record, env_int, k};
 use crate::{Error, Result, lock};
 
 /// `COMMD_EAGER_DIRECT` (`auto`/`on`/`1`, the default since it was measured on GPUs:
@@ -42,20 +42,7 @@ impl EagerConfig {
                 ));
             }
         };
-        let max_bytes = match max.map(str::trim) {
-            None | Some("") => None,
-            Some(s) => Some(
-                s.parse::<u64>()
-                    .ok()
-                    .filter(|x| (1..=1 << 30).contains(x))
-                    .ok_or_else(|| {
-                        format!(
-                            "COMMD_EAGER_DIRECT_MAX_BYTES={s:?}: expected an integer from 1 to {}",
-                            1u64 << 30
-                        )
-                    })?,
-            ),
-        };
+        let max_bytes = env_int("COMMD_EAGER_DIRECT_MAX_BYTES", max, 1, 1 << 30)?;
         Ok(Self {
             enabled,
             shared_gpus,

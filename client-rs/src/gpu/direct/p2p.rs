@@ -19,7 +19,7 @@ use super::super::cu::sys;
 use super::super::kernels::{self, P2pArgs, p2p as kp};
 use super::super::{CudaOpArgs, CudaPosted, ensure_context, pointer_span};
 use super::eager::StatusPool;
-use super::{DEFAULT_TIMEOUT_S, alloc_window, open_peer};
+use super::{DEFAULT_TIMEOUT_S, alloc_window, env_int, open_peer};
 use crate::{Client, Communicator, Error, Result, lock};
 
 /// `COMMD_P2P_DIRECT` (unset or `auto`: on, a pair that cannot take the path keeps the
@@ -61,32 +61,9 @@ impl P2pConfig {
                 ));
             }
         };
-        let max_bytes = match max.map(str::trim) {
-            None | Some("") => DEFAULT_MAX_BYTES,
-            Some(s) => s
-                .parse::<u64>()
-                .ok()
-                .filter(|x| (1..=1 << 30).contains(x))
-                .ok_or_else(|| {
-                    format!(
-                        "COMMD_P2P_DIRECT_MAX_BYTES={s:?}: expected an integer from 1 to {}",
-                        1u64 << 30
-                    )
-                })?,
-        };
-        let ll_max = match ll.map(str::trim) {
-            None | Some("") => kp::LL_CAP,
-            Some(s) => s
-                .parse::<u64>()
-                .ok()
-                .filter(|x| *x <= kp::LL_CAP)
-                .ok_or_else(|| {
-                    format!(
-                        "COMMD_P2P_LL_MAX_BYTES={s:?}: expected an integer from 0 to {}",
-                        kp::LL_CAP
-                    )
-                })?,
-        };
+        let max_bytes =
+            env_int("COMMD_P2P_DIRECT_MAX_BYTES", max, 1, 1 << 30)?.unwrap_or(DEFAULT_MAX_BYTES);
+        let ll_max = env_int("COMMD_P2P_LL_MAX_BYTES", ll, 0, kp::LL_CAP)?.unwrap_or(kp::LL_CAP);
         Ok(Self {
             enabled,
             explicit,
