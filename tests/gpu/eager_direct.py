@@ -14,6 +14,12 @@ ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
    own: every rank's op raises a mismatch naming the count, at once, and no rank hangs; the
    group's next direct op fails too (poisoned), and the default group is untouched.
 5. Works complete: ``is_completed()`` becomes true without ``wait()``.
+6. All-reduces past the limit split into direct ops (``COMMD_DIRECT_RSAG_MAX_BYTES``: a
+   reduce-scatter, an all-gather, and a small all-reduce of a count's remainder modulo the
+   ranks): right results from just past the limit to world x the limit (and a share one
+   element past the limit: the daemon's path), every reduction, async and blocking, on two streams; and two kinds of
+   mismatch, on groups of their own, raised on every rank: counts that differ only in the
+   remainder, and a split all-reduce against a reduce-scatter that other ranks posted.
 Exits non-zero on any failure.
 """
 
@@ -145,22 +151,30 @@ if not path.startswith(want_direct):
 
 # 3. two streams, no CPU sync between ops, direct and daemon-path ops mixed
 s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-small, large = 4096, LIMIT // 4 + 1024  # f32 elements: direct, then daemon (> LIMIT bytes)
-ts, wants = [], []
-for i in range(40):
-    n = small if i % 3 else large
-    x = data(rank, n, torch.float32, 100 + i)
-    ts.append(x)
-    wants.append(reduce_ref(all_in(n, torch.float32, 100 + i), "sum").float())
-torch.cuda.synchronize()
-for i, x in enumerate(ts):
-    # Blocking calls run on the current stream itself (async ones would all go to the
-    # backend's communication stream): the communicator's ops alternate between two streams.
-    with torch.cuda.stream(s1 if i % 2 else s2):
-        dist.all_reduce(x)
-torch.cuda.synchronize()
-for i, (x, w) in enumerate(zip(ts, wants)):
-    check(f"two streams op {i}", x, w)
+# f32 elements: direct, then the daemon's path (an all-reduce past the limit is split into
+# direct ops while its share, 1/world of it, is within the limit: this one's is not)
+small, large = 4096, world * (LIMIT // 4 + 1024)
+
+
+def two_streams(what: str, counts: list[int], salt: int, on_s1) -> None:
+    """All-reduces of ``counts`` f32 elements, op i on s1 where ``on_s1(i)`` else on s2, no
+    CPU sync between them: right results."""
+    ts = [data(rank, n, torch.float32, salt + i) for i, n in enumerate(counts)]
+    wants = [reduce_ref(all_in(n, torch.float32, salt + i), "sum").float()
+             for i, n in enumerate(counts)]
+    torch.cuda.synchronize()
+    for i, x in enumerate(ts):
+        # Blocking calls run on the current stream itself (async ones would all go to the
+        # backend's communication stream): the communicator's ops alternate between streams.
+        with torch.cuda.stream(s1 if on_s1(i) else s2):
+            dist.all_reduce(x)
+    torch.cuda.synchronize()
+    for i, (x, w) in enumerate(zip(ts, wants)):
+        check(f"{what} op {i}", x, w)
+
+
+two_streams("two streams", [small if i % 3 else large for i in range(40)], 100,
+            lambda i: i % 2)
 
 # 5. completion without wait()
 x = data(rank, 1024, torch.float32, 7)
@@ -172,6 +186,65 @@ if not w.is_completed():
     failures.append("an async direct all_reduce never reported completion without wait()")
 w.wait()
 check("completion", x, reduce_ref(all_in(1024, torch.float32, 7), "sum").float())
+
+# 6. all-reduces split into direct ops (past the limit, up to world x the limit)
+most = LIMIT // 4  # f32 elements of the largest direct op
+split_sizes = sorted({most + 1, 2 * most, 2 * most + 3, world * most - 1, world * most,
+                      world * most + 1, world * (most + 1)})
+for n in split_sizes:
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        for name, op in OPS.items():
+            if name == "avg" and not dtype.is_floating_point:
+                continue
+            if dtype != torch.float32 and name in ("max", "min"):
+                continue
+            for async_op in (True, False):
+                salt += 1
+                ins = all_in(n, dtype, salt)
+                t = ins[rank].clone()
+                w = dist.all_reduce(t, op=op, async_op=async_op)
+                if async_op:
+                    w.wait()
+                check(f"split all_reduce {name} {dtype} n={n} async={async_op}", t,
+                      reduce_ref(ins, name).to(dtype), 1e-2 if name == "avg" else 0.0)
+# split ones and direct ones mixed on two streams
+two_streams("split, two streams", [(world * most - 5) if i % 2 else 3000 for i in range(12)],
+            300, lambda i: i % 3)
+
+
+def mismatch_everywhere(what: str, post) -> None:
+    """``post(group)`` posts mismatched ops: every rank must raise a mismatch within 60 s."""
+    g = dist.new_group(list(range(world)))
+    t0, err = time.time(), None
+    try:
+        post(g)
+        torch.cuda.synchronize()
+        dist.all_reduce(torch.ones(16, device=dev), group=g)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the error is the finding
+        err = e
+    if err is None:
+        failures.append(f"{what}: nothing raised")
+    elif "mismatch" not in str(err).lower():
+        failures.append(f"{what}: the error is not a mismatch: {err}")
+    if time.time() - t0 > 60:
+        failures.append(f"{what}: took {time.time() - t0:.1f} s to surface")
+
+
+# counts that differ only in the remainder modulo the ranks
+mismatch_everywhere("split all_reduces whose counts differ by one", lambda g: dist.all_reduce(
+    data(rank, world * most + (1 if rank == 0 else 0), torch.float32), group=g))
+
+
+def ar_against_rs(g) -> None:
+    if rank == 0:
+        dist.all_reduce(data(rank, world * most, torch.float32), group=g)
+    else:
+        out = torch.empty(most, device=dev, dtype=torch.float32)
+        dist.reduce_scatter_tensor(out, data(rank, world * most, torch.float32), group=g)
+
+
+mismatch_everywhere("a split all_reduce against a reduce_scatter", ar_against_rs)
 
 # 4. mismatch on a group of its own
 g = dist.new_group(list(range(world)))

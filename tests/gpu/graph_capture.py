@@ -10,7 +10,8 @@ captured into its own graph; then every graph is replayed many times, interleave
 and with eager ops on the same communicator, with *new input data before every replay*, and each
 replay's outputs must equal the same op run eagerly on the same inputs (bitwise: the same
 kernels run). A stale replay (one that skipped the daemon) leaves the previous replay's result
-and fails. Also: many ops in one graph, a reduction large enough for several scratch rounds,
+and fails. Also: many ops in one graph, a reduction large enough for several scratch rounds, one split
+into direct ops (past the direct limit, its share within it),
 graphs replayed from two different streams, and a rank whose capture differs from its peers'
 (mismatch: the first replay releases every rank and the next commd call raises the daemon's
 reason, naming the fields; no hang, no wrong result taken as good).
@@ -81,6 +82,13 @@ def cases() -> list[Case]:
     # Several scratch rounds (phases) per op: 8 Mi floats.
     big = torch.empty(8 << 20, device=dev)
     cs.append(Case("all_reduce 32 MiB", [big], [big], lambda i, o: dist.all_reduce(i[0])))
+    # Past the direct limit with a share (1/world) within it: split into direct ops (a
+    # reduce-scatter, an all-gather and, for the elements left over, an all-reduce).
+    limit = int(os.environ.get("COMMD_GRAPH_DIRECT_MAX_BYTES", "0")) or (
+        min(4 << 20, 1 << ((8 << 20) // (world - 1)).bit_length() - 1))
+    split = torch.empty(world * (limit // 4) - 3, device=dev)
+    cs.append(Case("all_reduce split into direct ops", [split], [split],
+                   lambda i, o: dist.all_reduce(i[0])))
     for dt in [torch.float32, torch.bfloat16]:
         x = torch.empty(n, device=dev, dtype=dt)
         cs.append(Case(f"reduce {dt}", [x], [x], lambda i, o: dist.reduce(i[0], dst=0)))

@@ -62,6 +62,33 @@ pub(crate) fn env_int(
     }
 }
 
+/// `COMMD_DIRECT_RSAG_MAX_BYTES`: the largest all-reduce (bytes per rank) past the direct limit
+/// that runs as direct ops, a reduce-scatter then an all-gather
+/// ([`Communicator::all_reduce_split`]); default: every one whose share (1/n of it) fits the
+/// limit, i.e. up to n x the limit; `0`: none (each takes the daemon's path, as before). The
+/// same on every rank (checked when the windows are set up). Read once per process.
+pub(crate) fn rsag_max() -> Result<u64> {
+    static V: std::sync::OnceLock<std::result::Result<u64, String>> = std::sync::OnceLock::new();
+    V.get_or_init(|| parse_rsag_max(std::env::var("COMMD_DIRECT_RSAG_MAX_BYTES").ok().as_deref()))
+        .clone()
+        .map_err(Error::InvalidArgument)
+}
+
+fn parse_rsag_max(v: Option<&str>) -> std::result::Result<u64, String> {
+    Ok(env_int("COMMD_DIRECT_RSAG_MAX_BYTES", v, 0, 1 << 40)?.unwrap_or(u64::MAX))
+}
+
+/// The share (elements per rank) of an all-reduce of `count` elements of `es` bytes split into
+/// a reduce-scatter and an all-gather, or `None` when it is not split: within the direct limit
+/// `max` (one direct all-reduce), past `rsag` bytes, or a share past `max`. Measured on 4x
+/// H200 (docs/benchmarks.md, 2026-11-28): at 4 and 8 MiB the two direct ops together take about
+/// half the daemon's reduce-scatter + all-gather.
+pub(crate) fn split_share(count: u64, es: u64, n: u64, max: u64, rsag: u64) -> Option<u64> {
+    let bytes = count.saturating_mul(es);
+    let share = count / n.max(1);
+    (n >= 2 && bytes > max && bytes <= rsag && share > 0 && share * es <= max).then_some(share)
+}
+
 /// How long a direct op waits for a peer's flag when the communicator has no op timeout.
 const DEFAULT_TIMEOUT_S: u64 = 300;
 
@@ -161,6 +188,11 @@ pub fn signature(kind: OpKind, dtype: DType, op: RedOp, root: u32) -> u32 {
         | (u32::from(op.code()) << 16)
         | ((0x10 | root) << 24)
 }
+/// The mark in a signature of a direct op that is one part of an all-reduce split into several
+/// ([`Communicator::all_reduce_split`]): such a part never pairs with an op that a peer posted
+/// by itself (a reduce-scatter then an all-gather), which would leave the mismatch unseen.
+pub const PART: u32 = 0x20 << 24;
+
 /// A failure record's words as the kernel wrote them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Record {
@@ -174,6 +206,12 @@ pub struct Record {
 fn describe_sig(sig: u32) -> String {
     if sig == k::ERR_SIG {
         return "no op (it had failed)".into();
+    }
+    if sig & PART != 0 {
+        return format!(
+            "{} (part of an all_reduce split into direct ops)",
+            describe_sig(sig & !PART)
+        );
     }
     let kind = OpKind::from_code((sig & 0xff) as u16)
         .map(|x| x.name().to_string())
@@ -394,6 +432,21 @@ impl Communicator {
         a: &CudaOpArgs,
         eager: bool,
     ) -> Result<Option<CudaPosted>> {
+        // SAFETY: the caller's contract.
+        unsafe { self.direct_op(a, eager, false) }
+    }
+
+    /// [`Self::try_direct`]; `part`: one part of a split all-reduce (its signature marked
+    /// [`PART`], never split again).
+    ///
+    /// # Safety
+    /// As `try_direct`.
+    unsafe fn direct_op(
+        &self,
+        a: &CudaOpArgs,
+        eager: bool,
+        part: bool,
+    ) -> Result<Option<CudaPosted>> {
         let mode = match a.kind {
             OpKind::AllReduce => k::MODE_AR,
             OpKind::AllGather => k::MODE_AG,
@@ -448,11 +501,24 @@ impl Communicator {
             }
             return Ok(None);
         }
+        let max = cfg.max_bytes_for(self.nranks);
+        // Read for every op (a bad value fails each one, before any exchange with the peers).
+        let rsag = rsag_max()?;
+        if mode == k::MODE_AR
+            && !part
+            && self.nodes <= 1
+            && self.nranks <= k::MAX_RANKS
+            && let Some(share) =
+                split_share(a.count, a.dtype.size(), u64::from(self.nranks), max, rsag)
+        {
+            // SAFETY: the caller's contract.
+            return unsafe { self.all_reduce_split(a, eager, share) };
+        }
         if self.nodes > 1
             || self.nranks < 2
             || self.nranks > k::MAX_RANKS
             || bytes == 0
-            || bytes > cfg.max_bytes_for(self.nranks)
+            || bytes > max
             || (mode == k::MODE_BC || mode == k::MODE_RED) && a.peer >= self.nranks
         {
             return Ok(None);
@@ -598,7 +664,7 @@ impl Communicator {
                 .min(u128::from(u64::MAX)) as u64,
             me: self.rank,
             n: self.nranks,
-            sig: signature(a.kind, a.dtype, op, a.peer),
+            sig: signature(a.kind, a.dtype, op, a.peer) | if part { PART } else { 0 },
             k: w.next_k,
             divisor: self.nranks,
             mode,
@@ -653,6 +719,83 @@ impl Communicator {
         Ok(Some(posted))
     }
 
+    /// An all-reduce past the direct limit as direct ops (`COMMD_DIRECT_RSAG_MAX_BYTES`,
+    /// [`split_share`]), each a kernel on the caller's stream, marked [`PART`]: the count's
+    /// remainder modulo the ranks first (a direct all-reduce of the last elements; first, so that
+    /// ranks whose counts differ only there fail at once), then a reduce-scatter of the rest
+    /// into this rank's share of the output (NCCL's in-place layout when the buffers are one),
+    /// then an all-gather of the shares in place. Each GPU sends 2 (n - 1) / n x the bytes in
+    /// two launches, against the daemon's copy-engine rounds with a host turnaround each. An
+    /// eager call's request fails if any part failed (`LocalDone::earlier`); `Ok(None)` when the
+    /// direct path is off (no part ran: the same on every rank).
+    ///
+    /// # Safety
+    /// As `try_direct`.
+    unsafe fn all_reduce_split(
+        &self,
+        a: &CudaOpArgs,
+        eager: bool,
+        share: u64,
+    ) -> Result<Option<CudaPosted>> {
+        let (Some(send), Some(recv)) = (a.send, a.recv) else {
+            return Err(Error::InvalidArgument(
+                "all_reduce needs a send and a recv buffer".into(),
+            ));
+        };
+        let es = a.dtype.size();
+        let body = share * u64::from(self.nranks);
+        let mine = recv + u64::from(self.rank) * share * es;
+        let mut parts = Vec::with_capacity(3);
+        if a.count > body {
+            parts.push(CudaOpArgs {
+                count: a.count - body,
+                send: Some(send + body * es),
+                recv: Some(recv + body * es),
+                ..*a
+            });
+        }
+        parts.push(CudaOpArgs {
+            kind: OpKind::ReduceScatter,
+            count: share,
+            recv: Some(mine),
+            ..*a
+        });
+        parts.push(CudaOpArgs {
+            kind: OpKind::AllGather,
+            count: share,
+            send: Some(mine),
+            ..*a
+        });
+        let last = parts.len() - 1;
+        let mut earlier = Vec::with_capacity(last);
+        for (i, mut p) in parts.into_iter().enumerate() {
+            if i > 0 {
+                p.after = None;
+            }
+            p.record = a.record && i == last;
+            // SAFETY: the caller's contract; every part lies within the op's buffers.
+            let Some(mut posted) = (unsafe { self.direct_op(&p, eager, true)? }) else {
+                if i == 0 {
+                    return Ok(None);
+                }
+                return Err(Error::InvalidArgument(format!(
+                    "all_reduce split into direct ops: part {i} could not run after part 0 did (internal error)"
+                )));
+            };
+            if i < last {
+                earlier.extend(posted.request.local.take().map(|l| l.op));
+                continue;
+            }
+            if let Some(l) = posted.request.local.as_mut() {
+                l.earlier = std::mem::take(&mut earlier);
+                l.what = a.kind.name();
+            }
+            posted.bytes = a.count.saturating_mul(es);
+            return Ok(Some(posted));
+        }
+        Ok(None)
+    }
+
     /// The posted op of an eager direct op (collective or send/recv): its status `op` (launched
     /// on a word of `pool`), completed by `ev` (recorded after its kernel).
     pub(crate) fn eager_posted(
@@ -672,6 +815,7 @@ impl Communicator {
                 local: Some(LocalDone {
                     pool,
                     op,
+                    earlier: Vec::new(),
                     comm_id: self.comm_id,
                     rank: self.rank,
                     what: a.kind.name(),
@@ -715,6 +859,8 @@ impl Communicator {
         offer[80..88].copy_from_slice(&slot.to_le_bytes());
         offer[88..92].copy_from_slice(&grid.to_le_bytes());
         offer[92] = u8::from(local_err.is_none());
+        // (Read by every op before it gets here: `direct_op`.)
+        offer[96..104].copy_from_slice(&rsag_max()?.to_le_bytes());
         let all = self.host_all_gather(&offer)?;
         let part = |r: usize| &all[r * OFFER_BYTES as usize..(r + 1) * OFFER_BYTES as usize];
         // Decisions every rank makes alike from the same offers.
@@ -731,6 +877,11 @@ impl Communicator {
                     } else {
                         "COMMD_GRAPH_DIRECT_MAX_BYTES"
                     },
+                    self.rank
+                ));
+            } else if o[96..104] != offer[96..104] {
+                why = Some(format!(
+                    "rank {r} has another COMMD_DIRECT_RSAG_MAX_BYTES than rank {}",
                     self.rank
                 ));
             } else if let Some(q) = (0..r)
@@ -1062,6 +1213,55 @@ mod tests {
             let e = Config::parse(m, x, b).unwrap_err();
             assert!(e.contains("COMMD_GRAPH_DIRECT"), "{e}");
         }
+    }
+
+    #[test]
+    fn an_all_reduce_splits_only_past_the_limit_with_a_share_within_it() {
+        let mib = 1u64 << 20;
+        let max = default_max_bytes(4); // 2 MiB
+        // Within the limit: one direct all-reduce.
+        assert_eq!(split_share(max / 4, 4, 4, max, u64::MAX), None);
+        // 4 and 8 MiB of f32 on 4 ranks: shares of 1 and 2 MiB.
+        assert_eq!(split_share(mib, 4, 4, max, u64::MAX), Some(mib / 4));
+        assert_eq!(split_share(2 * mib, 4, 4, max, u64::MAX), Some(mib / 2));
+        // A remainder modulo the ranks is left to a small all-reduce of its own.
+        assert_eq!(split_share(mib + 3, 4, 4, max, u64::MAX), Some(mib / 4));
+        // Past 4 x the limit the share does not fit a window slot.
+        assert_eq!(split_share(2 * mib + 4, 4, 4, max, u64::MAX), None);
+        // COMMD_DIRECT_RSAG_MAX_BYTES: 0 splits nothing; a lower value stops it there.
+        assert_eq!(split_share(mib, 4, 4, max, 0), None);
+        assert_eq!(split_share(mib, 4, 4, max, 4 * mib), Some(mib / 4));
+        assert_eq!(split_share(mib + 1, 4, 4, max, 4 * mib), None);
+        // One rank: nothing to split.
+        assert_eq!(split_share(mib, 4, 1, max, u64::MAX), None);
+        // 2 ranks (limit 4 MiB): up to 8 MiB.
+        let m2 = default_max_bytes(2);
+        assert_eq!(split_share(2 * mib, 4, 2, m2, u64::MAX), Some(mib));
+        assert_eq!(split_share(2 * mib + 2, 4, 2, m2, u64::MAX), None);
+        assert_eq!(parse_rsag_max(None).unwrap(), u64::MAX);
+        assert_eq!(parse_rsag_max(Some("0")).unwrap(), 0);
+        assert_eq!(parse_rsag_max(Some("8388608")).unwrap(), 8 * mib);
+        for bad in ["-1", "x", "99999999999999"] {
+            let e = parse_rsag_max(Some(bad)).unwrap_err();
+            assert!(
+                e.contains("COMMD_DIRECT_RSAG_MAX_BYTES") && e.contains(bad),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_part_of_a_split_all_reduce_never_pairs_with_an_op_of_its_own() {
+        for kind in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather] {
+            let s = signature(kind, DType::F32, RedOp::Sum, 0);
+            assert_ne!(s | PART, s);
+            assert_ne!(s | PART, k::ERR_SIG);
+        }
+        let rs = signature(OpKind::ReduceScatter, DType::BF16, RedOp::Sum, 0) | PART;
+        assert_eq!(
+            describe_sig(rs),
+            "reduce_scatter bf16 sum (part of an all_reduce split into direct ops)"
+        );
     }
 
     #[test]

@@ -244,6 +244,10 @@ impl StatusPool {
 pub(crate) struct LocalDone {
     pub(crate) pool: Arc<StatusPool>,
     pub(crate) op: Arc<OpStatus>,
+    /// Ops launched before `op` as parts of the same call (an all-reduce split into direct
+    /// ops, `Communicator::all_reduce_split`), on the same stream: finished once `op` is, and
+    /// a failure of any of them is the call's.
+    pub(crate) earlier: Vec<Arc<OpStatus>>,
     pub(crate) comm_id: u64,
     pub(crate) rank: u32,
     pub(crate) what: &'static str,
@@ -256,9 +260,20 @@ impl LocalDone {
         &self,
         limit: Option<Duration>,
     ) -> Result<Option<std::result::Result<u64, Error>>> {
-        let Some(code) = self.pool.poll(&self.op, limit)? else {
+        let Some(last) = self.pool.poll(&self.op, limit)? else {
             return Ok(None);
         };
+        // Every part is read (its word freed); the first failure in launch order is the call's.
+        let mut code = 0;
+        for op in &self.earlier {
+            let c = self.pool.poll(op, None)?.unwrap_or(0);
+            if code == 0 {
+                code = c;
+            }
+        }
+        if code == 0 {
+            code = last;
+        }
         if code == 0 {
             return Ok(Some(Ok(0)));
         }
@@ -443,5 +458,45 @@ mod tests {
         f.0.store(true, Ordering::Release);
         assert_eq!(pool.poll(&op, Some(Duration::ZERO)).unwrap(), Some(0));
         assert!(lock(&pool.st).free.contains(&i));
+    }
+
+    #[test]
+    fn a_split_call_fails_with_its_first_failed_part_and_frees_every_word() {
+        // SAFETY: as above.
+        let pool = Arc::new(unsafe { StatusPool::new(page()) });
+        let done = Arc::new(Fake(AtomicBool::new(true)));
+        let launch = |code: u32| {
+            let i = pool.take().unwrap();
+            pool.word(i).store(code, Ordering::Release);
+            pool.launched(i, done.clone(), false)
+        };
+        let call = |earlier: Vec<Arc<OpStatus>>, last: Arc<OpStatus>| LocalDone {
+            pool: pool.clone(),
+            op: last,
+            earlier,
+            comm_id: 7,
+            rank: 0,
+            what: "all_reduce",
+        };
+        // A reduce-scatter part that failed as a mismatch, then an all-gather part that
+        // succeeded (the peers' later parts can pair by chance): the call fails, and says so.
+        let c = call(vec![launch(k::MISMATCH)], launch(0));
+        let e = c.poll(None).unwrap().unwrap().unwrap_err();
+        assert!(e.to_string().contains("mismatch"), "{e}");
+        assert!(
+            e.to_string().contains("all_reduce on communicator 7"),
+            "{e}"
+        );
+        // Two failed parts: the first in launch order is the call's.
+        let c = call(vec![launch(0), launch(k::TIMEOUT)], launch(k::POISONED));
+        let e = c.poll(None).unwrap().unwrap().unwrap_err();
+        assert!(e.to_string().contains("within the op timeout"), "{e}");
+        // Every part succeeded: so does the call.
+        let c = call(vec![launch(0), launch(0)], launch(0));
+        assert_eq!(c.poll(None).unwrap().unwrap().unwrap(), 0);
+        // Every word read and free again.
+        let g = lock(&pool.st);
+        assert!(g.inflight.is_empty());
+        assert_eq!(g.free.len(), k::STATUS_WORDS as usize);
     }
 }
