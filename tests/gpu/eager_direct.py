@@ -14,7 +14,7 @@ ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
    own: every rank's op raises a mismatch naming the count, at once, and no rank hangs; the
    group's next direct op fails too (poisoned), and the default group is untouched.
 5. Works complete: ``is_completed()`` becomes true without ``wait()``.
-6. All-reduces past the limit split into direct ops (``COMMD_DIRECT_RSAG_MAX_BYTES``: a
+6. All-reduces past the limit split into direct ops (``COMMD_DIRECT_SPLIT_MAX_BYTES``: a
    reduce-scatter, an all-gather, and a small all-reduce of a count's remainder modulo the
    ranks): right results from just past the limit to world x the limit (and a share one
    element past the limit: the daemon's path), every reduction, async and blocking, on two streams; and two kinds of

@@ -62,31 +62,37 @@ pub(crate) fn env_int(
     }
 }
 
-/// `COMMD_DIRECT_RSAG_MAX_BYTES`: the largest all-reduce (bytes per rank) past the direct limit
+/// `COMMD_DIRECT_SPLIT_MAX_BYTES`: the largest all-reduce (bytes per rank) past the direct limit
 /// that runs as direct ops, a reduce-scatter then an all-gather
 /// ([`Communicator::all_reduce_split`]); default: every one whose share (1/n of it) fits the
 /// limit, i.e. up to n x the limit; `0`: none (each takes the daemon's path, as before). The
 /// same on every rank (checked when the windows are set up). Read once per process.
-pub(crate) fn rsag_max() -> Result<u64> {
+pub(crate) fn split_max() -> Result<u64> {
     static V: std::sync::OnceLock<std::result::Result<u64, String>> = std::sync::OnceLock::new();
-    V.get_or_init(|| parse_rsag_max(std::env::var("COMMD_DIRECT_RSAG_MAX_BYTES").ok().as_deref()))
-        .clone()
-        .map_err(Error::InvalidArgument)
+    V.get_or_init(|| {
+        parse_split_max(
+            std::env::var("COMMD_DIRECT_SPLIT_MAX_BYTES")
+                .ok()
+                .as_deref(),
+        )
+    })
+    .clone()
+    .map_err(Error::InvalidArgument)
 }
 
-fn parse_rsag_max(v: Option<&str>) -> std::result::Result<u64, String> {
-    Ok(env_int("COMMD_DIRECT_RSAG_MAX_BYTES", v, 0, 1 << 40)?.unwrap_or(u64::MAX))
+fn parse_split_max(v: Option<&str>) -> std::result::Result<u64, String> {
+    Ok(env_int("COMMD_DIRECT_SPLIT_MAX_BYTES", v, 0, 1 << 40)?.unwrap_or(u64::MAX))
 }
 
 /// The share (elements per rank) of an all-reduce of `count` elements of `es` bytes split into
 /// a reduce-scatter and an all-gather, or `None` when it is not split: within the direct limit
-/// `max` (one direct all-reduce), past `rsag` bytes, or a share past `max`. Measured on 4x
-/// H200 (docs/benchmarks.md, 2026-11-28): at 4 and 8 MiB the two direct ops together take about
-/// half the daemon's reduce-scatter + all-gather.
-pub(crate) fn split_share(count: u64, es: u64, n: u64, max: u64, rsag: u64) -> Option<u64> {
+/// `max` (one direct all-reduce), past `most` bytes (`COMMD_DIRECT_SPLIT_MAX_BYTES`), or a
+/// share past `max`. Measured on 4x H200 (docs/benchmarks.md, 2026-11-28): at 4 and 8 MiB the
+/// two direct ops together take about half the daemon's reduce-scatter + all-gather.
+pub(crate) fn split_share(count: u64, es: u64, n: u64, max: u64, most: u64) -> Option<u64> {
     let bytes = count.saturating_mul(es);
     let share = count / n.max(1);
-    (n >= 2 && bytes > max && bytes <= rsag && share > 0 && share * es <= max).then_some(share)
+    (n >= 2 && bytes > max && bytes <= most && share > 0 && share * es <= max).then_some(share)
 }
 
 /// How long a direct op waits for a peer's flag when the communicator has no op timeout.
@@ -503,13 +509,13 @@ impl Communicator {
         }
         let max = cfg.max_bytes_for(self.nranks);
         // Read for every op (a bad value fails each one, before any exchange with the peers).
-        let rsag = rsag_max()?;
+        let most = split_max()?;
         if mode == k::MODE_AR
             && !part
             && self.nodes <= 1
             && self.nranks <= k::MAX_RANKS
             && let Some(share) =
-                split_share(a.count, a.dtype.size(), u64::from(self.nranks), max, rsag)
+                split_share(a.count, a.dtype.size(), u64::from(self.nranks), max, most)
         {
             // SAFETY: the caller's contract.
             return unsafe { self.all_reduce_split(a, eager, share) };
@@ -719,7 +725,7 @@ impl Communicator {
         Ok(Some(posted))
     }
 
-    /// An all-reduce past the direct limit as direct ops (`COMMD_DIRECT_RSAG_MAX_BYTES`,
+    /// An all-reduce past the direct limit as direct ops (`COMMD_DIRECT_SPLIT_MAX_BYTES`,
     /// [`split_share`]), each a kernel on the caller's stream, marked [`PART`]: the count's
     /// remainder modulo the ranks first (a direct all-reduce of the last elements; first, so that
     /// ranks whose counts differ only there fail at once), then a reduce-scatter of the rest
@@ -860,7 +866,7 @@ impl Communicator {
         offer[88..92].copy_from_slice(&grid.to_le_bytes());
         offer[92] = u8::from(local_err.is_none());
         // (Read by every op before it gets here: `direct_op`.)
-        offer[96..104].copy_from_slice(&rsag_max()?.to_le_bytes());
+        offer[96..104].copy_from_slice(&split_max()?.to_le_bytes());
         let all = self.host_all_gather(&offer)?;
         let part = |r: usize| &all[r * OFFER_BYTES as usize..(r + 1) * OFFER_BYTES as usize];
         // Decisions every rank makes alike from the same offers.
@@ -881,7 +887,7 @@ impl Communicator {
                 ));
             } else if o[96..104] != offer[96..104] {
                 why = Some(format!(
-                    "rank {r} has another COMMD_DIRECT_RSAG_MAX_BYTES than rank {}",
+                    "rank {r} has another COMMD_DIRECT_SPLIT_MAX_BYTES than rank {}",
                     self.rank
                 ));
             } else if let Some(q) = (0..r)
@@ -1228,7 +1234,7 @@ mod tests {
         assert_eq!(split_share(mib + 3, 4, 4, max, u64::MAX), Some(mib / 4));
         // Past 4 x the limit the share does not fit a window slot.
         assert_eq!(split_share(2 * mib + 4, 4, 4, max, u64::MAX), None);
-        // COMMD_DIRECT_RSAG_MAX_BYTES: 0 splits nothing; a lower value stops it there.
+        // COMMD_DIRECT_SPLIT_MAX_BYTES: 0 splits nothing; a lower value stops it there.
         assert_eq!(split_share(mib, 4, 4, max, 0), None);
         assert_eq!(split_share(mib, 4, 4, max, 4 * mib), Some(mib / 4));
         assert_eq!(split_share(mib + 1, 4, 4, max, 4 * mib), None);
@@ -1238,13 +1244,13 @@ mod tests {
         let m2 = default_max_bytes(2);
         assert_eq!(split_share(2 * mib, 4, 2, m2, u64::MAX), Some(mib));
         assert_eq!(split_share(2 * mib + 2, 4, 2, m2, u64::MAX), None);
-        assert_eq!(parse_rsag_max(None).unwrap(), u64::MAX);
-        assert_eq!(parse_rsag_max(Some("0")).unwrap(), 0);
-        assert_eq!(parse_rsag_max(Some("8388608")).unwrap(), 8 * mib);
+        assert_eq!(parse_split_max(None).unwrap(), u64::MAX);
+        assert_eq!(parse_split_max(Some("0")).unwrap(), 0);
+        assert_eq!(parse_split_max(Some("8388608")).unwrap(), 8 * mib);
         for bad in ["-1", "x", "99999999999999"] {
-            let e = parse_rsag_max(Some(bad)).unwrap_err();
+            let e = parse_split_max(Some(bad)).unwrap_err();
             assert!(
-                e.contains("COMMD_DIRECT_RSAG_MAX_BYTES") && e.contains(bad),
+                e.contains("COMMD_DIRECT_SPLIT_MAX_BYTES") && e.contains(bad),
                 "{e}"
             );
         }
