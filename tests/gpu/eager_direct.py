@@ -212,8 +212,9 @@ two_streams("split, two streams", [(world * most - 5) if i % 2 else 3000 for i i
             300, lambda i: i % 3)
 
 
-def mismatch_everywhere(what: str, post) -> None:
-    """``post(group)`` posts mismatched ops: every rank must raise a mismatch within 60 s."""
+def mismatch_everywhere(what: str, post, naming: str = "") -> None:
+    """``post(group)`` posts mismatched ops on a new group: every rank must raise a mismatch
+    (whose message names ``naming``) within 60 s, from the op itself or the group's next one."""
     g = dist.new_group(list(range(world)))
     t0, err = time.time(), None
     try:
@@ -225,8 +226,8 @@ def mismatch_everywhere(what: str, post) -> None:
         err = e
     if err is None:
         failures.append(f"{what}: nothing raised")
-    elif "mismatch" not in str(err).lower():
-        failures.append(f"{what}: the error is not a mismatch: {err}")
+    elif "mismatch" not in str(err).lower() or naming not in str(err):
+        failures.append(f"{what}: the error is not a mismatch naming {naming!r}: {err}")
     if time.time() - t0 > 60:
         failures.append(f"{what}: took {time.time() - t0:.1f} s to surface")
 
@@ -246,27 +247,11 @@ def ar_against_rs(g) -> None:
 
 mismatch_everywhere("a split all_reduce against a reduce_scatter", ar_against_rs)
 
-# 4. mismatch on a group of its own
-g = dist.new_group(list(range(world)))
-x = data(rank, 4096 if rank == 0 else 2048, torch.float32)
-t0 = time.time()
-err = None
-try:
-    # The first op on g (it sets up g's windows): counts differ. Its Work may raise at once
-    # (the kernel already finished), else the group's next call raises.
-    dist.all_reduce(x, group=g)
-    torch.cuda.synchronize()
-    dist.all_reduce(torch.ones(16, device=dev), group=g)
-    torch.cuda.synchronize()
-except Exception as e:  # noqa: BLE001 - the error is the finding
-    err = e
-took = time.time() - t0
-if err is None:
-    failures.append("a mismatched direct all_reduce raised nothing at the group's next call")
-elif "mismatch" not in str(err).lower() or "count" not in str(err):
-    failures.append(f"the mismatch error does not name the count: {err}")
-if took > 60:
-    failures.append(f"the mismatch took {took:.1f} s to surface")
+# 4. mismatch on a group of its own: the first op on it (it sets up the group's windows) with
+# counts that differ. Its Work may raise at once (the kernel already finished), else the
+# group's next call raises.
+mismatch_everywhere("a mismatched direct all_reduce", lambda g: dist.all_reduce(
+    data(rank, 4096 if rank == 0 else 2048, torch.float32), group=g), naming="count")
 # The default group still works.
 y = data(rank, 2048, torch.float32, 9)
 dist.all_reduce(y)
