@@ -14,12 +14,16 @@ ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
    own: every rank's op raises a mismatch naming the count, at once, and no rank hangs; the
    group's next direct op fails too (poisoned), and the default group is untouched.
 5. Works complete: ``is_completed()`` becomes true without ``wait()``.
-6. All-reduces past the limit split into direct ops (``COMMD_DIRECT_SPLIT_MAX_BYTES``: a
-   reduce-scatter, an all-gather, and a small all-reduce of a count's remainder modulo the
+6. All-reduces, broadcasts and reduces past the limit split into direct ops
+   (``COMMD_DIRECT_SPLIT_MAX_BYTES``: a reduce-scatter or a scatter from the root, then an
+   all-gather or a gather to the root, and the same op on a count's remainder modulo the
    ranks): right results from just past the limit to world x the limit (and a share one
-   element past the limit: the daemon's path), every reduction, async and blocking, on two streams; and two kinds of
-   mismatch, on groups of their own, raised on every rank: counts that differ only in the
-   remainder, and a split all-reduce against a reduce-scatter that other ranks posted.
+   element past the limit: the daemon's path), every reduction, every root (a non-root's
+   reduce input left as it was), async and blocking, on two streams; and mismatches, on groups
+   of their own, raised on every rank: counts that differ only in the remainder, a split
+   all-reduce against a reduce-scatter that other ranks posted, split broadcasts and reduces
+   whose roots differ, a split reduce against a split broadcast, a split broadcast against a
+   split all-reduce.
 Exits non-zero on any failure.
 """
 
@@ -207,6 +211,26 @@ for n in split_sizes:
                     w.wait()
                 check(f"split all_reduce {name} {dtype} n={n} async={async_op}", t,
                       reduce_ref(ins, name).to(dtype), 1e-2 if name == "avg" else 0.0)
+# split broadcasts and reduces from every root (a reduce's non-root keeps its input)
+for n in split_sizes:
+    for dtype in (torch.float32, torch.bfloat16):
+        for root in range(world):
+            for async_op in (True, False):
+                salt += 1
+                tag = f"{dtype} n={n} root {root} async={async_op}"
+                ins = all_in(n, dtype, salt)
+                b = ins[rank].clone() if rank == root else torch.zeros(n, device=dev, dtype=dtype)
+                w = dist.broadcast(b, src=root, async_op=async_op)
+                if async_op:
+                    w.wait()
+                check(f"split broadcast {tag}", b, ins[root])
+                for name in ("sum", "max") if dtype == torch.float32 else ("sum",):
+                    t = ins[rank].clone()
+                    w = dist.reduce(t, dst=root, op=OPS[name], async_op=async_op)
+                    if async_op:
+                        w.wait()
+                    want = reduce_ref(ins, name).to(dtype) if rank == root else ins[rank]
+                    check(f"split reduce {name} {tag}", t, want)
 # split ones and direct ones mixed on two streams
 two_streams("split, two streams", [(world * most - 5) if i % 2 else 3000 for i in range(12)],
             300, lambda i: i % 3)
@@ -246,6 +270,16 @@ def ar_against_rs(g) -> None:
 
 
 mismatch_everywhere("a split all_reduce against a reduce_scatter", ar_against_rs)
+big = world * most
+mismatch_everywhere("split broadcasts whose roots differ", lambda g: dist.broadcast(
+    data(rank, big, torch.float32), src=0 if rank == 0 else 1, group=g), naming="root")
+mismatch_everywhere("split reduces whose roots differ", lambda g: dist.reduce(
+    data(rank, big, torch.float32), dst=0 if rank == 0 else 1, group=g), naming="root")
+mismatch_everywhere("a split reduce against a split broadcast", lambda g: (
+    dist.reduce if rank == 0 else dist.broadcast)(data(rank, big, torch.float32), 0, group=g))
+mismatch_everywhere("a split broadcast against a split all_reduce", lambda g: dist.broadcast(
+    data(rank, big, torch.float32), src=0, group=g) if rank == 0 else dist.all_reduce(
+    data(rank, big, torch.float32), group=g))
 
 # 4. mismatch on a group of its own: the first op on it (it sets up the group's windows) with
 # counts that differ. Its Work may raise at once (the kernel already finished), else the

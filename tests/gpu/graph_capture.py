@@ -10,8 +10,9 @@ captured into its own graph; then every graph is replayed many times, interleave
 and with eager ops on the same communicator, with *new input data before every replay*, and each
 replay's outputs must equal the same op run eagerly on the same inputs (bitwise: the same
 kernels run). A stale replay (one that skipped the daemon) leaves the previous replay's result
-and fails. Also: many ops in one graph, a reduction large enough for several scratch rounds, one split
-into direct ops (past the direct limit, its share within it),
+and fails. Also: many ops in one graph, a reduction large enough for several scratch rounds, an
+all-reduce, broadcasts and reduces split into direct ops (past the direct limit, each share
+within it),
 graphs replayed from two different streams, and a rank whose capture differs from its peers'
 (mismatch: the first replay releases every rank and the next commd call raises the daemon's
 reason, naming the fields; no hang, no wrong result taken as good).
@@ -89,6 +90,14 @@ def cases() -> list[Case]:
     split = torch.empty(world * (limit // 4) - 3, device=dev)
     cs.append(Case("all_reduce split into direct ops", [split], [split],
                    lambda i, o: dist.all_reduce(i[0])))
+    # Broadcast and reduce split the same way (a scatter from the root or a gather to it).
+    for root in {0, world - 1}:
+        x = torch.empty(world * (limit // 4) + 5, device=dev)
+        cs.append(Case(f"broadcast split into direct ops, root {root}", [x], [x],
+                       lambda i, o, root=root: dist.broadcast(i[0], src=root)))
+        x = torch.empty(world * (limit // 2), device=dev, dtype=torch.bfloat16)
+        cs.append(Case(f"reduce split into direct ops, root {root}", [x], [x],
+                       lambda i, o, root=root: dist.reduce(i[0], dst=root)))
     for dt in [torch.float32, torch.bfloat16]:
         x = torch.empty(n, device=dev, dtype=dt)
         cs.append(Case(f"reduce {dt}", [x], [x], lambda i, o: dist.reduce(i[0], dst=0)))

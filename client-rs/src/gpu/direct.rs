@@ -62,9 +62,9 @@ pub(crate) fn env_int(
     }
 }
 
-/// `COMMD_DIRECT_SPLIT_MAX_BYTES`: the largest all-reduce (bytes per rank) past the direct limit
-/// that runs as direct ops, a reduce-scatter then an all-gather
-/// ([`Communicator::all_reduce_split`]); default: every one whose share (1/n of it) fits the
+/// `COMMD_DIRECT_SPLIT_MAX_BYTES`: the largest all-reduce, broadcast or reduce (bytes per rank)
+/// past the direct limit that runs as direct ops, e.g. a reduce-scatter then an all-gather
+/// ([`Communicator::split_op`]); default: every one whose share (1/n of it) fits the
 /// limit, i.e. up to n x the limit; `0`: none (each takes the daemon's path, as before). The
 /// same on every rank (checked when the windows are set up). Read once per process.
 pub(crate) fn split_max() -> Result<u64> {
@@ -84,9 +84,9 @@ fn parse_split_max(v: Option<&str>) -> std::result::Result<u64, String> {
     Ok(env_int("COMMD_DIRECT_SPLIT_MAX_BYTES", v, 0, 1 << 40)?.unwrap_or(u64::MAX))
 }
 
-/// The share (elements per rank) of an all-reduce of `count` elements of `es` bytes split into
-/// a reduce-scatter and an all-gather, or `None` when it is not split: within the direct limit
-/// `max` (one direct all-reduce), past `most` bytes (`COMMD_DIRECT_SPLIT_MAX_BYTES`), or a
+/// The share (elements per rank) of an all-reduce, broadcast or reduce of `count` elements of
+/// `es` bytes split into direct ops ([`Communicator::split_op`]), or `None` when it is not
+/// split: within the direct limit `max` (one direct op), past `most` bytes (`COMMD_DIRECT_SPLIT_MAX_BYTES`), or a
 /// share past `max`. Measured on 4x H200 (docs/benchmarks.md, 2026-11-28): at 4 and 8 MiB the
 /// two direct ops together take about half the daemon's reduce-scatter + all-gather.
 pub(crate) fn split_share(count: u64, es: u64, n: u64, max: u64, most: u64) -> Option<u64> {
@@ -194,10 +194,66 @@ pub fn signature(kind: OpKind, dtype: DType, op: RedOp, root: u32) -> u32 {
         | (u32::from(op.code()) << 16)
         | ((0x10 | root) << 24)
 }
-/// The mark in a signature of a direct op that is one part of an all-reduce split into several
-/// ([`Communicator::all_reduce_split`]): such a part never pairs with an op that a peer posted
-/// by itself (a reduce-scatter then an all-gather), which would leave the mismatch unseen.
+/// The mark in a signature of a direct op that is one part of an op split into several
+/// ([`Communicator::split_op`]): such a part never pairs with an op that a peer posted by
+/// itself (a reduce-scatter then an all-gather), which would leave the mismatch unseen.
 pub const PART: u32 = 0x20 << 24;
+/// The mark of a part of a split broadcast or reduce, whose root is in the signature too (a
+/// part of a split broadcast never pairs with one of a split all-reduce, nor of another root).
+pub const ROOTED: u32 = 0x40 << 24;
+/// The kind byte of a signature for the scatter of a split broadcast and the gather of a split
+/// reduce (no op of their own: never an `OpKind` code).
+const SCATTER_CODE: u32 = 0xf6;
+const GATHER_CODE: u32 = 0xf7;
+
+/// What a direct op is: an op by itself, or one part of an op split into direct ops
+/// ([`Communicator::split_op`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Part {
+    Whole,
+    /// Runs as its kind says; `rooted`: of a split broadcast or reduce (root `peer`).
+    Of {
+        rooted: bool,
+    },
+    /// Of a split broadcast: chunk `r` of the root's input (`count` elements each) into rank
+    /// `r`'s output (`kernels::direct::MODE_SC`).
+    Scatter,
+    /// Of a split reduce: a reduce-scatter whose share goes to `recv` on the root and to the
+    /// rank's scratch slot on the others (whose buffers are the user's input only).
+    ReduceToScratch,
+    /// Of a split reduce: every rank's share (the root's in `send`, the others' in their
+    /// scratch slot) into the root's `recv`, in rank order (`kernels::direct::MODE_GA`).
+    Gather,
+}
+
+impl Part {
+    /// A part of a split broadcast or reduce (whose root is `peer`).
+    fn rooted(self) -> bool {
+        match self {
+            Part::Whole => false,
+            Part::Of { rooted } => rooted,
+            Part::Scatter | Part::ReduceToScratch | Part::Gather => true,
+        }
+    }
+}
+
+/// The signature of a direct op of `kind` (`signature`), marked when it is a part of a split op;
+/// a scatter or gather part has a kind byte of its own.
+pub fn part_signature(part: Part, kind: OpKind, dtype: DType, op: RedOp, root: u32) -> u32 {
+    let base = signature(kind, dtype, op, root);
+    let code = match part {
+        Part::Whole => return base,
+        Part::Scatter => SCATTER_CODE,
+        Part::Gather => GATHER_CODE,
+        Part::Of { .. } | Part::ReduceToScratch => base & 0xff,
+    };
+    let root = if part.rooted() {
+        ROOTED | ((root & 0x0f) << 24)
+    } else {
+        0
+    };
+    (base & !0xff) | code | PART | root
+}
 
 /// A failure record's words as the kernel wrote them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -214,17 +270,30 @@ fn describe_sig(sig: u32) -> String {
         return "no op (it had failed)".into();
     }
     if sig & PART != 0 {
-        return format!(
-            "{} (part of an all_reduce split into direct ops)",
-            describe_sig(sig & !PART)
-        );
+        let root = (sig >> 24) & 0x0f;
+        let (what, of) = match (sig & 0xff, sig & ROOTED != 0) {
+            (SCATTER_CODE, _) => (format!("scatter {}", dtype_name(sig)), "a broadcast"),
+            (GATHER_CODE, _) => (format!("gather {}", dtype_name(sig)), "a reduce"),
+            (_, rooted) => (
+                describe_sig(sig & !(PART | ROOTED)),
+                if rooted {
+                    "a broadcast or reduce"
+                } else {
+                    "an all_reduce"
+                },
+            ),
+        };
+        let root = if sig & ROOTED != 0 {
+            format!(" root {root}")
+        } else {
+            String::new()
+        };
+        return format!("{what} (part of {of}{root} split into direct ops)");
     }
     let kind = OpKind::from_code((sig & 0xff) as u16)
         .map(|x| x.name().to_string())
         .unwrap_or_else(|| format!("op {}", sig & 0xff));
-    let dt = DType::from_code(((sig >> 8) & 0xff) as u8)
-        .map(|x| x.name().to_string())
-        .unwrap_or_else(|| format!("dtype {}", (sig >> 8) & 0xff));
+    let dt = dtype_name(sig);
     let op = RedOp::from_code(((sig >> 16) & 0xff) as u8)
         .map(|x| x.name().to_string())
         .unwrap_or_else(|| format!("reduction {}", (sig >> 16) & 0xff));
@@ -235,6 +304,12 @@ fn describe_sig(sig: u32) -> String {
         Some(OpKind::AllGather | OpKind::AllToAll) => format!("{kind} {dt}"),
         _ => format!("{kind} {dt} {op}"),
     }
+}
+
+fn dtype_name(sig: u32) -> String {
+    DType::from_code(((sig >> 8) & 0xff) as u8)
+        .map(|x| x.name().to_string())
+        .unwrap_or_else(|| format!("dtype {}", (sig >> 8) & 0xff))
 }
 
 /// What a failure record means, for the error the client raises: of a replay of a captured op,
@@ -312,6 +387,12 @@ pub fn explain(r: &Record, me: u32, eager: bool) -> String {
 }
 
 impl Windows {
+    /// Rank `me`'s scratch slot: parity 0's slot of `me` in its own window, which no rank
+    /// pushes into (a rank pushes only into its peers' windows), `slot` bytes.
+    fn scratch(&self, me: u32) -> sys::CUdeviceptr {
+        self.win[me as usize] + k::DATA_OFF + u64::from(me) * self.slot
+    }
+
     /// Takes the failure record, if the kernel wrote one since the last look.
     fn take(&self) -> Option<Record> {
         read_record(self.rec_host, true)
@@ -439,11 +520,11 @@ impl Communicator {
         eager: bool,
     ) -> Result<Option<CudaPosted>> {
         // SAFETY: the caller's contract.
-        unsafe { self.direct_op(a, eager, false) }
+        unsafe { self.direct_op(a, eager, Part::Whole) }
     }
 
-    /// [`Self::try_direct`]; `part`: one part of a split all-reduce (its signature marked
-    /// [`PART`], never split again).
+    /// [`Self::try_direct`]; `part`: what the op is, by itself or one part of a split op (its
+    /// signature marked [`PART`], never split again).
     ///
     /// # Safety
     /// As `try_direct`.
@@ -451,20 +532,22 @@ impl Communicator {
         &self,
         a: &CudaOpArgs,
         eager: bool,
-        part: bool,
+        part: Part,
     ) -> Result<Option<CudaPosted>> {
-        let mode = match a.kind {
-            OpKind::AllReduce => k::MODE_AR,
-            OpKind::AllGather => k::MODE_AG,
-            OpKind::ReduceScatter => k::MODE_RS,
-            OpKind::Broadcast => k::MODE_BC,
-            OpKind::Reduce => k::MODE_RED,
-            OpKind::AllToAll => k::MODE_A2A,
+        let mode = match (part, a.kind) {
+            (Part::Scatter, _) => k::MODE_SC,
+            (Part::Gather, _) => k::MODE_GA,
+            (_, OpKind::AllReduce) => k::MODE_AR,
+            (_, OpKind::AllGather) => k::MODE_AG,
+            (_, OpKind::ReduceScatter) => k::MODE_RS,
+            (_, OpKind::Broadcast) => k::MODE_BC,
+            (_, OpKind::Reduce) => k::MODE_RED,
+            (_, OpKind::AllToAll) => k::MODE_A2A,
             _ => return Ok(None),
         };
         // Copies (all-gather, broadcast) load the (dtype, sum) module: any dtype has one.
         let op = match (mode, a.redop) {
-            (k::MODE_AG | k::MODE_BC | k::MODE_A2A, _) => RedOp::Sum,
+            (k::MODE_AG | k::MODE_BC | k::MODE_A2A | k::MODE_SC | k::MODE_GA, _) => RedOp::Sum,
             (_, Some(op)) => op,
             (_, None) => {
                 return Err(Error::InvalidArgument(format!(
@@ -510,46 +593,47 @@ impl Communicator {
         let max = cfg.max_bytes_for(self.nranks);
         // Read for every op (a bad value fails each one, before any exchange with the peers).
         let most = split_max()?;
-        if mode == k::MODE_AR
-            && !part
+        if matches!(mode, k::MODE_AR | k::MODE_BC | k::MODE_RED)
+            && part == Part::Whole
             && self.nodes <= 1
             && self.nranks <= k::MAX_RANKS
+            && (mode == k::MODE_AR || a.peer < self.nranks)
             && let Some(share) =
                 split_share(a.count, a.dtype.size(), u64::from(self.nranks), max, most)
         {
             // SAFETY: the caller's contract.
-            return unsafe { self.all_reduce_split(a, eager, share) };
+            return unsafe { self.split_op(a, eager, share) };
         }
         if self.nodes > 1
             || self.nranks < 2
             || self.nranks > k::MAX_RANKS
             || bytes == 0
             || bytes > max
-            || (mode == k::MODE_BC || mode == k::MODE_RED) && a.peer >= self.nranks
+            || (a.kind.has_root() || part.rooted()) && a.peer >= self.nranks
         {
             return Ok(None);
         }
         let n = u64::from(self.nranks);
         let me_root = a.peer == self.rank;
+        let all = a.count.checked_mul(n);
+        // (uses, elements) of the send and the recv buffer; a non-root's share of a split
+        // reduce is in its scratch slot instead (below).
+        let (send_use, recv_use) = match part {
+            Part::Scatter => ((me_root, all), (true, Some(a.count))),
+            Part::ReduceToScratch => ((true, all), (me_root, Some(a.count))),
+            Part::Gather => ((me_root, Some(a.count)), (me_root, all)),
+            Part::Whole | Part::Of { .. } => (
+                (a.kind.uses_send(me_root), a.kind.send_elems(a.count, n)),
+                (a.kind.uses_recv(me_root), a.kind.recv_elems(a.count, n)),
+            ),
+        };
         let mut device = None;
         let mut bufs = [0u64; 2];
         let mut span = None;
-        for (i, (what, uses, p, elems)) in [
-            (
-                "send",
-                a.kind.uses_send(me_root),
-                a.send,
-                a.kind.send_elems(a.count, n),
-            ),
-            (
-                "recv",
-                a.kind.uses_recv(me_root),
-                a.recv,
-                a.kind.recv_elems(a.count, n),
-            ),
-        ]
-        .into_iter()
-        .enumerate()
+        for (i, (what, (uses, elems), p)) in
+            [("send", send_use, a.send), ("recv", recv_use, a.recv)]
+                .into_iter()
+                .enumerate()
         {
             if !uses {
                 continue;
@@ -581,7 +665,7 @@ impl Communicator {
             }
             bufs[i] = p;
         }
-        let [send, recv] = bufs;
+        let [mut send, mut recv] = bufs;
         let dev = device.unwrap_or(0);
         ensure_context(dev)?;
         super::prof::mark(super::prof::BUFFERS);
@@ -620,6 +704,11 @@ impl Communicator {
         };
         if bytes > w.slot {
             return Ok(None);
+        }
+        match part {
+            Part::ReduceToScratch if !me_root => recv = w.scratch(self.rank),
+            Part::Gather if !me_root => send = w.scratch(self.rank),
+            _ => {}
         }
         let i = &self.client;
         let mut g = lock(&i.gpu);
@@ -670,7 +759,7 @@ impl Communicator {
                 .min(u128::from(u64::MAX)) as u64,
             me: self.rank,
             n: self.nranks,
-            sig: signature(a.kind, a.dtype, op, a.peer) | if part { PART } else { 0 },
+            sig: part_signature(part, a.kind, a.dtype, op, a.peer),
             k: w.next_k,
             divisor: self.nranks,
             mode,
@@ -725,67 +814,123 @@ impl Communicator {
         Ok(Some(posted))
     }
 
-    /// An all-reduce past the direct limit as direct ops (`COMMD_DIRECT_SPLIT_MAX_BYTES`,
+    /// An op past the direct limit as direct ops (`COMMD_DIRECT_SPLIT_MAX_BYTES`,
     /// [`split_share`]), each a kernel on the caller's stream, marked [`PART`]: the count's
-    /// remainder modulo the ranks first (a direct all-reduce of the last elements; first, so that
-    /// ranks whose counts differ only there fail at once), then a reduce-scatter of the rest
-    /// into this rank's share of the output (NCCL's in-place layout when the buffers are one),
-    /// then an all-gather of the shares in place. Each GPU sends 2 (n - 1) / n x the bytes in
-    /// two launches, against the daemon's copy-engine rounds with a host turnaround each. An
-    /// eager call's request fails if any part failed (`LocalDone::earlier`); `Ok(None)` when the
-    /// direct path is off (no part ran: the same on every rank).
+    /// remainder modulo the ranks first (the same op on the last elements; first, so that ranks
+    /// whose counts differ only there fail at once), then the body in shares of `share`
+    /// elements, one per rank:
+    /// - all-reduce: a reduce-scatter into this rank's share of the output (NCCL's in-place
+    ///   layout when the buffers are one), then an all-gather of the shares in place;
+    /// - broadcast: a scatter of the root's input into each rank's share of the output, then the
+    ///   same all-gather;
+    /// - reduce: a reduce-scatter into the root's share of its output and the other ranks'
+    ///   scratch slots (their buffers are the input only), then a gather of the shares to the
+    ///   root.
+    ///
+    /// Each GPU sends at most 2 (n - 1) / n x the bytes in two launches, against the daemon's
+    /// copy-engine rounds with a host turnaround each. An eager call's request fails if any part
+    /// failed (`LocalDone::earlier`); `Ok(None)` when the direct path is off (no part ran: the
+    /// same on every rank).
     ///
     /// # Safety
     /// As `try_direct`.
-    unsafe fn all_reduce_split(
+    unsafe fn split_op(
         &self,
         a: &CudaOpArgs,
         eager: bool,
         share: u64,
     ) -> Result<Option<CudaPosted>> {
-        let (Some(send), Some(recv)) = (a.send, a.recv) else {
-            return Err(Error::InvalidArgument(
-                "all_reduce needs a send and a recv buffer".into(),
-            ));
-        };
         let es = a.dtype.size();
         let body = share * u64::from(self.nranks);
-        let mine = recv + u64::from(self.rank) * share * es;
+        let need = |p: Option<u64>, what: &str| {
+            p.ok_or_else(|| {
+                Error::InvalidArgument(format!("{} needs a {what} buffer", a.kind.name()))
+            })
+        };
+        let at = |p: Option<u64>, elems: u64| p.map(|p| p + elems * es);
+        let of = Part::Of {
+            rooted: a.kind.has_root(),
+        };
         let mut parts = Vec::with_capacity(3);
         if a.count > body {
-            parts.push(CudaOpArgs {
+            let tail = CudaOpArgs {
                 count: a.count - body,
-                send: Some(send + body * es),
-                recv: Some(recv + body * es),
+                send: at(a.send, body),
+                recv: at(a.recv, body),
                 ..*a
-            });
+            };
+            parts.push((tail, of));
         }
-        parts.push(CudaOpArgs {
-            kind: OpKind::ReduceScatter,
-            count: share,
-            recv: Some(mine),
-            ..*a
-        });
-        parts.push(CudaOpArgs {
-            kind: OpKind::AllGather,
-            count: share,
-            send: Some(mine),
-            ..*a
-        });
+        let me = u64::from(self.rank);
+        match a.kind {
+            OpKind::AllReduce | OpKind::Broadcast => {
+                let recv = need(a.recv, "recv")?;
+                let mine = Some(recv + me * share * es);
+                let first = if a.kind == OpKind::AllReduce {
+                    need(a.send, "send")?;
+                    (OpKind::ReduceScatter, of)
+                } else {
+                    (OpKind::Broadcast, Part::Scatter)
+                };
+                let spread = CudaOpArgs {
+                    kind: first.0,
+                    count: share,
+                    recv: mine,
+                    ..*a
+                };
+                parts.push((spread, first.1));
+                let gather = CudaOpArgs {
+                    kind: OpKind::AllGather,
+                    count: share,
+                    send: mine,
+                    recv: Some(recv),
+                    ..*a
+                };
+                parts.push((gather, of));
+            }
+            OpKind::Reduce => {
+                let root_share = if a.peer == self.rank {
+                    Some(need(a.recv, "recv")? + u64::from(a.peer) * share * es)
+                } else {
+                    None
+                };
+                let rs = CudaOpArgs {
+                    kind: OpKind::ReduceScatter,
+                    count: share,
+                    recv: root_share,
+                    ..*a
+                };
+                parts.push((rs, Part::ReduceToScratch));
+                let gather = CudaOpArgs {
+                    count: share,
+                    send: root_share,
+                    ..*a
+                };
+                parts.push((gather, Part::Gather));
+            }
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} cannot be split into direct ops (internal error)",
+                    a.kind.name()
+                )));
+            }
+        }
         let last = parts.len() - 1;
         let mut earlier = Vec::with_capacity(last);
-        for (i, mut p) in parts.into_iter().enumerate() {
+        for (i, (mut p, part)) in parts.into_iter().enumerate() {
             if i > 0 {
                 p.after = None;
             }
             p.record = a.record && i == last;
-            // SAFETY: the caller's contract; every part lies within the op's buffers.
-            let Some(mut posted) = (unsafe { self.direct_op(&p, eager, true)? }) else {
+            // SAFETY: the caller's contract; every part lies within the op's buffers (or a
+            // scratch slot of the windows).
+            let Some(mut posted) = (unsafe { self.direct_op(&p, eager, part)? }) else {
                 if i == 0 {
                     return Ok(None);
                 }
                 return Err(Error::InvalidArgument(format!(
-                    "all_reduce split into direct ops: part {i} could not run after part 0 did (internal error)"
+                    "{} split into direct ops: part {i} could not run after part 0 did (internal error)",
+                    a.kind.name()
                 )));
             };
             if i < last {
@@ -1267,6 +1412,81 @@ mod tests {
         assert_eq!(
             describe_sig(rs),
             "reduce_scatter bf16 sum (part of an all_reduce split into direct ops)"
+        );
+    }
+
+    #[test]
+    fn parts_of_split_ops_never_pair_across_kinds_or_roots() {
+        use OpKind::*;
+        let (f, sum) = (DType::F32, RedOp::Sum);
+        let of = Part::Of { rooted: false };
+        let rooted = Part::Of { rooted: true };
+        let mut sigs = vec![
+            // all-reduce: tail, reduce-scatter, all-gather
+            part_signature(of, AllReduce, f, sum, 0),
+            part_signature(of, ReduceScatter, f, sum, 0),
+            part_signature(of, AllGather, f, sum, 0),
+        ];
+        for root in 0..8 {
+            sigs.extend([
+                // broadcast: tail, scatter, all-gather
+                part_signature(rooted, Broadcast, f, sum, root),
+                part_signature(Part::Scatter, Broadcast, f, sum, root),
+                part_signature(rooted, AllGather, f, sum, root),
+                // reduce: tail, reduce-scatter, gather
+                part_signature(rooted, Reduce, f, sum, root),
+                part_signature(Part::ReduceToScratch, ReduceScatter, f, sum, root),
+                part_signature(Part::Gather, Reduce, f, sum, root),
+            ]);
+        }
+        let wholes: Vec<u32> = commd_proto::desc::ALL_OPS
+            .iter()
+            .flat_map(|&kind| (0..8).map(move |root| signature(kind, f, sum, root)))
+            .collect();
+        for (i, s) in sigs.iter().enumerate() {
+            assert_ne!(*s, k::ERR_SIG);
+            assert!(
+                !wholes.contains(s),
+                "{s:#x} ({}) pairs with a whole op",
+                describe_sig(*s)
+            );
+            assert!(
+                !sigs[..i].contains(s),
+                "{s:#x} ({}) twice",
+                describe_sig(*s)
+            );
+        }
+        assert_eq!(
+            describe_sig(part_signature(
+                Part::Scatter,
+                Broadcast,
+                DType::BF16,
+                sum,
+                3
+            )),
+            "scatter bf16 (part of a broadcast root 3 split into direct ops)"
+        );
+        assert_eq!(
+            describe_sig(part_signature(Part::Gather, Reduce, f, RedOp::Max, 2)),
+            "gather f32 (part of a reduce root 2 split into direct ops)"
+        );
+        assert_eq!(
+            describe_sig(part_signature(
+                Part::ReduceToScratch,
+                ReduceScatter,
+                f,
+                sum,
+                1
+            )),
+            "reduce_scatter f32 sum (part of a broadcast or reduce root 1 split into direct ops)"
+        );
+        assert_eq!(
+            describe_sig(part_signature(of, AllGather, f, sum, 5)),
+            "all_gather f32 (part of an all_reduce split into direct ops)"
+        );
+        assert_eq!(
+            part_signature(Part::Whole, Reduce, f, sum, 2),
+            signature(Reduce, f, sum, 2)
         );
     }
 

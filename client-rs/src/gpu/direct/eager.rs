@@ -245,7 +245,7 @@ pub(crate) struct LocalDone {
     pub(crate) pool: Arc<StatusPool>,
     pub(crate) op: Arc<OpStatus>,
     /// Ops launched before `op` as parts of the same call (an all-reduce split into direct
-    /// ops, `Communicator::all_reduce_split`), on the same stream: finished once `op` is, and
+    /// ops, `Communicator::split_op`), on the same stream: finished once `op` is, and
     /// a failure of any of them is the call's.
     pub(crate) earlier: Vec<Arc<OpStatus>>,
     pub(crate) comm_id: u64,

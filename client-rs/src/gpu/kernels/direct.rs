@@ -84,6 +84,13 @@ pub const MODE_RED: u32 = 4;
 /// elements).
 pub const MODE_A2A: u32 = 5;
 
+/// Scatter from `root` (a part of a broadcast split into direct ops): the root's input holds `n`
+/// chunks of `count` elements; rank `r` gets chunk `r` in its output.
+pub const MODE_SC: u32 = 6;
+/// Gather to `root` (a part of a reduce split into direct ops): every rank's input (`count`
+/// elements) into the root's output, in rank order; the other ranks write nothing.
+pub const MODE_GA: u32 = 7;
+
 /// Threads per block of the direct kernel.
 pub const THREADS: u32 = 256;
 
@@ -222,11 +229,12 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
         /* Word 1 of this rank's flag in window r, before any push (see the module doc). */
         ((volatile u64 *)(a.win[threadIdx.x] + {FLAGS_OFF}ull + (u64)(p * 8u + a.me) * 16ull))[1] = w1;
     }}
-    const bool chunked = mode == {MODE_RS}u || mode == {MODE_A2A}u;
+    const bool chunked = mode == {MODE_RS}u || mode == {MODE_A2A}u || mode == {MODE_SC}u;
+    const bool from_root = mode == {MODE_BC}u || mode == {MODE_SC}u;
+    const bool to_root = mode == {MODE_RED}u || mode == {MODE_GA}u;
     u32 to_mask = 0u;
     for (u32 r = 0; r < a.n; ++r) {{
-        const bool to = r != a.me && (mode == {MODE_BC}u ? a.me == a.root
-                                      : mode == {MODE_RED}u ? r == a.root : true);
+        const bool to = r != a.me && (from_root ? a.me == a.root : to_root ? r == a.root : true);
         if (to) {{
             to_mask |= 1u << r;
         }}
@@ -329,7 +337,10 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
     }}
     /* The slot rank r pushed into this window. */
 #define COMMD_SLOT(r) (mine + {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)(r)) * a.slot)
-    if (mode == {MODE_AG}u) {{
+    if (mode == {MODE_GA}u && a.me != a.root) {{
+        return;
+    }}
+    if (mode == {MODE_AG}u || mode == {MODE_GA}u) {{
         for (u32 r = 0; r < a.n; ++r) {{
             commd_copy(a.out + (u64)r * bytes, r == a.me ? a.in : COMMD_SLOT(r), bytes, tid, stride);
         }}
@@ -344,8 +355,10 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
         }}
         return;
     }}
-    if (mode == {MODE_BC}u) {{
-        commd_copy(a.out, a.me == a.root ? a.in : COMMD_SLOT(a.root), bytes, tid, stride);
+    if (from_root) {{
+        /* Broadcast: the root's input; scatter: its chunk of this rank. */
+        const u64 own = a.in + (mode == {MODE_SC}u ? (u64)a.me * bytes : 0ull);
+        commd_copy(a.out, a.me == a.root ? own : COMMD_SLOT(a.root), bytes, tid, stride);
         return;
     }}
     if (mode == {MODE_RED}u && a.me != a.root) {{
