@@ -666,7 +666,18 @@ impl Communicator {
             bufs[i] = p;
         }
         let [mut send, mut recv] = bufs;
-        let dev = device.unwrap_or(0);
+        let dev = match device {
+            Some(d) => d,
+            // No buffer of its own (a non-root's gather of a split reduce reads its scratch
+            // slot only): the device of the windows that the op's first parts used.
+            None => {
+                let c = lock(&self.gpu);
+                match if eager { &c.eager } else { &c.direct } {
+                    State::On(w) => w.device,
+                    _ => 0,
+                }
+            }
+        };
         ensure_context(dev)?;
         super::prof::mark(super::prof::BUFFERS);
         let mut c = lock(&self.gpu);
