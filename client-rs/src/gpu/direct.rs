@@ -34,6 +34,22 @@ const OFFER_BYTES: u64 = 128;
 /// KiB / 2 MiB / 4 MiB 64 blocks take 10.1 / 16.4 / 26.3 us against 16 blocks' 12.4 / 26.2 /
 /// 56.1 (NCCL's graph: 12.5 / 29.1 / 36.3).
 pub const DEFAULT_BLOCKS: u32 = 64;
+/// A direct op whose pushes reach this many bytes ((n - 1) x its bytes per rank) runs on twice
+/// the blocks ([`launch_grid`]). 4x H200, 2026-11-28 (docs/benchmarks.md): 128 blocks took
+/// 4-11% less than 64 from 6 MiB of pushes (alltoall 8 MiB 33.8 against 38.0 us, broadcast 8
+/// MiB 56.2 against 59.3), and 1-6% more up to 3 MiB (all_reduce 512 KiB 14.1 against 13.3).
+pub const LARGE_PUSH_BYTES: u64 = 4 << 20;
+
+/// The (blocks, tickets per block) of a direct op of `bytes` per rank on `n` ranks, on windows
+/// whose ops take `grid` tickets each (an even number): the whole grid when its pushes reach
+/// [`LARGE_PUSH_BYTES`], else half of it with 2 tickets per block.
+pub fn launch_grid(grid: u32, bytes: u64, n: u32) -> (u32, u32) {
+    if bytes.saturating_mul(u64::from(n.saturating_sub(1))) >= LARGE_PUSH_BYTES || grid < 2 {
+        (grid, 1)
+    } else {
+        (grid / 2, 2)
+    }
+}
 /// What every rank's GPU sends per direct op is (n - 1) x the op's bytes: the default largest
 /// direct op keeps that at 8 MiB (4 MiB for 2 and 3 ranks, 2 MiB for 4 to 5, 1 MiB for 6 to
 /// 8); a window (2 x n slots) is then 16 to 24 MiB. Larger ops take the daemon's
@@ -110,6 +126,7 @@ pub(crate) enum State {
 pub(crate) struct Windows {
     win: [sys::CUdeviceptr; 8],
     slot: u64,
+    /// Tickets per op (`launch_grid`): twice the blocks of a small op.
     grid: u32,
     device: i32,
     /// The failure record: host address (read by the client) and device address.
@@ -134,6 +151,8 @@ pub struct Config {
     pub shared_gpus: bool,
     /// `None`: [`default_max_bytes`] for the communicator's size.
     pub max_bytes: Option<u64>,
+    /// Blocks of a small direct op (`COMMD_GRAPH_DIRECT_BLOCKS`, at most half the SMs); a large
+    /// one runs on twice as many ([`launch_grid`]).
     pub blocks: u32,
 }
 
@@ -755,6 +774,7 @@ impl Communicator {
             }
             _ => None,
         };
+        let (blocks, unit) = launch_grid(w.grid, bytes, self.nranks);
         let args = DirectArgs {
             win: w.win,
             input: send,
@@ -776,11 +796,13 @@ impl Communicator {
             mode,
             root: a.peer,
             status: status.as_ref().map_or(0, |(_, w)| *w),
+            unit,
+            pad: 0,
         };
         super::prof::mark(super::prof::PREPARE);
         // SAFETY: the windows, record and hint word live for the process (`setup`); the
         // buffers were checked above; the caller vouches for the stream.
-        if let Err(e) = unsafe { kern.launch_direct(a.stream, a.dtype, op, w.grid, &args) } {
+        if let Err(e) = unsafe { kern.launch_direct(a.stream, a.dtype, op, blocks, &args) } {
             if let Some((sp, word)) = &status {
                 sp.give_back(*word);
             }
@@ -1003,7 +1025,8 @@ impl Communicator {
             .kernels
             .get_or_insert_with(kernels::Kernels::new)
             .sm_count()?;
-        let grid = cfg.blocks.min(sms).max(1);
+        // Tickets per op: a small op's blocks (at most half the SMs) twice (`launch_grid`).
+        let grid = 2 * cfg.blocks.min(sms / 2).max(1);
         let wbytes = window_bytes(n, slot);
         let mut offer = vec![0u8; OFFER_BYTES as usize];
         // My window: allocated, its header zeroed, exported.
@@ -1580,6 +1603,26 @@ mod tests {
         ] {
             let m = explain(&Record { code, ..r }, 0, false);
             assert!(m.contains(word), "{code}: {m}");
+        }
+    }
+
+    #[test]
+    fn large_ops_run_on_the_whole_grid_and_every_op_takes_the_same_tickets() {
+        let mib = 1u64 << 20;
+        // 4 ranks: a 1 MiB op pushes 3 MiB (half the grid), a 2 MiB one 6 MiB (all of it).
+        assert_eq!(launch_grid(128, mib, 4), (64, 2));
+        assert_eq!(launch_grid(128, 2 * mib, 4), (128, 1));
+        // 2 ranks: only the largest (4 MiB) op reaches the threshold.
+        assert_eq!(launch_grid(128, 4 * mib - 1, 2), (64, 2));
+        assert_eq!(launch_grid(128, 4 * mib, 2), (128, 1));
+        assert_eq!(launch_grid(128, 8, 8), (64, 2));
+        for grid in [2, 64, 128, 130] {
+            for bytes in [1, mib, 4 * mib] {
+                for n in 2..=8 {
+                    let (blocks, unit) = launch_grid(grid, bytes, n);
+                    assert_eq!(blocks * unit, grid, "{grid} {bytes} {n}");
+                }
+            }
         }
     }
 

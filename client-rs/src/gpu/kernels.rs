@@ -647,6 +647,10 @@ pub struct DirectArgs {
     /// An eager op's status word (index + 1 in the record page, `direct::STATUS_OFF`); 0 for
     /// a captured op.
     pub status: u32,
+    /// What each block adds to the window's `entered` counter: the launch's grid times `unit`
+    /// is the communicator's fixed ticket count per op, so an op may run on a fraction of it.
+    pub unit: u32,
+    pub pad: u32,
 }
 
 /// The argument of the direct send and receive kernels (`struct commd_p2p`, `p2p::push_source`).
@@ -676,7 +680,7 @@ pub struct P2pArgs {
     pub ll: u32,
     pub pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<DirectArgs>() == 152);
+const _: () = assert!(std::mem::size_of::<DirectArgs>() == 160);
 const _: () = assert!(std::mem::size_of::<P2pArgs>() == 88);
 
 /// The parameter of the rounds kernel (`struct commd_rounds`, `rounds::push_source`): the pieces
@@ -882,8 +886,8 @@ impl Kernels {
     }
 
     /// Enqueues the direct all-reduce kernel for `(dtype, op)` (DESIGN.md contract 7) on
-    /// `stream` with `grid` blocks: the grid must be the same for every direct op of a
-    /// communicator (its epochs count blocks).
+    /// `stream` with `grid` blocks: `grid` x `args.unit` must be the same for every direct op of
+    /// a communicator (its epochs count tickets, `unit` per block).
     ///
     /// # Safety
     /// `stream` belongs to the current context; `args` names live windows (mapped in this
@@ -905,6 +909,11 @@ impl Kernels {
                 args.n,
                 direct::MAX_RANKS
             )));
+        }
+        if args.unit == 0 {
+            return Err(KernelError::InvalidArgument(
+                "direct op with a ticket unit of 0 (every block must count)".into(),
+            ));
         }
         let ctx = current_ctx_id()?;
         let k = self.get(ctx, dtype, op)?;

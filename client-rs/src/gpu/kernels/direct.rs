@@ -16,8 +16,9 @@
 //!   every window after one system fence (a release pattern: one fence, then plain stores, so
 //!   the flags to n windows cost one round trip, not n); the reader acquires word 0, then
 //!   reads word 1.
-//! - `STATE_OFF`: `entered` (u64, blocks that started an op; epoch = entered / grid + 1, the grid
-//!   being fixed per communicator), `arrive[2]` (u32, blocks that finished pushing, per parity),
+//! - `STATE_OFF`: `entered` (u64, tickets of blocks that started an op, `unit` per block; epoch =
+//!   entered / (grid x unit) + 1, grid x unit being fixed per communicator: a large op runs on
+//!   the whole grid, a small one on half of it with 2 tickets per block), `arrive[2]` (u32, blocks that finished pushing, per parity),
 //!   `dead` (u32, non-zero once an op of the communicator failed: every later op stops at once).
 //! - `DATA_OFF`: per parity `p` and source rank `r`, a slot of `slot` bytes at
 //!   `DATA_OFF + (p * n + r) * slot`.
@@ -119,6 +120,8 @@ struct commd_direct {{
     u32 mode;
     u32 root;
     u32 status;
+    u32 unit;
+    u32 pad;
 }};
 
 static __device__ __forceinline__ void commd_copy(u64 dst, u64 src, u64 bytes, u64 tid, u64 stride) {{
@@ -197,9 +200,12 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
     const u64 mine = a.win[a.me];
     u32 *dead = (u32 *)(mine + {DEAD_OFF}ull);
     if (threadIdx.x == 0) {{
-        const u64 ticket = atomicAdd((unsigned long long *)(mine + {STATE_OFF}ull), 1ull);
-        s_e = ticket / (u64)gridDim.x + 1ull;
-        s_first = (ticket % (u64)gridDim.x) == 0ull ? 1u : 0u;
+        /* Every op takes gridDim.x x unit tickets (the communicator's fixed count), whatever
+           its grid. */
+        const u64 per_op = (u64)gridDim.x * (u64)a.unit;
+        const u64 ticket = atomicAdd((unsigned long long *)(mine + {STATE_OFF}ull), (u64)a.unit);
+        s_e = ticket / per_op + 1ull;
+        s_first = (ticket % per_op) == 0ull ? 1u : 0u;
         s_fail = *(volatile u32 *)dead;
     }}
     __syncthreads();

@@ -93,10 +93,12 @@ fn every_kernel_compiles_with_nvrtc() {
 #[test]
 fn direct_launch_refuses_bad_rank_counts_before_cuda() {
     let k = Kernels::new();
-    for (me, n) in [(0, 1), (0, 9), (2, 2)] {
+    // (0, 2) with a unit of 0: blocks that take no ticket would never advance the epoch.
+    for (me, n, unit) in [(0, 1, 1), (0, 9, 1), (2, 2, 1), (0, 2, 0)] {
         let a = DirectArgs {
             me,
             n,
+            unit,
             ..DirectArgs::default()
         };
         // SAFETY: refused before any pointer is used or CUDA is called.
