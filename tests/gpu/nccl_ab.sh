@@ -26,7 +26,8 @@ build=/tmp/nccl-tests-build
 make -C .gpu/nccl-tests -j16 MPI=1 MPI_HOME="$ompi" NCCL_HOME="$real" CUDA_HOME="$cuda_home" \
   NVCC_GENCODE="-gencode=arch=compute_90,code=sm_90" BUILDDIR="$build" >"$out/build.log" 2>&1 \
   || { tail -20 "$out/build.log"; exit 1; }
-sock=/tmp/ncclab/c.sock; mkdir -p /tmp/ncclab; export COMMD_SOCKET=$sock
+# A socket of its own: a daemon of an earlier run may still be shutting down on another one.
+sock=$(mktemp -d /tmp/ncclab.XXXXXX)/c.sock; export COMMD_SOCKET=$sock
 .gpu/commd serve --socket $sock >"$out/daemon.log" 2>&1 & dp=$!
 trap 'kill $dp 2>/dev/null' EXIT
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
