@@ -111,6 +111,96 @@ pub(crate) fn split_share(count: u64, es: u64, n: u64, max: u64, most: u64) -> O
     (n >= 2 && bytes > max && bytes <= most && share > 0 && share * es <= max).then_some(share)
 }
 
+/// One direct op of an op split into several ([`split_plan`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct PlannedPart {
+    pub kind: OpKind,
+    pub part: Part,
+    pub count: u64,
+    pub send: Option<u64>,
+    pub recv: Option<u64>,
+}
+
+/// The direct ops, in order, that rank `me` of `n` runs for an all-reduce, broadcast or reduce
+/// (root `root`) of `count` elements of `es` bytes on buffers `send` and `recv`, in shares of
+/// `share` elements ([`split_share`]): the remainder of the count modulo `n` first, as the same
+/// op, then the two parts of [`Communicator::split_op`]. `Err`: a buffer this rank's parts
+/// need is missing, or a kind that does not split.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn split_plan(
+    kind: OpKind,
+    count: u64,
+    es: u64,
+    n: u32,
+    me: u32,
+    root: u32,
+    send: Option<u64>,
+    recv: Option<u64>,
+    share: u64,
+) -> std::result::Result<Vec<PlannedPart>, String> {
+    let body = share * u64::from(n);
+    let need = |p: Option<u64>, what: &str| {
+        p.ok_or_else(|| format!("{} needs a {what} buffer", kind.name()))
+    };
+    let at = |p: Option<u64>, elems: u64| p.map(|p| p + elems * es);
+    let of = Part::Of {
+        rooted: kind.has_root(),
+    };
+    let mut parts = Vec::with_capacity(3);
+    if count > body {
+        parts.push(PlannedPart {
+            kind,
+            part: of,
+            count: count - body,
+            send: at(send, body),
+            recv: at(recv, body),
+        });
+    }
+    let one = |kind, part, send, recv| PlannedPart {
+        kind,
+        part,
+        count: share,
+        send,
+        recv,
+    };
+    match kind {
+        OpKind::AllReduce | OpKind::Broadcast => {
+            // This rank's share of the output: the first part fills it, the all-gather
+            // spreads it.
+            let recv = need(recv, "recv")?;
+            let mine = Some(recv + u64::from(me) * share * es);
+            if kind == OpKind::AllReduce {
+                parts.push(one(
+                    OpKind::ReduceScatter,
+                    of,
+                    Some(need(send, "send")?),
+                    mine,
+                ));
+            } else {
+                parts.push(one(OpKind::Broadcast, Part::Scatter, send, mine));
+            }
+            parts.push(one(OpKind::AllGather, of, mine, Some(recv)));
+        }
+        OpKind::Reduce => {
+            let send = Some(need(send, "send")?);
+            let root_share = if me == root {
+                Some(need(recv, "recv")? + u64::from(root) * share * es)
+            } else {
+                None
+            };
+            parts.push(one(
+                OpKind::ReduceScatter,
+                Part::ReduceToScratch,
+                send,
+                root_share,
+            ));
+            parts.push(one(OpKind::Reduce, Part::Gather, root_share, recv));
+        }
+        _ => return Err(format!("{} is never split into direct ops", kind.name())),
+    }
+    Ok(parts)
+}
+
 /// How long a direct op waits for a peer's flag when the communicator has no op timeout.
 const DEFAULT_TIMEOUT_S: u64 = 300;
 
@@ -246,6 +336,55 @@ pub(crate) enum Part {
 }
 
 impl Part {
+    /// The kernel mode (`kernels::direct::MODE_*`) of a direct op of `kind` that is this part;
+    /// `None`: no direct op of that kind.
+    pub(crate) fn mode(self, kind: OpKind) -> Option<u32> {
+        Some(match (self, kind) {
+            (Part::Scatter, _) => k::MODE_SC,
+            (Part::Gather, _) => k::MODE_GA,
+            (_, OpKind::AllReduce) => k::MODE_AR,
+            (_, OpKind::AllGather) => k::MODE_AG,
+            (_, OpKind::ReduceScatter) => k::MODE_RS,
+            (_, OpKind::Broadcast) => k::MODE_BC,
+            (_, OpKind::Reduce) => k::MODE_RED,
+            (_, OpKind::AllToAll) => k::MODE_A2A,
+            _ => return None,
+        })
+    }
+
+    /// Whether the op reads its send buffer and writes its recv buffer on this rank, and their
+    /// elements (`None`: an overflow): ((uses, elements) of send, of recv), for `count` and `n`
+    /// ranks. A non-root's scratch slot ([`Part::scratch`]) replaces a buffer it does not use.
+    pub(crate) fn buffers(
+        self,
+        kind: OpKind,
+        count: u64,
+        n: u64,
+        me_root: bool,
+    ) -> ((bool, Option<u64>), (bool, Option<u64>)) {
+        let all = count.checked_mul(n);
+        match self {
+            Part::Scatter => ((me_root, all), (true, Some(count))),
+            Part::ReduceToScratch => ((true, all), (me_root, Some(count))),
+            Part::Gather => ((me_root, Some(count)), (me_root, all)),
+            Part::Whole | Part::Of { .. } => (
+                (kind.uses_send(me_root), kind.send_elems(count, n)),
+                (kind.uses_recv(me_root), kind.recv_elems(count, n)),
+            ),
+        }
+    }
+
+    /// Which of the op's buffers is this rank's scratch slot (`Windows::scratch`) instead of
+    /// the user's: (send, recv). A non-root's share of a split reduce lives there, since its
+    /// user buffers are the input only.
+    pub(crate) fn scratch(self, me_root: bool) -> (bool, bool) {
+        match self {
+            Part::ReduceToScratch if !me_root => (false, true),
+            Part::Gather if !me_root => (true, false),
+            _ => (false, false),
+        }
+    }
+
     /// A part of a split broadcast or reduce (whose root is `peer`).
     fn rooted(self) -> bool {
         match self {
@@ -553,16 +692,8 @@ impl Communicator {
         eager: bool,
         part: Part,
     ) -> Result<Option<CudaPosted>> {
-        let mode = match (part, a.kind) {
-            (Part::Scatter, _) => k::MODE_SC,
-            (Part::Gather, _) => k::MODE_GA,
-            (_, OpKind::AllReduce) => k::MODE_AR,
-            (_, OpKind::AllGather) => k::MODE_AG,
-            (_, OpKind::ReduceScatter) => k::MODE_RS,
-            (_, OpKind::Broadcast) => k::MODE_BC,
-            (_, OpKind::Reduce) => k::MODE_RED,
-            (_, OpKind::AllToAll) => k::MODE_A2A,
-            _ => return Ok(None),
+        let Some(mode) = part.mode(a.kind) else {
+            return Ok(None);
         };
         // Copies (all-gather, broadcast) load the (dtype, sum) module: any dtype has one.
         let op = match (mode, a.redop) {
@@ -634,18 +765,9 @@ impl Communicator {
         }
         let n = u64::from(self.nranks);
         let me_root = a.peer == self.rank;
-        let all = a.count.checked_mul(n);
         // (uses, elements) of the send and the recv buffer; a non-root's share of a split
         // reduce is in its scratch slot instead (below).
-        let (send_use, recv_use) = match part {
-            Part::Scatter => ((me_root, all), (true, Some(a.count))),
-            Part::ReduceToScratch => ((true, all), (me_root, Some(a.count))),
-            Part::Gather => ((me_root, Some(a.count)), (me_root, all)),
-            Part::Whole | Part::Of { .. } => (
-                (a.kind.uses_send(me_root), a.kind.send_elems(a.count, n)),
-                (a.kind.uses_recv(me_root), a.kind.recv_elems(a.count, n)),
-            ),
-        };
+        let (send_use, recv_use) = part.buffers(a.kind, a.count, n, me_root);
         let mut device = None;
         let mut bufs = [0u64; 2];
         let mut span = None;
@@ -735,10 +857,12 @@ impl Communicator {
         if bytes > w.slot {
             return Ok(None);
         }
-        match part {
-            Part::ReduceToScratch if !me_root => recv = w.scratch(self.rank),
-            Part::Gather if !me_root => send = w.scratch(self.rank),
-            _ => {}
+        let (send_scratch, recv_scratch) = part.scratch(me_root);
+        if send_scratch {
+            send = w.scratch(self.rank);
+        }
+        if recv_scratch {
+            recv = w.scratch(self.rank);
         }
         let i = &self.client;
         let mut g = lock(&i.gpu);
@@ -874,80 +998,31 @@ impl Communicator {
         share: u64,
     ) -> Result<Option<CudaPosted>> {
         let es = a.dtype.size();
-        let body = share * u64::from(self.nranks);
-        let need = |p: Option<u64>, what: &str| {
-            p.ok_or_else(|| {
-                Error::InvalidArgument(format!("{} needs a {what} buffer", a.kind.name()))
+        let plan = split_plan(
+            a.kind,
+            a.count,
+            es,
+            self.nranks,
+            self.rank,
+            a.peer,
+            a.send,
+            a.recv,
+            share,
+        )
+        .map_err(Error::InvalidArgument)?;
+        let parts: Vec<(CudaOpArgs, Part)> = plan
+            .into_iter()
+            .map(|p| {
+                let args = CudaOpArgs {
+                    kind: p.kind,
+                    count: p.count,
+                    send: p.send,
+                    recv: p.recv,
+                    ..*a
+                };
+                (args, p.part)
             })
-        };
-        let at = |p: Option<u64>, elems: u64| p.map(|p| p + elems * es);
-        let of = Part::Of {
-            rooted: a.kind.has_root(),
-        };
-        let mut parts = Vec::with_capacity(3);
-        if a.count > body {
-            let tail = CudaOpArgs {
-                count: a.count - body,
-                send: at(a.send, body),
-                recv: at(a.recv, body),
-                ..*a
-            };
-            parts.push((tail, of));
-        }
-        let me = u64::from(self.rank);
-        match a.kind {
-            OpKind::AllReduce | OpKind::Broadcast => {
-                let recv = need(a.recv, "recv")?;
-                let mine = Some(recv + me * share * es);
-                let first = if a.kind == OpKind::AllReduce {
-                    need(a.send, "send")?;
-                    (OpKind::ReduceScatter, of)
-                } else {
-                    (OpKind::Broadcast, Part::Scatter)
-                };
-                let spread = CudaOpArgs {
-                    kind: first.0,
-                    count: share,
-                    recv: mine,
-                    ..*a
-                };
-                parts.push((spread, first.1));
-                let gather = CudaOpArgs {
-                    kind: OpKind::AllGather,
-                    count: share,
-                    send: mine,
-                    recv: Some(recv),
-                    ..*a
-                };
-                parts.push((gather, of));
-            }
-            OpKind::Reduce => {
-                let root_share = if a.peer == self.rank {
-                    Some(need(a.recv, "recv")? + u64::from(a.peer) * share * es)
-                } else {
-                    None
-                };
-                let rs = CudaOpArgs {
-                    kind: OpKind::ReduceScatter,
-                    count: share,
-                    recv: root_share,
-                    ..*a
-                };
-                parts.push((rs, Part::ReduceToScratch));
-                let gather = CudaOpArgs {
-                    count: share,
-                    send: root_share,
-                    ..*a
-                };
-                parts.push((gather, Part::Gather));
-            }
-            _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "{} cannot be split into direct ops (internal error)",
-                    a.kind.name()
-                )));
-            }
-        }
+            .collect();
         let last = parts.len() - 1;
         let mut earlier = Vec::with_capacity(last);
         for (i, (mut p, part)) in parts.into_iter().enumerate() {
@@ -1447,6 +1522,205 @@ mod tests {
             describe_sig(rs),
             "reduce_scatter bf16 sum (part of an all_reduce split into direct ops)"
         );
+    }
+
+    /// Runs every rank's split plan on a host model of the direct kernel's modes (each reads
+    /// every input, then writes its outputs, as the kernel's pushes precede its reads): memory
+    /// is one map from address to element value, every rank's buffers at addresses of their
+    /// own, and every access is checked against the buffers the part may touch.
+    #[test]
+    fn split_plans_compute_the_whole_op_on_every_rank() {
+        use std::collections::HashMap;
+        const ES: u64 = 4;
+        let base = |r: u32| 0x1000_0000 + u64::from(r) * 0x100_0000;
+        let scratch = |r: u32| base(r) + 0xF0_0000;
+        for kind in [OpKind::AllReduce, OpKind::Broadcast, OpKind::Reduce] {
+            for n in 2..=8u32 {
+                let n64 = u64::from(n);
+                for count in [n64 * 5, n64 * 5 + 1, n64 * 7 + n64 - 1] {
+                    let share = count / n64;
+                    let roots = if kind.has_root() { 0..n } else { 0..1 };
+                    for root in roots {
+                        for in_place in [false, true] {
+                            let what = format!(
+                                "{} n={n} count={count} root={root} in_place={in_place}",
+                                kind.name()
+                            );
+                            let send = |r: u32| base(r);
+                            let recv = |r: u32| base(r) + if in_place { 0 } else { 0x80_0000 };
+                            let input = |r: u32, i: u64| i64::from(r + 1) * 1000 + i as i64;
+                            let mut mem: HashMap<u64, i64> = HashMap::new();
+                            for r in 0..n {
+                                for i in 0..count {
+                                    mem.insert(recv(r) + i * ES, -7);
+                                    mem.insert(send(r) + i * ES, input(r, i));
+                                }
+                            }
+                            // What NCCL callers may pass: no send on a broadcast's non-root, no
+                            // recv on a reduce's non-root (out of place only: torch passes one
+                            // tensor for both).
+                            let given: Vec<(Option<u64>, Option<u64>)> = (0..n)
+                                .map(|r| {
+                                    let s = (kind != OpKind::Broadcast || r == root || in_place)
+                                        .then_some(send(r));
+                                    let v = (kind != OpKind::Reduce || r == root || in_place)
+                                        .then_some(recv(r));
+                                    (s, v)
+                                })
+                                .collect();
+                            let plans: Vec<Vec<PlannedPart>> = (0..n)
+                                .map(|r| {
+                                    let (s, v) = given[r as usize];
+                                    split_plan(kind, count, ES, n, r, root, s, v, share)
+                                        .unwrap_or_else(|e| panic!("{what}: {e}"))
+                                })
+                                .collect();
+                            for (j, p0) in plans[0].iter().enumerate() {
+                                let ps: Vec<PlannedPart> = plans.iter().map(|p| p[j]).collect();
+                                for p in &ps {
+                                    assert_eq!(
+                                        (p.kind, p.part, p.count),
+                                        (p0.kind, p0.part, p0.count),
+                                        "{what}: part {j} differs across ranks"
+                                    );
+                                }
+                                let c = p0.count;
+                                let mode = p0.part.mode(p0.kind).unwrap();
+                                // Each rank's (input, output) address, its scratch slot where the
+                                // part says so, and the ranges it may touch.
+                                let io: Vec<(u64, u64, u64, u64)> = (0..n)
+                                    .map(|r| {
+                                        let p = ps[r as usize];
+                                        let me_root = r == root;
+                                        let (ss, rs) = p.part.scratch(me_root);
+                                        let ((su, se), (ru, re)) =
+                                            p.part.buffers(p.kind, c, n64, me_root);
+                                        let pick = |scr: bool, uses: bool, b: Option<u64>| {
+                                            if scr {
+                                                return scratch(r);
+                                            }
+                                            if !uses {
+                                                return 0;
+                                            }
+                                            b.unwrap_or_else(|| {
+                                                panic!("{what}: part {j} rank {r}: no buffer")
+                                            })
+                                        };
+                                        let i = pick(ss, su, p.send);
+                                        let o = pick(rs, ru, p.recv);
+                                        // Within a buffer the caller passed (count elements
+                                        // each) or the scratch slot (a share).
+                                        let (gs, gv) = given[r as usize];
+                                        let ranges = [
+                                            gs.map(|b| (b, count)),
+                                            gv.map(|b| (b, count)),
+                                            Some((scratch(r), share)),
+                                        ];
+                                        for (addr, elems) in [(i, se), (o, re)] {
+                                            if addr == 0 {
+                                                continue;
+                                            }
+                                            let end = addr + elems.unwrap() * ES;
+                                            assert!(
+                                                ranges.iter().flatten().any(|&(lo, len)| {
+                                                    addr >= lo && end <= lo + len * ES
+                                                }),
+                                                "{what}: part {j} rank {r} touches {addr:#x}..{end:#x}, outside its buffers"
+                                            );
+                                        }
+                                        let elems = |uses: bool, e: Option<u64>| {
+                                            if uses { e.unwrap() } else { 0 }
+                                        };
+                                        let (se, re) = (elems(su || ss, se), elems(ru || rs, re));
+                                        // Input and output overlap only as the kernel's in-place
+                                        // layouts (its own input is read again after the
+                                        // peers' data was written into the output).
+                                        let me64 = u64::from(r);
+                                        if i != 0 && o != 0 && i < o + re * ES && o < i + se * ES {
+                                            let fine = match mode {
+                                                k::MODE_AR | k::MODE_BC | k::MODE_RED => i == o,
+                                                k::MODE_RS | k::MODE_SC => i + me64 * c * ES == o,
+                                                k::MODE_AG | k::MODE_GA => o + me64 * c * ES == i,
+                                                _ => false,
+                                            };
+                                            assert!(fine, "{what}: part {j} rank {r}: input and output overlap");
+                                        }
+                                        (i, o, se, re)
+                                    })
+                                    .collect();
+                                // Rank r's input element x (within what the part
+                                // declares), and rank me's output element x.
+                                let rd = |m: &HashMap<u64, i64>, r: u32, x: u64| {
+                                    let (a, _, se, _) = io[r as usize];
+                                    assert!(
+                                        x < se,
+                                        "{what}: part {j} reads rank {r}'s input past its {se} elements"
+                                    );
+                                    *m.get(&(a + x * ES)).unwrap_or_else(|| {
+                                        panic!("{what}: part {j} reads unwritten {:#x}", a + x * ES)
+                                    })
+                                };
+                                let sum = |m: &HashMap<u64, i64>, x: u64| {
+                                    (0..n).map(|r| rd(m, r, x)).sum::<i64>()
+                                };
+                                let mut writes = Vec::new();
+                                for me in 0..n {
+                                    let (_, out, _, re) = io[me as usize];
+                                    let mut wr = |x: u64, v: i64| {
+                                        assert!(
+                                            x < re,
+                                            "{what}: part {j} writes rank {me}'s output past its {re} elements"
+                                        );
+                                        writes.push((out + x * ES, v));
+                                    };
+                                    let me64 = u64::from(me);
+                                    for i in 0..c {
+                                        match mode {
+                                            k::MODE_AR => wr(i, sum(&mem, i)),
+                                            k::MODE_RS => wr(i, sum(&mem, me64 * c + i)),
+                                            k::MODE_BC => wr(i, rd(&mem, root, i)),
+                                            k::MODE_SC => wr(i, rd(&mem, root, me64 * c + i)),
+                                            k::MODE_RED if me == root => wr(i, sum(&mem, i)),
+                                            k::MODE_AG => {
+                                                for r in 0..n {
+                                                    wr(u64::from(r) * c + i, rd(&mem, r, i));
+                                                }
+                                            }
+                                            k::MODE_GA if me == root => {
+                                                for r in 0..n {
+                                                    wr(u64::from(r) * c + i, rd(&mem, r, i));
+                                                }
+                                            }
+                                            k::MODE_RED | k::MODE_GA => {}
+                                            m => panic!("{what}: mode {m} in a split plan"),
+                                        }
+                                    }
+                                }
+                                mem.extend(writes);
+                            }
+                            let total = |i: u64| (0..n).map(|r| input(r, i)).sum::<i64>();
+                            for r in 0..n {
+                                for i in 0..count {
+                                    let got = mem[&(recv(r) + i * ES)];
+                                    let want = match kind {
+                                        OpKind::AllReduce => total(i),
+                                        OpKind::Broadcast => input(root, i),
+                                        _ if r == root => total(i),
+                                        // A non-root's buffers are left as they were.
+                                        _ if in_place => input(r, i),
+                                        _ => -7,
+                                    };
+                                    assert_eq!(got, want, "{what}: rank {r} element {i}");
+                                    if kind == OpKind::Reduce && !in_place {
+                                        assert_eq!(mem[&(send(r) + i * ES)], input(r, i), "{what}");
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
