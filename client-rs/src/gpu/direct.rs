@@ -102,9 +102,10 @@ fn parse_split_max(v: Option<&str>) -> std::result::Result<u64, String> {
 
 /// The share (elements per rank) of an all-reduce, broadcast or reduce of `count` elements of
 /// `es` bytes split into direct ops ([`Communicator::split_op`]), or `None` when it is not
-/// split: within the direct limit `max` (one direct op), past `most` bytes (`COMMD_DIRECT_SPLIT_MAX_BYTES`), or a
-/// share past `max`. Measured on 4x H200 (docs/benchmarks.md, 2026-11-28): at 4 and 8 MiB the
-/// two direct ops together take about half the daemon's reduce-scatter + all-gather.
+/// split: within the direct limit `max` (one direct op), past `most` bytes
+/// (`COMMD_DIRECT_SPLIT_MAX_BYTES`), or a share past `max`. Measured on 4x H200
+/// (docs/benchmarks.md, 2026-11-28): at 4 and 8 MiB the two direct ops together take 0.5-0.65x
+/// the daemon's path (all-reduce, broadcast, reduce).
 pub(crate) fn split_share(count: u64, es: u64, n: u64, max: u64, most: u64) -> Option<u64> {
     let bytes = count.saturating_mul(es);
     let share = count / n.max(1);
