@@ -119,18 +119,27 @@ def case_all(dtype: torch.dtype, n: int, async_op: bool, salt: int) -> None:
     if async_op:
         w.wait()
     check(f"all_to_all in place {tag}", a2a, a2a_want)
+    rooted_all(ins, dtype, async_op, tag)
+
+
+def rooted_all(ins: list[torch.Tensor], dtype: torch.dtype, async_op: bool, tag: str,
+               reductions: tuple[str, ...] = ("sum",)) -> None:
+    """Broadcast and reduce (each of ``reductions``) of every rank's ``ins`` from every root:
+    right results, and a reduce's non-root keeps its input."""
+    n = ins[rank].numel()
     for root in range(world):
         b = ins[rank].clone() if rank == root else torch.zeros(n, device=dev, dtype=dtype)
         w = dist.broadcast(b, src=root, async_op=async_op)
         if async_op:
             w.wait()
         check(f"broadcast root {root} {tag}", b, ins[root])
-        t = ins[rank].clone()
-        w = dist.reduce(t, dst=root, async_op=async_op)
-        if async_op:
-            w.wait()
-        want = reduce_ref(ins, "sum").to(dtype) if rank == root else ins[rank]
-        check(f"reduce root {root} {tag}", t, want)
+        for name in reductions:
+            t = ins[rank].clone()
+            w = dist.reduce(t, dst=root, op=OPS[name], async_op=async_op)
+            if async_op:
+                w.wait()
+            want = reduce_ref(ins, name).to(dtype) if rank == root else ins[rank]
+            check(f"reduce {name} root {root} {tag}", t, want)
 
 
 # 1. every op, dtype and size
@@ -214,23 +223,11 @@ for n in split_sizes:
 # split broadcasts and reduces from every root (a reduce's non-root keeps its input)
 for n in split_sizes:
     for dtype in (torch.float32, torch.bfloat16):
-        for root in range(world):
-            for async_op in (True, False):
-                salt += 1
-                tag = f"{dtype} n={n} root {root} async={async_op}"
-                ins = all_in(n, dtype, salt)
-                b = ins[rank].clone() if rank == root else torch.zeros(n, device=dev, dtype=dtype)
-                w = dist.broadcast(b, src=root, async_op=async_op)
-                if async_op:
-                    w.wait()
-                check(f"split broadcast {tag}", b, ins[root])
-                for name in ("sum", "max") if dtype == torch.float32 else ("sum",):
-                    t = ins[rank].clone()
-                    w = dist.reduce(t, dst=root, op=OPS[name], async_op=async_op)
-                    if async_op:
-                        w.wait()
-                    want = reduce_ref(ins, name).to(dtype) if rank == root else ins[rank]
-                    check(f"split reduce {name} {tag}", t, want)
+        for async_op in (True, False):
+            salt += 1
+            rooted_all(all_in(n, dtype, salt), dtype, async_op,
+                       f"(split) {dtype} n={n} async={async_op}",
+                       ("sum", "max") if dtype == torch.float32 else ("sum",))
 # split ones and direct ones mixed on two streams
 two_streams("split, two streams", [(world * most - 5) if i % 2 else 3000 for i in range(12)],
             300, lambda i: i % 3)

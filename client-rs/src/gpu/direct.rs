@@ -178,6 +178,12 @@ pub(crate) fn split_plan(
                     mine,
                 ));
             } else {
+                // Only the root reads a send buffer.
+                let send = if me == root {
+                    Some(need(send, "send")?)
+                } else {
+                    send
+                };
                 parts.push(one(OpKind::Broadcast, Part::Scatter, send, mine));
             }
             parts.push(one(OpKind::AllGather, of, mine, Some(recv)));
@@ -1722,6 +1728,63 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_split_plan_without_a_buffer_it_needs_is_an_error() {
+        let b = Some(0x1000u64);
+        let plan =
+            |kind, me, root, send, recv| split_plan(kind, 41, 4, 4, me, root, send, recv, 10);
+        for (kind, me, root, send, recv, want) in [
+            (
+                OpKind::AllReduce,
+                0,
+                0,
+                None,
+                b,
+                "all_reduce needs a send buffer",
+            ),
+            (
+                OpKind::AllReduce,
+                1,
+                0,
+                b,
+                None,
+                "all_reduce needs a recv buffer",
+            ),
+            (
+                OpKind::Broadcast,
+                2,
+                2,
+                None,
+                b,
+                "broadcast needs a send buffer",
+            ),
+            (
+                OpKind::Broadcast,
+                1,
+                2,
+                b,
+                None,
+                "broadcast needs a recv buffer",
+            ),
+            (
+                OpKind::Reduce,
+                1,
+                3,
+                None,
+                None,
+                "reduce needs a send buffer",
+            ),
+            (OpKind::Reduce, 3, 3, b, None, "reduce needs a recv buffer"),
+            (OpKind::AllGather, 0, 0, b, b, "never split"),
+        ] {
+            let e = plan(kind, me, root, send, recv).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+        // What a non-root may leave out: a broadcast's send, a reduce's recv.
+        assert!(plan(OpKind::Broadcast, 1, 2, None, b).is_ok());
+        assert!(plan(OpKind::Reduce, 1, 3, b, None).is_ok());
     }
 
     #[test]

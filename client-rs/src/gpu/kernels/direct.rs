@@ -18,7 +18,8 @@
 //!   reads word 1.
 //! - `STATE_OFF`: `entered` (u64, tickets of blocks that started an op, `unit` per block; epoch =
 //!   entered / (grid x unit) + 1, grid x unit being fixed per communicator: a large op runs on
-//!   the whole grid, a small one on half of it with 2 tickets per block), `arrive[2]` (u32, blocks that finished pushing, per parity),
+//!   the whole grid, a small one on half of it with 2 tickets per block), `arrive[2]` (u32,
+//!   blocks that finished pushing, per parity),
 //!   `dead` (u32, non-zero once an op of the communicator failed: every later op stops at once).
 //! - `DATA_OFF`: per parity `p` and source rank `r`, a slot of `slot` bytes at
 //!   `DATA_OFF + (p * n + r) * slot`.
