@@ -42,8 +42,7 @@ import torchrun_env
 rank, world, dev = torchrun_env.start()
 assert world >= 2, "run with at least 2 ranks"
 failures: list[str] = []
-LIMIT = int(os.environ.get("COMMD_EAGER_DIRECT_MAX_BYTES", "0")) or (
-    min(4 << 20, 1 << ((8 << 20) // (world - 1)).bit_length() - 1))
+LIMIT = torchrun_env.direct_limit(world)
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 0.0) -> None:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import commd.torch  # registers the backend
+import torchrun_env
 
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
@@ -269,10 +270,11 @@ client = backend.client._native
 st0 = json.loads(client.status_json())
 r0 = client.cuda_registration_stats()
 # Small eager ops may run as direct ops (contract 7 rule 8), which never reach the daemon or its
-# cache: then an op past the largest direct one.
+# cache: then an op past the largest direct one, and past the largest one split into direct
+# ops (its share, 1/world of it, past the limit).
 n_reg = 1 << 16
 if not commd.torch.eager_path(cg).startswith("daemon"):
-    n_reg = int(os.environ.get("COMMD_EAGER_DIRECT_MAX_BYTES") or 4 << 20) // 4 + 1024
+    n_reg = world * (torchrun_env.direct_limit(world) // 4) + 1024
 t = torch.ones(n_reg, device=dev)
 for _ in range(100):
     dist.all_reduce(t, group=cg)

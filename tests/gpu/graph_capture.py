@@ -85,8 +85,7 @@ def cases() -> list[Case]:
     cs.append(Case("all_reduce 32 MiB", [big], [big], lambda i, o: dist.all_reduce(i[0])))
     # Past the direct limit with a share (1/world) within it: split into direct ops (a
     # reduce-scatter, an all-gather and, for the elements left over, an all-reduce).
-    limit = int(os.environ.get("COMMD_GRAPH_DIRECT_MAX_BYTES", "0")) or (
-        min(4 << 20, 1 << ((8 << 20) // (world - 1)).bit_length() - 1))
+    limit = torchrun_env.direct_limit(world, "COMMD_GRAPH_DIRECT_MAX_BYTES")
     split = torch.empty(world * (limit // 4) - 3, device=dev)
     cs.append(Case("all_reduce split into direct ops", [split], [split],
                    lambda i, o: dist.all_reduce(i[0])))

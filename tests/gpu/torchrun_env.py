@@ -20,3 +20,15 @@ def start() -> tuple[int, int, torch.device]:
     torch.cuda.set_device(local)
     dist.init_process_group("commd")
     return rank, world, torch.device("cuda", local)
+
+
+def direct_limit(world: int, var: str = "COMMD_EAGER_DIRECT_MAX_BYTES") -> int:
+    """The largest direct all-reduce, broadcast or reduce in bytes per rank: ``var`` when set
+    (``COMMD_EAGER_DIRECT_MAX_BYTES`` or ``COMMD_GRAPH_DIRECT_MAX_BYTES``), else the library's
+    default (``direct::default_max_bytes``: 16 MiB on 2 ranks, else the power of two at most
+    8 MiB / (world - 1), 4 MiB at most)."""
+    if int(os.environ.get(var, "0") or 0):
+        return int(os.environ[var])
+    if world == 2:
+        return 16 << 20
+    return min(4 << 20, 1 << ((8 << 20) // (world - 1)).bit_length() - 1)

@@ -50,15 +50,48 @@ pub fn launch_grid(grid: u32, bytes: u64, n: u32) -> (u32, u32) {
         (grid / 2, 2)
     }
 }
-/// What every rank's GPU sends per direct op is (n - 1) x the op's bytes: the default largest
-/// direct op keeps that at 8 MiB (4 MiB for 2 and 3 ranks, 2 MiB for 4 to 5, 1 MiB for 6 to
-/// 8); a window (2 x n slots) is then 16 to 24 MiB. Larger ops take the daemon's
-/// path, whose reduce-scatter + all-gather moves 2 (n - 1) / n x the bytes.
-pub fn default_max_bytes(nranks: u32) -> u64 {
+/// The default largest push to one peer of a direct all-gather or all-to-all, and the largest
+/// share of an op split into direct ops ([`split_share`]): every rank's GPU then sends at most
+/// 8 MiB per direct op ((n - 1) x this; the power of two at most 8 MiB / (n - 1): 8 MiB for 2
+/// ranks, 4 for 3, 2 for 4 to 5, 1 for 6 to 8). Past it the daemon's copy engines copy straight
+/// into the receivers' buffers, where a direct copy goes through the windows: on 2x H200
+/// (docs/benchmarks.md, 2026-11-28, "The direct limit on two GPUs") an all-gather with 16 MiB
+/// per rank took 84.7 us direct against the daemon's 71.1, an all-to-all 94.7 against 69.4,
+/// while 8 MiB per rank took 40.6 against 48.4.
+pub fn default_push_bytes(nranks: u32) -> u64 {
     let per = (8u64 << 20) / u64::from(nranks.saturating_sub(1).max(1));
-    // The largest power of two at most `per`, capped at 4 MiB.
-    (1u64 << (63 - per.leading_zeros())).min(4 << 20)
+    1u64 << (63 - per.leading_zeros())
 }
+
+/// The default largest direct all-reduce, reduce-scatter, broadcast and reduce (bytes per rank),
+/// which is also the size of a window slot (a window holds 2 x n of them): on 2 ranks 16 MiB
+/// (a 64 MiB window), elsewhere [`default_push_bytes`] (4 MiB for 3 ranks, 2 MiB for 4 to 5, 1
+/// MiB for 6 to 8: 16 to 24 MiB windows). Measured on 2x H200 (docs/benchmarks.md, 2026-11-28,
+/// "The direct limit on two GPUs"; nccl-tests, us, against the earlier 4 MiB limit and NCCL):
+/// all-reduce 16 MiB 74.9 (87.6, 78.3), reduce 16 MiB 55.4 (82.0, 58.4), broadcast 16 MiB
+/// 63.2 (65.6, 63.2), reduce-scatter 32 MiB 80.5 (87.3, 90.2); at 32 MiB per rank the daemon's
+/// path is as fast or faster. On more ranks an op past the limit whose share fits is split
+/// into direct ops; larger ones take the daemon's path, whose reduce-scatter + all-gather moves
+/// 2 (n - 1) / n x the bytes.
+pub fn default_max_bytes(nranks: u32) -> u64 {
+    if nranks == 2 {
+        16 << 20
+    } else {
+        default_push_bytes(nranks).min(4 << 20)
+    }
+}
+
+/// A communicator's direct limits, in bytes per rank ([`Config::limits`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The largest all-reduce, reduce-scatter, broadcast or reduce; the window slot.
+    pub whole: u64,
+    /// The largest all-gather or all-to-all (per peer).
+    pub copy: u64,
+    /// The largest share of a split op.
+    pub share: u64,
+}
+
 /// A direct path's integer setting `name` with value `v`: `None` when unset or empty, else an
 /// integer from `lo` to `hi`, or the error naming the setting and its value.
 pub(crate) fn env_int(
@@ -103,13 +136,21 @@ fn parse_split_max(v: Option<&str>) -> std::result::Result<u64, String> {
 /// The share (elements per rank) of an all-reduce, broadcast or reduce of `count` elements of
 /// `es` bytes split into direct ops ([`Communicator::split_op`]), or `None` when it is not
 /// split: within the direct limit `max` (one direct op), past `most` bytes
-/// (`COMMD_DIRECT_SPLIT_MAX_BYTES`), or a share past `max`. Measured on 4x H200
+/// (`COMMD_DIRECT_SPLIT_MAX_BYTES`), or a share past `share_max`. Measured on 4x H200
 /// (docs/benchmarks.md, 2026-11-28): at 4 and 8 MiB the two direct ops together take 0.5-0.65x
 /// the daemon's path (all-reduce, broadcast, reduce).
-pub(crate) fn split_share(count: u64, es: u64, n: u64, max: u64, most: u64) -> Option<u64> {
+pub(crate) fn split_share(
+    count: u64,
+    es: u64,
+    n: u64,
+    max: u64,
+    share_max: u64,
+    most: u64,
+) -> Option<u64> {
     let bytes = count.saturating_mul(es);
     let share = count / n.max(1);
-    (n >= 2 && bytes > max && bytes <= most && share > 0 && share * es <= max).then_some(share)
+    (n >= 2 && bytes > max && bytes <= most && share > 0 && share * es <= share_max)
+        .then_some(share)
 }
 
 /// One direct op of an op split into several ([`split_plan`]).
@@ -292,6 +333,21 @@ impl Config {
     /// `nranks` ranks.
     pub fn max_bytes_for(&self, nranks: u32) -> u64 {
         self.max_bytes.unwrap_or_else(|| default_max_bytes(nranks))
+    }
+
+    /// The limits of each kind of direct op on `nranks` ranks: a set `max_bytes` is every one
+    /// of them; by default copies and split shares stop at [`default_push_bytes`].
+    pub fn limits(&self, nranks: u32) -> Limits {
+        let whole = self.max_bytes_for(nranks);
+        let push = match self.max_bytes {
+            Some(_) => whole,
+            None => default_push_bytes(nranks).min(whole),
+        };
+        Limits {
+            whole,
+            copy: push,
+            share: push,
+        }
     }
 }
 
@@ -747,7 +803,7 @@ impl Communicator {
             }
             return Ok(None);
         }
-        let max = cfg.max_bytes_for(self.nranks);
+        let lim = cfg.limits(self.nranks);
         // Read for every op (a bad value fails each one, before any exchange with the peers).
         let most = split_max()?;
         if matches!(mode, k::MODE_AR | k::MODE_BC | k::MODE_RED)
@@ -755,12 +811,23 @@ impl Communicator {
             && self.nodes <= 1
             && self.nranks <= k::MAX_RANKS
             && (mode == k::MODE_AR || a.peer < self.nranks)
-            && let Some(share) =
-                split_share(a.count, a.dtype.size(), u64::from(self.nranks), max, most)
+            && let Some(share) = split_share(
+                a.count,
+                a.dtype.size(),
+                u64::from(self.nranks),
+                lim.whole,
+                lim.share,
+                most,
+            )
         {
             // SAFETY: the caller's contract.
             return unsafe { self.split_op(a, eager, share) };
         }
+        let max = if matches!(mode, k::MODE_AG | k::MODE_A2A) {
+            lim.copy
+        } else {
+            lim.whole
+        };
         if self.nodes > 1
             || self.nranks < 2
             || self.nranks > k::MAX_RANKS
@@ -1443,19 +1510,44 @@ mod tests {
                 blocks: DEFAULT_BLOCKS
             }
         );
+        // (ranks, whole ops and slots, copies and split shares)
         let want = [
-            (2, 4u64 << 20),
-            (3, 4 << 20),
-            (4, 2 << 20),
-            (5, 2 << 20),
-            (6, 1 << 20),
-            (8, 1 << 20),
+            (2, 16u64 << 20, 8u64 << 20),
+            (3, 4 << 20, 4 << 20),
+            (4, 2 << 20, 2 << 20),
+            (5, 2 << 20, 2 << 20),
+            (6, 1 << 20, 1 << 20),
+            (8, 1 << 20, 1 << 20),
         ];
-        for (n, max) in want {
-            assert_eq!(c.max_bytes_for(n), max, "{n} ranks");
-            // Every rank's GPU sends (n - 1) x the op at most 8 MiB; the window stays <= 24 MiB.
-            assert!((u64::from(n) - 1) * max <= 8 << 20);
-            assert!(window_bytes(n, max) <= (24 << 20) + k::DATA_OFF);
+        for (n, whole, push) in want {
+            assert_eq!(c.max_bytes_for(n), whole, "{n} ranks");
+            let lim = c.limits(n);
+            assert_eq!(
+                lim,
+                Limits {
+                    whole,
+                    copy: push,
+                    share: push
+                },
+                "{n} ranks"
+            );
+            // Every rank's GPU sends (n - 1) x a copy or a split part at most 8 MiB; a window
+            // is at most 64 MiB (2 ranks), else 24 MiB.
+            assert!((u64::from(n) - 1) * push <= 8 << 20);
+            let most = if n == 2 { 64 << 20 } else { 24 << 20 };
+            assert!(window_bytes(n, whole) <= most + k::DATA_OFF);
+        }
+        // A set limit is every limit.
+        let set = Config::parse(None, Some("65536"), None).unwrap();
+        for n in [2, 4, 8] {
+            assert_eq!(
+                set.limits(n),
+                Limits {
+                    whole: 65536,
+                    copy: 65536,
+                    share: 65536
+                }
+            );
         }
         assert!(!Config::parse(Some("0"), None, None).unwrap().enabled);
         assert!(!Config::parse(Some("off"), None, None).unwrap().enabled);
@@ -1486,25 +1578,33 @@ mod tests {
     fn an_all_reduce_splits_only_past_the_limit_with_a_share_within_it() {
         let mib = 1u64 << 20;
         let max = default_max_bytes(4); // 2 MiB
+        let split = |count, n, most| split_share(count, 4, n, max, max, most);
         // Within the limit: one direct all-reduce.
-        assert_eq!(split_share(max / 4, 4, 4, max, u64::MAX), None);
+        assert_eq!(split(max / 4, 4, u64::MAX), None);
         // 4 and 8 MiB of f32 on 4 ranks: shares of 1 and 2 MiB.
-        assert_eq!(split_share(mib, 4, 4, max, u64::MAX), Some(mib / 4));
-        assert_eq!(split_share(2 * mib, 4, 4, max, u64::MAX), Some(mib / 2));
+        assert_eq!(split(mib, 4, u64::MAX), Some(mib / 4));
+        assert_eq!(split(2 * mib, 4, u64::MAX), Some(mib / 2));
         // A remainder modulo the ranks is left to a small all-reduce of its own.
-        assert_eq!(split_share(mib + 3, 4, 4, max, u64::MAX), Some(mib / 4));
+        assert_eq!(split(mib + 3, 4, u64::MAX), Some(mib / 4));
         // Past 4 x the limit the share does not fit a window slot.
-        assert_eq!(split_share(2 * mib + 4, 4, 4, max, u64::MAX), None);
+        assert_eq!(split(2 * mib + 4, 4, u64::MAX), None);
         // COMMD_DIRECT_SPLIT_MAX_BYTES: 0 splits nothing; a lower value stops it there.
-        assert_eq!(split_share(mib, 4, 4, max, 0), None);
-        assert_eq!(split_share(mib, 4, 4, max, 4 * mib), Some(mib / 4));
-        assert_eq!(split_share(mib + 1, 4, 4, max, 4 * mib), None);
+        assert_eq!(split(mib, 4, 0), None);
+        assert_eq!(split(mib, 4, 4 * mib), Some(mib / 4));
+        assert_eq!(split(mib + 1, 4, 4 * mib), None);
         // One rank: nothing to split.
-        assert_eq!(split_share(mib, 4, 1, max, u64::MAX), None);
-        // 2 ranks (limit 4 MiB): up to 8 MiB.
-        let m2 = default_max_bytes(2);
-        assert_eq!(split_share(2 * mib, 4, 2, m2, u64::MAX), Some(mib));
-        assert_eq!(split_share(2 * mib + 2, 4, 2, m2, u64::MAX), None);
+        assert_eq!(split(mib, 1, u64::MAX), None);
+        // 2 ranks by default: one direct op up to 16 MiB, and a share of a larger one (8 MiB
+        // or more) past the split's 8 MiB: nothing splits.
+        let lim = Config::parse(None, None, None).unwrap().limits(2);
+        let split2 = |count| split_share(count, 4, 2, lim.whole, lim.share, u64::MAX);
+        assert_eq!(split2(4 * mib), None);
+        assert_eq!(split2(4 * mib + 2), None);
+        assert_eq!(split2(16 * mib), None);
+        // 2 ranks with the limit set to 4 MiB (as before 2026-11-28): split up to 8 MiB.
+        let m2 = 4 * mib;
+        assert_eq!(split_share(2 * mib, 4, 2, m2, m2, u64::MAX), Some(mib));
+        assert_eq!(split_share(2 * mib + 2, 4, 2, m2, m2, u64::MAX), None);
         assert_eq!(parse_split_max(None).unwrap(), u64::MAX);
         assert_eq!(parse_split_max(Some("0")).unwrap(), 0);
         assert_eq!(parse_split_max(Some("8388608")).unwrap(), 8 * mib);
