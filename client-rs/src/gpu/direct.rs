@@ -41,14 +41,38 @@ pub const DEFAULT_BLOCKS: u32 = 64;
 pub const LARGE_PUSH_BYTES: u64 = 4 << 20;
 
 /// The (blocks, tickets per block) of a direct op of `bytes` per rank on `n` ranks, on windows
-/// whose ops take `grid` tickets each (an even number): the whole grid when its pushes reach
+/// whose ops take `grid` tickets each (an even number): one block taking them all when the op
+/// is at most `one_block` bytes ([`one_block_max`]: such a block is its own last one, with no
+/// arrival count and one fence less before its flags), the whole grid when its pushes reach
 /// [`LARGE_PUSH_BYTES`], else half of it with 2 tickets per block.
-pub fn launch_grid(grid: u32, bytes: u64, n: u32) -> (u32, u32) {
-    if bytes.saturating_mul(u64::from(n.saturating_sub(1))) >= LARGE_PUSH_BYTES || grid < 2 {
+pub fn launch_grid(grid: u32, bytes: u64, n: u32, one_block: u64) -> (u32, u32) {
+    if bytes <= one_block {
+        (1, grid.max(1))
+    } else if bytes.saturating_mul(u64::from(n.saturating_sub(1))) >= LARGE_PUSH_BYTES || grid < 2 {
         (grid, 1)
     } else {
         (grid / 2, 2)
     }
+}
+
+/// `COMMD_DIRECT_ONE_BLOCK_MAX_BYTES`: the largest direct op (bytes per rank) that runs on one
+/// block ([`launch_grid`]); default 4096 (one pass of the block's 256 threads x 16 bytes); `0`:
+/// none. Local to a rank (the peers do not see a rank's grid). Read once per process.
+pub(crate) fn one_block_max() -> Result<u64> {
+    static V: std::sync::OnceLock<std::result::Result<u64, String>> = std::sync::OnceLock::new();
+    V.get_or_init(|| {
+        env_int(
+            "COMMD_DIRECT_ONE_BLOCK_MAX_BYTES",
+            std::env::var("COMMD_DIRECT_ONE_BLOCK_MAX_BYTES")
+                .ok()
+                .as_deref(),
+            0,
+            1 << 20,
+        )
+        .map(|v| v.unwrap_or(4096))
+    })
+    .clone()
+    .map_err(Error::InvalidArgument)
 }
 /// The default largest push to one peer of a direct all-gather or all-to-all, and the largest
 /// share of an op split into direct ops ([`split_share`]): every rank's GPU then sends at most
@@ -274,6 +298,9 @@ pub(crate) struct Windows {
     /// Direct ops so far (captured ones, or eager ones for eager windows): the next op's index
     /// (part of its flag, so ranks that replay different captured ops never pair).
     next_k: u32,
+    /// Eager windows: the epoch of the last op launched (the host numbers eager ops, which run
+    /// in issue order: `DirectArgs::epoch`); captured ops count tickets on the GPU instead.
+    epoch: u64,
     /// Eager windows: their ops' status words (in the record page).
     status: Option<Arc<eager::StatusPool>>,
 }
@@ -972,7 +999,7 @@ impl Communicator {
             }
             _ => None,
         };
-        let (blocks, unit) = launch_grid(w.grid, bytes, self.nranks);
+        let (blocks, unit) = launch_grid(w.grid, bytes, self.nranks, one_block_max()?);
         let args = DirectArgs {
             win: w.win,
             input: send,
@@ -996,6 +1023,7 @@ impl Communicator {
             status: status.as_ref().map_or(0, |(_, w)| *w),
             unit,
             pad: 0,
+            epoch: if eager { w.epoch + 1 } else { 0 },
         };
         super::prof::mark(super::prof::PREPARE);
         // SAFETY: the windows, record and hint word live for the process (`setup`); the
@@ -1008,6 +1036,9 @@ impl Communicator {
         }
         super::prof::mark(super::prof::LAUNCH);
         w.next_k = w.next_k.wrapping_add(1);
+        if eager {
+            w.epoch += 1;
+        }
         let Some((sp, word)) = status else {
             let done = if a.record {
                 let ev = pool.get(dev)?;
@@ -1314,6 +1345,7 @@ impl Communicator {
             rec_dev,
             hint_dev,
             next_k: 0,
+            epoch: 0,
             // SAFETY: `record_page` leaks the page: it lives for the process.
             status: eager.then(|| Arc::new(unsafe { eager::StatusPool::new(page as usize) })),
         })))
@@ -2048,17 +2080,24 @@ mod tests {
     fn large_ops_run_on_the_whole_grid_and_every_op_takes_the_same_tickets() {
         let mib = 1u64 << 20;
         // 4 ranks: a 1 MiB op pushes 3 MiB (half the grid), a 2 MiB one 6 MiB (all of it).
-        assert_eq!(launch_grid(128, mib, 4), (64, 2));
-        assert_eq!(launch_grid(128, 2 * mib, 4), (128, 1));
-        // 2 ranks: only the largest (4 MiB) op reaches the threshold.
-        assert_eq!(launch_grid(128, 4 * mib - 1, 2), (64, 2));
-        assert_eq!(launch_grid(128, 4 * mib, 2), (128, 1));
-        assert_eq!(launch_grid(128, 8, 8), (64, 2));
+        let one = 4096;
+        assert_eq!(launch_grid(128, mib, 4, one), (64, 2));
+        assert_eq!(launch_grid(128, 2 * mib, 4, one), (128, 1));
+        // 2 ranks: only 4 MiB ops and larger reach the threshold.
+        assert_eq!(launch_grid(128, 4 * mib - 1, 2, one), (64, 2));
+        assert_eq!(launch_grid(128, 4 * mib, 2, one), (128, 1));
+        assert_eq!(launch_grid(128, 4097, 8, one), (64, 2));
+        // Up to 4 KiB: one block with every ticket; none with the setting at 0.
+        assert_eq!(launch_grid(128, 8, 8, one), (1, 128));
+        assert_eq!(launch_grid(128, 4096, 2, one), (1, 128));
+        assert_eq!(launch_grid(128, 8, 8, 0), (64, 2));
         for grid in [2, 64, 128, 130] {
-            for bytes in [1, mib, 4 * mib] {
+            for bytes in [1, 4096, mib, 4 * mib] {
                 for n in 2..=8 {
-                    let (blocks, unit) = launch_grid(grid, bytes, n);
-                    assert_eq!(blocks * unit, grid, "{grid} {bytes} {n}");
+                    for one in [0, 4096] {
+                        let (blocks, unit) = launch_grid(grid, bytes, n, one);
+                        assert_eq!(blocks * unit, grid, "{grid} {bytes} {n} {one}");
+                    }
                 }
             }
         }

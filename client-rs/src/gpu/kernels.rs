@@ -651,6 +651,9 @@ pub struct DirectArgs {
     /// is the communicator's fixed ticket count per op, so an op may run on a fraction of it.
     pub unit: u32,
     pub pad: u32,
+    /// An eager op's epoch, numbered by the host (its windows hold eager ops only, which run
+    /// in issue order); 0: a captured op, whose blocks count tickets for it.
+    pub epoch: u64,
 }
 
 /// The argument of the direct send and receive kernels (`struct commd_p2p`, `p2p::push_source`).
@@ -680,7 +683,7 @@ pub struct P2pArgs {
     pub ll: u32,
     pub pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<DirectArgs>() == 160);
+const _: () = assert!(std::mem::size_of::<DirectArgs>() == 168);
 const _: () = assert!(std::mem::size_of::<P2pArgs>() == 88);
 
 /// The parameter of the rounds kernel (`struct commd_rounds`, `rounds::push_source`): the pieces

@@ -18,8 +18,10 @@
 //!   reads word 1.
 //! - `STATE_OFF`: `entered` (u64, tickets of blocks that started an op, `unit` per block; epoch =
 //!   entered / (grid x unit) + 1, grid x unit being fixed per communicator: a large op runs on
-//!   the whole grid, a small one on half of it with 2 tickets per block), `arrive[2]` (u32,
-//!   blocks that finished pushing, per parity),
+//!   the whole grid, a small one on half of it with 2 tickets per block, a tiny one on one
+//!   block with all of them; eager windows do not count: the host numbers their ops,
+//!   `epoch`), `arrive[2]` (u32, blocks that finished pushing, per parity; a one-block op,
+//!   its own last block, skips it),
 //!   `dead` (u32, non-zero once an op of the communicator failed: every later op stops at once).
 //! - `DATA_OFF`: per parity `p` and source rank `r`, a slot of `slot` bytes at
 //!   `DATA_OFF + (p * n + r) * slot`.
@@ -123,6 +125,7 @@ struct commd_direct {{
     u32 status;
     u32 unit;
     u32 pad;
+    u64 epoch;
 }};
 
 static __device__ __forceinline__ void commd_copy(u64 dst, u64 src, u64 bytes, u64 tid, u64 stride) {{
@@ -201,12 +204,18 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
     const u64 mine = a.win[a.me];
     u32 *dead = (u32 *)(mine + {DEAD_OFF}ull);
     if (threadIdx.x == 0) {{
-        /* Every op takes gridDim.x x unit tickets (the communicator's fixed count), whatever
-           its grid. */
-        const u64 per_op = (u64)gridDim.x * (u64)a.unit;
-        const u64 ticket = atomicAdd((unsigned long long *)(mine + {STATE_OFF}ull), (u64)a.unit);
-        s_e = ticket / per_op + 1ull;
-        s_first = (ticket % per_op) == 0ull ? 1u : 0u;
+        if (a.epoch != 0ull) {{
+            /* An eager op: the host numbers them (no ticket on the critical path). */
+            s_e = a.epoch;
+            s_first = blockIdx.x == 0u ? 1u : 0u;
+        }} else {{
+            /* Every op takes gridDim.x x unit tickets (the communicator's fixed count), whatever
+               its grid. */
+            const u64 per_op = (u64)gridDim.x * (u64)a.unit;
+            const u64 ticket = atomicAdd((unsigned long long *)(mine + {STATE_OFF}ull), (u64)a.unit);
+            s_e = ticket / per_op + 1ull;
+            s_first = (ticket % per_op) == 0ull ? 1u : 0u;
+        }}
         s_fail = *(volatile u32 *)dead;
     }}
     __syncthreads();
@@ -282,12 +291,17 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
        too: no block reduces, and so writes the output, before every block has pushed). */
     if (threadIdx.x == 0) {{
         __threadfence_system();
+        /* A one-block op is its own last block: its fence released its pushes. */
+        bool last = gridDim.x == 1u;
         u32 *arrive = (u32 *)(mine + {STATE_OFF}ull + 8ull) + p;
-        if (atomicAdd(arrive, 1u) == gridDim.x - 1u) {{
+        if (!last && atomicAdd(arrive, 1u) == gridDim.x - 1u) {{
             *arrive = 0u;
             /* One fence (acquiring the other blocks' arrivals, releasing their pushes), then
                word 0 into every window with no fence between the stores. */
             __threadfence_system();
+            last = true;
+        }}
+        if (last) {{
             for (u32 i = 1; i <= a.n; ++i) {{
                 const u32 r = (a.me + i) % a.n; /* the peers first, this rank's own last */
                 commd_st_relaxed((u64 *)(a.win[r] + {FLAGS_OFF}ull + (u64)(p * 8u + a.me) * 16ull), w0);
