@@ -144,6 +144,12 @@ tr=(python3 -m torch.distributed.run --standalone --nproc_per_node)
 eager_tests() {
   if [ "$ngpu" -ge 2 ]; then
     COMMD_EAGER_DIRECT=auto run "eager-direct-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
+    # Ops of at most 4 KiB on one block and by LL lines (the defaults) above; here on the half
+    # grid by flags, as every op was before 2026-11-28.
+    COMMD_EAGER_DIRECT=auto COMMD_DIRECT_ONE_BLOCK_MAX_BYTES=0 COMMD_DIRECT_LL_MAX_BYTES=0 \
+      run "eager-direct-flags-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
+    COMMD_DIRECT_ONE_BLOCK_MAX_BYTES=0 COMMD_DIRECT_LL_MAX_BYTES=0 \
+      run "graph-capture-flags-2-gpus" "${tr[@]}" 2 tests/gpu/graph_capture.py
     COMMD_EAGER_DIRECT=0 run "ops-2-gpus-eager-daemon" "${tr[@]}" 2 tests/gpu/gpu_ops.py
     COMMD_EAGER_DIRECT=auto KILL_RANK_ELEMS=4096 run "kill-rank-eager-direct" tests/gpu/kill_rank.sh
   fi

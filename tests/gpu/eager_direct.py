@@ -286,6 +286,12 @@ mismatch_everywhere("a split broadcast against a split all_reduce", lambda g: di
 # group's next call raises.
 mismatch_everywhere("a mismatched direct all_reduce", lambda g: dist.all_reduce(
     data(rank, 4096 if rank == 0 else 2048, torch.float32), group=g), naming="count")
+# Ops of at most 4 KiB move by LL lines (COMMD_DIRECT_LL_MAX_BYTES): counts that differ there,
+# and a count there against one past it (one rank moves the op by lines, the other by flags).
+mismatch_everywhere("a mismatched all_reduce by LL lines", lambda g: dist.all_reduce(
+    data(rank, 512 if rank == 0 else 256, torch.float32), group=g), naming="count")
+mismatch_everywhere("an all_reduce by LL lines against one by flags", lambda g: dist.all_reduce(
+    data(rank, 512 if rank == 0 else 4096, torch.float32), group=g))
 # The default group still works.
 y = data(rank, 2048, torch.float32, 9)
 dist.all_reduce(y)

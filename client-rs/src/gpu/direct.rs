@@ -56,8 +56,12 @@ pub fn launch_grid(grid: u32, bytes: u64, n: u32, one_block: u64) -> (u32, u32) 
 }
 
 /// `COMMD_DIRECT_ONE_BLOCK_MAX_BYTES`: the largest direct op (bytes per rank) that runs on one
-/// block ([`launch_grid`]); default 4096 (one pass of the block's 256 threads x 16 bytes); `0`:
-/// none. Local to a rank (the peers do not see a rank's grid). Read once per process.
+/// block ([`launch_grid`]); default 4096 (one pass of the block's 256 threads x 16 bytes);
+/// `0`: none. Local to a rank (the peers do not see a rank's grid). Read once per process.
+/// 2x H200 (docs/benchmarks.md, 2026-11-28, "Shortening a small direct op's GPU path"), 8 B-4
+/// KiB against the half grid: on its own 0.1-0.7 us less for broadcast and 0.8-1.9 for
+/// reduce-scatter, up to 0.4 more for all-reduce and 0.9 for all-to-all; with LL lines (which
+/// need it) all-reduce 0.7-2.1 us less, all-to-all 1.3-1.5, reduce-scatter 0.1-1.0.
 pub(crate) fn one_block_max() -> Result<u64> {
     static V: std::sync::OnceLock<std::result::Result<u64, String>> = std::sync::OnceLock::new();
     V.get_or_init(|| {
@@ -298,6 +302,8 @@ pub(crate) struct Windows {
     /// Direct ops so far (captured ones, or eager ones for eager windows): the next op's index
     /// (part of its flag, so ranks that replay different captured ops never pair).
     next_k: u32,
+    /// The largest op moved by LL lines ([`ll_max`], the same on every rank).
+    ll_max: u64,
     /// Eager windows: the epoch of the last op launched (the host numbers eager ops, which run
     /// in issue order: `DirectArgs::epoch`); captured ops count tickets on the GPU instead.
     epoch: u64,
@@ -378,9 +384,45 @@ impl Config {
     }
 }
 
-/// Bytes of a rank's window for `n` ranks and `slot`-byte data slots.
+/// Bytes of a rank's window for `n` ranks and `slot`-byte data slots: the header, the data
+/// slots, then the LL lines (`kernels::direct::LL_SLOT_BYTES` per parity and source).
 pub fn window_bytes(n: u32, slot: u64) -> u64 {
+    ll_area_off(n, slot) + 2 * u64::from(n) * k::LL_SLOT_BYTES
+}
+
+/// Whether a kernel mode has a root (broadcast, reduce, and the scatter and gather of split
+/// ones). Those keep the flags even under the LL limit: on 2x H200 (docs/benchmarks.md,
+/// 2026-11-28) a broadcast of 8 B-4 KiB by lines took 8.2-8.4 us at best against 6.2-7.8 by
+/// flags on one block, where all-reduce, all-to-all and reduce-scatter by lines took 0.1-2.1 us
+/// less.
+pub(crate) fn rooted_mode(mode: u32) -> bool {
+    matches!(mode, k::MODE_BC | k::MODE_RED | k::MODE_SC | k::MODE_GA)
+}
+
+/// Offset of a window's LL area (zeroed at the setup: a line's epoch must never match stale
+/// bytes).
+fn ll_area_off(n: u32, slot: u64) -> u64 {
     k::DATA_OFF + 2 * u64::from(n) * slot
+}
+
+/// `COMMD_DIRECT_LL_MAX_BYTES`: the largest direct op (bytes per rank) that moves by LL lines
+/// (at most `kernels::direct::LL_MAX_BYTES`, 4096, the default; only ops that run on one
+/// block, `COMMD_DIRECT_ONE_BLOCK_MAX_BYTES`, and not broadcast or reduce: [`rooted_mode`]);
+/// `0`: none. The same on every rank (checked when the windows are set up: a rank that moves an op by lines
+/// and one that moves it by flags would fail it as a mismatch). Read once per process.
+pub(crate) fn ll_max() -> Result<u64> {
+    static V: std::sync::OnceLock<std::result::Result<u64, String>> = std::sync::OnceLock::new();
+    V.get_or_init(|| {
+        env_int(
+            "COMMD_DIRECT_LL_MAX_BYTES",
+            std::env::var("COMMD_DIRECT_LL_MAX_BYTES").ok().as_deref(),
+            0,
+            k::LL_MAX_BYTES,
+        )
+        .map(|v| v.unwrap_or(k::LL_MAX_BYTES))
+    })
+    .clone()
+    .map_err(Error::InvalidArgument)
 }
 
 /// The op signature a flag carries: kind, dtype and reduction (sum for the copies), one byte
@@ -517,6 +559,12 @@ fn describe_sig(sig: u32) -> String {
     if sig == k::ERR_SIG {
         return "no op (it had failed)".into();
     }
+    if sig == k::LL_SIG {
+        return format!(
+            "an op of at most {} bytes per rank (moved by LL lines: another count)",
+            k::LL_MAX_BYTES
+        );
+    }
     if sig & PART != 0 {
         let root = (sig >> 24) & 0x0f;
         let (what, of) = match (sig & 0xff, sig & ROOTED != 0) {
@@ -586,13 +634,16 @@ pub fn explain(r: &Record, me: u32, eager: bool) -> String {
                     describe_sig(t_sig)
                 ));
             }
-            if m_count != t_count {
+            // A peer that moved the op by LL lines wrote no word 1 for it: its count and index
+            // are not known here (the op differs all the same).
+            let lines = t_sig == k::LL_SIG;
+            if m_count != t_count && !lines {
                 fields.push(format!(
                     "count: rank {me} {m_count} vs rank {} {t_count}",
                     r.rank
                 ));
             }
-            if m_k != t_k {
+            if m_k != t_k && !lines {
                 fields.push(if eager {
                     format!(
                         "direct op: rank {me} ran its eager direct op #{m_k}, rank {} its #{t_k} (the ranks issued different sequences of collectives)",
@@ -1022,7 +1073,7 @@ impl Communicator {
             root: a.peer,
             status: status.as_ref().map_or(0, |(_, w)| *w),
             unit,
-            pad: 0,
+            ll: u32::from(blocks == 1 && bytes <= w.ll_max && !rooted_mode(mode)),
             epoch: if eager { w.epoch + 1 } else { 0 },
         };
         super::prof::mark(super::prof::PREPARE);
@@ -1212,7 +1263,9 @@ impl Communicator {
         // My window: allocated, its header zeroed, exported.
         let mut local_err = None;
         let mut win: sys::CUdeviceptr = 0;
-        let alloc = alloc_window(wbytes, k::DATA_OFF).map(|(p, h)| {
+        let ll_off = ll_area_off(n, slot);
+        let zero = [(0, k::DATA_OFF), (ll_off, wbytes - ll_off)];
+        let alloc = alloc_window(wbytes, &zero).map(|(p, h)| {
             win = p;
             offer[..64].copy_from_slice(&h);
         });
@@ -1226,6 +1279,8 @@ impl Communicator {
         offer[92] = u8::from(local_err.is_none());
         // (Read by every op before it gets here: `direct_op`.)
         offer[96..104].copy_from_slice(&split_max()?.to_le_bytes());
+        let ll = ll_max()?;
+        offer[104..112].copy_from_slice(&ll.to_le_bytes());
         let all = self.host_all_gather(&offer)?;
         let part = |r: usize| &all[r * OFFER_BYTES as usize..(r + 1) * OFFER_BYTES as usize];
         // Decisions every rank makes alike from the same offers.
@@ -1242,6 +1297,11 @@ impl Communicator {
                     } else {
                         "COMMD_GRAPH_DIRECT_MAX_BYTES"
                     },
+                    self.rank
+                ));
+            } else if o[104..112] != offer[104..112] {
+                why = Some(format!(
+                    "rank {r} has another COMMD_DIRECT_LL_MAX_BYTES than rank {}",
                     self.rank
                 ));
             } else if o[96..104] != offer[96..104] {
@@ -1346,6 +1406,7 @@ impl Communicator {
             hint_dev,
             next_k: 0,
             epoch: 0,
+            ll_max: ll,
             // SAFETY: `record_page` leaks the page: it lives for the process.
             status: eager.then(|| Arc::new(unsafe { eager::StatusPool::new(page as usize) })),
         })))
@@ -1412,7 +1473,7 @@ impl Communicator {
 /// IPC handle: (address, handle).
 fn alloc_window(
     bytes: u64,
-    zero: u64,
+    zero: &[(u64, u64)],
 ) -> std::result::Result<(sys::CUdeviceptr, [u8; 64]), cu::CuError> {
     let mut win: sys::CUdeviceptr = 0;
     ck(
@@ -1433,18 +1494,23 @@ fn alloc_window(
         "cuStreamCreate",
     )
     .map_err(fail)?;
-    // SAFETY: `win` has `bytes` >= `zero` bytes (the caller's sizes); `s` is live.
-    let r = ck(
-        unsafe { sys::cuMemsetD8Async(win, 0, zero.min(bytes) as usize, s) },
-        "cuMemsetD8Async",
-    )
-    .and_then(|()| {
-        ck(
-            // SAFETY: as above.
-            unsafe { sys::cuStreamSynchronize(s) },
-            "cuStreamSynchronize",
-        )
-    });
+    let r = zero
+        .iter()
+        .try_for_each(|&(at, len)| {
+            let len = len.min(bytes.saturating_sub(at));
+            // SAFETY: `[at, at + len)` lies within the `bytes` of `win`; `s` is live.
+            ck(
+                unsafe { sys::cuMemsetD8Async(win + at, 0, len as usize, s) },
+                "cuMemsetD8Async",
+            )
+        })
+        .and_then(|()| {
+            ck(
+                // SAFETY: as above.
+                unsafe { sys::cuStreamSynchronize(s) },
+                "cuStreamSynchronize",
+            )
+        });
     // SAFETY: `s` was created above.
     unsafe { sys::cuStreamDestroy_v2(s) };
     r.map_err(fail)?;
@@ -1564,10 +1630,11 @@ mod tests {
                 "{n} ranks"
             );
             // Every rank's GPU sends (n - 1) x a copy or a split part at most 8 MiB; a window
-            // is at most 64 MiB (2 ranks), else 24 MiB.
+            // is at most 64 MiB of data slots (2 ranks), else 24 MiB, and 16 x 8 KiB of LL
+            // lines.
             assert!((u64::from(n) - 1) * push <= 8 << 20);
             let most = if n == 2 { 64 << 20 } else { 24 << 20 };
-            assert!(window_bytes(n, whole) <= most + k::DATA_OFF);
+            assert!(window_bytes(n, whole) <= most + k::DATA_OFF + 16 * k::LL_SLOT_BYTES);
         }
         // A set limit is every limit.
         let set = Config::parse(None, Some("65536"), None).unwrap();
@@ -1655,6 +1722,7 @@ mod tests {
             let s = signature(kind, DType::F32, RedOp::Sum, 0);
             assert_ne!(s | PART, s);
             assert_ne!(s | PART, k::ERR_SIG);
+            assert_ne!(s | PART, k::LL_SIG);
         }
         let rs = signature(OpKind::ReduceScatter, DType::BF16, RedOp::Sum, 0) | PART;
         assert_eq!(
@@ -1949,6 +2017,7 @@ mod tests {
             .collect();
         for (i, s) in sigs.iter().enumerate() {
             assert_ne!(*s, k::ERR_SIG);
+            assert_ne!(*s, k::LL_SIG);
             assert!(
                 !wholes.contains(s),
                 "{s:#x} ({}) pairs with a whole op",
@@ -2004,6 +2073,7 @@ mod tests {
             signature(OpKind::ReduceScatter, DType::F32, RedOp::Sum, 0)
         );
         assert_ne!(a, k::ERR_SIG);
+        assert_ne!(a, k::LL_SIG);
         assert_eq!(describe_sig(a), "all_reduce f32 sum");
         // The root counts only where there is one.
         assert_eq!(a, signature(OpKind::AllReduce, DType::F32, RedOp::Sum, 3));
@@ -2015,6 +2085,7 @@ mod tests {
         for kind in [OpKind::Broadcast, OpKind::Reduce, OpKind::AllGather] {
             for root in 0..8 {
                 assert_ne!(signature(kind, DType::I64, RedOp::Sum, root), k::ERR_SIG);
+                assert_ne!(signature(kind, DType::I64, RedOp::Sum, root), k::LL_SIG);
             }
         }
     }
@@ -2065,6 +2136,21 @@ mod tests {
         };
         let m = explain(&r3, 0, true);
         assert!(m.contains("all_to_all f32 vs rank 1 all_gather f32"), "{m}");
+        // A peer that moved its op by LL lines (another count, under the LL limit): its flag
+        // says so, and its word 1 (stale) is not reported as its count or index.
+        let r4 = Record {
+            theirs: ((7 << 32) | u64::from(k::LL_SIG), (9 << 32) | 5),
+            ..r
+        };
+        let m = explain(&r4, 0, true);
+        assert!(
+            m.contains("mismatch")
+                && m.contains("all_reduce f32 sum vs rank 1 an op of at most 4096 bytes")
+                && m.contains("LL lines")
+                && !m.contains("count:")
+                && !m.contains("#9"),
+            "{m}"
+        );
         for (code, word) in [
             (k::TIMEOUT, "timed out waiting for rank 1"),
             (k::BROKEN, "broken"),
@@ -2105,7 +2191,14 @@ mod tests {
 
     #[test]
     fn the_window_holds_two_parities_of_every_rank() {
-        assert_eq!(window_bytes(4, 1 << 20), 4096 + 8 * (1 << 20));
+        assert_eq!(
+            window_bytes(4, 1 << 20),
+            4096 + 8 * (1 << 20) + 8 * k::LL_SLOT_BYTES
+        );
+        assert_eq!(ll_area_off(4, 1 << 20), 4096 + 8 * (1 << 20));
+        // The LL lines of the largest LL op fit, and a slot holds an LL op unpacked.
+        assert_eq!(k::LL_SLOT_BYTES, (2 + k::LL_MAX_BYTES / 8) * 16);
+        assert!(k::LL_MAX_BYTES <= default_max_bytes(8));
         // The flag area holds 2 parities x MAX_RANKS sources of 16 bytes before the state.
         const {
             assert!(k::FLAGS_OFF + 2 * k::MAX_RANKS as u64 * 16 <= k::STATE_OFF);

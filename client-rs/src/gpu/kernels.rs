@@ -650,7 +650,8 @@ pub struct DirectArgs {
     /// What each block adds to the window's `entered` counter: the launch's grid times `unit`
     /// is the communicator's fixed ticket count per op, so an op may run on a fraction of it.
     pub unit: u32,
-    pub pad: u32,
+    /// Non-zero: the op moves by LL lines (one block, at most `direct::LL_MAX_BYTES`).
+    pub ll: u32,
     /// An eager op's epoch, numbered by the host (its windows hold eager ops only, which run
     /// in issue order); 0: a captured op, whose blocks count tickets for it.
     pub epoch: u64,
@@ -911,6 +912,15 @@ impl Kernels {
                 args.me,
                 args.n,
                 direct::MAX_RANKS
+            )));
+        }
+        if args.ll != 0
+            && (grid != 1 || args.count.saturating_mul(dtype.size()) > direct::LL_MAX_BYTES)
+        {
+            return Err(KernelError::InvalidArgument(format!(
+                "direct op by LL lines on {grid} blocks of {} elements (one block, at most {} bytes)",
+                args.count,
+                direct::LL_MAX_BYTES
             )));
         }
         if args.unit == 0 {

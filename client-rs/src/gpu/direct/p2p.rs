@@ -530,7 +530,7 @@ impl Communicator {
             t.offer[80..88].copy_from_slice(&slot.to_le_bytes());
             t.offer[89..97].copy_from_slice(&cfg.ll_max.to_le_bytes());
             if t.why.is_none() {
-                match alloc_window(kp::DATA_OFF + 2 * slot, kp::DATA_OFF) {
+                match alloc_window(kp::DATA_OFF + 2 * slot, &[(0, kp::DATA_OFF)]) {
                     Ok((p, h)) => {
                         t.local = p;
                         t.offer[..64].copy_from_slice(&h);

@@ -95,6 +95,17 @@ pub const MODE_SC: u32 = 6;
 /// elements) into the root's output, in rank order; the other ranks write nothing.
 pub const MODE_GA: u32 = 7;
 
+/// The largest direct op that may move by LL lines (`struct commd_direct`'s `ll`; one block):
+/// 512 data lines of 8 bytes.
+pub const LL_MAX_BYTES: u64 = 4096;
+/// Bytes of the LL lines of one (parity, source) in a window's LL area (after the data slots):
+/// 2 header lines, then `LL_MAX_BYTES / 8` data lines of 16 bytes.
+pub const LL_SLOT_BYTES: u64 = (2 + LL_MAX_BYTES / 8) * 16;
+/// Signature word of the flag of a rank whose op moves by LL lines: a peer that runs the op by
+/// the flags (another count past the LL limit) reads it as a mismatch. Never a real signature
+/// (their top byte is below 0x80) nor [`ERR_SIG`].
+pub const LL_SIG: u32 = u32::MAX - 1;
+
 /// Threads per block of the direct kernel.
 pub const THREADS: u32 = 256;
 
@@ -102,6 +113,7 @@ pub const THREADS: u32 = 256;
 /// holds the (dtype, op) helpers and `commd_reduce_body` (see `kernels::source`).
 pub fn push_source(src: &mut String, name: &str, elem: &str, es: u64) {
     let hint_broken = commd_proto::desc::doorbell::HINT_BROKEN;
+    let (ll_max, ll_slot, ll_sig) = (LL_MAX_BYTES, LL_SLOT_BYTES, LL_SIG);
     // `write!` to a String cannot fail.
     let _ = write!(
         src,
@@ -124,7 +136,7 @@ struct commd_direct {{
     u32 root;
     u32 status;
     u32 unit;
-    u32 pad;
+    u32 ll;
     u64 epoch;
 }};
 
@@ -197,6 +209,64 @@ static __device__ __forceinline__ void commd_direct_flag(const struct commd_dire
     commd_st_release(f, w0);
 }}
 
+/* Every 1024 spins of a wait for rank r: whether to stop (an op of the communicator failed,
+   or this one now: broken, or timed out, recorded). */
+static __device__ bool commd_direct_stop(const struct commd_direct &a, const volatile u32 *s_fail, u32 r,
+                                         u64 e, u64 w0, u64 w1, u64 v, u64 &t0) {{
+    if (*s_fail != 0u || *(volatile const u32 *)(a.win[a.me] + {DEAD_OFF}ull) != 0u) {{
+        return true;
+    }}
+    if ((*(volatile const u32 *)a.hint & {hint_broken}u) != 0u) {{
+        commd_direct_fail(a, {BROKEN}u, r, e, w0, w1, v, 0ull);
+        return true;
+    }}
+    const u64 now = commd_globaltimer();
+    if (t0 == 0ull) {{
+        t0 = now;
+    }} else if (now - t0 > a.timeout_ns) {{
+        commd_direct_fail(a, {TIMEOUT}u, r, e, w0, w1, v, 0ull);
+        return true;
+    }}
+    return false;
+}}
+
+/* Whether rank r's flag words (v, v1) of epoch e name this op (w0, w1); if not, the op fails:
+   the peer's own op failed (its signature ERR_SIG), or a mismatch. */
+static __device__ bool commd_direct_same(const struct commd_direct &a, u32 r, u64 e, u64 w0, u64 w1,
+                                         u64 v, u64 v1) {{
+    if (v == w0 && v1 == w1) {{
+        return true;
+    }}
+    commd_direct_fail(a, ((u32)v == {ERR_SIG}u) ? {PEER_FAILED}u : {MISMATCH}u, r, e, w0, w1, v, v1);
+    return false;
+}}
+
+/* One LL line {{lo, e, hi, e}} at `at`, stored at once. */
+static __device__ __forceinline__ void commd_ll_store(u64 at, u32 lo, u32 hi, u32 e) {{
+    asm volatile("st.volatile.global.v4.u32 [%0], {{%1, %2, %3, %4}};" :: "l"(at), "r"(lo), "r"(e), "r"(hi), "r"(e) : "memory");
+}}
+
+/* The LL line at `at` when both its epochs are `e` (its 8 bytes in `v`). */
+static __device__ __forceinline__ bool commd_ll_load(u64 at, u32 e, u64 &v) {{
+    u32 lo, f0, hi, f1;
+    asm volatile("ld.volatile.global.v4.u32 {{%0, %1, %2, %3}}, [%4];" : "=r"(lo), "=r"(f0), "=r"(hi), "=r"(f1) : "l"(at) : "memory");
+    v = ((u64)hi << 32) | (u64)lo;
+    return f0 == e && f1 == e;
+}}
+
+/* Bytes 8j .. 8j + 8 of the `bytes` at `base` (zeros past the end), any alignment. */
+static __device__ __forceinline__ u64 commd_ld8(u64 base, u64 j, u64 bytes) {{
+    const u64 at = base + j * 8ull;
+    if ((at & 7ull) == 0ull && j * 8ull + 8ull <= bytes) {{
+        return *(const u64 *)at;
+    }}
+    u64 v = 0ull;
+    for (u64 b = 0; b < 8ull && j * 8ull + b < bytes; ++b) {{
+        v |= (u64)((const u8 *)at)[b] << (8ull * b);
+    }}
+    return v;
+}}
+
 extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_direct a) {{
     __shared__ u64 s_e;
     __shared__ u32 s_first;
@@ -255,101 +325,182 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
             to_mask |= 1u << r;
         }}
     }}
-    u64 j0 = 0;
-    if ((a.in & 15ull) == 0ull && (!chunked || (bytes & 15ull) == 0ull)) {{
-        const u64 nv = bytes / 16ull;
-        for (u64 j = tid; j < nv; j += stride) {{
-            if (chunked) {{
-                for (u32 r = 0; r < a.n; ++r) {{
-                    if ((to_mask >> r) & 1u) {{
-                        ((commd_v16 *)(a.win[r] + slot_off))[j] = ((const commd_v16 *)(a.in + (u64)r * bytes))[j];
-                    }}
-                }}
-            }} else if (to_mask != 0u) {{
-                const commd_v16 v = ((const commd_v16 *)a.in)[j];
-                for (u32 r = 0; r < a.n; ++r) {{
-                    if ((to_mask >> r) & 1u) {{
-                        ((commd_v16 *)(a.win[r] + slot_off))[j] = v;
-                    }}
+    if (a.ll != 0u) {{
+        /* LL (one block, at most {ll_max} bytes): each 16-byte line carries 8 bytes and the
+           epoch twice, {{lo, e, hi, e}}, stored at once; the reader polls each line for its
+           epoch, so no fence and no flag round trip. Lines of (parity p, source me) in each
+           peer's LL area: 2 header lines (signature and count; capture index), then the data. */
+        const u32 e32 = (u32)e;
+        const u64 ll_area = {DATA_OFF}ull + 2ull * (u64)a.n * a.slot;
+        const u64 my_lines = ll_area + ((u64)p * (u64)a.n + (u64)a.me) * {ll_slot}ull;
+        if (threadIdx.x < a.n && threadIdx.x != a.me) {{
+            const u64 h = a.win[threadIdx.x] + my_lines;
+            commd_ll_store(h, a.sig, (u32)a.count, e32);
+            commd_ll_store(h + 16ull, a.k, 0u, e32);
+            /* The flag word says "lines": a peer that runs this op by the flags (another count)
+               fails at once on it instead of timing out. No fence: it only ever fails. */
+            commd_st_relaxed((u64 *)(a.win[threadIdx.x] + {FLAGS_OFF}ull + (u64)(p * 8u + a.me) * 16ull),
+                             (e << 32) | (u64){ll_sig}u);
+        }}
+        const u64 lines = (bytes + 7ull) / 8ull;
+        for (u64 j = tid; j < lines; j += stride) {{
+            for (u32 r = 0; r < a.n; ++r) {{
+                if ((to_mask >> r) & 1u) {{
+                    const u64 v = commd_ld8(a.in + (chunked ? (u64)r * bytes : 0ull), j, bytes);
+                    commd_ll_store(a.win[r] + my_lines + (2ull + j) * 16ull, (u32)v, (u32)(v >> 32), e32);
                 }}
             }}
         }}
-        j0 = nv * 16ull;
-    }}
-    for (u64 j = j0 + tid; j < bytes; j += stride) {{
+        /* Thread r checks rank r's header: the same op, or the op's failure. */
+        if (threadIdx.x < a.n && threadIdx.x != a.me) {{
+            const u32 r = threadIdx.x;
+            const u64 lines_r = mine + ll_area + ((u64)p * (u64)a.n + (u64)r) * {ll_slot}ull;
+            const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + r) * 16ull);
+            u64 t0 = 0ull;
+            u32 spins = 0u;
+            u64 h0 = 0ull, h1 = 0ull;
+            bool ok = true;
+            for (u32 i = 0; ok && i < 2u; ++i) {{
+                u64 h = 0ull;
+                while (!commd_ll_load(lines_r + (u64)i * 16ull, e32, h)) {{
+                    if ((++spins & 1023u) == 0u) {{
+                        /* A peer that failed, or runs this op by the flags, says so there. */
+                        const u64 v = *(volatile const u64 *)f;
+                        if ((int)((u32)(v >> 32) - e32) >= 0 && (u32)v != {ll_sig}u) {{
+                            /* Never this op, even with the same words (another count, and a
+                               stale second word): a failure either way. */
+                            const u64 v1 = ((volatile const u64 *)f)[1];
+                            commd_direct_fail(a, ((u32)v == {ERR_SIG}u) ? {PEER_FAILED}u : {MISMATCH}u, r, e, w0, w1, v, v1);
+                            ok = false;
+                            break;
+                        }}
+                        if (commd_direct_stop(a, &s_fail, r, e, w0, w1, v, t0)) {{
+                            ok = false;
+                            break;
+                        }}
+                    }}
+                }}
+                if (i == 0u) {{
+                    h0 = h;
+                }} else {{
+                    h1 = h;
+                }}
+            }}
+            if (ok) {{
+                /* As the flag words: signature and epoch; capture index and count. */
+                ok = commd_direct_same(a, r, e, w0, w1, (e << 32) | (h0 & 0xFFFFFFFFull), (h1 << 32) | (h0 >> 32));
+            }}
+            if (!ok) {{
+                s_fail = 1u;
+            }}
+        }}
+        __syncthreads();
+        if (s_fail != 0u) {{
+            return;
+        }}
+        /* The data lines of every rank that pushed to this one, into its slot here (free in
+           this epoch: a rank pushes into it only at an epoch of the same parity, after this
+           rank's next op started), so the copies and reductions below read them as usual. */
         for (u32 r = 0; r < a.n; ++r) {{
-            if ((to_mask >> r) & 1u) {{
-                ((u8 *)(a.win[r] + slot_off))[j] = ((const u8 *)a.in)[(chunked ? (u64)r * bytes : 0ull) + j];
+            const bool from = r != a.me && (from_root ? r == a.root : to_root ? a.me == a.root : true);
+            if (!from) {{
+                continue;
+            }}
+            const u64 lines_r = mine + ll_area + ((u64)p * (u64)a.n + (u64)r) * {ll_slot}ull;
+            u64 t0 = 0ull;
+            for (u64 j = tid; j < lines; j += stride) {{
+                u64 v;
+                u32 spins = 0u;
+                while (!commd_ll_load(lines_r + (2ull + j) * 16ull, e32, v)) {{
+                    if ((++spins & 1023u) == 0u && commd_direct_stop(a, &s_fail, r, e, w0, w1, 0ull, t0)) {{
+                        s_fail = 1u;
+                        break;
+                    }}
+                }}
+                if (s_fail != 0u) {{
+                    break;
+                }}
+                *(u64 *)(mine + {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)r) * a.slot + j * 8ull) = v;
             }}
         }}
-    }}
-    /* The block's pushes (and word 1 of the flags) are ordered before its arrival by one
-       fence of one thread after the barrier (the barrier orders the other threads' stores
-       before that fence; causality is transitive), not one fence per thread. */
-    __syncthreads();
-    /* The last block to finish pushing writes this epoch's flag into every window (its own
-       too: no block reduces, and so writes the output, before every block has pushed). */
-    if (threadIdx.x == 0) {{
-        __threadfence_system();
-        /* A one-block op is its own last block: its fence released its pushes. */
-        bool last = gridDim.x == 1u;
-        u32 *arrive = (u32 *)(mine + {STATE_OFF}ull + 8ull) + p;
-        if (!last && atomicAdd(arrive, 1u) == gridDim.x - 1u) {{
-            *arrive = 0u;
-            /* One fence (acquiring the other blocks' arrivals, releasing their pushes), then
-               word 0 into every window with no fence between the stores. */
+    }} else {{
+        u64 j0 = 0;
+        if ((a.in & 15ull) == 0ull && (!chunked || (bytes & 15ull) == 0ull)) {{
+            const u64 nv = bytes / 16ull;
+            for (u64 j = tid; j < nv; j += stride) {{
+                if (chunked) {{
+                    for (u32 r = 0; r < a.n; ++r) {{
+                        if ((to_mask >> r) & 1u) {{
+                            ((commd_v16 *)(a.win[r] + slot_off))[j] = ((const commd_v16 *)(a.in + (u64)r * bytes))[j];
+                        }}
+                    }}
+                }} else if (to_mask != 0u) {{
+                    const commd_v16 v = ((const commd_v16 *)a.in)[j];
+                    for (u32 r = 0; r < a.n; ++r) {{
+                        if ((to_mask >> r) & 1u) {{
+                            ((commd_v16 *)(a.win[r] + slot_off))[j] = v;
+                        }}
+                    }}
+                }}
+            }}
+            j0 = nv * 16ull;
+        }}
+        for (u64 j = j0 + tid; j < bytes; j += stride) {{
+            for (u32 r = 0; r < a.n; ++r) {{
+                if ((to_mask >> r) & 1u) {{
+                    ((u8 *)(a.win[r] + slot_off))[j] = ((const u8 *)a.in)[(chunked ? (u64)r * bytes : 0ull) + j];
+                }}
+            }}
+        }}
+        /* The block's pushes (and word 1 of the flags) are ordered before its arrival by one
+           fence of one thread after the barrier (the barrier orders the other threads' stores
+           before that fence; causality is transitive), not one fence per thread. */
+        __syncthreads();
+        /* The last block to finish pushing writes this epoch's flag into every window (its own
+           too: no block reduces, and so writes the output, before every block has pushed). */
+        if (threadIdx.x == 0) {{
             __threadfence_system();
-            last = true;
-        }}
-        if (last) {{
-            for (u32 i = 1; i <= a.n; ++i) {{
-                const u32 r = (a.me + i) % a.n; /* the peers first, this rank's own last */
-                commd_st_relaxed((u64 *)(a.win[r] + {FLAGS_OFF}ull + (u64)(p * 8u + a.me) * 16ull), w0);
+            /* A one-block op is its own last block: its fence released its pushes. */
+            bool last = gridDim.x == 1u;
+            u32 *arrive = (u32 *)(mine + {STATE_OFF}ull + 8ull) + p;
+            if (!last && atomicAdd(arrive, 1u) == gridDim.x - 1u) {{
+                *arrive = 0u;
+                /* One fence (acquiring the other blocks' arrivals, releasing their pushes), then
+                   word 0 into every window with no fence between the stores. */
+                __threadfence_system();
+                last = true;
+            }}
+            if (last) {{
+                for (u32 i = 1; i <= a.n; ++i) {{
+                    const u32 r = (a.me + i) % a.n; /* the peers first, this rank's own last */
+                    commd_st_relaxed((u64 *)(a.win[r] + {FLAGS_OFF}ull + (u64)(p * 8u + a.me) * 16ull), w0);
+                }}
             }}
         }}
-    }}
-    /* Thread r waits for rank r's flag of epoch e and checks it is the same op. */
-    if (threadIdx.x < a.n) {{
-        const u32 r = threadIdx.x;
-        const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + r) * 16ull);
-        u64 v = 0ull;
-        u64 t0 = 0ull;
-        u32 spins = 0u;
-        bool ok = true;
-        for (;;) {{
-            v = commd_ld_acquire(f);
-            if ((int)((u32)(v >> 32) - (u32)e) >= 0) {{
-                break;
-            }}
-            if ((++spins & 1023u) == 0u) {{
-                if (s_fail != 0u || *(volatile u32 *)dead != 0u) {{
-                    ok = false;
+        /* Thread r waits for rank r's flag of epoch e and checks it is the same op. */
+        if (threadIdx.x < a.n) {{
+            const u32 r = threadIdx.x;
+            const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + r) * 16ull);
+            u64 v = 0ull;
+            u64 t0 = 0ull;
+            u32 spins = 0u;
+            bool ok = true;
+            for (;;) {{
+                v = commd_ld_acquire(f);
+                if ((int)((u32)(v >> 32) - (u32)e) >= 0) {{
                     break;
                 }}
-                if ((*(volatile const u32 *)a.hint & {hint_broken}u) != 0u) {{
-                    commd_direct_fail(a, {BROKEN}u, r, e, w0, w1, v, 0ull);
-                    ok = false;
-                    break;
-                }}
-                const u64 now = commd_globaltimer();
-                if (t0 == 0ull) {{
-                    t0 = now;
-                }} else if (now - t0 > a.timeout_ns) {{
-                    commd_direct_fail(a, {TIMEOUT}u, r, e, w0, w1, v, 0ull);
+                if ((++spins & 1023u) == 0u && commd_direct_stop(a, &s_fail, r, e, w0, w1, v, t0)) {{
                     ok = false;
                     break;
                 }}
             }}
-        }}
-        if (ok) {{
-            const u64 v1 = ((volatile const u64 *)f)[1];
-            if (v != w0 || v1 != w1) {{
-                commd_direct_fail(a, ((u32)v == {ERR_SIG}u) ? {PEER_FAILED}u : {MISMATCH}u, r, e, w0, w1, v, v1);
-                ok = false;
+            if (ok) {{
+                ok = commd_direct_same(a, r, e, w0, w1, v, ((volatile const u64 *)f)[1]);
             }}
-        }}
-        if (!ok) {{
-            s_fail = 1u;
+            if (!ok) {{
+                s_fail = 1u;
+            }}
         }}
     }}
     __syncthreads();
