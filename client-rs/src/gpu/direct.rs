@@ -390,6 +390,25 @@ pub fn window_bytes(n: u32, slot: u64) -> u64 {
     ll_area_off(n, slot) + 2 * u64::from(n) * k::LL_SLOT_BYTES
 }
 
+/// Whether an op moves by LL lines: an eager op (`eager`, its epoch `epoch` numbered by the
+/// host) of at most `ll_max` bytes on one block, without a root ([`rooted_mode`]), below epoch
+/// 2^32. A line carries the low 32 bits of its epoch and a reader takes a line whose epoch
+/// equals the one it awaits, so a line left unwritten since 2^32 epochs earlier would pass
+/// for a fresh one: below 2^32 no line is that old (the LL area starts zeroed, epoch 0).
+/// Captured ops keep the flags: their epochs count on the GPU, and a graph replayed for days
+/// passes 2^32 ops. The same on every rank: its inputs are (the op, the exchanged setting,
+/// the windows' shared sequence of ops).
+pub(crate) fn ll_op(
+    eager: bool,
+    epoch: u64,
+    blocks: u32,
+    bytes: u64,
+    ll_max: u64,
+    mode: u32,
+) -> bool {
+    eager && epoch < 1 << 32 && blocks == 1 && bytes <= ll_max && !rooted_mode(mode)
+}
+
 /// Whether a kernel mode has a root (broadcast, reduce, and the scatter and gather of split
 /// ones). Those keep the flags even under the LL limit: on 2x H200 (docs/benchmarks.md,
 /// 2026-11-28) a broadcast of 8 B-4 KiB by lines took 8.2-8.4 us at best against 6.2-7.8 by
@@ -1073,7 +1092,7 @@ impl Communicator {
             root: a.peer,
             status: status.as_ref().map_or(0, |(_, w)| *w),
             unit,
-            ll: u32::from(blocks == 1 && bytes <= w.ll_max && !rooted_mode(mode)),
+            ll: u32::from(ll_op(eager, w.epoch + 1, blocks, bytes, w.ll_max, mode)),
             epoch: if eager { w.epoch + 1 } else { 0 },
         };
         super::prof::mark(super::prof::PREPARE);
@@ -2186,6 +2205,24 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn only_small_eager_ops_without_a_root_move_by_lines_below_epoch_2_pow_32() {
+        let ll = k::LL_MAX_BYTES;
+        assert!(ll_op(true, 1, 1, ll, ll, k::MODE_AR));
+        for mode in [k::MODE_AR, k::MODE_AG, k::MODE_RS, k::MODE_A2A] {
+            assert!(ll_op(true, (1 << 32) - 1, 1, 8, ll, mode), "{mode}");
+            // Captured, past 2^32 epochs, on more than one block, past the limit, or off.
+            assert!(!ll_op(false, 1, 1, 8, ll, mode));
+            assert!(!ll_op(true, 1 << 32, 1, 8, ll, mode));
+            assert!(!ll_op(true, 1, 2, 8, ll, mode));
+            assert!(!ll_op(true, 1, 1, ll + 1, ll, mode));
+            assert!(!ll_op(true, 1, 1, 8, 0, mode));
+        }
+        for mode in [k::MODE_BC, k::MODE_RED, k::MODE_SC, k::MODE_GA] {
+            assert!(!ll_op(true, 1, 1, 8, ll, mode), "{mode}");
         }
     }
 

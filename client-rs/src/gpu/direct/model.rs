@@ -9,9 +9,23 @@
 //! first is of the same epoch (it carries no epoch of its own), ranks that run the same ops
 //! always finish, and ranks that do not are told (a mismatch), never paired silently. With one
 //! parity the same model finds overwritten reads: the test can fail.
+//!
+//! Ops by LL lines (`struct commd_direct`'s `ll`) mix with them: such an op writes its data
+//! lines and its header line (epoch, signature, capture index) into the peers' LL areas and
+//! `LL_SIG` into its flag, waits for each peer's header of the epoch (or a flag of the epoch
+//! that is not `LL_SIG`: a mismatch), then polls each data line and copies it into the
+//! source's data slot of its own window, which the reads take as usual. The model checks that
+//! a line is never of a later epoch than the one awaited and that the copied slot is never
+//! overwritten before it is read.
 
 /// A flag's first word: epoch, signature.
 type Flag = (u64, u32);
+
+/// The signature an op by LL lines writes into its flag (`kernels::direct::LL_SIG`).
+const LL: u32 = u32::MAX - 1;
+
+/// An op of a program: signature, capture index, by LL lines.
+type Op = (u32, u32, bool);
 
 struct Window {
     flags: Vec<[Option<Flag>; 2]>,
@@ -20,6 +34,10 @@ struct Window {
     aux: Vec<[Option<(u64, u32)>; 2]>,
     /// (epoch, source, value) per (source, parity).
     data: Vec<[Option<(u64, usize, u64)>; 2]>,
+    /// LL header lines (epoch, signature, capture index) per (source, parity).
+    ll_head: Vec<[Option<(u64, u32, u32)>; 2]>,
+    /// LL data lines (epoch, source, value) per (source, parity).
+    ll_data: Vec<[Option<(u64, usize, u64)>; 2]>,
     entered: u64,
 }
 
@@ -31,11 +49,15 @@ enum Step {
     Flag(usize),
     Wait(usize),
     Read(usize),
+    LlData(usize),
+    LlHead(usize),
+    LlWait(usize),
+    LlCopy(usize),
 }
 
 struct Rank {
-    /// The ops to run: (signature, capture index).
-    program: Vec<(u32, u32)>,
+    /// The ops to run.
+    program: Vec<Op>,
     op: usize,
     step: Step,
     epoch: u64,
@@ -71,13 +93,15 @@ impl Xorshift {
 
 /// Runs `programs` (one per rank) under the schedule from `seed`; `parities` is 2 as built, 1
 /// for the mutation. Panics on a stale or overwritten read and on a flag from the future.
-fn run(programs: &[Vec<(u32, u32)>], parities: u64, seed: u64) -> End {
+fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
     let n = programs.len();
     let mut win: Vec<Window> = (0..n)
         .map(|_| Window {
             flags: vec![[None; 2]; n],
             aux: vec![[None; 2]; n],
             data: vec![[None; 2]; n],
+            ll_head: vec![[None; 2]; n],
+            ll_data: vec![[None; 2]; n],
             entered: 0,
         })
         .collect();
@@ -105,7 +129,7 @@ fn run(programs: &[Vec<(u32, u32)>], parities: u64, seed: u64) -> End {
             }
             continue;
         }
-        let (sig, k) = r.program[r.op];
+        let (sig, k, ll) = r.program[r.op];
         let p = (r.epoch % parities) as usize;
         let next = |s: usize| if s + 1 < n { Some(s + 1) } else { None };
         match r.step {
@@ -119,7 +143,8 @@ fn run(programs: &[Vec<(u32, u32)>], parities: u64, seed: u64) -> End {
                 // The first block writes every window's second word before any push.
                 let p = (r.epoch % parities) as usize;
                 win[to].aux[me][p] = Some((r.epoch, k));
-                r.step = next(to).map_or(Step::Push(0), Step::Aux);
+                let first = if ll { Step::LlData(0) } else { Step::Push(0) };
+                r.step = next(to).map_or(first, Step::Aux);
             }
             Step::Push(to) => {
                 let p = (r.epoch % parities) as usize;
@@ -134,6 +159,83 @@ fn run(programs: &[Vec<(u32, u32)>], parities: u64, seed: u64) -> End {
                 let to = (me + 1 + i) % n;
                 win[to].flags[me][p] = Some((r.epoch, sig));
                 r.step = next(i).map_or(Step::Wait(0), Step::Flag);
+            }
+            Step::LlData(to) => {
+                if to != me {
+                    win[to].ll_data[me][p] = Some((r.epoch, me, value(me, r.epoch)));
+                }
+                r.step = next(to).map_or(Step::LlHead(0), Step::LlData);
+            }
+            Step::LlHead(to) => {
+                if to != me {
+                    win[to].ll_head[me][p] = Some((r.epoch, sig, k));
+                    win[to].flags[me][p] = Some((r.epoch, LL));
+                }
+                r.step = next(to).map_or(Step::LlWait(0), Step::LlHead);
+            }
+            Step::LlWait(from) => {
+                let head = win[me].ll_head[from][p];
+                let flag = win[me].flags[from][p];
+                if from == me {
+                    r.step = next(from).map_or(Step::LlCopy(0), Step::LlWait);
+                } else if let Some((e, s, kk)) = head.filter(|h| h.0 >= r.epoch) {
+                    assert!(
+                        e == r.epoch || parities == 1,
+                        "rank {me} waiting for epoch {} saw rank {from}'s header of epoch {e}",
+                        r.epoch
+                    );
+                    if (s, kk) != (sig, k) || e != r.epoch {
+                        return End::Mismatch {
+                            rank: me,
+                            peer: from,
+                            epoch: r.epoch,
+                        };
+                    }
+                    r.step = next(from).map_or(Step::LlCopy(0), Step::LlWait);
+                    stalls = 0;
+                } else if flag.is_some_and(|(e, s)| e >= r.epoch && s != LL) {
+                    // The peer runs this epoch's op by the flags: another op.
+                    return End::Mismatch {
+                        rank: me,
+                        peer: from,
+                        epoch: r.epoch,
+                    };
+                } else {
+                    stalls += 1;
+                    if stalls > 100_000 {
+                        return End::Stuck;
+                    }
+                }
+            }
+            Step::LlCopy(from) => {
+                let mut done = true;
+                if from != me {
+                    match win[me].ll_data[from][p] {
+                        Some((e, src, v)) if e == r.epoch => {
+                            assert_eq!((src, v), (from, value(from, e)));
+                            // Into the source's slot of this window, read below as pushed data.
+                            win[me].data[from][p] = Some((e, src, v));
+                            stalls = 0;
+                        }
+                        Some((e, _, _)) => {
+                            assert!(
+                                e < r.epoch || parities == 1,
+                                "rank {me} waiting for epoch {} saw rank {from}'s line of epoch {e}",
+                                r.epoch
+                            );
+                            done = false;
+                        }
+                        None => done = false,
+                    }
+                }
+                if done {
+                    r.step = next(from).map_or(Step::Read(0), Step::LlCopy);
+                } else {
+                    stalls += 1;
+                    if stalls > 100_000 {
+                        return End::Stuck;
+                    }
+                }
             }
             Step::Wait(from) => {
                 match win[me].flags[from][p] {
@@ -195,10 +297,14 @@ fn run(programs: &[Vec<(u32, u32)>], parities: u64, seed: u64) -> End {
     }
 }
 
-fn programs(n: usize, ops: usize, seed: u64) -> Vec<Vec<(u32, u32)>> {
+/// The same random program for `n` ranks: `ops` ops, about half of them by LL lines.
+fn programs(n: usize, ops: usize, seed: u64) -> Vec<Vec<Op>> {
     let mut rng = Xorshift(seed | 1);
-    let one: Vec<(u32, u32)> = (0..ops)
-        .map(|k| ((rng.next() % 5) as u32, k as u32))
+    let one: Vec<Op> = (0..ops)
+        .map(|k| {
+            let x = rng.next();
+            ((x % 5) as u32, k as u32, (x >> 8) & 1 == 1)
+        })
         .collect();
     vec![one; n]
 }
@@ -236,7 +342,7 @@ fn ranks_that_run_different_ops_are_told_not_paired() {
     for seed in 0..100u64 {
         let mut ps = programs(4, 20, seed);
         // Rank 2 captured one more op at position 5: every later op's capture index differs.
-        ps[2].insert(5, (9, 5));
+        ps[2].insert(5, (9, 5, seed % 2 == 0));
         for (i, op) in ps[2].iter_mut().enumerate().skip(6) {
             op.1 = i as u32;
         }
@@ -250,4 +356,31 @@ fn ranks_that_run_different_ops_are_told_not_paired() {
         ps[1].pop();
         assert_eq!(run(&ps, 2, seed + 13), End::Stuck, "seed {seed}");
     }
+}
+
+#[test]
+fn an_op_by_lines_against_the_same_op_by_flags_is_a_mismatch_on_either_side() {
+    // The same signature and index, one rank by LL lines and the other by flags (another count
+    // across the LL limit): whichever rank looks first is told, at that op.
+    for n in [2, 3, 4] {
+        for seed in 0..100u64 {
+            let mut ps = programs(n, 12, seed);
+            let at = (seed % 12) as usize;
+            let odd = (seed as usize / 12) % n;
+            ps[odd][at].2 = !ps[odd][at].2;
+            match run(&ps, 2, seed * 31 + 5) {
+                End::Mismatch { epoch, .. } => {
+                    assert_eq!(epoch, at as u64 + 1, "{n} ranks, seed {seed}")
+                }
+                other => panic!("{n} ranks, seed {seed}: {other:?}, want a mismatch"),
+            }
+        }
+    }
+}
+
+#[test]
+fn programs_mix_both_kinds_of_op() {
+    let ps = programs(2, 40, 3);
+    let lines = ps[0].iter().filter(|o| o.2).count();
+    assert!(lines > 5 && lines < 35, "{lines} of 40 by lines");
 }
