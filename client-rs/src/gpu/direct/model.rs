@@ -74,6 +74,10 @@ enum End {
     Stuck,
 }
 
+fn mismatch(rank: usize, peer: usize, epoch: u64) -> End {
+    End::Mismatch { rank, peer, epoch }
+}
+
 fn value(src: usize, e: u64) -> u64 {
     (src as u64) << 40 | e
 }
@@ -185,21 +189,13 @@ fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
                         r.epoch
                     );
                     if (s, kk) != (sig, k) || e != r.epoch {
-                        return End::Mismatch {
-                            rank: me,
-                            peer: from,
-                            epoch: r.epoch,
-                        };
+                        return mismatch(me, from, r.epoch);
                     }
                     r.step = next(from).map_or(Step::LlCopy(0), Step::LlWait);
                     stalls = 0;
                 } else if flag.is_some_and(|(e, s)| e >= r.epoch && s != LL) {
                     // The peer runs this epoch's op by the flags: another op.
-                    return End::Mismatch {
-                        rank: me,
-                        peer: from,
-                        epoch: r.epoch,
-                    };
+                    return mismatch(me, from, r.epoch);
                 } else {
                     stalls += 1;
                     if stalls > 100_000 {
@@ -252,11 +248,7 @@ fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
                             r.epoch
                         );
                         if (s, kk) != (sig, k) || e != r.epoch {
-                            return End::Mismatch {
-                                rank: me,
-                                peer: from,
-                                epoch: r.epoch,
-                            };
+                            return mismatch(me, from, r.epoch);
                         }
                         r.step = next(from).map_or(Step::Read(0), Step::Wait);
                         stalls = 0;
