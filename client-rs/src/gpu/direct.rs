@@ -1136,9 +1136,21 @@ impl Communicator {
         // communicator's next op on another stream, and (`a.record`) the caller's done event.
         // (A word whose kernel was launched is never given back: if this record failed, the
         // kernel could still write it after another op took it.)
-        let ev = Arc::new(pool.get(dev)?);
-        // SAFETY: `a.stream` is live and of the event's device.
-        unsafe { ev.record(a.stream)? };
+        let ev = pool.get(dev).map(Arc::new).and_then(|ev| {
+            // SAFETY: `a.stream` is live and of the event's device.
+            unsafe { ev.record(a.stream) }.map(|()| ev)
+        });
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                // The op is launched but no event orders the communicator's next op after it.
+                // Eager epochs are numbered in issue order (`DirectArgs::epoch`), so the GPU
+                // must run them in that order: wait for this one before failing.
+                // SAFETY: `a.stream` is live (caller); an eager op's stream is not capturing.
+                let _ = unsafe { sys::cuStreamSynchronize(a.stream) };
+                return Err(e);
+            }
+        };
         *last = Some((a.stream as usize, ev.clone()));
         let op = sp.launched(word, ev.clone(), false);
         let posted = self.eager_posted(a, sp, op, ev, dev, bytes);
