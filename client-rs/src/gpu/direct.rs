@@ -114,10 +114,8 @@ pub fn default_max_bytes(nranks: u32) -> u64 {
 pub struct Limits {
     /// The largest all-reduce, reduce-scatter, broadcast or reduce; the window slot.
     pub whole: u64,
-    /// The largest all-gather or all-to-all (per peer).
-    pub copy: u64,
-    /// The largest share of a split op.
-    pub share: u64,
+    /// The largest all-gather or all-to-all (per peer), and the largest share of a split op.
+    pub push: u64,
 }
 
 /// A direct path's integer setting `name` with value `v`: `None` when unset or empty, else an
@@ -376,11 +374,7 @@ impl Config {
             Some(_) => whole,
             None => default_push_bytes(nranks).min(whole),
         };
-        Limits {
-            whole,
-            copy: push,
-            share: push,
-        }
+        Limits { whole, push }
     }
 }
 
@@ -913,7 +907,7 @@ impl Communicator {
                 a.dtype.size(),
                 u64::from(self.nranks),
                 lim.whole,
-                lim.share,
+                lim.push,
                 most,
             )
         {
@@ -921,7 +915,7 @@ impl Communicator {
             return unsafe { self.split_op(a, eager, share) };
         }
         let max = if matches!(mode, k::MODE_AG | k::MODE_A2A) {
-            lim.copy
+            lim.push
         } else {
             lim.whole
         };
@@ -1651,15 +1645,7 @@ mod tests {
         for (n, whole, push) in want {
             assert_eq!(c.max_bytes_for(n), whole, "{n} ranks");
             let lim = c.limits(n);
-            assert_eq!(
-                lim,
-                Limits {
-                    whole,
-                    copy: push,
-                    share: push
-                },
-                "{n} ranks"
-            );
+            assert_eq!(lim, Limits { whole, push }, "{n} ranks");
             // Every rank's GPU sends (n - 1) x a copy or a split part at most 8 MiB; a window
             // is at most 64 MiB of data slots (2 ranks), else 24 MiB, and 16 x 8 KiB of LL
             // lines.
@@ -1674,8 +1660,7 @@ mod tests {
                 set.limits(n),
                 Limits {
                     whole: 65536,
-                    copy: 65536,
-                    share: 65536
+                    push: 65536
                 }
             );
         }
@@ -1727,7 +1712,7 @@ mod tests {
         // 2 ranks by default: one direct op up to 16 MiB, and a share of a larger one (8 MiB
         // or more) past the split's 8 MiB: nothing splits.
         let lim = Config::parse(None, None, None).unwrap().limits(2);
-        let split2 = |count| split_share(count, 4, 2, lim.whole, lim.share, u64::MAX);
+        let split2 = |count| split_share(count, 4, 2, lim.whole, lim.push, u64::MAX);
         assert_eq!(split2(4 * mib), None);
         assert_eq!(split2(4 * mib + 2), None);
         assert_eq!(split2(16 * mib), None);
