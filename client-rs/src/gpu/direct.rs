@@ -63,20 +63,8 @@ pub fn launch_grid(grid: u32, bytes: u64, n: u32, one_block: u64) -> (u32, u32) 
 /// reduce-scatter, up to 0.4 more for all-reduce and 0.9 for all-to-all; with LL lines (which
 /// need it) all-reduce 0.7-2.1 us less, all-to-all 1.3-1.5, reduce-scatter 0.1-1.0.
 pub(crate) fn one_block_max() -> Result<u64> {
-    static V: std::sync::OnceLock<std::result::Result<u64, String>> = std::sync::OnceLock::new();
-    V.get_or_init(|| {
-        env_int(
-            "COMMD_DIRECT_ONE_BLOCK_MAX_BYTES",
-            std::env::var("COMMD_DIRECT_ONE_BLOCK_MAX_BYTES")
-                .ok()
-                .as_deref(),
-            0,
-            1 << 20,
-        )
-        .map(|v| v.unwrap_or(4096))
-    })
-    .clone()
-    .map_err(Error::InvalidArgument)
+    static V: SettingCell = SettingCell::new();
+    ONE_BLOCK_MAX.once(&V)
 }
 /// The default largest push to one peer of a direct all-gather or all-to-all, and the largest
 /// share of an op split into direct ops ([`split_share`]): every rank's GPU then sends at most
@@ -143,21 +131,53 @@ pub(crate) fn env_int(
 /// limit, i.e. up to n x the limit; `0`: none (each takes the daemon's path, as before). The
 /// same on every rank (checked when the windows are set up). Read once per process.
 pub(crate) fn split_max() -> Result<u64> {
-    static V: std::sync::OnceLock<std::result::Result<u64, String>> = std::sync::OnceLock::new();
-    V.get_or_init(|| {
-        parse_split_max(
-            std::env::var("COMMD_DIRECT_SPLIT_MAX_BYTES")
-                .ok()
-                .as_deref(),
-        )
-    })
-    .clone()
-    .map_err(Error::InvalidArgument)
+    static V: SettingCell = SettingCell::new();
+    SPLIT_MAX.once(&V)
 }
 
-fn parse_split_max(v: Option<&str>) -> std::result::Result<u64, String> {
-    Ok(env_int("COMMD_DIRECT_SPLIT_MAX_BYTES", v, 0, 1 << 40)?.unwrap_or(u64::MAX))
+/// A direct path's byte setting: `default` when unset or empty, else an integer from `lo` to
+/// `hi`, or the error naming the setting and its value ([`env_int`]).
+struct Setting {
+    name: &'static str,
+    lo: u64,
+    hi: u64,
+    default: u64,
 }
+
+/// Where a setting's value (or its error) is kept once read.
+type SettingCell = std::sync::OnceLock<std::result::Result<u64, String>>;
+
+impl Setting {
+    fn parse(&self, v: Option<&str>) -> std::result::Result<u64, String> {
+        Ok(env_int(self.name, v, self.lo, self.hi)?.unwrap_or(self.default))
+    }
+
+    /// The process's value, read from the environment once into `cell`.
+    fn once(&self, cell: &'static SettingCell) -> Result<u64> {
+        cell.get_or_init(|| self.parse(std::env::var(self.name).ok().as_deref()))
+            .clone()
+            .map_err(Error::InvalidArgument)
+    }
+}
+
+const SPLIT_MAX: Setting = Setting {
+    name: "COMMD_DIRECT_SPLIT_MAX_BYTES",
+    lo: 0,
+    hi: 1 << 40,
+    default: u64::MAX,
+};
+const ONE_BLOCK_MAX: Setting = Setting {
+    name: "COMMD_DIRECT_ONE_BLOCK_MAX_BYTES",
+    lo: 0,
+    hi: 1 << 20,
+    default: 4096,
+};
+const LL_MAX: Setting = Setting {
+    name: "COMMD_DIRECT_LL_MAX_BYTES",
+    lo: 0,
+    hi: k::LL_MAX_BYTES,
+    default: k::LL_MAX_BYTES,
+};
 
 /// The share (elements per rank) of an all-reduce, broadcast or reduce of `count` elements of
 /// `es` bytes split into direct ops ([`Communicator::split_op`]), or `None` when it is not
@@ -421,21 +441,12 @@ fn ll_area_off(n: u32, slot: u64) -> u64 {
 /// `COMMD_DIRECT_LL_MAX_BYTES`: the largest direct op (bytes per rank) that moves by LL lines
 /// (at most `kernels::direct::LL_MAX_BYTES`, 4096, the default; only ops that run on one
 /// block, `COMMD_DIRECT_ONE_BLOCK_MAX_BYTES`, and not broadcast or reduce: [`rooted_mode`]);
-/// `0`: none. The same on every rank (checked when the windows are set up: a rank that moves an op by lines
-/// and one that moves it by flags would fail it as a mismatch). Read once per process.
+/// `0`: none. The same on every rank (checked when the windows are set up: a rank that moves
+/// an op by lines and one that moves it by flags would fail it as a mismatch). Read once per
+/// process.
 pub(crate) fn ll_max() -> Result<u64> {
-    static V: std::sync::OnceLock<std::result::Result<u64, String>> = std::sync::OnceLock::new();
-    V.get_or_init(|| {
-        env_int(
-            "COMMD_DIRECT_LL_MAX_BYTES",
-            std::env::var("COMMD_DIRECT_LL_MAX_BYTES").ok().as_deref(),
-            0,
-            k::LL_MAX_BYTES,
-        )
-        .map(|v| v.unwrap_or(k::LL_MAX_BYTES))
-    })
-    .clone()
-    .map_err(Error::InvalidArgument)
+    static V: SettingCell = SettingCell::new();
+    LL_MAX.once(&V)
 }
 
 /// The op signature a flag carries: kind, dtype and reduction (sum for the copies), one byte
@@ -1720,11 +1731,11 @@ mod tests {
         let m2 = 4 * mib;
         assert_eq!(split_share(2 * mib, 4, 2, m2, m2, u64::MAX), Some(mib));
         assert_eq!(split_share(2 * mib + 2, 4, 2, m2, m2, u64::MAX), None);
-        assert_eq!(parse_split_max(None).unwrap(), u64::MAX);
-        assert_eq!(parse_split_max(Some("0")).unwrap(), 0);
-        assert_eq!(parse_split_max(Some("8388608")).unwrap(), 8 * mib);
+        assert_eq!(SPLIT_MAX.parse(None).unwrap(), u64::MAX);
+        assert_eq!(SPLIT_MAX.parse(Some("0")).unwrap(), 0);
+        assert_eq!(SPLIT_MAX.parse(Some("8388608")).unwrap(), 8 * mib);
         for bad in ["-1", "x", "99999999999999"] {
-            let e = parse_split_max(Some(bad)).unwrap_err();
+            let e = SPLIT_MAX.parse(Some(bad)).unwrap_err();
             assert!(
                 e.contains("COMMD_DIRECT_SPLIT_MAX_BYTES") && e.contains(bad),
                 "{e}"
@@ -2202,6 +2213,27 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn small_op_settings_take_their_range_and_refuse_the_rest() {
+        assert_eq!(ONE_BLOCK_MAX.parse(None).unwrap(), 4096);
+        assert_eq!(ONE_BLOCK_MAX.parse(Some("0")).unwrap(), 0);
+        assert_eq!(ONE_BLOCK_MAX.parse(Some(" 8192 ")).unwrap(), 8192);
+        assert_eq!(LL_MAX.parse(None).unwrap(), k::LL_MAX_BYTES);
+        assert_eq!(LL_MAX.parse(Some("")).unwrap(), k::LL_MAX_BYTES);
+        assert_eq!(LL_MAX.parse(Some("1024")).unwrap(), 1024);
+        // Past the LL area's lines, negative, not a number: refused, naming the setting.
+        for (set, bad) in [
+            (&LL_MAX, "4097"),
+            (&LL_MAX, "-1"),
+            (&LL_MAX, "lots"),
+            (&ONE_BLOCK_MAX, "2000000"),
+            (&ONE_BLOCK_MAX, "4k"),
+        ] {
+            let e = set.parse(Some(bad)).unwrap_err();
+            assert!(e.contains(set.name) && e.contains(bad), "{e}");
         }
     }
 
