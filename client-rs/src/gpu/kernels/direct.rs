@@ -325,14 +325,17 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
             to_mask |= 1u << r;
         }}
     }}
+    /* The slot rank r pushed into this window (or this rank copied rank r's lines into). */
+#define COMMD_SLOT(r) (mine + {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)(r)) * a.slot)
     if (a.ll != 0u) {{
         /* LL (one block, at most {ll_max} bytes): each 16-byte line carries 8 bytes and the
            epoch twice, {{lo, e, hi, e}}, stored at once; the reader polls each line for its
            epoch, so no fence and no flag round trip. Lines of (parity p, source me) in each
            peer's LL area: 2 header lines (signature and count; capture index), then the data. */
         const u32 e32 = (u32)e;
-        const u64 ll_area = {DATA_OFF}ull + 2ull * (u64)a.n * a.slot;
-        const u64 my_lines = ll_area + ((u64)p * (u64)a.n + (u64)a.me) * {ll_slot}ull;
+        /* Offset of the lines of (parity p, source r) in a window: after the data slots. */
+#define COMMD_LINES(r) ({DATA_OFF}ull + 2ull * (u64)a.n * a.slot + ((u64)p * (u64)a.n + (u64)(r)) * {ll_slot}ull)
+        const u64 my_lines = COMMD_LINES(a.me);
         if (threadIdx.x < a.n && threadIdx.x != a.me) {{
             const u64 h = a.win[threadIdx.x] + my_lines;
             commd_ll_store(h, a.sig, (u32)a.count, e32);
@@ -354,7 +357,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
         /* Thread r checks rank r's header: the same op, or the op's failure. */
         if (threadIdx.x < a.n && threadIdx.x != a.me) {{
             const u32 r = threadIdx.x;
-            const u64 lines_r = mine + ll_area + ((u64)p * (u64)a.n + (u64)r) * {ll_slot}ull;
+            const u64 lines_r = mine + COMMD_LINES(r);
             const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + r) * 16ull);
             u64 t0 = 0ull;
             u32 spins = 0u;
@@ -406,7 +409,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
             if (!from) {{
                 continue;
             }}
-            const u64 lines_r = mine + ll_area + ((u64)p * (u64)a.n + (u64)r) * {ll_slot}ull;
+            const u64 lines_r = mine + COMMD_LINES(r);
             u64 t0 = 0ull;
             for (u64 j = tid; j < lines; j += stride) {{
                 u64 v;
@@ -420,9 +423,10 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
                 if (s_fail != 0u) {{
                     break;
                 }}
-                *(u64 *)(mine + {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)r) * a.slot + j * 8ull) = v;
+                *(u64 *)(COMMD_SLOT(r) + j * 8ull) = v;
             }}
         }}
+#undef COMMD_LINES
     }} else {{
         u64 j0 = 0;
         if ((a.in & 15ull) == 0ull && (!chunked || (bytes & 15ull) == 0ull)) {{
@@ -507,8 +511,6 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
     if (s_fail != 0u) {{
         return;
     }}
-    /* The slot rank r pushed into this window. */
-#define COMMD_SLOT(r) (mine + {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)(r)) * a.slot)
     if (mode == {MODE_GA}u && a.me != a.root) {{
         return;
     }}
