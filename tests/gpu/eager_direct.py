@@ -24,6 +24,11 @@ ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
    all-reduce against a reduce-scatter that other ranks posted, split broadcasts and reduces
    whose roots differ, a split reduce against a split broadcast, a split broadcast against a
    split all-reduce.
+7. On 2 ranks a reduce whose share is past that runs as direct reduces of at most the limit
+   each ("chunks", the last one marked): right results from every root at the sizes of 6 that
+   reach it, and mismatches raised on every rank: counts with another number of chunks (a
+   rank must not pair a peer's extra chunk with its next op) and counts that differ only in
+   the last chunk.
 Exits non-zero on any failure.
 """
 
@@ -280,6 +285,22 @@ mismatch_everywhere("a split reduce against a split broadcast", lambda g: (
 mismatch_everywhere("a split broadcast against a split all_reduce", lambda g: dist.broadcast(
     data(rank, big, torch.float32), src=0, group=g) if rank == 0 else dist.all_reduce(
     data(rank, big, torch.float32), group=g))
+
+# 7. reduces in chunks (2 ranks: a share past the split's limit); the sizes of 6 from 2 x the
+# limit on are chunked on 2 ranks, and checked there from every root.
+if world == 2:
+    mismatch_everywhere("reduces in 3 chunks against 4", lambda g: dist.reduce(
+        data(rank, (3 if rank == 0 else 4) * most, torch.float32), dst=0, group=g))
+    mismatch_everywhere("reduces in chunks whose last chunks differ", lambda g: dist.reduce(
+        data(rank, 2 * most + (5 if rank == 0 else 7), torch.float32), dst=1, group=g),
+        naming="count")
+    # After them a reduce in chunks on the default group is still right.
+    ins = all_in(3 * most + 11, torch.float32, 41)
+    t = ins[rank].clone()
+    dist.reduce(t, dst=1)
+    torch.cuda.synchronize()
+    if rank == 1:
+        check("reduce in chunks after the mismatches", t, reduce_ref(ins, "sum").float())
 
 # 4. mismatch on a group of its own: the first op on it (it sets up the group's windows) with
 # counts that differ. Its Work may raise at once (the kernel already finished), else the

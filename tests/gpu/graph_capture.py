@@ -12,7 +12,7 @@ replay's outputs must equal the same op run eagerly on the same inputs (bitwise:
 kernels run). A stale replay (one that skipped the daemon) leaves the previous replay's result
 and fails. Also: many ops in one graph, a reduction large enough for several scratch rounds, an
 all-reduce, broadcasts and reduces split into direct ops (past the direct limit, each share
-within it),
+within it; on 2 ranks a reduce whose share is not runs as direct reduces of at most the limit),
 graphs replayed from two different streams, and a rank whose capture differs from its peers'
 (mismatch: the first replay releases every rank and the next commd call raises the daemon's
 reason, naming the fields; no hang, no wrong result taken as good).
@@ -96,6 +96,10 @@ def cases() -> list[Case]:
                        lambda i, o, root=root: dist.broadcast(i[0], src=root)))
         x = torch.empty(world * (limit // 2), device=dev, dtype=torch.bfloat16)
         cs.append(Case(f"reduce split into direct ops, root {root}", [x], [x],
+                       lambda i, o, root=root: dist.reduce(i[0], dst=root)))
+        # 3 x the limit and a bit: on 2 ranks direct reduces of the limit and a short last one.
+        x = torch.empty(3 * (limit // 4) + 7, device=dev)
+        cs.append(Case(f"reduce past the limit, root {root}", [x], [x],
                        lambda i, o, root=root: dist.reduce(i[0], dst=root)))
     for dt in [torch.float32, torch.bfloat16]:
         x = torch.empty(n, device=dev, dtype=dt)

@@ -179,6 +179,65 @@ const LL_MAX: Setting = Setting {
     default: k::LL_MAX_BYTES,
 };
 
+/// How an op past the direct limit runs as direct ops ([`split_how`], [`split_plan`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Split {
+    /// In shares of this many elements per rank ([`split_share`]): e.g. a reduce-scatter then
+    /// an all-gather.
+    Shares(u64),
+    /// As the same op on consecutive ranges of at most this many elements ([`reduce_chunk`]).
+    Chunks(u64),
+}
+
+/// How an op of `kind` (`count` elements of `es` bytes, `n` ranks, the direct limits `lim`,
+/// `COMMD_DIRECT_SPLIT_MAX_BYTES` = `most`) past the direct limit runs as direct ops: in shares
+/// where they fit, else (a reduce on 2 ranks) in chunks; `None`: one direct op, or the
+/// daemon's path. The same on every rank: its inputs are.
+pub(crate) fn split_how(
+    kind: OpKind,
+    count: u64,
+    es: u64,
+    n: u64,
+    lim: Limits,
+    most: u64,
+) -> Option<Split> {
+    split_share(count, es, n, lim.whole, lim.push, most)
+        .map(Split::Shares)
+        .or_else(|| reduce_chunk(kind, count, es, n, lim.whole, most).map(Split::Chunks))
+}
+
+/// The most chunks of a reduce in chunks ([`reduce_chunk`]).
+const MAX_CHUNKS: u64 = 4;
+
+/// The elements of each direct reduce ("chunk") that a reduce of `count` elements of `es`
+/// bytes past the direct limit `max` runs as on 2 ranks, up to [`MAX_CHUNKS`] x the limit
+/// and `most` bytes (`COMMD_DIRECT_SPLIT_MAX_BYTES`): as many as fit the limit. There its
+/// share (half the op) is past the split's ([`default_push_bytes`]), and the daemon's path
+/// took 1.3-1.4x NCCL's time. Measured on 2x H200 (docs/benchmarks.md, 2026-11-28, "A
+/// reduce past the limit on two GPUs"; nccl-tests, us):
+/// - in chunks of 16 MiB, 32 MiB took 110.5 and 64 MiB 221.7, against the daemon's 141.9
+///   and 258.3 (NCCL 104.2 and 197.2); from 128 MiB the daemon's copy engines are faster
+///   (430 against 442, 1463 against 1766 at 512 MiB), hence the cap;
+/// - one direct reduce of 32 MiB (a 32 MiB limit) took 103.4, but a larger slot costs every
+///   communicator GPU memory (4 slots per window), and all-reduce and broadcast are slower
+///   as one larger direct op than on the daemon's path (32 MiB: 153.2 against 136.4, 132.4
+///   against 109.1), so only a reduce is chunked and the slot stays.
+///
+/// Not on 3+ ranks, where a chunk would be the limit of 1-4 MiB and nothing measured it.
+pub(crate) fn reduce_chunk(
+    kind: OpKind,
+    count: u64,
+    es: u64,
+    n: u64,
+    max: u64,
+    most: u64,
+) -> Option<u64> {
+    let bytes = count.saturating_mul(es);
+    let chunk = max / es.max(1);
+    let top = most.min(max.saturating_mul(MAX_CHUNKS));
+    (kind == OpKind::Reduce && n == 2 && bytes > max && bytes <= top && chunk > 0).then_some(chunk)
+}
+
 /// The share (elements per rank) of an all-reduce, broadcast or reduce of `count` elements of
 /// `es` bytes split into direct ops ([`Communicator::split_op`]), or `None` when it is not
 /// split: within the direct limit `max` (one direct op), past `most` bytes
@@ -210,10 +269,15 @@ pub(crate) struct PlannedPart {
 }
 
 /// The direct ops, in order, that rank `me` of `n` runs for an all-reduce, broadcast or reduce
-/// (root `root`) of `count` elements of `es` bytes on buffers `send` and `recv`, in shares of
-/// `share` elements ([`split_share`]): the remainder of the count modulo `n` first, as the same
-/// op, then the two parts of [`Communicator::split_op`]. `Err`: a buffer this rank's parts
-/// need is missing, or a kind that does not split.
+/// (root `root`) of `count` elements of `es` bytes on buffers `send` and `recv`, split as
+/// `split` says:
+/// - in shares of `share` elements ([`split_share`]): the remainder of the count modulo `n`
+///   first, as the same op, then the two parts of [`Communicator::split_op`];
+/// - in chunks of `chunk` elements ([`reduce_chunk`]): the same op on each range in order, the
+///   last one marked (a rank whose count has fewer chunks than a peer's fails on its last one,
+///   instead of pairing a peer's next chunk with its next op).
+///
+/// `Err`: a buffer this rank's parts need is missing, or a kind that does not split.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn split_plan(
     kind: OpKind,
@@ -224,15 +288,50 @@ pub(crate) fn split_plan(
     root: u32,
     send: Option<u64>,
     recv: Option<u64>,
-    share: u64,
+    split: Split,
 ) -> std::result::Result<Vec<PlannedPart>, String> {
-    let body = share * u64::from(n);
     let need = |p: Option<u64>, what: &str| {
         p.ok_or_else(|| format!("{} needs a {what} buffer", kind.name()))
     };
     let at = |p: Option<u64>, elems: u64| p.map(|p| p + elems * es);
+    let rooted = kind.has_root();
+    let share = match split {
+        Split::Shares(share) => share,
+        Split::Chunks(chunk) => {
+            if !matches!(kind, OpKind::AllReduce | OpKind::Broadcast | OpKind::Reduce) {
+                return Err(format!("{} is never split into direct ops", kind.name()));
+            }
+            let me_root = me == root;
+            if kind.uses_send(me_root) {
+                need(send, "send")?;
+            }
+            if kind.uses_recv(me_root) {
+                need(recv, "recv")?;
+            }
+            let chunk = chunk.max(1);
+            let mut parts = Vec::with_capacity(count.div_ceil(chunk) as usize);
+            let mut off = 0;
+            while off < count {
+                let c = chunk.min(count - off);
+                parts.push(PlannedPart {
+                    kind,
+                    part: Part::Of {
+                        rooted,
+                        last: off + c == count,
+                    },
+                    count: c,
+                    send: at(send, off),
+                    recv: at(recv, off),
+                });
+                off += c;
+            }
+            return Ok(parts);
+        }
+    };
+    let body = share * u64::from(n);
     let of = Part::Of {
-        rooted: kind.has_root(),
+        rooted,
+        last: false,
     };
     let mut parts = Vec::with_capacity(3);
     if count > body {
@@ -466,6 +565,9 @@ pub const PART: u32 = 0x20 << 24;
 /// The mark of a part of a split broadcast or reduce, whose root is in the signature too (a
 /// part of a split broadcast never pairs with one of a split all-reduce, nor of another root).
 pub const ROOTED: u32 = 0x40 << 24;
+/// The mark of the last chunk of an op split into chunks ([`Split::Chunks`]): a rank that runs
+/// fewer chunks than a peer (another count) fails on it, where the peer runs a chunk more.
+pub const LAST: u32 = 0x80 << 24;
 /// The kind byte of a signature for the scatter of a split broadcast and the gather of a split
 /// reduce (no op of their own: never an `OpKind` code).
 const SCATTER_CODE: u32 = 0xf6;
@@ -476,9 +578,11 @@ const GATHER_CODE: u32 = 0xf7;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Part {
     Whole,
-    /// Runs as its kind says; `rooted`: of a split broadcast or reduce (root `peer`).
+    /// Runs as its kind says; `rooted`: of a split broadcast or reduce (root `peer`); `last`:
+    /// the last chunk of an op split into chunks ([`Split::Chunks`]).
     Of {
         rooted: bool,
+        last: bool,
     },
     /// Of a split broadcast: chunk `r` of the root's input (`count` elements each) into rank
     /// `r`'s output (`kernels::direct::MODE_SC`).
@@ -545,7 +649,7 @@ impl Part {
     fn rooted(self) -> bool {
         match self {
             Part::Whole => false,
-            Part::Of { rooted } => rooted,
+            Part::Of { rooted, .. } => rooted,
             Part::Scatter | Part::ReduceToScratch | Part::Gather => true,
         }
     }
@@ -566,7 +670,12 @@ pub fn part_signature(part: Part, kind: OpKind, dtype: DType, op: RedOp, root: u
     } else {
         0
     };
-    (base & !0xff) | code | PART | root
+    let last = if matches!(part, Part::Of { last: true, .. }) {
+        LAST
+    } else {
+        0
+    };
+    (base & !0xff) | code | PART | root | last
 }
 
 /// A failure record's words as the kernel wrote them.
@@ -595,7 +704,7 @@ fn describe_sig(sig: u32) -> String {
             (SCATTER_CODE, _) => (format!("scatter {}", dtype_name(sig)), "a broadcast"),
             (GATHER_CODE, _) => (format!("gather {}", dtype_name(sig)), "a reduce"),
             (_, rooted) => (
-                describe_sig(sig & !(PART | ROOTED)),
+                describe_sig(sig & !(PART | ROOTED | LAST)),
                 if rooted {
                     "a broadcast or reduce"
                 } else {
@@ -608,7 +717,8 @@ fn describe_sig(sig: u32) -> String {
         } else {
             String::new()
         };
-        return format!("{what} (part of {of}{root} split into direct ops)");
+        let part = if sig & LAST != 0 { "last part" } else { "part" };
+        return format!("{what} ({part} of {of}{root} split into direct ops)");
     }
     let kind = OpKind::from_code((sig & 0xff) as u16)
         .map(|x| x.name().to_string())
@@ -913,17 +1023,17 @@ impl Communicator {
             && self.nodes <= 1
             && self.nranks <= k::MAX_RANKS
             && (mode == k::MODE_AR || a.peer < self.nranks)
-            && let Some(share) = split_share(
+            && let Some(split) = split_how(
+                a.kind,
                 a.count,
                 a.dtype.size(),
                 u64::from(self.nranks),
-                lim.whole,
-                lim.push,
+                lim,
                 most,
             )
         {
             // SAFETY: the caller's contract.
-            return unsafe { self.split_op(a, eager, share) };
+            return unsafe { self.split_op(a, eager, split) };
         }
         let max = if matches!(mode, k::MODE_AG | k::MODE_A2A) {
             lim.push
@@ -1177,7 +1287,9 @@ impl Communicator {
     ///   root.
     ///
     /// Each GPU sends at most 2 (n - 1) / n x the bytes in two launches, against the daemon's
-    /// copy-engine rounds with a host turnaround each. An eager call's request fails if any part
+    /// copy-engine rounds with a host turnaround each. A reduce on 2 ranks whose share is past
+    /// the split runs in chunks instead ([`Split::Chunks`]): the same reduce on each range of
+    /// at most the direct limit, one launch each. An eager call's request fails if any part
     /// failed (`LocalDone::earlier`); `Ok(None)` when the direct path is off (no part ran: the
     /// same on every rank).
     ///
@@ -1187,7 +1299,7 @@ impl Communicator {
         &self,
         a: &CudaOpArgs,
         eager: bool,
-        share: u64,
+        split: Split,
     ) -> Result<Option<CudaPosted>> {
         let es = a.dtype.size();
         let plan = split_plan(
@@ -1199,7 +1311,7 @@ impl Communicator {
             a.peer,
             a.send,
             a.recv,
-            share,
+            split,
         )
         .map_err(Error::InvalidArgument)?;
         let parts: Vec<(CudaOpArgs, Part)> = plan
@@ -1744,6 +1856,86 @@ mod tests {
     }
 
     #[test]
+    fn a_reduce_past_the_limit_on_two_ranks_runs_in_chunks_of_the_limit() {
+        let mib = 1u64 << 20;
+        let lim = Config::parse(None, None, None).unwrap().limits(2);
+        let how = |kind, count, n, most| split_how(kind, count, 4, n, lim, most);
+        // Within the 16 MiB limit: one direct op.
+        assert_eq!(how(OpKind::Reduce, 4 * mib, 2, u64::MAX), None);
+        // Past it: chunks of 16 MiB (4 Mi f32), the last one shorter (4 Mi + 1 elements still
+        // make a remainder of 1 and shares of 8 MiB).
+        assert_eq!(
+            how(OpKind::Reduce, 4 * mib + 1, 2, u64::MAX),
+            Some(Split::Shares(2 * mib))
+        );
+        assert_eq!(
+            how(OpKind::Reduce, 4 * mib + 2, 2, u64::MAX),
+            Some(Split::Chunks(4 * mib))
+        );
+        // Up to 4 chunks (64 MiB); past that the daemon's path.
+        assert_eq!(
+            how(OpKind::Reduce, 16 * mib, 2, u64::MAX),
+            Some(Split::Chunks(4 * mib))
+        );
+        assert_eq!(how(OpKind::Reduce, 16 * mib + 1, 2, u64::MAX), None);
+        let plan = split_plan(
+            OpKind::Reduce,
+            9 * mib,
+            4,
+            2,
+            1,
+            0,
+            Some(0x1000),
+            None,
+            Split::Chunks(4 * mib),
+        )
+        .unwrap();
+        let counts: Vec<u64> = plan.iter().map(|p| p.count).collect();
+        assert_eq!(counts, [4 * mib, 4 * mib, mib]);
+        assert_eq!(plan[1].send, Some(0x1000 + 16 * mib));
+        assert_eq!(plan[2].recv, None);
+        // COMMD_DIRECT_SPLIT_MAX_BYTES bounds chunks too.
+        assert_eq!(how(OpKind::Reduce, 8 * mib, 2, 0), None);
+        assert_eq!(
+            how(OpKind::Reduce, 8 * mib, 2, 32 * mib),
+            Some(Split::Chunks(4 * mib))
+        );
+        assert_eq!(how(OpKind::Reduce, 8 * mib + 1, 2, 32 * mib), None);
+        // Only a reduce, only on 2 ranks (the others measured slower as larger direct ops).
+        for kind in [OpKind::AllReduce, OpKind::Broadcast, OpKind::ReduceScatter] {
+            assert_eq!(how(kind, 8 * mib, 2, u64::MAX), None, "{}", kind.name());
+        }
+        let lim4 = Config::parse(None, None, None).unwrap().limits(4);
+        assert_eq!(
+            split_how(OpKind::Reduce, 64 * mib, 4, 4, lim4, u64::MAX),
+            None
+        );
+        // On 4 ranks the shares still come first: 8 MiB of f32 in 2 MiB shares.
+        assert_eq!(
+            split_how(OpKind::Reduce, 2 * mib, 4, 4, lim4, u64::MAX),
+            Some(Split::Shares(mib / 2))
+        );
+        // An element larger than the limit (a set limit below it) is never a chunk of 0.
+        let tiny = Limits { whole: 2, push: 2 };
+        assert_eq!(split_how(OpKind::Reduce, 8, 4, 2, tiny, u64::MAX), None);
+        // The last chunk's mark shows in a mismatch's words.
+        let last = part_signature(
+            Part::Of {
+                rooted: true,
+                last: true,
+            },
+            OpKind::Reduce,
+            DType::F32,
+            RedOp::Sum,
+            1,
+        );
+        assert_eq!(
+            describe_sig(last),
+            "reduce f32 sum root 1 (last part of a broadcast or reduce root 1 split into direct ops)"
+        );
+    }
+
+    #[test]
     fn a_part_of_a_split_all_reduce_never_pairs_with_an_op_of_its_own() {
         for kind in [OpKind::AllReduce, OpKind::ReduceScatter, OpKind::AllGather] {
             let s = signature(kind, DType::F32, RedOp::Sum, 0);
@@ -1774,180 +1966,206 @@ mod tests {
                 for count in [n64 * 5, n64 * 5 + 1, n64 * 7 + n64 - 1] {
                     let share = count / n64;
                     let roots = if kind.has_root() { 0..n } else { 0..1 };
-                    for root in roots {
-                        for in_place in [false, true] {
-                            let what = format!(
-                                "{} n={n} count={count} root={root} in_place={in_place}",
-                                kind.name()
-                            );
-                            let send = |r: u32| base(r);
-                            let recv = |r: u32| base(r) + if in_place { 0 } else { 0x80_0000 };
-                            let input = |r: u32, i: u64| i64::from(r + 1) * 1000 + i as i64;
-                            let mut mem: HashMap<u64, i64> = HashMap::new();
-                            for r in 0..n {
-                                for i in 0..count {
-                                    mem.insert(recv(r) + i * ES, -7);
-                                    mem.insert(send(r) + i * ES, input(r, i));
-                                }
+                    // Shares, and chunks that divide the count, leave a short last one, or
+                    // are the whole count.
+                    let splits = [
+                        Split::Shares(share),
+                        Split::Chunks(5),
+                        Split::Chunks(count / 3),
+                        Split::Chunks(count),
+                    ];
+                    for (root, split, in_place) in roots
+                        .flat_map(|r| splits.map(|s| (r, s)))
+                        .flat_map(|(r, s)| [(r, s, false), (r, s, true)])
+                    {
+                        let what = format!(
+                            "{} n={n} count={count} root={root} in_place={in_place} {split:?}",
+                            kind.name()
+                        );
+                        let send = |r: u32| base(r);
+                        let recv = |r: u32| base(r) + if in_place { 0 } else { 0x80_0000 };
+                        let input = |r: u32, i: u64| i64::from(r + 1) * 1000 + i as i64;
+                        let mut mem: HashMap<u64, i64> = HashMap::new();
+                        for r in 0..n {
+                            for i in 0..count {
+                                mem.insert(recv(r) + i * ES, -7);
+                                mem.insert(send(r) + i * ES, input(r, i));
                             }
-                            // What NCCL callers may pass: no send on a broadcast's non-root, no
-                            // recv on a reduce's non-root (out of place only: torch passes one
-                            // tensor for both).
-                            let given: Vec<(Option<u64>, Option<u64>)> = (0..n)
+                        }
+                        // What NCCL callers may pass: no send on a broadcast's non-root, no
+                        // recv on a reduce's non-root (out of place only: torch passes one
+                        // tensor for both).
+                        let given: Vec<(Option<u64>, Option<u64>)> = (0..n)
+                            .map(|r| {
+                                let s = (kind != OpKind::Broadcast || r == root || in_place)
+                                    .then_some(send(r));
+                                let v = (kind != OpKind::Reduce || r == root || in_place)
+                                    .then_some(recv(r));
+                                (s, v)
+                            })
+                            .collect();
+                        let plans: Vec<Vec<PlannedPart>> = (0..n)
+                            .map(|r| {
+                                let (s, v) = given[r as usize];
+                                split_plan(kind, count, ES, n, r, root, s, v, split)
+                                    .unwrap_or_else(|e| panic!("{what}: {e}"))
+                            })
+                            .collect();
+                        // Chunks: in order, within the limit, only the last one marked.
+                        if let Split::Chunks(c) = split {
+                            let p = &plans[0];
+                            assert_eq!(p.len() as u64, count.div_ceil(c), "{what}");
+                            for (j, q) in p.iter().enumerate() {
+                                let last = j + 1 == p.len();
+                                assert!(q.count <= c, "{what}");
+                                assert_eq!(
+                                    q.part,
+                                    Part::Of {
+                                        rooted: kind.has_root(),
+                                        last
+                                    },
+                                    "{what}: part {j}"
+                                );
+                            }
+                        }
+                        for (j, p0) in plans[0].iter().enumerate() {
+                            let ps: Vec<PlannedPart> = plans.iter().map(|p| p[j]).collect();
+                            for p in &ps {
+                                assert_eq!(
+                                    (p.kind, p.part, p.count),
+                                    (p0.kind, p0.part, p0.count),
+                                    "{what}: part {j} differs across ranks"
+                                );
+                            }
+                            let c = p0.count;
+                            let mode = p0.part.mode(p0.kind).unwrap();
+                            // Each rank's (input, output) address, its scratch slot where the
+                            // part says so, and the ranges it may touch.
+                            let io: Vec<(u64, u64, u64, u64)> = (0..n)
                                 .map(|r| {
-                                    let s = (kind != OpKind::Broadcast || r == root || in_place)
-                                        .then_some(send(r));
-                                    let v = (kind != OpKind::Reduce || r == root || in_place)
-                                        .then_some(recv(r));
-                                    (s, v)
-                                })
-                                .collect();
-                            let plans: Vec<Vec<PlannedPart>> = (0..n)
-                                .map(|r| {
-                                    let (s, v) = given[r as usize];
-                                    split_plan(kind, count, ES, n, r, root, s, v, share)
-                                        .unwrap_or_else(|e| panic!("{what}: {e}"))
-                                })
-                                .collect();
-                            for (j, p0) in plans[0].iter().enumerate() {
-                                let ps: Vec<PlannedPart> = plans.iter().map(|p| p[j]).collect();
-                                for p in &ps {
-                                    assert_eq!(
-                                        (p.kind, p.part, p.count),
-                                        (p0.kind, p0.part, p0.count),
-                                        "{what}: part {j} differs across ranks"
-                                    );
-                                }
-                                let c = p0.count;
-                                let mode = p0.part.mode(p0.kind).unwrap();
-                                // Each rank's (input, output) address, its scratch slot where the
-                                // part says so, and the ranges it may touch.
-                                let io: Vec<(u64, u64, u64, u64)> = (0..n)
-                                    .map(|r| {
-                                        let p = ps[r as usize];
-                                        let me_root = r == root;
-                                        let (ss, rs) = p.part.scratch(me_root);
-                                        let ((su, se), (ru, re)) =
-                                            p.part.buffers(p.kind, c, n64, me_root);
-                                        let pick = |scr: bool, uses: bool, b: Option<u64>| {
-                                            if scr {
-                                                return scratch(r);
-                                            }
-                                            if !uses {
-                                                return 0;
-                                            }
-                                            b.unwrap_or_else(|| {
-                                                panic!("{what}: part {j} rank {r}: no buffer")
-                                            })
-                                        };
-                                        let i = pick(ss, su, p.send);
-                                        let o = pick(rs, ru, p.recv);
-                                        // Within a buffer the caller passed (count elements
-                                        // each) or the scratch slot (a share).
-                                        let (gs, gv) = given[r as usize];
-                                        let ranges = [
-                                            gs.map(|b| (b, count)),
-                                            gv.map(|b| (b, count)),
-                                            Some((scratch(r), share)),
-                                        ];
-                                        for (addr, elems) in [(i, se), (o, re)] {
-                                            if addr == 0 {
-                                                continue;
-                                            }
-                                            let end = addr + elems.unwrap() * ES;
-                                            assert!(
-                                                ranges.iter().flatten().any(|&(lo, len)| {
-                                                    addr >= lo && end <= lo + len * ES
-                                                }),
-                                                "{what}: part {j} rank {r} touches {addr:#x}..{end:#x}, outside its buffers"
-                                            );
+                                    let p = ps[r as usize];
+                                    let me_root = r == root;
+                                    let (ss, rs) = p.part.scratch(me_root);
+                                    let ((su, se), (ru, re)) =
+                                        p.part.buffers(p.kind, c, n64, me_root);
+                                    let pick = |scr: bool, uses: bool, b: Option<u64>| {
+                                        if scr {
+                                            return scratch(r);
                                         }
-                                        let elems = |uses: bool, e: Option<u64>| {
-                                            if uses { e.unwrap() } else { 0 }
-                                        };
-                                        let (se, re) = (elems(su || ss, se), elems(ru || rs, re));
-                                        // Input and output overlap only as the kernel's in-place
-                                        // layouts (its own input is read again after the
-                                        // peers' data was written into the output).
-                                        let me64 = u64::from(r);
-                                        if i != 0 && o != 0 && i < o + re * ES && o < i + se * ES {
-                                            let fine = match mode {
-                                                k::MODE_AR | k::MODE_BC | k::MODE_RED => i == o,
-                                                k::MODE_RS | k::MODE_SC => i + me64 * c * ES == o,
-                                                k::MODE_AG | k::MODE_GA => o + me64 * c * ES == i,
-                                                _ => false,
-                                            };
-                                            assert!(fine, "{what}: part {j} rank {r}: input and output overlap");
+                                        if !uses {
+                                            return 0;
                                         }
-                                        (i, o, se, re)
-                                    })
-                                    .collect();
-                                // Rank r's input element x (within what the part
-                                // declares), and rank me's output element x.
-                                let rd = |m: &HashMap<u64, i64>, r: u32, x: u64| {
-                                    let (a, _, se, _) = io[r as usize];
-                                    assert!(
-                                        x < se,
-                                        "{what}: part {j} reads rank {r}'s input past its {se} elements"
-                                    );
-                                    *m.get(&(a + x * ES)).unwrap_or_else(|| {
-                                        panic!("{what}: part {j} reads unwritten {:#x}", a + x * ES)
-                                    })
-                                };
-                                let sum = |m: &HashMap<u64, i64>, x: u64| {
-                                    (0..n).map(|r| rd(m, r, x)).sum::<i64>()
-                                };
-                                let mut writes = Vec::new();
-                                for me in 0..n {
-                                    let (_, out, _, re) = io[me as usize];
-                                    let mut wr = |x: u64, v: i64| {
+                                        b.unwrap_or_else(|| {
+                                            panic!("{what}: part {j} rank {r}: no buffer")
+                                        })
+                                    };
+                                    let i = pick(ss, su, p.send);
+                                    let o = pick(rs, ru, p.recv);
+                                    // Within a buffer the caller passed (count elements
+                                    // each) or the scratch slot (a share).
+                                    let (gs, gv) = given[r as usize];
+                                    let ranges = [
+                                        gs.map(|b| (b, count)),
+                                        gv.map(|b| (b, count)),
+                                        Some((scratch(r), share)),
+                                    ];
+                                    for (addr, elems) in [(i, se), (o, re)] {
+                                        if addr == 0 {
+                                            continue;
+                                        }
+                                        let end = addr + elems.unwrap() * ES;
                                         assert!(
-                                            x < re,
-                                            "{what}: part {j} writes rank {me}'s output past its {re} elements"
+                                            ranges.iter().flatten().any(|&(lo, len)| {
+                                                addr >= lo && end <= lo + len * ES
+                                            }),
+                                            "{what}: part {j} rank {r} touches {addr:#x}..{end:#x}, outside its buffers"
                                         );
-                                        writes.push((out + x * ES, v));
+                                    }
+                                    let elems = |uses: bool, e: Option<u64>| {
+                                        if uses { e.unwrap() } else { 0 }
                                     };
-                                    let me64 = u64::from(me);
-                                    for i in 0..c {
-                                        match mode {
-                                            k::MODE_AR => wr(i, sum(&mem, i)),
-                                            k::MODE_RS => wr(i, sum(&mem, me64 * c + i)),
-                                            k::MODE_BC => wr(i, rd(&mem, root, i)),
-                                            k::MODE_SC => wr(i, rd(&mem, root, me64 * c + i)),
-                                            k::MODE_RED if me == root => wr(i, sum(&mem, i)),
-                                            k::MODE_AG => {
-                                                for r in 0..n {
-                                                    wr(u64::from(r) * c + i, rd(&mem, r, i));
-                                                }
+                                    let (se, re) = (elems(su || ss, se), elems(ru || rs, re));
+                                    // Input and output overlap only as the kernel's in-place
+                                    // layouts (its own input is read again after the
+                                    // peers' data was written into the output).
+                                    let me64 = u64::from(r);
+                                    if i != 0 && o != 0 && i < o + re * ES && o < i + se * ES {
+                                        let fine = match mode {
+                                            k::MODE_AR | k::MODE_BC | k::MODE_RED => i == o,
+                                            k::MODE_RS | k::MODE_SC => i + me64 * c * ES == o,
+                                            k::MODE_AG | k::MODE_GA => o + me64 * c * ES == i,
+                                            _ => false,
+                                        };
+                                        assert!(fine, "{what}: part {j} rank {r}: input and output overlap");
+                                    }
+                                    (i, o, se, re)
+                                })
+                                .collect();
+                            // Rank r's input element x (within what the part
+                            // declares), and rank me's output element x.
+                            let rd = |m: &HashMap<u64, i64>, r: u32, x: u64| {
+                                let (a, _, se, _) = io[r as usize];
+                                assert!(
+                                    x < se,
+                                    "{what}: part {j} reads rank {r}'s input past its {se} elements"
+                                );
+                                *m.get(&(a + x * ES)).unwrap_or_else(|| {
+                                    panic!("{what}: part {j} reads unwritten {:#x}", a + x * ES)
+                                })
+                            };
+                            let sum = |m: &HashMap<u64, i64>, x: u64| {
+                                (0..n).map(|r| rd(m, r, x)).sum::<i64>()
+                            };
+                            let mut writes = Vec::new();
+                            for me in 0..n {
+                                let (_, out, _, re) = io[me as usize];
+                                let mut wr = |x: u64, v: i64| {
+                                    assert!(
+                                        x < re,
+                                        "{what}: part {j} writes rank {me}'s output past its {re} elements"
+                                    );
+                                    writes.push((out + x * ES, v));
+                                };
+                                let me64 = u64::from(me);
+                                for i in 0..c {
+                                    match mode {
+                                        k::MODE_AR => wr(i, sum(&mem, i)),
+                                        k::MODE_RS => wr(i, sum(&mem, me64 * c + i)),
+                                        k::MODE_BC => wr(i, rd(&mem, root, i)),
+                                        k::MODE_SC => wr(i, rd(&mem, root, me64 * c + i)),
+                                        k::MODE_RED if me == root => wr(i, sum(&mem, i)),
+                                        k::MODE_AG => {
+                                            for r in 0..n {
+                                                wr(u64::from(r) * c + i, rd(&mem, r, i));
                                             }
-                                            k::MODE_GA if me == root => {
-                                                for r in 0..n {
-                                                    wr(u64::from(r) * c + i, rd(&mem, r, i));
-                                                }
-                                            }
-                                            k::MODE_RED | k::MODE_GA => {}
-                                            m => panic!("{what}: mode {m} in a split plan"),
                                         }
+                                        k::MODE_GA if me == root => {
+                                            for r in 0..n {
+                                                wr(u64::from(r) * c + i, rd(&mem, r, i));
+                                            }
+                                        }
+                                        k::MODE_RED | k::MODE_GA => {}
+                                        m => panic!("{what}: mode {m} in a split plan"),
                                     }
                                 }
-                                mem.extend(writes);
                             }
-                            let total = |i: u64| (0..n).map(|r| input(r, i)).sum::<i64>();
-                            for r in 0..n {
-                                for i in 0..count {
-                                    let got = mem[&(recv(r) + i * ES)];
-                                    let want = match kind {
-                                        OpKind::AllReduce => total(i),
-                                        OpKind::Broadcast => input(root, i),
-                                        _ if r == root => total(i),
-                                        // A non-root's buffers are left as they were.
-                                        _ if in_place => input(r, i),
-                                        _ => -7,
-                                    };
-                                    assert_eq!(got, want, "{what}: rank {r} element {i}");
-                                    if kind == OpKind::Reduce && !in_place {
-                                        assert_eq!(mem[&(send(r) + i * ES)], input(r, i), "{what}");
-                                    }
+                            mem.extend(writes);
+                        }
+                        let total = |i: u64| (0..n).map(|r| input(r, i)).sum::<i64>();
+                        for r in 0..n {
+                            for i in 0..count {
+                                let got = mem[&(recv(r) + i * ES)];
+                                let want = match kind {
+                                    OpKind::AllReduce => total(i),
+                                    OpKind::Broadcast => input(root, i),
+                                    _ if r == root => total(i),
+                                    // A non-root's buffers are left as they were.
+                                    _ if in_place => input(r, i),
+                                    _ => -7,
+                                };
+                                assert_eq!(got, want, "{what}: rank {r} element {i}");
+                                if kind == OpKind::Reduce && !in_place {
+                                    assert_eq!(mem[&(send(r) + i * ES)], input(r, i), "{what}");
                                 }
                             }
                         }
@@ -1959,9 +2177,24 @@ mod tests {
 
     #[test]
     fn a_split_plan_without_a_buffer_it_needs_is_an_error() {
+        for split in [Split::Shares(10), Split::Chunks(10)] {
+            let plan = |kind, me, root, send, recv| {
+                split_plan(kind, 41, 4, 4, me, root, send, recv, split)
+            };
+            a_plan_without_a_buffer_it_needs_is_an_error(plan);
+        }
+    }
+
+    fn a_plan_without_a_buffer_it_needs_is_an_error(
+        plan: impl Fn(
+            OpKind,
+            u32,
+            u32,
+            Option<u64>,
+            Option<u64>,
+        ) -> std::result::Result<Vec<PlannedPart>, String>,
+    ) {
         let b = Some(0x1000u64);
-        let plan =
-            |kind, me, root, send, recv| split_plan(kind, 41, 4, 4, me, root, send, recv, 10);
         for (kind, me, root, send, recv, want) in [
             (
                 OpKind::AllReduce,
@@ -2018,8 +2251,18 @@ mod tests {
     fn parts_of_split_ops_never_pair_across_kinds_or_roots() {
         use OpKind::*;
         let (f, sum) = (DType::F32, RedOp::Sum);
-        let of = Part::Of { rooted: false };
-        let rooted = Part::Of { rooted: true };
+        let of = Part::Of {
+            rooted: false,
+            last: false,
+        };
+        let rooted = Part::Of {
+            rooted: true,
+            last: false,
+        };
+        let last = Part::Of {
+            rooted: true,
+            last: true,
+        };
         let mut sigs = vec![
             // all-reduce: tail, reduce-scatter, all-gather
             part_signature(of, AllReduce, f, sum, 0),
@@ -2032,8 +2275,9 @@ mod tests {
                 part_signature(rooted, Broadcast, f, sum, root),
                 part_signature(Part::Scatter, Broadcast, f, sum, root),
                 part_signature(rooted, AllGather, f, sum, root),
-                // reduce: tail, reduce-scatter, gather
+                // reduce: tail, reduce-scatter, gather; its chunks and last chunk
                 part_signature(rooted, Reduce, f, sum, root),
+                part_signature(last, Reduce, f, sum, root),
                 part_signature(Part::ReduceToScratch, ReduceScatter, f, sum, root),
                 part_signature(Part::Gather, Reduce, f, sum, root),
             ]);
