@@ -286,11 +286,14 @@ mismatch_everywhere("a split broadcast against a split all_reduce", lambda g: di
     data(rank, big, torch.float32), src=0, group=g) if rank == 0 else dist.all_reduce(
     data(rank, big, torch.float32), group=g))
 
-# 7. reduces in chunks (2 ranks: a share past the split's limit); the sizes of 6 from 2 x the
-# limit on are chunked on 2 ranks, and checked there from every root.
+# 7. reduces in chunks (2 ranks: a share past the split's limit); the f32 sizes of 6 from 2 x the
+# limit less one element on are chunked on 2 ranks, and checked there from every root.
 if world == 2:
+    # Rank 0's last chunk meets rank 1's third, unmarked: the error names the last part (without
+    # the mark rank 1's fourth chunk would pair with rank 0's next op).
     mismatch_everywhere("reduces in 3 chunks against 4", lambda g: dist.reduce(
-        data(rank, (3 if rank == 0 else 4) * most, torch.float32), dst=0, group=g))
+        data(rank, (3 if rank == 0 else 4) * most, torch.float32), dst=0, group=g),
+        naming="last part")
     mismatch_everywhere("reduces in chunks whose last chunks differ", lambda g: dist.reduce(
         data(rank, 2 * most + (5 if rank == 0 else 7), torch.float32), dst=1, group=g),
         naming="count")

@@ -26,8 +26,9 @@ trap 'kill $dp 2>/dev/null' EXIT
 for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
 rc=0
 tr=(python3 -m torch.distributed.run --standalone --nproc_per_node "$np")
-# On 2 ranks nothing splits by default (one direct op up to 16 MiB, a larger one's share past
-# the split's 8 MiB): the tests run again with the limits at 4 MiB, where ops of 4-8 MiB split.
+# On 2 ranks nothing splits in shares by default (one direct op up to 16 MiB, a larger one's
+# share past the split's 8 MiB; only a reduce runs in chunks of 16 MiB up to 64 MiB): the tests
+# run again with the limits at 4 MiB, where ops of 4-8 MiB split.
 limits=("")
 lim4=(COMMD_EAGER_DIRECT_MAX_BYTES=4194304 COMMD_GRAPH_DIRECT_MAX_BYTES=4194304)
 [ "$np" -eq 2 ] && limits+=("${lim4[*]}")

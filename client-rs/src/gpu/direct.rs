@@ -234,7 +234,8 @@ pub(crate) fn reduce_chunk(
 ) -> Option<u64> {
     let bytes = count.saturating_mul(es);
     let chunk = max / es.max(1);
-    let top = most.min(max.saturating_mul(MAX_CHUNKS));
+    // At most MAX_CHUNKS chunks of whole elements (a limit need not be a multiple of `es`).
+    let top = most.min(chunk.saturating_mul(es).saturating_mul(MAX_CHUNKS));
     (kind == OpKind::Reduce && n == 2 && bytes > max && bytes <= top && chunk > 0).then_some(chunk)
 }
 
@@ -801,8 +802,13 @@ pub fn explain(r: &Record, me: u32, eager: bool) -> String {
             )
         }
         k::TIMEOUT => format!(
-            "{coll} (direct op #{e}) timed out waiting for rank {}: its stream never reached the same op (it is stuck, or {runs} other ops)",
-            r.rank
+            "{coll} (direct op #{e}) timed out waiting for rank {}: its stream never reached the same op (it is stuck, or {runs} other ops{})",
+            r.rank,
+            if eager {
+                ", or its op has another count that sent it to the daemon's path, past the direct limit"
+            } else {
+                ""
+            }
         ),
         k::BROKEN => format!(
             "{coll} (direct op #{e}) stopped waiting for rank {}: the communicator is broken (a rank's process or the daemon was lost; the next op on the communicator names it)",
@@ -1918,6 +1924,17 @@ mod tests {
         // An element larger than the limit (a set limit below it) is never a chunk of 0.
         let tiny = Limits { whole: 2, push: 2 };
         assert_eq!(split_how(OpKind::Reduce, 8, 4, 2, tiny, u64::MAX), None);
+        // A limit that is no multiple of the element size: never a fifth chunk.
+        let odd = Limits {
+            whole: 1_000_001,
+            push: 1_000_001,
+        };
+        let five = 4 * 250_000 + 1;
+        assert_eq!(split_how(OpKind::Reduce, five, 4, 2, odd, u64::MAX), None);
+        assert_eq!(
+            split_how(OpKind::Reduce, five - 1, 4, 2, odd, u64::MAX),
+            Some(Split::Chunks(250_000))
+        );
         // The last chunk's mark shows in a mismatch's words.
         let last = part_signature(
             Part::Of {
@@ -2431,6 +2448,24 @@ mod tests {
             let m = explain(&Record { code, ..r }, 0, false);
             assert!(m.contains(word), "{code}: {m}");
         }
+        // An eager op's timeout names the cause no flag can show: the peer's op took the
+        // daemon's path (another count, past the direct limit).
+        let t = |eager| {
+            explain(
+                &Record {
+                    code: k::TIMEOUT,
+                    ..r
+                },
+                0,
+                eager,
+            )
+        };
+        assert!(
+            t(true).contains("daemon's path, past the direct limit"),
+            "{}",
+            t(true)
+        );
+        assert!(!t(false).contains("daemon"), "{}", t(false));
     }
 
     #[test]

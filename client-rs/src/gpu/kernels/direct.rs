@@ -103,7 +103,8 @@ pub const LL_MAX_BYTES: u64 = 4096;
 pub const LL_SLOT_BYTES: u64 = (2 + LL_MAX_BYTES / 8) * 16;
 /// Signature word of the flag of a rank whose op moves by LL lines: a peer that runs the op by
 /// the flags (another count past the LL limit) reads it as a mismatch. Never a real signature
-/// (their top byte is below 0x80) nor [`ERR_SIG`].
+/// (their top byte is at most 0xf7: 0x10 | root below 8, `PART`, `ROOTED`, `LAST`) nor
+/// [`ERR_SIG`].
 pub const LL_SIG: u32 = u32::MAX - 1;
 
 /// Threads per block of the direct kernel.
