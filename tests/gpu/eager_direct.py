@@ -17,8 +17,8 @@ ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
 6. All-reduces, broadcasts and reduces past the limit split into direct ops
    (``COMMD_DIRECT_SPLIT_MAX_BYTES``: a reduce-scatter or a scatter from the root, then an
    all-gather or a gather to the root, and the same op on a count's remainder modulo the
-   ranks): right results from just past the limit to world x the limit (and a share one
-   element past the limit: the daemon's path), every reduction, every root (a non-root's
+   ranks): right results from just past the limit to world x the largest share (and a share
+   one element past it: the daemon's path), every reduction, every root (a non-root's
    reduce input left as it was), async and blocking, on two streams; and mismatches, on groups
    of their own, raised on every rank: counts that differ only in the remainder, a split
    all-reduce against a reduce-scatter that other ranks posted, split broadcasts and reduces
@@ -48,6 +48,7 @@ rank, world, dev = torchrun_env.start()
 assert world >= 2, "run with at least 2 ranks"
 failures: list[str] = []
 LIMIT = torchrun_env.direct_limit(world)
+SHARE = torchrun_env.split_share(world)
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 0.0) -> None:
@@ -170,7 +171,7 @@ if not path.startswith(want_direct):
 s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
 # f32 elements: direct, then the daemon's path (an all-reduce past the limit is split into
 # direct ops while its share, 1/world of it, is within the limit: this one's is not)
-small, large = 4096, world * (LIMIT // 4 + 1024)
+small, large = 4096, world * (max(LIMIT, SHARE) // 4 + 1024)
 
 
 def two_streams(what: str, counts: list[int], salt: int, on_s1) -> None:
@@ -204,10 +205,12 @@ if not w.is_completed():
 w.wait()
 check("completion", x, reduce_ref(all_in(1024, torch.float32, 7), "sum").float())
 
-# 6. all-reduces split into direct ops (past the limit, up to world x the limit)
+# 6. all-reduces split into direct ops (past the limit, up to world x the largest share, which
+# on 3+ ranks is past the limit; on 2 ranks the sizes from world x the limit are chunked, 7)
 most = LIMIT // 4  # f32 elements of the largest direct op
-split_sizes = sorted({most + 1, 2 * most, 2 * most + 3, world * most - 1, world * most,
-                      world * most + 1, world * (most + 1)})
+top = max(most, SHARE // 4)
+split_sizes = sorted({most + 1, 2 * most, 2 * most + 3, world * most, world * top - 1,
+                      world * top, world * top + 1, world * (top + 1)})
 for n in split_sizes:
     for dtype in (torch.float32, torch.bfloat16, torch.int32):
         for name, op in OPS.items():

@@ -274,7 +274,7 @@ r0 = client.cuda_registration_stats()
 # ops (its share, 1/world of it, past the limit).
 n_reg = 1 << 16
 if not commd.torch.eager_path(cg).startswith("daemon"):
-    n_reg = world * (torchrun_env.direct_limit(world) // 4) + 1024
+    n_reg = world * (max(torchrun_env.direct_limit(world), torchrun_env.split_share(world)) // 4) + 1024
 t = torch.ones(n_reg, device=dev)
 for _ in range(100):
     dist.all_reduce(t, group=cg)

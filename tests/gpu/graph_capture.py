@@ -89,6 +89,19 @@ def cases() -> list[Case]:
     split = torch.empty(world * (limit // 4) - 3, device=dev)
     cs.append(Case("all_reduce split into direct ops", [split], [split],
                    lambda i, o: dist.all_reduce(i[0])))
+    # The largest shares (on 3+ ranks past the limit: 8 MiB on 4 ranks, a 32 MiB op).
+    share = torchrun_env.split_share(world, "COMMD_GRAPH_DIRECT_MAX_BYTES")
+    if share > limit:
+        top = world * (share // 4)
+        x = torch.empty(top - 3, device=dev)
+        cs.append(Case("all_reduce split in the largest shares", [x], [x],
+                       lambda i, o: dist.all_reduce(i[0])))
+        x = torch.empty(top, device=dev)
+        cs.append(Case(f"broadcast split in the largest shares, root {world - 1}", [x], [x],
+                       lambda i, o: dist.broadcast(i[0], src=world - 1)))
+        x = torch.empty(top + 1, device=dev)
+        cs.append(Case(f"reduce split in the largest shares, root {world - 1}", [x], [x],
+                       lambda i, o: dist.reduce(i[0], dst=world - 1)))
     # Broadcast and reduce split the same way (a scatter from the root or a gather to it).
     for root in {0, world - 1}:
         x = torch.empty(world * (limit // 4) + 5, device=dev)

@@ -32,3 +32,15 @@ def direct_limit(world: int, var: str = "COMMD_EAGER_DIRECT_MAX_BYTES") -> int:
     if world == 2:
         return 16 << 20
     return min(4 << 20, 1 << ((8 << 20) // (world - 1)).bit_length() - 1)
+
+
+def split_share(world: int, var: str = "COMMD_EAGER_DIRECT_MAX_BYTES") -> int:
+    """The largest share (bytes per rank) of an all-reduce, broadcast or reduce split into
+    direct ops past the direct limit: ``var`` when set (every limit), else the library's default
+    (``direct::default_share_bytes``: 8 MiB on 2 ranks, else the power of two at most
+    32 MiB / world)."""
+    if int(os.environ.get(var, "0") or 0):
+        return int(os.environ[var])
+    if world == 2:
+        return 8 << 20
+    return 1 << ((32 << 20) // world).bit_length() - 1

@@ -66,8 +66,8 @@ pub(crate) fn one_block_max() -> Result<u64> {
     static V: SettingCell = SettingCell::new();
     ONE_BLOCK_MAX.once(&V)
 }
-/// The default largest push to one peer of a direct all-gather or all-to-all, and the largest
-/// share of an op split into direct ops ([`split_share`]): every rank's GPU then sends at most
+/// The default largest push to one peer of a direct all-gather or all-to-all (on 2 ranks also
+/// the largest share of a split op, [`default_share_bytes`]): every rank's GPU then sends at most
 /// 8 MiB per direct op ((n - 1) x this; the power of two at most 8 MiB / (n - 1): 8 MiB for 2
 /// ranks, 4 for 3, 2 for 4 to 5, 1 for 6 to 8). Past it the daemon's copy engines copy straight
 /// into the receivers' buffers, where a direct copy goes through the windows: on 2x H200
@@ -97,13 +97,59 @@ pub fn default_max_bytes(nranks: u32) -> u64 {
     }
 }
 
+/// The default largest share (bytes per rank) of an op split into direct ops
+/// ([`split_share`]): on 2 ranks [`default_push_bytes`] (8 MiB; their limit is 16 MiB, so
+/// nothing splits in shares there), on 3 or more the power of two at most 32 MiB / n (8 MiB
+/// for 3 and 4 ranks, 4 MiB for 5 to 8), so that a window's data slots (2 x n of the largest
+/// of the limits, [`Limits::slot`]) stay within 64 MiB, as on 2 ranks. Past the split the
+/// daemon's path runs a broadcast or reduce as a reduce-scatter and all-gather of copy-engine
+/// rounds. Measured on 4x H200 (docs/benchmarks.md, 2026-11-28, "Larger shares on four
+/// GPUs"; nccl-tests, us, against the earlier 2 MiB shares, whose split stopped at 8 MiB, and
+/// NCCL): at 16 MiB (4 MiB shares) broadcast 99.9 (158.9, 65.3), reduce 99.9 (174.3, 62.3),
+/// all-reduce 107.0 (135.5, 99.6); at 32 MiB (8 MiB shares) broadcast 190.3 (226.7, 113.2),
+/// reduce 192.3 (328.7, 109.0), all-reduce 199.4 (206.8, 172.0). The limit of a whole direct
+/// op stays: one direct op of 4 or 8 MiB was slower than the split (broadcast 4 MiB 44.4
+/// against 38.5). 3 and 5 to 8 ranks follow the same rule, not measured (no such machine).
+pub fn default_share_bytes(nranks: u32) -> u64 {
+    if nranks <= 2 {
+        default_push_bytes(nranks)
+    } else {
+        let per = (32u64 << 20) / u64::from(nranks);
+        1u64 << (63 - per.leading_zeros())
+    }
+}
+
 /// A communicator's direct limits, in bytes per rank ([`Config::limits`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
     /// The largest all-reduce, reduce-scatter, broadcast or reduce; the window slot.
     pub whole: u64,
-    /// The largest all-gather or all-to-all (per peer), and the largest share of a split op.
+    /// The largest all-gather or all-to-all (per peer).
     pub push: u64,
+    /// The largest share of an op split into direct ops ([`split_share`]).
+    pub share: u64,
+}
+
+impl Limits {
+    /// Every limit `bytes` (a set `COMMD_*_DIRECT_MAX_BYTES`).
+    pub fn all(bytes: u64) -> Self {
+        Self {
+            whole: bytes,
+            push: bytes,
+            share: bytes,
+        }
+    }
+
+    /// Bytes of a window's data slot: the largest direct op or part of one, rounded up to
+    /// 4 KiB.
+    pub fn slot(&self) -> u64 {
+        self.whole
+            .max(self.push)
+            .max(self.share)
+            .div_ceil(4096)
+            .max(1)
+            * 4096
+    }
 }
 
 /// A direct path's integer setting `name` with value `v`: `None` when unset or empty, else an
@@ -201,7 +247,7 @@ pub(crate) fn split_how(
     lim: Limits,
     most: u64,
 ) -> Option<Split> {
-    split_share(count, es, n, lim.whole, lim.push, most)
+    split_share(count, es, n, lim.whole, lim.share, most)
         .map(Split::Shares)
         .or_else(|| reduce_chunk(kind, count, es, n, lim.whole, most).map(Split::Chunks))
 }
@@ -212,7 +258,7 @@ const MAX_CHUNKS: u64 = 4;
 /// The elements of each direct reduce ("chunk") that a reduce of `count` elements of `es`
 /// bytes past the direct limit `max` runs as on 2 ranks, up to [`MAX_CHUNKS`] x the limit
 /// and `most` bytes (`COMMD_DIRECT_SPLIT_MAX_BYTES`): as many as fit the limit. There its
-/// share (half the op) is past the split's ([`default_push_bytes`]), and the daemon's path
+/// share (half the op) is past the split's ([`default_share_bytes`]), and the daemon's path
 /// took 1.3-1.4x NCCL's time. Measured on 2x H200 (docs/benchmarks.md, 2026-11-28, "A
 /// reduce past the limit on two GPUs"; nccl-tests, us):
 /// - in chunks of 16 MiB, 32 MiB took 110.5 and 64 MiB 221.7, against the daemon's 141.9
@@ -480,21 +526,21 @@ impl Config {
         })
     }
 
-    /// The largest direct op, in bytes per rank (the count times the element size), on
-    /// `nranks` ranks.
-    pub fn max_bytes_for(&self, nranks: u32) -> u64 {
-        self.max_bytes.unwrap_or_else(|| default_max_bytes(nranks))
-    }
-
     /// The limits of each kind of direct op on `nranks` ranks: a set `max_bytes` is every one
-    /// of them; by default copies and split shares stop at [`default_push_bytes`].
+    /// of them; by default copies stop at [`default_push_bytes`] and split shares at
+    /// [`default_share_bytes`].
     pub fn limits(&self, nranks: u32) -> Limits {
-        let whole = self.max_bytes_for(nranks);
-        let push = match self.max_bytes {
-            Some(_) => whole,
-            None => default_push_bytes(nranks).min(whole),
-        };
-        Limits { whole, push }
+        match self.max_bytes {
+            Some(b) => Limits::all(b),
+            None => {
+                let whole = default_max_bytes(nranks);
+                Limits {
+                    whole,
+                    push: default_push_bytes(nranks).min(whole),
+                    share: default_share_bytes(nranks),
+                }
+            }
+        }
     }
 }
 
@@ -1041,7 +1087,10 @@ impl Communicator {
             // SAFETY: the caller's contract.
             return unsafe { self.split_op(a, eager, split) };
         }
-        let max = if matches!(mode, k::MODE_AG | k::MODE_A2A) {
+        // A part of a split op: its plan sized it to the split's share or chunk, within a slot.
+        let max = if part != Part::Whole {
+            lim.slot()
+        } else if matches!(mode, k::MODE_AG | k::MODE_A2A) {
             lim.push
         } else {
             lim.whole
@@ -1405,7 +1454,8 @@ impl Communicator {
     fn setup(&self, cfg: &Config, dev: i32, eager: bool) -> Result<State> {
         let n = self.nranks;
         let i = &self.client;
-        let slot = cfg.max_bytes_for(n).div_ceil(4096).max(1) * 4096;
+        let lim = cfg.limits(n);
+        let slot = lim.slot();
         let sms = lock(&i.gpu)
             .kernels
             .get_or_insert_with(kernels::Kernels::new)
@@ -1435,6 +1485,8 @@ impl Communicator {
         offer[96..104].copy_from_slice(&split_max()?.to_le_bytes());
         let ll = ll_max()?;
         offer[104..112].copy_from_slice(&ll.to_le_bytes());
+        // The limit of a whole op too: two ranks with one slot size may still differ there.
+        offer[112..120].copy_from_slice(&lim.whole.to_le_bytes());
         let all = self.host_all_gather(&offer)?;
         let part = |r: usize| &all[r * OFFER_BYTES as usize..(r + 1) * OFFER_BYTES as usize];
         // Decisions every rank makes alike from the same offers.
@@ -1443,7 +1495,10 @@ impl Communicator {
             let o = part(r);
             if o[92] != 1 {
                 why = Some(format!("rank {r} could not allocate its window"));
-            } else if o[80..88] != offer[80..88] || o[88..92] != offer[88..92] {
+            } else if o[80..88] != offer[80..88]
+                || o[88..92] != offer[88..92]
+                || o[112..120] != offer[112..120]
+            {
                 why = Some(format!(
                     "rank {r} has another {} or COMMD_GRAPH_DIRECT_BLOCKS (or GPU size) than rank {}",
                     if eager {
@@ -1762,37 +1817,32 @@ mod tests {
                 blocks: DEFAULT_BLOCKS
             }
         );
-        // (ranks, whole ops and slots, copies and split shares)
+        let mib = 1u64 << 20;
+        // (ranks, whole ops, copies, split shares, slots)
         let want = [
-            (2, 16u64 << 20, 8u64 << 20),
-            (3, 4 << 20, 4 << 20),
-            (4, 2 << 20, 2 << 20),
-            (5, 2 << 20, 2 << 20),
-            (6, 1 << 20, 1 << 20),
-            (8, 1 << 20, 1 << 20),
+            (2, 16 * mib, 8 * mib, 8 * mib, 16 * mib),
+            (3, 4 * mib, 4 * mib, 8 * mib, 8 * mib),
+            (4, 2 * mib, 2 * mib, 8 * mib, 8 * mib),
+            (5, 2 * mib, 2 * mib, 4 * mib, 4 * mib),
+            (6, mib, mib, 4 * mib, 4 * mib),
+            (8, mib, mib, 4 * mib, 4 * mib),
         ];
-        for (n, whole, push) in want {
-            assert_eq!(c.max_bytes_for(n), whole, "{n} ranks");
+        for (n, whole, push, share, slot) in want {
             let lim = c.limits(n);
-            assert_eq!(lim, Limits { whole, push }, "{n} ranks");
-            // Every rank's GPU sends (n - 1) x a copy or a split part at most 8 MiB; a window
-            // is at most 64 MiB of data slots (2 ranks), else 24 MiB, and 16 x 8 KiB of LL
-            // lines.
-            assert!((u64::from(n) - 1) * push <= 8 << 20);
-            let most = if n == 2 { 64 << 20 } else { 24 << 20 };
-            assert!(window_bytes(n, whole) <= most + k::DATA_OFF + 16 * k::LL_SLOT_BYTES);
+            assert_eq!(lim, Limits { whole, push, share }, "{n} ranks");
+            assert_eq!(lim.slot(), slot, "{n} ranks");
+            // Every rank's GPU sends (n - 1) x a copy at most 8 MiB; a window is at most 64
+            // MiB of data slots and 16 x 8 KiB of LL lines.
+            assert!((u64::from(n) - 1) * push <= 8 * mib);
+            assert!(window_bytes(n, slot) <= 64 * mib + k::DATA_OFF + 16 * k::LL_SLOT_BYTES);
         }
-        // A set limit is every limit.
+        // A set limit is every limit, and the slot (rounded up to 4 KiB).
         let set = Config::parse(None, Some("65536"), None).unwrap();
         for n in [2, 4, 8] {
-            assert_eq!(
-                set.limits(n),
-                Limits {
-                    whole: 65536,
-                    push: 65536
-                }
-            );
+            assert_eq!(set.limits(n), Limits::all(65536));
+            assert_eq!(set.limits(n).slot(), 65536);
         }
+        assert_eq!(Limits::all(5000).slot(), 8192);
         assert!(!Config::parse(Some("0"), None, None).unwrap().enabled);
         assert!(!Config::parse(Some("off"), None, None).unwrap().enabled);
         let sh = Config::parse(Some("shared"), None, None).unwrap();
@@ -1841,10 +1891,18 @@ mod tests {
         // 2 ranks by default: one direct op up to 16 MiB, and a share of a larger one (8 MiB
         // or more) past the split's 8 MiB: nothing splits.
         let lim = Config::parse(None, None, None).unwrap().limits(2);
-        let split2 = |count| split_share(count, 4, 2, lim.whole, lim.push, u64::MAX);
+        let split2 = |count| split_share(count, 4, 2, lim.whole, lim.share, u64::MAX);
         assert_eq!(split2(4 * mib), None);
         assert_eq!(split2(4 * mib + 2), None);
         assert_eq!(split2(16 * mib), None);
+        // 4 ranks by default: one direct op up to 2 MiB, then shares of up to 8 MiB (32 MiB).
+        let lim4 = Config::parse(None, None, None).unwrap().limits(4);
+        let split4 = |count| split_share(count, 4, 4, lim4.whole, lim4.share, u64::MAX);
+        assert_eq!(split4(mib / 2), None);
+        assert_eq!(split4(mib / 2 + 1), Some(mib / 8));
+        assert_eq!(split4(4 * mib), Some(mib));
+        assert_eq!(split4(8 * mib + 3), Some(2 * mib));
+        assert_eq!(split4(8 * mib + 4), None);
         // 2 ranks with the limit set to 4 MiB (as before 2026-11-28): split up to 8 MiB.
         let m2 = 4 * mib;
         assert_eq!(split_share(2 * mib, 4, 2, m2, m2, u64::MAX), Some(mib));
@@ -1922,13 +1980,10 @@ mod tests {
             Some(Split::Shares(mib / 2))
         );
         // An element larger than the limit (a set limit below it) is never a chunk of 0.
-        let tiny = Limits { whole: 2, push: 2 };
+        let tiny = Limits::all(2);
         assert_eq!(split_how(OpKind::Reduce, 8, 4, 2, tiny, u64::MAX), None);
         // A limit that is no multiple of the element size: never a fifth chunk.
-        let odd = Limits {
-            whole: 1_000_001,
-            push: 1_000_001,
-        };
+        let odd = Limits::all(1_000_001);
         let five = 4 * 250_000 + 1;
         assert_eq!(split_how(OpKind::Reduce, five, 4, 2, odd, u64::MAX), None);
         assert_eq!(
