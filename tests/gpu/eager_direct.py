@@ -24,11 +24,11 @@ ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
    all-reduce against a reduce-scatter that other ranks posted, split broadcasts and reduces
    whose roots differ, a split reduce against a split broadcast, a split broadcast against a
    split all-reduce.
-7. On 2 ranks a reduce whose share is past that runs as direct reduces of at most the limit
-   each ("chunks", the last one marked): right results from every root at the sizes of 6 that
-   reach it, and mismatches raised on every rank: counts with another number of chunks (a
-   rank must not pair a peer's extra chunk with its next op) and counts that differ only in
-   the last chunk.
+7. A reduce whose share is past that runs in chunks, the last one marked: on 2 ranks direct
+   reduces of at most the limit each, on 3+ splits in the largest shares: right results from
+   every root at the sizes of 6 that reach it, and mismatches raised on every rank: counts with
+   another number of chunks (a rank must not pair a peer's extra chunk with its next op) and
+   counts that differ only in the last chunk.
 Exits non-zero on any failure.
 """
 
@@ -289,24 +289,26 @@ mismatch_everywhere("a split broadcast against a split all_reduce", lambda g: di
     data(rank, big, torch.float32), src=0, group=g) if rank == 0 else dist.all_reduce(
     data(rank, big, torch.float32), group=g))
 
-# 7. reduces in chunks (2 ranks: a share past the split's limit); the f32 sizes of 6 from 2 x the
-# limit less one element on are chunked on 2 ranks, and checked there from every root.
-if world == 2:
-    # Rank 0's last chunk meets rank 1's third, unmarked: the error names the last part (without
-    # the mark rank 1's fourth chunk would pair with rank 0's next op).
-    mismatch_everywhere("reduces in 3 chunks against 4", lambda g: dist.reduce(
-        data(rank, (3 if rank == 0 else 4) * most, torch.float32), dst=0, group=g),
-        naming="last part")
-    mismatch_everywhere("reduces in chunks whose last chunks differ", lambda g: dist.reduce(
-        data(rank, 2 * most + (5 if rank == 0 else 7), torch.float32), dst=1, group=g),
-        naming="count")
-    # After them a reduce in chunks on the default group is still right.
-    ins = all_in(3 * most + 11, torch.float32, 41)
-    t = ins[rank].clone()
-    dist.reduce(t, dst=1)
-    torch.cuda.synchronize()
-    if rank == 1:
-        check("reduce in chunks after the mismatches", t, reduce_ref(ins, "sum").float())
+# 7. reduces in chunks past the split: on 2 ranks direct reduces of at most the limit (a share
+# past the split's limit), on 3+ splits in the largest shares (world x the share each); the f32
+# sizes of 6 that reach them are checked from every root there.
+chunk = most if world == 2 else world * top
+fewer, more = (3, 4) if world == 2 else (2, 3)
+# Rank 0's last chunk meets the others' next one, unmarked: the error names the last part
+# (without the mark the others' extra chunk would pair with rank 0's next op).
+mismatch_everywhere(f"reduces in {fewer} chunks against {more}", lambda g: dist.reduce(
+    data(rank, (fewer if rank == 0 else more) * chunk, torch.float32), dst=0, group=g),
+    naming="last part")
+mismatch_everywhere("reduces in chunks whose last chunks differ", lambda g: dist.reduce(
+    data(rank, chunk + 2 * world + (5 if rank == 0 else 7), torch.float32), dst=1, group=g),
+    naming="count")
+# After them a reduce in chunks on the default group is still right.
+ins = all_in(2 * chunk + 11, torch.float32, 41)
+t = ins[rank].clone()
+dist.reduce(t, dst=1)
+torch.cuda.synchronize()
+if rank == 1:
+    check("reduce in chunks after the mismatches", t, reduce_ref(ins, "sum").float())
 
 # 4. mismatch on a group of its own: the first op on it (it sets up the group's windows) with
 # counts that differ. Its Work may raise at once (the kernel already finished), else the

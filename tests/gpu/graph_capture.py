@@ -12,7 +12,8 @@ replay's outputs must equal the same op run eagerly on the same inputs (bitwise:
 kernels run). A stale replay (one that skipped the daemon) leaves the previous replay's result
 and fails. Also: many ops in one graph, a reduction large enough for several scratch rounds, an
 all-reduce, broadcasts and reduces split into direct ops (past the direct limit, each share
-within it; on 2 ranks a reduce whose share is not runs as direct reduces of at most the limit),
+within it; a reduce whose share is not runs in chunks: on 2 ranks direct reduces of at most the
+limit, on 3+ splits in the largest shares),
 graphs replayed from two different streams, and a rank whose capture differs from its peers'
 (mismatch: the first replay releases every rank and the next commd call raises the daemon's
 reason, naming the fields; no hang, no wrong result taken as good).
@@ -102,6 +103,10 @@ def cases() -> list[Case]:
         x = torch.empty(top + 1, device=dev)
         cs.append(Case(f"reduce split in the largest shares, root {world - 1}", [x], [x],
                        lambda i, o: dist.reduce(i[0], dst=world - 1)))
+        # Past them a reduce runs in chunks, each split in the largest shares.
+        x = torch.empty(2 * top + 7, device=dev)
+        cs.append(Case("reduce in chunks of splits, root 1", [x], [x],
+                       lambda i, o: dist.reduce(i[0], dst=1)))
     # Broadcast and reduce split the same way (a scatter from the root or a gather to it).
     for root in {0, world - 1}:
         x = torch.empty(world * (limit // 4) + 5, device=dev)

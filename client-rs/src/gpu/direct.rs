@@ -237,7 +237,7 @@ pub(crate) enum Split {
 
 /// How an op of `kind` (`count` elements of `es` bytes, `n` ranks, the direct limits `lim`,
 /// `COMMD_DIRECT_SPLIT_MAX_BYTES` = `most`) past the direct limit runs as direct ops: in shares
-/// where they fit, else (a reduce on 2 ranks) in chunks; `None`: one direct op, or the
+/// where they fit, else (a reduce) in chunks; `None`: one direct op, or the
 /// daemon's path. The same on every rank: its inputs are.
 pub(crate) fn split_how(
     kind: OpKind,
@@ -249,18 +249,19 @@ pub(crate) fn split_how(
 ) -> Option<Split> {
     split_share(count, es, n, lim.whole, lim.share, most)
         .map(Split::Shares)
-        .or_else(|| reduce_chunk(kind, count, es, n, lim.whole, most).map(Split::Chunks))
+        .or_else(|| reduce_chunk(kind, count, es, n, lim, most).map(Split::Chunks))
 }
 
 /// The most chunks of a reduce in chunks ([`reduce_chunk`]).
 const MAX_CHUNKS: u64 = 4;
 
-/// The elements of each direct reduce ("chunk") that a reduce of `count` elements of `es`
-/// bytes past the direct limit `max` runs as on 2 ranks, up to [`MAX_CHUNKS`] x the limit
-/// and `most` bytes (`COMMD_DIRECT_SPLIT_MAX_BYTES`): as many as fit the limit. There its
-/// share (half the op) is past the split's ([`default_share_bytes`]), and the daemon's path
-/// took 1.3-1.4x NCCL's time. Measured on 2x H200 (docs/benchmarks.md, 2026-11-28, "A
-/// reduce past the limit on two GPUs"; nccl-tests, us):
+/// The elements of each chunk of a reduce of `count` elements of `es` bytes on `n` ranks past
+/// what runs as one direct op or one split (limits `lim`), up to [`MAX_CHUNKS`] chunks and
+/// `most` bytes (`COMMD_DIRECT_SPLIT_MAX_BYTES`); each chunk runs in order, the last one marked.
+/// On 2 ranks a chunk is one direct reduce of the limit: there a reduce's share (half the op)
+/// is past the split's ([`default_share_bytes`]), and the daemon's path took 1.3-1.4x NCCL's
+/// time. Measured on 2x H200 (docs/benchmarks.md, 2026-11-28, "A reduce past the limit on two
+/// GPUs"; nccl-tests, us):
 /// - in chunks of 16 MiB, 32 MiB took 110.5 and 64 MiB 221.7, against the daemon's 141.9
 ///   and 258.3 (NCCL 104.2 and 197.2); from 128 MiB the daemon's copy engines are faster
 ///   (430 against 442, 1463 against 1766 at 512 MiB), hence the cap;
@@ -269,20 +270,31 @@ const MAX_CHUNKS: u64 = 4;
 ///   as one larger direct op than on the daemon's path (32 MiB: 153.2 against 136.4, 132.4
 ///   against 109.1), so only a reduce is chunked and the slot stays.
 ///
-/// Not on 3+ ranks, where a chunk would be the limit of 1-4 MiB and nothing measured it.
+/// On 3+ ranks a chunk is a split of n shares of the largest share (32 MiB on 4 ranks), whose
+/// parts are those of [`split_share`]'s split: the daemon's reduce brings every rank's input
+/// to the root ((n - 1) x the bytes into one GPU), the split moves 2 (n - 1) / n x the bytes
+/// through each GPU. On 4x H200 (docs/benchmarks.md, 2026-11-28, "Larger shares on four
+/// GPUs") a split reduce of 32 MiB took 192.3 us against the daemon's 328.7, and the daemon's
+/// 64 MiB took 624.4 (NCCL 202.2).
 pub(crate) fn reduce_chunk(
     kind: OpKind,
     count: u64,
     es: u64,
     n: u64,
-    max: u64,
+    lim: Limits,
     most: u64,
 ) -> Option<u64> {
+    let es = es.max(1);
     let bytes = count.saturating_mul(es);
-    let chunk = max / es.max(1);
+    let chunk = if n == 2 {
+        lim.whole / es
+    } else {
+        n.saturating_mul(lim.share / es)
+    };
     // At most MAX_CHUNKS chunks of whole elements (a limit need not be a multiple of `es`).
     let top = most.min(chunk.saturating_mul(es).saturating_mul(MAX_CHUNKS));
-    (kind == OpKind::Reduce && n == 2 && bytes > max && bytes <= top && chunk > 0).then_some(chunk)
+    (kind == OpKind::Reduce && n >= 2 && count > chunk && bytes <= top && chunk > 0)
+        .then_some(chunk)
 }
 
 /// The share (elements per rank) of an all-reduce, broadcast or reduce of `count` elements of
@@ -348,6 +360,12 @@ pub(crate) fn split_plan(
             if !matches!(kind, OpKind::AllReduce | OpKind::Broadcast | OpKind::Reduce) {
                 return Err(format!("{} is never split into direct ops", kind.name()));
             }
+            if n > 2 && kind != OpKind::Reduce {
+                return Err(format!(
+                    "{} never runs in chunks on {n} ranks (only a reduce does)",
+                    kind.name()
+                ));
+            }
             let me_root = me == root;
             if kind.uses_send(me_root) {
                 need(send, "send")?;
@@ -360,16 +378,34 @@ pub(crate) fn split_plan(
             let mut off = 0;
             while off < count {
                 let c = chunk.min(count - off);
-                parts.push(PlannedPart {
-                    kind,
-                    part: Part::Of {
-                        rooted,
-                        last: off + c == count,
-                    },
-                    count: c,
-                    send: at(send, off),
-                    recv: at(recv, off),
-                });
+                let last = off + c == count;
+                let (s, r) = (at(send, off), at(recv, off));
+                if n <= 2 || c < u64::from(n) {
+                    parts.push(PlannedPart {
+                        kind,
+                        part: Part::Of { rooted, last },
+                        count: c,
+                        send: s,
+                        recv: r,
+                    });
+                } else {
+                    // 3+ ranks: each chunk split in shares, its first part marked on the last.
+                    let mut sub = split_plan(
+                        kind,
+                        c,
+                        es,
+                        n,
+                        me,
+                        root,
+                        s,
+                        r,
+                        Split::Shares(c / u64::from(n)),
+                    )?;
+                    if last {
+                        sub[0].part = sub[0].part.marked_last();
+                    }
+                    parts.extend(sub);
+                }
                 off += c;
             }
             return Ok(parts);
@@ -430,7 +466,7 @@ pub(crate) fn split_plan(
             };
             parts.push(one(
                 OpKind::ReduceScatter,
-                Part::ReduceToScratch,
+                Part::ReduceToScratch { last: false },
                 send,
                 root_share,
             ));
@@ -635,8 +671,11 @@ pub(crate) enum Part {
     /// `r`'s output (`kernels::direct::MODE_SC`).
     Scatter,
     /// Of a split reduce: a reduce-scatter whose share goes to `recv` on the root and to the
-    /// rank's scratch slot on the others (whose buffers are the user's input only).
-    ReduceToScratch,
+    /// rank's scratch slot on the others (whose buffers are the user's input only); `last`: the
+    /// first part of the last chunk of a reduce in chunks of splits ([`Split::Chunks`]).
+    ReduceToScratch {
+        last: bool,
+    },
     /// Of a split reduce: every rank's share (the root's in `send`, the others' in their
     /// scratch slot) into the root's `recv`, in rank order (`kernels::direct::MODE_GA`).
     Gather,
@@ -672,7 +711,7 @@ impl Part {
         let all = count.checked_mul(n);
         match self {
             Part::Scatter => ((me_root, all), (true, Some(count))),
-            Part::ReduceToScratch => ((true, all), (me_root, Some(count))),
+            Part::ReduceToScratch { .. } => ((true, all), (me_root, Some(count))),
             Part::Gather => ((me_root, Some(count)), (me_root, all)),
             Part::Whole | Part::Of { .. } => (
                 (kind.uses_send(me_root), kind.send_elems(count, n)),
@@ -686,9 +725,27 @@ impl Part {
     /// user buffers are the input only.
     pub(crate) fn scratch(self, me_root: bool) -> (bool, bool) {
         match self {
-            Part::ReduceToScratch if !me_root => (false, true),
+            Part::ReduceToScratch { .. } if !me_root => (false, true),
             Part::Gather if !me_root => (true, false),
             _ => (false, false),
+        }
+    }
+
+    /// Marked as the last chunk's (its signature carries [`LAST`]).
+    pub(crate) fn last(self) -> bool {
+        matches!(
+            self,
+            Part::Of { last: true, .. } | Part::ReduceToScratch { last: true }
+        )
+    }
+
+    /// This part marked as the last chunk's first one; a scatter, a gather and a whole op
+    /// carry no mark (they never start a chunk).
+    fn marked_last(self) -> Part {
+        match self {
+            Part::Of { rooted, .. } => Part::Of { rooted, last: true },
+            Part::ReduceToScratch { .. } => Part::ReduceToScratch { last: true },
+            p => p,
         }
     }
 
@@ -697,7 +754,7 @@ impl Part {
         match self {
             Part::Whole => false,
             Part::Of { rooted, .. } => rooted,
-            Part::Scatter | Part::ReduceToScratch | Part::Gather => true,
+            Part::Scatter | Part::ReduceToScratch { .. } | Part::Gather => true,
         }
     }
 }
@@ -710,18 +767,14 @@ pub fn part_signature(part: Part, kind: OpKind, dtype: DType, op: RedOp, root: u
         Part::Whole => return base,
         Part::Scatter => SCATTER_CODE,
         Part::Gather => GATHER_CODE,
-        Part::Of { .. } | Part::ReduceToScratch => base & 0xff,
+        Part::Of { .. } | Part::ReduceToScratch { .. } => base & 0xff,
     };
     let root = if part.rooted() {
         ROOTED | ((root & 0x0f) << 24)
     } else {
         0
     };
-    let last = if matches!(part, Part::Of { last: true, .. }) {
-        LAST
-    } else {
-        0
-    };
+    let last = if part.last() { LAST } else { 0 };
     (base & !0xff) | code | PART | root | last
 }
 
@@ -1342,9 +1395,9 @@ impl Communicator {
     ///   root.
     ///
     /// Each GPU sends at most 2 (n - 1) / n x the bytes in two launches, against the daemon's
-    /// copy-engine rounds with a host turnaround each. A reduce on 2 ranks whose share is past
-    /// the split runs in chunks instead ([`Split::Chunks`]): the same reduce on each range of
-    /// at most the direct limit, one launch each. An eager call's request fails if any part
+    /// copy-engine rounds with a host turnaround each. A reduce whose share is past the split
+    /// runs in chunks instead ([`Split::Chunks`]): on 2 ranks the same reduce on each range of
+    /// at most the direct limit, one launch each; on 3+ each chunk split in shares as above. An eager call's request fails if any part
     /// failed (`LocalDone::earlier`); `Ok(None)` when the direct path is off (no part ran: the
     /// same on every rank).
     ///
@@ -1970,15 +2023,50 @@ mod tests {
             assert_eq!(how(kind, 8 * mib, 2, u64::MAX), None, "{}", kind.name());
         }
         let lim4 = Config::parse(None, None, None).unwrap().limits(4);
+        let how4 = |kind, count| split_how(kind, count, 4, 4, lim4, u64::MAX);
+        // On 4 ranks the shares come first: 8 MiB of f32 in 2 MiB shares, 32 MiB (and a
+        // remainder) in 8 MiB ones.
+        assert_eq!(how4(OpKind::Reduce, 2 * mib), Some(Split::Shares(mib / 2)));
         assert_eq!(
-            split_how(OpKind::Reduce, 64 * mib, 4, 4, lim4, u64::MAX),
-            None
+            how4(OpKind::Reduce, 8 * mib + 3),
+            Some(Split::Shares(2 * mib))
         );
-        // On 4 ranks the shares still come first: 8 MiB of f32 in 2 MiB shares.
+        // Past them a reduce runs in chunks of 32 MiB (8 Mi f32), each split in shares, up to
+        // 4 chunks (128 MiB); the other kinds take the daemon's path.
         assert_eq!(
-            split_how(OpKind::Reduce, 2 * mib, 4, 4, lim4, u64::MAX),
-            Some(Split::Shares(mib / 2))
+            how4(OpKind::Reduce, 8 * mib + 4),
+            Some(Split::Chunks(8 * mib))
         );
+        assert_eq!(how4(OpKind::Reduce, 32 * mib), Some(Split::Chunks(8 * mib)));
+        assert_eq!(how4(OpKind::Reduce, 32 * mib + 1), None);
+        for kind in [OpKind::AllReduce, OpKind::Broadcast] {
+            assert_eq!(how4(kind, 16 * mib), None, "{}", kind.name());
+        }
+        // 64 MiB on 4 ranks: two chunks of two parts each, the second's first part marked.
+        let plan = split_plan(
+            OpKind::Reduce,
+            16 * mib,
+            4,
+            4,
+            2,
+            0,
+            Some(0x1000),
+            None,
+            Split::Chunks(8 * mib),
+        )
+        .unwrap();
+        let parts: Vec<(OpKind, Part, u64)> =
+            plan.iter().map(|p| (p.kind, p.part, p.count)).collect();
+        let rs = |last| {
+            (
+                OpKind::ReduceScatter,
+                Part::ReduceToScratch { last },
+                2 * mib,
+            )
+        };
+        let ga = (OpKind::Reduce, Part::Gather, 2 * mib);
+        assert_eq!(parts, [rs(false), ga, rs(true), ga]);
+        assert_eq!(plan[2].send, Some(0x1000 + 32 * mib));
         // An element larger than the limit (a set limit below it) is never a chunk of 0.
         let tiny = Limits::all(2);
         assert_eq!(split_how(OpKind::Reduce, 8, 4, 2, tiny, u64::MAX), None);
@@ -2040,14 +2128,18 @@ mod tests {
                     let roots = if kind.has_root() { 0..n } else { 0..1 };
                     // Shares, and chunks that divide the count, leave a short last one, or
                     // are the whole count.
+                    // (On 3+ ranks only a reduce runs in chunks, each split in shares.)
                     let splits = [
                         Split::Shares(share),
                         Split::Chunks(5),
                         Split::Chunks(count / 3),
                         Split::Chunks(count),
+                        Split::Chunks(n64 * 2),
                     ];
+                    let chunks_here = n == 2 || kind == OpKind::Reduce;
                     for (root, split, in_place) in roots
                         .flat_map(|r| splits.map(|s| (r, s)))
+                        .filter(|(_, s)| chunks_here || matches!(s, Split::Shares(_)))
                         .flat_map(|(r, s)| [(r, s, false), (r, s, true)])
                     {
                         let what = format!(
@@ -2083,21 +2175,42 @@ mod tests {
                                     .unwrap_or_else(|e| panic!("{what}: {e}"))
                             })
                             .collect();
-                        // Chunks: in order, within the limit, only the last one marked.
+                        // Chunks: in order, within the chunk, only the last one marked (on
+                        // 3+ ranks its first part, the chunks being split in shares).
                         if let Split::Chunks(c) = split {
                             let p = &plans[0];
-                            assert_eq!(p.len() as u64, count.div_ceil(c), "{what}");
-                            for (j, q) in p.iter().enumerate() {
-                                let last = j + 1 == p.len();
+                            let marked: Vec<usize> =
+                                (0..p.len()).filter(|&j| p[j].part.last()).collect();
+                            assert_eq!(marked.len(), 1, "{what}: marked parts {marked:?}");
+                            // Parts of a chunk: one op on 2 ranks (or of fewer elements than
+                            // ranks), else a split's two and one more for a remainder.
+                            let per = |e: u64| {
+                                if n == 2 || e < n64 {
+                                    1
+                                } else {
+                                    2 + usize::from(!e.is_multiple_of(n64))
+                                }
+                            };
+                            let full = (count - 1) / c;
+                            let first_of_last = full as usize * per(c);
+                            assert_eq!(marked[0], first_of_last, "{what}");
+                            assert_eq!(p.len(), first_of_last + per(count - full * c), "{what}");
+                            for q in p {
                                 assert!(q.count <= c, "{what}");
-                                assert_eq!(
-                                    q.part,
-                                    Part::Of {
-                                        rooted: kind.has_root(),
-                                        last
-                                    },
-                                    "{what}: part {j}"
-                                );
+                            }
+                            if n == 2 {
+                                assert_eq!(p.len() as u64, count.div_ceil(c), "{what}");
+                                for (j, q) in p.iter().enumerate() {
+                                    let last = j + 1 == p.len();
+                                    assert_eq!(
+                                        q.part,
+                                        Part::Of {
+                                            rooted: kind.has_root(),
+                                            last
+                                        },
+                                        "{what}: part {j}"
+                                    );
+                                }
                             }
                         }
                         for (j, p0) in plans[0].iter().enumerate() {
@@ -2250,10 +2363,23 @@ mod tests {
     #[test]
     fn a_split_plan_without_a_buffer_it_needs_is_an_error() {
         for split in [Split::Shares(10), Split::Chunks(10)] {
-            let plan = |kind, me, root, send, recv| {
-                split_plan(kind, 41, 4, 4, me, root, send, recv, split)
-            };
-            a_plan_without_a_buffer_it_needs_is_an_error(plan);
+            for n in [2, 4] {
+                let plan = |kind, me, root, send, recv| {
+                    // On 4 ranks only a reduce runs in chunks.
+                    let n = if kind == OpKind::Reduce || matches!(split, Split::Shares(_)) {
+                        n
+                    } else {
+                        2
+                    };
+                    split_plan(kind, 41, 4, n, me, root, send, recv, split)
+                };
+                a_plan_without_a_buffer_it_needs_is_an_error(plan);
+            }
+        }
+        for kind in [OpKind::AllReduce, OpKind::Broadcast] {
+            let b = Some(0x1000u64);
+            let e = split_plan(kind, 41, 4, 3, 0, 0, b, b, Split::Chunks(12)).unwrap_err();
+            assert!(e.contains("never runs in chunks on 3 ranks"), "{e}");
         }
     }
 
@@ -2350,8 +2476,22 @@ mod tests {
                 // reduce: tail, reduce-scatter, gather; its chunks and last chunk
                 part_signature(rooted, Reduce, f, sum, root),
                 part_signature(last, Reduce, f, sum, root),
-                part_signature(Part::ReduceToScratch, ReduceScatter, f, sum, root),
+                part_signature(
+                    Part::ReduceToScratch { last: false },
+                    ReduceScatter,
+                    f,
+                    sum,
+                    root,
+                ),
                 part_signature(Part::Gather, Reduce, f, sum, root),
+                // the first part of a last chunk split in shares (3+ ranks)
+                part_signature(
+                    Part::ReduceToScratch { last: true },
+                    ReduceScatter,
+                    f,
+                    sum,
+                    root,
+                ),
             ]);
         }
         let wholes: Vec<u32> = commd_proto::desc::ALL_OPS
@@ -2388,13 +2528,23 @@ mod tests {
         );
         assert_eq!(
             describe_sig(part_signature(
-                Part::ReduceToScratch,
+                Part::ReduceToScratch { last: false },
                 ReduceScatter,
                 f,
                 sum,
                 1
             )),
             "reduce_scatter f32 sum (part of a broadcast or reduce root 1 split into direct ops)"
+        );
+        assert_eq!(
+            describe_sig(part_signature(
+                Part::ReduceToScratch { last: true },
+                ReduceScatter,
+                f,
+                sum,
+                1
+            )),
+            "reduce_scatter f32 sum (last part of a broadcast or reduce root 1 split into direct ops)"
         );
         assert_eq!(
             describe_sig(part_signature(of, AllGather, f, sum, 5)),
