@@ -13,6 +13,8 @@ ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
 4. A mismatch (rank 0 one count, the others another, both under the limit) on a group of its
    own: every rank's op raises a mismatch naming the count, at once, and no rank hangs; the
    group's next direct op fails too (poisoned), and the default group is untouched.
+   Also broadcasts whose roots differ, each rank's root the next rank (forwarded broadcasts,
+   ``COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES``, must not wait on each other in a cycle).
 5. Works complete: ``is_completed()`` becomes true without ``wait()``.
 6. All-reduces, broadcasts and reduces past the limit split into direct ops
    (``COMMD_DIRECT_SPLIT_MAX_BYTES``: a reduce-scatter or a scatter from the root, then an
@@ -49,6 +51,7 @@ assert world >= 2, "run with at least 2 ranks"
 failures: list[str] = []
 LIMIT = torchrun_env.direct_limit(world)
 SHARE = torchrun_env.split_share(world)
+PUSH = torchrun_env.push_limit(world)
 
 
 def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = 0.0) -> None:
@@ -82,9 +85,10 @@ OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.
 
 
 def sizes(es: int) -> list[int]:
-    """Elements: tiny, odd, mid, the largest direct op, and one past it (the daemon's path)."""
-    most = LIMIT // es
-    return sorted({1, 3, 1000, 4097, most // 2 + 1, most, most + 1})
+    """Elements: tiny, odd, mid, the largest direct op, and one past it (the daemon's path, or a
+    split); the same for an all-gather or all-to-all where its limit differs."""
+    most, push = LIMIT // es, PUSH // es
+    return sorted({1, 3, 1000, 4097, most // 2 + 1, most, most + 1, push, push + 1})
 
 
 def case_all(dtype: torch.dtype, n: int, async_op: bool, salt: int) -> None:
@@ -315,6 +319,11 @@ if rank == 1:
 # group's next call raises.
 mismatch_everywhere("a mismatched direct all_reduce", lambda g: dist.all_reduce(
     data(rank, 4096 if rank == 0 else 2048, torch.float32), group=g), naming="count")
+# Broadcasts whose roots differ, each rank's root the next rank: forwarded broadcasts
+# (COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES) wait for their root before flagging, so each rank waits
+# on one that waits in turn; their early signatures must turn that into a mismatch at once.
+mismatch_everywhere("broadcasts whose roots differ, each rank's the next", lambda g: dist.broadcast(
+    data(rank, 16384, torch.float32), src=(rank + 1) % world, group=g), naming="root")
 # Ops of at most 4 KiB move by LL lines (COMMD_DIRECT_LL_MAX_BYTES): counts that differ there,
 # and a count there against one past it (one rank moves the op by lines, the other by flags).
 mismatch_everywhere("a mismatched all_reduce by LL lines", lambda g: dist.all_reduce(

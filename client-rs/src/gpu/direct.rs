@@ -67,22 +67,32 @@ pub(crate) fn one_block_max() -> Result<u64> {
     ONE_BLOCK_MAX.once(&V)
 }
 /// The default largest push to one peer of a direct all-gather or all-to-all (on 2 ranks also
-/// the largest share of a split op, [`default_share_bytes`]): every rank's GPU then sends at most
-/// 8 MiB per direct op ((n - 1) x this; the power of two at most 8 MiB / (n - 1): 8 MiB for 2
-/// ranks, 4 for 3, 2 for 4 to 5, 1 for 6 to 8). Past it the daemon's copy engines copy straight
-/// into the receivers' buffers, where a direct copy goes through the windows: on 2x H200
-/// (docs/benchmarks.md, 2026-11-28, "The direct limit on two GPUs") an all-gather with 16 MiB
-/// per rank took 84.7 us direct against the daemon's 71.1, an all-to-all 94.7 against 69.4,
-/// while 8 MiB per rank took 40.6 against 48.4.
+/// the largest share of a split op, [`default_share_bytes`]): the power of two at most 12 MiB /
+/// (n - 1) and 8 MiB, so every rank's GPU sends at most 12 MiB per such op ((n - 1) x this): 8
+/// MiB for 2 ranks, 4 for 3 and 4, 2 for 5 to 7, 1 for 8. Past it the daemon's copy engines copy
+/// straight into the receivers' buffers, where a direct copy goes through the windows:
+/// - 2x H200 (docs/benchmarks.md, 2026-11-28, "The direct limit on two GPUs"): an all-gather
+///   with 16 MiB per rank took 84.7 us direct against the daemon's 71.1, an all-to-all 94.7
+///   against 69.4, while 8 MiB per rank took 40.6 against 48.4;
+/// - 4x H200 (2026-11-28, "Larger shares on four GPUs"): 4 MiB per peer (12 MiB of pushes)
+///   took 53.4 us for an all-gather of 16 MiB and 60.3 for an all-to-all against the daemon's
+///   78.5 and 77.8 (NCCL 65.5 and 64.2); 8 MiB per peer (24 MiB) 121.2 for an all-to-all of 32
+///   MiB against 111.2.
 pub fn default_push_bytes(nranks: u32) -> u64 {
-    let per = (8u64 << 20) / u64::from(nranks.saturating_sub(1).max(1));
-    1u64 << (63 - per.leading_zeros())
+    let per = (12u64 << 20) / u64::from(nranks.saturating_sub(1).max(1));
+    pow2_floor(per.min(8 << 20))
+}
+
+/// The largest power of two at most `x` (at least 1).
+fn pow2_floor(x: u64) -> u64 {
+    1u64 << (63 - x.max(1).leading_zeros())
 }
 
 /// The default largest direct all-reduce, reduce-scatter, broadcast and reduce (bytes per rank),
-/// which is also the size of a window slot (a window holds 2 x n of them): on 2 ranks 16 MiB
-/// (a 64 MiB window), elsewhere [`default_push_bytes`] (4 MiB for 3 ranks, 2 MiB for 4 to 5, 1
-/// MiB for 6 to 8: 16 to 24 MiB windows). Measured on 2x H200 (docs/benchmarks.md, 2026-11-28,
+/// on 2 ranks 16 MiB, elsewhere the power of two at most 8 MiB / (n - 1) and 4 MiB (4 MiB for 3
+/// ranks, 2 MiB for 4 to 5, 1 MiB for 6 to 8; one direct op of 4 or 8 MiB was slower than the
+/// split on 4x H200, "Larger shares on four GPUs"). A window slot is the largest of the limits
+/// ([`Limits::slot`]). Measured on 2x H200 (docs/benchmarks.md, 2026-11-28,
 /// "The direct limit on two GPUs"; nccl-tests, us, against the earlier 4 MiB limit and NCCL):
 /// all-reduce 16 MiB 74.9 (87.6, 78.3), reduce 16 MiB 55.4 (82.0, 58.4), broadcast 16 MiB
 /// 63.2 (65.6, 63.2), reduce-scatter 32 MiB 80.5 (87.3, 90.2); at 32 MiB per rank the daemon's
@@ -93,7 +103,7 @@ pub fn default_max_bytes(nranks: u32) -> u64 {
     if nranks == 2 {
         16 << 20
     } else {
-        default_push_bytes(nranks).min(4 << 20)
+        pow2_floor((8u64 << 20) / u64::from(nranks - 1)).min(4 << 20)
     }
 }
 
@@ -114,8 +124,7 @@ pub fn default_share_bytes(nranks: u32) -> u64 {
     if nranks <= 2 {
         default_push_bytes(nranks)
     } else {
-        let per = (32u64 << 20) / u64::from(nranks);
-        1u64 << (63 - per.leading_zeros())
+        pow2_floor((32u64 << 20) / u64::from(nranks))
     }
 }
 
@@ -217,6 +226,12 @@ const ONE_BLOCK_MAX: Setting = Setting {
     lo: 0,
     hi: 1 << 20,
     default: 4096,
+};
+const BCAST_FORWARD_MIN: Setting = Setting {
+    name: "COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES",
+    lo: 0,
+    hi: u64::MAX,
+    default: 2 << 20,
 };
 const LL_MAX: Setting = Setting {
     name: "COMMD_DIRECT_LL_MAX_BYTES",
@@ -504,6 +519,8 @@ pub(crate) struct Windows {
     next_k: u32,
     /// The largest op moved by LL lines ([`ll_max`], the same on every rank).
     ll_max: u64,
+    /// The smallest forwarded broadcast ([`bcast_forward_min`], the same on every rank).
+    fwd_min: u64,
     /// Eager windows: the epoch of the last op launched (the host numbers eager ops, which run
     /// in issue order: `DirectArgs::epoch`); captured ops count tickets on the GPU instead.
     epoch: u64,
@@ -572,7 +589,7 @@ impl Config {
                 let whole = default_max_bytes(nranks);
                 Limits {
                     whole,
-                    push: default_push_bytes(nranks).min(whole),
+                    push: default_push_bytes(nranks),
                     share: default_share_bytes(nranks),
                 }
             }
@@ -611,13 +628,42 @@ pub(crate) fn ll_op(
 /// flags on one block, where all-reduce, all-to-all and reduce-scatter by lines took 0.1-2.1 us
 /// less.
 pub(crate) fn rooted_mode(mode: u32) -> bool {
-    matches!(mode, k::MODE_BC | k::MODE_RED | k::MODE_SC | k::MODE_GA)
+    matches!(
+        mode,
+        k::MODE_BC | k::MODE_BCF | k::MODE_RED | k::MODE_SC | k::MODE_GA
+    )
 }
 
 /// Offset of a window's LL area (zeroed at the setup: a line's epoch must never match stale
 /// bytes).
 fn ll_area_off(n: u32, slot: u64) -> u64 {
     k::DATA_OFF + 2 * u64::from(n) * slot
+}
+
+/// `COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES`: the smallest direct broadcast (bytes per rank) on 3+
+/// ranks that runs forwarded (`kernels::direct::MODE_BCF`: the root pushes one part of n - 1 to
+/// each non-root, which forwards it to the others, so the root's GPU sends the bytes once
+/// instead of n - 1 times, one flag hop later); default 2 MiB; `0`: every one. Measured on 4x
+/// H200 (docs/benchmarks.md, 2026-11-28, "A forwarded broadcast"; nccl-tests, us, against the
+/// root pushing to every rank, and NCCL): 2 MiB 21.8 (24.8, 20.1), 1 MiB 16.6 (15.9, 12.4),
+/// 256 KiB 12.0 (9.4, 10.4); as one op past the limit (a set limit of 8 MiB) 4 MiB 32.2 against
+/// the split's 36.8 (NCCL 26.0), 8 MiB 54.4 against 56.6. The same on every rank (checked when
+/// the windows are set up). Read once per process.
+pub(crate) fn bcast_forward_min() -> Result<u64> {
+    static V: SettingCell = SettingCell::new();
+    BCAST_FORWARD_MIN.once(&V)
+}
+
+/// The kernel mode of a direct op of mode `mode` and `bytes` per rank on `n` ranks whose
+/// forwarded broadcasts start at `fwd_min` bytes ([`bcast_forward_min`]): a whole broadcast
+/// that size on 3+ ranks runs forwarded, the rest as they are. The same on every rank: its
+/// inputs are.
+pub(crate) fn forwarded(mode: u32, part: Part, n: u32, bytes: u64, fwd_min: u64) -> u32 {
+    if mode == k::MODE_BC && part == Part::Whole && n >= 3 && bytes >= fwd_min {
+        k::MODE_BCF
+    } else {
+        mode
+    }
 }
 
 /// `COMMD_DIRECT_LL_MAX_BYTES`: the largest direct op (bytes per rank) that moves by LL lines
@@ -1293,6 +1339,7 @@ impl Communicator {
             _ => None,
         };
         let (blocks, unit) = launch_grid(w.grid, bytes, self.nranks, one_block_max()?);
+        let mode = forwarded(mode, part, self.nranks, bytes, w.fwd_min);
         let args = DirectArgs {
             win: w.win,
             input: send,
@@ -1540,6 +1587,8 @@ impl Communicator {
         offer[104..112].copy_from_slice(&ll.to_le_bytes());
         // The limit of a whole op too: two ranks with one slot size may still differ there.
         offer[112..120].copy_from_slice(&lim.whole.to_le_bytes());
+        let fwd = bcast_forward_min()?;
+        offer[120..128].copy_from_slice(&fwd.to_le_bytes());
         let all = self.host_all_gather(&offer)?;
         let part = |r: usize| &all[r * OFFER_BYTES as usize..(r + 1) * OFFER_BYTES as usize];
         // Decisions every rank makes alike from the same offers.
@@ -1564,6 +1613,11 @@ impl Communicator {
             } else if o[104..112] != offer[104..112] {
                 why = Some(format!(
                     "rank {r} has another COMMD_DIRECT_LL_MAX_BYTES than rank {}",
+                    self.rank
+                ));
+            } else if o[120..128] != offer[120..128] {
+                why = Some(format!(
+                    "rank {r} has another COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES than rank {}",
                     self.rank
                 ));
             } else if o[96..104] != offer[96..104] {
@@ -1669,6 +1723,7 @@ impl Communicator {
             next_k: 0,
             epoch: 0,
             ll_max: ll,
+            fwd_min: fwd,
             // SAFETY: `record_page` leaks the page: it lives for the process.
             status: eager.then(|| Arc::new(unsafe { eager::StatusPool::new(page as usize) })),
         })))
@@ -1875,18 +1930,19 @@ mod tests {
         let want = [
             (2, 16 * mib, 8 * mib, 8 * mib, 16 * mib),
             (3, 4 * mib, 4 * mib, 8 * mib, 8 * mib),
-            (4, 2 * mib, 2 * mib, 8 * mib, 8 * mib),
+            (4, 2 * mib, 4 * mib, 8 * mib, 8 * mib),
             (5, 2 * mib, 2 * mib, 4 * mib, 4 * mib),
-            (6, mib, mib, 4 * mib, 4 * mib),
+            (6, mib, 2 * mib, 4 * mib, 4 * mib),
+            (7, mib, 2 * mib, 4 * mib, 4 * mib),
             (8, mib, mib, 4 * mib, 4 * mib),
         ];
         for (n, whole, push, share, slot) in want {
             let lim = c.limits(n);
             assert_eq!(lim, Limits { whole, push, share }, "{n} ranks");
             assert_eq!(lim.slot(), slot, "{n} ranks");
-            // Every rank's GPU sends (n - 1) x a copy at most 8 MiB; a window is at most 64
+            // Every rank's GPU sends (n - 1) x a copy at most 12 MiB; a window is at most 64
             // MiB of data slots and 16 x 8 KiB of LL lines.
-            assert!((u64::from(n) - 1) * push <= 8 * mib);
+            assert!((u64::from(n) - 1) * push <= 12 * mib);
             assert!(window_bytes(n, slot) <= 64 * mib + k::DATA_OFF + 16 * k::LL_SLOT_BYTES);
         }
         // A set limit is every limit, and the slot (rounded up to 4 KiB).
@@ -2734,9 +2790,39 @@ mod tests {
             assert!(!ll_op(true, 1, 1, ll + 1, ll, mode));
             assert!(!ll_op(true, 1, 1, 8, 0, mode));
         }
-        for mode in [k::MODE_BC, k::MODE_RED, k::MODE_SC, k::MODE_GA] {
+        for mode in [k::MODE_BC, k::MODE_BCF, k::MODE_RED, k::MODE_SC, k::MODE_GA] {
             assert!(!ll_op(true, 1, 1, 8, ll, mode), "{mode}");
         }
+    }
+
+    #[test]
+    fn only_whole_broadcasts_on_three_ranks_or_more_from_the_setting_on_run_forwarded() {
+        let whole = Part::Whole;
+        // From 2 MiB by default.
+        let dflt = BCAST_FORWARD_MIN.parse(None).unwrap();
+        assert_eq!(dflt, 2 << 20);
+        assert_eq!(forwarded(k::MODE_BC, whole, 4, 2 << 20, dflt), k::MODE_BCF);
+        assert_eq!(
+            forwarded(k::MODE_BC, whole, 4, (2 << 20) - 1, dflt),
+            k::MODE_BC
+        );
+        // From the setting on, 3+ ranks.
+        assert_eq!(forwarded(k::MODE_BC, whole, 4, 4096, 4096), k::MODE_BCF);
+        assert_eq!(forwarded(k::MODE_BC, whole, 3, 1, 0), k::MODE_BCF);
+        assert_eq!(forwarded(k::MODE_BC, whole, 4, 4095, 4096), k::MODE_BC);
+        assert_eq!(forwarded(k::MODE_BC, whole, 2, 1 << 20, 0), k::MODE_BC);
+        // Never a part of a split op, nor another kind.
+        let of = Part::Of {
+            rooted: true,
+            last: false,
+        };
+        assert_eq!(forwarded(k::MODE_BC, of, 4, 1 << 20, 0), k::MODE_BC);
+        for mode in [k::MODE_SC, k::MODE_RED, k::MODE_AR, k::MODE_AG] {
+            assert_eq!(forwarded(mode, whole, 4, 1 << 20, 0), mode);
+        }
+        assert_eq!(BCAST_FORWARD_MIN.parse(Some("0")).unwrap(), 0);
+        let e = BCAST_FORWARD_MIN.parse(Some("-1")).unwrap_err();
+        assert!(e.contains("COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES"), "{e}");
     }
 
     #[test]

@@ -928,6 +928,12 @@ impl Kernels {
                 "direct op with a ticket unit of 0 (every block must count)".into(),
             ));
         }
+        if args.mode > direct::MODE_BCF {
+            return Err(KernelError::InvalidArgument(format!(
+                "direct op of unknown mode {}",
+                args.mode
+            )));
+        }
         let ctx = current_ctx_id()?;
         let k = self.get(ctx, dtype, op)?;
         // SAFETY: `k.direct` was loaded in the current context; its parameter is

@@ -42,6 +42,10 @@ use std::fmt::Write as _;
 
 /// Offset of the flags in a window.
 pub const FLAGS_OFF: u64 = 0;
+/// Offset of the early signatures of forwarded broadcasts in a window: per parity `p` and
+/// source rank `r`, 8 bytes at `PRE_OFF + (p * 8 + r) * 8`, epoch (high 32 bits) | signature,
+/// written when such an op starts, before any wait ([`MODE_BCF`]).
+pub const PRE_OFF: u64 = 256;
 /// Offset of the state words in a window.
 pub const STATE_OFF: u64 = 512;
 /// Offset of the `dead` word in a window.
@@ -94,6 +98,10 @@ pub const MODE_SC: u32 = 6;
 /// Gather to `root` (a part of a reduce split into direct ops): every rank's input (`count`
 /// elements) into the root's output, in rank order; the other ranks write nothing.
 pub const MODE_GA: u32 = 7;
+/// Broadcast from `root`, forwarded (3+ ranks): the root pushes part q of its input (n - 1
+/// parts) to one non-root each, which forwards it to the others once the root's flag came; the
+/// same result as [`MODE_BC`] with the root's GPU sending the bytes once instead of n - 1 times.
+pub const MODE_BCF: u32 = 8;
 
 /// The largest direct op that may move by LL lines (`struct commd_direct`'s `ll`; one block):
 /// 512 data lines of 8 bytes.
@@ -231,14 +239,21 @@ static __device__ bool commd_direct_stop(const struct commd_direct &a, const vol
     return false;
 }}
 
-/* Whether rank r's flag words (v, v1) of epoch e name this op (w0, w1); if not, the op fails:
-   the peer's own op failed (its signature ERR_SIG), or a mismatch. */
+/* Rank r's flag words (v, v1) of epoch e name another op than this one (w0, w1): the op fails,
+   as the peer's own op failed (its signature ERR_SIG), or as a mismatch. */
+static __device__ void commd_direct_other(const struct commd_direct &a, u32 r, u64 e, u64 w0, u64 w1,
+                                          u64 v, u64 v1) {{
+    commd_direct_fail(a, ((u32)v == {ERR_SIG}u) ? {PEER_FAILED}u : {MISMATCH}u, r, e, w0, w1, v, v1);
+}}
+
+/* Whether rank r's flag words (v, v1) of epoch e name this op (w0, w1); if not, the op fails
+   (commd_direct_other). */
 static __device__ bool commd_direct_same(const struct commd_direct &a, u32 r, u64 e, u64 w0, u64 w1,
                                          u64 v, u64 v1) {{
     if (v == w0 && v1 == w1) {{
         return true;
     }}
-    commd_direct_fail(a, ((u32)v == {ERR_SIG}u) ? {PEER_FAILED}u : {MISMATCH}u, r, e, w0, w1, v, v1);
+    commd_direct_other(a, r, e, w0, w1, v, v1);
     return false;
 }}
 
@@ -315,9 +330,15 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
     if (s_first != 0u && threadIdx.x < a.n) {{
         /* Word 1 of this rank's flag in window r, before any push (see the module doc). */
         ((volatile u64 *)(a.win[threadIdx.x] + {FLAGS_OFF}ull + (u64)(p * 8u + a.me) * 16ull))[1] = w1;
+        if (mode == {MODE_BCF}u) {{
+            /* A forwarded broadcast's non-root waits for the root before it writes its flag:
+               this early signature lets a rank waiting on a peer that waits in turn (ranks
+               whose roots differ) see the mismatch at once. */
+            *(volatile u64 *)(a.win[threadIdx.x] + {PRE_OFF}ull + (u64)(p * 8u + a.me) * 8ull) = w0;
+        }}
     }}
     const bool chunked = mode == {MODE_RS}u || mode == {MODE_A2A}u || mode == {MODE_SC}u;
-    const bool from_root = mode == {MODE_BC}u || mode == {MODE_SC}u;
+    const bool from_root = mode == {MODE_BC}u || mode == {MODE_SC}u || mode == {MODE_BCF}u;
     const bool to_root = mode == {MODE_RED}u || mode == {MODE_GA}u;
     u32 to_mask = 0u;
     for (u32 r = 0; r < a.n; ++r) {{
@@ -373,8 +394,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
                         if ((int)((u32)(v >> 32) - e32) >= 0 && (u32)v != {ll_sig}u) {{
                             /* Never this op, even with the same words (another count, and a
                                stale second word): a failure either way. */
-                            const u64 v1 = ((volatile const u64 *)f)[1];
-                            commd_direct_fail(a, ((u32)v == {ERR_SIG}u) ? {PEER_FAILED}u : {MISMATCH}u, r, e, w0, w1, v, v1);
+                            commd_direct_other(a, r, e, w0, w1, v, ((volatile const u64 *)f)[1]);
                             ok = false;
                             break;
                         }}
@@ -429,31 +449,141 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
         }}
 #undef COMMD_LINES
     }} else {{
-        u64 j0 = 0;
-        if ((a.in & 15ull) == 0ull && (!chunked || (bytes & 15ull) == 0ull)) {{
-            const u64 nv = bytes / 16ull;
-            for (u64 j = tid; j < nv; j += stride) {{
-                if (chunked) {{
-                    for (u32 r = 0; r < a.n; ++r) {{
-                        if ((to_mask >> r) & 1u) {{
-                            ((commd_v16 *)(a.win[r] + slot_off))[j] = ((const commd_v16 *)(a.in + (u64)r * bytes))[j];
+        if (mode == {MODE_BCF}u) {{
+            /* A forwarded broadcast: the input in n - 1 parts of `ps` bytes (a multiple of 16),
+               part q for non-root root + 1 + q (mod n). The root pushes part q into that rank's
+               slot (p, root) only, which forwards it into the other non-roots' slots (p, root)
+               once the root's flag of this epoch said it arrived: the root's GPU sends the bytes
+               once, not n - 1 times, and the second hops run side by side. Every rank's slot
+               (p, root) then holds the whole input, as after a plain broadcast, and a non-root's
+               flag says its forwards landed. The slots' reuse follows the plain argument (a
+               forward of epoch e into rank j's slot comes after this rank saw j's flag of e - 1).
+               A non-root whose wait for the root fails tells every peer at once (ERR_SIG), having
+               pushed nothing. */
+            const u64 ps = ((bytes + (u64)a.n - 2ull) / (u64)(a.n - 1u) + 15ull) & ~15ull;
+            const bool root_me = a.me == a.root;
+            const u32 q_me = (a.me + a.n - a.root - 1u) % a.n;
+            const u64 q_lo = (u64)q_me * ps;
+            const u64 lo = root_me ? 0ull : (q_lo < bytes ? q_lo : bytes);
+            const u64 hi = root_me ? bytes : (lo + ps < bytes ? lo + ps : bytes);
+            const u64 root_off = {DATA_OFF}ull + ((u64)p * (u64)a.n + (u64)a.root) * a.slot;
+            const u64 src = root_me ? a.in : COMMD_SLOT(a.root);
+            u32 fwd_mask = 0u;
+            for (u32 r = 0; r < a.n; ++r) {{
+                if (r != a.me && r != a.root) {{
+                    fwd_mask |= 1u << r;
+                }}
+            }}
+            if (!root_me) {{
+                /* Thread 0 of each block waits for the root's flag (its part is in), then the block
+                   forwards its share of the part. */
+                if (threadIdx.x == 0) {{
+                    const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + a.root) * 16ull);
+                    u64 v = 0ull;
+                    u64 t0 = 0ull;
+                    u32 spins = 0u;
+                    bool ok = true;
+                    for (;;) {{
+                        v = commd_ld_acquire(f);
+                        if ((int)((u32)(v >> 32) - (u32)e) >= 0) {{
+                            break;
+                        }}
+                        if ((++spins & 1023u) == 0u) {{
+                            if (commd_direct_stop(a, &s_fail, a.root, e, w0, w1, v, t0)) {{
+                                ok = false;
+                                break;
+                            }}
+                            /* A peer that started another op of this epoch (its early
+                               signature says so) may itself wait on this rank: a mismatch,
+                               now. */
+                            for (u32 q = 0; ok && q < a.n; ++q) {{
+                                const u64 pre = *(volatile const u64 *)(mine + {PRE_OFF}ull + (u64)(p * 8u + q) * 8ull);
+                                if (q != a.me && (u32)(pre >> 32) == (u32)e && pre != w0) {{
+                                    /* Its flag's word 1 was written before its early
+                                       signature. */
+                                    const u64 pre1 = ((volatile const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + q) * 16ull))[1];
+                                    commd_direct_fail(a, {MISMATCH}u, q, e, w0, w1, pre, pre1);
+                                    ok = false;
+                                }}
+                            }}
+                            if (!ok) {{
+                                break;
+                            }}
                         }}
                     }}
-                }} else if (to_mask != 0u) {{
-                    const commd_v16 v = ((const commd_v16 *)a.in)[j];
+                    if (ok) {{
+                        ok = commd_direct_same(a, a.root, e, w0, w1, v, ((volatile const u64 *)f)[1]);
+                    }}
+                    if (!ok) {{
+                        s_fail = 1u;
+                        for (u32 r = 0; r < a.n; ++r) {{
+                            commd_direct_flag(a, r, p, (e << 32) | {ERR_SIG}ull, w1);
+                        }}
+                    }}
+                }}
+                __syncthreads();
+                if (s_fail != 0u) {{
+                    return;
+                }}
+            }}
+            u64 j0 = lo;
+            if ((src & 15ull) == 0ull) {{
+                const u64 hv = hi / 16ull;
+                for (u64 j = lo / 16ull + tid; j < hv; j += stride) {{
+                    const commd_v16 v = ((const commd_v16 *)src)[j];
+                    if (root_me) {{
+                        const u32 r = (a.root + 1u + (u32)(j * 16ull / ps)) % a.n;
+                        ((commd_v16 *)(a.win[r] + root_off))[j] = v;
+                    }} else {{
+                        for (u32 r = 0; r < a.n; ++r) {{
+                            if ((fwd_mask >> r) & 1u) {{
+                                ((commd_v16 *)(a.win[r] + root_off))[j] = v;
+                            }}
+                        }}
+                    }}
+                }}
+                j0 = hv * 16ull;
+            }}
+            for (u64 j = j0 + tid; j < hi; j += stride) {{
+                const u8 v = ((const u8 *)src)[j];
+                if (root_me) {{
+                    const u32 r = (a.root + 1u + (u32)(j / ps)) % a.n;
+                    ((u8 *)(a.win[r] + root_off))[j] = v;
+                }} else {{
                     for (u32 r = 0; r < a.n; ++r) {{
-                        if ((to_mask >> r) & 1u) {{
-                            ((commd_v16 *)(a.win[r] + slot_off))[j] = v;
+                        if ((fwd_mask >> r) & 1u) {{
+                            ((u8 *)(a.win[r] + root_off))[j] = v;
                         }}
                     }}
                 }}
             }}
-            j0 = nv * 16ull;
-        }}
-        for (u64 j = j0 + tid; j < bytes; j += stride) {{
-            for (u32 r = 0; r < a.n; ++r) {{
-                if ((to_mask >> r) & 1u) {{
-                    ((u8 *)(a.win[r] + slot_off))[j] = ((const u8 *)a.in)[(chunked ? (u64)r * bytes : 0ull) + j];
+        }} else {{
+            u64 j0 = 0;
+            if ((a.in & 15ull) == 0ull && (!chunked || (bytes & 15ull) == 0ull)) {{
+                const u64 nv = bytes / 16ull;
+                for (u64 j = tid; j < nv; j += stride) {{
+                    if (chunked) {{
+                        for (u32 r = 0; r < a.n; ++r) {{
+                            if ((to_mask >> r) & 1u) {{
+                                ((commd_v16 *)(a.win[r] + slot_off))[j] = ((const commd_v16 *)(a.in + (u64)r * bytes))[j];
+                            }}
+                        }}
+                    }} else if (to_mask != 0u) {{
+                        const commd_v16 v = ((const commd_v16 *)a.in)[j];
+                        for (u32 r = 0; r < a.n; ++r) {{
+                            if ((to_mask >> r) & 1u) {{
+                                ((commd_v16 *)(a.win[r] + slot_off))[j] = v;
+                            }}
+                        }}
+                    }}
+                }}
+                j0 = nv * 16ull;
+            }}
+            for (u64 j = j0 + tid; j < bytes; j += stride) {{
+                for (u32 r = 0; r < a.n; ++r) {{
+                    if ((to_mask >> r) & 1u) {{
+                        ((u8 *)(a.win[r] + slot_off))[j] = ((const u8 *)a.in)[(chunked ? (u64)r * bytes : 0ull) + j];
+                    }}
                 }}
             }}
         }}

@@ -94,11 +94,19 @@ fn every_kernel_compiles_with_nvrtc() {
 fn direct_launch_refuses_bad_rank_counts_before_cuda() {
     let k = Kernels::new();
     // (0, 2) with a unit of 0: blocks that take no ticket would never advance the epoch.
-    for (me, n, unit) in [(0, 1, 1), (0, 9, 1), (2, 2, 1), (0, 2, 0)] {
+    // (0, 2, 1, 9): a mode past the last one.
+    for (me, n, unit, mode) in [
+        (0, 1, 1, 0),
+        (0, 9, 1, 0),
+        (2, 2, 1, 0),
+        (0, 2, 0, 0),
+        (0, 2, 1, 9),
+    ] {
         let a = DirectArgs {
             me,
             n,
             unit,
+            mode,
             ..DirectArgs::default()
         };
         // SAFETY: refused before any pointer is used or CUDA is called.
