@@ -17,6 +17,16 @@
 //! source's data slot of its own window, which the reads take as usual. The model checks that
 //! a line is never of a later epoch than the one awaited and that the copied slot is never
 //! overwritten before it is read.
+//!
+//! Forwarded broadcasts (`kernels::direct::MODE_BCF`) mix with both: such an op writes its
+//! early signature into every window with its second flag words, then the root pushes part q of
+//! its slot (n - 1 parts) into non-root q's window only and flags; a non-root waits for the
+//! root's flag (or a peer's early signature of the epoch that names another op: a mismatch),
+//! forwards its part from its own window into the other non-roots' windows, then flags; every
+//! rank waits for every flag, and a non-root reads every part of the root's slot. The model
+//! checks that each part read is the root's data of the epoch, whoever wrote it, and that ranks
+//! whose roots differ, each waiting on another, are told instead of stuck (without the early
+//! signatures they are stuck: the test can fail).
 
 /// A flag's first word: epoch, signature.
 type Flag = (u64, u32);
@@ -24,16 +34,22 @@ type Flag = (u64, u32);
 /// The signature an op by LL lines writes into its flag (`kernels::direct::LL_SIG`).
 const LL: u32 = u32::MAX - 1;
 
-/// An op of a program: signature, capture index, by LL lines.
-type Op = (u32, u32, bool);
+/// What a slot holds: epoch, source, value.
+type Datum = (u64, usize, u64);
+
+/// An op of a program: signature, capture index, by LL lines, forwarded from this root.
+type Op = (u32, u32, bool, Option<usize>);
 
 struct Window {
     flags: Vec<[Option<Flag>; 2]>,
     /// A flag's second word: the capture index, with the epoch that wrote it (known to the
     /// model only, for the check; the kernel's word has none).
     aux: Vec<[Option<(u64, u32)>; 2]>,
-    /// (epoch, source, value) per (source, parity).
-    data: Vec<[Option<(u64, usize, u64)>; 2]>,
+    /// (epoch, source, value) per (source, parity), per part of the slot (n - 1 parts: a
+    /// forwarded broadcast moves one part per non-root; the other ops fill every part).
+    data: Vec<[Vec<Option<Datum>>; 2]>,
+    /// Early signatures of forwarded broadcasts (epoch, signature) per (source, parity).
+    pre: Vec<[Option<Flag>; 2]>,
     /// LL header lines (epoch, signature, capture index) per (source, parity).
     ll_head: Vec<[Option<(u64, u32, u32)>; 2]>,
     /// LL data lines (epoch, source, value) per (source, parity).
@@ -53,6 +69,12 @@ enum Step {
     LlHead(usize),
     LlWait(usize),
     LlCopy(usize),
+    /// A forwarded broadcast's root pushes part q into non-root q's window.
+    FPush(usize),
+    /// A forwarded broadcast's non-root waits for the root's flag.
+    FWait,
+    /// A forwarded broadcast's non-root forwards its part into another non-root's window.
+    FFwd(usize),
 }
 
 struct Rank {
@@ -95,15 +117,42 @@ impl Xorshift {
     }
 }
 
+/// The part of a forwarded broadcast's slot that non-root `r` gets from root `t` of `n`.
+fn part_of(r: usize, t: usize, n: usize) -> usize {
+    (r + n - t - 1) % n
+}
+
 /// Runs `programs` (one per rank) under the schedule from `seed`; `parities` is 2 as built, 1
 /// for the mutation. Panics on a stale or overwritten read and on a flag from the future.
 fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
+    run_with(programs, parities, AS_BUILT, seed)
+}
+
+/// What a forwarded broadcast does: as built, both; each `false` is a mutation.
+#[derive(Clone, Copy)]
+struct Fwd {
+    /// Early signatures written and checked.
+    early: bool,
+    /// A non-root waits for the root's flag before it forwards.
+    wait_root: bool,
+}
+
+const AS_BUILT: Fwd = Fwd {
+    early: true,
+    wait_root: true,
+};
+
+/// [`run`] with forwarded broadcasts as `how` says.
+fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
+    let Fwd { early, wait_root } = how;
     let n = programs.len();
+    let parts = n.saturating_sub(1).max(1);
     let mut win: Vec<Window> = (0..n)
         .map(|_| Window {
             flags: vec![[None; 2]; n],
             aux: vec![[None; 2]; n],
-            data: vec![[None; 2]; n],
+            data: vec![[vec![None; parts], vec![None; parts]]; n],
+            pre: vec![[None; 2]; n],
             ll_head: vec![[None; 2]; n],
             ll_data: vec![[None; 2]; n],
             entered: 0,
@@ -133,7 +182,7 @@ fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
             }
             continue;
         }
-        let (sig, k, ll) = r.program[r.op];
+        let (sig, k, ll, fwd) = r.program[r.op];
         let p = (r.epoch % parities) as usize;
         let next = |s: usize| if s + 1 < n { Some(s + 1) } else { None };
         match r.step {
@@ -144,18 +193,85 @@ fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
                 r.step = Step::Aux(0);
             }
             Step::Aux(to) => {
-                // The first block writes every window's second word before any push.
+                // The first block writes every window's second word before any push (and a
+                // forwarded broadcast its early signature).
                 let p = (r.epoch % parities) as usize;
                 win[to].aux[me][p] = Some((r.epoch, k));
-                let first = if ll { Step::LlData(0) } else { Step::Push(0) };
+                if fwd.is_some() && early {
+                    win[to].pre[me][p] = Some((r.epoch, sig));
+                }
+                let first = match fwd {
+                    _ if ll => Step::LlData(0),
+                    Some(t) if t == me => Step::FPush(0),
+                    Some(_) => Step::FWait,
+                    None => Step::Push(0),
+                };
                 r.step = next(to).map_or(first, Step::Aux);
             }
             Step::Push(to) => {
                 let p = (r.epoch % parities) as usize;
                 if to != me {
-                    win[to].data[me][p] = Some((r.epoch, me, value(me, r.epoch)));
+                    win[to].data[me][p].fill(Some((r.epoch, me, value(me, r.epoch))));
                 }
                 r.step = next(to).map_or(Step::Flag(0), Step::Push);
+            }
+            Step::FPush(to) => {
+                if to != me {
+                    win[to].data[me][p][part_of(to, me, n)] =
+                        Some((r.epoch, me, value(me, r.epoch)));
+                }
+                r.step = next(to).map_or(Step::Flag(0), Step::FPush);
+            }
+            Step::FWait => {
+                let t = fwd.unwrap_or(0);
+                // Every 1024 spins in the kernel; here at every look.
+                let other = (0..n).find(|&q| {
+                    q != me && win[me].pre[q][p].is_some_and(|(e, s)| e == r.epoch && s != sig)
+                });
+                if !wait_root {
+                    r.step = Step::FFwd(0);
+                    continue;
+                }
+                match win[me].flags[t][p] {
+                    Some((e, s)) if e >= r.epoch => {
+                        assert!(
+                            e == r.epoch || parities == 1,
+                            "rank {me} waiting for epoch {} saw root {t}'s flag of epoch {e}",
+                            r.epoch
+                        );
+                        let kk = win[me].aux[t][p].map_or(u32::MAX, |a| a.1);
+                        if (s, kk) != (sig, k) || e != r.epoch {
+                            return mismatch(me, t, r.epoch);
+                        }
+                        r.step = Step::FFwd(0);
+                        stalls = 0;
+                    }
+                    _ => {
+                        if let Some(q) = other {
+                            return mismatch(me, q, r.epoch);
+                        }
+                        stalls += 1;
+                        if stalls > 100_000 {
+                            return End::Stuck;
+                        }
+                    }
+                }
+            }
+            Step::FFwd(to) => {
+                let t = fwd.unwrap_or(0);
+                let q = part_of(me, t, n);
+                if to != me && to != t {
+                    // What this rank's own window holds of its part: the root's, of this epoch.
+                    let got = win[me].data[t][p][q];
+                    assert_eq!(
+                        got,
+                        Some((r.epoch, t, value(t, r.epoch))),
+                        "rank {me}, epoch {}: its part {q} of root {t} holds {got:?} when forwarded",
+                        r.epoch
+                    );
+                    win[to].data[t][p][q] = got;
+                }
+                r.step = next(to).map_or(Step::Flag(0), Step::FFwd);
             }
             Step::Flag(i) => {
                 // The own flag last (`kernels/direct.rs`: the last block writes every flag
@@ -210,7 +326,7 @@ fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
                         Some((e, src, v)) if e == r.epoch => {
                             assert_eq!((src, v), (from, value(from, e)));
                             // Into the source's slot of this window, read below as pushed data.
-                            win[me].data[from][p] = Some((e, src, v));
+                            win[me].data[from][p].fill(Some((e, src, v)));
                             stalls = 0;
                         }
                         Some((e, _, _)) => {
@@ -268,14 +384,18 @@ fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
                 }
             }
             Step::Read(from) => {
-                if from != me {
-                    let got = win[me].data[from][p];
-                    assert_eq!(
-                        got,
-                        Some((r.epoch, from, value(from, r.epoch))),
-                        "rank {me}, epoch {}: slot of rank {from} holds {got:?} (stale or overwritten)",
-                        r.epoch
-                    );
+                // A forwarded broadcast's non-root reads the root's slot only (the root reads
+                // nothing); the other ops every peer's.
+                let reads = from != me && fwd.is_none_or(|t| from == t);
+                if reads {
+                    for (q, got) in win[me].data[from][p].iter().enumerate() {
+                        assert_eq!(
+                            *got,
+                            Some((r.epoch, from, value(from, r.epoch))),
+                            "rank {me}, epoch {}: part {q} of rank {from}'s slot holds {got:?} (stale or overwritten)",
+                            r.epoch
+                        );
+                    }
                 }
                 match next(from) {
                     Some(f) => r.step = Step::Read(f),
@@ -289,13 +409,24 @@ fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
     }
 }
 
-/// The same random program for `n` ranks: `ops` ops, about half of them by LL lines.
+/// The signature of a forwarded broadcast from `root` (the root is in a real signature too).
+fn fwd_sig(root: usize) -> u32 {
+    100 + root as u32
+}
+
+/// The same random program for `n` ranks: `ops` ops, about half of them by LL lines, and on 3+
+/// ranks about a quarter forwarded broadcasts from a random root.
 fn programs(n: usize, ops: usize, seed: u64) -> Vec<Vec<Op>> {
     let mut rng = Xorshift(seed | 1);
     let one: Vec<Op> = (0..ops)
         .map(|k| {
             let x = rng.next();
-            ((x % 5) as u32, k as u32, (x >> 8) & 1 == 1)
+            if n >= 3 && (x >> 16).is_multiple_of(4) {
+                let root = ((x >> 24) % n as u64) as usize;
+                (fwd_sig(root), k as u32, false, Some(root))
+            } else {
+                ((x % 5) as u32, k as u32, (x >> 8) & 1 == 1, None)
+            }
         })
         .collect();
     vec![one; n]
@@ -334,7 +465,7 @@ fn ranks_that_run_different_ops_are_told_not_paired() {
     for seed in 0..100u64 {
         let mut ps = programs(4, 20, seed);
         // Rank 2 captured one more op at position 5: every later op's capture index differs.
-        ps[2].insert(5, (9, 5, seed % 2 == 0));
+        ps[2].insert(5, (9, 5, seed % 2 == 0, None));
         for (i, op) in ps[2].iter_mut().enumerate().skip(6) {
             op.1 = i as u32;
         }
@@ -359,6 +490,12 @@ fn an_op_by_lines_against_the_same_op_by_flags_is_a_mismatch_on_either_side() {
             let mut ps = programs(n, 12, seed);
             let at = (seed % 12) as usize;
             let odd = (seed as usize / 12) % n;
+            // (A forwarded broadcast never moves by lines: make that op a plain one first.)
+            for p in ps.iter_mut() {
+                if p[at].3.is_some() {
+                    p[at] = (7, at as u32, false, None);
+                }
+            }
             ps[odd][at].2 = !ps[odd][at].2;
             match run(&ps, 2, seed * 31 + 5) {
                 End::Mismatch { epoch, .. } => {
@@ -375,4 +512,64 @@ fn programs_mix_both_kinds_of_op() {
     let ps = programs(2, 40, 3);
     let lines = ps[0].iter().filter(|o| o.2).count();
     assert!(lines > 5 && lines < 35, "{lines} of 40 by lines");
+}
+
+#[test]
+fn programs_mix_forwarded_broadcasts_from_every_root() {
+    let ps = programs(4, 200, 5);
+    let roots: std::collections::HashSet<usize> = ps[0].iter().filter_map(|o| o.3).collect();
+    assert_eq!(roots.len(), 4, "{roots:?}");
+    assert!(programs(2, 200, 5)[0].iter().all(|o| o.3.is_none()));
+}
+
+#[test]
+fn forwarded_broadcasts_whose_roots_differ_are_told_not_stuck() {
+    // Each rank's root the next rank: every non-root waits for its root, which waits in turn.
+    for n in [3, 4, 8] {
+        for seed in 0..60u64 {
+            let mut ps = programs(n, 10, seed);
+            let at = (seed % 10) as usize;
+            for (r, p) in ps.iter_mut().enumerate() {
+                let root = (r + 1) % n;
+                p[at] = (fwd_sig(root), at as u32, false, Some(root));
+            }
+            match run(&ps, 2, seed * 13 + 7) {
+                End::Mismatch { epoch, .. } => {
+                    assert_eq!(epoch, at as u64 + 1, "{n} ranks, seed {seed}")
+                }
+                other => panic!("{n} ranks, seed {seed}: {other:?}, want a mismatch"),
+            }
+            // Without the early signatures the cycle never ends (the kernel's timeout would).
+            let no_early = Fwd {
+                early: false,
+                ..AS_BUILT
+            };
+            assert_eq!(
+                run_with(&ps, 2, no_early, seed * 13 + 7),
+                End::Stuck,
+                "{n} ranks, seed {seed}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_forward_before_the_roots_flag_is_caught() {
+    // The mutation: a non-root forwards its part without waiting for the root's flag.
+    let no_wait = Fwd {
+        wait_root: false,
+        ..AS_BUILT
+    };
+    let mut caught = 0;
+    for seed in 0..200u64 {
+        let ps = programs(4, 30, seed);
+        let r = std::panic::catch_unwind(|| run_with(&ps, 2, no_wait, seed * 7 + 1));
+        if r.is_err() {
+            caught += 1;
+        }
+    }
+    assert!(
+        caught > 0,
+        "forwarding before the root's flag never went wrong in 200 schedules"
+    );
 }
