@@ -289,8 +289,9 @@ const MAX_CHUNKS: u64 = 4;
 /// parts are those of [`split_share`]'s split: the daemon's reduce brings every rank's input
 /// to the root ((n - 1) x the bytes into one GPU), the split moves 2 (n - 1) / n x the bytes
 /// through each GPU. On 4x H200 (docs/benchmarks.md, 2026-11-28, "Larger shares on four
-/// GPUs") a split reduce of 32 MiB took 192.3 us against the daemon's 328.7, and the daemon's
-/// 64 MiB took 624.4 (NCCL 202.2).
+/// GPUs") a split reduce of 32 MiB took 192.3 us against the daemon's 328.7, and in chunks
+/// 64 MiB took 383.0 and 128 MiB 768.5 against the daemon's 628.6 and 1124.7 (NCCL 201.9 and
+/// 384.0).
 pub(crate) fn reduce_chunk(
     kind: OpKind,
     count: u64,
@@ -347,9 +348,10 @@ pub(crate) struct PlannedPart {
 /// `split` says:
 /// - in shares of `share` elements ([`split_share`]): the remainder of the count modulo `n`
 ///   first, as the same op, then the two parts of [`Communicator::split_op`];
-/// - in chunks of `chunk` elements ([`reduce_chunk`]): the same op on each range in order, the
-///   last one marked (a rank whose count has fewer chunks than a peer's fails on its last one,
-///   instead of pairing a peer's next chunk with its next op).
+/// - in chunks of `chunk` elements ([`reduce_chunk`]): each range in order, on 2 ranks as the
+///   same op, on 3+ (a reduce only) split in shares as above; the last chunk's first part
+///   marked (a rank whose count has fewer chunks than a peer's fails on its last one, instead
+///   of pairing a peer's next chunk with its next op).
 ///
 /// `Err`: a buffer this rank's parts need is missing, or a kind that does not split.
 #[allow(clippy::too_many_arguments)]
@@ -2051,18 +2053,23 @@ mod tests {
             Some(Split::Chunks(4 * mib))
         );
         assert_eq!(how(OpKind::Reduce, 16 * mib + 1, 2, u64::MAX), None);
-        let plan = split_plan(
-            OpKind::Reduce,
-            9 * mib,
-            4,
-            2,
-            1,
-            0,
-            Some(0x1000),
-            None,
-            Split::Chunks(4 * mib),
-        )
-        .unwrap();
+        // Rank `me` of `n`'s plan of a reduce to root 0 of `count` f32 in chunks of `chunk`,
+        // its input at 0x1000 and no output (a non-root).
+        let reduce_plan = |count, n, me, chunk| {
+            split_plan(
+                OpKind::Reduce,
+                count,
+                4,
+                n,
+                me,
+                0,
+                Some(0x1000),
+                None,
+                Split::Chunks(chunk),
+            )
+            .unwrap()
+        };
+        let plan = reduce_plan(9 * mib, 2, 1, 4 * mib);
         let counts: Vec<u64> = plan.iter().map(|p| p.count).collect();
         assert_eq!(counts, [4 * mib, 4 * mib, mib]);
         assert_eq!(plan[1].send, Some(0x1000 + 16 * mib));
@@ -2099,18 +2106,7 @@ mod tests {
             assert_eq!(how4(kind, 16 * mib), None, "{}", kind.name());
         }
         // 64 MiB on 4 ranks: two chunks of two parts each, the second's first part marked.
-        let plan = split_plan(
-            OpKind::Reduce,
-            16 * mib,
-            4,
-            4,
-            2,
-            0,
-            Some(0x1000),
-            None,
-            Split::Chunks(8 * mib),
-        )
-        .unwrap();
+        let plan = reduce_plan(16 * mib, 4, 2, 8 * mib);
         let parts: Vec<(OpKind, Part, u64)> =
             plan.iter().map(|p| (p.kind, p.part, p.count)).collect();
         let rs = |last| {
