@@ -40,6 +40,11 @@
 
 use std::fmt::Write as _;
 
+/// 16-byte loads in flight per thread before their stores in a direct op's pushes and copies
+/// (`commd_vloop`). 4x H200, 2026-11-28 (docs/benchmarks.md, "Loads in flight"; nccl-tests, us,
+/// against one load per step, and 8): alltoall 4 MiB 24.5 (28.5, 28.5), all-gather 4 MiB 19.5
+/// (21.2, 21.2), broadcast 16 MiB 93.9 (100.7, 94.1), reduce 64 MiB 448 (468, 446).
+const VEC_UNROLL: u32 = 4;
 /// Offset of the flags in a window.
 pub const FLAGS_OFF: u64 = 0;
 /// Offset of the early signatures of forwarded broadcasts in a window: per parity `p` and
@@ -123,6 +128,7 @@ pub const THREADS: u32 = 256;
 pub fn push_source(src: &mut String, name: &str, elem: &str, es: u64) {
     let hint_broken = commd_proto::desc::doorbell::HINT_BROKEN;
     let (ll_max, ll_slot, ll_sig) = (LL_MAX_BYTES, LL_SLOT_BYTES, LL_SIG);
+    let (unroll, unroll_m1) = (VEC_UNROLL, VEC_UNROLL - 1);
     // `write!` to a String cannot fail.
     let _ = write!(
         src,
@@ -149,6 +155,28 @@ struct commd_direct {{
     u64 epoch;
 }};
 
+/* Vectors lo..hi (16 bytes each) of thread `tid` of `stride`: st(j, ld(j)), {unroll} loads in
+   flight before their stores (one load per step left a push or a copy bounded by the load's
+   latency, not by the link or HBM). */
+template <typename Ld, typename St>
+static __device__ __forceinline__ void commd_vloop(u64 lo, u64 hi, u64 tid, u64 stride, Ld ld, St st) {{
+    u64 j = lo + tid;
+    for (; j + {unroll_m1}ull * stride < hi; j += {unroll}ull * stride) {{
+        commd_v16 v[{unroll}];
+#pragma unroll
+        for (u32 u = 0; u < {unroll}u; ++u) {{
+            v[u] = ld(j + (u64)u * stride);
+        }}
+#pragma unroll
+        for (u32 u = 0; u < {unroll}u; ++u) {{
+            st(j + (u64)u * stride, v[u]);
+        }}
+    }}
+    for (; j < hi; j += stride) {{
+        st(j, ld(j));
+    }}
+}}
+
 static __device__ __forceinline__ void commd_copy(u64 dst, u64 src, u64 bytes, u64 tid, u64 stride) {{
     if (dst == src) {{
         return;
@@ -156,9 +184,8 @@ static __device__ __forceinline__ void commd_copy(u64 dst, u64 src, u64 bytes, u
     u64 j0 = 0;
     if (((dst | src) & 15ull) == 0ull) {{
         const u64 nv = bytes / 16ull;
-        for (u64 j = tid; j < nv; j += stride) {{
-            ((commd_v16 *)dst)[j] = ((const commd_v16 *)src)[j];
-        }}
+        commd_vloop(0ull, nv, tid, stride, [&](u64 j) {{ return ((const commd_v16 *)src)[j]; }},
+                    [&](u64 j, const commd_v16 &v) {{ ((commd_v16 *)dst)[j] = v; }});
         j0 = nv * 16ull;
     }}
     for (u64 j = j0 + tid; j < bytes; j += stride) {{
@@ -258,6 +285,41 @@ static __device__ bool commd_direct_same(const struct commd_direct &a, u32 r, u6
 }}
 
 /* One LL line {{lo, e, hi, e}} at `at`, stored at once. */
+/* Waits for rank r's flag of epoch e (phase p) and checks it names this op (w0, w1); false if
+   the op failed (recorded). With `early`, it also fails at once as a mismatch when a peer's
+   early signature of epoch e names another op: a forwarded broadcast's non-root waits on its
+   root before it flags, and a peer running another op may wait on this rank in turn. */
+static __device__ bool commd_direct_wait(const struct commd_direct &a, const volatile u32 *s_fail, u32 r,
+                                         u32 p, u64 e, u64 w0, u64 w1, bool early) {{
+    const u64 mine = a.win[a.me];
+    const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + r) * 16ull);
+    u64 v = 0ull;
+    u64 t0 = 0ull;
+    u32 spins = 0u;
+    for (;;) {{
+        v = commd_ld_acquire(f);
+        if ((int)((u32)(v >> 32) - (u32)e) >= 0) {{
+            break;
+        }}
+        if ((++spins & 1023u) != 0u) {{
+            continue;
+        }}
+        if (commd_direct_stop(a, s_fail, r, e, w0, w1, v, t0)) {{
+            return false;
+        }}
+        for (u32 q = 0; early && q < a.n; ++q) {{
+            const u64 pre = *(volatile const u64 *)(mine + {PRE_OFF}ull + (u64)(p * 8u + q) * 8ull);
+            if (q != a.me && (u32)(pre >> 32) == (u32)e && pre != w0) {{
+                /* Its flag's word 1 was written before its early signature. */
+                const u64 pre1 = ((volatile const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + q) * 16ull))[1];
+                commd_direct_fail(a, {MISMATCH}u, q, e, w0, w1, pre, pre1);
+                return false;
+            }}
+        }}
+    }}
+    return commd_direct_same(a, r, e, w0, w1, v, ((volatile const u64 *)f)[1]);
+}}
+
 static __device__ __forceinline__ void commd_ll_store(u64 at, u32 lo, u32 hi, u32 e) {{
     asm volatile("st.volatile.global.v4.u32 [%0], {{%1, %2, %3, %4}};" :: "l"(at), "r"(lo), "r"(e), "r"(hi), "r"(e) : "memory");
 }}
@@ -478,42 +540,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
                 /* Thread 0 of each block waits for the root's flag (its part is in), then the block
                    forwards its share of the part. */
                 if (threadIdx.x == 0) {{
-                    const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + a.root) * 16ull);
-                    u64 v = 0ull;
-                    u64 t0 = 0ull;
-                    u32 spins = 0u;
-                    bool ok = true;
-                    for (;;) {{
-                        v = commd_ld_acquire(f);
-                        if ((int)((u32)(v >> 32) - (u32)e) >= 0) {{
-                            break;
-                        }}
-                        if ((++spins & 1023u) == 0u) {{
-                            if (commd_direct_stop(a, &s_fail, a.root, e, w0, w1, v, t0)) {{
-                                ok = false;
-                                break;
-                            }}
-                            /* A peer that started another op of this epoch (its early
-                               signature says so) may itself wait on this rank: a mismatch,
-                               now. */
-                            for (u32 q = 0; ok && q < a.n; ++q) {{
-                                const u64 pre = *(volatile const u64 *)(mine + {PRE_OFF}ull + (u64)(p * 8u + q) * 8ull);
-                                if (q != a.me && (u32)(pre >> 32) == (u32)e && pre != w0) {{
-                                    /* Its flag's word 1 was written before its early
-                                       signature. */
-                                    const u64 pre1 = ((volatile const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + q) * 16ull))[1];
-                                    commd_direct_fail(a, {MISMATCH}u, q, e, w0, w1, pre, pre1);
-                                    ok = false;
-                                }}
-                            }}
-                            if (!ok) {{
-                                break;
-                            }}
-                        }}
-                    }}
-                    if (ok) {{
-                        ok = commd_direct_same(a, a.root, e, w0, w1, v, ((volatile const u64 *)f)[1]);
-                    }}
+                    const bool ok = commd_direct_wait(a, &s_fail, a.root, p, e, w0, w1, true);
                     if (!ok) {{
                         s_fail = 1u;
                         for (u32 r = 0; r < a.n; ++r) {{
@@ -529,19 +556,19 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
             u64 j0 = lo;
             if ((src & 15ull) == 0ull) {{
                 const u64 hv = hi / 16ull;
-                for (u64 j = lo / 16ull + tid; j < hv; j += stride) {{
-                    const commd_v16 v = ((const commd_v16 *)src)[j];
-                    if (root_me) {{
-                        const u32 r = (a.root + 1u + (u32)(j * 16ull / ps)) % a.n;
-                        ((commd_v16 *)(a.win[r] + root_off))[j] = v;
-                    }} else {{
-                        for (u32 r = 0; r < a.n; ++r) {{
-                            if ((fwd_mask >> r) & 1u) {{
-                                ((commd_v16 *)(a.win[r] + root_off))[j] = v;
-                            }}
-                        }}
-                    }}
-                }}
+                commd_vloop(lo / 16ull, hv, tid, stride, [&](u64 j) {{ return ((const commd_v16 *)src)[j]; }},
+                            [&](u64 j, const commd_v16 &v) {{
+                                if (root_me) {{
+                                    const u32 r = (a.root + 1u + (u32)(j * 16ull / ps)) % a.n;
+                                    ((commd_v16 *)(a.win[r] + root_off))[j] = v;
+                                }} else {{
+                                    for (u32 r = 0; r < a.n; ++r) {{
+                                        if ((fwd_mask >> r) & 1u) {{
+                                            ((commd_v16 *)(a.win[r] + root_off))[j] = v;
+                                        }}
+                                    }}
+                                }}
+                            }});
                 j0 = hv * 16ull;
             }}
             for (u64 j = j0 + tid; j < hi; j += stride) {{
@@ -561,21 +588,22 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
             u64 j0 = 0;
             if ((a.in & 15ull) == 0ull && (!chunked || (bytes & 15ull) == 0ull)) {{
                 const u64 nv = bytes / 16ull;
-                for (u64 j = tid; j < nv; j += stride) {{
-                    if (chunked) {{
-                        for (u32 r = 0; r < a.n; ++r) {{
-                            if ((to_mask >> r) & 1u) {{
-                                ((commd_v16 *)(a.win[r] + slot_off))[j] = ((const commd_v16 *)(a.in + (u64)r * bytes))[j];
-                            }}
-                        }}
-                    }} else if (to_mask != 0u) {{
-                        const commd_v16 v = ((const commd_v16 *)a.in)[j];
-                        for (u32 r = 0; r < a.n; ++r) {{
-                            if ((to_mask >> r) & 1u) {{
-                                ((commd_v16 *)(a.win[r] + slot_off))[j] = v;
-                            }}
+                if (chunked) {{
+                    /* Chunk r to rank r, one rank after the other. */
+                    for (u32 r = 0; r < a.n; ++r) {{
+                        if ((to_mask >> r) & 1u) {{
+                            commd_copy(a.win[r] + slot_off, a.in + (u64)r * bytes, nv * 16ull, tid, stride);
                         }}
                     }}
+                }} else if (to_mask != 0u) {{
+                    commd_vloop(0ull, nv, tid, stride, [&](u64 j) {{ return ((const commd_v16 *)a.in)[j]; }},
+                                [&](u64 j, const commd_v16 &v) {{
+                                    for (u32 r = 0; r < a.n; ++r) {{
+                                        if ((to_mask >> r) & 1u) {{
+                                            ((commd_v16 *)(a.win[r] + slot_off))[j] = v;
+                                        }}
+                                    }}
+                                }});
                 }}
                 j0 = nv * 16ull;
             }}
@@ -614,26 +642,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
         }}
         /* Thread r waits for rank r's flag of epoch e and checks it is the same op. */
         if (threadIdx.x < a.n) {{
-            const u32 r = threadIdx.x;
-            const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + r) * 16ull);
-            u64 v = 0ull;
-            u64 t0 = 0ull;
-            u32 spins = 0u;
-            bool ok = true;
-            for (;;) {{
-                v = commd_ld_acquire(f);
-                if ((int)((u32)(v >> 32) - (u32)e) >= 0) {{
-                    break;
-                }}
-                if ((++spins & 1023u) == 0u && commd_direct_stop(a, &s_fail, r, e, w0, w1, v, t0)) {{
-                    ok = false;
-                    break;
-                }}
-            }}
-            if (ok) {{
-                ok = commd_direct_same(a, r, e, w0, w1, v, ((volatile const u64 *)f)[1]);
-            }}
-            if (!ok) {{
+            if (!commd_direct_wait(a, &s_fail, threadIdx.x, p, e, w0, w1, false)) {{
                 s_fail = 1u;
             }}
         }}
