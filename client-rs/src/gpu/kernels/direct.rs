@@ -588,8 +588,43 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
             u64 j0 = 0;
             if ((a.in & 15ull) == 0ull && (!chunked || (bytes & 15ull) == 0ull)) {{
                 const u64 nv = bytes / 16ull;
-                if (chunked) {{
-                    /* Chunk r to rank r, one rank after the other. */
+                if (chunked && __popc(to_mask) > 1) {{
+                    /* Chunk r to rank r, every rank at once: a step loads vector j of every
+                       peer's chunk, for two j, before it stores them. One rank after the
+                       other (below) took up to 1.5x the time on 4x H200 (docs/benchmarks.md,
+                       2026-11-28, "Every peer's chunk at once"): all-to-all 16 MiB 78.7 us
+                       against 53.0. */
+                    u64 j = tid;
+                    for (; j + stride < nv; j += 2ull * stride) {{
+                        commd_v16 v[2][8];
+#pragma unroll
+                        for (u32 u = 0; u < 2u; ++u) {{
+#pragma unroll
+                            for (u32 r = 0; r < 8u; ++r) {{
+                                if (r < a.n && ((to_mask >> r) & 1u)) {{
+                                    v[u][r] = ((const commd_v16 *)(a.in + (u64)r * bytes))[j + (u64)u * stride];
+                                }}
+                            }}
+                        }}
+#pragma unroll
+                        for (u32 u = 0; u < 2u; ++u) {{
+#pragma unroll
+                            for (u32 r = 0; r < 8u; ++r) {{
+                                if (r < a.n && ((to_mask >> r) & 1u)) {{
+                                    ((commd_v16 *)(a.win[r] + slot_off))[j + (u64)u * stride] = v[u][r];
+                                }}
+                            }}
+                        }}
+                    }}
+                    for (; j < nv; j += stride) {{
+                        for (u32 r = 0; r < a.n; ++r) {{
+                            if ((to_mask >> r) & 1u) {{
+                                ((commd_v16 *)(a.win[r] + slot_off))[j] = ((const commd_v16 *)(a.in + (u64)r * bytes))[j];
+                            }}
+                        }}
+                    }}
+                }} else if (chunked) {{
+                    /* One peer: its chunk with VEC_UNROLL loads in flight. */
                     for (u32 r = 0; r < a.n; ++r) {{
                         if ((to_mask >> r) & 1u) {{
                             commd_copy(a.win[r] + slot_off, a.in + (u64)r * bytes, nv * 16ull, tid, stride);
