@@ -432,6 +432,14 @@ fn programs(n: usize, ops: usize, seed: u64) -> Vec<Vec<Op>> {
     vec![one; n]
 }
 
+/// That a run (`end`) was told of a mismatch at op `at` (0-based: epoch `at + 1`).
+fn assert_mismatch_at(end: End, at: usize, what: &str) {
+    match end {
+        End::Mismatch { epoch, .. } => assert_eq!(epoch, at as u64 + 1, "{what}"),
+        other => panic!("{what}: {other:?}, want a mismatch at op {at}"),
+    }
+}
+
 #[test]
 fn two_parities_never_read_another_epoch_and_always_finish() {
     for n in [2, 3, 4, 8] {
@@ -469,10 +477,7 @@ fn ranks_that_run_different_ops_are_told_not_paired() {
         for (i, op) in ps[2].iter_mut().enumerate().skip(6) {
             op.1 = i as u32;
         }
-        match run(&ps, 2, seed + 11) {
-            End::Mismatch { epoch, .. } => assert_eq!(epoch, 6, "seed {seed}"),
-            other => panic!("seed {seed}: {other:?}, want a mismatch at the 6th op"),
-        }
+        assert_mismatch_at(run(&ps, 2, seed + 11), 5, &format!("seed {seed}"));
         // Same signatures but another count of ops at the end: the short rank finishes, the
         // others wait (the kernel's timeout or the daemon's broken hint ends that wait).
         let mut ps = programs(2, 10, seed);
@@ -497,12 +502,11 @@ fn an_op_by_lines_against_the_same_op_by_flags_is_a_mismatch_on_either_side() {
                 }
             }
             ps[odd][at].2 = !ps[odd][at].2;
-            match run(&ps, 2, seed * 31 + 5) {
-                End::Mismatch { epoch, .. } => {
-                    assert_eq!(epoch, at as u64 + 1, "{n} ranks, seed {seed}")
-                }
-                other => panic!("{n} ranks, seed {seed}: {other:?}, want a mismatch"),
-            }
+            assert_mismatch_at(
+                run(&ps, 2, seed * 31 + 5),
+                at,
+                &format!("{n} ranks, seed {seed}"),
+            );
         }
     }
 }
@@ -533,12 +537,11 @@ fn forwarded_broadcasts_whose_roots_differ_are_told_not_stuck() {
                 let root = (r + 1) % n;
                 p[at] = (fwd_sig(root), at as u32, false, Some(root));
             }
-            match run(&ps, 2, seed * 13 + 7) {
-                End::Mismatch { epoch, .. } => {
-                    assert_eq!(epoch, at as u64 + 1, "{n} ranks, seed {seed}")
-                }
-                other => panic!("{n} ranks, seed {seed}: {other:?}, want a mismatch"),
-            }
+            assert_mismatch_at(
+                run(&ps, 2, seed * 13 + 7),
+                at,
+                &format!("{n} ranks, seed {seed}"),
+            );
             // Without the early signatures the cycle never ends (the kernel's timeout would).
             let no_early = Fwd {
                 early: false,

@@ -284,7 +284,6 @@ static __device__ bool commd_direct_same(const struct commd_direct &a, u32 r, u6
     return false;
 }}
 
-/* One LL line {{lo, e, hi, e}} at `at`, stored at once. */
 /* Waits for rank r's flag of epoch e (phase p) and checks it names this op (w0, w1); false if
    the op failed (recorded). With `early`, it also fails at once as a mismatch when a peer's
    early signature of epoch e names another op: a forwarded broadcast's non-root waits on its
@@ -320,6 +319,7 @@ static __device__ bool commd_direct_wait(const struct commd_direct &a, const vol
     return commd_direct_same(a, r, e, w0, w1, v, ((volatile const u64 *)f)[1]);
 }}
 
+/* One LL line {{lo, e, hi, e}} at `at`, stored at once. */
 static __device__ __forceinline__ void commd_ll_store(u64 at, u32 lo, u32 hi, u32 e) {{
     asm volatile("st.volatile.global.v4.u32 [%0], {{%1, %2, %3, %4}};" :: "l"(at), "r"(lo), "r"(e), "r"(hi), "r"(e) : "memory");
 }}
