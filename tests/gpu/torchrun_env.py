@@ -47,9 +47,10 @@ def split_share(world: int, var: str = "COMMD_EAGER_DIRECT_MAX_BYTES") -> int:
 
 
 def push_limit(world: int, var: str = "COMMD_EAGER_DIRECT_MAX_BYTES") -> int:
-    """The largest direct all-gather or all-to-all, bytes per rank and peer: ``var`` when set
-    (every limit), else the library's default (``direct::default_push_bytes``: the power of two
-    at most 12 MiB / (world - 1) and 8 MiB)."""
+    """The largest direct all-gather, all-to-all or reduce-scatter, bytes per rank and peer:
+    ``var`` when set (every limit), else the library's default (``direct::default_push_bytes``:
+    the power of two at most 24 MiB / (world - 1) and 8 MiB; a reduce-scatter takes the larger
+    of it and ``direct_limit``, the same on 2 ranks)."""
     if int(os.environ.get(var, "0") or 0):
         return int(os.environ[var])
-    return 1 << min(8 << 20, (12 << 20) // (world - 1)).bit_length() - 1
+    return 1 << min(8 << 20, (24 << 20) // (world - 1)).bit_length() - 1

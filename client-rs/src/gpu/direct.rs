@@ -66,20 +66,23 @@ pub(crate) fn one_block_max() -> Result<u64> {
     static V: SettingCell = SettingCell::new();
     ONE_BLOCK_MAX.once(&V)
 }
-/// The default largest push to one peer of a direct all-gather or all-to-all (on 2 ranks also
-/// the largest share of a split op, [`default_share_bytes`]): the power of two at most 12 MiB /
-/// (n - 1) and 8 MiB, so every rank's GPU sends at most 12 MiB per such op ((n - 1) x this): 8
-/// MiB for 2 ranks, 4 for 3 and 4, 2 for 5 to 7, 1 for 8. Past it the daemon's copy engines copy
-/// straight into the receivers' buffers, where a direct copy goes through the windows:
+/// The default largest push to one peer of a direct all-gather, all-to-all or reduce-scatter
+/// (on 2 ranks also the largest share of a split op, [`default_share_bytes`]): the power of two
+/// at most 24 MiB / (n - 1) and 8 MiB, so every rank's GPU sends at most 24 MiB per such op
+/// ((n - 1) x this): 8 MiB for 2 to 4 ranks, 4 for 5 to 7, 2 for 8. On 3+ ranks it is at most
+/// the split's share, so it never widens a window's slot ([`Limits::slot`]). Past it the
+/// daemon's copy engines copy straight into the receivers' buffers, where a direct copy goes
+/// through the windows:
 /// - 2x H200 (docs/benchmarks.md, 2026-11-28, "The direct limit on two GPUs"): an all-gather
 ///   with 16 MiB per rank took 84.7 us direct against the daemon's 71.1, an all-to-all 94.7
 ///   against 69.4, while 8 MiB per rank took 40.6 against 48.4;
-/// - 4x H200 (2026-11-28, "Larger shares on four GPUs"): 4 MiB per peer (12 MiB of pushes)
-///   took 53.4 us for an all-gather of 16 MiB and 60.3 for an all-to-all against the daemon's
-///   78.5 and 77.8 (NCCL 65.5 and 64.2); 8 MiB per peer (24 MiB) 121.2 for an all-to-all of 32
-///   MiB against 111.2.
+/// - 4x H200, once a push loads every peer's chunk at once (2026-11-28, "Pushes of 8 MiB per
+///   peer on four GPUs"): 8 MiB per peer (24 MiB of pushes) took 98.6 us for an all-gather of
+///   32 MiB, 100.7 for an all-to-all and 95.9 for a reduce-scatter, against the daemon's
+///   112.2, 111.0 and 119.4 (NCCL 105.9, 107.2, 103.6). The earlier kernel, one peer after
+///   the other, had taken 121.2 for that all-to-all, hence the 12 MiB of the time before.
 pub fn default_push_bytes(nranks: u32) -> u64 {
-    let per = (12u64 << 20) / u64::from(nranks.saturating_sub(1).max(1));
+    let per = (24u64 << 20) / u64::from(nranks.saturating_sub(1).max(1));
     pow2_floor(per.min(8 << 20))
 }
 
@@ -131,9 +134,10 @@ pub fn default_share_bytes(nranks: u32) -> u64 {
 /// A communicator's direct limits, in bytes per rank ([`Config::limits`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// The largest all-reduce, reduce-scatter, broadcast or reduce; the window slot.
+    /// The largest all-reduce, broadcast or reduce (a reduce-scatter's too where it is the
+    /// larger, [`Limits::of`]).
     pub whole: u64,
-    /// The largest all-gather or all-to-all (per peer).
+    /// The largest all-gather, all-to-all or reduce-scatter (bytes per peer).
     pub push: u64,
     /// The largest share of an op split into direct ops ([`split_share`]).
     pub share: u64,
@@ -146,6 +150,19 @@ impl Limits {
             whole: bytes,
             push: bytes,
             share: bytes,
+        }
+    }
+
+    /// The largest whole direct op of `mode`: an all-gather or all-to-all pushes each peer's
+    /// chunk as a copy (`push`); a reduce-scatter pushes each peer's chunk too, so it takes the
+    /// larger of `push` and `whole` (4x H200, docs/benchmarks.md, 2026-11-28, "Pushes of 8 MiB
+    /// per peer on four GPUs": a reduce-scatter of 16 MiB, 4 MiB per peer, took 51.5 us direct
+    /// against the daemon's 76.3, NCCL 61.9); the rest `whole`.
+    pub fn of(&self, mode: u32) -> u64 {
+        match mode {
+            k::MODE_AG | k::MODE_A2A => self.push,
+            k::MODE_RS => self.push.max(self.whole),
+            _ => self.whole,
         }
     }
 
@@ -1191,10 +1208,8 @@ impl Communicator {
         // A part of a split op: its plan sized it to the split's share or chunk, within a slot.
         let max = if part != Part::Whole {
             lim.slot()
-        } else if matches!(mode, k::MODE_AG | k::MODE_A2A) {
-            lim.push
         } else {
-            lim.whole
+            lim.of(mode)
         };
         if self.nodes > 1
             || self.nranks < 2
@@ -1931,20 +1946,26 @@ mod tests {
         // (ranks, whole ops, copies, split shares, slots)
         let want = [
             (2, 16 * mib, 8 * mib, 8 * mib, 16 * mib),
-            (3, 4 * mib, 4 * mib, 8 * mib, 8 * mib),
-            (4, 2 * mib, 4 * mib, 8 * mib, 8 * mib),
-            (5, 2 * mib, 2 * mib, 4 * mib, 4 * mib),
-            (6, mib, 2 * mib, 4 * mib, 4 * mib),
-            (7, mib, 2 * mib, 4 * mib, 4 * mib),
-            (8, mib, mib, 4 * mib, 4 * mib),
+            (3, 4 * mib, 8 * mib, 8 * mib, 8 * mib),
+            (4, 2 * mib, 8 * mib, 8 * mib, 8 * mib),
+            (5, 2 * mib, 4 * mib, 4 * mib, 4 * mib),
+            (6, mib, 4 * mib, 4 * mib, 4 * mib),
+            (7, mib, 4 * mib, 4 * mib, 4 * mib),
+            (8, mib, 2 * mib, 4 * mib, 4 * mib),
         ];
         for (n, whole, push, share, slot) in want {
             let lim = c.limits(n);
             assert_eq!(lim, Limits { whole, push, share }, "{n} ranks");
             assert_eq!(lim.slot(), slot, "{n} ranks");
-            // Every rank's GPU sends (n - 1) x a copy at most 12 MiB; a window is at most 64
-            // MiB of data slots and 16 x 8 KiB of LL lines.
-            assert!((u64::from(n) - 1) * push <= 12 * mib);
+            assert_eq!(lim.of(k::MODE_AR), whole);
+            assert_eq!(lim.of(k::MODE_A2A), push);
+            assert_eq!(lim.of(k::MODE_RS), whole.max(push), "{n} ranks");
+            assert!(lim.of(k::MODE_RS) <= slot);
+            // Every rank's GPU sends (n - 1) x a copy at most 24 MiB; on 3+ ranks a push is
+            // within the split's share (it never widens the slot); a window is at most 64 MiB
+            // of data slots and 16 x 8 KiB of LL lines.
+            assert!((u64::from(n) - 1) * push <= 24 * mib);
+            assert!(n == 2 || push <= share, "{n} ranks");
             assert!(window_bytes(n, slot) <= 64 * mib + k::DATA_OFF + 16 * k::LL_SLOT_BYTES);
         }
         // A set limit is every limit, and the slot (rounded up to 4 KiB).
