@@ -250,6 +250,12 @@ const BCAST_FORWARD_MIN: Setting = Setting {
     hi: u64::MAX,
     default: 2 << 20,
 };
+const DEFER_WAIT: Setting = Setting {
+    name: "COMMD_DIRECT_DEFER_WAIT",
+    lo: 0,
+    hi: 1,
+    default: 0,
+};
 const LL_MAX: Setting = Setting {
     name: "COMMD_DIRECT_LL_MAX_BYTES",
     lo: 0,
@@ -694,6 +700,20 @@ pub(crate) fn forwarded(mode: u32, part: Part, n: u32, bytes: u64, fwd_min: u64)
 pub(crate) fn ll_max() -> Result<u64> {
     static V: SettingCell = SettingCell::new();
     LL_MAX.once(&V)
+}
+
+/// `COMMD_DIRECT_DEFER_WAIT=1`, for measurements only (default 0): a rank that reads nothing
+/// of its peers in a direct op (a broadcast's root, a reduce's non-root, ...) ends the op
+/// without waiting for their flags, and its next direct op waits for them first
+/// (`kernels::direct::DEFER_OFF`). Results and mismatch checks are as without it (a mismatch
+/// at such an op fails that rank's next op); what is missing before it can be a default: a
+/// peer may still write its flag into this rank's window after this rank's last op, so a
+/// process that exits right then leaves that write to freed memory (the windows live until
+/// the process exits); a drain at the communicator's end is to come. A rank's own choice (its
+/// peers need not share it). Read once per process.
+pub(crate) fn defer_wait() -> Result<bool> {
+    static V: SettingCell = SettingCell::new();
+    Ok(DEFER_WAIT.once(&V)? != 0)
 }
 
 /// The op signature a flag carries: kind, dtype and reduction (sum for the copies), one byte
@@ -1188,6 +1208,7 @@ impl Communicator {
         let lim = cfg.limits(self.nranks);
         // Read for every op (a bad value fails each one, before any exchange with the peers).
         let most = split_max()?;
+        let defer = defer_wait()?;
         if matches!(mode, k::MODE_AR | k::MODE_BC | k::MODE_RED)
             && part == Part::Whole
             && self.nodes <= 1
@@ -1380,6 +1401,7 @@ impl Communicator {
             status: status.as_ref().map_or(0, |(_, w)| *w),
             unit,
             ll: u32::from(ll_op(eager, w.epoch + 1, blocks, bytes, w.ll_max, mode)),
+            defer: u32::from(defer),
             epoch: if eager { w.epoch + 1 } else { 0 },
         };
         super::prof::mark(super::prof::PREPARE);
@@ -2856,6 +2878,9 @@ mod tests {
         const {
             assert!(k::FLAGS_OFF + 2 * k::MAX_RANKS as u64 * 16 <= k::STATE_OFF);
             assert!(k::DEAD_OFF + 4 <= k::DATA_OFF);
+            // The deferred waits (2 parities x 24 bytes) after the state words, in the header
+            // that the setup zeroes.
+            assert!(k::DEAD_OFF + 4 <= k::DEFER_OFF && k::DEFER_OFF + 2 * 24 <= k::DATA_OFF);
         }
     }
 }

@@ -652,6 +652,9 @@ pub struct DirectArgs {
     pub unit: u32,
     /// Non-zero: the op moves by LL lines (one block, at most `direct::LL_MAX_BYTES`).
     pub ll: u32,
+    /// Non-zero: a rank that reads nothing of its peers in this op defers its wait to its next
+    /// op (`direct::DEFER_OFF`), which then waits first.
+    pub defer: u32,
     /// An eager op's epoch, numbered by the host (its windows hold eager ops only, which run
     /// in issue order); 0: a captured op, whose blocks count tickets for it.
     pub epoch: u64,
@@ -684,7 +687,7 @@ pub struct P2pArgs {
     pub ll: u32,
     pub pad: u32,
 }
-const _: () = assert!(std::mem::size_of::<DirectArgs>() == 168);
+const _: () = assert!(std::mem::size_of::<DirectArgs>() == 176);
 const _: () = assert!(std::mem::size_of::<P2pArgs>() == 88);
 
 /// The parameter of the rounds kernel (`struct commd_rounds`, `rounds::push_source`): the pieces

@@ -27,6 +27,14 @@
 //! checks that each part read is the root's data of the epoch, whoever wrote it, and that ranks
 //! whose roots differ, each waiting on another, are told instead of stuck (without the early
 //! signatures they are stuck: the test can fail).
+//!
+//! Broadcasts whose root defers its wait (`DirectArgs::defer`) mix with all of them: the root
+//! pushes its slot to every peer and flags, but waits for no flag and reads nothing; it keeps
+//! the op's words, and its next op, before it writes anything, waits for every rank's flag of
+//! that epoch and checks it names the kept op. The non-roots push nothing and run the op as
+//! usual, reading the root's slot. The model checks that the wait one op late keeps every read
+//! of the parity argument right and every mismatch told (without it, reads are overwritten:
+//! the test can fail).
 
 /// A flag's first word: epoch, signature.
 type Flag = (u64, u32);
@@ -37,8 +45,9 @@ const LL: u32 = u32::MAX - 1;
 /// What a slot holds: epoch, source, value.
 type Datum = (u64, usize, u64);
 
-/// An op of a program: signature, capture index, by LL lines, forwarded from this root.
-type Op = (u32, u32, bool, Option<usize>);
+/// An op of a program: signature, capture index, by LL lines, forwarded from this root, a
+/// broadcast from this root that defers its wait.
+type Op = (u32, u32, bool, Option<usize>, Option<usize>);
 
 struct Window {
     flags: Vec<[Option<Flag>; 2]>,
@@ -75,6 +84,8 @@ enum Step {
     FWait,
     /// A forwarded broadcast's non-root forwards its part into another non-root's window.
     FFwd(usize),
+    /// The wait a rank deferred at its previous op: for rank r's flag of that epoch.
+    DWait(usize),
 }
 
 struct Rank {
@@ -83,6 +94,9 @@ struct Rank {
     op: usize,
     step: Step,
     epoch: u64,
+    /// The epoch, signature and capture index of this rank's previous op when it deferred its
+    /// wait.
+    deferred: Option<(u64, u32, u32)>,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -128,23 +142,31 @@ fn run(programs: &[Vec<Op>], parities: u64, seed: u64) -> End {
     run_with(programs, parities, AS_BUILT, seed)
 }
 
-/// What a forwarded broadcast does: as built, both; each `false` is a mutation.
+/// What a forwarded broadcast and a deferred wait do: as built, all; each `false` is a
+/// mutation.
 #[derive(Clone, Copy)]
 struct Fwd {
     /// Early signatures written and checked.
     early: bool,
     /// A non-root waits for the root's flag before it forwards.
     wait_root: bool,
+    /// A rank that deferred its wait waits at the start of its next op.
+    deferred_wait: bool,
 }
 
 const AS_BUILT: Fwd = Fwd {
     early: true,
     wait_root: true,
+    deferred_wait: true,
 };
 
 /// [`run`] with forwarded broadcasts as `how` says.
 fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
-    let Fwd { early, wait_root } = how;
+    let Fwd {
+        early,
+        wait_root,
+        deferred_wait,
+    } = how;
     let n = programs.len();
     let parts = n.saturating_sub(1).max(1);
     let mut win: Vec<Window> = (0..n)
@@ -165,6 +187,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
             op: 0,
             step: Step::Start,
             epoch: 0,
+            deferred: None,
         })
         .collect();
     let mut rng = Xorshift(seed | 1);
@@ -182,7 +205,9 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
             }
             continue;
         }
-        let (sig, k, ll, fwd) = r.program[r.op];
+        let (sig, k, ll, fwd, bc) = r.program[r.op];
+        // This op's root defers its wait (and reads nothing).
+        let defers = bc == Some(me);
         let p = (r.epoch % parities) as usize;
         let next = |s: usize| if s + 1 < n { Some(s + 1) } else { None };
         match r.step {
@@ -190,7 +215,36 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                 stalls = 0;
                 win[me].entered += 1;
                 r.epoch = win[me].entered;
-                r.step = Step::Aux(0);
+                let late = r.deferred.is_some_and(|d| d.0 + 1 == r.epoch);
+                r.step = if late && deferred_wait {
+                    Step::DWait(0)
+                } else {
+                    Step::Aux(0)
+                };
+            }
+            Step::DWait(from) => {
+                let (de, dsig, dk) = r.deferred.unwrap_or_default();
+                let dp = (de % parities) as usize;
+                match win[me].flags[from][dp] {
+                    Some((e, s)) if e >= de => {
+                        assert!(
+                            e == de || parities == 1,
+                            "rank {me} waiting late for epoch {de} saw rank {from}'s flag of epoch {e}"
+                        );
+                        let kk = win[me].aux[from][dp].map_or(u32::MAX, |a| a.1);
+                        if (s, kk) != (dsig, dk) || e != de {
+                            return mismatch(me, from, de);
+                        }
+                        r.step = next(from).map_or(Step::Aux(0), Step::DWait);
+                        stalls = 0;
+                    }
+                    _ => {
+                        stalls += 1;
+                        if stalls > 100_000 {
+                            return End::Stuck;
+                        }
+                    }
+                }
             }
             Step::Aux(to) => {
                 // The first block writes every window's second word before any push (and a
@@ -210,7 +264,8 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
             }
             Step::Push(to) => {
                 let p = (r.epoch % parities) as usize;
-                if to != me {
+                // A broadcast's non-roots push nothing.
+                if to != me && bc.is_none_or(|t| t == me) {
                     win[to].data[me][p].fill(Some((r.epoch, me, value(me, r.epoch))));
                 }
                 r.step = next(to).map_or(Step::Flag(0), Step::Push);
@@ -278,7 +333,16 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                 // after every block pushed; modelled as peers first, then its own).
                 let to = (me + 1 + i) % n;
                 win[to].flags[me][p] = Some((r.epoch, sig));
-                r.step = next(i).map_or(Step::Wait(0), Step::Flag);
+                r.step = match next(i) {
+                    Some(i) => Step::Flag(i),
+                    None if defers => {
+                        // No wait, no read: the next op waits first.
+                        r.deferred = Some((r.epoch, sig, k));
+                        r.op += 1;
+                        Step::Start
+                    }
+                    None => Step::Wait(0),
+                };
             }
             Step::LlData(to) => {
                 if to != me {
@@ -384,9 +448,9 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                 }
             }
             Step::Read(from) => {
-                // A forwarded broadcast's non-root reads the root's slot only (the root reads
-                // nothing); the other ops every peer's.
-                let reads = from != me && fwd.is_none_or(|t| from == t);
+                // A broadcast's non-root reads the root's slot only (the root reads nothing);
+                // the other ops every peer's.
+                let reads = from != me && fwd.or(bc).is_none_or(|t| from == t);
                 if reads {
                     for (q, got) in win[me].data[from][p].iter().enumerate() {
                         assert_eq!(
@@ -414,18 +478,26 @@ fn fwd_sig(root: usize) -> u32 {
     100 + root as u32
 }
 
-/// The same random program for `n` ranks: `ops` ops, about half of them by LL lines, and on 3+
-/// ranks about a quarter forwarded broadcasts from a random root.
+/// The signature of a broadcast from `root` whose root defers its wait.
+fn defer_sig(root: usize) -> u32 {
+    200 + root as u32
+}
+
+/// The same random program for `n` ranks: `ops` ops, about half of them by LL lines, on 3+
+/// ranks about a quarter forwarded broadcasts from a random root, and about a quarter (of the
+/// rest on 3+ ranks) broadcasts whose root defers its wait.
 fn programs(n: usize, ops: usize, seed: u64) -> Vec<Vec<Op>> {
     let mut rng = Xorshift(seed | 1);
     let one: Vec<Op> = (0..ops)
         .map(|k| {
             let x = rng.next();
+            let root = ((x >> 24) % n as u64) as usize;
             if n >= 3 && (x >> 16).is_multiple_of(4) {
-                let root = ((x >> 24) % n as u64) as usize;
-                (fwd_sig(root), k as u32, false, Some(root))
+                (fwd_sig(root), k as u32, false, Some(root), None)
+            } else if (x >> 32).is_multiple_of(4) {
+                (defer_sig(root), k as u32, false, None, Some(root))
             } else {
-                ((x % 5) as u32, k as u32, (x >> 8) & 1 == 1, None)
+                ((x % 5) as u32, k as u32, (x >> 8) & 1 == 1, None, None)
             }
         })
         .collect();
@@ -473,16 +545,24 @@ fn ranks_that_run_different_ops_are_told_not_paired() {
     for seed in 0..100u64 {
         let mut ps = programs(4, 20, seed);
         // Rank 2 captured one more op at position 5: every later op's capture index differs.
-        ps[2].insert(5, (9, 5, seed % 2 == 0, None));
+        ps[2].insert(5, (9, 5, seed % 2 == 0, None, None));
         for (i, op) in ps[2].iter_mut().enumerate().skip(6) {
             op.1 = i as u32;
         }
         assert_mismatch_at(run(&ps, 2, seed + 11), 5, &format!("seed {seed}"));
         // Same signatures but another count of ops at the end: the short rank finishes, the
-        // others wait (the kernel's timeout or the daemon's broken hint ends that wait).
+        // others wait (the kernel's timeout or the daemon's broken hint ends that wait), but
+        // for a broadcast whose root defers its wait: that root ends its extra op as NCCL's
+        // root ends a send that fits the peer's buffer (its own result is right; a later op
+        // of it would check the peer's flag of that epoch).
         let mut ps = programs(2, 10, seed);
-        ps[1].pop();
-        assert_eq!(run(&ps, 2, seed + 13), End::Stuck, "seed {seed}");
+        let extra = ps[1].pop().and_then(|o| o.4);
+        let want = if extra == Some(0) {
+            End::Done
+        } else {
+            End::Stuck
+        };
+        assert_eq!(run(&ps, 2, seed + 13), want, "seed {seed}");
     }
 }
 
@@ -495,10 +575,10 @@ fn an_op_by_lines_against_the_same_op_by_flags_is_a_mismatch_on_either_side() {
             let mut ps = programs(n, 12, seed);
             let at = (seed % 12) as usize;
             let odd = (seed as usize / 12) % n;
-            // (A forwarded broadcast never moves by lines: make that op a plain one first.)
+            // (A broadcast never moves by lines: make that op a plain one first.)
             for p in ps.iter_mut() {
-                if p[at].3.is_some() {
-                    p[at] = (7, at as u32, false, None);
+                if p[at].3.is_some() || p[at].4.is_some() {
+                    p[at] = (7, at as u32, false, None, None);
                 }
             }
             ps[odd][at].2 = !ps[odd][at].2;
@@ -535,7 +615,7 @@ fn forwarded_broadcasts_whose_roots_differ_are_told_not_stuck() {
             let at = (seed % 10) as usize;
             for (r, p) in ps.iter_mut().enumerate() {
                 let root = (r + 1) % n;
-                p[at] = (fwd_sig(root), at as u32, false, Some(root));
+                p[at] = (fwd_sig(root), at as u32, false, Some(root), None);
             }
             assert_mismatch_at(
                 run(&ps, 2, seed * 13 + 7),
@@ -575,4 +655,69 @@ fn a_forward_before_the_roots_flag_is_caught() {
         caught > 0,
         "forwarding before the root's flag never went wrong in 200 schedules"
     );
+}
+
+#[test]
+fn programs_mix_deferred_broadcasts_from_every_root() {
+    for n in [2, 4] {
+        let ps = programs(n, 200, 9);
+        let roots: std::collections::HashSet<usize> = ps[0].iter().filter_map(|o| o.4).collect();
+        assert_eq!(roots.len(), n, "{n} ranks: {roots:?}");
+    }
+}
+
+#[test]
+fn a_deferred_wait_left_out_is_caught() {
+    // The mutation: a root that deferred its wait starts its next op without it.
+    let no_wait = Fwd {
+        deferred_wait: false,
+        ..AS_BUILT
+    };
+    let mut caught = 0;
+    for seed in 0..300u64 {
+        // Mostly deferred broadcasts, so that a root runs several in a row.
+        let mut ps = programs(3, 30, seed);
+        for (i, op) in ps[0].clone().iter().enumerate() {
+            if i % 3 != 2 {
+                let root = (seed as usize + i / 6) % 3;
+                for p in ps.iter_mut() {
+                    p[i] = (defer_sig(root), op.1, false, None, Some(root));
+                }
+            }
+        }
+        let r = std::panic::catch_unwind(|| run_with(&ps, 2, no_wait, seed * 17 + 3));
+        if r.is_err() || matches!(r, Ok(End::Mismatch { .. })) {
+            caught += 1;
+        }
+        // As built, the same programs finish with every read right.
+        assert_eq!(run(&ps, 2, seed * 17 + 3), End::Done, "seed {seed}");
+    }
+    assert!(
+        caught > 0,
+        "leaving out the deferred wait never went wrong in 300 schedules"
+    );
+}
+
+#[test]
+fn a_deferred_broadcast_against_another_op_is_told_at_that_op() {
+    // One rank runs another op where the others run a broadcast whose root defers its wait:
+    // the root, the odd rank or not, is told at that op's epoch (a non-root at its wait, the
+    // root by its next op's late wait), never paired.
+    for n in [2, 3, 4] {
+        for seed in 0..100u64 {
+            let mut ps = programs(n, 12, seed);
+            let at = (seed % 11) as usize;
+            let root = (seed as usize / 11) % n;
+            let odd = (seed as usize / 7) % n;
+            for p in ps.iter_mut() {
+                p[at] = (defer_sig(root), at as u32, false, None, Some(root));
+            }
+            ps[odd][at] = (7, at as u32, seed % 2 == 0, None, None);
+            assert_mismatch_at(
+                run(&ps, 2, seed * 29 + 1),
+                at,
+                &format!("{n} ranks, seed {seed}, root {root}, odd rank {odd}"),
+            );
+        }
+    }
 }

@@ -23,6 +23,8 @@
 //!   `epoch`), `arrive[2]` (u32, blocks that finished pushing, per parity; a one-block op,
 //!   its own last block, skips it),
 //!   `dead` (u32, non-zero once an op of the communicator failed: every later op stops at once).
+//! - `DEFER_OFF`: per parity `p`, the epoch and flag words of this rank's op of that parity
+//!   whose wait it deferred (`defer`, [`DEFER_OFF`]).
 //! - `DATA_OFF`: per parity `p` and source rank `r`, a slot of `slot` bytes at
 //!   `DATA_OFF + (p * n + r) * slot`.
 //!
@@ -55,6 +57,16 @@ pub const PRE_OFF: u64 = 256;
 pub const STATE_OFF: u64 = 512;
 /// Offset of the `dead` word in a window.
 pub const DEAD_OFF: u64 = STATE_OFF + 16;
+/// Offset of the deferred waits in a window: per parity `p`, 24 bytes at `DEFER_OFF + p * 24`,
+/// the epoch, word 0 and word 1 of this rank's op of parity `p` whose wait it deferred
+/// (`struct commd_direct`'s `defer`, tests only so far: `COMMD_DIRECT_DEFER_WAIT`). A rank
+/// that reads nothing of its peers in an op (a broadcast's or scatter's root, a reduce's or
+/// gather's non-root) then flags and ends without waiting for their flags; its next op, before
+/// it writes anything into a window, waits for every rank's flag of that epoch and checks it
+/// names that op. Both parity arguments of the module doc hold one op late: this rank writes
+/// into a peer's window for epoch e + 1 only after it saw the peer's flag of e. A mismatch at
+/// the deferred op fails the next op (the non-roots fail at the op itself).
+pub const DEFER_OFF: u64 = STATE_OFF + 32;
 /// Offset of the data slots in a window.
 pub const DATA_OFF: u64 = 4096;
 /// Bytes of the failure record.
@@ -152,6 +164,7 @@ struct commd_direct {{
     u32 status;
     u32 unit;
     u32 ll;
+    u32 defer;
     u64 epoch;
 }};
 
@@ -380,6 +393,28 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
             commd_direct_fail(a, {POISONED}u, a.me, e, w0, w1, 0ull, 0ull);
         }}
         return;
+    }}
+    if (a.defer != 0u && e >= 2ull) {{
+        /* This rank's previous op deferred its wait (DEFER_OFF): every rank's flag of that
+           epoch first, checked against its words, before this op writes into any window. */
+        const u32 q = p ^ 1u;
+        const u64 *d = (const u64 *)(mine + {DEFER_OFF}ull + (u64)q * 24ull);
+        if (d[0] == e - 1ull) {{
+            if (threadIdx.x < a.n && !commd_direct_wait(a, &s_fail, threadIdx.x, q, e - 1ull, d[1], d[2], false)) {{
+                s_fail = 1u;
+            }}
+            __syncthreads();
+            if (s_fail != 0u) {{
+                /* Recorded (with the deferred op's epoch and words); the peers are told at once
+                   that this op does not run. */
+                if (threadIdx.x == 0) {{
+                    for (u32 r = 0; r < a.n; ++r) {{
+                        commd_direct_flag(a, r, p, (e << 32) | {ERR_SIG}ull, w1);
+                    }}
+                }}
+                return;
+            }}
+        }}
     }}
     /* Push into slot (p, me) of the peers' windows: the whole input (all-reduce, all-gather),
        the peer's chunk of it (reduce-scatter, all-to-all), the root's input (broadcast), every
@@ -675,8 +710,17 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
                 }}
             }}
         }}
-        /* Thread r waits for rank r's flag of epoch e and checks it is the same op. */
-        if (threadIdx.x < a.n) {{
+        if (a.defer != 0u && (from_root ? a.me == a.root : to_root && a.me != a.root)) {{
+            /* This rank reads nothing of its peers: its next op waits for their flags of this
+               epoch first (DEFER_OFF). */
+            if (blockIdx.x == 0 && threadIdx.x == 0) {{
+                u64 *d = (u64 *)(mine + {DEFER_OFF}ull + (u64)p * 24ull);
+                d[1] = w0;
+                d[2] = w1;
+                d[0] = e;
+            }}
+        }} else if (threadIdx.x < a.n) {{
+            /* Thread r waits for rank r's flag of epoch e and checks it is the same op. */
             if (!commd_direct_wait(a, &s_fail, threadIdx.x, p, e, w0, w1, false)) {{
                 s_fail = 1u;
             }}
