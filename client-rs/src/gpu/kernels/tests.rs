@@ -78,6 +78,14 @@ fn every_kernel_compiles_with_nvrtc() {
             "{d:?} {op:?}: no direct kernel in the PTX"
         );
         assert!(ptx.contains("ld.acquire.sys") && ptx.contains("st.release.sys"));
+        // Its parameter (`struct commd_direct`) is as large as the host's `DirectArgs`: the
+        // two layouts agree in size (their fields are in the same order).
+        let param = format!(
+            "{}_param_0[{}]",
+            direct_kernel_name(d, op),
+            std::mem::size_of::<DirectArgs>()
+        );
+        assert!(ptx.contains(&param), "{d:?} {op:?}: no {param} in the PTX");
         // Sum modules carry the scale kernel (NCCL's PreMulSum in the NCCL library).
         assert_eq!(
             ptx.contains(&format!(".entry {}(", scale_kernel_name(d))),
