@@ -2803,8 +2803,13 @@ mod tests {
         assert_eq!(LL_MAX.parse(None).unwrap(), k::LL_MAX_BYTES);
         assert_eq!(LL_MAX.parse(Some("")).unwrap(), k::LL_MAX_BYTES);
         assert_eq!(LL_MAX.parse(Some("1024")).unwrap(), 1024);
+        // The deferred wait: off unless set to 1.
+        assert_eq!(DEFER_WAIT.parse(None).unwrap(), 0);
+        assert_eq!(DEFER_WAIT.parse(Some("1")).unwrap(), 1);
         // Past the LL area's lines, negative, not a number: refused, naming the setting.
         for (set, bad) in [
+            (&DEFER_WAIT, "2"),
+            (&DEFER_WAIT, "yes"),
             (&LL_MAX, "4097"),
             (&LL_MAX, "-1"),
             (&LL_MAX, "lots"),

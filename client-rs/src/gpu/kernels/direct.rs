@@ -258,6 +258,14 @@ static __device__ __forceinline__ void commd_direct_flag(const struct commd_dire
     commd_st_release(f, w0);
 }}
 
+/* Tells every rank (this one too) that this rank's op of epoch e (parity p) does not run: its
+   flag carries ERR_SIG, which a peer's wait reads as PEER_FAILED at once. */
+static __device__ void commd_direct_flag_failed(const struct commd_direct &a, u32 p, u64 e, u64 w1) {{
+    for (u32 r = 0; r < a.n; ++r) {{
+        commd_direct_flag(a, r, p, (e << 32) | {ERR_SIG}ull, w1);
+    }}
+}}
+
 /* Every 1024 spins of a wait for rank r: whether to stop (an op of the communicator failed,
    or this one now: broken, or timed out, recorded). */
 static __device__ bool commd_direct_stop(const struct commd_direct &a, const volatile u32 *s_fail, u32 r,
@@ -387,9 +395,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
     if (s_fail != 0u) {{
         /* An earlier op failed: this one does not run. The peers are told at once. */
         if (blockIdx.x == 0 && threadIdx.x == 0) {{
-            for (u32 r = 0; r < a.n; ++r) {{
-                commd_direct_flag(a, r, p, (e << 32) | {ERR_SIG}ull, w1);
-            }}
+            commd_direct_flag_failed(a, p, e, w1);
             commd_direct_fail(a, {POISONED}u, a.me, e, w0, w1, 0ull, 0ull);
         }}
         return;
@@ -408,9 +414,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
                 /* Recorded (with the deferred op's epoch and words); the peers are told at once
                    that this op does not run. */
                 if (threadIdx.x == 0) {{
-                    for (u32 r = 0; r < a.n; ++r) {{
-                        commd_direct_flag(a, r, p, (e << 32) | {ERR_SIG}ull, w1);
-                    }}
+                    commd_direct_flag_failed(a, p, e, w1);
                 }}
                 return;
             }}
@@ -578,9 +582,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
                     const bool ok = commd_direct_wait(a, &s_fail, a.root, p, e, w0, w1, true);
                     if (!ok) {{
                         s_fail = 1u;
-                        for (u32 r = 0; r < a.n; ++r) {{
-                            commd_direct_flag(a, r, p, (e << 32) | {ERR_SIG}ull, w1);
-                        }}
+                        commd_direct_flag_failed(a, p, e, w1);
                     }}
                 }}
                 __syncthreads();
