@@ -224,6 +224,23 @@ def test_timeout_names_the_missing_rank(daemon):
     assert time.monotonic() - t0 < 20
 
 
+def test_an_op_timeout_marks_the_communicator_broken_for_every_rank(daemon):
+    """An op that times out in the daemon breaks the communicator for good (every later op
+    fails): the daemon also sets the "broken" hint of every local rank's doorbell slot, so a
+    direct op waiting on the GPU for a peer's flag (DESIGN.md contract 7) stops at once, as
+    after a lost rank, instead of at its own timeout. Rank 1, which never posted the op, is
+    told too."""
+    def steps(r):
+        if r == 1:
+            return [{"broken": False}, {"sleep_ms": 2500}, {"broken": True, "sleep_ms": 100}]
+        return [{"broken": False},
+                {"op": "all_reduce", "dtype": "f32", "count": 8, "expect": "timeout"},
+                {"broken": True, "sleep_ms": 2000}]
+
+    ranks = run_ranks(daemon, 3, steps, op_timeout_ms=500, timeout=30)
+    assert_all_pass(ranks)
+
+
 def test_two_communicators_in_parallel(daemon):
     # two independent jobs at once, plus one process that is in two communicators
     steps = [{"op": "all_reduce", "dtype": "f32", "count": 100_003, "seed": s} for s in range(20)]

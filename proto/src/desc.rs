@@ -150,9 +150,10 @@ pub mod doorbell {
     /// graph doorbells' error words say which (`graph_doorbell`), `GetGraphOpError` why. The
     /// client clears the bit once it has looked.
     pub const HINT_GRAPH_FAILED: u32 = 2;
-    /// Hint bit: the communicator is broken for good (a rank's process was lost, or the
-    /// client's watchdog lost the daemon). Direct captured ops (contract 7) poll it while they
-    /// wait for a peer, so a replay stops instead of waiting for a rank that will never come.
+    /// Hint bit: the communicator is broken for good (a rank's process was lost, an op of it
+    /// timed out in the daemon, or the client's watchdog lost the daemon). Direct ops (contract
+    /// 7) poll it while they wait for a peer, so they stop instead of waiting for a rank that
+    /// will never come.
     pub const HINT_BROKEN: u32 = 4;
     /// Hint bit: every local rank of this communicator has bound its GPU scratch and none
     /// shares this rank's GPU. The client's rounds kernel (one launch spinning between rounds)

@@ -31,6 +31,11 @@ ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
    every root at the sizes of 6 that reach it, and mismatches raised on every rank: counts with
    another number of chunks (a rank must not pair a peer's extra chunk with its next op) and
    counts that differ only in the last chunk.
+8. One rank's op on the daemon's path where the others run it as a direct op (an all-gather
+   count past the push limit against one under it, by LL lines and by flags), and ops issued
+   in different orders across the two paths: the direct rank is told at once, by the others'
+   daemon marks (``kernels::direct::MARK_OFF``), with a mismatch naming the daemon's path,
+   not at the op timeout; the others' op fails by the group's (short) timeout at the latest.
 Exits non-zero on any failure.
 """
 
@@ -244,18 +249,25 @@ two_streams("split, two streams", [(world * most - 5) if i % 2 else 3000 for i i
             300, lambda i: i % 3)
 
 
-def mismatch_everywhere(what: str, post, naming: str = "") -> None:
-    """``post(group)`` posts mismatched ops on a new group: every rank must raise a mismatch
-    (whose message names ``naming``) within 60 s, from the op itself or the group's next one."""
-    g = dist.new_group(list(range(world)))
-    t0, err = time.time(), None
+def post_then_next(g, post) -> Exception | None:
+    """Runs ``post(g)`` and then the group's next op (which raises a failure of a direct op
+    that the first did not), each to the end on the GPU: the error raised, if any."""
     try:
         post(g)
         torch.cuda.synchronize()
         dist.all_reduce(torch.ones(16, device=dev), group=g)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the error is the finding
-        err = e
+        return e
+    return None
+
+
+def mismatch_everywhere(what: str, post, naming: str = "") -> None:
+    """``post(group)`` posts mismatched ops on a new group: every rank must raise a mismatch
+    (whose message names ``naming``) within 60 s, from the op itself or the group's next one."""
+    g = dist.new_group(list(range(world)))
+    t0 = time.time()
+    err = post_then_next(g, post)
     # A rank that reads a peer's flag late may find the peer's next op there, which did not run
     # since the mismatch (ranks sharing a GPU, time-sliced): it is told that the peer's op
     # failed, and the peer's own error names the mismatch.
@@ -330,6 +342,64 @@ mismatch_everywhere("a mismatched all_reduce by LL lines", lambda g: dist.all_re
     data(rank, 512 if rank == 0 else 256, torch.float32), group=g), naming="count")
 mismatch_everywhere("an all_reduce by LL lines against one by flags", lambda g: dist.all_reduce(
     data(rank, 512 if rank == 0 else 4096, torch.float32), group=g))
+
+
+# 8. The daemon's path against a direct op (contract 7 rule 8, the daemon mark).
+def told_of_the_daemon_path(what: str, post, timeout_s: int = 15) -> None:
+    """``post(group)`` sends rank 0's op to the direct path and the others' to the daemon's
+    (or orders them differently): rank 0 must raise a mismatch naming the daemon's path, from
+    the op or the group's next call, well before the group's op timeout; no rank may wait past
+    that timeout (plus slack). The others' op waits in the daemon for rank 0's, which never
+    comes: it fails at the timeout, which breaks the group (their next op raises that)."""
+    # The short timeout for the group's ops only: a rank may join it late (the mismatches
+    # above end on some ranks at their op timeout).
+    g = dist.new_group(list(range(world)), pg_options=commd.torch.Options(op_timeout=timeout_s))
+    # The group's eager windows, set up by a first direct op on every rank.
+    dist.all_reduce(torch.ones(16, device=dev), group=g)
+    torch.cuda.synchronize()
+    t0 = time.time()
+    err = post_then_next(g, post)
+    torch.cuda.synchronize()
+    took = time.time() - t0
+    if rank == 0:
+        if err is None:
+            failures.append(f"{what}: nothing raised on rank 0")
+        elif "daemon's path" not in str(err) or "mismatch" not in str(err).lower():
+            failures.append(f"{what}: rank 0's error does not name the daemon's path: {err}")
+        if took > timeout_s / 2:
+            failures.append(f"{what}: rank 0 was told after {took:.1f} s (op timeout {timeout_s} s)")
+    if took > timeout_s + 45:
+        failures.append(f"{what}: took {took:.1f} s to surface")
+    return err
+
+
+def gather(g, count: int) -> None:
+    out = torch.empty(world * count, device=dev, dtype=torch.float32)
+    dist.all_gather_into_tensor(out, data(rank, count, torch.float32), group=g)
+
+
+past_push = PUSH // 4 + 16
+for small, how in ((1024, "by LL lines"), (65536, "by flags")):
+    what = f"an all_gather under the push limit {how} against one past it"
+    err = told_of_the_daemon_path(
+        what, lambda g, small=small: gather(g, small if rank == 0 else past_push))
+    # The others' op timed out in the daemon, which broke the group: their next op (a direct
+    # one before the break) raises that reason.
+    if rank != 0 and (err is None or "never posted" not in str(err)):
+        failures.append(f"{what}: rank {rank} was not told that rank 0 never posted the op: {err}")
+
+
+def other_order(g) -> None:
+    # Rank 0: a direct all_reduce, then an all_gather on the daemon's path; the others the
+    # same two the other way round.
+    ar = lambda: dist.all_reduce(data(rank, 256, torch.float32), group=g)  # noqa: E731
+    ag = lambda: gather(g, past_push)  # noqa: E731
+    for f in ((ar, ag) if rank == 0 else (ag, ar)):
+        f()
+
+
+told_of_the_daemon_path("a direct op and a daemon-path op issued in different orders", other_order)
+
 # The default group still works.
 y = data(rank, 2048, torch.float32, 9)
 dist.all_reduce(y)

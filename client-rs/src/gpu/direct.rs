@@ -551,6 +551,9 @@ pub(crate) struct Windows {
     epoch: u64,
     /// Eager windows: their ops' status words (in the record page).
     status: Option<Arc<eager::StatusPool>>,
+    /// Eager windows: the communicator's collectives sent to the daemon's path since they
+    /// were set up (`kernels::direct::MARK_OFF`; [`Communicator::mark_daemon_op`]).
+    daemon_ops: u32,
 }
 
 /// The configuration from the environment: `COMMD_GRAPH_DIRECT` (`auto`, the default, or
@@ -995,7 +998,7 @@ pub fn explain(r: &Record, me: u32, eager: bool) -> String {
             }
         ),
         k::BROKEN => format!(
-            "{coll} (direct op #{e}) stopped waiting for rank {}: the communicator is broken (a rank's process or the daemon was lost; the next op on the communicator names it)",
+            "{coll} (direct op #{e}) stopped waiting for rank {}: the communicator is broken (a rank's process or the daemon was lost, or an op of it timed out in the daemon; the next op on the communicator names it)",
             r.rank
         ),
         k::POISONED => format!(
@@ -1003,6 +1006,14 @@ pub fn explain(r: &Record, me: u32, eager: bool) -> String {
         ),
         k::PEER_FAILED => format!(
             "{coll} (direct op #{e}) did not run: rank {} reported that its own op failed earlier (its error says why)",
+            r.rank
+        ),
+        k::ELSEWHERE => format!(
+            "mismatched collective (direct op #{e} of the communicator): rank {} sent this op, or one issued before it, to the daemon's path (its collective #{} on that path since the direct windows' setup; rank {me} had issued {} there), while rank {me} ran it as a direct op ({}, count {m_count}). The ranks' counts differ across the direct limit (COMMD_EAGER_DIRECT_MAX_BYTES), or they issued their collectives in different orders. Rank {}'s op waits in the daemon for this rank's: it fails when this process leaves or destroys the communicator, else at the op timeout",
+            r.rank,
+            r.theirs.0 as u32,
+            r.theirs.1 as u32,
+            describe_sig(m_sig),
             r.rank
         ),
         c => format!("{coll} (direct op #{e}) failed with code {c}"),
@@ -1050,8 +1061,8 @@ fn read_record(page: usize, take: bool) -> Option<Record> {
 }
 
 impl Communicator {
-    /// Whether the daemon marked this communicator broken for good: a rank's process was lost
-    /// (or this process lost the daemon). One memory load; direct captured ops poll the same
+    /// Whether the daemon marked this communicator broken for good: a rank's process was lost,
+    /// an op of it timed out in the daemon (or this process lost the daemon). One memory load; direct captured ops poll the same
     /// word on the GPU (`HINT_BROKEN`).
     pub fn is_broken(&self) -> bool {
         self.client
@@ -1129,6 +1140,47 @@ impl Communicator {
                 ),
             });
         }
+        Ok(())
+    }
+
+    /// Before an eager collective that takes the daemon's path on `stream` (device `dev`) is
+    /// posted: where the communicator has eager windows and the op's kind has a direct mode,
+    /// counts it and writes this rank's daemon mark (`kernels::direct::MARK_OFF`) on the
+    /// stream, so that a peer that ran the same op as a direct op (another count, across the
+    /// limit) or issued its ops in another order fails at once, naming this rank, instead of
+    /// waiting for a flag that never comes. One memory op on the stream; nothing elsewhere.
+    ///
+    /// # Safety
+    /// `stream` is live and of device `dev`, whose context is current.
+    pub(crate) unsafe fn mark_daemon_op(
+        &self,
+        eager: &mut State,
+        kind: OpKind,
+        stream: sys::CUstream,
+        dev: i32,
+    ) -> Result<()> {
+        let State::On(w) = eager else {
+            return Ok(());
+        };
+        if Part::Whole.mode(kind).is_none() || w.device != dev {
+            return Ok(());
+        }
+        let d = w.daemon_ops.wrapping_add(1);
+        let mark = ((w.epoch + 1) << 32) | u64::from(d);
+        ck(
+            // SAFETY: the window is this rank's own (device `dev`, live for the process); the
+            // caller vouches for the stream.
+            unsafe {
+                sys::cuStreamWriteValue64_v2(
+                    stream,
+                    w.win[self.rank as usize] + k::MARK_OFF,
+                    mark,
+                    0,
+                )
+            },
+            "cuStreamWriteValue64(daemon mark)",
+        )?;
+        w.daemon_ops = d;
         Ok(())
     }
 
@@ -1402,6 +1454,7 @@ impl Communicator {
             unit,
             ll: u32::from(ll_op(eager, w.epoch + 1, blocks, bytes, w.ll_max, mode)),
             defer: u32::from(defer),
+            dseq: if eager { w.daemon_ops } else { 0 },
             epoch: if eager { w.epoch + 1 } else { 0 },
         };
         super::prof::mark(super::prof::PREPARE);
@@ -1761,6 +1814,7 @@ impl Communicator {
             hint_dev,
             next_k: 0,
             epoch: 0,
+            daemon_ops: 0,
             ll_max: ll,
             fwd_min: fwd,
             // SAFETY: `record_page` leaks the page: it lives for the process.
@@ -2766,6 +2820,31 @@ mod tests {
             t(true)
         );
         assert!(!t(false).contains("daemon"), "{}", t(false));
+        // A peer whose daemon mark named this op's epoch: its path, both counts of daemon-path
+        // ops, this rank's op and count, the likely causes.
+        let m = explain(
+            &Record {
+                code: k::ELSEWHERE,
+                theirs: ((7 << 32) | 3, 2),
+                ..r
+            },
+            0,
+            true,
+        );
+        assert!(
+            m.contains("mismatched collective (direct op #7")
+                && m.contains("rank 1 sent this op, or one issued before it, to the daemon's path")
+                && m.contains("its collective #3 on that path")
+                && m.contains("rank 0 had issued 2 there")
+                && m.contains("all_reduce f32 sum, count 32768")
+                && m.contains("COMMD_EAGER_DIRECT_MAX_BYTES")
+                && m.contains("different orders"),
+            "{m}"
+        );
+        assert_eq!(
+            eager::op_error_kind(k::ELSEWHERE),
+            crate::OpErrorKind::from_status(commd_proto::desc::status::MISMATCH)
+        );
     }
 
     #[test]
@@ -2883,9 +2962,11 @@ mod tests {
         const {
             assert!(k::FLAGS_OFF + 2 * k::MAX_RANKS as u64 * 16 <= k::STATE_OFF);
             assert!(k::DEAD_OFF + 4 <= k::DATA_OFF);
-            // The deferred waits (2 parities x 24 bytes) after the state words, in the header
-            // that the setup zeroes.
-            assert!(k::DEAD_OFF + 4 <= k::DEFER_OFF && k::DEFER_OFF + 2 * 24 <= k::DATA_OFF);
+            // The deferred waits (2 parities) after the state words, then the daemon mark, in
+            // the header that the setup zeroes.
+            assert!(k::DEAD_OFF + 4 <= k::DEFER_OFF);
+            assert!(k::DEFER_OFF + 2 * k::DEFER_BYTES <= k::MARK_OFF);
+            assert!(k::MARK_OFF + 8 <= k::DATA_OFF);
         }
     }
 }

@@ -655,6 +655,10 @@ pub struct DirectArgs {
     /// Non-zero: a rank that reads nothing of its peers in this op defers its wait to its next
     /// op (`direct::DEFER_OFF`), which then waits first.
     pub defer: u32,
+    /// An eager op: the communicator's collectives sent to the daemon's path before it since
+    /// its eager windows were set up (`direct::MARK_OFF`: a peer's daemon mark past it fails
+    /// the op at once). 0 for a captured op.
+    pub dseq: u32,
     /// An eager op's epoch, numbered by the host (its windows hold eager ops only, which run
     /// in issue order); 0: a captured op, whose blocks count tickets for it.
     pub epoch: u64,

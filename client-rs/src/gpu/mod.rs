@@ -945,10 +945,15 @@ impl Communicator {
                 .map_err(|e| Error::InvalidArgument(e.to_string()))?;
         }
         prof::mark(prof::CHECKS);
+        // A communicator the daemon broke for good (a lost rank, an op that timed out: its
+        // `HINT_BROKEN`) runs nothing more: its ops take the daemon's path, which fails them at
+        // once with the first failure's reason (`post_cuda_ordered` waits for that answer),
+        // rather than a direct op that would stop with "broken" and no reason.
+        let direct_ok = self.nodes <= 1 && !self.is_broken();
         // A captured collective (all-reduce, all-gather, reduce-scatter, broadcast, reduce) on
         // ranks with a GPU each runs as one kernel of the graph (contract 7), with no daemon
         // work per replay.
-        if cap.is_some() && self.nodes <= 1 {
+        if cap.is_some() && direct_ok {
             // SAFETY: the caller's contract.
             if let Some(p) = unsafe { self.try_direct(&a, false)? } {
                 return Ok(p);
@@ -956,14 +961,14 @@ impl Communicator {
         }
         // An eager one too, with COMMD_EAGER_DIRECT (rule 8): its request completes from the
         // event after its kernel, not from the daemon.
-        if cap.is_none() && self.nodes <= 1 && !a.kind.is_p2p() {
+        if cap.is_none() && direct_ok && !a.kind.is_p2p() {
             // SAFETY: the caller's contract.
             if let Some(p) = unsafe { self.try_direct(&a, true)? } {
                 return Ok(p);
             }
         }
         // An eager send/recv too, with COMMD_P2P_DIRECT (on by default in the NCCL library).
-        if cap.is_none() && self.nodes <= 1 && a.kind.is_p2p() {
+        if cap.is_none() && direct_ok && a.kind.is_p2p() {
             // SAFETY: the caller's contract.
             if let Some(p) = unsafe { self.try_direct_p2p(&a)? } {
                 return Ok(p);
@@ -1229,6 +1234,13 @@ impl Communicator {
         let waiter = unsafe { wait::Waiter::new(s, op_bytes)? };
         // SAFETY: as above for `done`; `waiter` was made for `s`.
         let wait = |v: u32| unsafe { waiter.enqueue(s, done, v) };
+        // An eager collective on the daemon's path where the communicator has eager direct
+        // windows: its daemon mark first (`Communicator::mark_daemon_op`), so that a peer that
+        // runs this op as a direct op is told at once.
+        if cap.is_none() && !staged && !a.kind.is_p2p() && device.is_some() {
+            // SAFETY: `s` was validated above and is of device `dev`, current.
+            unsafe { self.mark_daemon_op(&mut c.eager, a.kind, s, dev)? };
+        }
         // A captured op's slot, once posted, is released only with its graph (the daemon may
         // hold it); posting can only fail before the daemon sees it.
         let user_data = i.post(d)?;

@@ -314,7 +314,15 @@ impl Daemon {
         let now = Instant::now();
         let comms: Vec<Arc<Comm>> = lock(&self.comms).values().cloned().collect();
         for c in comms {
-            c.check_timeout(now);
+            // Every later op of the communicator fails at once; a direct op (contract 7) of a
+            // local rank waiting on the GPU for a peer's flag stops too, instead of at its own
+            // timeout, and the clients send later ops to the daemon, which fails them with the
+            // reason. Marked before the timed-out ops complete.
+            c.check_timeout(now, || {
+                for &r in &c.local {
+                    self.hint(&c, r, commd_proto::desc::doorbell::HINT_BROKEN);
+                }
+            });
         }
         for s in self.sessions() {
             if !s.attached.load(Ordering::Acquire)

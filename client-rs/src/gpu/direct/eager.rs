@@ -304,7 +304,7 @@ impl LocalDone {
 pub(crate) fn op_error_kind(code: u32) -> crate::OpErrorKind {
     use commd_proto::desc::status;
     crate::OpErrorKind::from_status(match code {
-        k::MISMATCH => status::MISMATCH,
+        k::MISMATCH | k::ELSEWHERE => status::MISMATCH,
         k::TIMEOUT => status::TIMEOUT,
         _ => status::PEER_LOST,
     })
@@ -325,9 +325,10 @@ fn explain_code(code: u32) -> String {
     match code {
         k::MISMATCH => "a peer ran another collective (mismatch)".into(),
         k::TIMEOUT => "a peer's op did not come within the op timeout".into(),
-        k::BROKEN => "the communicator is broken (a rank's process or the daemon was lost; the next op on the communicator names it)".into(),
+        k::BROKEN => "the communicator is broken (a rank's process or the daemon was lost, or an op of it timed out in the daemon; the next op on the communicator names it)".into(),
         k::POISONED => "an earlier direct op on this communicator failed, and none runs after that (its error says why)".into(),
         k::PEER_FAILED => "a peer reported that its own op failed earlier (its error says why)".into(),
+        k::ELSEWHERE => "a peer sent the op to the daemon's path while this rank ran it as a direct op (mismatch: counts across the direct limit, or collectives issued in different orders)".into(),
         c => format!("failure code {c}"),
     }
 }

@@ -35,12 +35,26 @@
 //! usual, reading the root's slot. The model checks that the wait one op late keeps every read
 //! of the parity argument right and every mismatch told (without it, reads are overwritten:
 //! the test can fail).
+//!
+//! Eager collectives on the daemon's path (`kernels::direct::MARK_OFF`) mix with all of them:
+//! such an op takes no epoch; the rank's stream writes its daemon mark (the epoch its next
+//! direct op will take, the count of its daemon-path ops so far) into its own window, then
+//! waits in the daemon until every rank posted its op of the same count, which must have the
+//! same signature (the daemon's own mismatch check). A rank whose wait for a peer's flag (or
+//! LL line, or deferred flag) finds nothing looks at that peer's mark: one of the awaited epoch
+//! with a count past its own means the peer ran this op, or an earlier one, on the daemon's
+//! path. The model checks that ranks running the same ops never see such a mark, and that a
+//! count across the limit (one rank on the daemon's path) and ops issued in different orders
+//! are told at once (without the marks both wait forever: the test can fail).
 
 /// A flag's first word: epoch, signature.
 type Flag = (u64, u32);
 
 /// The signature an op by LL lines writes into its flag (`kernels::direct::LL_SIG`).
 const LL: u32 = u32::MAX - 1;
+
+/// Signatures from here on are ops on the daemon's path (not direct ops).
+const DAEMON: u32 = 1000;
 
 /// What a slot holds: epoch, source, value.
 type Datum = (u64, usize, u64);
@@ -64,6 +78,8 @@ struct Window {
     /// LL data lines (epoch, source, value) per (source, parity).
     ll_data: Vec<[Option<(u64, usize, u64)>; 2]>,
     entered: u64,
+    /// The owner's daemon mark: the epoch of its next direct op, its daemon-path ops so far.
+    mark: Option<(u64, u32)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +102,8 @@ enum Step {
     FFwd(usize),
     /// The wait a rank deferred at its previous op: for rank r's flag of that epoch.
     DWait(usize),
+    /// An op on the daemon's path: posted, waiting for every rank's op of the same count.
+    Daemon,
 }
 
 struct Rank {
@@ -94,9 +112,11 @@ struct Rank {
     op: usize,
     step: Step,
     epoch: u64,
-    /// The epoch, signature and capture index of this rank's previous op when it deferred its
-    /// wait.
-    deferred: Option<(u64, u32, u32)>,
+    /// The epoch, signature, capture index and daemon-path count of this rank's previous op
+    /// when it deferred its wait.
+    deferred: Option<(u64, u32, u32, u32)>,
+    /// Ops on the daemon's path so far (the kernel's `dseq`).
+    dseq: u32,
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -107,11 +127,31 @@ enum End {
         peer: usize,
         epoch: u64,
     },
+    /// A rank saw a peer's daemon mark of the epoch it awaited (`kernels::direct::ELSEWHERE`).
+    Elsewhere {
+        rank: usize,
+        peer: usize,
+        epoch: u64,
+    },
+    /// The daemon paired ops of another signature (its own mismatch).
+    DaemonMismatch {
+        at: u32,
+    },
     Stuck,
 }
 
 fn mismatch(rank: usize, peer: usize, epoch: u64) -> End {
     End::Mismatch { rank, peer, epoch }
+}
+
+/// Whether `from`'s daemon mark names `epoch` with more daemon-path ops than `dseq` (what the
+/// kernel looks at every 1024 spins of a wait, `commd_direct_stop`).
+fn marked(win: &[Window], from: usize, epoch: u64, dseq: u32) -> bool {
+    win[from].mark.is_some_and(|(e, d)| e == epoch && d > dseq)
+}
+
+fn elsewhere(rank: usize, peer: usize, epoch: u64) -> End {
+    End::Elsewhere { rank, peer, epoch }
 }
 
 fn value(src: usize, e: u64) -> u64 {
@@ -152,12 +192,15 @@ struct Fwd {
     wait_root: bool,
     /// A rank that deferred its wait waits at the start of its next op.
     deferred_wait: bool,
+    /// A rank that waits looks at the peer's daemon mark.
+    marks: bool,
 }
 
 const AS_BUILT: Fwd = Fwd {
     early: true,
     wait_root: true,
     deferred_wait: true,
+    marks: true,
 };
 
 /// [`run`] with forwarded broadcasts as `how` says.
@@ -166,6 +209,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
         early,
         wait_root,
         deferred_wait,
+        marks,
     } = how;
     let n = programs.len();
     let parts = n.saturating_sub(1).max(1);
@@ -178,8 +222,11 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
             ll_head: vec![[None; 2]; n],
             ll_data: vec![[None; 2]; n],
             entered: 0,
+            mark: None,
         })
         .collect();
+    // The daemon: each rank's posted ops on its path, in order.
+    let mut posted: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut ranks: Vec<Rank> = programs
         .iter()
         .map(|p| Rank {
@@ -188,6 +235,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
             step: Step::Start,
             epoch: 0,
             deferred: None,
+            dseq: 0,
         })
         .collect();
     let mut rng = Xorshift(seed | 1);
@@ -211,6 +259,31 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
         let p = (r.epoch % parities) as usize;
         let next = |s: usize| if s + 1 < n { Some(s + 1) } else { None };
         match r.step {
+            Step::Start if sig >= DAEMON => {
+                // The stream's mark (its next direct op's epoch, this op's count), then the
+                // post.
+                stalls = 0;
+                r.dseq += 1;
+                win[me].mark = Some((win[me].entered + 1, r.dseq));
+                posted[me].push(sig);
+                r.step = Step::Daemon;
+            }
+            Step::Daemon => {
+                let at = r.dseq as usize;
+                if posted.iter().all(|p| p.len() >= at) {
+                    if posted.iter().any(|p| p[at - 1] != sig) {
+                        return End::DaemonMismatch { at: r.dseq };
+                    }
+                    r.op += 1;
+                    r.step = Step::Start;
+                    stalls = 0;
+                } else {
+                    stalls += 1;
+                    if stalls > 100_000 {
+                        return End::Stuck;
+                    }
+                }
+            }
             Step::Start => {
                 stalls = 0;
                 win[me].entered += 1;
@@ -223,7 +296,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                 };
             }
             Step::DWait(from) => {
-                let (de, dsig, dk) = r.deferred.unwrap_or_default();
+                let (de, dsig, dk, dd) = r.deferred.unwrap_or_default();
                 let dp = (de % parities) as usize;
                 match win[me].flags[from][dp] {
                     Some((e, s)) if e >= de => {
@@ -239,6 +312,9 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                         stalls = 0;
                     }
                     _ => {
+                        if marks && marked(&win, from, de, dd) {
+                            return elsewhere(me, from, de);
+                        }
                         stalls += 1;
                         if stalls > 100_000 {
                             return End::Stuck;
@@ -305,6 +381,9 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                         if let Some(q) = other {
                             return mismatch(me, q, r.epoch);
                         }
+                        if marks && marked(&win, t, r.epoch, r.dseq) {
+                            return elsewhere(me, t, r.epoch);
+                        }
                         stalls += 1;
                         if stalls > 100_000 {
                             return End::Stuck;
@@ -337,7 +416,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                     Some(i) => Step::Flag(i),
                     None if defers => {
                         // No wait, no read: the next op waits first.
-                        r.deferred = Some((r.epoch, sig, k));
+                        r.deferred = Some((r.epoch, sig, k, r.dseq));
                         r.op += 1;
                         Step::Start
                     }
@@ -376,6 +455,8 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                 } else if flag.is_some_and(|(e, s)| e >= r.epoch && s != LL) {
                     // The peer runs this epoch's op by the flags: another op.
                     return mismatch(me, from, r.epoch);
+                } else if marks && marked(&win, from, r.epoch, r.dseq) {
+                    return elsewhere(me, from, r.epoch);
                 } else {
                     stalls += 1;
                     if stalls > 100_000 {
@@ -406,6 +487,8 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                 }
                 if done {
                     r.step = next(from).map_or(Step::Read(0), Step::LlCopy);
+                } else if marks && marked(&win, from, r.epoch, r.dseq) {
+                    return elsewhere(me, from, r.epoch);
                 } else {
                     stalls += 1;
                     if stalls > 100_000 {
@@ -442,6 +525,9 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                         stalls += 1;
                     }
                     None => stalls += 1,
+                }
+                if marks && stalls > 0 && marked(&win, from, r.epoch, r.dseq) {
+                    return elsewhere(me, from, r.epoch);
                 }
                 if stalls > 100_000 {
                     return End::Stuck;
@@ -504,6 +590,46 @@ fn programs(n: usize, ops: usize, seed: u64) -> Vec<Vec<Op>> {
     vec![one; n]
 }
 
+/// `programs` with ops on the daemon's path inserted at random places (the same on every
+/// rank), about one in six, of three signatures.
+fn with_daemon_ops(programs: Vec<Vec<Op>>, seed: u64) -> Vec<Vec<Op>> {
+    let mut rng = Xorshift(seed.wrapping_mul(6151) | 1);
+    let len = programs[0].len();
+    let mut at = Vec::new();
+    for i in 0..=len {
+        let x = rng.next();
+        if x.is_multiple_of(6) {
+            at.push((i, DAEMON + (x >> 8) as u32 % 3));
+        }
+    }
+    programs
+        .into_iter()
+        .map(|p| {
+            let mut out = Vec::new();
+            for (i, op) in p.into_iter().enumerate() {
+                out.extend(
+                    at.iter()
+                        .filter(|a| a.0 == i)
+                        .map(|a| (a.1, 0, false, None, None)),
+                );
+                out.push(op);
+            }
+            out.extend(
+                at.iter()
+                    .filter(|a| a.0 == len)
+                    .map(|a| (a.1, 0, false, None, None)),
+            );
+            out
+        })
+        .collect()
+}
+
+/// The epoch of op `at` of `program`: the direct ops up to it (ops on the daemon's path take
+/// none).
+fn epoch_of(program: &[Op], at: usize) -> u64 {
+    program[..=at].iter().filter(|o| o.0 < DAEMON).count() as u64
+}
+
 /// That a run (`end`) was told of a mismatch at op `at` (0-based: epoch `at + 1`).
 fn assert_mismatch_at(end: End, at: usize, what: &str) {
     match end {
@@ -522,6 +648,133 @@ fn two_parities_never_read_another_epoch_and_always_finish() {
                 End::Done,
                 "{n} ranks, seed {seed}"
             );
+        }
+    }
+}
+
+#[test]
+fn ops_on_the_daemons_path_between_direct_ones_never_raise_a_mark() {
+    // The same ops on every rank, some on the daemon's path: every mark a waiting rank sees is
+    // of another epoch or of no more daemon-path ops than its own (the stream writes it before
+    // the rank's next direct op is issued).
+    for n in [2, 3, 4, 8] {
+        for seed in 0..150u64 {
+            let ps = with_daemon_ops(programs(n, 40, seed), seed);
+            assert!(ps[0].iter().any(|o| o.0 >= DAEMON) || seed % 10 != 0 || n > 2);
+            assert_eq!(
+                run(&ps, 2, seed * 7919 + 5),
+                End::Done,
+                "{n} ranks, seed {seed}"
+            );
+        }
+    }
+}
+
+#[test]
+fn programs_mix_ops_on_the_daemons_path() {
+    let ps = with_daemon_ops(programs(3, 60, 4), 4);
+    let daemon = ps[0].iter().filter(|o| o.0 >= DAEMON).count();
+    assert!(
+        daemon > 3 && daemon < 25,
+        "{daemon} ops on the daemon's path"
+    );
+    assert!(ps.iter().all(|p| p == &ps[0]));
+}
+
+/// The first direct op at or after `from` in `program` made a plain op on every rank (by LL
+/// lines or not, never forwarded nor deferred): its index.
+fn plain_direct_op(ps: &mut [Vec<Op>], from: usize, ll: bool) -> usize {
+    let at = (from..ps[0].len())
+        .chain(0..from)
+        .find(|&i| ps[0][i].0 < DAEMON)
+        .expect("a direct op");
+    for p in ps.iter_mut() {
+        p[at] = (7, at as u32, ll, None, None);
+    }
+    at
+}
+
+/// The (rank, peer, epoch) of a run of `ps` that ends told of a daemon mark; panics on any
+/// other end.
+fn elsewhere_of(ps: &[Vec<Op>], seed: u64, what: &str) -> (usize, usize, u64) {
+    match run(ps, 2, seed) {
+        End::Elsewhere { rank, peer, epoch } => (rank, peer, epoch),
+        other => panic!("{what}: {other:?}"),
+    }
+}
+
+/// That the same run without the marks (the mutation) never ends.
+fn assert_stuck_without_marks(ps: &[Vec<Op>], seed: u64, what: &str) {
+    let no_marks = Fwd {
+        marks: false,
+        ..AS_BUILT
+    };
+    assert_eq!(run_with(ps, 2, no_marks, seed), End::Stuck, "{what}");
+}
+
+#[test]
+fn an_op_on_the_daemons_path_against_a_direct_one_is_told_at_once() {
+    // One rank sends an op to the daemon's path (its count past the direct limit) where the
+    // others run it as a direct op: a rank that waits for its flag sees its mark at that op's
+    // epoch. Without the marks every rank waits forever (the kernel's timeout would end it).
+    for n in [2, 3, 4] {
+        for seed in 0..100u64 {
+            let mut ps = with_daemon_ops(programs(n, 12, seed), seed);
+            let at = plain_direct_op(&mut ps, (seed % 12) as usize, seed % 3 == 0);
+            let odd = (seed as usize / 12) % n;
+            ps[odd][at] = (DAEMON + 9, 0, false, None, None);
+            let want = epoch_of(&ps[(odd + 1) % n], at);
+            let what = format!("{n} ranks, seed {seed}");
+            let (_, peer, epoch) = elsewhere_of(&ps, seed * 37 + 11, &what);
+            assert_eq!((peer, epoch), (odd, want), "{what}");
+            assert_stuck_without_marks(&ps, seed * 37 + 11, &what);
+        }
+    }
+}
+
+#[test]
+fn ops_issued_in_different_orders_across_the_paths_are_told_at_once() {
+    // Rank 0 issues a direct op, then one on the daemon's path; the others the same two the
+    // other way round. Each path's ops would pair with the same op of the peers, but the
+    // streams wait for each other (rank 0's direct op for the others' flags, their daemon op
+    // for rank 0's): without the marks nothing moves; with them rank 0 is told.
+    for n in [2, 3, 4] {
+        for seed in 0..100u64 {
+            let mut ps = with_daemon_ops(programs(n, 10, seed), seed);
+            let at = plain_direct_op(&mut ps, (seed % 10) as usize, seed % 2 == 0);
+            for (r, p) in ps.iter_mut().enumerate() {
+                let y = (DAEMON + 7, 0, false, None, None);
+                p.insert(if r == 0 { at + 1 } else { at }, y);
+            }
+            let want = epoch_of(&ps[0], at);
+            let what = format!("{n} ranks, seed {seed}");
+            let (rank, _, epoch) = elsewhere_of(&ps, seed * 41 + 3, &what);
+            assert_eq!((rank, epoch), (0, want), "{what}");
+            assert_stuck_without_marks(&ps, seed * 41 + 3, &what);
+        }
+    }
+}
+
+#[test]
+fn a_root_that_deferred_its_wait_is_told_of_the_daemons_path_at_its_next_op() {
+    // The op is a broadcast whose root defers its wait; one non-root sends it to the daemon's
+    // path instead. The other non-roots wait for its flag and see its mark; on 2 ranks only
+    // the root is left, which ends its op at once and is told at its next direct op, by the
+    // daemon-path count it kept with the deferred op.
+    for n in [2, 3, 4] {
+        for seed in 0..60u64 {
+            let mut ps = programs(n, 8, seed);
+            let at = (seed % 6) as usize;
+            let root = (seed as usize / 6) % n;
+            let odd = (root + 1 + seed as usize % (n - 1)) % n;
+            for p in ps.iter_mut() {
+                p[at] = (defer_sig(root), at as u32, false, None, Some(root));
+                p[at + 1] = (7, at as u32 + 1, seed % 2 == 0, None, None);
+            }
+            ps[odd][at] = (DAEMON + 9, 0, false, None, None);
+            let what = format!("{n} ranks, seed {seed}");
+            let (_, peer, epoch) = elsewhere_of(&ps, seed * 43 + 9, &what);
+            assert_eq!((peer, epoch), (odd, at as u64 + 1), "{what}");
         }
     }
 }

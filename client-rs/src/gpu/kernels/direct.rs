@@ -25,6 +25,8 @@
 //!   `dead` (u32, non-zero once an op of the communicator failed: every later op stops at once).
 //! - `DEFER_OFF`: per parity `p`, the epoch and flag words of this rank's op of that parity
 //!   whose wait it deferred (`defer`, [`DEFER_OFF`]).
+//! - `MARK_OFF`: eager windows, this rank's *daemon mark* ([`MARK_OFF`]), written by its stream
+//!   before each collective it sends to the daemon's path instead, read by the peers.
 //! - `DATA_OFF`: per parity `p` and source rank `r`, a slot of `slot` bytes at
 //!   `DATA_OFF + (p * n + r) * slot`.
 //!
@@ -36,7 +38,7 @@
 //! Failure record (host memory mapped for the device, one per set of windows, read by the
 //! client's `cuda_graph_check`): `code` (u32, written last), `rank` (u32), `epoch` (u64), this
 //! rank's flag words, the other rank's flag words. Codes: [`MISMATCH`], [`TIMEOUT`], [`BROKEN`],
-//! [`POISONED`], [`PEER_FAILED`]. The rest of its page holds the status words of eager direct
+//! [`POISONED`], [`PEER_FAILED`], [`ELSEWHERE`]. The rest of its page holds the status words of eager direct
 //! ops (contract 7 rule 8; [`STATUS_OFF`]): each failing op writes its code into its own word
 //! too, so every op's outcome is known, not only the first failure's.
 
@@ -57,8 +59,9 @@ pub const PRE_OFF: u64 = 256;
 pub const STATE_OFF: u64 = 512;
 /// Offset of the `dead` word in a window.
 pub const DEAD_OFF: u64 = STATE_OFF + 16;
-/// Offset of the deferred waits in a window: per parity `p`, 24 bytes at `DEFER_OFF + p * 24`,
-/// the epoch, word 0 and word 1 of this rank's op of parity `p` whose wait it deferred
+/// Offset of the deferred waits in a window: per parity `p`, 32 bytes at `DEFER_OFF + p * 32`,
+/// the epoch, word 0, word 1 and daemon-op count (`dseq`, [`MARK_OFF`]) of this rank's op of
+/// parity `p` whose wait it deferred
 /// (`struct commd_direct`'s `defer`, tests only so far: `COMMD_DIRECT_DEFER_WAIT`). A rank
 /// that reads nothing of its peers in an op (a broadcast's or scatter's root, a reduce's or
 /// gather's non-root) then flags and ends without waiting for their flags; its next op, before
@@ -67,6 +70,20 @@ pub const DEAD_OFF: u64 = STATE_OFF + 16;
 /// into a peer's window for epoch e + 1 only after it saw the peer's flag of e. A mismatch at
 /// the deferred op fails the next op (the non-roots fail at the op itself).
 pub const DEFER_OFF: u64 = STATE_OFF + 32;
+/// Bytes of one parity's deferred wait at [`DEFER_OFF`].
+pub const DEFER_BYTES: u64 = 32;
+/// Offset of an eager window's *daemon mark*: 8 bytes, epoch (high 32 bits) | count (low 32).
+/// Before each eager collective that this rank sends to the daemon's path while the
+/// communicator has eager windows (an op past the direct limit, say), its stream writes here
+/// the epoch its next direct op will take and the number of such collectives so far (the
+/// kernel's `dseq` counts the same on every rank that issued the same ops). A peer that waits
+/// for this rank's flag of epoch e looks at the mark every 1024 spins (never on the fast
+/// path): a mark of epoch e with a count past its own `dseq` means this rank ran that op, or
+/// one issued before it, on the daemon's path (a count across the limit, or ops issued in
+/// another order), so its flag will never come: the peer fails at once ([`ELSEWHERE`]) instead
+/// of at the op timeout. Ranks that issued the same ops never see such a mark: one of epoch e
+/// was written before this rank's op e was issued, so its count is the peer's `dseq` at most.
+pub const MARK_OFF: u64 = STATE_OFF + 128;
 /// Offset of the data slots in a window.
 pub const DATA_OFF: u64 = 4096;
 /// Bytes of the failure record.
@@ -92,6 +109,9 @@ pub const BROKEN: u32 = 3;
 pub const POISONED: u32 = 4;
 /// A peer reported that its op did not run (its flag carries [`ERR_SIG`]).
 pub const PEER_FAILED: u32 = 5;
+/// A peer ran this op (or one issued before it) on the daemon's path: its daemon mark
+/// ([`MARK_OFF`]) names this epoch with more daemon-path collectives than this rank's.
+pub const ELSEWHERE: u32 = 6;
 /// Signature word of a flag written by a rank whose op did not run.
 pub const ERR_SIG: u32 = u32::MAX;
 
@@ -165,6 +185,7 @@ struct commd_direct {{
     u32 unit;
     u32 ll;
     u32 defer;
+    u32 dseq;
     u64 epoch;
 }};
 
@@ -267,11 +288,21 @@ static __device__ void commd_direct_flag_failed(const struct commd_direct &a, u3
 }}
 
 /* Every 1024 spins of a wait for rank r: whether to stop (an op of the communicator failed,
-   or this one now: broken, or timed out, recorded). */
+   or this one now: broken, rank r on the daemon's path, or timed out, recorded). `dseq`: this
+   rank's daemon-path collectives before the awaited op (MARK_OFF). */
 static __device__ bool commd_direct_stop(const struct commd_direct &a, const volatile u32 *s_fail, u32 r,
-                                         u64 e, u64 w0, u64 w1, u64 v, u64 &t0) {{
+                                         u64 e, u64 w0, u64 w1, u64 v, u64 &t0, u32 dseq) {{
     if (*s_fail != 0u || *(volatile const u32 *)(a.win[a.me] + {DEAD_OFF}ull) != 0u) {{
         return true;
+    }}
+    if (a.epoch != 0ull && r != a.me) {{
+        /* Rank r's daemon mark (its own window): this epoch, with more daemon-path ops than
+           this rank's, means its flag never comes. */
+        const u64 m = *(volatile const u64 *)(a.win[r] + {MARK_OFF}ull);
+        if ((u32)(m >> 32) == (u32)e && (int)((u32)m - dseq) > 0) {{
+            commd_direct_fail(a, {ELSEWHERE}u, r, e, w0, w1, m, (u64)dseq);
+            return true;
+        }}
     }}
     if ((*(volatile const u32 *)a.hint & {hint_broken}u) != 0u) {{
         commd_direct_fail(a, {BROKEN}u, r, e, w0, w1, v, 0ull);
@@ -306,11 +337,11 @@ static __device__ bool commd_direct_same(const struct commd_direct &a, u32 r, u6
 }}
 
 /* Waits for rank r's flag of epoch e (phase p) and checks it names this op (w0, w1); false if
-   the op failed (recorded). With `early`, it also fails at once as a mismatch when a peer's
+   the op failed (recorded). `dseq` as commd_direct_stop's. With `early`, it also fails at once as a mismatch when a peer's
    early signature of epoch e names another op: a forwarded broadcast's non-root waits on its
    root before it flags, and a peer running another op may wait on this rank in turn. */
 static __device__ bool commd_direct_wait(const struct commd_direct &a, const volatile u32 *s_fail, u32 r,
-                                         u32 p, u64 e, u64 w0, u64 w1, bool early) {{
+                                         u32 p, u64 e, u64 w0, u64 w1, bool early, u32 dseq) {{
     const u64 mine = a.win[a.me];
     const u64 *f = (const u64 *)(mine + {FLAGS_OFF}ull + (u64)(p * 8u + r) * 16ull);
     u64 v = 0ull;
@@ -324,7 +355,7 @@ static __device__ bool commd_direct_wait(const struct commd_direct &a, const vol
         if ((++spins & 1023u) != 0u) {{
             continue;
         }}
-        if (commd_direct_stop(a, s_fail, r, e, w0, w1, v, t0)) {{
+        if (commd_direct_stop(a, s_fail, r, e, w0, w1, v, t0, dseq)) {{
             return false;
         }}
         for (u32 q = 0; early && q < a.n; ++q) {{
@@ -404,9 +435,9 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
         /* This rank's previous op deferred its wait (DEFER_OFF): every rank's flag of that
            epoch first, checked against its words, before this op writes into any window. */
         const u32 q = p ^ 1u;
-        const u64 *d = (const u64 *)(mine + {DEFER_OFF}ull + (u64)q * 24ull);
+        const u64 *d = (const u64 *)(mine + {DEFER_OFF}ull + (u64)q * {DEFER_BYTES}ull);
         if (d[0] == e - 1ull) {{
-            if (threadIdx.x < a.n && !commd_direct_wait(a, &s_fail, threadIdx.x, q, e - 1ull, d[1], d[2], false)) {{
+            if (threadIdx.x < a.n && !commd_direct_wait(a, &s_fail, threadIdx.x, q, e - 1ull, d[1], d[2], false, (u32)d[3])) {{
                 s_fail = 1u;
             }}
             __syncthreads();
@@ -499,7 +530,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
                             ok = false;
                             break;
                         }}
-                        if (commd_direct_stop(a, &s_fail, r, e, w0, w1, v, t0)) {{
+                        if (commd_direct_stop(a, &s_fail, r, e, w0, w1, v, t0, a.dseq)) {{
                             ok = false;
                             break;
                         }}
@@ -537,7 +568,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
                 u64 v;
                 u32 spins = 0u;
                 while (!commd_ll_load(lines_r + (2ull + j) * 16ull, e32, v)) {{
-                    if ((++spins & 1023u) == 0u && commd_direct_stop(a, &s_fail, r, e, w0, w1, 0ull, t0)) {{
+                    if ((++spins & 1023u) == 0u && commd_direct_stop(a, &s_fail, r, e, w0, w1, 0ull, t0, a.dseq)) {{
                         s_fail = 1u;
                         break;
                     }}
@@ -579,7 +610,7 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
                 /* Thread 0 of each block waits for the root's flag (its part is in), then the block
                    forwards its share of the part. */
                 if (threadIdx.x == 0) {{
-                    const bool ok = commd_direct_wait(a, &s_fail, a.root, p, e, w0, w1, true);
+                    const bool ok = commd_direct_wait(a, &s_fail, a.root, p, e, w0, w1, true, a.dseq);
                     if (!ok) {{
                         s_fail = 1u;
                         commd_direct_flag_failed(a, p, e, w1);
@@ -716,14 +747,15 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_dire
             /* This rank reads nothing of its peers: its next op waits for their flags of this
                epoch first (DEFER_OFF). */
             if (blockIdx.x == 0 && threadIdx.x == 0) {{
-                u64 *d = (u64 *)(mine + {DEFER_OFF}ull + (u64)p * 24ull);
+                u64 *d = (u64 *)(mine + {DEFER_OFF}ull + (u64)p * {DEFER_BYTES}ull);
                 d[1] = w0;
                 d[2] = w1;
+                d[3] = (u64)a.dseq;
                 d[0] = e;
             }}
         }} else if (threadIdx.x < a.n) {{
             /* Thread r waits for rank r's flag of epoch e and checks it is the same op. */
-            if (!commd_direct_wait(a, &s_fail, threadIdx.x, p, e, w0, w1, false)) {{
+            if (!commd_direct_wait(a, &s_fail, threadIdx.x, p, e, w0, w1, false, a.dseq)) {{
                 s_fail = 1u;
             }}
         }}
