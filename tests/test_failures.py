@@ -241,6 +241,47 @@ def test_an_op_timeout_marks_the_communicator_broken_for_every_rank(daemon):
     assert_all_pass(ranks)
 
 
+def test_a_rank_that_fails_the_communicator_fails_every_rank_at_once(daemon):
+    """`FailCommunicator`: a rank tells the daemon of a failure the others cannot see where
+    they wait (its direct op saw a peer's daemon mark: the peer sent the same op to the
+    daemon's path, DESIGN.md contract 7 rule 8). The others' op waiting in the daemon for it
+    fails at once with its words (not at the op timeout, 60 s here), every later op of every
+    rank fails the same way, and every rank's "broken" hint is set (direct ops stop, later ops
+    go to the daemon for the reason)."""
+    why = "its direct op #3 saw rank 1's daemon mark"
+
+    def steps(r):
+        if r == 0:
+            return [{"op": "all_reduce", "count": 8}, {"sleep_ms": 500},
+                    {"fail": why}, {"broken": True, "sleep_ms": 2000},
+                    {"op": "all_reduce", "count": 8, "expect": "mismatch"}]
+        return [{"op": "all_reduce", "count": 8},
+                {"op": "all_gather", "count": 8, "expect": "mismatch"},
+                {"broken": True, "sleep_ms": 2000},
+                {"op": "all_reduce", "count": 8, "expect": "mismatch"}]
+
+    ranks = run_ranks(daemon, 3, steps, op_timeout_ms=60000, timeout=40)
+    assert_all_pass(ranks)
+    for r in (1, 2):
+        res = ranks[r].results()
+        msg = res[1]["message"]
+        assert "rank 0" in msg and "failed the communicator" in msg and why in msg, msg
+        assert res[1]["ms"] < 10000, res[1]
+        assert why in res[3]["message"], res[3]
+    assert why in ranks[0].results()[4]["message"]
+
+
+def test_fail_communicator_refuses_a_status_that_is_not_a_failure(daemon):
+    # OK (0), SHUTDOWN (5, the daemon's own) and unknown codes are refused, naming the code;
+    # the communicator keeps working.
+    steps = [{"fail": "x", "fail_status": st, "expect": "error"} for st in (0, 5, 99)]
+    ranks = run_ranks(daemon, 1, steps + [{"op": "all_reduce", "count": 8}])
+    assert_all_pass(ranks)
+    msgs = [x["message"] for x in ranks[0].results()[:3]]
+    assert all("expected a failure code" in m for m in msgs), msgs
+    assert "status 0 (ok)" in msgs[0] and "status 99 (unknown)" in msgs[2], msgs
+
+
 def test_two_communicators_in_parallel(daemon):
     # two independent jobs at once, plus one process that is in two communicators
     steps = [{"op": "all_reduce", "dtype": "f32", "count": 100_003, "seed": s} for s in range(20)]

@@ -563,6 +563,22 @@ impl Inner {
         }
     }
 
+    /// `FailCommunicator` for communicator `handle` of this session ([`Communicator::fail`]).
+    fn fail_comm(&self, handle: u32, status: u32, message: &str) -> Result<()> {
+        self.watched(
+            self.rpc
+                .clone()
+                .fail_communicator(pb::FailCommunicatorRequest {
+                    session_id: self.session_id,
+                    comm: handle,
+                    status,
+                    message: message.to_string(),
+                }),
+        )?
+        .map_err(|s| Error::rpc("fail_communicator", s))?;
+        Ok(())
+    }
+
     fn lost(&self, reason: &str) -> Error {
         Error::DaemonLost {
             session: self.session_id,
@@ -633,6 +649,9 @@ impl Inner {
                         }
                         // Graphs destroyed since the last look: the daemon drops their ops.
                         i.release_destroyed_graphs();
+                        // A direct op failed because a peer ran it on the daemon's path: the
+                        // peer waits in the daemon, which is told.
+                        i.report_direct_failures(None);
                     }
                     // Abandoned (or the daemon stalled, which abandons at the next call). A
                     // captured op's stream resets its done word at the end of each replay,
@@ -1206,6 +1225,15 @@ impl Communicator {
         }))?
         .map_err(|s| Error::rpc("set_comm_pacing", s))?;
         Ok(())
+    }
+
+    /// Fails the communicator for every rank (`status`, a failure code of
+    /// `commd_proto::desc::status`; `message`, why): every queued and later op of every rank
+    /// fails at once with them, and the local ranks' direct ops stop. For a failure the other
+    /// ranks cannot see where they wait (a direct op of this rank whose peer sent the same op
+    /// to the daemon: DESIGN.md contract 7 rule 8). Any rank may call it.
+    pub fn fail(&self, status: u32, message: &str) -> Result<()> {
+        self.client.fail_comm(self.handle, status, message)
     }
 
     /// Posts an op; every buffer it names must belong to this client.

@@ -175,6 +175,16 @@ impl Local for LocalService {
         Ok(Response::new(pb::Empty {}))
     }
 
+    async fn fail_communicator(
+        &self,
+        req: Request<pb::FailCommunicatorRequest>,
+    ) -> Result<Response<pb::Empty>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let r = req.get_ref();
+        self.daemon.fail_comm(&s, r.comm, r.status, &r.message)?;
+        Ok(Response::new(pb::Empty {}))
+    }
+
     async fn set_comm_pacing(
         &self,
         req: Request<pb::SetCommPacingRequest>,

@@ -16,6 +16,9 @@
 //! `{"broken": true, "comm": 0, "sleep_ms": 2000}` waits up to that long for the communicator's
 //! "broken" hint (a rank's process lost: `Communicator::is_broken`), `"broken": false` checks it
 //! is not set.
+//! `{"fail": "why", "comm": 0}` fails the communicator for every rank with a mismatch saying
+//! why (`Communicator::fail`, the daemon's `FailCommunicator`; `"fail_status": N` sends status
+//! N instead).
 //! `"repeat": N` on a step runs it N times.
 
 use std::io::Write;
@@ -84,6 +87,9 @@ struct Step {
     fuzz: Option<u32>,
     destroy: Option<bool>,
     broken: Option<bool>,
+    fail: Option<String>,
+    /// With `fail`: the status code sent (default: mismatch).
+    fail_status: Option<u32>,
     /// Run this step this many times (load loops without a huge --steps argument).
     repeat: Option<usize>,
 }
@@ -240,6 +246,15 @@ fn run(
                     format!("is_broken() is {got}, expected {want}"),
                 )]
             }
+        } else if let Some(why) = &step.fail {
+            let Some(c) = comms.get(step.comm) else {
+                return Err(format!("no communicator {}", step.comm));
+            };
+            let st = step
+                .fail_status
+                .unwrap_or(commd_client::desc::status::MISMATCH);
+            let (k, m) = outcome(c.fail(st, why));
+            vec![(k, 0, m)]
         } else if let Some(ms) = step.sleep_ms {
             std::thread::sleep(Duration::from_millis(ms));
             vec![("ok".into(), 0, String::new())]

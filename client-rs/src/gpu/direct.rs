@@ -1009,7 +1009,7 @@ pub fn explain(r: &Record, me: u32, eager: bool) -> String {
             r.rank
         ),
         k::ELSEWHERE => format!(
-            "mismatched collective (direct op #{e} of the communicator): rank {} sent this op, or one issued before it, to the daemon's path (its collective #{} on that path since the direct windows' setup; rank {me} had issued {} there), while rank {me} ran it as a direct op ({}, count {m_count}). The ranks' counts differ across the direct limit (COMMD_EAGER_DIRECT_MAX_BYTES), or they issued their collectives in different orders. Rank {}'s op waits in the daemon for this rank's: it fails when this process leaves or destroys the communicator, else at the op timeout",
+            "mismatched collective (direct op #{e} of the communicator): rank {} sent this op, or one issued before it, to the daemon's path (its collective #{} on that path since the direct windows' setup; rank {me} had issued {} there), while rank {me} ran it as a direct op ({}, count {m_count}). The ranks' counts differ across the direct limit (COMMD_EAGER_DIRECT_MAX_BYTES), or they issued their collectives in different orders. Rank {}'s op, which waits in the daemon for this rank's, is failed there at once with this error (this rank fails the communicator)",
             r.rank,
             r.theirs.0 as u32,
             r.theirs.1 as u32,
@@ -1030,6 +1030,47 @@ impl Windows {
     /// Takes the failure record, if the kernel wrote one since the last look.
     fn take(&self) -> Option<Record> {
         read_record(self.rec_host, true)
+    }
+}
+
+/// An eager window set's failure record that the watchdog looks at (every 100 ms:
+/// [`crate::Inner::report_direct_failures`]). A direct op that failed because a peer sent the
+/// same op to the daemon's path ([`k::ELSEWHERE`]) leaves that peer waiting in the daemon,
+/// which never sees the direct op: this rank then fails the communicator in the daemon
+/// (`FailCommunicator`) with its own error, once, so every rank is told at once.
+pub(crate) struct RecordWatch {
+    page: usize,
+    handle: u32,
+    rank: u32,
+    told: bool,
+}
+
+impl crate::Inner {
+    /// Tells the daemon, once per window set, of a record `r` (read from `page`) saying that a
+    /// peer ran this rank's direct op on the daemon's path; `None`: looks at every window set's
+    /// record (the watchdog). Errors of the call are dropped: the peers then fail at the op
+    /// timeout, as before.
+    pub(crate) fn report_direct_failures(&self, seen: Option<(usize, &Record)>) {
+        let todo: Vec<(u32, String)> = {
+            let mut g = lock(&self.gpu);
+            g.records
+                .iter_mut()
+                .filter(|w| !w.told && seen.is_none_or(|(p, _)| p == w.page))
+                .filter_map(|w| {
+                    let r = match seen {
+                        Some((_, r)) => *r,
+                        None => read_record(w.page, false)?,
+                    };
+                    (r.code == k::ELSEWHERE).then(|| {
+                        w.told = true;
+                        (w.handle, explain(&r, w.rank, true))
+                    })
+                })
+                .collect()
+        };
+        for (handle, why) in todo {
+            let _ = self.fail_comm(handle, commd_proto::desc::status::MISMATCH, &why);
+        }
     }
 }
 
@@ -1116,6 +1157,11 @@ impl Communicator {
             let Some(r) = w.take() else {
                 continue;
             };
+            if eager {
+                // The peer on the daemon's path waits there for this op: told now, if the
+                // watchdog has not yet told it.
+                self.client.report_direct_failures(Some((w.rec_host, &r)));
+            }
             let what = if eager {
                 "an eager GPU collective run as a direct op"
             } else {
@@ -1804,6 +1850,14 @@ impl Communicator {
                 "direct path: the verdict was taken without a record (internal error)".into(),
             ));
         };
+        if eager {
+            lock(&i.gpu).records.push(RecordWatch {
+                page: page as usize,
+                handle: self.handle,
+                rank: self.rank,
+                told: false,
+            });
+        }
         Ok(State::On(Box::new(Windows {
             win: wins,
             slot,

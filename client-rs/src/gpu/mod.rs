@@ -64,6 +64,9 @@ pub(crate) struct SessionGpu {
     /// gives every communicator of a session on one GPU the same scratch (it runs their
     /// reductions one at a time), and a handle can be opened once per context.
     scratch_maps: HashMap<Vec<u8>, sys::CUdeviceptr>,
+    /// The failure records of this session's eager direct windows, which the watchdog looks
+    /// at (`direct::RecordWatch`).
+    pub(crate) records: Vec<direct::RecordWatch>,
     pub(crate) registrations: u64,
     pub(crate) cache_hits: u64,
 }

@@ -699,18 +699,67 @@ impl Daemon {
 
     /// `SetCommPacing`: caps the GPU copies of `s`'s communicator `handle` at `bytes_per_sec`
     /// (0: uncapped), for every rank on this node, from its next copy phase on.
+    /// The communicator of `handle` in session `s`, and the session's rank in it.
+    pub(crate) fn comm_of(s: &Session, handle: u32) -> Result<(Arc<Comm>, u32), DaemonError> {
+        s.tables().comms.get(&handle).cloned().ok_or_else(|| {
+            DaemonError::NotFound(format!(
+                "no communicator handle {handle} in session {} (destroyed, or never created here)",
+                s.id
+            ))
+        })
+    }
+
+    /// `FailCommunicator`: rank `handle` of session `s` says the communicator can no longer run
+    /// (a failure its peers cannot see where they wait). Every queued and later op of every
+    /// rank fails at once with `status` and the rank's `message`, and every local rank's
+    /// direct ops stop (`HINT_BROKEN`).
+    pub fn fail_comm(
+        &self,
+        s: &Session,
+        handle: u32,
+        status: u32,
+        message: &str,
+    ) -> Result<(), DaemonError> {
+        use commd_proto::desc::status as st;
+        let (comm, rank) = Self::comm_of(s, handle)?;
+        if !matches!(
+            status,
+            st::INVALID | st::MISMATCH | st::PEER_LOST | st::TIMEOUT | st::ABORTED | st::INTERNAL
+        ) {
+            return Err(DaemonError::InvalidArgument(format!(
+                "{}: FailCommunicator with status {status} ({}): expected a failure code",
+                comm.label(),
+                st::name(status)
+            )));
+        }
+        // At most 4096 bytes of the rank's words, cut at a character boundary.
+        let mut end = message.len().min(4096);
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        let msg = format!(
+            "{}: rank {rank} (pid {}) failed the communicator: {}",
+            comm.label(),
+            s.pid,
+            &message[..end]
+        );
+        // (abort_rank logs it.)
+        for &r in &comm.local {
+            self.hint(&comm, r, commd_proto::desc::doorbell::HINT_BROKEN);
+        }
+        if comm.abort_rank(None, status, msg) {
+            lock(&self.comms).remove(&comm.id);
+        }
+        Ok(())
+    }
+
     pub fn set_comm_pacing(
         &self,
         s: &Session,
         handle: u32,
         bytes_per_sec: u64,
     ) -> Result<(), DaemonError> {
-        let (comm, rank) = s.tables().comms.get(&handle).cloned().ok_or_else(|| {
-            DaemonError::NotFound(format!(
-                "no communicator handle {handle} in session {} (destroyed, or never created here)",
-                s.id
-            ))
-        })?;
+        let (comm, rank) = Self::comm_of(s, handle)?;
         let rate = crate::pacing::check_rate(bytes_per_sec)
             .map_err(|e| DaemonError::InvalidArgument(format!("{}: {e}", comm.label())))?;
         let was = comm.pacer.rate();

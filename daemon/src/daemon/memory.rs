@@ -174,12 +174,7 @@ impl Daemon {
     ) -> Result<(Vec<u8>, u64, u64), DaemonError> {
         let c = crate::cuda::get()
             .map_err(|why| DaemonError::Unavailable(format!("this daemon has no CUDA: {why}")))?;
-        let (comm, rank) = s.tables().comms.get(&handle).cloned().ok_or_else(|| {
-            DaemonError::NotFound(format!(
-                "no communicator handle {handle} in session {}",
-                s.id
-            ))
-        })?;
+        let (comm, rank) = Self::comm_of(s, handle)?;
         let bytes = commd_proto::desc::cuda_scratch_bytes(comm.nranks, c.slot_bytes);
         if bytes == 0 {
             return Ok((Vec::new(), c.slot_bytes, 0));

@@ -198,7 +198,9 @@ impl Communicator {
     ) -> Result<Vec<Option<CudaPosted>>> {
         let mut out: Vec<Option<CudaPosted>> = ops.iter().map(|_| None).collect();
         let cfg = P2pConfig::cached()?;
-        if !cfg.enabled || ops.len() < 2 {
+        // A communicator the daemon broke for good: the usual way, which sends each op to the
+        // daemon for the reason (`post_cuda_once`).
+        if !cfg.enabled || ops.len() < 2 || self.is_broken() {
             return Ok(out);
         }
         let mut pick = Vec::new();
