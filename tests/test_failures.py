@@ -280,6 +280,13 @@ def test_fail_communicator_refuses_a_status_that_is_not_a_failure(daemon):
     msgs = [x["message"] for x in ranks[0].results()[:3]]
     assert all("expected a failure code" in m for m in msgs), msgs
     assert "status 0 (ok)" in msgs[0] and "status 99 (unknown)" in msgs[2], msgs
+    # A rank's words are kept up to 4096 bytes (cut at a character boundary), not more.
+    long = "é" * 5000
+    ranks = run_ranks(daemon, 1, [{"fail": long},
+                                  {"op": "all_reduce", "count": 8, "expect": "mismatch"}])
+    assert_all_pass(ranks)
+    msg = ranks[0].results()[1]["message"]
+    assert "é" * 2048 in msg and "é" * 2049 not in msg, len(msg)
 
 
 def test_two_communicators_in_parallel(daemon):

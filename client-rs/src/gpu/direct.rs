@@ -712,8 +712,8 @@ pub(crate) fn ll_max() -> Result<u64> {
 /// at such an op fails that rank's next op); what is missing before it can be a default: a
 /// peer may still write its flag into this rank's window after this rank's last op, so a
 /// process that exits right then leaves that write to freed memory (the windows live until
-/// the process exits); a drain at the communicator's end is to come. A rank's own choice (its
-/// peers need not share it). Read once per process.
+/// the process exits; docs/design.md contract 7 rule 3 says what would close that). A rank's
+/// own choice (its peers need not share it). Read once per process.
 pub(crate) fn defer_wait() -> Result<bool> {
     static V: SettingCell = SettingCell::new();
     Ok(DEFER_WAIT.once(&V)? != 0)

@@ -525,21 +525,21 @@ impl Comm {
     /// If the oldest queued op is older than the op timeout, fails everything naming the ranks
     /// that never posted, and aborts the communicator, calling `on_abort` first (before any op
     /// completes, so that what it marks is seen by whoever a completion wakes). True when it
-    /// aborted it now.
-    pub fn check_timeout(&self, now: Instant, on_abort: impl FnOnce()) -> bool {
+    /// aborted it.
+    pub fn check_timeout(&self, now: Instant, on_abort: impl FnOnce()) {
         let mut g = self.lock();
         if g.broken.is_some() {
-            return false;
+            return;
         }
         let oldest = g
             .queues
             .iter()
             .flat_map(|q| q.iter())
             .min_by_key(|p| p.posted_at);
-        let Some(p) = oldest else { return false };
+        let Some(p) = oldest else { return };
         let waited = now.saturating_duration_since(p.posted_at);
         if waited < self.op_timeout {
-            return false;
+            return;
         }
         let n = self.nranks as usize;
         let msg = if p.op.any_source {
@@ -609,7 +609,6 @@ impl Comm {
             let c = p.op.comm;
             p.complete(c, status::TIMEOUT, Some(msg.clone()));
         }
-        true
     }
 
     /// What the communicator waits for, read-only (`commd status`, `/metrics`): per rank its

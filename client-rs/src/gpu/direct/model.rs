@@ -606,19 +606,12 @@ fn with_daemon_ops(programs: Vec<Vec<Op>>, seed: u64) -> Vec<Vec<Op>> {
         .into_iter()
         .map(|p| {
             let mut out = Vec::new();
-            for (i, op) in p.into_iter().enumerate() {
-                out.extend(
-                    at.iter()
-                        .filter(|a| a.0 == i)
-                        .map(|a| (a.1, 0, false, None, None)),
-                );
-                out.push(op);
+            // Before op i, and after the last one (i = len).
+            for i in 0..=len {
+                let here = at.iter().filter(|a| a.0 == i);
+                out.extend(here.map(|a| (a.1, 0, false, None, None)));
+                out.extend(p.get(i).copied());
             }
-            out.extend(
-                at.iter()
-                    .filter(|a| a.0 == len)
-                    .map(|a| (a.1, 0, false, None, None)),
-            );
             out
         })
         .collect()
