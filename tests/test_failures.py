@@ -180,6 +180,11 @@ def test_sigkill_of_a_rank_marks_the_communicator_broken_for_the_survivors(daemo
     for r in ranks[:2]:
         r.wait(10)
     assert_all_pass(ranks[:2])
+    # The daemon's reason, for a direct op that stopped on the hint (GetCommFailure): the lost
+    # rank, with the status its ops fail with (peer_lost, 3).
+    for r in ranks[:2]:
+        why = r.results()[3]["message"]
+        assert why.startswith("status 3: ") and "rank 2" in why and "lost" in why, why
     # A communicator nobody lost stays unbroken (the bit is per communicator and slot).
     assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 5},
                                           {"broken": False}]))
@@ -239,6 +244,11 @@ def test_an_op_timeout_marks_the_communicator_broken_for_every_rank(daemon):
 
     ranks = run_ranks(daemon, 3, steps, op_timeout_ms=500, timeout=30)
     assert_all_pass(ranks)
+    # Every rank can ask the daemon why (GetCommFailure): the op that timed out, the rank
+    # that never posted it.
+    for r in ranks:
+        why = r.results()[-1]["message"]
+        assert "timed out" in why and "rank 1 never posted it" in why, why
 
 
 def test_a_rank_that_fails_the_communicator_fails_every_rank_at_once(daemon):
@@ -268,7 +278,11 @@ def test_a_rank_that_fails_the_communicator_fails_every_rank_at_once(daemon):
         assert "rank 0" in msg and "failed the communicator" in msg and why in msg, msg
         assert res[1]["ms"] < 10000, res[1]
         assert why in res[3]["message"], res[3]
+        # The daemon's reason (GetCommFailure, for a direct op stopped by the hint): rank
+        # 0's words, with the status it gave (mismatch, 2).
+        assert res[2]["message"].startswith("status 2: ") and why in res[2]["message"], res[2]
     assert why in ranks[0].results()[4]["message"]
+    assert why in ranks[0].results()[3]["message"]
 
 
 def test_fail_communicator_refuses_a_status_that_is_not_a_failure(daemon):

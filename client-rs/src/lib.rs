@@ -579,6 +579,18 @@ impl Inner {
         Ok(())
     }
 
+    /// `GetCommFailure` for communicator `handle` of this session ([`Communicator::failure`]).
+    fn comm_failure(&self, handle: u32) -> Result<Option<(u32, String)>> {
+        let r = self
+            .watched(self.rpc.clone().get_comm_failure(pb::CommRef {
+                session_id: self.session_id,
+                comm: handle,
+            }))?
+            .map_err(|s| Error::rpc("get_comm_failure", s))?
+            .into_inner();
+        Ok((r.status != 0).then_some((r.status, r.message)))
+    }
+
     fn lost(&self, reason: &str) -> Error {
         Error::DaemonLost {
             session: self.session_id,
@@ -1073,7 +1085,7 @@ impl Request {
         if o.is_none()
             && let Some(l) = &self.local
         {
-            match l.poll(limit) {
+            match l.poll(limit, Some(&self.client)) {
                 Ok(None) => return Ok(false),
                 Ok(Some(r)) => *o = Some(r),
                 Err(e) => *o = Some(Err(e)),
@@ -1234,6 +1246,14 @@ impl Communicator {
     /// to the daemon: DESIGN.md contract 7 rule 8). Any rank may call it.
     pub fn fail(&self, status: u32, message: &str) -> Result<()> {
         self.client.fail_comm(self.handle, status, message)
+    }
+
+    /// Why the daemon holds this communicator broken for good (a rank's process lost, an op
+    /// timed out, a rank failed it: [`Communicator::fail`]): the status its ops fail with and
+    /// the reason, or `None` while it works. One round trip to the daemon; the cheap check is
+    /// [`Communicator::is_broken`].
+    pub fn failure(&self) -> Result<Option<(u32, String)>> {
+        self.client.comm_failure(self.handle)
     }
 
     /// Posts an op; every buffer it names must belong to this client.

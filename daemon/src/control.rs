@@ -185,6 +185,18 @@ impl Local for LocalService {
         Ok(Response::new(pb::Empty {}))
     }
 
+    async fn get_comm_failure(
+        &self,
+        req: Request<pb::CommRef>,
+    ) -> Result<Response<pb::OpErrorReply>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let (status, message) = self
+            .daemon
+            .comm_failure(&s, req.get_ref().comm)?
+            .unwrap_or((0, String::new()));
+        Ok(Response::new(pb::OpErrorReply { status, message }))
+    }
+
     async fn set_comm_pacing(
         &self,
         req: Request<pb::SetCommPacingRequest>,

@@ -35,7 +35,9 @@ ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
    count past the push limit against one under it, by LL lines and by flags), and ops issued
    in different orders across the two paths: the direct rank is told at once, by the others'
    daemon marks (``kernels::direct::MARK_OFF``), with a mismatch naming the daemon's path,
-   not at the op timeout; the others' op fails by the group's (short) timeout at the latest.
+   not at the op timeout; it then fails the communicator in the daemon (FailCommunicator, from
+   its watchdog or next call), so the others' op on the daemon's path fails at once too, with
+   rank 0's words, not at the group's op timeout.
 Exits non-zero on any failure.
 """
 
@@ -250,13 +252,16 @@ two_streams("split, two streams", [(world * most - 5) if i % 2 else 3000 for i i
 
 
 def post_then_next(g, post) -> Exception | None:
-    """Runs ``post(g)`` and then the group's next op (which raises a failure of a direct op
-    that the first did not), each to the end on the GPU: the error raised, if any."""
+    """Runs ``post(g)`` and then the group's next two ops, each to the end on the GPU: the
+    error raised, if any. A direct op's failure is raised by the communicator's next call, so
+    the second op raises the first's failure, the third the second's (a rank whose ops all
+    paired right may still find the group failed by a peer)."""
     try:
         post(g)
         torch.cuda.synchronize()
-        dist.all_reduce(torch.ones(16, device=dev), group=g)
-        torch.cuda.synchronize()
+        for _ in range(2):
+            dist.all_reduce(torch.ones(16, device=dev), group=g)
+            torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - the error is the finding
         return e
     return None
@@ -345,14 +350,12 @@ mismatch_everywhere("an all_reduce by LL lines against one by flags", lambda g: 
 
 
 # 8. The daemon's path against a direct op (contract 7 rule 8, the daemon mark).
-def told_of_the_daemon_path(what: str, post, timeout_s: int = 15) -> None:
+def told_of_the_daemon_path(what: str, post, timeout_s: int = 60) -> None:
     """``post(group)`` sends rank 0's op to the direct path and the others' to the daemon's
     (or orders them differently): rank 0 must raise a mismatch naming the daemon's path, from
-    the op or the group's next call, well before the group's op timeout; no rank may wait past
-    that timeout (plus slack). The others' op waits in the daemon for rank 0's, which never
-    comes: it fails at the timeout, which breaks the group (their next op raises that)."""
-    # The short timeout for the group's ops only: a rank may join it late (the mismatches
-    # above end on some ranks at their op timeout).
+    the op or the group's next call, and fail the communicator in the daemon, so that the
+    others' op (waiting there for rank 0's, which never comes) raises rank 0's words; every
+    rank well before the group's op timeout, which would otherwise end the others' wait."""
     g = dist.new_group(list(range(world)), pg_options=commd.torch.Options(op_timeout=timeout_s))
     # The group's eager windows, set up by a first direct op on every rank.
     dist.all_reduce(torch.ones(16, device=dev), group=g)
@@ -361,16 +364,14 @@ def told_of_the_daemon_path(what: str, post, timeout_s: int = 15) -> None:
     err = post_then_next(g, post)
     torch.cuda.synchronize()
     took = time.time() - t0
-    if rank == 0:
-        if err is None:
-            failures.append(f"{what}: nothing raised on rank 0")
-        elif "daemon's path" not in str(err) or "mismatch" not in str(err).lower():
-            failures.append(f"{what}: rank 0's error does not name the daemon's path: {err}")
-        if took > timeout_s / 2:
-            failures.append(f"{what}: rank 0 was told after {took:.1f} s (op timeout {timeout_s} s)")
-    if took > timeout_s + 45:
-        failures.append(f"{what}: took {took:.1f} s to surface")
-    return err
+    if err is None:
+        failures.append(f"{what}: nothing raised on rank {rank}")
+    elif "daemon's path" not in str(err) or "mismatch" not in str(err).lower():
+        failures.append(f"{what}: rank {rank}'s error does not name the daemon's path: {err}")
+    elif rank != 0 and "rank 0" not in str(err):
+        failures.append(f"{what}: rank {rank}'s error does not name rank 0: {err}")
+    if took > timeout_s / 6:
+        failures.append(f"{what}: rank {rank} was told after {took:.1f} s (op timeout {timeout_s} s)")
 
 
 def gather(g, count: int) -> None:
@@ -381,12 +382,8 @@ def gather(g, count: int) -> None:
 past_push = PUSH // 4 + 16
 for small, how in ((1024, "by LL lines"), (65536, "by flags")):
     what = f"an all_gather under the push limit {how} against one past it"
-    err = told_of_the_daemon_path(
+    told_of_the_daemon_path(
         what, lambda g, small=small: gather(g, small if rank == 0 else past_push))
-    # The others' op timed out in the daemon, which broke the group: their next op (a direct
-    # one before the break) raises that reason.
-    if rank != 0 and (err is None or "never posted" not in str(err)):
-        failures.append(f"{what}: rank {rank} was not told that rank 0 never posted the op: {err}")
 
 
 def other_order(g) -> None:

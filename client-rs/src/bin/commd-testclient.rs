@@ -14,8 +14,8 @@
 //! `{"destroy": true, "comm": 0}` (destroys that communicator, as `ncclCommDestroy` does, and
 //! removes it from the list: later `comm` indices shift down).
 //! `{"broken": true, "comm": 0, "sleep_ms": 2000}` waits up to that long for the communicator's
-//! "broken" hint (a rank's process lost: `Communicator::is_broken`), `"broken": false` checks it
-//! is not set.
+//! "broken" hint (a rank's process lost: `Communicator::is_broken`; the step's message is then
+//! the daemon's reason, `Communicator::failure`), `"broken": false` checks it is not set.
 //! `{"fail": "why", "comm": 0}` fails the communicator for every rank with a mismatch saying
 //! why (`Communicator::fail`, the daemon's `FailCommunicator`; `"fail_status": N` sends status
 //! N instead).
@@ -237,7 +237,19 @@ fn run(
                 std::thread::sleep(Duration::from_millis(5));
                 got = c.is_broken();
             }
-            if got == want {
+            if got && want {
+                // The daemon's reason (GetCommFailure) is there once the hint is: it is the
+                // step's message.
+                match c.failure() {
+                    Ok(Some((st, why))) => vec![("ok".into(), 0, format!("status {st}: {why}"))],
+                    Ok(None) => vec![(
+                        "error".into(),
+                        0,
+                        "is_broken() but the daemon has no reason (GetCommFailure)".into(),
+                    )],
+                    Err(e) => vec![("error".into(), 0, e.to_string())],
+                }
+            } else if got == want {
                 vec![("ok".into(), 0, String::new())]
             } else {
                 vec![(

@@ -998,7 +998,7 @@ pub fn explain(r: &Record, me: u32, eager: bool) -> String {
             }
         ),
         k::BROKEN => format!(
-            "{coll} (direct op #{e}) stopped waiting for rank {}: the communicator is broken (a rank's process or the daemon was lost, or an op of it timed out in the daemon; the next op on the communicator names it)",
+            "{coll} (direct op #{e}) stopped waiting for rank {}: the communicator is broken",
             r.rank
         ),
         k::POISONED => format!(
@@ -1070,6 +1070,34 @@ impl crate::Inner {
         };
         for (handle, why) in todo {
             let _ = self.fail_comm(handle, commd_proto::desc::status::MISMATCH, &why);
+        }
+    }
+}
+
+impl crate::Inner {
+    /// The error of a direct op of communicator `handle` that failed with `code` (`message`:
+    /// what failed, and why as the GPU saw it). One that stopped on the broken hint
+    /// ([`k::BROKEN`]) knows only that the communicator is broken: the daemon's reason is
+    /// added, with its status (`GetCommFailure`), so the error names the lost rank, the timed
+    /// out op or the rank that failed the communicator.
+    pub(crate) fn direct_error(&self, handle: u32, code: u32, message: String) -> Error {
+        if code == k::BROKEN {
+            return match self.comm_failure(handle) {
+                Ok(Some((st, why))) => Error::Op {
+                    kind: crate::OpErrorKind::from_status(st),
+                    message: format!("{message}: {why}"),
+                },
+                Ok(None) | Err(_) => Error::Op {
+                    kind: eager::op_error_kind(code),
+                    message: format!(
+                        "{message} (a rank's process or the daemon was lost, an op of it timed out in the daemon, or a rank failed it; the daemon could not say which: the next op on the communicator names it)"
+                    ),
+                },
+            };
+        }
+        Error::Op {
+            kind: eager::op_error_kind(code),
+            message,
         }
     }
 }
@@ -1147,6 +1175,15 @@ impl Communicator {
     /// The failure of a direct op (a replay, or an eager op) on this communicator since the last
     /// look, as the error to raise (`cuda_graph_check`).
     pub(crate) fn direct_check(&self) -> Result<()> {
+        let (code, message) = match self.direct_failure() {
+            Some(f) => f,
+            None => return Ok(()),
+        };
+        Err(self.client.direct_error(self.handle, code, message))
+    }
+
+    /// [`Communicator::direct_check`]'s failure, if any: its code and what failed, and why.
+    fn direct_failure(&self) -> Option<(u32, String)> {
         let c = lock(&self.gpu);
         // A replay's failure, then an eager direct op's (rule 8: its request fails too, and
         // the communicator's next call raises, as for a failed op of the daemon's path).
@@ -1167,26 +1204,24 @@ impl Communicator {
             } else {
                 "a replay of a GPU collective captured into a CUDA graph"
             };
-            return Err(Error::Op {
-                kind: eager::op_error_kind(r.code),
-                message: format!(
+            return Some((
+                r.code,
+                format!(
                     "{what} on communicator {} failed (its results are not valid): {}",
                     self.comm_id,
                     explain(&r, self.rank, eager)
                 ),
-            });
+            ));
         }
-        if let Some(r) = c.p2p_shared.as_ref().and_then(|s| s.take_record()) {
-            return Err(Error::Op {
-                kind: eager::op_error_kind(r.code),
-                message: format!(
-                    "an eager GPU send/recv run as a direct op on communicator {} failed (its results are not valid): {}",
-                    self.comm_id,
-                    eager::explain_p2p_code(r.code)
-                ),
-            });
-        }
-        Ok(())
+        let r = c.p2p_shared.as_ref().and_then(|s| s.take_record())?;
+        Some((
+            r.code,
+            format!(
+                "an eager GPU send/recv run as a direct op on communicator {} failed (its results are not valid): {}",
+                self.comm_id,
+                eager::explain_p2p_code(r.code)
+            ),
+        ))
     }
 
     /// Before an eager collective that takes the daemon's path on `stream` (device `dev`) is
@@ -1673,6 +1708,7 @@ impl Communicator {
                     op,
                     earlier: Vec::new(),
                     comm_id: self.comm_id,
+                    handle: self.handle,
                     rank: self.rank,
                     what: a.kind.name(),
                 }),

@@ -451,6 +451,25 @@ impl Comm {
         None
     }
 
+    /// Marks the communicator broken for good with `st` and `msg` (logged), unless it already
+    /// is (the first reason stays). Its ops fail later, by [`Comm::abort_rank`].
+    pub fn set_broken(&self, st: u32, msg: String) {
+        Self::break_with(&mut self.lock(), st, msg);
+    }
+
+    fn break_with(g: &mut Inner, st: u32, msg: String) {
+        if g.broken.is_none() {
+            tracing::info!(target: "commd::comm", "{msg}");
+            g.broken = Some((st, msg));
+        }
+    }
+
+    /// Why the communicator is broken for good (the status its ops fail with, the reason), if
+    /// it is.
+    pub fn broken(&self) -> Option<(u32, String)> {
+        self.lock().broken.clone()
+    }
+
     /// Fails every queued op and later posts with `st`; used for peer loss, destroy, shutdown.
     /// Returns true once every rank has left.
     pub fn abort_rank(&self, rank: Option<u32>, st: u32, msg: String) -> bool {
@@ -461,10 +480,7 @@ impl Comm {
         if let Some(r) = rank {
             g.left[r as usize] = true;
         }
-        if g.broken.is_none() {
-            tracing::info!(target: "commd::comm", "{msg}");
-            g.broken = Some((st, msg));
-        }
+        Self::break_with(&mut g, st, msg);
         let (st, msg) = g.broken.clone().unwrap_or((st, String::new()));
         let ops = drain(&mut g);
         let all_left = self.local.iter().all(|&r| g.left[r as usize]);

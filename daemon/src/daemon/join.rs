@@ -743,7 +743,10 @@ impl Daemon {
             s.pid,
             &message[..end]
         );
-        // (abort_rank logs it.)
+        // Broken (with the reason, for a direct op that stops on the hint and asks:
+        // `GetCommFailure`) before the hint, and the hint before the ops fail (a rank told by
+        // its op sends its next ones to the daemon, for the reason).
+        comm.set_broken(status, msg.clone());
         for &r in &comm.local {
             self.hint(&comm, r, commd_proto::desc::doorbell::HINT_BROKEN);
         }
@@ -751,6 +754,16 @@ impl Daemon {
             lock(&self.comms).remove(&comm.id);
         }
         Ok(())
+    }
+
+    /// `GetCommFailure`: why communicator `handle` of session `s` is broken for good (the status
+    /// its ops fail with, the reason), or `None` while it works.
+    pub fn comm_failure(
+        &self,
+        s: &Session,
+        handle: u32,
+    ) -> Result<Option<(u32, String)>, DaemonError> {
+        Ok(Self::comm_of(s, handle)?.0.broken())
     }
 
     pub fn set_comm_pacing(

@@ -249,16 +249,20 @@ pub(crate) struct LocalDone {
     /// a failure of any of them is the call's.
     pub(crate) earlier: Vec<Arc<OpStatus>>,
     pub(crate) comm_id: u64,
+    /// The communicator's handle in this session (for the daemon's reason: `direct_error`).
+    pub(crate) handle: u32,
     pub(crate) rank: u32,
     pub(crate) what: &'static str,
 }
 
 impl LocalDone {
     /// The op's outcome once it finished (`Ok(None)` while it runs after `limit`), as the
-    /// request keeps it: `Ok(0)` done, or the error saying why it failed.
+    /// request keeps it: `Ok(0)` done, or the error saying why it failed (with the daemon's
+    /// reason when the communicator broke, asked of `client` where given).
     pub(crate) fn poll(
         &self,
         limit: Option<Duration>,
+        client: Option<&crate::Inner>,
     ) -> Result<Option<std::result::Result<u64, Error>>> {
         let Some(last) = self.pool.poll(&self.op, limit)? else {
             return Ok(None);
@@ -290,12 +294,16 @@ impl LocalDone {
         } else {
             "an eager GPU collective run as a direct op"
         };
-        Ok(Some(Err(Error::Op {
-            kind: op_error_kind(code),
-            message: format!(
-                "{} on communicator {} ({how}) failed; its results are not valid: {detail}",
-                self.what, self.comm_id
-            ),
+        let message = format!(
+            "{} on communicator {} ({how}) failed; its results are not valid: {detail}",
+            self.what, self.comm_id
+        );
+        Ok(Some(Err(match client {
+            Some(c) => c.direct_error(self.handle, code, message),
+            None => Error::Op {
+                kind: op_error_kind(code),
+                message,
+            },
         })))
     }
 }
@@ -325,7 +333,7 @@ fn explain_code(code: u32) -> String {
     match code {
         k::MISMATCH => "a peer ran another collective (mismatch)".into(),
         k::TIMEOUT => "a peer's op did not come within the op timeout".into(),
-        k::BROKEN => "the communicator is broken (a rank's process or the daemon was lost, or an op of it timed out in the daemon; the next op on the communicator names it)".into(),
+        k::BROKEN => "the communicator is broken".into(),
         k::POISONED => "an earlier direct op on this communicator failed, and none runs after that (its error says why)".into(),
         k::PEER_FAILED => "a peer reported that its own op failed earlier (its error says why)".into(),
         k::ELSEWHERE => "a peer sent the op to the daemon's path while this rank ran it as a direct op (mismatch: counts across the direct limit, or collectives issued in different orders)".into(),
@@ -476,13 +484,14 @@ mod tests {
             op: last,
             earlier,
             comm_id: 7,
+            handle: 0,
             rank: 0,
             what: "all_reduce",
         };
         // A reduce-scatter part that failed as a mismatch, then an all-gather part that
         // succeeded (the peers' later parts can pair by chance): the call fails, and says so.
         let c = call(vec![launch(k::MISMATCH)], launch(0));
-        let e = c.poll(None).unwrap().unwrap().unwrap_err();
+        let e = c.poll(None, None).unwrap().unwrap().unwrap_err();
         assert!(e.to_string().contains("mismatch"), "{e}");
         assert!(
             e.to_string().contains("all_reduce on communicator 7"),
@@ -490,11 +499,11 @@ mod tests {
         );
         // Two failed parts: the first in launch order is the call's.
         let c = call(vec![launch(0), launch(k::TIMEOUT)], launch(k::POISONED));
-        let e = c.poll(None).unwrap().unwrap().unwrap_err();
+        let e = c.poll(None, None).unwrap().unwrap().unwrap_err();
         assert!(e.to_string().contains("within the op timeout"), "{e}");
         // Every part succeeded: so does the call.
         let c = call(vec![launch(0), launch(0)], launch(0));
-        assert_eq!(c.poll(None).unwrap().unwrap().unwrap(), 0);
+        assert_eq!(c.poll(None, None).unwrap().unwrap().unwrap(), 0);
         // Every word read and free again.
         let g = lock(&pool.st);
         assert!(g.inflight.is_empty());
