@@ -266,7 +266,9 @@ if [ "$what" = p2p ]; then
   # library's ops only): torch's own "nccl" backend on the library (tests/gpu/nccl_p2p.py:
   # rings, LL and simple sizes, every pair at once, small beside large, single ops, a captured
   # ring; every value checked) by default, asked for by name, and with it off (=0), then
-  # nccl-tests' sendrecv and alltoall through the library with and without it.
+  # nccl-tests' sendrecv and alltoall through the library with and without it; and messages
+  # whose sizes differ across the direct limit (tests/gpu/nccl_p2p_mismatch.py, 2 ranks: a
+  # mismatch at once, never another message's data). On one GPU, ranks share it (=shared).
   plib=${COMMD_NCCL_LIB:-target/release/libcommd_nccl.so}
   [ -f "$plib" ] || plib=.gpu/libcommd_nccl.so
   plib=$(readlink -f "$plib")
@@ -277,10 +279,17 @@ if [ "$what" = p2p ]; then
       COMMD_P2P_DIRECT=1 LD_PRELOAD=$plib run "p2p-lib-direct-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
       COMMD_P2P_DIRECT=0 LD_PRELOAD=$plib run "p2p-lib-daemon-$n-ranks" "${tr[@]}" "$n" tests/gpu/nccl_p2p.py
     done
+    COMMD_NCCL_LIB=$plib COMMD_P2P_DIRECT=1 run "p2p-lib-mismatch" "${tr[@]}" 2 \
+      tests/gpu/nccl_p2p_mismatch.py
     run_timeout=1500
     NCCL_PARTS=nccltests NCCL_TESTS_LIST="sendrecv alltoall" NCCL_TESTS_MODES="gpus p2p" \
       NCCL_TESTS_MAX=${NCCL_TESTS_MAX:-16M} run "p2p-nccl" tests/gpu/nccl.sh "$out/nccl"
     run_timeout=$run_limit
+  else
+    COMMD_P2P_DIRECT=shared LD_PRELOAD=$plib run "p2p-lib-shared-2-ranks" "${tr[@]}" 2 \
+      tests/gpu/nccl_p2p.py
+    COMMD_NCCL_LIB=$plib COMMD_P2P_DIRECT=shared run "p2p-lib-mismatch-shared" "${tr[@]}" 2 \
+      tests/gpu/nccl_p2p_mismatch.py
   fi
 fi
 if [ "$what" = nccl ]; then

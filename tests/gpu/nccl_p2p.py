@@ -29,8 +29,9 @@ import torch.distributed as dist
 rank = int(os.environ["RANK"])
 world = int(os.environ["WORLD_SIZE"])
 local = int(os.environ.get("LOCAL_RANK", rank))
-torch.cuda.set_device(local)
-dev = torch.device("cuda", local)
+# Ranks may share a GPU (COMMD_P2P_DIRECT=shared: scripts/gpu-check.sh p2p on one GPU).
+dev = torch.device("cuda", local % torch.cuda.device_count())
+torch.cuda.set_device(dev)
 dist.init_process_group("nccl", device_id=dev)
 failures: list[str] = []
 checks = 0

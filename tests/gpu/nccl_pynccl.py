@@ -17,32 +17,21 @@ import time
 import torch
 import torch.distributed as dist
 
-
-class UniqueId(ctypes.Structure):
-    _fields_ = [("internal", ctypes.c_byte * 128)]
+import nccl_ctypes
 
 
 def main():
-    lib = ctypes.CDLL(os.environ["COMMD_NCCL_LIB"])
-    lib.ncclGetErrorString.restype = ctypes.c_char_p
-    lib.ncclGetLastError.restype = ctypes.c_char_p
+    lib = nccl_ctypes.load(os.environ["COMMD_NCCL_LIB"])
 
     def check(r, what):
-        if r != 0:
-            raise RuntimeError(f"{what}: {lib.ncclGetErrorString(r).decode()}: "
-                               f"{lib.ncclGetLastError(None).decode()}")
+        nccl_ctypes.check(lib, r, what)
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = torch.device("cuda", local % torch.cuda.device_count())
     torch.cuda.set_device(dev)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    uid = UniqueId()
-    if rank == 0:
-        check(lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
-    t = torch.tensor(bytearray(bytes(uid.internal)), dtype=torch.uint8)
-    dist.broadcast(t, 0)
-    ctypes.memmove(ctypes.addressof(uid), bytes(t.tolist()), 128)
+    uid = nccl_ctypes.unique_id(lib, rank)
     comm = ctypes.c_void_p()
     v = ctypes.c_int()
     check(lib.ncclGetVersion(ctypes.byref(v)), "ncclGetVersion")

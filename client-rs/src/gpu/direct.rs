@@ -1219,7 +1219,7 @@ impl Communicator {
             format!(
                 "an eager GPU send/recv run as a direct op on communicator {} failed (its results are not valid): {}",
                 self.comm_id,
-                eager::explain_p2p_code(r.code)
+                eager::explain_p2p(&r)
             ),
         ))
     }

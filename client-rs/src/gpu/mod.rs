@@ -1247,6 +1247,12 @@ impl Communicator {
         // A captured op's slot, once posted, is released only with its graph (the daemon may
         // hold it); posting can only fail before the daemon sees it.
         let user_data = i.post(d)?;
+        // An eager send/recv on the daemon's path: counted for its pair's later direct ops
+        // (their signature carries it: a peer that put another number of messages there
+        // first fails the direct receive as a mismatch).
+        if cap.is_none() && a.kind.is_p2p() {
+            c.p2p_daemon_op(a.peer, a.kind == OpKind::Send);
+        }
         if graph_slot.is_none() {
             c.next_ticket = ticket.wrapping_add(phases as u32);
         }

@@ -285,6 +285,7 @@ impl LocalDone {
         // first failure of the windows writes it, later ops are POISONED.
         let p2p = self.what == "send" || self.what == "recv";
         let detail = match self.pool.peek_record() {
+            Some(r) if p2p && r.code == code => explain_p2p(&r),
             _ if p2p => explain_p2p_code(code),
             Some(r) if r.code == code => super::explain(&r, self.rank, true),
             _ => explain_code(code),
@@ -325,6 +326,44 @@ pub(crate) fn explain_p2p_code(code: u32) -> String {
         k::TIMEOUT => "the peer's matching op did not come within the op timeout".into(),
         k::POISONED => "an earlier direct send/recv between these two ranks failed, and none runs after that (its error says why)".into(),
         c => explain_code(c),
+    }
+}
+
+/// A direct send/recv's failure record (`kernels::p2p`: its sequence, this side's flag word,
+/// and for a mismatch the peer's), for the error: what differs, where the record says.
+pub(crate) fn explain_p2p(r: &Record) -> String {
+    use super::p2p::sig_fields;
+    let q = r.epoch;
+    if r.code != k::MISMATCH {
+        return format!(
+            "{} (message #{q} of the pair's direction)",
+            explain_p2p_code(r.code)
+        );
+    }
+    let (mine, theirs) = (r.mine.0 as u32, r.theirs.0 as u32);
+    let dtype = |c: u8| {
+        commd_proto::desc::DType::from_code(c)
+            .map(|d| d.name().to_string())
+            .unwrap_or_else(|| format!("dtype {c}"))
+    };
+    match (sig_fields(mine), sig_fields(theirs)) {
+        _ if r.theirs.0 == 0 => format!(
+            "direct receive #{q} from the peer: its message is of the other size class (one of at most COMMD_P2P_LL_MAX_BYTES moves by LL lines, the other not): the peer's send and this receive disagree on the bytes (mismatch)"
+        ),
+        (Some((_, mc)), Some((_, tc))) if mc != tc => format!(
+            "direct receive #{q} from the peer: this rank had put {mc} of its receives from the peer on the daemon's path before it, the peer {tc} of its sends to this rank before its direct send #{q} (counted modulo 2^20; messages past COMMD_P2P_DIRECT_MAX_BYTES take that path). The two ranks' messages between them differ in size across that limit, or were issued in another order (mismatch); the peer's message is not this receive's, and it was not taken"
+        ),
+        (Some((md, _)), Some((td, _))) if md != td => format!(
+            "direct receive #{q} from the peer: the peer sent {}, this receive expects {} (mismatch)",
+            dtype(td),
+            dtype(md)
+        ),
+        (Some(_), None) => format!(
+            "direct receive #{q} from the peer: the peer sent {theirs} bytes, not this receive's count (mismatch)"
+        ),
+        _ => format!(
+            "direct receive #{q} from the peer: the peer's send and this receive disagree on the bytes (mismatch)"
+        ),
     }
 }
 

@@ -23,8 +23,9 @@ use super::{DEFAULT_TIMEOUT_S, alloc_window, env_int, open_peer};
 use crate::{Client, Communicator, Error, Result, lock};
 
 /// `COMMD_P2P_DIRECT` (unset or `auto`: on, a pair that cannot take the path keeps the
-/// daemon's quietly; `1`/`on`: on, such a pair says why on stderr; `0`/`off`: every send/recv
-/// takes the daemon's path),
+/// daemon's quietly; `1`/`on`: on, such a pair says why on stderr; `shared`: as `1`, and ranks
+/// that share a GPU take the path too, for tests on one GPU (their kernels are time-sliced:
+/// slow); `0`/`off`: every send/recv takes the daemon's path),
 /// `COMMD_P2P_DIRECT_MAX_BYTES` (the largest send, default 4 MiB: the slot size) and
 /// `COMMD_P2P_LL_MAX_BYTES` (the largest send of the LL protocol, 0 to 256 KiB, default 256 KiB;
 /// 0 sends every message the simple way).
@@ -33,6 +34,8 @@ pub struct P2pConfig {
     pub enabled: bool,
     /// Asked for by name (`1`/`on`): a pair left on the daemon's path says why on stderr.
     pub explicit: bool,
+    /// `shared`: ranks that share a GPU take the path too (tests).
+    pub shared_gpus: bool,
     pub max_bytes: u64,
     pub ll_max: u64,
 }
@@ -51,13 +54,14 @@ impl P2pConfig {
         max: Option<&str>,
         ll: Option<&str>,
     ) -> std::result::Result<Self, String> {
-        let (enabled, explicit) = match mode.map(str::trim) {
-            None | Some("") | Some("auto") => (true, false),
-            Some("1") | Some("on") => (true, true),
-            Some("0") | Some("off") => (false, false),
+        let (enabled, explicit, shared_gpus) = match mode.map(str::trim) {
+            None | Some("") | Some("auto") => (true, false, false),
+            Some("1") | Some("on") => (true, true, false),
+            Some("shared") => (true, true, true),
+            Some("0") | Some("off") => (false, false, false),
             Some(v) => {
                 return Err(format!(
-                    "COMMD_P2P_DIRECT={v:?}: expected auto (the default), 1/on or 0/off"
+                    "COMMD_P2P_DIRECT={v:?}: expected auto (the default), 1/on, shared (tests: ranks sharing a GPU too) or 0/off"
                 ));
             }
         };
@@ -67,6 +71,7 @@ impl P2pConfig {
         Ok(Self {
             enabled,
             explicit,
+            shared_gpus,
             max_bytes,
             ll_max,
         })
@@ -102,6 +107,13 @@ pub(crate) struct Channel {
     /// The last sequence sent to / received from the peer.
     sent: u64,
     received: u64,
+    /// Eager sends to / receives from the peer that took the daemon's path since the channel
+    /// was set up (past the direct limit): carried in each direct op's signature
+    /// ([`p2p_signature`]), so that a receive whose peer issued another number of them before
+    /// its send (the two ranks' messages differ in size across the limit, or in order) fails
+    /// as a mismatch rather than taking another message's data.
+    pub(crate) daemon_sent: u64,
+    pub(crate) daemon_received: u64,
 }
 
 /// What every channel of a communicator shares: the status words and failure record, and the
@@ -148,6 +160,20 @@ fn current_device() -> Result<i32> {
 fn grid_for(bytes: u64, ll: bool) -> u32 {
     let per = if ll { 8 << 10 } else { 16 << 10 };
     (bytes.div_ceil(per)).clamp(1, 32) as u32
+}
+
+impl crate::gpu::CommGpu {
+    /// An eager send (`send`) to or receive from `peer` was posted to the daemon's path: counted
+    /// where the pair has a channel (the signature of its later direct ops carries the count).
+    pub(crate) fn p2p_daemon_op(&mut self, peer: u32, send: bool) {
+        if let Some(Pair::On(ch)) = self.p2p.get_mut(&peer) {
+            if send {
+                ch.daemon_sent += 1;
+            } else {
+                ch.daemon_received += 1;
+            }
+        }
+    }
 }
 
 impl Communicator {
@@ -354,7 +380,12 @@ impl Communicator {
                     if !seqs.iter().any(|(p, _, _)| *p == a.peer) {
                         seqs.push((a.peer, ch.sent, ch.received));
                     }
-                    chans.push((ch.local, ch.remote, ch.slot));
+                    let daemon = if pl.send {
+                        ch.daemon_sent
+                    } else {
+                        ch.daemon_received
+                    };
+                    chans.push((ch.local, ch.remote, ch.slot, daemon));
                 }
                 Some(Pair::On(ch)) if ops.len() == 1 => {
                     return Err(Error::InvalidArgument(format!(
@@ -388,7 +419,7 @@ impl Communicator {
         let mut group = kernels::P2pGroupArgs::default();
         let mut words = Vec::with_capacity(ops.len());
         let mut blocks = 0u32;
-        for (k, ((a, pl), &(local, remote, slot))) in ops.iter().zip(&chans).enumerate() {
+        for (k, ((a, pl), &(local, remote, slot, daemon))) in ops.iter().zip(&chans).enumerate() {
             // Every op's peer is in `seqs` (pushed above).
             let Some(s) = seqs.iter_mut().find(|(p, _, _)| *p == a.peer) else {
                 words.iter().for_each(|w| shared.pool.give_back(*w));
@@ -419,7 +450,7 @@ impl Communicator {
                 hint: shared.hint_dev,
                 timeout_ns,
                 seq,
-                sig: p2p_signature(a.dtype),
+                sig: p2p_signature(a.dtype, daemon),
                 status: word,
                 ll: u32::from(pl.ll),
                 pad: 0,
@@ -571,7 +602,7 @@ impl Communicator {
                     "rank {peer} has another COMMD_P2P_LL_MAX_BYTES than rank {}",
                     self.rank
                 ));
-            } else if theirs[64..80] == t.offer[64..80] {
+            } else if theirs[64..80] == t.offer[64..80] && !cfg.shared_gpus {
                 t.why = Some(format!("ranks {} and {peer} share a GPU", self.rank));
             } else {
                 match open_peer(dev, &theirs) {
@@ -633,6 +664,8 @@ impl Communicator {
                     device: dev,
                     sent: 0,
                     received: 0,
+                    daemon_sent: 0,
+                    daemon_received: 0,
                 })),
                 Some(why) => {
                     if t.remote != 0 {
@@ -715,10 +748,26 @@ struct Setup {
     why: Option<String>,
 }
 
-/// The flag's signature of a send/recv: its dtype (a pair whose sides disagree on it, or on the
-/// bytes, fails at the receiver).
-fn p2p_signature(dtype: DType) -> u32 {
-    0x5050_0000 | u32::from(dtype.code())
+/// The flag's signature of a direct send/recv (a receive compares it whole with its sender's,
+/// and the bytes apart): the marker `SIG_MARK` (bits 28-31; no byte count of an LL header
+/// reaches them, so a record says which of the two differed), the sends (for a receive: the
+/// receives) of the pair's direction that took the daemon's path before the op, modulo 2^20
+/// (bits 8-27), and the dtype (bits 0-7). The k-th message from a rank to another pairs
+/// with the k-th receive, as in NCCL, only if both sides put the same messages on each path in
+/// the same order: equal counts before every direct op say so (`tests::
+/// equal_daemon_counts_pair_every_message_in_order`).
+pub(crate) fn p2p_signature(dtype: DType, daemon_ops: u64) -> u32 {
+    SIG_MARK | ((daemon_ops as u32 & SIG_COUNT_MASK) << 8) | u32::from(dtype.code())
+}
+
+/// The marker of a direct send/recv's signature (`p2p_signature`).
+pub(crate) const SIG_MARK: u32 = 0x5000_0000;
+const SIG_COUNT_MASK: u32 = (1 << 20) - 1;
+
+/// A signature's fields: its dtype code and count of daemon-path ops; `None` if `w` is not a
+/// signature (an LL header's byte count).
+pub(crate) fn sig_fields(w: u32) -> Option<(u8, u32)> {
+    (w & 0xF000_0000 == SIG_MARK).then_some(((w & 0xff) as u8, (w >> 8) & SIG_COUNT_MASK))
 }
 
 #[cfg(test)]
@@ -741,6 +790,8 @@ mod tests {
                 .unwrap()
                 .enabled
         );
+        let sh = P2pConfig::parse(Some("shared"), None, None).unwrap();
+        assert!(sh.enabled && sh.explicit && sh.shared_gpus && !on.shared_gpus && !c.shared_gpus);
         let e = P2pConfig::parse(Some("maybe"), None, None).unwrap_err();
         assert!(e.contains("COMMD_P2P_DIRECT=\"maybe\""), "{e}");
         let e = P2pConfig::parse(Some("1"), Some("0"), None).unwrap_err();
@@ -751,6 +802,105 @@ mod tests {
         );
         let e = P2pConfig::parse(Some("1"), None, Some("262145")).unwrap_err();
         assert!(e.contains("COMMD_P2P_LL_MAX_BYTES=\"262145\""), "{e}");
+    }
+
+    /// How two ranks' messages between them pair (sizes, in issue order, the sender's and the
+    /// receiver's): each side sends a message past `LIMIT` on the daemon's path, the others as
+    /// direct ops; each path pairs its messages in order; a direct receive fails if the send's
+    /// bytes or daemon-path count (`counts`; without them, as before) differ, the daemon's path
+    /// if the bytes differ. `Some(pairs)` (position of the sender's message for each of the
+    /// receiver's) when every message paired and nothing failed.
+    fn pairing(sends: &[u64], recvs: &[u64], counts: bool) -> Option<Vec<usize>> {
+        const LIMIT: u64 = 100;
+        // Per side: (direct ops: (position, bytes, daemon ops before)), (daemon ops: position).
+        type Side = (Vec<(usize, u64, u64)>, Vec<usize>);
+        let split = |msgs: &[u64]| -> Side {
+            let (mut direct, mut daemon) = (Vec::new(), Vec::new());
+            for (i, &b) in msgs.iter().enumerate() {
+                if b > LIMIT {
+                    daemon.push(i);
+                } else {
+                    direct.push((i, b, daemon.len() as u64));
+                }
+            }
+            (direct, daemon)
+        };
+        let (sd, sn) = split(sends);
+        let (rd, rn) = split(recvs);
+        if sd.len() != rd.len() || sn.len() != rn.len() {
+            return None;
+        }
+        let mut pairs = vec![usize::MAX; recvs.len()];
+        for (s, r) in sd.iter().zip(&rd) {
+            let sig = |d: u64| p2p_signature(DType::F32, if counts { d } else { 0 });
+            if s.1 != r.1 || sig(s.2) != sig(r.2) {
+                return None;
+            }
+            pairs[r.0] = s.0;
+        }
+        for (&s, &r) in sn.iter().zip(&rn) {
+            if sends[s] != recvs[r] {
+                return None;
+            }
+            pairs[r] = s;
+        }
+        Some(pairs)
+    }
+
+    #[test]
+    fn equal_daemon_counts_pair_every_message_in_order() {
+        // Every pair of lists of up to 5 messages of 2 direct and 2 daemon-path sizes: where
+        // nothing fails, the k-th receive took the k-th message (as NCCL pairs them), so a
+        // message never lands in another receive unnoticed.
+        let sizes = [8u64, 64, 200, 4000];
+        let lists = |n: usize| -> Vec<Vec<u64>> {
+            (0..sizes.len().pow(n as u32))
+                .map(|mut x| {
+                    (0..n)
+                        .map(|_| {
+                            let s = sizes[x % sizes.len()];
+                            x /= sizes.len();
+                            s
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        let all: Vec<Vec<u64>> = (0..=5).flat_map(lists).collect();
+        let (mut ok, mut misplaced_without) = (0, 0);
+        for a in &all {
+            for b in all.iter().filter(|b| b.len() == a.len()) {
+                if let Some(p) = pairing(a, b, true) {
+                    assert!(
+                        p.iter().enumerate().all(|(i, &j)| i == j),
+                        "{a:?} -> {b:?}: {p:?}"
+                    );
+                    ok += 1;
+                }
+                if pairing(a, b, false).is_some_and(|p| p.iter().enumerate().any(|(i, &j)| i != j))
+                {
+                    misplaced_without += 1;
+                }
+            }
+        }
+        // Matching lists pair (1 + 4 + ... + 4^5 of them), and without the counts some lists
+        // that differ in order across the limit pair with messages in the wrong receives.
+        assert_eq!(ok, (0..=5).map(|n| 4usize.pow(n)).sum::<usize>());
+        assert!(misplaced_without > 0);
+    }
+
+    #[test]
+    fn a_signature_keeps_the_dtype_and_the_daemon_count_apart_from_any_ll_byte_count() {
+        let s = p2p_signature(DType::BF16, 5);
+        assert_eq!(sig_fields(s), Some((DType::BF16.code(), 5)));
+        // Counts wrap at 2^20; a byte count of an LL header (at most 256 KiB) is no signature.
+        assert_eq!(
+            sig_fields(p2p_signature(DType::F32, (1 << 20) + 3)).map(|f| f.1),
+            Some(3)
+        );
+        assert_eq!(sig_fields(kp::LL_CAP as u32), None);
+        assert_ne!(p2p_signature(DType::F32, 0), p2p_signature(DType::F32, 1));
+        assert_ne!(p2p_signature(DType::F32, 0), p2p_signature(DType::I32, 0));
     }
 
     #[test]

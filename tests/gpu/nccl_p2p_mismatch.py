@@ -1,0 +1,140 @@
+"""Send/recv across the direct limit through commd's NCCL library, called by ctypes as vLLM's
+pynccl calls it (COMMD_P2P_DIRECT on; =shared where the ranks share a GPU). 2 ranks:
+
+    COMMD_NCCL_LIB=.../libcommd_nccl.so COMMD_P2P_DIRECT=shared \
+        torchrun --nproc_per_node 2 tests/gpu/nccl_p2p_mismatch.py
+
+A message of at most COMMD_P2P_DIRECT_MAX_BYTES is a direct op, a larger one takes the daemon's
+path, and each path pairs its own messages in order. The k-th receive takes the k-th message
+(as NCCL pairs them) only where both ranks put the same messages on each path in the same order;
+each direct op's signature carries the daemon-path ops before it (docs/design.md, "Send/recv
+as direct ops", rule 3), so a receive whose sender's count differs fails as a mismatch.
+
+1. The same messages on both ranks, small and large interleaved (and in groups), 6 rounds:
+   right data, no error.
+2. Rank 0 sends a small message and then a large one; rank 1 receives a large one and then a
+   small one (each rank's sizes per position differ: the program's error). Rank 1's small
+   receive fails at once, as a mismatch naming both ranks' daemon-path counts, and its buffer
+   is left as it was. (Before, each message landed in the receive of its size, in the other
+   order, and no error was raised anywhere.)
+Exits non-zero on any failure.
+"""
+
+import ctypes
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import nccl_ctypes
+
+F32 = 7
+lib = nccl_ctypes.load(os.environ["COMMD_NCCL_LIB"])
+local = int(os.environ.get("LOCAL_RANK", "0"))
+dev = torch.device("cuda", local % torch.cuda.device_count())
+torch.cuda.set_device(dev)
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+assert world == 2, "run with 2 ranks"
+peer = 1 - rank
+failures: list[str] = []
+SMALL = 1000
+BIG = int(os.environ.get("COMMD_P2P_DIRECT_MAX_BYTES", 4 << 20)) // 4 + 5
+
+
+def check(r, what):
+    nccl_ctypes.check(lib, r, what)
+
+
+def new_comm():
+    uid = nccl_ctypes.unique_id(lib, rank)
+    comm = ctypes.c_void_p()
+    check(lib.ncclCommInitRank(ctypes.byref(comm), world, uid, rank), "ncclCommInitRank")
+    return comm
+
+
+def stream():
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def send(comm, x):
+    check(lib.ncclSend(ctypes.c_void_p(x.data_ptr()), ctypes.c_size_t(x.numel()), F32, peer,
+                       comm, stream()), "ncclSend")
+
+
+def recv(comm, y):
+    check(lib.ncclRecv(ctypes.c_void_p(y.data_ptr()), ctypes.c_size_t(y.numel()), F32, peer,
+                       comm, stream()), "ncclRecv")
+
+
+def payload(src, rnd, n):
+    return ((torch.arange(n, device=dev, dtype=torch.int64) * 7 + src * 101 + rnd * 31) % 127).float()
+
+
+def async_error(comm):
+    err = ctypes.c_int(-1)
+    check(lib.ncclCommGetAsyncError(comm, ctypes.byref(err)), "ncclCommGetAsyncError")
+    return err.value, (lib.ncclGetLastError(comm) or b"").decode()
+
+
+# 1. The same messages on both ranks: small and large interleaved, alone and in groups.
+comm = new_comm()
+for rnd in range(6):
+    sizes = [SMALL, BIG, SMALL + 1, BIG + 1] if rnd % 2 else [BIG, SMALL, BIG + 1, SMALL + 1]
+    outs = [torch.full((n,), -1.0, device=dev) for n in sizes]
+    grouped = rnd >= 3
+    for i, n in enumerate(sizes):
+        # Rank 0 sends first, rank 1 receives first; in groups both at once.
+        if grouped:
+            check(lib.ncclGroupStart(), "ncclGroupStart")
+        for op in ((send, recv) if rank == 0 else (recv, send)):
+            if op is send:
+                send(comm, payload(rank, rnd * 10 + i, n))
+            else:
+                recv(comm, outs[i])
+        if grouped:
+            check(lib.ncclGroupEnd(), "ncclGroupEnd")
+    torch.cuda.synchronize()
+    for i, (n, o) in enumerate(zip(sizes, outs)):
+        if not torch.equal(o, payload(peer, rnd * 10 + i, n)):
+            failures.append(f"same messages, round {rnd}, message {i} ({n} floats): wrong data")
+    err, msg = async_error(comm)
+    if err != 0:
+        failures.append(f"same messages, round {rnd}: an error was raised: {msg}")
+check(lib.ncclCommDestroy(comm), "ncclCommDestroy")
+
+# 2. Rank 0: small then large; rank 1: large then small.
+comm = new_comm()
+small_in = torch.full((SMALL,), -1.0, device=dev)
+big_in = torch.full((BIG,), -1.0, device=dev)
+dist.barrier()
+t0 = time.time()
+if rank == 0:
+    send(comm, payload(0, 500, SMALL))
+    send(comm, payload(0, 501, BIG))
+else:
+    recv(comm, big_in)
+    recv(comm, small_in)
+torch.cuda.synchronize()
+took = time.time() - t0
+err, msg = async_error(comm)
+if rank == 1:
+    if err == 0:
+        failures.append("small then large against large then small: no error on rank 1")
+    elif "daemon's path before it" not in msg or "mismatch" not in msg:
+        failures.append(f"the error does not name the daemon-path counts: {msg}")
+    if not small_in.eq(-1.0).all():
+        failures.append("the small receive took the peer's message all the same")
+    if took > 10:
+        failures.append(f"the mismatch took {took:.1f} s to surface")
+    print(f"rank 1: {msg}", flush=True)
+check(lib.ncclCommAbort(comm), "ncclCommAbort")
+
+dist.barrier()
+for f in failures:
+    print(f"rank {rank}: FAIL {f}", flush=True)
+print(("PASS" if not failures else "FAIL") + f" nccl_p2p_mismatch rank {rank}", flush=True)
+dist.destroy_process_group()
+sys.exit(1 if failures else 0)
