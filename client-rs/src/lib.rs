@@ -1170,6 +1170,9 @@ impl Drop for Communicator {
     fn drop(&mut self) {
         let i = &self.client;
         if i.owned_here() && i.ring.session_error().load(Ordering::Acquire) == 0 {
+            // A direct op of it that a peer's daemon mark failed, not yet told: the peer
+            // waiting on the daemon's path gets that reason, not only "destroyed".
+            i.report_direct_failures(None);
             let _ = i.watched(i.rpc.clone().destroy_communicator(pb::CommRef {
                 session_id: i.session_id,
                 comm: self.handle,

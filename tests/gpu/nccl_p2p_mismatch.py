@@ -17,6 +17,15 @@ as direct ops", rule 3), so a receive whose sender's count differs fails as a mi
    receive fails at once, as a mismatch naming both ranks' daemon-path counts, and its buffer
    is left as it was. (Before, each message landed in the receive of its size, in the other
    order, and no error was raised anywhere.)
+3. Rank 0 sends a large message and then a small one; rank 1 receives a small one and then a
+   large one, each on one stream: rank 0's stream waits in the daemon for rank 1's large
+   receive, which waits behind its small one, which waits for rank 0's small send. Rank 1's
+   direct receive reads rank 0's daemon mark and fails at once, and both ranks raise within
+   10 s (before: both waited for the op timeout).
+4. Rank 0 sends three small messages; rank 1 receives a large one first: rank 0's third send
+   waits for the first one's ack, reads rank 1's daemon mark and fails at once, and fails the
+   communicator, so that rank 1's receive waiting on the daemon's path fails too, with rank
+   0's words; both within 10 s.
 Exits non-zero on any failure.
 """
 
@@ -131,6 +140,49 @@ if rank == 1:
         failures.append(f"the mismatch took {took:.1f} s to surface")
     print(f"rank 1: {msg}", flush=True)
 check(lib.ncclCommAbort(comm), "ncclCommAbort")
+
+
+def both_fail(what, post, naming):
+    """`post(comm)` on a new communicator: both ranks must raise within 10 s, the rank
+    `naming` names with an error that names the daemon's path."""
+    comm = new_comm()
+    dist.barrier()
+    t0 = time.time()
+    post(comm)
+    torch.cuda.synchronize()
+    took = time.time() - t0
+    err, msg = async_error(comm)
+    if err == 0:
+        failures.append(f"{what}: no error on rank {rank}")
+    elif rank in naming and "daemon's path" not in msg:
+        failures.append(f"{what}: rank {rank}'s error does not name the daemon's path: {msg}")
+    if took > 10:
+        failures.append(f"{what}: rank {rank} was told after {took:.1f} s")
+    print(f"rank {rank}: {what}: {took:.2f} s: {msg}", flush=True)
+    check(lib.ncclCommAbort(comm), "ncclCommAbort")
+
+
+def large_then_small(comm):
+    if rank == 0:
+        send(comm, payload(0, 600, BIG))
+        send(comm, payload(0, 601, SMALL))
+    else:
+        recv(comm, torch.empty(SMALL, device=dev))
+        recv(comm, torch.empty(BIG, device=dev))
+
+
+def three_small_against_large(comm):
+    if rank == 0:
+        for i in range(3):
+            send(comm, payload(0, 700 + i, SMALL))
+    else:
+        recv(comm, torch.empty(BIG, device=dev))
+        for _ in range(2):
+            recv(comm, torch.empty(SMALL, device=dev))
+
+
+both_fail("large then small against small then large, one stream each", large_then_small, (1,))
+both_fail("three small sends against a large receive first", three_small_against_large, (0, 1))
 
 dist.barrier()
 for f in failures:

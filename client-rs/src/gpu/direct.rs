@@ -1039,10 +1039,13 @@ impl Windows {
 /// which never sees the direct op: this rank then fails the communicator in the daemon
 /// (`FailCommunicator`) with its own error, once, so every rank is told at once.
 pub(crate) struct RecordWatch {
-    page: usize,
-    handle: u32,
-    rank: u32,
-    told: bool,
+    pub(crate) page: usize,
+    pub(crate) handle: u32,
+    pub(crate) rank: u32,
+    pub(crate) told: bool,
+    /// The record of the communicator's direct send/recv (`p2p::P2pShared`), whose
+    /// [`k::ELSEWHERE`] is a peer's send or receive on the daemon's path.
+    pub(crate) p2p: bool,
 }
 
 impl crate::Inner {
@@ -1063,7 +1066,12 @@ impl crate::Inner {
                     };
                     (r.code == k::ELSEWHERE).then(|| {
                         w.told = true;
-                        (w.handle, explain(&r, w.rank, true))
+                        let why = if w.p2p {
+                            eager::explain_p2p(&r)
+                        } else {
+                            explain(&r, w.rank, true)
+                        };
+                        (w.handle, why)
                     })
                 })
                 .collect()
@@ -1081,6 +1089,11 @@ impl crate::Inner {
     /// added, with its status (`GetCommFailure`), so the error names the lost rank, the timed
     /// out op or the rank that failed the communicator.
     pub(crate) fn direct_error(&self, handle: u32, code: u32, message: String) -> Error {
+        if code == k::ELSEWHERE {
+            // The peer waits on the daemon's path for this op's counterpart: told now (the
+            // record is read where it lies), if the watchdog has not told it yet.
+            self.report_direct_failures(None);
+        }
         if code == k::BROKEN {
             return match self.comm_failure(handle) {
                 Ok(Some((st, why))) => Error::Op {
@@ -1213,7 +1226,10 @@ impl Communicator {
                 ),
             ));
         }
-        let r = c.p2p_shared.as_ref().and_then(|s| s.take_record())?;
+        let s = c.p2p_shared.as_ref()?;
+        let r = s.take_record()?;
+        // As for an eager op: the peer waiting on the daemon's path is told now.
+        self.client.report_direct_failures(Some((s.page, &r)));
         Some((
             r.code,
             format!(
@@ -1892,6 +1908,7 @@ impl Communicator {
                 handle: self.handle,
                 rank: self.rank,
                 told: false,
+                p2p: false,
             });
         }
         Ok(State::On(Box::new(Windows {

@@ -1244,15 +1244,17 @@ impl Communicator {
             // SAFETY: `s` was validated above and is of device `dev`, current.
             unsafe { self.mark_daemon_op(&mut c.eager, a.kind, s, dev)? };
         }
+        // An eager send/recv: counted for its pair's later direct ops (their signature carries
+        // it: a receive whose peer put another number of messages there first fails as a
+        // mismatch), and its daemon mark, so that the peer's direct op waiting for this one's
+        // counterpart fails at once.
+        if cap.is_none() && a.kind.is_p2p() {
+            // SAFETY: as above.
+            unsafe { c.p2p_daemon_op(a.peer, a.kind == OpKind::Send, s, device)? };
+        }
         // A captured op's slot, once posted, is released only with its graph (the daemon may
         // hold it); posting can only fail before the daemon sees it.
         let user_data = i.post(d)?;
-        // An eager send/recv on the daemon's path: counted for its pair's later direct ops
-        // (their signature carries it: a peer that put another number of messages there
-        // first fails the direct receive as a mismatch).
-        if cap.is_none() && a.kind.is_p2p() {
-            c.p2p_daemon_op(a.peer, a.kind == OpKind::Send);
-        }
         if graph_slot.is_none() {
             c.next_ticket = ticket.wrapping_add(phases as u32);
         }

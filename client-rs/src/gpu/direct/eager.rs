@@ -334,6 +334,32 @@ pub(crate) fn explain_p2p_code(code: u32) -> String {
 pub(crate) fn explain_p2p(r: &Record) -> String {
     use super::p2p::sig_fields;
     let q = r.epoch;
+    if r.code == k::ELSEWHERE {
+        // The peer's daemon mark (top bit: this op is a send), and this op's own count.
+        let m = r.theirs.0 & !(1 << 63);
+        let send = r.theirs.0 >> 63 != 0;
+        let bits = kp::MARK_COUNT_BITS;
+        let (their_q, theirs) = (m >> bits, m & ((1 << bits) - 1));
+        let mine = sig_fields(r.mine.0 as u32).map_or(0, |f| f.1);
+        let (me, them) = if send {
+            (
+                format!("direct send #{q} to the peer"),
+                format!(
+                    "receives from this rank on the daemon's path before its direct receive #{their_q}"
+                ),
+            )
+        } else {
+            (
+                format!("direct receive #{q} from the peer"),
+                format!(
+                    "sends to this rank on the daemon's path before its direct send #{their_q}"
+                ),
+            )
+        };
+        return format!(
+            "{me}: the peer had put {theirs} of its {them}, and this rank {mine} before this op (counted modulo 2^20; messages past COMMD_P2P_DIRECT_MAX_BYTES take that path), so the peer's counterpart of this op would never come. The two ranks' messages between them differ in size across that limit, or were issued in another order (mismatch); the op did not run, and this rank fails the communicator so that the peer's op waiting on the daemon's path fails too"
+        );
+    }
     if r.code != k::MISMATCH {
         return format!(
             "{} (message #{q} of the pair's direction)",

@@ -120,7 +120,7 @@ pub(crate) struct Channel {
 /// doorbell hint word.
 pub(crate) struct P2pShared {
     /// Host address of the record page.
-    page: usize,
+    pub(crate) page: usize,
     pool: Arc<StatusPool>,
     rec_dev: sys::CUdeviceptr,
     hint_dev: sys::CUdeviceptr,
@@ -163,16 +163,47 @@ fn grid_for(bytes: u64, ll: bool) -> u32 {
 }
 
 impl crate::gpu::CommGpu {
-    /// An eager send (`send`) to or receive from `peer` was posted to the daemon's path: counted
-    /// where the pair has a channel (the signature of its later direct ops carries the count).
-    pub(crate) fn p2p_daemon_op(&mut self, peer: u32, send: bool) {
-        if let Some(Pair::On(ch)) = self.p2p.get_mut(&peer) {
-            if send {
-                ch.daemon_sent += 1;
-            } else {
-                ch.daemon_received += 1;
-            }
+    /// Before an eager send (`send`) to or receive from `peer` is posted to the daemon's path
+    /// on `stream` (device `dev`): where the pair has a channel, counts it (the signature of
+    /// the direction's later direct ops carries the count) and writes this rank's daemon mark
+    /// for the direction into its own inbox (`kernels::p2p::SEND_MARK_OFF`, `RECV_MARK_OFF`)
+    /// on the stream, where the peer's waiting direct op reads it. One memory op on the
+    /// stream.
+    ///
+    /// # Safety
+    /// `stream` is live and of device `dev`, whose context is current.
+    pub(crate) unsafe fn p2p_daemon_op(
+        &mut self,
+        peer: u32,
+        send: bool,
+        stream: sys::CUstream,
+        dev: Option<i32>,
+    ) -> Result<()> {
+        let Some(Pair::On(ch)) = self.p2p.get_mut(&peer) else {
+            return Ok(());
+        };
+        let (at, mark) = if send {
+            ch.daemon_sent += 1;
+            (kp::SEND_MARK_OFF, kp::mark(ch.sent + 1, ch.daemon_sent))
+        } else {
+            ch.daemon_received += 1;
+            (
+                kp::RECV_MARK_OFF,
+                kp::mark(ch.received + 1, ch.daemon_received),
+            )
+        };
+        // (An op on another device than the channel's: counted, no mark; its direct ops
+        // would be refused.)
+        if dev != Some(ch.device) {
+            return Ok(());
         }
+        super::super::cu::ck(
+            // SAFETY: the inbox is this rank's own (device `dev`, live for the process); the
+            // caller vouches for the stream.
+            unsafe { sys::cuStreamWriteValue64_v2(stream, ch.local + at, mark, 0) },
+            "cuStreamWriteValue64(send/recv daemon mark)",
+        )?;
+        Ok(())
     }
 }
 
@@ -619,6 +650,15 @@ impl Communicator {
         if c.p2p_shared.is_none() && todo.iter().any(|t| t.why.is_none()) {
             match self.record_page() {
                 Ok((page, rec_dev, hint_dev)) => {
+                    // The watchdog reads its record too: a send's mark failure leaves the
+                    // peer waiting on the daemon's path (`report_direct_failures`).
+                    lock(&self.client.gpu).records.push(super::RecordWatch {
+                        page: page as usize,
+                        handle: self.handle,
+                        rank: self.rank,
+                        told: false,
+                        p2p: true,
+                    });
                     c.p2p_shared = Some(P2pShared {
                         page: page as usize,
                         // SAFETY: `record_page` leaks the page: it lives for the process.
@@ -887,6 +927,243 @@ mod tests {
         // that differ in order across the limit pair with messages in the wrong receives.
         assert_eq!(ok, (0..=5).map(|n| 4usize.pow(n)).sum::<usize>());
         assert!(misplaced_without > 0);
+    }
+
+    /// The end of a simulated run of two ranks' messages between them (`run_pair`).
+    #[derive(Debug, PartialEq)]
+    enum End {
+        /// Every op done: the receiver's k-th receive took the sender's message `pairs[k]`.
+        Done(Vec<usize>),
+        /// An op failed: a signature or size mismatch, or a daemon mark (`by_mark`).
+        Failed { by_mark: bool },
+        /// Nothing can move; `one_side_done`: one rank ran its whole list (the other waits for
+        /// an op never issued, until the op timeout, as NCCL would).
+        Stuck { one_side_done: bool },
+    }
+
+    /// One rank's place in a simulated run (`run_pair`).
+    #[derive(Default)]
+    struct Rank {
+        /// The next op of its list.
+        at: usize,
+        /// Direct sequences issued and daemon-path ops so far.
+        seq: u64,
+        daemon: u64,
+        /// Its daemon mark for the direction (0: none yet).
+        mark: u64,
+    }
+
+    /// What one step of a rank did.
+    #[derive(PartialEq)]
+    enum Step {
+        Moved,
+        Blocked,
+        Failed { by_mark: bool },
+    }
+
+    /// The sender's (`sender`) or the receiver's step at an op past `SIM_LIMIT`: its mark, written
+    /// as the stream reaches the op (a new one is a step), and the pairing of both ranks' k-th
+    /// daemon-path ops once both are there (the daemon checks the sizes).
+    fn daemon_step(
+        s: &mut Rank,
+        r: &mut Rank,
+        sender: bool,
+        sends: &[u64],
+        recvs: &[u64],
+        pairs: &mut [usize],
+    ) -> Step {
+        let me = if sender { &mut *s } else { &mut *r };
+        let m = kp::mark(me.seq + 1, me.daemon + 1);
+        let wrote = me.mark != m;
+        me.mark = m;
+        let (Some(&a), Some(&b)) = (sends.get(s.at), recvs.get(r.at)) else {
+            return Step::Blocked;
+        };
+        if a > SIM_LIMIT && b > SIM_LIMIT && s.daemon == r.daemon {
+            if a != b {
+                return Step::Failed { by_mark: false };
+            }
+            pairs[r.at] = s.at;
+            (s.daemon, r.daemon, s.at, r.at) = (s.daemon + 1, r.daemon + 1, s.at + 1, r.at + 1);
+            return Step::Moved;
+        }
+        if wrote { Step::Moved } else { Step::Blocked }
+    }
+
+    /// The simulated direct limit (`run_pair`).
+    const SIM_LIMIT: u64 = 100;
+
+    /// Runs a sender's and a receiver's messages (sizes), each rank on one stream, as the
+    /// kernels and the daemon do: a message past `LIMIT` takes the daemon's path (both sides'
+    /// k-th ones pair; its mark written when the stream reaches it), the others are direct (a
+    /// send of q waits for the ack of q - 2, a receive for flag q, then checks the bytes and
+    /// signature); a waiting direct op reads the peer's mark (with `marks`). `greedy`: which
+    /// rank runs as far as it can before the other takes a step (0: they alternate, 1: the
+    /// sender, 2: the receiver).
+    fn run_pair(sends: &[u64], recvs: &[u64], marks: bool, greedy: u8) -> End {
+        const LIMIT: u64 = SIM_LIMIT;
+        let (mut s, mut r) = (Rank::default(), Rank::default());
+        // flags[q]: (sender's message index, its bytes, its daemon count) of direct send q.
+        let mut flags: Vec<(usize, u64, u64)> = vec![(0, 0, 0)];
+        let mut ack = 0u64;
+        let mut pairs = vec![usize::MAX; recvs.len()];
+        let step_sender =
+            |s: &mut Rank, r: &mut Rank, flags: &mut Vec<_>, ack: u64, pairs: &mut Vec<usize>| {
+                let Some(&b) = sends.get(s.at) else {
+                    return Step::Blocked;
+                };
+                if b > LIMIT {
+                    return daemon_step(s, r, true, sends, recvs, pairs);
+                }
+                let q = s.seq + 1;
+                if ack + 2 >= q {
+                    flags.push((s.at, b, s.daemon));
+                    (s.seq, s.at) = (q, s.at + 1);
+                    return Step::Moved;
+                }
+                if marks && kp::mark_proves_mismatch(r.mark, q - 2, s.daemon) {
+                    return Step::Failed { by_mark: true };
+                }
+                Step::Blocked
+            };
+        let step_receiver = |s: &mut Rank,
+                             r: &mut Rank,
+                             flags: &Vec<(usize, u64, u64)>,
+                             ack: &mut u64,
+                             pairs: &mut Vec<usize>| {
+            let Some(&b) = recvs.get(r.at) else {
+                return Step::Blocked;
+            };
+            if b > LIMIT {
+                return daemon_step(s, r, false, sends, recvs, pairs);
+            }
+            let q = r.seq + 1;
+            if let Some(&(from, sb, sdn)) = flags.get(q as usize) {
+                if sb != b || p2p_signature(DType::F32, sdn) != p2p_signature(DType::F32, r.daemon)
+                {
+                    return Step::Failed { by_mark: false };
+                }
+                pairs[r.at] = from;
+                (r.seq, *ack, r.at) = (q, q, r.at + 1);
+                return Step::Moved;
+            }
+            if marks && kp::mark_proves_mismatch(s.mark, q, r.daemon) {
+                return Step::Failed { by_mark: true };
+            }
+            Step::Blocked
+        };
+        loop {
+            let mut moved = false;
+            for who in [1u8, 2] {
+                loop {
+                    let st = if who == 1 {
+                        step_sender(&mut s, &mut r, &mut flags, ack, &mut pairs)
+                    } else {
+                        step_receiver(&mut s, &mut r, &flags, &mut ack, &mut pairs)
+                    };
+                    match st {
+                        Step::Failed { by_mark } => return End::Failed { by_mark },
+                        Step::Moved => moved = true,
+                        Step::Blocked => break,
+                    }
+                    // The greedy rank goes on; the other takes one step at most.
+                    if greedy != who {
+                        break;
+                    }
+                }
+            }
+            if s.at == sends.len() && r.at == recvs.len() {
+                return End::Done(pairs);
+            }
+            if !moved {
+                return End::Stuck {
+                    one_side_done: s.at == sends.len() || r.at == recvs.len(),
+                };
+            }
+        }
+    }
+
+    #[test]
+    fn daemon_marks_turn_every_wait_of_both_ranks_into_an_error() {
+        // Every pair of lists of up to 4 messages of 2 direct and 2 daemon-path sizes, each
+        // rank on one stream: where both lists are the same, every message arrives in order
+        // and no mark fires; where they differ, the run never ends stuck with both ranks
+        // waiting mid-list (without the marks some do: the orders across the limit).
+        let sizes = [8u64, 64, 200, 4000];
+        let all: Vec<Vec<u64>> = (0..=4u32)
+            .flat_map(|n| {
+                (0..sizes.len().pow(n)).map(move |mut x| {
+                    (0..n)
+                        .map(|_| {
+                            let s = sizes[x % sizes.len()];
+                            x /= sizes.len();
+                            s
+                        })
+                        .collect::<Vec<u64>>()
+                })
+            })
+            .collect();
+        let (mut by_mark, mut stuck_without) = (0, 0);
+        for a in &all {
+            for b in &all {
+                for greedy in 0..3 {
+                    let end = run_pair(a, b, true, greedy);
+                    if a == b {
+                        assert_eq!(end, End::Done((0..a.len()).collect()), "{a:?} ({greedy})");
+                        continue;
+                    }
+                    match end {
+                        // Only where the sender has direct messages that no receive took
+                        // and no later direct receive came after (more sends than receives:
+                        // they complete unreceived, as NCCL's eager sends do); every receive
+                        // took a message of its size, in order.
+                        End::Done(p) => {
+                            let last_direct = p.iter().filter(|&&j| a[j] <= 100).max();
+                            let unseen =
+                                |u: usize| a[u] <= 100 && last_direct.is_none_or(|&l| l < u);
+                            assert!(
+                                p.windows(2).all(|w| w[0] < w[1])
+                                    && p.iter().zip(b).all(|(&j, &x)| a[j] == x)
+                                    && (0..a.len()).filter(|i| !p.contains(i)).all(unseen),
+                                "{a:?} -> {b:?}: done as {p:?}"
+                            );
+                        }
+                        End::Stuck { one_side_done } => {
+                            assert!(one_side_done, "{a:?} -> {b:?}: both ranks stuck")
+                        }
+                        End::Failed { by_mark: m } => by_mark += usize::from(m),
+                    }
+                    if run_pair(a, b, false, greedy)
+                        == (End::Stuck {
+                            one_side_done: false,
+                        })
+                    {
+                        stuck_without += 1;
+                    }
+                }
+            }
+        }
+        assert!(
+            by_mark > 0 && stuck_without > 0,
+            "{by_mark} {stuck_without}"
+        );
+    }
+
+    #[test]
+    fn a_mark_proves_a_mismatch_only_past_this_sides_count_at_or_before_its_sequence() {
+        // The peer's mark: its direct op #5 comes after 3 daemon-path ops.
+        let m = kp::mark(5, 3);
+        assert!(kp::mark_proves_mismatch(m, 5, 2));
+        assert!(kp::mark_proves_mismatch(m, 9, 2));
+        assert!(!kp::mark_proves_mismatch(m, 5, 3));
+        assert!(!kp::mark_proves_mismatch(m, 4, 2));
+        assert!(!kp::mark_proves_mismatch(0, 5, 0));
+        // Counts wrap at 2^20: one past the wrap is still past.
+        assert!(kp::mark_proves_mismatch(
+            kp::mark(5, 1 << 20),
+            5,
+            (1 << 20) - 1
+        ));
     }
 
     #[test]

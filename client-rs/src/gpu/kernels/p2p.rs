@@ -13,6 +13,13 @@
 //!   (written by the peer; a send of q waits until it is at least q - 2).
 //! - `STATE_OFF`: arrival counters of this rank's kernels for the pair (send, recv; per parity).
 //! - `DEAD_OFF`: non-zero once an op of the pair failed, on either side: every later op stops.
+//! - `SEND_MARK_OFF`, `RECV_MARK_OFF`: this rank's *daemon marks* for the pair, written by its
+//!   own stream before each eager send to (receive from) the peer that takes the daemon's path:
+//!   [`mark`] of the next direct sequence of that direction and the daemon-path ops so far
+//!   (with this one). Read by the peer's waits (its receive reads the send mark, its send
+//!   the receive mark, every 1024 spins), which fail at once ([`ELSEWHERE`]) when the mark
+//!   proves the two ranks put other messages on the daemon's path before the op (see
+//!   `commd_p2p_wait`).
 //! - `LL_OFF`: per parity, `LL_SLOT` bytes of 16-byte lines for small messages (the *LL*
 //!   protocol, as NCCL's: each line `{data lo, flag, data hi, flag}`, stored as one vector, so
 //!   8 bytes of data and their flag arrive together and no fence or separate flag is needed).
@@ -30,7 +37,7 @@
 
 use std::fmt::Write as _;
 
-use super::direct::{BROKEN, MISMATCH, POISONED, STATUS_OFF, THREADS, TIMEOUT};
+use super::direct::{BROKEN, ELSEWHERE, MISMATCH, POISONED, STATUS_OFF, THREADS, TIMEOUT};
 
 /// Offset of the flags in an inbox.
 pub const FLAG_OFF: u64 = 0;
@@ -40,6 +47,32 @@ pub const ACK_OFF: u64 = 64;
 pub const STATE_OFF: u64 = 128;
 /// Offset of the `dead` word.
 pub const DEAD_OFF: u64 = 160;
+/// Offset of this rank's daemon mark of its sends to the peer (module doc).
+pub const SEND_MARK_OFF: u64 = 192;
+/// Offset of this rank's daemon mark of its receives from the peer.
+pub const RECV_MARK_OFF: u64 = 200;
+/// Bits of a mark's (and a signature's) count of daemon-path ops.
+pub const MARK_COUNT_BITS: u32 = 20;
+
+/// A daemon mark: the next direct sequence `seq` of the direction and its daemon-path ops
+/// `count` (modulo 2^20).
+pub fn mark(seq: u64, count: u64) -> u64 {
+    (seq << MARK_COUNT_BITS) | (count & ((1 << MARK_COUNT_BITS) - 1))
+}
+
+/// Whether mark `m` (of the peer, for this direction) proves that an op of sequence `seq` whose
+/// own side counted `count` daemon-path ops before it is mismatched: the peer's direct op of
+/// some sequence at most `seq` comes after more daemon-path ops than `count` (modulo 2^20,
+/// wrap-aware), so the peer's op of `seq` does too (its counts only grow). In a program whose
+/// two sides put the same messages on each path in the same order, the peer's count before its
+/// op `seq` equals `count`, and no mark before it exceeds that. `commd_p2p_wait` computes the
+/// same on the GPU.
+pub fn mark_proves_mismatch(m: u64, seq: u64, count: u64) -> bool {
+    let bits = MARK_COUNT_BITS;
+    let diff = ((m as u32).wrapping_sub(count as u32)) << (32 - bits);
+    m != 0 && (m >> bits) <= seq && (diff as i32) > 0
+}
+
 /// Offset of the LL lines (two parities).
 pub const LL_OFF: u64 = 4096;
 /// The largest message the LL protocol may carry (`COMMD_P2P_LL_MAX_BYTES` chooses up to it).
@@ -74,6 +107,8 @@ pub fn push_source(src: &mut String, send: &str, recv: &str, group: &str, two: &
     let two_size = std::mem::size_of::<super::P2pTwoArgs>();
     let hint_broken = commd_proto::desc::doorbell::HINT_BROKEN;
     let refresh = REFRESH_PERIOD;
+    let bits = MARK_COUNT_BITS;
+    let count_mask = (1u32 << MARK_COUNT_BITS) - 1;
     // `write!` to a String cannot fail.
     let _ = write!(
         src,
@@ -142,12 +177,20 @@ static __device__ __forceinline__ void commd_p2p_done(const struct commd_p2p &a)
     }}
 }}
 
+/* Whether the peer's daemon mark `m` proves that this op (the direction's sequence `seq`, after
+   `count` daemon-path ops of this side) is mismatched (`mark_proves_mismatch` in
+   kernels/p2p.rs). */
+static __device__ __forceinline__ bool commd_p2p_marked(u64 m, u64 seq, u32 count) {{
+    return m != 0ull && (m >> {bits}) <= seq && (int)(((u32)m - count) << (32u - {bits}u)) > 0;
+}}
+
 /* Thread 0 of a block: waits until the word at `p` reaches `want` (32-bit wrap-aware, in the
-   high half when `high`), watching the pair's dead word, the broken hint and the timeout, and
+   high half when `high`), watching the pair's dead word, the broken hint and the timeout,
    `alt` when not null: the other protocol's flag word of the same sequence (its high half
-   reaching `want`: the peer sent a message of another size class, a mismatched pair). Returns
-   the word, or 0 with `*fail` set. */
-static __device__ u64 commd_p2p_wait(const struct commd_p2p &a, const u64 *p, u32 want, bool high, const u64 *alt, u32 *fail) {{
+   reaching `want`: the peer sent a message of another size class, a mismatched pair), and the
+   peer's daemon mark at `mark` (for the direction's sequence `mseq`, after this side's daemon-
+   path ops of the signature). Returns the word, or 0 with `*fail` set. */
+static __device__ u64 commd_p2p_wait(const struct commd_p2p &a, const u64 *p, u32 want, bool high, const u64 *alt, const u64 *mark, u64 mseq, u32 *fail) {{
     u64 t0 = 0ull;
     u32 spins = 0u;
     for (;;) {{
@@ -167,6 +210,10 @@ static __device__ u64 commd_p2p_wait(const struct commd_p2p &a, const u64 *p, u3
             }}
             if (alt != nullptr && (int)((u32)(commd_ld_acquire(alt) >> 32) - want) >= 0) {{
                 *fail = {MISMATCH}u;
+                return 0ull;
+            }}
+            if (commd_p2p_marked(commd_ld_acquire(mark), mseq, (a.sig >> 8) & {count_mask}u)) {{
+                *fail = {ELSEWHERE}u;
                 return 0ull;
             }}
             const u64 now = commd_globaltimer();
@@ -217,7 +264,10 @@ static __device__ void commd_p2p_send_run(const struct commd_p2p &a, u32 lb, u32
         s_fail = *(volatile u32 *)(a.local + {DEAD_OFF}ull) != 0u ? {POISONED}u : 0u;
         if (s_fail == 0u) {{
             /* The slot of sequence seq - 2 is free once the peer acknowledged it. */
-            (void)commd_p2p_wait(a, (const u64 *)(a.local + {ACK_OFF}ull), (u32)a.seq - 2u, false, nullptr, &s_fail);
+            /* The peer's receive mark: a receive of sequence at most seq - 2 (the one this
+               waits for, or earlier) after more of its receives on the daemon's path than
+               this send's sends there. */
+            (void)commd_p2p_wait(a, (const u64 *)(a.local + {ACK_OFF}ull), (u32)a.seq - 2u, false, nullptr, (const u64 *)(a.remote + {RECV_MARK_OFF}ull), a.seq - 2ull, &s_fail);
         }}
         if (s_fail == 0u && lb == 0u) {{
             if (a.ll != 0u) {{
@@ -231,8 +281,10 @@ static __device__ void commd_p2p_send_run(const struct commd_p2p &a, u32 lb, u32
         }}
         if (s_fail != 0u) {{
             /* Any block that stops says so: the op never reports success with a block's
-               share unsent (the receiver, with no flag, fails too). */
-            commd_p2p_fail(a, s_fail, (a.seq << 32) | (u64)a.sig, 0ull);
+               share unsent (the receiver, with no flag, fails too). A mark's failure records
+               the mark, with the top bit: a send's. */
+            const u64 t0 = s_fail == {ELSEWHERE}u ? (commd_ld_acquire((const u64 *)(a.remote + {RECV_MARK_OFF}ull)) | (1ull << 63)) : 0ull;
+            commd_p2p_fail(a, s_fail, (a.seq << 32) | (u64)a.sig, t0);
         }}
     }}
     __syncthreads();
@@ -295,6 +347,9 @@ static __device__ void commd_p2p_recv_run(const struct commd_p2p &a, u32 lb, u32
     const u32 f = (u32)a.seq;
     const u64 ll = a.local + {LL_OFF}ull + (u64)p * {LL_SLOT}ull;
     const u64 *flag = (const u64 *)(a.local + {FLAG_OFF}ull + (u64)p * 16ull);
+    /* The peer's send mark: its send of a sequence at most this one after more of its sends on
+       the daemon's path than this receive's receives there. */
+    const u64 *smark = (const u64 *)(a.remote + {SEND_MARK_OFF}ull);
     if (threadIdx.x == 0) {{
         s_fail = *(volatile u32 *)(a.local + {DEAD_OFF}ull) != 0u ? {POISONED}u : 0u;
         const u64 want = (a.seq << 32) | (u64)a.sig;
@@ -302,11 +357,11 @@ static __device__ void commd_p2p_recv_run(const struct commd_p2p &a, u32 lb, u32
         if (a.ll != 0u) {{
             /* The header's two halves (each arrives whole, not necessarily together). */
             if (s_fail == 0u) {{
-                v = commd_p2p_wait(a, (const u64 *)ll, f, true, flag, &s_fail);
+                v = commd_p2p_wait(a, (const u64 *)ll, f, true, flag, smark, a.seq, &s_fail);
             }}
             u64 w = 0ull;
             if (s_fail == 0u) {{
-                w = commd_p2p_wait(a, (const u64 *)ll + 1, f, true, flag, &s_fail);
+                w = commd_p2p_wait(a, (const u64 *)ll + 1, f, true, flag, smark, a.seq, &s_fail);
             }}
             if (s_fail == 0u && (v != want || w != (((u64)f << 32) | (u64)(u32)a.bytes))) {{
                 s_fail = {MISMATCH}u;
@@ -314,11 +369,14 @@ static __device__ void commd_p2p_recv_run(const struct commd_p2p &a, u32 lb, u32
             }}
         }} else {{
             if (s_fail == 0u) {{
-                v = commd_p2p_wait(a, flag, f, true, (const u64 *)ll, &s_fail);
+                v = commd_p2p_wait(a, flag, f, true, (const u64 *)ll, smark, a.seq, &s_fail);
             }}
             if (s_fail == 0u && (v != want || ((volatile const u64 *)flag)[1] != a.bytes)) {{
                 s_fail = {MISMATCH}u;
             }}
+        }}
+        if (s_fail == {ELSEWHERE}u) {{
+            v = commd_ld_acquire(smark);
         }}
         if (s_fail != 0u) {{
             commd_p2p_fail(a, s_fail, want, v);
