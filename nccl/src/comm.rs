@@ -499,29 +499,7 @@ impl Comm {
         if self.check_failed().is_err() {
             return done;
         }
-        let args: Vec<CudaOpArgs> = ops
-            .iter()
-            .map(|op| {
-                let dtype = ffi::copy_dtype(op.dtype);
-                let mut a = CudaOpArgs::new(
-                    op.kind,
-                    *dtype.as_ref().unwrap_or(&DType::U8),
-                    op.count,
-                    op.stream as sys::CUstream,
-                );
-                a.peer = op.peer.max(0) as u32;
-                if op.kind == OpKind::Send {
-                    a.send = Some(op.send);
-                } else {
-                    a.recv = Some(op.recv);
-                }
-                a.defer_wait = true;
-                // An op whose dtype has no copy type is left to `run`, which reports it.
-                a.p2p_direct = dtype.is_ok();
-                a.span = op.span;
-                a
-            })
-            .collect();
+        let args: Vec<CudaOpArgs> = ops.iter().map(p2p_args).collect();
         // SAFETY: NCCL's contract for every op: device buffers holding its elements until its
         // stream passes it, live streams (checked by `execute` when each op was held).
         let posted = group::on_device(self.device, || unsafe { r.c.post_cuda_p2p_group(&args) });
@@ -540,6 +518,16 @@ impl Comm {
         }
         commd_client::gpu::prof::mark(commd_client::gpu::prof::TRACKED);
         done
+    }
+
+    /// Whether a held send/recv `op` of a group would run as a direct op if posted now
+    /// (`Communicator::cuda_p2p_direct_eligible`): the group's end posts such ops before the
+    /// others, on every rank alike.
+    pub fn p2p_direct_eligible(self: &Arc<Self>, op: &Op) -> bool {
+        let Ok(r) = self.ready() else { return false };
+        op.count > 0
+            && op.kind.is_p2p()
+            && group::on_device(self.device, || r.c.cuda_p2p_direct_eligible(&p2p_args(op)))
     }
 
     fn execute(self: &Arc<Self>, op: Op) -> Outcome {
@@ -868,4 +856,26 @@ impl Comm {
 /// Element size of an NCCL data type.
 pub fn elem_size(dtype: i32) -> Outcome<u64> {
     Ok(ffi::copy_dtype(dtype)?.size())
+}
+
+/// The client's arguments for a held send/recv of a group (`Comm::post_p2p_group`).
+fn p2p_args(op: &Op) -> CudaOpArgs {
+    let dtype = ffi::copy_dtype(op.dtype);
+    let mut a = CudaOpArgs::new(
+        op.kind,
+        *dtype.as_ref().unwrap_or(&DType::U8),
+        op.count,
+        op.stream as sys::CUstream,
+    );
+    a.peer = op.peer.max(0) as u32;
+    if op.kind == OpKind::Send {
+        a.send = Some(op.send);
+    } else {
+        a.recv = Some(op.recv);
+    }
+    a.defer_wait = true;
+    // An op whose dtype has no copy type is left to `run`, which reports it.
+    a.p2p_direct = dtype.is_ok();
+    a.span = op.span;
+    a
 }

@@ -164,10 +164,21 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
             posted[i] = done;
         }
     }
-    for ((c, op), done) in ordered.into_iter().zip(posted) {
-        if done {
-            continue;
-        }
+    // The rest: those that run as direct ops first, then those of the daemon's path (each
+    // pass sends first). Every rank then issues each direction's messages of the group in the
+    // same order across the two paths, whether or not it ran some as one kernel (the signatures'
+    // daemon-path counts and the daemon marks rely on it: docs/design.md, "Send/recv as
+    // direct ops", rule 3).
+    let left: Vec<(Arc<Comm>, Op)> = ordered
+        .into_iter()
+        .zip(posted)
+        .filter(|(_, done)| !done)
+        .map(|(x, _)| x)
+        .collect();
+    let (direct, daemon): (Vec<_>, Vec<_>) = left
+        .into_iter()
+        .partition(|(c, op)| c.p2p_direct_eligible(op));
+    for (c, op) in direct.into_iter().chain(daemon) {
         if let Err(f) = c.run(op) {
             held_failed.get_or_insert(f);
         }

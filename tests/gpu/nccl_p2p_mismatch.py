@@ -11,7 +11,8 @@ each direct op's signature carries the daemon-path ops before it (docs/design.md
 as direct ops", rule 3), so a receive whose sender's count differs fails as a mismatch.
 
 1. The same messages on both ranks, small and large interleaved (and in groups), 6 rounds:
-   right data, no error.
+   right data, no error; and a group whose direct ops run as one kernel on one rank and one
+   at a time on the other (ops on two streams): right data, no error.
 2. Rank 0 sends a small message and then a large one; rank 1 receives a large one and then a
    small one (each rank's sizes per position differ: the program's error). Rank 1's small
    receive fails at once, as a mismatch naming both ranks' daemon-path counts, and its buffer
@@ -68,14 +69,14 @@ def stream():
     return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
 
-def send(comm, x):
+def send(comm, x, s=None):
     check(lib.ncclSend(ctypes.c_void_p(x.data_ptr()), ctypes.c_size_t(x.numel()), F32, peer,
-                       comm, stream()), "ncclSend")
+                       comm, s or stream()), "ncclSend")
 
 
-def recv(comm, y):
+def recv(comm, y, s=None):
     check(lib.ncclRecv(ctypes.c_void_p(y.data_ptr()), ctypes.c_size_t(y.numel()), F32, peer,
-                       comm, stream()), "ncclRecv")
+                       comm, s or stream()), "ncclRecv")
 
 
 def payload(src, rnd, n):
@@ -112,6 +113,36 @@ for rnd in range(6):
     err, msg = async_error(comm)
     if err != 0:
         failures.append(f"same messages, round {rnd}: an error was raised: {msg}")
+
+# 1b. One group, whose direct ops run as one kernel on rank 0 and one at a time on rank 1 (its
+#     ops on two streams): rank 0 {send large, send small, receive small}, rank 1 {receive
+#     large, receive small, send small on another stream}. Each rank posts the group's direct
+#     ops before its daemon-path ones, so the counts agree: right data, no error.
+side = torch.cuda.Stream()
+for rnd in range(4):
+    big_in = torch.full((BIG,), -1.0, device=dev)
+    small_in = torch.full((SMALL,), -1.0, device=dev)
+    big_x, small_x = payload(rank, 800 + rnd, BIG), payload(rank, 900 + rnd, SMALL)
+    torch.cuda.synchronize()
+    check(lib.ncclGroupStart(), "ncclGroupStart")
+    if rank == 0:
+        send(comm, big_x)
+        send(comm, small_x)
+        recv(comm, small_in)
+    else:
+        recv(comm, big_in)
+        recv(comm, small_in)
+        send(comm, small_x, ctypes.c_void_p(side.cuda_stream))
+    check(lib.ncclGroupEnd(), "ncclGroupEnd")
+    torch.cuda.synchronize()
+    if not torch.equal(small_in, payload(peer, 900 + rnd, SMALL)):
+        failures.append(f"a group, kernel on one rank only, round {rnd}: wrong small message")
+    if rank == 1 and not torch.equal(big_in, payload(0, 800 + rnd, BIG)):
+        failures.append(f"a group, kernel on one rank only, round {rnd}: wrong large message")
+    err, msg = async_error(comm)
+    if err != 0:
+        failures.append(f"a group, kernel on one rank only, round {rnd}: an error: {msg}")
+        break
 check(lib.ncclCommDestroy(comm), "ncclCommDestroy")
 
 # 2. Rank 0: small then large; rank 1: large then small.

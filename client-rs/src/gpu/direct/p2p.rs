@@ -238,6 +238,22 @@ impl Communicator {
         Ok(posted.pop().flatten())
     }
 
+    /// Whether the eager send/recv `a` runs as a direct op if posted now: direct send/recv on,
+    /// its pair's channel set up and on, its bytes within the limit, its buffer checked, the
+    /// communicator not broken. The NCCL library posts a group's such ops before its others
+    /// (those of the daemon's path), so that both ranks of a pair issue each direction's
+    /// messages of a group in the same order across the two paths, whichever of them runs its
+    /// direct ops as one kernel (`post_cuda_p2p_group`): the daemon-path counts in the
+    /// signatures and the daemon marks rely on it.
+    pub fn cuda_p2p_direct_eligible(&self, a: &CudaOpArgs) -> bool {
+        let Ok(cfg) = P2pConfig::cached() else {
+            return false;
+        };
+        !self.is_broken()
+            && matches!(self.p2p_plan(a, &cfg, false), Ok(Some(_)))
+            && matches!(lock(&self.gpu).p2p.get(&a.peer), Some(Pair::On(_)))
+    }
+
     /// Posts a group's send/recv ops (`ops`, as the NCCL library holds them at `ncclGroupEnd`:
     /// every send before any receive) that can be direct ops as one kernel: one launch, one
     /// event, a status word and a request each. One entry per op: its posted op, or `None` for
