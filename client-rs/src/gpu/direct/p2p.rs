@@ -182,27 +182,25 @@ impl crate::gpu::CommGpu {
         let Some(Pair::On(ch)) = self.p2p.get_mut(&peer) else {
             return Ok(());
         };
-        let (at, mark) = if send {
-            ch.daemon_sent += 1;
-            (kp::SEND_MARK_OFF, kp::mark(ch.sent + 1, ch.daemon_sent))
+        let (at, seq, count) = if send {
+            (kp::SEND_MARK_OFF, ch.sent + 1, &mut ch.daemon_sent)
         } else {
-            ch.daemon_received += 1;
-            (
-                kp::RECV_MARK_OFF,
-                kp::mark(ch.received + 1, ch.daemon_received),
-            )
+            (kp::RECV_MARK_OFF, ch.received + 1, &mut ch.daemon_received)
         };
         // (An op on another device than the channel's: counted, no mark; its direct ops
         // would be refused.)
-        if dev != Some(ch.device) {
-            return Ok(());
+        if dev == Some(ch.device) {
+            let mark = kp::mark(seq, *count + 1);
+            super::super::cu::ck(
+                // SAFETY: the inbox is this rank's own (device `dev`, live for the process);
+                // the caller vouches for the stream.
+                unsafe { sys::cuStreamWriteValue64_v2(stream, ch.local + at, mark, 0) },
+                "cuStreamWriteValue64(send/recv daemon mark)",
+            )?;
         }
-        super::super::cu::ck(
-            // SAFETY: the inbox is this rank's own (device `dev`, live for the process); the
-            // caller vouches for the stream.
-            unsafe { sys::cuStreamWriteValue64_v2(stream, ch.local + at, mark, 0) },
-            "cuStreamWriteValue64(send/recv daemon mark)",
-        )?;
+        // Counted once the mark is on the stream (a failure leaves both as they were: the op
+        // is not posted).
+        *count += 1;
         Ok(())
     }
 }
