@@ -453,8 +453,12 @@ def test_a_stopped_daemon_is_reported_by_clients_within_their_limit(daemon):
         assert res[2]["result"] != "ok", res
         assert "stopped answering" in res[2]["message"], res
         assert "COMMD_DAEMON_TIMEOUT_MS=1500" in res[2]["message"], res
-        # The session takes no new work: a resumed daemon could still run what it had.
+        # The session takes no new work: a resumed daemon could still run what it had. Later
+        # calls say why it was abandoned (also where the session was abandoned before the op
+        # above was posted, on a loaded machine: then that op says so too).
         assert res[3]["result"] != "ok" and "abandoned" in res[3]["message"], res
+        assert "stopped answering: its heartbeat" in res[3]["message"], res
+        assert "COMMD_DAEMON_TIMEOUT_MS=1500" in res[3]["message"], res
     # Resumed, the daemon finds the abandoned sessions' connections closed and ends them.
     st = daemon.wait_status(lambda s: s["sessions"] == 0, timeout=10)
     assert st["sessions"] == 0, st

@@ -153,6 +153,8 @@ struct Inner {
     /// Set when the daemon stopped answering: the session takes no new work (a resumed daemon
     /// could still carry out the ops it had, into buffers the caller reuses after the error).
     abandoned: AtomicBool,
+    /// Why it was abandoned (the first reason), for the calls after it.
+    abandoned_why: Mutex<String>,
     /// Starts the watchdog thread once (first GPU op).
     watchdog: std::sync::Once,
     /// A second descriptor of the fd socket, to shut the connection down when the session is
@@ -279,6 +281,7 @@ impl Client {
             daemon_timeout: opts.daemon_timeout,
             beat: Mutex::new(beat),
             abandoned: AtomicBool::new(false),
+            abandoned_why: Mutex::new(String::new()),
             watchdog: std::sync::Once::new(),
             fd_sock_ctl,
             pid: std::process::id(),
@@ -545,11 +548,12 @@ impl Inner {
 
     fn check_owner(&self) -> Result<()> {
         if self.abandoned.load(Ordering::Acquire) {
-            return Err(self.lost(
-                "this session was abandoned when its daemon exited or stopped answering (a \
-                 stopped daemon that resumes could still carry out the ops it had, so the \
-                 session takes no new ones): connect again",
-            ));
+            let why = lock(&self.abandoned_why).clone();
+            return Err(self.lost(&format!(
+                "this session was abandoned when its daemon exited or stopped answering ({why}; \
+                 a stopped daemon that resumes could still carry out the ops it had, so the \
+                 session takes no new ones): connect again"
+            )));
         }
         if self.owned_here() {
             Ok(())
@@ -602,7 +606,14 @@ impl Inner {
     /// no new work, the fd connection is shut down (a resumed daemon then ends the session,
     /// failing what it still has, before it runs more of it), and every GPU stream of this
     /// process waiting on one of its doorbells is released with the error word set.
-    fn abandon_session(&self) {
+    fn abandon_session(&self, why: &str) {
+        {
+            // Before the flag: a call that sees the flag finds the reason.
+            let mut w = lock(&self.abandoned_why);
+            if w.is_empty() {
+                *w = why.to_string();
+            }
+        }
         if self.abandoned.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -653,7 +664,7 @@ impl Inner {
                             break;
                         }
                         if i.daemon_gone() {
-                            i.abandon_session();
+                            i.abandon_session("the daemon exited: its socket closed");
                             break;
                         }
                         if i.daemon_stalled().is_some() {
@@ -766,8 +777,9 @@ impl Inner {
             return Err(self.session_closed_error());
         }
         if self.daemon_gone() {
-            self.abandon_session();
-            return Err(self.lost(&format!("the daemon exited (its socket closed) {when}")));
+            let why = format!("the daemon exited (its socket closed) {when}");
+            self.abandon_session(&why);
+            return Err(self.lost(&why));
         }
         match self.daemon_stalled() {
             Some(e) => Err(e),
@@ -900,14 +912,19 @@ impl Inner {
         let still = b.changed.elapsed();
         (still >= limit).then(|| {
             drop(b);
-            self.abandon_session();
-            self.lost(&format!(
+            let why = format!(
                 "the daemon stopped answering: its heartbeat has not moved for {:.1} s (the daemon \
-                 process is stopped, e.g. by SIGSTOP, hung, or starved of CPU) with this op in \
-                 flight; the op's outcome is unknown and this session takes no new work (connect \
-                 again). COMMD_DAEMON_TIMEOUT_MS={} sets this limit (0: wait forever)",
-                still.as_secs_f64(),
-                limit.as_millis()
+                 process is stopped, e.g. by SIGSTOP, hung, or starved of CPU)",
+                still.as_secs_f64()
+            );
+            let limit_ms = limit.as_millis();
+            self.abandon_session(&format!(
+                "{why}. COMMD_DAEMON_TIMEOUT_MS={limit_ms} sets this limit"
+            ));
+            self.lost(&format!(
+                "{why} with this op in flight; the op's outcome is unknown and this session takes \
+                 no new work (connect again). COMMD_DAEMON_TIMEOUT_MS={limit_ms} sets this limit \
+                 (0: wait forever)"
             ))
         })
     }
