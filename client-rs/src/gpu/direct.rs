@@ -1089,11 +1089,6 @@ impl crate::Inner {
     /// added, with its status (`GetCommFailure`), so the error names the lost rank, the timed
     /// out op or the rank that failed the communicator.
     pub(crate) fn direct_error(&self, handle: u32, code: u32, message: String) -> Error {
-        if code == k::ELSEWHERE {
-            // The peer waits on the daemon's path for this op's counterpart: told now (the
-            // record is read where it lies), if the watchdog has not told it yet.
-            self.report_direct_failures(None);
-        }
         if code == k::BROKEN {
             return match self.comm_failure(handle) {
                 Ok(Some((st, why))) => Error::Op {

@@ -300,7 +300,15 @@ impl LocalDone {
             self.what, self.comm_id
         );
         Ok(Some(Err(match client {
-            Some(c) => c.direct_error(self.handle, code, message),
+            Some(c) => {
+                if code == k::ELSEWHERE {
+                    // The peer waits on the daemon's path for this op's counterpart: told now
+                    // (the record, only peeked here, is read where it lies), if the watchdog
+                    // has not told it yet. `direct_check`, which takes it, tells it itself.
+                    c.report_direct_failures(None);
+                }
+                c.direct_error(self.handle, code, message)
+            }
             None => Error::Op {
                 kind: op_error_kind(code),
                 message,
