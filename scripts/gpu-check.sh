@@ -182,6 +182,9 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   eager_tests
   # init_process_group(device_id=...), new_group after it, zero-element CUDA tensors.
   run "empty-device-id-2-ranks" "${tr[@]}" 2 tests/gpu/empty_device_id.py
+  # ProcessGroupNCCL's semantics beyond values: coalesced ops' futures, wait(timeout), uneven
+  # all-to-all's own block, overlapping outputs.
+  run "torch-semantics-2-ranks" "${tr[@]}" 2 tests/gpu/torch_semantics.py
   run "p2p-overlap-2-ranks" "${tr[@]}" 2 tests/gpu/p2p_overlap.py
   # 4 ranks (sharing GPUs where fewer): the ring matched out of order (case 3).
   run "p2p-overlap-4-ranks" "${tr[@]}" 4 tests/gpu/p2p_overlap.py
@@ -268,7 +271,10 @@ if [ "$what" = p2p ]; then
   # ring; every value checked) by default, asked for by name, and with it off (=0), then
   # nccl-tests' sendrecv and alltoall through the library with and without it; and messages
   # whose sizes differ across the direct limit (tests/gpu/nccl_p2p_mismatch.py, 2 ranks: a
-  # mismatch at once, never another message's data). On one GPU, ranks share it (=shared).
+  # mismatch at once, never another message's data); and the library's stream ordering of
+  # staged and host-memory ops (tests/gpu/nccl_streams.py: in-place all-to-all on two streams,
+  # pinned memory on the NULL stream, a failed call in a group). On one GPU, ranks share it
+  # (=shared).
   plib=${COMMD_NCCL_LIB:-target/release/libcommd_nccl.so}
   [ -f "$plib" ] || plib=.gpu/libcommd_nccl.so
   plib=$(readlink -f "$plib")
@@ -281,6 +287,7 @@ if [ "$what" = p2p ]; then
     done
     COMMD_NCCL_LIB=$plib COMMD_P2P_DIRECT=1 run "p2p-lib-mismatch" "${tr[@]}" 2 \
       tests/gpu/nccl_p2p_mismatch.py
+    COMMD_NCCL_LIB=$plib run "nccl-streams" "${tr[@]}" 2 tests/gpu/nccl_streams.py
     run_timeout=1500
     NCCL_PARTS=nccltests NCCL_TESTS_LIST="sendrecv alltoall" NCCL_TESTS_MODES="gpus p2p" \
       NCCL_TESTS_MAX=${NCCL_TESTS_MAX:-16M} run "p2p-nccl" tests/gpu/nccl.sh "$out/nccl"
@@ -290,6 +297,8 @@ if [ "$what" = p2p ]; then
       tests/gpu/nccl_p2p.py
     COMMD_NCCL_LIB=$plib COMMD_P2P_DIRECT=shared run "p2p-lib-mismatch-shared" "${tr[@]}" 2 \
       tests/gpu/nccl_p2p_mismatch.py
+    COMMD_NCCL_LIB=$plib COMMD_EAGER_DIRECT=shared run "nccl-streams-shared" "${tr[@]}" 2 \
+      tests/gpu/nccl_streams.py
   fi
 fi
 if [ "$what" = nccl ]; then

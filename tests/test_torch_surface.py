@@ -18,6 +18,8 @@ WORKER = str(Path(__file__).resolve().parent / "torch_surface_worker.py")
 
 # Checks that leave the group unusable for the next one: each runs alone.
 ALONE = ("timeout_error_is_torch_kind", "monitored_barrier_names_late_ranks")
+# Checks gloo itself fails (a torch bug, named in each check's doc): commd must pass them.
+COMMD_ONLY = ("new_group_bound_device", "overlapping_output_refused", "premul_sum_zero_dim")
 
 
 def run(daemon, backend, nproc, checks, **env):
@@ -32,11 +34,12 @@ def run(daemon, backend, nproc, checks, **env):
 def test_commd_passes_what_gloo_passes(daemon):
     sys.path.insert(0, str(Path(WORKER).parent))
     import torch_surface_worker as w
-    checks = [c for c in w.CHECKS if c not in ALONE]
+    checks = [c for c in w.CHECKS if c not in ALONE and c not in COMMD_ONLY]
     nproc = 3
     for backend in ("gloo", "commd"):
         for batch in (checks, *([c] for c in ALONE)):
             check_batch(daemon, backend, nproc, batch)
+    check_batch(daemon, "commd", nproc, list(COMMD_ONLY))
 
 
 def check_batch(daemon, backend, nproc, checks):

@@ -305,22 +305,100 @@ def is_completed_untouched(rank, world):
     assert not getattr(dist.distributed_c10d.Work.is_completed, "_commd_patched", False)
 
 
+def reinit(prefix, rank, world, **kw):
+    """destroy_process_group, then init_process_group with the same backend on the launcher's
+    store again, under a new prefix (the first group's keys are still there)."""
+    import os
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    store = dist.PrefixStore(prefix, dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+        timeout=timedelta(seconds=60)))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60), **kw)
+
+
 @check
 def destroy_and_reinit(rank, world):
     """destroy_process_group, then init_process_group again in the same process: the new
     default group works (and the checks after this one run on it)."""
-    import os
-    backend = dist.get_backend()
-    dist.destroy_process_group()
-    # The launcher's store again, under a new prefix (the first group's keys are still there).
-    store = dist.PrefixStore("reinit", dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-        timeout=timedelta(seconds=60)))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
+    reinit("reinit", rank, world)
     t = torch.full((4,), float(rank))
     dist.all_reduce(t)
     assert t.eq(sum(range(world))).all(), t
+
+
+@check
+def new_group_bound_device(rank, world):
+    """init_process_group(device_id=...) (DeepSpeed passes one), then new_group() of rank 0
+    alone: torch has the other ranks call the parent backend's perform_nocolor_split (NCCL's
+    collective split needs every rank). They must go on, not die (commd makes a new group as a
+    new communicator of its members); rank 0 uses the group, then every rank the world.
+    gloo fails this in torch 2.15 (ProcessGroupGloo has no perform_nocolor_split): checked on
+    commd only (tests/test_torch_surface.py)."""
+    reinit("bound", rank, world, device_id=torch.device("cpu", 0))
+    g = dist.new_group([0])
+    if rank == 0:
+        t = torch.full((4,), 3.0)
+        dist.all_reduce(t, group=g)
+        assert t.eq(3.0).all(), t
+    else:
+        assert g == dist.GroupMember.NON_GROUP_MEMBER, g
+    t = torch.full((4,), float(rank))
+    dist.all_reduce(t)
+    assert t.eq(sum(range(world))).all(), t
+
+
+@check
+def futures_complete_out_of_order(rank, world):
+    """An async op's future completes while an earlier op (of another group) still waits:
+    rank 0 posts a receive from rank 1, then waits on the future of an all-reduce of a second
+    group, and only then tells rank 1 (through the store) to send what the receive waits for.
+    (commd's progress thread once waited on its ops in the order they were watched: the future
+    waited for the receive, which waited for the future: a deadlock until the op timeout.)"""
+    g = dist.new_group([0, 1])
+    store = dist.distributed_c10d._get_default_store()
+    t = torch.ones(4)
+    if rank == 0:
+        sub = torch.zeros(4)
+        r = dist.irecv(sub, src=1)
+        f = dist.all_reduce(t, group=g, async_op=True).get_future()
+        f.wait()
+        assert t.eq(2).all(), t
+        store.set("surface/future_done", "1")
+        r.wait()
+        assert sub.eq(7).all(), sub
+    elif rank == 1:
+        dist.all_reduce(t, group=g)
+        store.get("surface/future_done")
+        dist.send(torch.full((4,), 7.0), 0)
+    dist.destroy_process_group(g)
+
+
+@check
+def overlapping_output_refused(rank, world):
+    """An output whose elements share memory (an expand()ed view) is refused before anything
+    is posted, as NCCL refuses it (gloo writes it, the last write winning: checked on commd
+    only); the group works after."""
+    out = torch.zeros(1, 4).expand(world, 4)
+    try:
+        dist.all_gather_into_tensor(out, torch.full((1, 4), float(rank)))
+    except ValueError as e:
+        assert "overlap in memory" in str(e), e
+    else:
+        raise AssertionError("an expanded output was accepted")
+    t = torch.full((4,), float(rank))
+    dist.all_reduce(t)
+    assert t.eq(sum(range(world))).all(), t
+
+
+@check
+def premul_sum_zero_dim(rank, world):
+    """PREMUL_SUM on a 0-dim tensor with a one-element factor tensor (NCCL accepts it; gloo has
+    no PREMUL_SUM: checked on commd only)."""
+    t = torch.tensor(float(rank + 1))
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(torch.tensor([0.5])))
+    assert t.item() == 0.5 * sum(range(1, world + 1)), t
 
 
 @check

@@ -4,7 +4,8 @@
 //! the dispatch of each op to the GPU path (stream-ordered, DESIGN.md contracts 4 and 6) or the
 //! host path (`host`, a commd extension).
 //!
-//! May use: `commd_client` (sessions, communicators, GPU ops), `ffi`, `group`, `host`, `log`.
+//! May use: `commd_client` (sessions, communicators, GPU ops), `ffi`, `group`, `host`, `log`,
+//! `premul`, `staging`.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -15,6 +16,7 @@ use commd_client::gpu::cu::{self, sys};
 use commd_client::{Client, Communicator, Request};
 
 use crate::ffi::{self, Failure, Outcome, invalid, usage};
+use crate::staging::Staging;
 use crate::{group, host, log, premul};
 
 pub const UNIQUE_ID_BYTES: usize = 128;
@@ -47,6 +49,25 @@ pub fn client() -> Outcome<Arc<Client>> {
 /// Whether this process can use CUDA (the driver loads and has a device).
 pub fn cuda() -> bool {
     cu::driver().is_ok()
+}
+
+/// The number of CUDA devices this process sees, when CUDA is loaded.
+pub fn device_count() -> Option<i32> {
+    if !cuda() {
+        return None;
+    }
+    let mut n = 0;
+    // SAFETY: valid out pointer; the driver is loaded.
+    let r = unsafe { sys::cuDeviceGetCount(&mut n) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(n)
+}
+
+/// Whether the calling thread has a CUDA context current (CUDA is loaded: [`cuda`]).
+fn has_context() -> bool {
+    let mut c: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out pointer; the driver is loaded.
+    let r = unsafe { sys::cuCtxGetCurrent(&mut c) };
+    r == sys::CUresult::CUDA_SUCCESS && !c.is_null()
 }
 
 /// The calling thread's current CUDA device (NCCL binds a communicator to it), or -1 without
@@ -122,22 +143,20 @@ pub struct Comm {
     joined: Condvar,
     st: Mutex<State>,
     /// Device memory an in-place all-to-all stages its input in (the daemon refuses copies
-    /// whose destination overlaps a source): (address, bytes), grown on demand.
-    staging: Mutex<Option<(u64, u64)>>,
+    /// whose destination overlaps a source).
+    staging: Mutex<Staging>,
     /// The text `ncclGetLastError(comm)` returns for this communicator.
     last_error: Mutex<std::ffi::CString>,
     /// Ops made by `ncclRedOpCreatePreMulSum`, and where their scaled inputs are staged.
     pub premul: Mutex<premul::Ops>,
-    premul_staging: Mutex<premul::Staging>,
+    premul_staging: Mutex<Staging>,
 }
 
 impl Drop for Comm {
     fn drop(&mut self) {
-        if let Some((p, _)) = lock(&self.staging).take() {
-            // SAFETY: memory this communicator allocated and alone uses; every op that read
-            // it was waited for by its stream before the communicator could be destroyed.
-            unsafe { sys::cuMemFree_v2(p) };
-        }
+        // Every op that read them was waited for by its stream before the communicator could
+        // be destroyed.
+        lock(&self.staging).free();
         lock(&self.premul_staging).free();
     }
 }
@@ -236,7 +255,7 @@ impl Comm {
                 error: None,
                 pending: VecDeque::new(),
             }),
-            staging: Mutex::new(None),
+            staging: Mutex::default(),
             last_error: Mutex::new(std::ffi::CString::default()),
             premul: Mutex::default(),
             premul_staging: Mutex::default(),
@@ -304,6 +323,18 @@ impl Comm {
 
     pub fn joining(&self) -> bool {
         matches!(&*lock(&self.init), Init::Joining)
+    }
+
+    /// The joined communicator for an op or a split: as [`Self::ready`], but a non-blocking
+    /// communicator still joining is an error, as in NCCL (its caller must first see
+    /// `ncclCommGetAsyncError` report something other than `ncclInProgress`).
+    fn usable(&self) -> Outcome<Arc<Ready>> {
+        if !self.blocking && self.joining() {
+            return Err(invalid(
+                "attempt to use a non-blocking communicator before its initialisation finished (poll ncclCommGetAsyncError until it is not ncclInProgress)",
+            ));
+        }
+        self.ready()
     }
 
     /// Drops the finished requests at the front of `pending` (every finished one with `all`),
@@ -467,8 +498,7 @@ impl Comm {
             Init::Ready(r) => r.c.cuda_memory_bytes(),
             _ => 0,
         };
-        let staging = lock(&self.staging).map_or(0, |(_, n)| n);
-        client + staging + lock(&self.premul_staging).bytes()
+        client + lock(&self.staging).bytes() + lock(&self.premul_staging).bytes()
     }
 
     /// Sets up the direct send/recv channels with `peers` (`COMMD_P2P_DIRECT`) before a
@@ -531,7 +561,7 @@ impl Comm {
     }
 
     fn execute(self: &Arc<Self>, op: Op) -> Outcome {
-        let r = self.ready()?;
+        let r = self.usable()?;
         self.check_failed()?;
         // A PreMulSum op (`premul`): this rank's input scaled, then summed.
         let pre = if op.kind.reduces() && op.redop >= premul::FIRST_OP {
@@ -622,8 +652,10 @@ impl Comm {
             }
             return self.post_on_device(&r, &op, pre, (dtype, redop), (send, recv));
         }
-        if cuda() && op.stream != 0 {
-            // Host memory a stream may still be writing: ordered after it, conservatively.
+        if cuda() && (op.stream != 0 || has_context()) {
+            // Host memory a stream may still be writing (pinned memory a copy fills, say):
+            // ordered after it, conservatively. The NULL stream too (the legacy default
+            // stream of the current context; a thread with no context has queued nothing).
             // SAFETY: the caller's live stream.
             let e = unsafe { sys::cuStreamSynchronize(op.stream as sys::CUstream) };
             cu::ck(e, "cuStreamSynchronize").map_err(|e| Failure {
@@ -673,15 +705,22 @@ impl Comm {
         a.peer = op.peer.max(0) as u32;
         a.send = send;
         a.recv = recv;
+        let mut staged = None;
         if op.kind == OpKind::AllToAll {
             let bytes = op.count * u64::from(self.nranks) * dtype.size();
             if op.send < op.recv + bytes && op.recv < op.send + bytes {
-                a.send = Some(self.stage_in(op.send, bytes, op.stream)?);
+                // NCCL allows it, the daemon's copy plan does not: the input is staged.
+                let mut st = lock(&self.staging);
+                // SAFETY: NCCL's contract: the input is device memory of this process,
+                // `bytes` long, and the stream is live.
+                a.send = Some(unsafe {
+                    st.copy_in(op.send, bytes, op.stream, "in-place all-to-all staging")
+                }?);
+                staged = Some(st);
             }
         }
         a.defer_wait = op.kind.is_p2p();
         a.p2p_direct = op.kind.is_p2p();
-        let mut staged = None;
         if let (Some(p), Some(s)) = (pre, send) {
             let elems = op
                 .kind
@@ -689,7 +728,7 @@ impl Comm {
                 .unwrap_or(op.count);
             let mut st = lock(&self.premul_staging);
             // SAFETY: NCCL's contract for `s` and the stream.
-            a.send = Some(unsafe { st.scale(&p, s, elems, op.stream) }?);
+            a.send = Some(unsafe { premul::scale(&mut st, &p, s, elems, op.stream) }?);
             staged = Some(st);
         }
         // SAFETY: NCCL's contract: the buffers are device memory of this process holding
@@ -728,40 +767,6 @@ impl Comm {
         Ok(())
     }
 
-    /// Copies `bytes` at `src` into this communicator's staging memory on `stream` (an
-    /// in-place all-to-all: NCCL allows it, the daemon's copy plan does not) and returns the
-    /// staged address. Later ops on the stream run after this one finished reading it.
-    fn stage_in(&self, src: u64, bytes: u64, stream: usize) -> Outcome<u64> {
-        let cuda = |e: cu::CuError| Failure {
-            code: ffi::UNHANDLED_CUDA_ERROR,
-            message: e.to_string(),
-        };
-        let mut g = lock(&self.staging);
-        if g.is_none_or(|(_, n)| n < bytes) {
-            if let Some((p, _)) = g.take() {
-                // The old staging may still be read by ops queued on the stream.
-                // SAFETY: the caller's live stream.
-                let r = unsafe { sys::cuStreamSynchronize(stream as sys::CUstream) };
-                cu::ck(r, "cuStreamSynchronize").map_err(cuda)?;
-                // SAFETY: allocated below by this communicator, no longer in use.
-                unsafe { sys::cuMemFree_v2(p) };
-            }
-            let mut p: sys::CUdeviceptr = 0;
-            // SAFETY: valid out pointer; the caller's thread has the buffers' context current
-            // (NCCL's contract for ops on device memory).
-            let r = unsafe { sys::cuMemAlloc_v2(&mut p, bytes as usize) };
-            cu::ck(r, "cuMemAlloc(in-place all-to-all staging)").map_err(cuda)?;
-            *g = Some((p, bytes));
-        }
-        let (p, _) = g.unwrap_or_default();
-        // SAFETY: both ranges are device memory of this process, `bytes` long (NCCL's contract
-        // for src, the allocation above for p); the copy is ordered on the caller's stream.
-        let r =
-            unsafe { sys::cuMemcpyDtoDAsync_v2(p, src, bytes as usize, stream as sys::CUstream) };
-        cu::ck(r, "cuMemcpyDtoDAsync").map_err(cuda)?;
-        Ok(p)
-    }
-
     /// The text `ncclGetLastError(comm)` gives: this communicator's failure, if it has one.
     pub fn last_error_ptr(&self) -> Option<*const std::ffi::c_char> {
         let msg = lock(&self.st).error.as_ref()?.message.replace('\0', "\\0");
@@ -778,7 +783,7 @@ impl Comm {
     /// new communicator, ordered by key then by their rank here. Two host all-gathers on this
     /// communicator carry (color, key) and the new communicators' ids.
     pub fn split(&self, color: i32, key: i32, blocking: bool) -> Outcome<Option<Arc<Comm>>> {
-        let r = self.ready()?;
+        let r = self.usable()?;
         self.check_failed()?;
         if color < -1 {
             return Err(invalid(format!(

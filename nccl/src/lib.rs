@@ -22,6 +22,7 @@ mod group;
 mod host;
 mod log;
 mod premul;
+mod staging;
 
 use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
@@ -30,7 +31,7 @@ use commd_client::desc::OpKind;
 use commd_client::gpu::cu::{self, sys};
 
 use comm::{Comm, Op, UNIQUE_ID_BYTES};
-use ffi::{Failure, Outcome, guard, invalid, ncclResult_t, put, unsupported};
+use ffi::{Failure, Outcome, guard, invalid, ncclResult_t, put, unsupported, usage};
 
 /// `ncclComm_t`.
 pub type ncclComm_t = *mut Comm;
@@ -86,7 +87,13 @@ unsafe fn blocking(config: *const ConfigHead) -> Outcome<bool> {
     }
     // SAFETY: size covers the field.
     let b = unsafe { (*config).blocking };
-    Ok(b == CONFIG_UNDEF_INT || b != 0)
+    match b {
+        CONFIG_UNDEF_INT | 1 => Ok(true),
+        0 => Ok(false),
+        _ => Err(invalid(format!(
+            "config blocking attribute {b} is invalid (0 or 1)"
+        ))),
+    }
 }
 
 fn uid_bytes(id: &ncclUniqueId) -> [u8; UNIQUE_ID_BYTES] {
@@ -235,6 +242,20 @@ pub unsafe extern "C" fn ncclCommInitAll(
                 }
             })
             .collect();
+        // The same device may be listed more than once (ranks sharing a GPU: a commd
+        // extension), but each must exist.
+        let count = comm::device_count();
+        if let Some(&d) = devs
+            .iter()
+            .find(|&&d| d < 0 || count.is_some_and(|n| d >= n))
+        {
+            return Err(invalid(format!(
+                "invalid device {d} in devlist ({})",
+                count.map_or("CUDA not loaded".into(), |n| format!(
+                    "{n} CUDA devices visible"
+                ))
+            )));
+        }
         // Every rank joins on its own thread (a join returns once all ranks joined).
         let joins: Vec<_> = devs
             .iter()
@@ -283,6 +304,7 @@ pub unsafe extern "C" fn ncclCommDestroy(c: ncclComm_t) -> ncclResult_t {
             return ok();
         }
         let comm = comm::release(c)?;
+        forget_registrations(c);
         // Outstanding ops finish first (NCCL's destroy flushes them); a failure is already
         // the communicator's async error and does not stop the destroy.
         if !comm.joining() {
@@ -298,7 +320,9 @@ pub unsafe extern "C" fn ncclCommAbort(c: ncclComm_t) -> ncclResult_t {
         if c.is_null() {
             return ok();
         }
-        comm::release(c)?.abort();
+        let comm = comm::release(c)?;
+        forget_registrations(c);
+        comm.abort();
         ok()
     })
 }
@@ -315,6 +339,9 @@ pub unsafe extern "C" fn ncclCommSplit(
         if newcomm.is_null() {
             return Err(invalid("newcomm is a null pointer"));
         }
+        // NCCL_COMM_NULL until a communicator is made (as NCCL: a failed split leaves none).
+        // SAFETY: checked non-null; NCCL's contract.
+        unsafe { newcomm.write(std::ptr::null_mut()) };
         let parent = comm::get(c)?;
         // SAFETY: NCCL's contract on config.
         let b = match unsafe { blocking(config) } {
@@ -401,11 +428,25 @@ pub unsafe extern "C" fn ncclCommUserRank(c: ncclComm_t, rank: *mut c_int) -> nc
     })
 }
 
-/// A registration handle: commd registers buffers with the daemon on first use and caches
-/// them per allocation, so registering ahead only checks the range.
-struct RegHandle {
-    _ptr: usize,
-    _size: usize,
+/// The live registration handles, each with its communicator's handle: commd registers
+/// buffers with the daemon on first use and caches them per allocation, so registering ahead
+/// only checks the range and hands out a token (an address no other live handle has).
+fn registrations() -> &'static std::sync::Mutex<std::collections::HashMap<usize, usize>> {
+    static R: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<usize, usize>>> =
+        std::sync::OnceLock::new();
+    R.get_or_init(Default::default)
+}
+
+/// Drops the registrations of a released communicator (NCCL frees them with it).
+fn forget_registrations(c: ncclComm_t) {
+    comm::lock(registrations()).retain(|&token, owner| {
+        if *owner != c as usize {
+            return true;
+        }
+        // SAFETY: made by Box::into_raw in ncclCommRegister and still live (in the set).
+        drop(unsafe { Box::from_raw(token as *mut u8) });
+        false
+    });
 }
 
 #[unsafe(no_mangle)]
@@ -420,16 +461,15 @@ pub unsafe extern "C" fn ncclCommRegister(
         if buff.is_null() {
             return Err(invalid("buff is NULL"));
         }
-        let h = Box::into_raw(Box::new(RegHandle {
-            _ptr: buff as usize,
-            _size: size,
-        }));
-        // SAFETY: NCCL's contract on the out pointer.
-        if let Err(f) = unsafe { put(handle, h.cast(), "handle") } {
-            // SAFETY: just made by Box::into_raw, never shared.
-            drop(unsafe { Box::from_raw(h) });
-            return Err(f);
+        if handle.is_null() {
+            return Err(invalid("handle is a null pointer"));
         }
+        let _ = size;
+        // A heap address is the token: unique among live handles, and never NULL.
+        let token = Box::into_raw(Box::new(0u8)) as usize;
+        comm::lock(registrations()).insert(token, c as usize);
+        // SAFETY: checked non-null; NCCL's contract on the out pointer.
+        unsafe { handle.write(token as *mut c_void) };
         ok()
     })
 }
@@ -438,11 +478,25 @@ pub unsafe extern "C" fn ncclCommRegister(
 pub unsafe extern "C" fn ncclCommDeregister(c: ncclComm_t, handle: *mut c_void) -> ncclResult_t {
     guard("ncclCommDeregister", || {
         comm::get(c)?;
-        if !handle.is_null() {
-            // SAFETY: NCCL's contract: a handle ncclCommRegister returned, deregistered once.
-            drop(unsafe { Box::from_raw(handle.cast::<RegHandle>()) });
+        if handle.is_null() {
+            return ok();
         }
-        ok()
+        let mut live = comm::lock(registrations());
+        match live.get(&(handle as usize)) {
+            Some(&owner) if owner == c as usize => {
+                live.remove(&(handle as usize));
+                // SAFETY: made by Box::into_raw in ncclCommRegister, removed from the live
+                // set just now, so freed once.
+                drop(unsafe { Box::from_raw(handle.cast::<u8>()) });
+                ok()
+            }
+            Some(_) => Err(usage(format!(
+                "handle {handle:p} was registered with another communicator"
+            ))),
+            None => Err(usage(format!(
+                "handle {handle:p} is not a live registration (not returned by ncclCommRegister, or deregistered already)"
+            ))),
+        }
     })
 }
 
@@ -562,11 +616,21 @@ pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, c: ncclComm_t) -> ncclResul
 
 fn run(func: &str, c: ncclComm_t, op: Op) -> ncclResult_t {
     commd_client::gpu::prof::begin();
-    let r = guard(func, || {
+    let r = op_guard(func, || {
         comm::get(c)?.run(op)?;
         ok()
     });
     prof_exit();
+    r
+}
+
+/// `guard` for the entry points of ops: inside a group, a failure is also the group's, which
+/// `ncclGroupEnd` returns (NCCL's `ncclGroupErrCheck`).
+fn op_guard(func: &str, body: impl FnOnce() -> Outcome<ncclResult_t>) -> ncclResult_t {
+    let r = guard(func, body);
+    if r != ffi::SUCCESS && r != ffi::IN_PROGRESS && group::active() {
+        group::failed(r, &ffi::last_error());
+    }
     r
 }
 
@@ -808,7 +872,7 @@ fn rooted(
     c: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    guard(func, || {
+    op_guard(func, || {
         let comm = comm::get(c)?;
         let es = comm::elem_size(dtype)?;
         let n = comm.nranks as i32;
@@ -817,10 +881,30 @@ fn rooted(
                 "root {root} is out of range for {n} ranks"
             )));
         }
-        let bytes = (count as u64)
-            .checked_mul(es)
-            .ok_or_else(|| invalid(format!("count {count} is too large")))?;
+        let too_large = || invalid(format!("count {count} is too large"));
+        if count as u64 > commd_client::desc::MAX_COUNT {
+            return Err(too_large());
+        }
+        let bytes = (count as u64).checked_mul(es).ok_or_else(too_large)?;
+        (bytes * n as u64 <= isize::MAX as u64)
+            .then_some(())
+            .ok_or_else(too_large)?;
         let me = comm.rank as i32;
+        // The root's own block is copied here, before any op checks its buffers.
+        if me == root && count > 0 {
+            let (all, own) = if gather {
+                (("recvbuff", recv as u64), ("sendbuff", send as u64))
+            } else {
+                (("sendbuff", send as u64), ("recvbuff", recv as u64))
+            };
+            for (what, p) in [all, own] {
+                if p == 0 {
+                    return Err(invalid(format!(
+                        "{what} is NULL at the root with count {count}"
+                    )));
+                }
+            }
+        }
         let p2p = |kind: OpKind, buf: u64, peer: i32| Op {
             kind,
             dtype,

@@ -12,11 +12,12 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use commd_client::desc::DType;
-use commd_client::gpu::cu::{self, sys};
+use commd_client::gpu::cu::sys;
 use commd_client::gpu::kernels::Kernels;
 use half::{bf16, f16};
 
 use crate::ffi::{self, Failure, Outcome, invalid, usage};
+use crate::staging::Staging;
 
 /// NCCL's `ncclNumOps`: the first value a created op gets.
 pub const FIRST_OP: i32 = 5;
@@ -107,8 +108,9 @@ impl Ops {
 
     /// The created op `op` used on data of `nccl_dtype`, or why it cannot be.
     pub fn get(&self, op: i32, nccl_dtype: i32) -> Outcome<PreMul> {
+        // NCCL's ArgsCheck: ncclInvalidArgument.
         let p = *self.live.get(&op).ok_or_else(|| {
-            usage(format!(
+            invalid(format!(
                 "reduction op {op} is not one ncclRedOpCreatePreMulSum created on this communicator (or it was destroyed)"
             ))
         })?;
@@ -167,162 +169,38 @@ fn kernels() -> &'static Kernels {
     K.get_or_init(Kernels::new)
 }
 
-/// Device memory a communicator's eager PreMulSum ops stage their scaled input in, with the
-/// event after the last op that read it (the next scale waits for it on the GPU).
-#[derive(Default)]
-pub struct Staging {
-    cur: Option<(u64, u64)>,
-    /// Outgrown buffers and those of captured ops (a graph keeps using its own), with their
-    /// bytes: freed with the communicator.
-    kept: Vec<(u64, u64)>,
-    busy: Option<usize>,
-}
-
-impl Staging {
-    /// Bytes of device memory held (`ncclCommMemStats`).
-    pub fn bytes(&self) -> u64 {
-        self.kept.iter().chain(&self.cur).map(|(_, n)| n).sum()
+/// Enqueues on `stream` this rank's input scaled by `p`'s scalar into a buffer of `st` and
+/// returns its address. `st.done` must then be called with the same stream after the op that
+/// reads it was enqueued.
+///
+/// # Safety
+/// `send` is device memory holding `count` elements of `p.dtype` until the stream passes
+/// the op; the stream is live, of the current context.
+pub unsafe fn scale(
+    st: &mut Staging,
+    p: &PreMul,
+    send: u64,
+    count: u64,
+    stream: usize,
+) -> Outcome<u64> {
+    let bytes = count
+        .checked_mul(p.dtype.size())
+        .ok_or_else(|| invalid(format!("count {count} overflows")))?;
+    let dst = st.buffer(bytes, stream, "PreMulSum staging")?;
+    let (sp, imm) = match p.scalar {
+        Scalar::Immediate(b) => (0, b),
+        Scalar::Device(a) => (a, 0),
+    };
+    // SAFETY: the caller's contract for `send` and the stream; `dst` holds `count` elements.
+    unsafe {
+        kernels()
+            .launch_scale(stream as sys::CUstream, p.dtype, dst, send, count, sp, imm)
+            .map_err(|e| Failure {
+                code: ffi::UNHANDLED_CUDA_ERROR,
+                message: format!("PreMulSum scale kernel: {e}"),
+            })?;
     }
-
-    /// Frees everything (the communicator is destroyed: its ops were waited for).
-    pub fn free(&mut self) {
-        for (p, _) in self.kept.drain(..).chain(self.cur.take()) {
-            // SAFETY: memory allocated below, no longer used.
-            unsafe { sys::cuMemFree_v2(p) };
-        }
-        if let Some(e) = self.busy.take() {
-            // SAFETY: an event created below.
-            unsafe { sys::cuEventDestroy_v2(e as sys::CUevent) };
-        }
-    }
-}
-
-fn cuda(e: cu::CuError) -> Failure {
-    Failure {
-        code: ffi::UNHANDLED_CUDA_ERROR,
-        message: e.to_string(),
-    }
-}
-
-fn ck(r: sys::CUresult, what: &str) -> Outcome {
-    cu::ck(r, what).map_err(cuda)
-}
-
-/// Whether `stream` is being captured into a CUDA graph.
-fn capturing(stream: usize) -> Outcome<bool> {
-    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    ck(
-        // SAFETY: the caller's live stream; valid out pointer.
-        unsafe { sys::cuStreamIsCapturing(stream as sys::CUstream, &mut st) },
-        "cuStreamIsCapturing",
-    )?;
-    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-}
-
-impl Staging {
-    /// Enqueues on `stream` this rank's input scaled by `p`'s scalar into staging memory and
-    /// returns its address. `done` must then be called with the same stream after the op that
-    /// reads it was enqueued.
-    ///
-    /// # Safety
-    /// `send` is device memory holding `count` elements of `p.dtype` until the stream passes
-    /// the op; the stream is live, of the current context.
-    pub unsafe fn scale(
-        &mut self,
-        p: &PreMul,
-        send: u64,
-        count: u64,
-        stream: usize,
-    ) -> Outcome<u64> {
-        let bytes = count
-            .checked_mul(p.dtype.size())
-            .ok_or_else(|| invalid(format!("count {count} overflows")))?
-            .max(1);
-        let dst = if capturing(stream)? {
-            // A graph replays its own copy: a buffer of its own, kept with the communicator,
-            // allocated in relaxed capture mode (NCCL programs capture in thread-local or
-            // global mode, where cuMemAlloc on the capturing thread is refused).
-            let _relaxed = commd_client::gpu::Relaxed::enter()?;
-            let mut d = 0;
-            ck(
-                // SAFETY: valid out pointer (relaxed capture mode allows the allocation).
-                unsafe { sys::cuMemAlloc_v2(&mut d, bytes as usize) },
-                "cuMemAlloc(PreMulSum staging)",
-            )?;
-            self.kept.push((d, bytes));
-            d
-        } else {
-            if self.cur.is_none_or(|(_, n)| n < bytes) {
-                if let Some(old) = self.cur.take() {
-                    // Ops queued earlier may still read it: kept until the communicator goes.
-                    self.kept.push(old);
-                }
-                let mut d = 0;
-                ck(
-                    // SAFETY: valid out pointer.
-                    unsafe { sys::cuMemAlloc_v2(&mut d, bytes as usize) },
-                    "cuMemAlloc(PreMulSum staging)",
-                )?;
-                self.cur = Some((d, bytes));
-            }
-            if let Some(e) = self.busy {
-                // The previous PreMulSum op (maybe on another stream) has read the buffer.
-                ck(
-                    // SAFETY: a live event of this communicator; the caller's live stream.
-                    unsafe {
-                        sys::cuStreamWaitEvent(stream as sys::CUstream, e as sys::CUevent, 0)
-                    },
-                    "cuStreamWaitEvent",
-                )?;
-            }
-            self.cur.map(|(d, _)| d).unwrap_or_default()
-        };
-        let (sp, imm) = match p.scalar {
-            Scalar::Immediate(b) => (0, b),
-            Scalar::Device(a) => (a, 0),
-        };
-        // SAFETY: the caller's contract for `send` and the stream; `dst` holds `count` elements.
-        unsafe {
-            kernels()
-                .launch_scale(stream as sys::CUstream, p.dtype, dst, send, count, sp, imm)
-                .map_err(|e| Failure {
-                    code: ffi::UNHANDLED_CUDA_ERROR,
-                    message: format!("PreMulSum scale kernel: {e}"),
-                })?;
-        }
-        Ok(dst)
-    }
-
-    /// Records, after the op that read the staging on `stream`, the event the next scale waits
-    /// for (eager ops only: a captured op has its own buffer).
-    pub fn done(&mut self, stream: usize) -> Outcome {
-        if capturing(stream)? {
-            return Ok(());
-        }
-        let e = match self.busy {
-            Some(e) => e,
-            None => {
-                let mut e: sys::CUevent = std::ptr::null_mut();
-                ck(
-                    // SAFETY: valid out pointer.
-                    unsafe {
-                        sys::cuEventCreate(
-                            &mut e,
-                            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-                        )
-                    },
-                    "cuEventCreate",
-                )?;
-                self.busy = Some(e as usize);
-                e as usize
-            }
-        };
-        // SAFETY: a live event of this communicator; the caller's live stream.
-        ck(
-            unsafe { sys::cuEventRecord(e as sys::CUevent, stream as sys::CUstream) },
-            "cuEventRecord",
-        )
-    }
+    Ok(dst)
 }
 
 #[cfg(test)]

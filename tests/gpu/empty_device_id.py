@@ -1,6 +1,7 @@
 """What DeepSpeed does on CUDA before its first step, with the "commd" backend
 (scripts/gpu-check.sh tests and deepspeed): `init_process_group(..., device_id=...)` (torch
-asks the group for its backend of that device), a `new_group` after it, and collectives on
+asks the group for its backend of that device), a `new_group` after it (of every rank, and of
+rank 0 alone: the others call perform_nocolor_split), and collectives on
 zero-element CUDA tensors (ZeRO-3 broadcasts an empty list on its first step), synchronous and
 async, then ops with data to check that the communicator is intact. Ranks may share a GPU.
 
@@ -22,6 +23,34 @@ dist.init_process_group("commd", device_id=dev)
 world = dist.get_world_size()
 sub = dist.new_group(list(range(world)))
 failures = []
+# A group of rank 0 alone: torch has the other ranks call the bound device's backend's
+# perform_nocolor_split; they must go on (before, they died of an AttributeError).
+solo = dist.new_group([0])
+if rank == 0:
+    # Every op on a group of one (DeepSpeed's groups of one rank when a parallel degree is 1;
+    # before, a GPU op there panicked dividing by zero in the direct limits).
+    one = torch.full((4,), 3.0, device=dev)
+    dist.all_reduce(one, group=solo)
+    dist.broadcast(one, 0, group=solo)
+    dist.reduce(one, 0, group=solo)
+    g1 = torch.empty(4, device=dev)
+    dist.all_gather_into_tensor(g1, one, group=solo)
+    r1 = torch.empty(4, device=dev)
+    dist.reduce_scatter_tensor(r1, one, group=solo)
+    a1 = torch.empty(4, device=dev)
+    dist.all_to_all_single(a1, one, group=solo)
+    lst = [torch.empty(4, device=dev)]
+    dist.all_gather(lst, one, group=solo)
+    w = dist.all_reduce(one, group=solo, async_op=True)
+    w.wait()
+    dist.barrier(group=solo)
+    torch.cuda.synchronize()
+    for name, x in (("all_reduce", one), ("all_gather", g1), ("reduce_scatter", r1),
+                    ("all_to_all", a1), ("all_gather list", lst[0])):
+        if not x.eq(3.0).all():
+            failures.append(f"{name} on a group of rank 0 alone: {x.tolist()}")
+elif solo != dist.GroupMember.NON_GROUP_MEMBER:
+    failures.append(f"rank {rank} outside new_group([0]) got {solo}")
 
 
 def e(dt=torch.int64):

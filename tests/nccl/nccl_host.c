@@ -221,14 +221,29 @@ static void ops(ncclComm_t comm, const char* dir) {
     NCCL(ncclCommDestroy(none));
   }
 
-  /* a non-blocking communicator: in progress until joined, then usable */
+  /* a split that fails leaves NCCL_COMM_NULL behind, as NCCL's */
+  ncclComm_t junk = (ncclComm_t)0x1;
+  EXPECT_ERR(ncclInvalidArgument, ncclCommSplit(comm, -5, 0, &junk, NULL), "color -5");
+  if (junk != NULL) FAIL("a failed split left %p in newcomm", (void*)junk);
+
+  /* a non-blocking communicator: in progress until joined, unusable until then (as NCCL:
+     ncclInvalidArgument), then usable; a config whose blocking is neither 0 nor 1 refused */
   ncclUniqueId id2;
   publish_or_read(dir, "id-nonblocking", &id2);
   ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-  cfg.blocking = 0;
+  cfg.blocking = 7;
   ncclComm_t nb = NULL;
+  EXPECT_ERR(ncclInvalidArgument, ncclCommInitRankConfig(&nb, nranks, id2, rank, &cfg),
+             "blocking attribute 7");
+  cfg.blocking = 0;
+  if (rank != 0) usleep(300000); /* rank 0's join waits for the others meanwhile */
   ncclResult_t ir0 = ncclCommInitRankConfig(&nb, nranks, id2, rank, &cfg);
   if (ir0 != ncclSuccess && ir0 != ncclInProgress) FAIL("non-blocking init -> %d", ir0);
+  if (rank == 0) {
+    if (ir0 != ncclInProgress) FAIL("non-blocking init of rank 0 alone -> %d", ir0);
+    EXPECT_ERR(ncclInvalidArgument, ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, nb, NULL),
+               "before its initialisation finished");
+  }
   ncclResult_t st = ncclInProgress;
   for (int i = 0; i < 10000 && st == ncclInProgress; i++) {
     NCCL(ncclCommGetAsyncError(nb, &st));
@@ -275,7 +290,7 @@ static void ops(ncclComm_t comm, const char* dir) {
   EXPECT_ERR(ncclInvalidArgument, ncclAllReduce(fs, fr, N, ncclFloat, pm2, comm, NULL),
              "created for ncclInt64");
   NCCL(ncclRedOpDestroy(pm2, comm));
-  EXPECT_ERR(ncclInvalidUsage, ncclAllReduce(fs, fr, N, ncclFloat, pm2, comm, NULL),
+  EXPECT_ERR(ncclInvalidArgument, ncclAllReduce(fs, fr, N, ncclFloat, pm2, comm, NULL),
              "not one ncclRedOpCreatePreMulSum created");
   EXPECT_ERR(ncclInvalidArgument, ncclRedOpDestroy(pm2, comm), "already destroyed");
   EXPECT_ERR(ncclInvalidArgument,
@@ -286,6 +301,46 @@ static void ops(ncclComm_t comm, const char* dir) {
              "ncclScalarDevice");
   NCCL(ncclRedOpDestroy(pm, comm));
   EXPECT_ERR(ncclInvalidUsage, ncclGroupEnd(), "without a matching ncclGroupStart");
+
+  /* a failed call inside a group is the group's failure too (NCCL's ncclGroupErrCheck); the
+     group's valid ops still run, nested groups included */
+  sum = -1;
+  NCCL(ncclGroupStart());
+  NCCL(ncclGroupStart());
+  NCCL(ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, comm, NULL));
+  EXPECT_ERR(ncclInvalidArgument, ncclAllReduce(fs, fr, N, (ncclDataType_t)42, ncclSum, comm, NULL),
+             "data type 42");
+  NCCL(ncclGroupEnd());
+  EXPECT_ERR(ncclInvalidArgument, ncclGroupEnd(), "an op call of the group failed");
+  if (sum != nranks * (nranks - 1) / 2) FAIL("the group's valid allreduce gave %d", sum);
+  NCCL(ncclGroupStart());
+  NCCL(ncclGroupEnd()); /* the next group starts clean */
+
+  /* the root's buffers of a gather/scatter are checked before anything is copied or posted
+     (only the root calls: nothing reaches the others) */
+  if (rank == 0) {
+    EXPECT_ERR(ncclInvalidArgument, ncclGather(mine, NULL, 3, ncclInt32, 0, comm, NULL),
+               "recvbuff is NULL at the root");
+    EXPECT_ERR(ncclInvalidArgument, ncclGather(NULL, all, 3, ncclInt32, 0, comm, NULL),
+               "sendbuff is NULL at the root");
+    EXPECT_ERR(ncclInvalidArgument, ncclScatter(NULL, back, 3, ncclInt32, 0, comm, NULL),
+               "sendbuff is NULL at the root");
+    EXPECT_ERR(ncclInvalidArgument,
+               ncclGather(mine, all, (size_t)1 << 50, ncclInt32, 0, comm, NULL), "too large");
+  }
+
+  /* registration handles: one deregistration each; a stale or made-up handle is refused */
+  void* reg = NULL;
+  NCCL(ncclCommRegister(comm, fs, sizeof fs, &reg));
+  if (reg == NULL) FAIL("ncclCommRegister gave a NULL handle");
+  NCCL(ncclCommDeregister(comm, reg));
+  EXPECT_ERR(ncclInvalidUsage, ncclCommDeregister(comm, reg), "not a live registration");
+  EXPECT_ERR(ncclInvalidUsage, ncclCommDeregister(comm, (void*)0x1234), "not a live registration");
+
+  /* ncclCommInitAll checks its device list before joining anything */
+  ncclComm_t ia[2];
+  int bad[2] = {0, -1};
+  EXPECT_ERR(ncclInvalidArgument, ncclCommInitAll(ia, 2, bad), "invalid device -1");
   ncclResult_t ae = ncclInternalError;
   NCCL(ncclCommGetAsyncError(comm, &ae));
   if (ae != ncclSuccess) FAIL("async error %d after the checks", ae);

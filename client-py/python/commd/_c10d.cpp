@@ -427,6 +427,20 @@ CpuAllocator* g_cpu_allocator = nullptr;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "commd's c10d backend shell (commd/_c10d.cpp)";
+  // The Python class of the backends wrap() makes (torch's Backend, downcast by pybind on the
+  // way out of torch's getBackend): what torch calls on a backend that splits beyond the c10d
+  // virtuals. A process group made with a bound device (init_process_group(device_id=...),
+  // which DeepSpeed passes) has new_group() call perform_nocolor_split on the ranks outside the
+  // new group, so that NCCL's collective split sees every rank. commd's new groups are new
+  // communicators of their members alone (their creator ignores split_from): nothing to do,
+  // and without the method those ranks died of an AttributeError.
+  py::class_<commd::CommdBackend, c10d::Backend, c10::intrusive_ptr<commd::CommdBackend>>(
+      m, "CommdBackendShell")
+      .def(
+          "perform_nocolor_split", [](commd::CommdBackend&, const py::object&) {},
+          py::arg("device"),
+          "Nothing: a rank outside a new group takes no part in making it (commd makes it "
+          "as a new communicator of its members).");
   m.def(
       "wrap",
       [](py::object impl, int rank, int size, double timeout_s) -> c10::intrusive_ptr<c10d::Backend> {

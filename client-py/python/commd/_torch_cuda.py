@@ -98,6 +98,27 @@ def _stream_future(dev: int | None, stream: torch.cuda.Stream, value: Any) -> Fu
     return fut
 
 
+def check_overlap(t: torch.Tensor, what: str) -> None:
+    """Refuses a tensor whose elements share memory (an expand()ed or stride-0 view): what an
+    op writes there depends on the order of its writes, and NCCL refuses such tensors too."""
+    if t.numel() > 1 and not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
+        raise ValueError(
+            f"commd {what}: the tensor's elements overlap in memory (an expand()ed or stride-0 "
+            f"view, shape {tuple(t.shape)} strides {t.stride()}); pass a .contiguous() copy")
+
+
+def _wait_within(h: Handle, timeout: Any) -> None:
+    """``Work.wait(timeout)`` of a GPU op, as NCCL's: without a timeout nothing (the caller's
+    stream is ordered after the op, the CPU goes on); with one, the CPU waits for the op to
+    complete and raises torch's timeout error (commd.torch.WaitTimeoutError) if it passes first,
+    or the op's error."""
+    from .torch import _seconds, _wait_handle
+
+    secs = _seconds(timeout)
+    if secs is not None:
+        _wait_handle(h, secs, "the GPU op")
+
+
 class FastCudaWork(_Work):
     """Work of an op posted by ``Communicator.cuda_op``: ``wait`` makes the caller's current
     stream wait (on the GPU) for the op's done event; the CPU never blocks."""
@@ -121,6 +142,10 @@ class FastCudaWork(_Work):
         self._captured = captured
 
     def wait(self, timeout: Any = None) -> bool:
+        # With a timeout (as NCCL's): the CPU waits until the op is done, or raises when the
+        # timeout passes first.
+        if not self._captured:
+            _wait_within(self._handle(), timeout)
         # Raises the op's error if it already failed; one still running reports through its
         # stream (released with the error word set) and through is_completed()/get_future().
         self._req.cuda_wait(_raw_stream(self._dev))
@@ -192,6 +217,7 @@ class CudaWork(_Work):
 
     def wait(self, timeout: Any = None) -> bool:
         self._ordered()
+        _wait_within(self._h, timeout)
         torch.cuda.current_stream(self._dev).wait_event(self._ev)
         # An op that already failed raises now; one still running reports through its stream
         # (released with the error word set) and through is_completed()/get_future().
@@ -312,6 +338,7 @@ class CudaOps:
             if t.device != dev:
                 raise ValueError(f"commd: all tensors of one op must be on one device "
                                  f"(got {dev} and {t.device})")
+            check_overlap(t, "op")  # before anything is posted
         # Under CUDA graph capture the communication stream joins the capture through the
         # ordering below and the native layer captures the ops as persistent ops (DESIGN.md
         # contract 6); what it cannot capture it refuses before posting.

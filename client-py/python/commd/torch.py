@@ -46,7 +46,7 @@ from torch.futures import Future
 
 from . import _core, _native
 from ._core import Handle
-from ._torch_cuda import _COMPLEX, _REAL, CudaOps
+from ._torch_cuda import _COMPLEX, _REAL, CudaOps, check_overlap
 
 __all__ = ["CommdBackend", "register", "empty", "set_pacing", "backend", "BACKEND",
            "use_cpu_allocator"]
@@ -122,6 +122,21 @@ def _check_tensor(t: torch.Tensor, what: str, cuda: bool = False) -> None:
             "(supported: CPU and CUDA tensors, not mixed within one op)")
     if t.is_sparse:
         raise ValueError(f"commd {what}: sparse tensors are not supported")
+    check_overlap(t, what)
+
+
+_TAG_WARNED = False
+
+
+def _tag_ignored(tag: int) -> None:
+    """commd pairs a rank's messages to a peer in order, as NCCL does; gloo pairs them by tag.
+    Said once per process when a tag is given, so a program that relies on tags is told."""
+    global _TAG_WARNED
+    if tag and not _TAG_WARNED:
+        _TAG_WARNED = True
+        print(f"commd: send/recv tags are ignored (tag {tag}): each receive takes the next "
+              "message from its peer in the order they were sent, as with NCCL (gloo matches "
+              "tags)", file=sys.stderr, flush=True)
 
 
 def _is_cuda(t: Any) -> bool:
@@ -194,7 +209,10 @@ def _premul(t: torch.Tensor, op: Any, what: str, copy: bool) -> tuple[torch.Tens
         if f.numel() != 1:
             raise ValueError(f"commd {what}: PREMUL_SUM needs a one-element factor, got "
                              f"{f.numel()} elements")
-        f = f.to(t.device)
+        # A 0-dim factor: a [1] one would not broadcast into a 0-dim tensor in place.
+        f = f.reshape(()).to(t.device)
+    # Checked before the tensor is scaled in place (a refusal then leaves it as it was).
+    _reduce_names(t, ReduceOp.SUM, what)
     if t.is_complex() or t.is_floating_point():
         with torch.no_grad():
             s = torch.mul(t, f) if copy else t.mul_(f)
@@ -241,6 +259,10 @@ def _seconds(timeout: Any) -> float | None:
     return s if s > 0 else None
 
 
+# How long the progress thread waits on its oldest op before it looks at the others.
+_PROGRESS_SLICE_S = 0.002
+
+
 class _Progress:
     """Completes futures of ops nobody waits on directly (DDP's reducer, get_future().then)."""
 
@@ -258,14 +280,40 @@ class _Progress:
         self._q.put((h, fut, value))
 
     def _run(self) -> None:
+        # Every watched op completes its future when it is done, whatever the order: one that
+        # never ends (a receive nobody sends to, until its op timeout) must not hold back the
+        # futures of the others (DDP's reducer waits on them). The thread sleeps in the native
+        # wait of the oldest, a few ms at a time, and looks at the rest between.
+        pending: list[tuple[Handle, Future, Any]] = []
         while True:
-            h, fut, value = self._q.get()
-            try:
-                h.wait()
-            except BaseException as e:  # noqa: BLE001 - delivered through the future
-                fut.set_exception(_dist_error(e))
-            else:
-                fut.set_result(value)
+            if not pending:
+                pending.append(self._q.get())
+            while True:
+                try:
+                    pending.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            still = []
+            for item in pending:
+                if item[0].is_completed():
+                    self._finish(*item)
+                else:
+                    still.append(item)
+            pending = still
+            if pending:
+                try:
+                    pending[0][0].wait(_PROGRESS_SLICE_S)
+                except BaseException:  # noqa: BLE001 - a timeout, or its error: seen next round
+                    pass
+
+    @staticmethod
+    def _finish(h: Handle, fut: Future, value: Any) -> None:
+        try:
+            h.wait()
+        except BaseException as e:  # noqa: BLE001 - delivered through the future
+            fut.set_exception(_dist_error(e))
+        else:
+            fut.set_result(value)
 
 
 _progress = _Progress()
@@ -298,6 +346,19 @@ class WaitTimeoutError(dist.DistBackendError, TimeoutError):
     worded "Timed out" as gloo's, and Python's TimeoutError."""
 
 
+def _wait_handle(h: Handle, secs: float | None, what: str) -> None:
+    """Waits for ``h`` (at most ``secs``): its error as torch's kind, or ``WaitTimeoutError``
+    when the time passes first."""
+    try:
+        h.wait(secs)
+    except TimeoutError:
+        raise WaitTimeoutError(
+            f"commd: Timed out waiting {(secs or 0) * 1000:.0f} ms for {what} to complete (it "
+            "keeps running; a later wait() can still complete it)") from None
+    except _native.CommError as e:
+        raise _dist_error(e) from e
+
+
 class _CommdWork(_Work):
     """torch's Work over a commd Handle. Errors are raised as torch's ``DistBackendError``
     (kept as their commd class too); a ``wait(timeout)`` that passes first raises one saying
@@ -311,15 +372,7 @@ class _CommdWork(_Work):
         self._lock = threading.Lock()
 
     def wait(self, timeout: Any = None) -> bool:
-        secs = _seconds(timeout)
-        try:
-            self._h.wait(secs)
-        except TimeoutError:
-            raise WaitTimeoutError(
-                f"commd: Timed out waiting {secs * 1000:.0f} ms for the op to complete (it "
-                "keeps running; a later wait() can still complete it)") from None
-        except _native.CommError as e:
-            raise _dist_error(e) from e
+        _wait_handle(self._h, _seconds(timeout), "the op")
         return True
 
     def is_completed(self) -> bool:
@@ -744,12 +797,14 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
                           opts)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        _tag_ignored(tag)
         t = _one(tensors, "send")
         if _is_cuda(t):
             return self.gpu.p2p([(t, dst)], [], tensors, group=False)
         return self._work(self.comm.send(_np(t, "send"), dst, async_op=True), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        _tag_ignored(tag)
         t = _one(tensors, "recv")
         if _is_cuda(t):
             return self.gpu.p2p([], [(t, src)], tensors, group=False)
@@ -825,8 +880,12 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
 
     def set_timeout(self, secs: float) -> None:
         """torch's ``_set_pg_timeout``: the default of monitored barriers and of later splits
-        (the daemon's op timeout was fixed when the communicator was made)."""
+        (the daemon's op timeout was fixed when the communicator was made, and says so)."""
         self._timeout_s = secs if secs > 0 else None
+        print(f"commd: the group's timeout is now {secs:g} s for monitored barriers and later "
+              "groups; its ops keep the op timeout the communicator was made with (set it with "
+              "init_process_group's timeout or commd.torch.Options(op_timeout=...))",
+              file=sys.stderr, flush=True)
 
     def barrier(self, opts: Any = None) -> Any:
         return self._work(self.comm.barrier(async_op=True), [], opts)
@@ -845,7 +904,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             raise ValueError(f"commd gather: expected {self._size} output tensors on the root")
         for o in outs:
             _check_same(o, t, "gather")
-        outs[root].copy_(t)
+        with torch.no_grad():  # a communication result, not a differentiable copy (as gloo)
+            outs[root].copy_(t)
         others = [(o, j) for j, o in enumerate(outs) if j != root]
         if not gpu:
             recvs = [(_np(o, "gather"), j) for o, j in others]
@@ -869,7 +929,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             raise ValueError(f"commd scatter: expected {self._size} input tensors on the root")
         for i in ins:
             _check_same(i, out, "scatter")
-        out.copy_(ins[root])
+        with torch.no_grad():  # a communication result, not a differentiable copy (as gloo)
+            out.copy_(ins[root])
         others = [(i, j) for j, i in enumerate(ins) if j != root]
         if not gpu:
             sends = [(_np(i, "scatter"), j) for i, j in others]
@@ -881,7 +942,14 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
     def _gpu_alltoallv(self, ins: list[torch.Tensor], outs: list[torch.Tensor],
                        result: Any) -> Any:
         """Uneven all-to-all on GPU tensors: one send/recv group (own block copied locally)."""
-        outs[self._rank].copy_(ins[self._rank])
+        mine, into = ins[self._rank], outs[self._rank]
+        if mine.numel() != into.numel():
+            # Checked before anything is posted: copy_ would broadcast one row into several.
+            raise ValueError(
+                f"commd all_to_all: rank {self._rank} sends itself {mine.numel()} elements but "
+                f"expects {into.numel()} from itself")
+        with torch.no_grad():
+            into.copy_(mine.reshape(into.shape))
         sends = [(t, j) for j, t in enumerate(ins) if j != self._rank and t.numel() > 0]
         recvs = [(t, j) for j, t in enumerate(outs) if j != self._rank and t.numel() > 0]
         if not sends and not recvs:
@@ -937,23 +1005,53 @@ class _JoinWork(_Work):
         return self._result
 
     def get_future(self) -> Future:
+        """Completed once every op's future is; CUDA-aware as theirs are (GPU ops' futures are
+        completed at once on their streams): the joined future's completion is recorded on a
+        side stream after it waited for every op's, so its ``wait()`` and callbacks order the
+        caller's stream after all the ops, not only the CPU."""
         futs = [w.get_future() for w in self._works]
-        out: Future = Future()
         value = _flat_tensors(self._result)
+        dev = next((t.device for t in value if t.is_cuda), None)
+        if dev is not None and torch.cuda.is_current_stream_capturing():
+            dev = None  # captured ops' futures are plain ones (FastCudaWork)
+        out: Future = Future(devices=[dev]) if dev is not None else Future()
+        lock = threading.Lock()
+        left = [len(futs)]
 
         def done(_: Any) -> None:
-            if all(f.done() for f in futs) and not out.done():
+            with lock:
+                left[0] -= 1
+                if left[0] > 0 or out.done():
+                    return
                 for f in futs:
                     try:
                         f.value()
                     except BaseException as e:  # noqa: BLE001
                         out.set_exception(e)
                         return
-                out.set_result(value)
+                if dev is None:
+                    out.set_result(value)
+                    return
+                with torch.cuda.device(dev), torch.cuda.stream(_side_stream(dev)):
+                    for f in futs:
+                        f.wait()  # the side stream waits for the op's recorded completion
+                    out.set_result(value)
 
         for f in futs:
             f.add_done_callback(done)
         return out
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """A stream of ``dev`` that joined futures record their completion on."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    s = _SIDE.get(i)
+    if s is None:
+        s = _SIDE[i] = torch.cuda.Stream(device=i)
+    return s
 
 
 def _join(works: list[Any], result: Any) -> Any:

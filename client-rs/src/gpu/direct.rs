@@ -103,7 +103,8 @@ fn pow2_floor(x: u64) -> u64 {
 /// into direct ops; larger ones take the daemon's path, whose reduce-scatter + all-gather moves
 /// 2 (n - 1) / n x the bytes.
 pub fn default_max_bytes(nranks: u32) -> u64 {
-    if nranks == 2 {
+    // One rank (a group of one) runs no direct op, but its limits are still asked for.
+    if nranks <= 2 {
         16 << 20
     } else {
         pow2_floor((8u64 << 20) / u64::from(nranks - 1)).min(4 << 20)
@@ -2196,8 +2197,15 @@ mod tests {
         assert_eq!(split(mib, 4, 0), None);
         assert_eq!(split(mib, 4, 4 * mib), Some(mib / 4));
         assert_eq!(split(mib + 1, 4, 4 * mib), None);
-        // One rank: nothing to split.
+        // One rank: nothing to split, and its limits are defined (a group of one asks for
+        // them before it finds that it runs no direct op: that once divided by zero).
         assert_eq!(split(mib, 1, u64::MAX), None);
+        let lim1 = Config::parse(None, None, None).unwrap().limits(1);
+        assert!(
+            lim1.whole > 0 && lim1.push > 0 && lim1.share > 0,
+            "{lim1:?}"
+        );
+        assert!(window_bytes(1, lim1.slot()) > 0);
         // 2 ranks by default: one direct op up to 16 MiB, and a share of a larger one (8 MiB
         // or more) past the split's 8 MiB: nothing splits.
         let lim = Config::parse(None, None, None).unwrap().limits(2);
