@@ -446,6 +446,16 @@ def test_a_stopped_daemon_is_reported_by_clients_within_their_limit(daemon):
             r.wait(20)
             # 1.5 s sleep + 1.5 s limit, with room for a loaded CI machine.
             assert r.ended - stopped_at < 8.0, f"took {r.ended - stopped_at:.1f}s"
+        # A new session meanwhile: the kernel still takes its connection, and its hello once
+        # waited for the daemon forever. Now it fails within the same limit, saying why.
+        t0 = time.monotonic()
+        out = subprocess.run(
+            ["python3", "-c", f"import commd; commd.connect({str(daemon.socket)!r})"],
+            capture_output=True, text=True, timeout=60, env=env)
+        took = time.monotonic() - t0
+        assert out.returncode != 0 and "did not answer its hello within 1500 ms" in out.stderr, (
+            out.stderr[-2000:])
+        assert took < 15, f"a session open against a stopped daemon took {took:.1f}s"
     finally:
         daemon.send_signal(signal.SIGCONT)
     for r in procs:

@@ -75,6 +75,23 @@ assert CommdCudaPlatform.dist_backend == "commd"
 assert dist.is_backend_available("commd")
 cls = resolve_obj_by_qualname(CommdCudaPlatform.get_device_communicator_cls())
 assert cls is CommdCommunicator and issubclass(cls, CudaCommunicator)
+# vLLM's fused all-reduce + RMSNorm pass (FlashInfer's kernel, on by default from -O2 on Hopper)
+# would replace the TP all-reduce: the platform's config hook turns it off.
+import types
+from vllm.config.compilation import PassConfig
+from commd.vllm.platform import keep_collectives_on_commd
+assert "check_and_update_config" in vars(CommdCudaPlatform)
+pc = PassConfig(fuse_allreduce_rms=True)
+cfg = types.SimpleNamespace(compilation_config=types.SimpleNamespace(pass_config=pc))
+assert keep_collectives_on_commd(cfg) == ["fuse_allreduce_rms"], pc
+assert pc.fuse_allreduce_rms is False
+assert keep_collectives_on_commd(cfg) == []
+# vLLM's stateless device groups (elastic EP) would be NCCL's: refused by name.
+try:
+    CommdCudaPlatform.stateless_init_device_torch_dist_pg("commd", None, 0, 1, None)
+    raise AssertionError("a stateless device group was made")
+except NotImplementedError as e:
+    assert "elastic expert parallelism" in str(e), e
 print("CLASSES OK")
 """
 
@@ -96,6 +113,9 @@ for n in sorted(names):
     if n not in vars(CommdCommunicator):
         if n in vars(CudaCommunicator):
             bad.append(f"{n}: CudaCommunicator's own (PyNCCL/custom paths) would run")
+        continue
+    if getattr(vars(CommdCommunicator)[n], "_commd_refused", False):
+        bad.append(f"{n}: not implemented (refused at run time)")
         continue
     ours = inspect.signature(getattr(CommdCommunicator, n))
     ref = inspect.signature(getattr(CudaCommunicator, n))

@@ -51,6 +51,19 @@ with set_current_vllm_config(VllmConfig()):
     big = torch.arange(4 * n, dtype=torch.float32).reshape(n * 2, 2) + rank
     want_rs = sum(torch.arange(4 * n, dtype=torch.float32).reshape(n * 2, 2) + r for r in range(n))
     check("reduce_scatter dim 0", c.reduce_scatter(big, dim=0), want_rs[2 * rank: 2 * rank + 2])
+    # 3 dims, the last one scattered (vLLM's own moves axis 0 to dim instead: on 3+ dims it
+    # scattered another axis, and returned another shape).
+    cube = torch.arange(2 * 3 * 2 * n, dtype=torch.float32).reshape(2, 3, 2 * n) * (rank + 1)
+    want_cube = torch.arange(2 * 3 * 2 * n, dtype=torch.float32).reshape(2, 3, 2 * n) * sum(
+        r + 1 for r in range(n))
+    check("reduce_scatter 3-D dim -1", c.reduce_scatter(cube, dim=-1),
+          want_cube[:, :, 2 * rank: 2 * rank + 2])
+    # The uneven path, 3 dims, the last one (rank r gets r + 1 of its elements).
+    usz = [r + 1 for r in range(n)]
+    u0 = sum(usz[:rank])
+    ucube = torch.arange(2 * 3 * sum(usz), dtype=torch.float32).reshape(2, 3, sum(usz))
+    check("reduce_scatterv 3-D dim -1", c.reduce_scatterv(ucube * (rank + 1), dim=-1, sizes=usz),
+          (ucube * sum(r + 1 for r in range(n)))[:, :, u0: u0 + usz[rank]])
     # Uneven sizes: rank r has r + 1 rows.
     sizes = [r + 1 for r in range(n)]
     mine = torch.full((sizes[rank], 2), float(rank))
@@ -68,6 +81,13 @@ with set_current_vllm_config(VllmConfig()):
     out = torch.empty(sizes[rank], 2)
     c.reduce_scatterv_into_output(rows, out, dim=0, sizes=sizes)
     check("reduce_scatterv_into_output", out, total[start: start + sizes[rank]])
+    # An output of another shape is refused (copy_ would broadcast one row into all of them).
+    try:
+        c.reduce_scatterv_into_output(rows, torch.empty(max(sizes) + 1, 2), dim=0, sizes=sizes)
+        failures.append("reduce_scatterv_into_output took an output of another shape")
+    except ValueError as e:
+        if "output of shape" not in str(e):
+            failures.append(f"reduce_scatterv_into_output's refusal: {e}")
     g = c.gather(torch.tensor([float(rank)]), dst=0, dim=0)
     if rank == 0:
         check("gather", g, torch.arange(n, dtype=torch.float32))
@@ -97,14 +117,32 @@ with set_current_vllm_config(VllmConfig()):
         failures.append(f"graph_capture refused the communicator: {e!r}")
     except Exception:  # noqa: BLE001 - no CUDA here: what comes after the check fails
         pass
-    # Expert-parallel all-to-all is refused by name.
+    # MoE dispatch/combine (use_all2all: DP > 1 or expert parallelism): vLLM's default
+    # all-gather/reduce-scatter manager, on this communicator's ops; other backends refused by
+    # name.
+    from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
+    ep = CommdCommunicator(cpu_group=tp.cpu_group, device=torch.device("cpu"),
+                           device_group=tp.device_group, unique_name="ep:0", use_all2all=True)
+    if not isinstance(ep.all2all_manager, AgRsAll2AllManager):
+        failures.append(f"use_all2all built {ep.all2all_manager!r}")
+    ep.destroy()
+    cfg = VllmConfig()
+    cfg.parallel_config.all2all_backend = "deepep_low_latency"
+    with set_current_vllm_config(cfg):
+        try:
+            CommdCommunicator(cpu_group=tp.cpu_group, device=torch.device("cpu"),
+                              device_group=tp.device_group, unique_name="ep:1",
+                              use_all2all=True)
+            failures.append("all2all_backend deepep_low_latency was accepted")
+        except NotImplementedError as e:
+            if "deepep_low_latency" not in str(e):
+                failures.append(f"the all2all_backend refusal does not name it: {e}")
+    # A process checkpoint cannot take the daemon session along: refused, not a silent no-op.
     try:
-        CommdCommunicator(cpu_group=tp.cpu_group, device=torch.device("cpu"),
-                          device_group=tp.device_group, unique_name="ep:0", use_all2all=True)
-        failures.append("use_all2all was accepted")
-    except NotImplementedError as e:
-        if "all-to-all" not in str(e):
-            failures.append(f"use_all2all error does not say why: {e}")
+        c.checkpoint_prepare()
+        failures.append("checkpoint_prepare did nothing")
+    except NotImplementedError:
+        pass
     ps.destroy_model_parallel()
     ps.destroy_distributed_environment()
 

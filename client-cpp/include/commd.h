@@ -11,7 +11,9 @@
  *    to NULL on failure.
  *  - NULL handles are reported as COMMD_INVALID_ARGUMENT, never dereferenced.
  *  - Handles may be used from any thread. Post the ops of one communicator from one thread at
- *    a time (their posting order defines how they match across ranks).
+ *    a time (their posting order defines how they match across ranks). A destroy or free
+ *    (commd_*_destroy, commd_*_free, commd_session_close) must not overlap any other call on
+ *    the same handle, as with NCCL's communicators: it ends the handle those calls read.
  *
  * Ownership rule (as for NCCL and nonblocking MPI): until a request completes, do not read or
  * write bytes its op writes, nor write bytes it reads. Freeing a buffer under an in-flight op is

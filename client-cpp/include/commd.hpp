@@ -23,6 +23,7 @@
 #define COMMD_HPP
 
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -119,6 +120,18 @@ inline bool check_done(commd_status_t s) {
   if (s == COMMD_OK) return true;
   if (s == COMMD_IN_PROGRESS) return false;
   throw_status(s);
+}
+
+/// Whole milliseconds to wait for `d`, rounded up: 0 for a zero, negative or NaN duration,
+/// UINT64_MAX (no limit) past what 64 bits hold. Computed in double, so a duration near its
+/// type's maximum (seconds::max()) or an infinite one does not overflow as ceil<milliseconds>
+/// would.
+template <class Rep, class Period>
+std::uint64_t wait_ms(std::chrono::duration<Rep, Period> d) noexcept {
+  const double ms = std::chrono::duration<double, std::milli>(d).count();
+  if (!(ms > 0)) return 0;
+  if (ms >= 18446744073709549568.0) return UINT64_MAX;  // the largest double below 2^64
+  return static_cast<std::uint64_t>(std::ceil(ms));
 }
 
 }  // namespace detail
@@ -294,9 +307,16 @@ class Buffer {
   }
   /// (this buffer, byte offset), for ops.
   At at(std::uint64_t byte_offset) const noexcept { return At(*this, byte_offset); }
-  /// (this buffer, offset of element `index` of type T).
+  /// (this buffer, offset of element `index` of type T); throws InvalidArgumentError when
+  /// the byte offset does not fit in 64 bits (it would wrap to another element).
   template <class T>
-  At at_elem(std::uint64_t index) const noexcept {
+  At at_elem(std::uint64_t index) const {
+    if (index > UINT64_MAX / sizeof(T)) {
+      throw InvalidArgumentError(COMMD_INVALID_ARGUMENT,
+                                 "commd::Buffer::at_elem: element " + std::to_string(index) +
+                                     " of " + std::to_string(sizeof(T)) +
+                                     " bytes is past any offset");
+    }
     return At(*this, index * sizeof(T));
   }
 
@@ -337,9 +357,7 @@ class [[nodiscard]] Request {
   /// Waits at most `timeout`: true if the op completed, false if it is still running.
   template <class Rep, class Period>
   bool wait_for(std::chrono::duration<Rep, Period> timeout) {
-    auto ms = std::chrono::ceil<std::chrono::milliseconds>(timeout).count();
-    return detail::check_done(
-        commd_request_wait_timeout(h_, ms > 0 ? static_cast<std::uint64_t>(ms) : 0));
+    return detail::check_done(commd_request_wait_timeout(h_, detail::wait_ms(timeout)));
   }
 
   /// Whether the op completed, without blocking (throws if it failed).

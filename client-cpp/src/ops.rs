@@ -72,6 +72,17 @@ unsafe fn post(
         // alignment, ranks) is checked by the daemon, which fails the op on every rank.
         let root_is_me = call.peer == c.comm.rank();
         let name = call.kind.name();
+        // The Rust client reads a peer of u32::MAX as "any source"; the C API has no such
+        // receive (nothing would name the sender), so a peer of -1 (rank - 1 on rank 0, say)
+        // must be an error, not a receive from whichever rank sends first.
+        let n = c.comm.nranks();
+        if (call.kind.is_p2p() || call.kind.has_root()) && call.peer >= n {
+            let what = if call.kind.is_p2p() { "peer" } else { "root" };
+            return Err(invalid(format!(
+                "{name}: {what} {} is out of range for {n} ranks",
+                call.peer
+            )));
+        }
         if call.kind.uses_send(root_is_me) && send.is_none() {
             return Err(invalid(format!(
                 "{name} needs a send buffer here, got NULL"

@@ -86,6 +86,10 @@ void invalid_arguments() {
   commd::Session session;
   commd::Session other;
   expect_throw<commd::InvalidArgumentError>("alloc(0)", [&] { session.alloc(0); });
+  // Sizes the system refuses: the caller's error, naming the size (was COMMD_INTERNAL).
+  auto huge = expect_throw<commd::InvalidArgumentError>(
+      "alloc(2^63)", [&] { session.alloc(std::uint64_t{1} << 63); });
+  CHECK_THAT(contains(huge.what(), "9223372036854775808 bytes"), huge.what());
   auto oob_rank = expect_throw<commd::InvalidArgumentError>(
       "rank >= nranks", [&] { session.communicator(session.unique_id(), 2, 2); });
   CHECK_THAT(contains(oob_rank.what(), "out of range"), oob_rank.what());
@@ -107,6 +111,19 @@ void invalid_arguments() {
   CHECK_THAT(contains(commd_last_error(), "reduction code 42"), commd_last_error());
   expect_throw<commd::InvalidArgumentError>("DType 200", [&] {
     comm.all_reduce(b, b, 4, static_cast<commd::DType>(200), RedOp::Sum);
+  });
+  // A peer or root past the ranks, -1 included: refused before posting (the Rust client reads
+  // a peer of UINT32_MAX as "any source", which the C API has not: it received from whichever
+  // rank sent first).
+  st = commd_recv(comm.get(), b.get(), 0, 4, COMMD_FLOAT32, UINT32_MAX, nullptr);
+  CHECK_THAT(st == COMMD_INVALID_ARGUMENT, commd_status_name(st));
+  CHECK_THAT(contains(commd_last_error(), "peer 4294967295 is out of range"), commd_last_error());
+  st = commd_send(comm.get(), b.get(), 0, 4, COMMD_FLOAT32, 1, nullptr);
+  CHECK_THAT(st == COMMD_INVALID_ARGUMENT, commd_status_name(st));
+  CHECK_THAT(contains(commd_last_error(), "peer 1 is out of range for 1 ranks"), commd_last_error());
+  // Element offsets past 64 bits throw instead of wrapping to another element.
+  expect_throw<commd::InvalidArgumentError>("at_elem(2^61 + 1)", [&] {
+    (void)b.at_elem<double>((std::uint64_t{1} << 61) + 1);
   });
   commd_request_t* req = reinterpret_cast<commd_request_t*>(0x1);
   st = commd_all_reduce(comm.get(), b.get(), 0, b.get(), 0, 4, 1u << 20, COMMD_SUM, &req);
@@ -253,8 +270,17 @@ void requests() {
       CHECK_THAT(seconds_since(t0) >= 0.045, "wait_for returned after " << seconds_since(t0));
       commd_request_t* raw = rq.get();
       CHECK_THAT(commd_request_wait_timeout(raw, 0) == COMMD_IN_PROGRESS, "C wait_timeout");
+      // Another thread waits without a limit: test() and wait_for() here still keep theirs
+      // (they once waited for that thread's wait, until the op ended).
+      std::thread waiter([&] { rq.wait(); });
+      std::this_thread::sleep_for(20ms);
+      auto t1 = std::chrono::steady_clock::now();
+      CHECK_THAT(!rq.test(), "test beside a wait: completed");
+      CHECK_THAT(!rq.wait_for(50ms), "wait_for beside a wait: completed");
+      CHECK_THAT(seconds_since(t1) < 1.0, "test + wait_for(50ms) beside a wait took " << seconds_since(t1));
       go.as<std::int64_t>()[0] = 42;
       comm.send<std::int64_t>(go, 1, 1);
+      waiter.join();
       commd::Request moved = std::move(rq);
       CHECK_THAT(!rq && moved, "move");
       moved.wait();

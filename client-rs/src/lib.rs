@@ -222,10 +222,32 @@ impl Client {
             sq_entries: opts.ring_entries,
             cq_entries: opts.ring_entries,
         };
-        let reply = rt.block_on(rpc.hello(hello)).map_err(|s| match s.code() {
-            tonic::Code::Unavailable | tonic::Code::Unknown => unavailable(s.message().to_string()),
-            _ => Error::rpc("hello", s),
-        })?;
+        // A stopped (SIGSTOP) or hung daemon still has its connections accepted by the
+        // kernel: the hello and the attach reply are bounded by COMMD_DAEMON_TIMEOUT_MS, as
+        // every later wait on the daemon is.
+        let limit = opts.daemon_timeout;
+        let stalled = |what: &str| {
+            unavailable(format!(
+                "the daemon took the connection but did not answer {what} within {} ms \
+                 (COMMD_DAEMON_TIMEOUT_MS): is it stopped (SIGSTOP) or hung?",
+                limit.unwrap_or_default().as_millis()
+            ))
+        };
+        let reply = rt
+            .block_on(async {
+                let call = rpc.hello(hello);
+                match limit {
+                    Some(t) => tokio::time::timeout(t, call).await.ok(),
+                    None => Some(call.await),
+                }
+            })
+            .ok_or_else(|| stalled("its hello"))?
+            .map_err(|s| match s.code() {
+                tonic::Code::Unavailable | tonic::Code::Unknown => {
+                    unavailable(s.message().to_string())
+                }
+                _ => Error::rpc("hello", s),
+            })?;
         let reply = reply.into_inner();
         let fd_sock = fdproto::connect(Path::new(&reply.fd_socket))
             .map_err(|e| unavailable(format!("fd socket {}: {e}", reply.fd_socket)))?;
@@ -240,8 +262,28 @@ impl Client {
             secret,
             ..Default::default()
         };
-        fdproto::send(fd_sock.as_fd(), &attach, None)?;
-        let ring_fd = match fdproto::recv(fd_sock.as_fd())? {
+        let io = |e: std::io::Error| unavailable(format!("attaching the session: {e}"));
+        fdproto::send(fd_sock.as_fd(), &attach, None).map_err(io)?;
+        rustix::net::sockopt::set_socket_timeout(
+            &fd_sock,
+            rustix::net::sockopt::Timeout::Recv,
+            limit,
+        )
+        .map_err(|e| io(e.into()))?;
+        let got = match fdproto::recv(fd_sock.as_fd()) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                return Err(stalled("the attach of the session"));
+            }
+            other => other.map_err(io)?,
+        };
+        // Later reads on the socket wait as long as they need (the heartbeat bounds them).
+        rustix::net::sockopt::set_socket_timeout(
+            &fd_sock,
+            rustix::net::sockopt::Timeout::Recv,
+            None,
+        )
+        .map_err(|e| io(e.into()))?;
+        let ring_fd = match got {
             Some((m, Some(fd))) if m.kind == kind::ATTACH_OK => fd,
             Some((m, _)) if m.kind == kind::ERROR => {
                 return Err(unavailable(format!("attach refused: {}", m.text)));
@@ -370,14 +412,26 @@ impl Client {
             ));
         }
         use rustix::fs::{MemfdFlags, SealFlags};
+        // What the system refuses (a size past the address space or the memory limits, out of
+        // file descriptors) is the caller's request, named with its size: not a bug of commd.
+        let refused = |what: &str, e: std::io::Error| {
+            Error::InvalidArgument(format!(
+                "cannot allocate a shared buffer of {bytes} bytes: {what}: {e}"
+            ))
+        };
         let fd =
             rustix::fs::memfd_create("commd-buf", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-                .map_err(std::io::Error::from)?;
-        rustix::fs::ftruncate(&fd, bytes).map_err(std::io::Error::from)?;
+                .map_err(|e| refused("memfd_create", e.into()))?;
+        rustix::fs::ftruncate(&fd, bytes).map_err(|e| refused("ftruncate", e.into()))?;
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
             .map_err(std::io::Error::from)?;
         let file = File::from(fd);
-        let map = MmapOptions::new().len(bytes as usize).map_raw(&file)?;
+        let len = usize::try_from(bytes)
+            .map_err(|_| refused("mmap", std::io::ErrorKind::InvalidInput.into()))?;
+        let map = MmapOptions::new()
+            .len(len)
+            .map_raw(&file)
+            .map_err(|e| refused("mmap", e))?;
         let mem_id = self.register_fd(file.as_fd(), bytes)?;
         Ok(Buffer {
             client: self.inner.clone(),
@@ -1082,6 +1136,10 @@ pub struct Request {
     /// An eager GPU op run as a direct op (DESIGN.md contract 7 rule 8): it completes from the
     /// event after its kernel and its status word, not from the daemon (`user_data` is 0).
     local: Option<gpu::direct::LocalDone>,
+    /// A thread is waiting for the op in the client (with `outcome` unlocked): the others wait
+    /// on `settled` for what it finds, up to their own limits.
+    waiting: std::sync::atomic::AtomicBool,
+    settled: std::sync::Condvar,
 }
 
 impl std::fmt::Debug for Request {
@@ -1091,34 +1149,98 @@ impl std::fmt::Debug for Request {
 }
 
 impl Request {
+    pub(crate) fn new(
+        client: Arc<Inner>,
+        user_data: u64,
+        outcome: Option<std::result::Result<u64, Error>>,
+        local: Option<gpu::direct::LocalDone>,
+    ) -> Self {
+        Self {
+            client,
+            user_data,
+            outcome: Mutex::new(outcome),
+            local,
+            waiting: std::sync::atomic::AtomicBool::new(false),
+            settled: std::sync::Condvar::new(),
+        }
+    }
+
     pub fn user_data(&self) -> u64 {
         self.user_data
     }
 
     /// Waits up to `limit` (forever if `None`). `Ok(true)`: done; `Ok(false)`: still running;
-    /// `Err`: the op failed (the same error on every later call).
+    /// `Err`: the op failed (the same error on every later call). Several threads may wait at
+    /// once: one waits in the client, the others for what it finds, each within its own limit
+    /// (a `test()` beside a `wait()` returns at once).
     pub fn wait_for(&self, limit: Option<Duration>) -> Result<bool> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let deadline = limit.map(|l| Instant::now() + l);
+        let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let mut o = lock(&self.outcome);
-        if o.is_none()
-            && let Some(l) = &self.local
-        {
-            match l.poll(limit, Some(&self.client)) {
-                Ok(None) => return Ok(false),
-                Ok(Some(r)) => *o = Some(r),
-                Err(e) => *o = Some(Err(e)),
+        while o.is_none() {
+            if !self.waiting.load(Relaxed) {
+                // This thread waits in the client, with the outcome unlocked (`waiting` is
+                // only changed under that lock).
+                self.waiting.store(true, Relaxed);
+                drop(o);
+                // Should the wait unwind, the others must not wait for this thread forever.
+                struct Handover<'a>(&'a Request);
+                impl Drop for Handover<'_> {
+                    fn drop(&mut self) {
+                        if std::thread::panicking() {
+                            let _o = lock(&self.0.outcome);
+                            self.0.waiting.store(false, Relaxed);
+                            self.0.settled.notify_all();
+                        }
+                    }
+                }
+                let handover = Handover(self);
+                let found = self.wait_once(left());
+                drop(handover);
+                o = lock(&self.outcome);
+                self.waiting.store(false, Relaxed);
+                if o.is_none() {
+                    *o = found;
+                }
+                self.settled.notify_all();
+                if o.is_none() {
+                    return Ok(false);
+                }
+                break;
             }
-        }
-        if o.is_none() {
-            match self.client.wait(self.user_data, limit) {
-                Ok(None) => return Ok(false),
-                Ok(Some(c)) => *o = Some(Ok(c.source)),
-                Err(e) => *o = Some(Err(e)),
+            match left() {
+                None => o = self.settled.wait(o).unwrap_or_else(|p| p.into_inner()),
+                Some(d) if d.is_zero() => return Ok(false),
+                Some(d) => {
+                    o = self
+                        .settled
+                        .wait_timeout(o, d)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
             }
         }
         match o.as_ref() {
             Some(Ok(_)) => Ok(true),
             Some(Err(e)) => Err(e.duplicate()),
             None => Ok(false),
+        }
+    }
+
+    /// One wait of up to `limit` for the op: its outcome, or `None` while it runs.
+    fn wait_once(&self, limit: Option<Duration>) -> Option<std::result::Result<u64, Error>> {
+        if let Some(l) = &self.local {
+            return match l.poll(limit, Some(&self.client)) {
+                Ok(None) => None,
+                Ok(Some(r)) => Some(r),
+                Err(e) => Some(Err(e)),
+            };
+        }
+        match self.client.wait(self.user_data, limit) {
+            Ok(None) => None,
+            Ok(Some(c)) => Some(Ok(c.source)),
+            Err(e) => Some(Err(e)),
         }
     }
 
@@ -1326,12 +1448,12 @@ impl Communicator {
     /// it reads (the daemon accesses them concurrently), and must keep each named buffer's
     /// registration alive if it wants the data (a dropped buffer only loses the data).
     pub unsafe fn post_detached(&self, a: OpArgs<'_>) -> Result<Request> {
-        Ok(Request {
-            client: self.client.clone(),
-            user_data: self.submit(a)?,
-            outcome: Mutex::new(None),
-            local: None,
-        })
+        Ok(Request::new(
+            self.client.clone(),
+            self.submit(a)?,
+            None,
+            None,
+        ))
     }
 
     /// Posts a raw descriptor (its `comm` is set to this communicator, `user_data` assigned).

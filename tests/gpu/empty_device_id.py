@@ -51,6 +51,19 @@ if rank == 0:
             failures.append(f"{name} on a group of rank 0 alone: {x.tolist()}")
 elif solo != dist.GroupMember.NON_GROUP_MEMBER:
     failures.append(f"rank {rank} outside new_group([0]) got {solo}")
+# split_group from the bound default group (torch splits its backends; the "commd" one serves
+# both device types and must make each child once): even and odd ranks.
+if hasattr(dist, "split_group"):
+    halves = [list(range(0, world, 2)), list(range(1, world, 2))]
+    sg = dist.split_group(split_ranks=[h for h in halves if h])
+    mine = halves[rank % 2]
+    v = torch.full((8,), float(rank), device=dev)
+    dist.all_reduce(v, group=sg)
+    c = torch.full((8,), 1.0)
+    dist.all_reduce(c, group=sg)
+    torch.cuda.synchronize()
+    if not v.eq(float(sum(mine))).all() or not c.eq(float(len(mine))).all():
+        failures.append(f"split_group: GPU {v.tolist()[:2]}, CPU {c.tolist()[:2]}, ranks {mine}")
 
 
 def e(dt=torch.int64):

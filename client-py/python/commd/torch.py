@@ -499,6 +499,7 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             uid, rank, size, op_timeout=op_secs, join_timeout=secs,
             switch=o.switch or os.environ.get("COMMD_COMM_SWITCH") or None, pacing_gbps=pacing)
         self._cuda: CudaOps | None = None
+        self._children: dict[tuple[str, tuple[int, ...]], CommdBackend] = {}
         _debug_init(self, group_name)
 
     @property
@@ -872,10 +873,19 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         ``ranks``. Called by the C++ shell on every rank of this group, with the child's store."""
         if self._rank not in ranks:
             return None
+        # One child per new group: a torch that splits the group once per device type (each
+        # of this group's backends, which here are one) gets the same child again, not a
+        # second communicator rendezvousing through the same store keys.
+        key = (group_name, tuple(ranks))
+        children = self._children
+        if group_name and key in children:
+            return children[key]
         child = CommdBackend(store, ranks.index(self._rank), len(ranks),
                              timedelta(seconds=timeout_s) if timeout_s > 0 else None,
                              group_name, options=self._commd_options)
         child._shell = True
+        if group_name:
+            children[key] = child
         return child
 
     def set_timeout(self, secs: float) -> None:

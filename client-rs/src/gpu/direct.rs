@@ -1574,12 +1574,7 @@ impl Communicator {
                 None
             };
             return Ok(Some(CudaPosted {
-                request: Request {
-                    client: i.clone(),
-                    user_data: 0,
-                    outcome: std::sync::Mutex::new(Some(Ok(0))),
-                    local: None,
-                },
+                request: Request::new(i.clone(), 0, Some(Ok(0)), None),
                 done,
                 device: dev,
                 last_ticket: 0,
@@ -1711,11 +1706,11 @@ impl Communicator {
         bytes: u64,
     ) -> CudaPosted {
         CudaPosted {
-            request: Request {
-                client: self.client.clone(),
-                user_data: 0,
-                outcome: std::sync::Mutex::new(None),
-                local: Some(LocalDone {
+            request: Request::new(
+                self.client.clone(),
+                0,
+                None,
+                Some(LocalDone {
                     pool,
                     op,
                     earlier: Vec::new(),
@@ -1724,7 +1719,7 @@ impl Communicator {
                     rank: self.rank,
                     what: a.kind.name(),
                 }),
-            },
+            ),
             done: a.record.then_some(ev),
             device: dev,
             last_ticket: 0,

@@ -1258,12 +1258,7 @@ impl Communicator {
         if graph_slot.is_none() {
             c.next_ticket = ticket.wrapping_add(phases as u32);
         }
-        let req = Request {
-            client: i.clone(),
-            user_data,
-            outcome: Mutex::new(None),
-            local: None,
-        };
+        let req = Request::new(i.clone(), user_data, None, None);
         // From here on the op is posted: a failure to enqueue must not leave the daemon waiting
         // for ready counters that never come, so later phases are signalled anyway (the error
         // is returned, and the daemon's timeout would catch a stream that never runs).

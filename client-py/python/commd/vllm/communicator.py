@@ -16,8 +16,12 @@ How each vLLM op maps, chosen once and logged at the first use of each op:
   rows of each rank; ``reduce_scatterv`` (uneven sizes): a commd all-reduce, then this rank's rows
   (more bytes than NCCL's reduce-scatter, never a wrong result);
 - ``batch_isend_irecv``: ``torch.distributed.batch_isend_irecv`` on the commd group.
-Expert-parallel all-to-all kernels (``use_all2all``) are not supported: asking for them raises
-at construction, naming the setting.
+MoE dispatch/combine (``use_all2all``: data parallelism > 1, or expert parallelism) with
+``all2all_backend`` ``allgather_reducescatter`` (vLLM's default) or ``naive``: vLLM's own
+all-gather/reduce-scatter manager, whose ops are the ``all_gatherv``/``reduce_scatterv`` above;
+any other backend (DeepEP, FlashInfer, Mori, ...: their own kernels and transports) raises at
+construction, naming it. A vLLM method this class does not know (another vLLM version than the
+0.33 it follows) raises NotImplementedError instead of running vLLM's PyNCCL path.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ from vllm.distributed.device_communicators.base_device_communicator import (
     DeviceCommunicatorBase,
 )
 from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+# vLLM's all-to-all backends that commd can run: vLLM's manager built on all_gatherv and
+# reduce_scatterv (this class's).
+_AGRS = ("allgather_reducescatter", "naive")
 
 logger = logging.getLogger("commd.vllm")
 
@@ -54,10 +62,16 @@ class CommdCommunicator(CudaCommunicator):  # type: ignore[misc, valid-type]
             global_ranks=global_ranks, global_world_size=global_world_size,
             use_all2all=use_all2all)
         if self.use_all2all:
-            raise NotImplementedError(
-                f"commd's vLLM communicator ({unique_name}): expert-parallel all-to-all kernels "
-                f"(all2all_backend={self.all2all_backend!r}) are not supported on commd yet; "
-                "run without expert parallelism or without COMMD_VLLM=1")
+            if self.all2all_backend not in _AGRS:
+                raise NotImplementedError(
+                    f"commd's vLLM communicator ({unique_name}): all2all_backend="
+                    f"{self.all2all_backend!r} runs its own kernels and transports, not "
+                    f"commd's; use all2all_backend='allgather_reducescatter' (vLLM's default) "
+                    "or run without COMMD_VLLM=1 (MoE dispatch and combine are used when "
+                    "data_parallel_size > 1 or with expert parallelism)")
+            from vllm.distributed.device_communicators.all2all import AgRsAll2AllManager
+
+            self.all2all_manager = AgRsAll2AllManager(self.cpu_group, tcp_store_group)
         for name in _VLLM_PATHS:
             setattr(self, name, None)
         for name in _VLLM_FLAGS:
@@ -89,7 +103,17 @@ class CommdCommunicator(CudaCommunicator):  # type: ignore[misc, valid-type]
 
     def reduce_scatter(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         self._once("reduce_scatter", "commd reduce_scatter_tensor")
-        return DeviceCommunicatorBase.reduce_scatter(self, input_, dim)
+        # The scattered axis moved to the front and back (vLLM's own moves axis 0 to `dim`
+        # instead, the same thing for 2-D tensors only: on 3+ dims it scattered another axis).
+        if dim < 0:
+            dim += input_.dim()
+        rows = input_.movedim(dim, 0).contiguous()
+        if rows.shape[0] % self.world_size:
+            raise ValueError(f"commd reduce_scatter: dim {dim} has {rows.shape[0]} elements, "
+                             f"not divisible by {self.world_size} ranks")
+        out = rows.new_empty((rows.shape[0] // self.world_size, *rows.shape[1:]))
+        dist.reduce_scatter_tensor(out, rows, group=self.device_group)
+        return out.movedim(0, dim).contiguous()
 
     def all_gatherv(self, input_: torch.Tensor | list[torch.Tensor], dim: int = 0,
                     sizes: list[int] | None = None) -> torch.Tensor | list[torch.Tensor]:
@@ -124,7 +148,7 @@ class CommdCommunicator(CudaCommunicator):  # type: ignore[misc, valid-type]
     def reduce_scatterv_into_output(self, input_: torch.Tensor, output: torch.Tensor,
                                     dim: int = -1, sizes: list[int] | None = None
                                     ) -> torch.Tensor:
-        return output.copy_(self._reduce_scatterv(input_, dim, sizes))
+        return _into(output, self._reduce_scatterv(input_, dim, sizes), "reduce_scatterv")
 
     def _reduce_scatterv(self, input_: torch.Tensor, dim: int, sizes: list[int] | None,
                          output: torch.Tensor | None = None) -> torch.Tensor:
@@ -133,10 +157,10 @@ class CommdCommunicator(CudaCommunicator):  # type: ignore[misc, valid-type]
                              f"{self.world_size} ranks")
         if sizes is None or all(s == sizes[0] for s in sizes):
             out = self.reduce_scatter(input_, dim)
-            return out if output is None else output.copy_(out)
+            return out if output is None else _into(output, out, "reduce_scatterv")
         if dim < 0:
             dim += input_.dim()
-        rows = input_.movedim(0, dim).contiguous() if dim else input_.contiguous()
+        rows = input_.movedim(dim, 0).contiguous()
         if rows.shape[0] != sum(sizes):
             raise ValueError(f"commd reduce_scatterv: input has {rows.shape[0]} rows along "
                              f"dim {dim}, sizes sum to {sum(sizes)}")
@@ -145,8 +169,8 @@ class CommdCommunicator(CudaCommunicator):  # type: ignore[misc, valid-type]
         dist.all_reduce(summed, group=self.device_group)
         start = sum(sizes[: self.rank_in_group])
         mine = summed[start: start + sizes[self.rank_in_group]]
-        mine = (mine.movedim(0, dim) if dim else mine).contiguous()
-        return mine if output is None else output.copy_(mine)
+        mine = mine.movedim(0, dim).contiguous()
+        return mine if output is None else _into(output, mine, "reduce_scatterv")
 
     def custom_all_gather(self, input_: torch.Tensor) -> torch.Tensor | None:
         return None  # (vLLM's custom all-reduce is not built: callers take all_gather)
@@ -175,37 +199,76 @@ class CommdCommunicator(CudaCommunicator):  # type: ignore[misc, valid-type]
             for w in dist.batch_isend_irecv(ops):
                 w.wait()
 
-    # -- no all-to-all manager (use_all2all is refused): vLLM's pass-through forms -------
+    # -- MoE dispatch/combine: vLLM's all-gather/reduce-scatter manager where there is one,
+    # else vLLM's pass-through forms ----------------------------------------------------
+
+    def _moe(self, name: str) -> Any:
+        owner = CudaCommunicator if self.all2all_manager is not None else DeviceCommunicatorBase
+        return getattr(owner, name)
 
     def dispatch_router_logits(self, *args: Any, **kw: Any) -> Any:
-        return DeviceCommunicatorBase.dispatch_router_logits(self, *args, **kw)
+        return self._moe("dispatch_router_logits")(self, *args, **kw)
 
     def dispatch(self, *args: Any, **kw: Any) -> Any:
-        return DeviceCommunicatorBase.dispatch(self, *args, **kw)
+        return self._moe("dispatch")(self, *args, **kw)
 
     def combine(self, *args: Any, **kw: Any) -> Any:
-        return DeviceCommunicatorBase.combine(self, *args, **kw)
+        return self._moe("combine")(self, *args, **kw)
 
     def allocate_combine_input(self, *args: Any, **kw: Any) -> Any:
-        return DeviceCommunicatorBase.allocate_combine_input(self, *args, **kw)
+        return self._moe("allocate_combine_input")(self, *args, **kw)
 
     def combine_into_output(self, *args: Any, **kw: Any) -> Any:
-        return DeviceCommunicatorBase.combine_into_output(self, *args, **kw)
+        return self._moe("combine_into_output")(self, *args, **kw)
 
     def get_symmetric_memory_buffer(self, *args: Any, **kw: Any) -> Any:
         return None
 
     def suspend(self) -> None:
-        pass
+        pass  # nothing of the process's to release: the daemon owns commd's scratch
 
     def resume(self) -> None:
         pass
 
     def checkpoint_prepare(self) -> None:
-        pass
+        raise NotImplementedError(
+            f"commd's vLLM communicator ({self.unique_name}): a process checkpoint is not "
+            "supported: the process's session with the commd daemon (its shared-memory ring "
+            "and its GPU mappings) cannot be saved and restored with it")
 
     def checkpoint_restore(self) -> None:
-        pass
+        self.checkpoint_prepare()
 
     def destroy(self) -> None:
-        pass
+        if self.all2all_manager is not None:
+            self.all2all_manager.destroy()
+            self.all2all_manager = None
+
+
+def _into(output: torch.Tensor, result: torch.Tensor, what: str) -> torch.Tensor:
+    """``output.copy_(result)`` for outputs of the result's shape only (``copy_`` would
+    broadcast one row into many)."""
+    if output.shape != result.shape:
+        raise ValueError(f"commd {what}: output of shape {tuple(output.shape)} for a result of "
+                         f"shape {tuple(result.shape)}")
+    return output.copy_(result)
+
+
+def _refuse(name: str) -> Any:
+    def refused(self: Any, *args: Any, **kw: Any) -> Any:
+        import vllm
+
+        raise NotImplementedError(
+            f"commd's vLLM communicator has no {name} (vLLM {vllm.__version__}; commd's plugin "
+            "follows vLLM 0.33): vLLM's own would run its PyNCCL path, which commd does not build")
+
+    refused.__name__ = name
+    refused._commd_refused = True  # type: ignore[attr-defined]  (tests/test_vllm.py's contract)
+    return refused
+
+
+# A method of vLLM's CudaCommunicator this class does not override (another vLLM version)
+# raises, naming it, instead of running vLLM's PyNCCL code with no PyNCCL communicator.
+for _name, _v in list(vars(CudaCommunicator).items()):
+    if callable(_v) and not _name.startswith("_") and _name not in vars(CommdCommunicator):
+        setattr(CommdCommunicator, _name, _refuse(_name))
