@@ -19,7 +19,8 @@ WORKER = str(Path(__file__).resolve().parent / "torch_surface_worker.py")
 # Checks that leave the group unusable for the next one: each runs alone.
 ALONE = ("timeout_error_is_torch_kind", "monitored_barrier_names_late_ranks")
 # Checks gloo itself fails (a torch bug, named in each check's doc): commd must pass them.
-COMMD_ONLY = ("new_group_bound_device", "overlapping_output_refused", "premul_sum_zero_dim")
+COMMD_ONLY = ("new_group_bound_device", "overlapping_output_refused", "premul_sum_zero_dim",
+              "backend_options_copyable", "gather_single_into_flat_output")
 
 
 def run(daemon, backend, nproc, checks, **env):

@@ -376,6 +376,32 @@ def futures_complete_out_of_order(rank, world):
 
 
 @check
+def gather_single_into_flat_output(rank, world):
+    """torch 2.15's gather_single: every rank's tensor into one flat tensor on the root."""
+    if not hasattr(dist, "gather_single"):
+        return
+    t = torch.full((2, 3), float(rank))
+    out = torch.full((world * 6,), -1.0) if rank == 1 else None
+    dist.gather_single(t, out, dst=1)
+    if rank == 1:
+        want = torch.cat([torch.full((6,), float(r)) for r in range(world)])
+        assert torch.equal(out, want), out
+
+
+@check
+def backend_options_copyable(rank, world):
+    """torch 2.11's split_group deep-copies the parent backend's `options` (ProcessGroupNCCL
+    has them; the "commd" backend had none, and torch's Backend.Options cannot be copied).
+    Checked on commd only (the property is what torch 2.11 reads; gloo's is gloo's)."""
+    import copy
+    b = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    o = copy.deepcopy(b.options)
+    assert o.backend == "commd" and o._timeout.total_seconds() == 60, (o.backend, o._timeout)
+    from torch._C._distributed_c10d import Backend
+    assert isinstance(o, Backend.Options), type(o).__mro__
+
+
+@check
 def overlapping_output_refused(rank, world):
     """An output whose elements share memory (an expand()ed view) is refused before anything
     is posted, as NCCL refuses it (gloo writes it, the last write winning: checked on commd

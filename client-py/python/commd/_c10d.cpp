@@ -175,6 +175,12 @@ class CommdBackend : public Backend {
 
   bool supportsSplitting() const override { return true; }
 
+  // torch's group sequence numbers (split_group sets one on each new backend; torch 2.11's
+  // default throws "does not yet support sequence numbers"): commd matches ops by its own
+  // sequence in the daemon, so the group's number stays at its start on every rank.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return 0; }
+
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
                                      const c10d::BroadcastOptions& opts) override {
     return call("broadcast", tensors, opts);
@@ -238,6 +244,16 @@ class CommdBackend : public Backend {
                                   std::vector<at::Tensor>& inputs,
                                   const c10d::GatherOptions& opts) override {
     return call("gather", outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<Work> gather_single(at::Tensor& output, at::Tensor& input,
+                                         const c10d::GatherOptions& opts) /* override (torch >= 2.15) */ {
+    return call("gather_single", output, input, opts);
+  }
+
+  c10::intrusive_ptr<Work> gather_into_tensor(at::Tensor& output, at::Tensor& input,
+                                              const c10d::GatherOptions& opts) /* override (torch >= 2.15) */ {
+    return call("gather_single", output, input, opts);
   }
 
   c10::intrusive_ptr<Work> scatter(std::vector<at::Tensor>& outputs,
@@ -440,7 +456,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "perform_nocolor_split", [](commd::CommdBackend&, const py::object&) {},
           py::arg("device"),
           "Nothing: a rank outside a new group takes no part in making it (commd makes it "
-          "as a new communicator of its members).");
+          "as a new communicator of its members).")
+      // torch 2.11's split_group deep-copies the parent backend's `options` when the caller
+      // passes none (ProcessGroupNCCL has the property; without it split_group on a "commd"
+      // group raised AttributeError). torch's Backend.Options cannot be deep-copied:
+      // commd.torch's subclass can.
+      .def_property_readonly(
+          "options",
+          [](commd::CommdBackend& b) {
+            const double secs = static_cast<double>(b.getBackendOptions()->timeout.count()) / 1000.0;
+            return py::module_::import("commd.torch").attr("_backend_options")(secs);
+          },
+          "This backend's options (commd.torch._BackendOptions: torch's Backend.Options, "
+          "copyable).");
   m.def(
       "wrap",
       [](py::object impl, int rank, int size, double timeout_s) -> c10::intrusive_ptr<c10d::Backend> {

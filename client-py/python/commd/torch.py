@@ -924,6 +924,22 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             return _DoneWork(output_tensors)
         return self.gpu.p2p([], others, output_tensors)
 
+    def gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any) -> Any:
+        """torch 2.15's ``gather_single`` / ``gather_into_tensor``: every rank's ``input`` into
+        ``output`` on the root, rank r's at the r-th ``input.numel()`` elements (a gather into
+        the rows of the flat output)."""
+        if self._rank != opts.rootRank:
+            return self.gather([], [input], opts)
+        _check_tensor(output, "gather_single", _is_cuda(input))
+        if output.dtype != input.dtype or output.numel() != self._size * input.numel():
+            raise ValueError(f"commd gather_single: the root's output must hold {self._size} x "
+                             f"{input.numel()} elements of {input.dtype}, got {output.numel()} "
+                             f"of {output.dtype}")
+        if not output.is_contiguous():
+            raise ValueError("commd gather_single: the root's output must be contiguous")
+        rows = [r.view(input.shape) for r in output.view(self._size, -1).unbind(0)]
+        return self.gather([rows], [input], opts)
+
     def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                 opts: Any) -> Any:
         out = _one(output_tensors, "scatter")
@@ -1285,6 +1301,20 @@ class Options:
     def __repr__(self) -> str:
         return (f"commd.torch.Options(pacing_gbps={self.pacing_gbps!r}, switch={self.switch!r}, "
                 f"op_timeout={self.op_timeout!r})")
+
+
+class _BackendOptions(_C10dBackend.Options):  # type: ignore[misc, valid-type]
+    """torch's ``Backend.Options`` for a "commd" backend (its ``options`` property, read by
+    torch 2.11's ``split_group``), which ``copy.deepcopy`` can copy (torch's own cannot)."""
+
+    def __deepcopy__(self, memo: Any) -> _BackendOptions:
+        o = _BackendOptions(self.backend, self._timeout)
+        o.group_name = self.group_name
+        return o
+
+
+def _backend_options(timeout_s: float) -> _BackendOptions:
+    return _BackendOptions(BACKEND, timedelta(seconds=timeout_s))
 
 
 def _create(opts: Any, backend_options: Any = None) -> Any:
