@@ -249,13 +249,6 @@ pub fn set_last_error(message: &str) {
     let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
 }
 
-/// This thread's last failure text.
-pub fn last_error() -> String {
-    LAST_ERROR
-        .try_with(|l| l.borrow().to_string_lossy().into_owned())
-        .unwrap_or_default()
-}
-
 /// This thread's last failure text (valid until the next failing call on this thread).
 pub fn last_error_ptr() -> *const c_char {
     LAST_ERROR

@@ -27,10 +27,6 @@ struct Group {
     /// before any receive), and whether the end is posting them now.
     p2p: Vec<(Arc<Comm>, Op)>,
     posting: bool,
-    /// The first op call of the group that failed: `ncclGroupEnd` returns it, as NCCL's
-    /// does (the group's other ops still run: those posted when called cannot be taken back,
-    /// and the held ones are posted too, so that their peers are not left waiting).
-    failed: Option<Failure>,
 }
 
 thread_local! {
@@ -53,20 +49,6 @@ pub fn holds_p2p() -> bool {
         let g = g.borrow();
         g.depth > 0 && !g.posting
     }) && commd_client::gpu::P2pConfig::cached().is_ok_and(|c| c.enabled)
-}
-
-/// Records a failed op call (code and text as returned to the caller) of the open group, for
-/// its end to return.
-pub fn failed(code: ffi::ncclResult_t, text: &str) {
-    G.with(|g| {
-        let mut g = g.borrow_mut();
-        if g.depth > 0 && g.failed.is_none() {
-            g.failed = Some(Failure {
-                code,
-                message: format!("an op call of the group failed: {text}"),
-            });
-        }
-    });
 }
 
 /// Holds a send/recv for the group's end.
@@ -215,13 +197,16 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
             std::mem::take(&mut g.flush),
             std::mem::take(&mut g.host),
             std::mem::take(&mut g.joins),
-            g.failed.take(),
         )))
     })?;
-    let Some((flush, host, joins, failed)) = work else {
+    let Some((flush, host, joins)) = work else {
         return Ok(ffi::SUCCESS);
     };
-    let mut first: Option<Failure> = failed.or(held_failed);
+    // A call of the group that failed returned its error then; the end does not repeat it
+    // (NCCL's does): torch's group guard checks ncclGroupEnd in its destructor, which would
+    // throw while that call's exception unwinds, and the process would abort instead of
+    // raising it.
+    let mut first: Option<Failure> = held_failed;
     for (r, stream, device) in flush {
         crate::log::info(crate::log::P2P, device, || {
             format!("group end: stream {stream:#x} waits for the group's send/recv ops")

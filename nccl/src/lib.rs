@@ -616,21 +616,11 @@ pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, c: ncclComm_t) -> ncclResul
 
 fn run(func: &str, c: ncclComm_t, op: Op) -> ncclResult_t {
     commd_client::gpu::prof::begin();
-    let r = op_guard(func, || {
+    let r = guard(func, || {
         comm::get(c)?.run(op)?;
         ok()
     });
     prof_exit();
-    r
-}
-
-/// `guard` for the entry points of ops: inside a group, a failure is also the group's, which
-/// `ncclGroupEnd` returns (NCCL's `ncclGroupErrCheck`).
-fn op_guard(func: &str, body: impl FnOnce() -> Outcome<ncclResult_t>) -> ncclResult_t {
-    let r = guard(func, body);
-    if r != ffi::SUCCESS && r != ffi::IN_PROGRESS && group::active() {
-        group::failed(r, &ffi::last_error());
-    }
     r
 }
 
@@ -872,7 +862,7 @@ fn rooted(
     c: ncclComm_t,
     stream: cudaStream_t,
 ) -> ncclResult_t {
-    op_guard(func, || {
+    guard(func, || {
         let comm = comm::get(c)?;
         let es = comm::elem_size(dtype)?;
         let n = comm.nranks as i32;
