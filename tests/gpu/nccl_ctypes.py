@@ -5,6 +5,7 @@ and broadcast over the default (gloo) process group."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import torch
 import torch.distributed as dist
@@ -35,3 +36,15 @@ def unique_id(lib: ctypes.CDLL, rank: int) -> UniqueId:
     dist.broadcast(t, 0)
     ctypes.memmove(ctypes.addressof(uid), bytes(t.tolist()), 128)
     return uid
+
+
+def job() -> tuple[ctypes.CDLL, torch.device, int, int]:
+    """A test rank under torchrun: the library at COMMD_NCCL_LIB, this rank's GPU (ranks may
+    share one) made current, and the default (gloo) group for unique ids: (lib, device, rank,
+    world size)."""
+    lib = load(os.environ["COMMD_NCCL_LIB"])
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device("cuda", local % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo")
+    return lib, dev, dist.get_rank(), dist.get_world_size()

@@ -41,12 +41,7 @@ import torch.distributed as dist
 import nccl_ctypes
 
 F32 = 7
-lib = nccl_ctypes.load(os.environ["COMMD_NCCL_LIB"])
-local = int(os.environ.get("LOCAL_RANK", "0"))
-dev = torch.device("cuda", local % torch.cuda.device_count())
-torch.cuda.set_device(dev)
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
+lib, dev, rank, world = nccl_ctypes.job()
 assert world == 2, "run with 2 ranks"
 peer = 1 - rank
 failures: list[str] = []
