@@ -574,7 +574,7 @@ impl Communicator {
             peer,
             send,
             recv,
-            stream: stream as commd_client::gpu::cu::sys::CUstream,
+            stream: stream as commd_cuda::sys::CUstream,
             defer_wait,
             after: None,
             record: false,
@@ -695,10 +695,8 @@ impl Communicator {
     fn cuda_flush(&self, py: Python<'_>, stream: usize) -> PyResult<()> {
         let comm = self.get()?;
         // SAFETY: `stream` is a live stream handle from the caller (torch).
-        py.detach(move || unsafe {
-            comm.cuda_flush(stream as commd_client::gpu::cu::sys::CUstream)
-        })
-        .map_err(to_py)
+        py.detach(move || unsafe { comm.cuda_flush(stream as commd_cuda::sys::CUstream) })
+            .map_err(to_py)
     }
 
     /// Raises the failure of a replay of a GPU op captured into a CUDA graph on this
@@ -753,7 +751,7 @@ impl Communicator {
     }
 }
 
-type CuStream = commd_client::gpu::cu::sys::CUstream;
+type CuStream = commd_cuda::sys::CUstream;
 
 /// A GPU op posted by `Communicator.cuda_op`: a `Request` (wait/test on the CPU) that can also
 /// order another stream after the op on the GPU (`cuda_wait`).

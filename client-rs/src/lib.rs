@@ -13,7 +13,6 @@
 //! Blocking calls drive an internal current-thread tokio runtime: call them from plain threads,
 //! not from inside another async runtime.
 
-pub mod check;
 mod error;
 pub mod gpu;
 pub mod hostmem;

@@ -1,4 +1,4 @@
-//! The process exit codes of every `commd` command (documented in README.md and
+//! The process exit codes of every `commd` command (documented in docs/features.md and
 //! docs/deploy.md; systemd and scripts match on them).
 //!
 //! May use: nothing.

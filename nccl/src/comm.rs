@@ -12,8 +12,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use commd_client::desc::{DType, OpKind, RedOp};
 use commd_client::gpu::CudaOpArgs;
-use commd_client::gpu::cu::{self, sys};
 use commd_client::{Client, Communicator, Request};
+use commd_cuda::{self as cu, sys};
 
 use crate::ffi::{self, Failure, Outcome, invalid, usage};
 use crate::staging::Staging;

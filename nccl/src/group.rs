@@ -9,7 +9,7 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 
-use commd_client::gpu::cu::{self, sys};
+use commd_cuda::{self as cu, sys};
 
 use crate::comm::{Comm, Op, Ready};
 use crate::ffi::{self, Failure, Outcome, usage};
@@ -88,14 +88,11 @@ pub fn on_device<T>(device: i32, f: impl FnOnce() -> T) -> T {
         // Already on that device (whatever its context, the caller's streams belong to it).
         return f();
     }
-    let mut dev: sys::CUdevice = 0;
-    // SAFETY: valid out pointer.
-    let ok = unsafe { sys::cuDeviceGet(&mut dev, device) } == sys::CUresult::CUDA_SUCCESS;
-    let switched = ok
-        && cu::primary_ctx(dev)
-            .ok()
-            .filter(|c| *c != prev)
-            .is_some_and(|c| cu::set_current(c).is_ok());
+    let switched = cu::context::device(device)
+        .and_then(cu::primary_ctx)
+        .ok()
+        .filter(|c| *c != prev)
+        .is_some_and(|c| cu::set_current(c).is_ok());
     let out = f();
     if switched {
         let _ = cu::set_current(prev);

@@ -28,7 +28,7 @@ use std::ffi::{c_char, c_int, c_void};
 use std::sync::Arc;
 
 use commd_client::desc::OpKind;
-use commd_client::gpu::cu::{self, sys};
+use commd_cuda::{self as cu, sys};
 
 use comm::{Comm, Op, UNIQUE_ID_BYTES};
 use ffi::{Failure, Outcome, guard, invalid, ncclResult_t, put, unsupported, usage};
@@ -515,16 +515,7 @@ fn cuda_context() -> Outcome {
             message: format!("CUDA is not available in this process: {why}"),
         });
     }
-    let mut cur = std::ptr::null_mut();
-    // SAFETY: valid out pointer; the driver is loaded.
-    cu::ck(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent").map_err(cuda_failure)?;
-    if cur.is_null() {
-        let mut dev = 0;
-        // SAFETY: valid out pointer.
-        cu::ck(unsafe { sys::cuDeviceGet(&mut dev, 0) }, "cuDeviceGet").map_err(cuda_failure)?;
-        cu::set_current(cu::primary_ctx(dev).map_err(cuda_failure)?).map_err(cuda_failure)?;
-    }
-    Ok(())
+    cu::context::ensure_context(0).map_err(cuda_failure)
 }
 
 #[unsafe(no_mangle)]

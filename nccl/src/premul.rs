@@ -12,8 +12,8 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use commd_client::desc::DType;
-use commd_client::gpu::cu::sys;
-use commd_client::gpu::kernels::Kernels;
+use commd_cuda::kernels::Kernels;
+use commd_cuda::sys;
 use half::{bf16, f16};
 
 use crate::ffi::{self, Failure, Outcome, invalid, usage};

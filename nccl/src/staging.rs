@@ -10,7 +10,7 @@
 //!
 //! May use: `commd_client` CUDA calls, `ffi`.
 
-use commd_client::gpu::cu::{self, sys};
+use commd_cuda::{self as cu, sys};
 
 use crate::ffi::{self, Failure, Outcome};
 
@@ -25,21 +25,22 @@ pub struct Staging {
 }
 
 fn ck(r: sys::CUresult, what: &str) -> Outcome {
-    cu::ck(r, what).map_err(|e| Failure {
+    cu::ck(r, what).map_err(cuda_failure)
+}
+
+fn cuda_failure(e: cu::CuError) -> Failure {
+    Failure {
         code: ffi::UNHANDLED_CUDA_ERROR,
         message: e.to_string(),
-    })
+    }
 }
 
 /// Whether `stream` is being captured into a CUDA graph.
 fn capturing(stream: usize) -> Outcome<bool> {
-    let mut st = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-    ck(
-        // SAFETY: the caller's live stream; valid out pointer.
-        unsafe { sys::cuStreamIsCapturing(stream as sys::CUstream, &mut st) },
-        "cuStreamIsCapturing",
-    )?;
-    Ok(st != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    // SAFETY: the caller's live stream.
+    let st =
+        unsafe { cu::context::capture_status(stream as sys::CUstream) }.map_err(cuda_failure)?;
+    Ok(st != cu::context::Capture::None)
 }
 
 fn alloc(bytes: u64, what: &str) -> Outcome<u64> {
@@ -130,17 +131,7 @@ impl Staging {
         let e = match self.busy {
             Some(e) => e,
             None => {
-                let mut e: sys::CUevent = std::ptr::null_mut();
-                ck(
-                    // SAFETY: valid out pointer.
-                    unsafe {
-                        sys::cuEventCreate(
-                            &mut e,
-                            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-                        )
-                    },
-                    "cuEventCreate",
-                )?;
+                let e = cu::context::event().map_err(cuda_failure)?;
                 self.busy = Some(e as usize);
                 e as usize
             }

@@ -12,6 +12,7 @@
 //! This crate must not depend on the daemon or the client; it holds no policy beyond validation.
 //! Unsafe code is confined to [`ring`] (raw shared memory) and [`futex`].
 
+pub mod check;
 pub mod desc;
 pub mod fdproto;
 pub mod futex;

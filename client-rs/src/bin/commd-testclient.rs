@@ -26,9 +26,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
-use commd_client::check::{self, OpSpec};
 use commd_client::desc::{DType, OpKind, RedOp, SubmitDesc};
 use commd_client::{Buffer, Client, CommOptions, Communicator, OpArgs, Pending};
+use commd_proto::check::{self, OpSpec};
 use serde::Deserialize;
 use serde_json::json;
 

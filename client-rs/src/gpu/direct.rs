@@ -1994,14 +1994,8 @@ fn alloc_window(
         unsafe { sys::cuMemFree_v2(win) };
         e
     };
-    let mut s: sys::CUstream = std::ptr::null_mut();
     // A stream of its own: a memset on the legacy stream would invalidate the caller's capture.
-    ck(
-        // SAFETY: valid out pointer.
-        unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
-        "cuStreamCreate",
-    )
-    .map_err(fail)?;
+    let s = cu::context::stream_nonblocking().map_err(fail)?;
     let r = zero
         .iter()
         .try_for_each(|&(at, len)| {
@@ -2041,50 +2035,16 @@ fn open_peer(dev: i32, offer: &[u8]) -> std::result::Result<sys::CUdeviceptr, St
     let uuid: [u8; 16] = offer[64..80]
         .try_into()
         .map_err(|_| "short offer".to_string())?;
-    let mut count = 0;
-    ck(
-        // SAFETY: valid out pointer.
-        unsafe { sys::cuDeviceGetCount(&mut count) },
-        "cuDeviceGetCount",
-    )
-    .map_err(|e| e.to_string())?;
+    let count = cu::device_count().map_err(|e| e.to_string())?;
     let peer = (0..count)
         .find(|&o| super::device_uuid(o).is_ok_and(|u| u == uuid))
         .ok_or("its GPU is not visible in this process (CUDA_VISIBLE_DEVICES)")?;
-    let (mut d, mut p) = (0, 0);
-    // SAFETY: valid out pointers.
-    ck(unsafe { sys::cuDeviceGet(&mut d, dev) }, "cuDeviceGet").map_err(|e| e.to_string())?;
-    // SAFETY: as above.
-    ck(unsafe { sys::cuDeviceGet(&mut p, peer) }, "cuDeviceGet").map_err(|e| e.to_string())?;
-    let mut can = 0;
-    ck(
-        // SAFETY: valid out pointer and devices.
-        unsafe { sys::cuDeviceCanAccessPeer(&mut can, d, p) },
-        "cuDeviceCanAccessPeer",
-    )
-    .map_err(|e| e.to_string())?;
-    if can == 0 && d != p {
+    if !cu::context::can_access_peer(dev, peer).map_err(|e| e.to_string())? {
         return Err(format!("no peer access from GPU {dev} to GPU {peer}"));
     }
-    let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-    for (d, s) in h.reserved.iter_mut().zip(offer[..64].iter()) {
-        *d = *s as _;
-    }
-    let mut ptr = 0;
-    ck(
-        // SAFETY: valid out pointer; the handle names a live allocation of the peer (it is in
-        // the all-gather, which it completed after exporting).
-        unsafe {
-            sys::cuIpcOpenMemHandle_v2(
-                &mut ptr,
-                h,
-                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-            )
-        },
-        "cuIpcOpenMemHandle",
-    )
-    .map_err(|e| e.to_string())?;
-    Ok(ptr)
+    // The handle names a live allocation of the peer: it is in the all-gather, which the peer
+    // completed after exporting it.
+    cu::ipc_open(&offer[..64], "cuIpcOpenMemHandle").map_err(|e| e.to_string())
 }
 
 mod eager;

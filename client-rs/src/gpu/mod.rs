@@ -3,18 +3,18 @@
 //! launched in the caller's context between doorbells.
 
 pub mod algo;
-pub mod cu;
+pub(crate) use commd_cuda as cu;
 pub(crate) mod direct;
 pub use direct::P2pConfig;
 pub(crate) mod graph;
 pub mod prof;
+pub(crate) use commd_cuda::kernels;
 pub use graph::Relaxed;
-pub mod kernels;
 pub mod regcache;
 pub mod wait;
 
 use std::collections::{BTreeMap, HashMap};
-use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -83,7 +83,7 @@ impl EventPool {
         let reused = lock(&self.free).get_mut(&device).and_then(|v| v.pop());
         let ev = match reused {
             Some(e) => e as sys::CUevent,
-            None => create_event(device)?,
+            None => cu::context::event_on(device)?,
         };
         Ok(CudaEvent {
             ev,
@@ -91,27 +91,6 @@ impl EventPool {
             pool: self.clone(),
         })
     }
-}
-
-fn create_event(device: i32) -> Result<sys::CUevent> {
-    let mut dev = 0;
-    // SAFETY: valid out pointer.
-    ck(unsafe { sys::cuDeviceGet(&mut dev, device) }, "cuDeviceGet")?;
-    let ctx = cu::primary_ctx(dev)?;
-    // SAFETY: `ctx` is a retained primary context; it is popped again below.
-    ck(unsafe { sys::cuCtxPushCurrent_v2(ctx) }, "cuCtxPushCurrent")?;
-    let mut e = std::ptr::null_mut();
-    let r = ck(
-        // SAFETY: valid out pointer; the device's context is current.
-        unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) },
-        "cuEventCreate",
-    );
-    let mut prev = std::ptr::null_mut();
-    // SAFETY: pops the context pushed above. The retain of `primary_ctx` is kept: the context
-    // must outlive the pooled event.
-    unsafe { sys::cuCtxPopCurrent_v2(&mut prev) };
-    r?;
-    Ok(e)
 }
 
 /// A CUDA event of the session's pool: recorded on a stream after an op, so another stream can
@@ -333,16 +312,7 @@ unsafe impl Send for CudaOpArgs {}
 
 /// Makes the primary context of `device` current if the thread has no context.
 fn ensure_context(device: i32) -> Result<()> {
-    let mut cur = std::ptr::null_mut();
-    // SAFETY: valid out pointer; the driver is loaded.
-    ck(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
-    if cur.is_null() {
-        let mut dev = 0;
-        // SAFETY: valid out pointer.
-        ck(unsafe { sys::cuDeviceGet(&mut dev, device) }, "cuDeviceGet")?;
-        cu::set_current(cu::primary_ctx(dev)?)?;
-    }
-    Ok(())
+    Ok(cu::context::ensure_context(device)?)
 }
 
 fn driver() -> Result<()> {
@@ -365,47 +335,15 @@ struct PtrInfo {
 }
 
 fn pointer_info(ptr: sys::CUdeviceptr) -> Result<PtrInfo> {
-    use sys::CUpointer_attribute as P;
-    let mut base: sys::CUdeviceptr = 0;
-    let mut size: usize = 0;
-    let mut id: u64 = 0;
-    let mut ordinal: i32 = -1;
-    let mut mtype: u32 = 0;
-    // Zeroed 64-bit slots: the driver writes one of these two attributes as 8 bytes (with
-    // 4-byte variables the allocation base read back with its low 32 bits zeroed, driver 580).
-    let mut legacy: u64 = 0;
-    let mut types: u64 = 0;
-    let mut attrs = [
-        P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-        P::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-        P::CU_POINTER_ATTRIBUTE_BUFFER_ID,
-        P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-        P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-        P::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-        P::CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
-    ];
-    let mut data: [*mut std::ffi::c_void; 7] = [
-        (&mut base as *mut sys::CUdeviceptr).cast(),
-        (&mut size as *mut usize).cast(),
-        (&mut id as *mut u64).cast(),
-        (&mut ordinal as *mut i32).cast(),
-        (&mut mtype as *mut u32).cast(),
-        (&mut legacy as *mut u64).cast(),
-        (&mut types as *mut u64).cast(),
-    ];
-    ck(
-        // SAFETY: each data pointer points to a variable of the type the attribute writes.
-        unsafe { sys::cuPointerGetAttributes(7, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) },
-        "cuPointerGetAttributes",
-    )?;
-    device_memory(ptr, mtype, ordinal, base)?;
+    let a = cu::mem::pointer_attrs(ptr)?;
+    device_memory(ptr, a.memory_type, a.ordinal, a.base)?;
     Ok(PtrInfo {
-        base,
-        size: size as u64,
-        buffer_id: id,
-        ordinal,
-        legacy_ipc: legacy & 0xffff_ffff != 0,
-        handle_types: types as u32,
+        base: a.base,
+        size: a.size,
+        buffer_id: a.buffer_id,
+        ordinal: a.ordinal,
+        legacy_ipc: a.legacy_ipc,
+        handle_types: a.handle_types,
     })
 }
 
@@ -424,105 +362,18 @@ fn device_memory(ptr: sys::CUdeviceptr, mtype: u32, ordinal: i32, base: u64) -> 
 /// caller that must tell device from host memory anyway (the NCCL library) asks it once and
 /// passes it on in [`CudaOpArgs::span`].
 pub fn pointer_span(ptr: sys::CUdeviceptr) -> Result<(u64, u64, i32)> {
-    use sys::CUpointer_attribute as P;
-    let mut base: sys::CUdeviceptr = 0;
-    let mut size: usize = 0;
-    let mut ordinal: i32 = -1;
-    let mut mtype: u32 = 0;
-    let mut attrs = [
-        P::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-        P::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
-        P::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-        P::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
-    ];
-    let mut data: [*mut std::ffi::c_void; 4] = [
-        (&mut base as *mut sys::CUdeviceptr).cast(),
-        (&mut size as *mut usize).cast(),
-        (&mut ordinal as *mut i32).cast(),
-        (&mut mtype as *mut u32).cast(),
-    ];
-    ck(
-        // SAFETY: each data pointer points to a variable of the type the attribute writes.
-        unsafe { sys::cuPointerGetAttributes(4, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) },
-        "cuPointerGetAttributes",
-    )?;
+    let (base, size, ordinal, mtype) = cu::mem::pointer_span(ptr)?;
     device_memory(ptr, mtype, ordinal, base)?;
-    Ok((base, size as u64, ordinal))
+    Ok((base, size, ordinal))
 }
 
 /// The cuMem mapping holding `ptr`: (mapping base, size, buffer id).
 fn mapping_info(ptr: sys::CUdeviceptr) -> std::result::Result<regcache::Mapping, String> {
-    use sys::CUpointer_attribute as P;
-    let mut base: sys::CUdeviceptr = 0;
-    let mut size: usize = 0;
-    let mut id: u64 = 0;
-    let mut attrs = [
-        P::CU_POINTER_ATTRIBUTE_MAPPING_BASE_ADDR,
-        P::CU_POINTER_ATTRIBUTE_MAPPING_SIZE,
-        P::CU_POINTER_ATTRIBUTE_BUFFER_ID,
-    ];
-    let mut data: [*mut std::ffi::c_void; 3] = [
-        (&mut base as *mut sys::CUdeviceptr).cast(),
-        (&mut size as *mut usize).cast(),
-        (&mut id as *mut u64).cast(),
-    ];
-    // SAFETY: each data pointer points to a variable of the type the attribute writes.
-    let r = unsafe { sys::cuPointerGetAttributes(3, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
-    ck(r, "cuPointerGetAttributes(mapping)").map_err(|e| format!("{ptr:#x}: {e}"))?;
-    Ok((base, size as u64, id))
-}
-
-/// Exports the cuMem allocation mapped at `addr` as a POSIX fd.
-fn export_piece(addr: sys::CUdeviceptr) -> Result<OwnedFd> {
-    let mut h: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: valid out pointer; `addr` lies in a mapping of this process (the driver checks).
-    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, addr as usize as *mut _) };
-    ck(r, "cuMemRetainAllocationHandle")?;
-    let mut fd: std::ffi::c_int = -1;
-    // SAFETY: for POSIX fds the out parameter is an int; `h` is the handle retained above.
-    let r = unsafe {
-        sys::cuMemExportToShareableHandle(
-            (&mut fd as *mut std::ffi::c_int).cast(),
-            h,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    };
-    // SAFETY: releases the retain above (the mapping keeps the allocation alive).
-    unsafe { sys::cuMemRelease(h) };
-    ck(r, "cuMemExportToShareableHandle")?;
-    if fd < 0 {
-        return Err(Error::InvalidArgument(format!(
-            "cuMemExportToShareableHandle gave no fd for {addr:#x}"
-        )));
-    }
-    // SAFETY: the driver returned a new fd that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
-/// The driver's buffer id of the allocation holding `ptr` (one attribute: the cheap check that
-/// a cached registration still describes the allocation at that address).
-fn buffer_id(ptr: sys::CUdeviceptr) -> Option<u64> {
-    let mut id: u64 = 0;
-    // SAFETY: BUFFER_ID writes one u64 to the valid out pointer.
-    let r = unsafe {
-        sys::cuPointerGetAttribute(
-            (&mut id as *mut u64).cast(),
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
-            ptr,
-        )
-    };
-    (r == sys::CUresult::CUDA_SUCCESS).then_some(id)
+    cu::mem::mapping_info(ptr).map_err(|e| format!("{ptr:#x}: {e}"))
 }
 
 fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
-    let mut dev = 0;
-    ck(
-        // SAFETY: valid out pointer.
-        unsafe { sys::cuDeviceGet(&mut dev, ordinal) },
-        "cuDeviceGet",
-    )?;
-    Ok(cu::device_uuid(dev)?)
+    Ok(cu::context::ordinal_uuid(ordinal)?)
 }
 
 /// Registers `len` bytes of host memory at `host` with the driver for device access (already
@@ -532,23 +383,7 @@ fn device_uuid(ordinal: i32) -> Result<[u8; 16]> {
 /// `[host, host + len)` must be page-aligned memory mapped for the session's life.
 pub(crate) unsafe fn map_host(host: *mut u8, len: u64, what: &str) -> Result<sys::CUdeviceptr> {
     // SAFETY: the caller's contract.
-    let r = unsafe {
-        sys::cuMemHostRegister_v2(
-            host.cast(),
-            len as usize,
-            sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
-        )
-    };
-    if r != sys::CUresult::CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
-        ck(r, &format!("cuMemHostRegister({what})"))?;
-    }
-    let mut d: sys::CUdeviceptr = 0;
-    ck(
-        // SAFETY: registered with DEVICEMAP above.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, host.cast(), 0) },
-        "cuMemHostGetDevicePointer",
-    )?;
-    Ok(d)
+    Ok(unsafe { cu::mem::map_host(host, len, what) }?)
 }
 
 impl Inner {
@@ -586,7 +421,7 @@ impl Inner {
                     Err(Error::InvalidArgument(_)) => self.drop_regs(g, r.base, r.size),
                     Err(e) => return Err(e),
                 }
-            } else if buffer_id(ptr) == Some(r.buffer_id) {
+            } else if cu::mem::buffer_id(ptr) == Some(r.buffer_id) {
                 g.cache_hits += 1;
                 return Ok((r.mem_id, ptr - r.base, r.device));
             }
@@ -676,7 +511,7 @@ impl Inner {
             (r.base, r.size),
             ptr,
             bytes,
-            buffer_id,
+            cu::mem::buffer_id,
             mapping_info,
             MAX_NEW_PIECES,
         )
@@ -684,7 +519,7 @@ impl Inner {
         for batch in need.chunks(PIECES_PER_CALL) {
             let mut pieces = Vec::with_capacity(batch.len());
             for (off, p) in batch {
-                let fd = export_piece(r.base + off)?;
+                let fd = cu::mem::export_piece(r.base + off)?;
                 let fd_token = self.stage_fd(fd.as_fd())?;
                 pieces.push(pb::CudaPiece {
                     offset: *off,
@@ -1371,7 +1206,7 @@ impl Communicator {
                         (s0, len, a.send.unwrap_or(0), a.recv.unwrap_or(0), true)
                     }
                     OpKind::AllReduce => {
-                        let (ps, pl) = piece(s0, len, n, u64::from(self.rank));
+                        let (ps, pl) = cu::piece(s0, len, n, u64::from(self.rank));
                         (ps, pl, a.send.unwrap_or(0), a.recv.unwrap_or(0), true)
                     }
                     OpKind::Reduce => (s0, len, a.send.unwrap_or(0), a.recv.unwrap_or(0), me_root),
@@ -1497,22 +1332,17 @@ impl Communicator {
 /// `stream` must be a stream handle of this process (null: the legacy default stream); the
 /// driver validates it and only reads it.
 pub unsafe fn refuse_capture(stream: sys::CUstream, what: &str) -> Result<()> {
-    use sys::CUstreamCaptureStatus as S;
-    let mut st = S::CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: the caller's contract; `st` is a valid out pointer.
-    let r = unsafe { sys::cuStreamIsCapturing(stream, &mut st) };
-    let why = match (r, st) {
-        (sys::CUresult::CUDA_SUCCESS, S::CU_STREAM_CAPTURE_STATUS_NONE) => return Ok(()),
-        (sys::CUresult::CUDA_SUCCESS, S::CU_STREAM_CAPTURE_STATUS_ACTIVE) => {
-            "its stream is being captured into a CUDA graph"
-        }
-        (sys::CUresult::CUDA_SUCCESS, S::CU_STREAM_CAPTURE_STATUS_INVALIDATED) => {
+    use cu::context::Capture;
+    // SAFETY: the caller's contract.
+    let why = match unsafe { cu::context::capture_status(stream) }? {
+        Capture::None => return Ok(()),
+        Capture::Active => "its stream is being captured into a CUDA graph",
+        Capture::Invalidated => {
             "its stream's CUDA graph capture was already invalidated by an earlier error"
         }
-        (sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, _) => {
+        Capture::ImplicitLegacy => {
             "it uses the legacy default stream while another stream is being captured into a CUDA graph"
         }
-        (r, _) => return Ok(ck(r, "cuStreamIsCapturing")?),
     };
     Err(Error::Unsupported(format!(
         "{what}: {why}. It waits for GPU ops issued outside the capture, whose doorbell values \
@@ -1520,12 +1350,4 @@ pub unsafe fn refuse_capture(stream: sys::CUstream, what: &str) -> Result<()> {
          stale data. Refused (nothing was enqueued); wait for those ops before the capture \
          begins (DESIGN.md contract 6)"
     )))
-}
-
-/// Piece `r` of `n` of the segment `[s0, s0 + len)` in elements: must match the daemon's split
-/// (`commd::cuda::piece`).
-pub fn piece(s0: u64, len: u64, n: u64, r: u64) -> (u64, u64) {
-    let base = len / n;
-    let rem = len % n;
-    (s0 + r * base + r.min(rem), base + u64::from(r < rem))
 }

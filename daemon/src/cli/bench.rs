@@ -12,8 +12,8 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use commd_client::check::{self, OpSpec};
 use commd_client::{Client, OpArgs};
+use commd_proto::check::{self, OpSpec};
 use commd_proto::desc::{DType, OpKind, RedOp};
 use serde::{Deserialize, Serialize};
 
@@ -615,7 +615,15 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// The worker side: one client process, one rank.
-pub fn worker(socket: PathBuf, uid_hex: &str, rank: u32, args_json: &str) -> Result<(), String> {
+/// `socket`: the one `--socket` named, else the client's own resolution (`COMMD_SOCKET`, then
+/// this user's default).
+pub fn worker(
+    socket: Option<PathBuf>,
+    uid_hex: &str,
+    rank: u32,
+    args_json: &str,
+) -> Result<(), String> {
+    let socket = socket.unwrap_or_else(commd_client::resolve_socket_path);
     let a: BenchArgs = serde_json::from_str(args_json).map_err(|e| e.to_string())?;
     let sel = select(&a)?;
     let uid: Vec<u8> = (0..uid_hex.len() / 2)

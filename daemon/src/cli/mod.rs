@@ -9,4 +9,6 @@
 pub mod bench;
 pub mod health;
 pub mod stat;
+pub mod status;
 pub mod switch;
+pub mod topo;

@@ -278,7 +278,7 @@ fn physical_memory() -> u64 {
 
 /// The default socket path for the current user (shared with clients).
 pub fn default_socket() -> PathBuf {
-    commd_client::default_socket_path()
+    commd_host::default_socket_path()
 }
 
 fn computed_default(name: &str) -> String {
@@ -494,7 +494,7 @@ mod tests {
     #[test]
     fn documented_subsystems_are_the_real_ones() {
         let docs = [
-            ("README.md", include_str!("../../../README.md")),
+            ("docs/features.md", include_str!("../../../docs/features.md")),
             (
                 "docs/observability.md",
                 include_str!("../../../docs/observability.md"),

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use commd_client::gpu::cu::{self, CuError, ck, sys};
+use commd_cuda::{self as cu, CuError, ck, sys};
 use commd_proto::desc::{DType, OpKind, RedOp, status};
 
 mod doorbell;
@@ -197,15 +197,7 @@ impl Cuda {
             return Ok(e);
         }
         cu::set_current(self.gpus[gpu].ctx)?;
-        let mut e = std::ptr::null_mut();
-        ck(
-            // SAFETY: valid out pointer; the GPU's context is current.
-            unsafe {
-                sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-            },
-            "cuEventCreate",
-        )?;
-        Ok(e)
+        cu::context::event()
     }
 
     /// Pins `bytes` of host memory at `ptr` for copy-engine DMA from every GPU's context

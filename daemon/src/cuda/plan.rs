@@ -334,7 +334,7 @@ fn unreachable_kind(kind: OpKind) -> Result<(), String> {
 }
 
 /// Pieces of an all-reduce round: the client's split, shared so both sides agree.
-pub use commd_client::gpu::piece;
+pub use commd_cuda::piece;
 
 #[cfg(test)]
 mod tests {

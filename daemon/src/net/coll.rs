@@ -147,8 +147,7 @@ impl Thread {
             };
             w.pump(wait, algo::sig_text)?;
         }
-        let local =
-            |e: commd_client::gpu::cu::CuError| NetError::Local(format!("host staging: {e}"));
+        let local = |e: commd_cuda::CuError| NetError::Local(format!("host staging: {e}"));
         let mut copies = Vec::new();
         let mut r = Ok(());
         'ops: for (p, (rank, bufs)) in ops.iter().zip(coll.bufs.iter_mut()) {

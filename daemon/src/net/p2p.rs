@@ -20,7 +20,7 @@ pub(super) struct Inflight {
 pub(super) struct StagedP2p {
     pub(super) p: Posted,
     pub(super) buf: staging::Pinned,
-    pub(super) copy: Option<(usize, commd_client::gpu::cu::sys::CUevent)>,
+    pub(super) copy: Option<(usize, commd_cuda::sys::CUevent)>,
     pub(super) since: Instant,
 }
 

@@ -1,8 +1,10 @@
 //! Tests of the reduction kernels: NVRTC compilation of every kernel (no GPU needed), argument
 //! checks, and on a GPU every kernel against the host reference, bit for bit.
 
+#![allow(unsafe_code)] // tests launch kernels on raw device memory
+
 use super::*;
-use crate::check;
+use commd_proto::check;
 use commd_proto::desc::{ALL_DTYPES, ALL_REDOPS};
 use half::{bf16, f16};
 

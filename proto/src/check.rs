@@ -5,7 +5,7 @@
 //! 53 bits, so f64 holds them exactly); the reference reduces them independently of the daemon's
 //! kernels (f64 / wrapping i128 arithmetic, one element at a time) so a check can fail.
 
-use commd_proto::desc::{DType, OpKind, RedOp};
+use crate::desc::{DType, OpKind, RedOp};
 use half::{bf16, f16};
 
 fn mix(mut z: u64) -> u64 {

@@ -2,7 +2,7 @@
 //!
 //! One kernel per (dtype, op) computes `out[i] = op(ins[0][i], ..., ins[m-1][i])` for up to
 //! [`MAX_INPUTS`] inputs, with the semantics of the daemon's host reduction
-//! (`daemon/src/engine/reduce.rs`) and of the reference in [`crate::check`]: f16/bf16 accumulate in
+//! (`daemon/src/engine/reduce.rs`) and of the reference in `commd_proto::check`: f16/bf16 accumulate in
 //! f32 and round once to nearest-even; integer sum/prod wrap; integer AVG is the exact mean
 //! (summed wide) truncated toward zero; float AVG is `sum / divisor`; float MIN/MAX compare with
 //! `<`/`>`, so a NaN propagates only from the running result (as in a sequential loop).
@@ -17,6 +17,8 @@
 //! PTX from it would not (the driver refuses PTX newer than itself). It loads each kernel once per
 //! context. This module only reduces; it never synchronizes, allocates or copies.
 
+#![allow(unsafe_code)] // module loads and kernel launches through the driver and NVRTC
+
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::ffi::{CString, c_char, c_void};
@@ -27,7 +29,7 @@ use commd_proto::desc::{DType, DescError, RedOp};
 use cudarc::driver::sys::{self as cu_sys, CUcontext, CUdeviceptr, CUfunction, CUmodule, CUstream};
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
-use super::cu::{self, CuError};
+use crate::{self as cu, CuError};
 
 /// Most inputs one launch reduces.
 pub const MAX_INPUTS: usize = 8;

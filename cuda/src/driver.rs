@@ -2,6 +2,8 @@
 //! libcuda is missing, so every user goes through [`driver`] first, which checks
 //! `is_culib_present()` once and initializes the driver.
 
+#![allow(unsafe_code)] // the driver wrapper: every call here is FFI
+
 use std::ffi::CStr;
 use std::sync::OnceLock;
 
