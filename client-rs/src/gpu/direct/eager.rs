@@ -16,7 +16,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::super::kernels::p2p as kp;
-use super::{Record, env_int, k};
+use super::config::env_int;
+use super::k;
+use super::signature::Record;
+use super::signature::{explain_code, explain_p2p, explain_p2p_code, op_error_kind};
 use crate::{Error, Result, lock};
 
 /// `COMMD_EAGER_DIRECT` (`auto`/`on`/`1`, the default since it was measured on GPUs:
@@ -235,7 +238,7 @@ impl StatusPool {
     /// The windows' failure record, if the kernel wrote one not yet raised (left for the
     /// communicator's next call, which raises it: `direct_check`).
     fn peek_record(&self) -> Option<Record> {
-        super::read_record(self.page, false)
+        super::record::read_record(self.page, false)
     }
 }
 
@@ -287,7 +290,7 @@ impl LocalDone {
         let detail = match self.pool.peek_record() {
             Some(r) if p2p && r.code == code => explain_p2p(&r),
             _ if p2p => explain_p2p_code(code),
-            Some(r) if r.code == code => super::explain(&r, self.rank, true),
+            Some(r) if r.code == code => super::signature::explain(&r, self.rank, true),
             _ => explain_code(code),
         };
         let how = if p2p {
@@ -314,103 +317,6 @@ impl LocalDone {
                 message,
             },
         })))
-    }
-}
-
-/// The error kind of a direct op's failure code.
-pub(crate) fn op_error_kind(code: u32) -> crate::OpErrorKind {
-    use commd_proto::desc::status;
-    crate::OpErrorKind::from_status(match code {
-        k::MISMATCH | k::ELSEWHERE => status::MISMATCH,
-        k::TIMEOUT => status::TIMEOUT,
-        _ => status::PEER_LOST,
-    })
-}
-
-/// A direct send/recv's failure code (`kernels::p2p`).
-pub(crate) fn explain_p2p_code(code: u32) -> String {
-    match code {
-        k::MISMATCH => "the peer's send and this receive disagree on the bytes or the dtype (mismatch)".into(),
-        k::TIMEOUT => "the peer's matching op did not come within the op timeout".into(),
-        k::POISONED => "an earlier direct send/recv between these two ranks failed, and none runs after that (its error says why)".into(),
-        c => explain_code(c),
-    }
-}
-
-/// A direct send/recv's failure record (`kernels::p2p`: its sequence, this side's flag word,
-/// and for a mismatch the peer's), for the error: what differs, where the record says.
-pub(crate) fn explain_p2p(r: &Record) -> String {
-    use super::p2p::sig_fields;
-    let q = r.epoch;
-    if r.code == k::ELSEWHERE {
-        // The peer's daemon mark (top bit: this op is a send), and this op's own count.
-        let m = r.theirs.0 & !(1 << 63);
-        let send = r.theirs.0 >> 63 != 0;
-        let bits = kp::MARK_COUNT_BITS;
-        let (their_q, theirs) = (m >> bits, m & ((1 << bits) - 1));
-        let mine = sig_fields(r.mine.0 as u32).map_or(0, |f| f.1);
-        let (me, them) = if send {
-            (
-                format!("direct send #{q} to the peer"),
-                format!(
-                    "receives from this rank on the daemon's path before its direct receive #{their_q}"
-                ),
-            )
-        } else {
-            (
-                format!("direct receive #{q} from the peer"),
-                format!(
-                    "sends to this rank on the daemon's path before its direct send #{their_q}"
-                ),
-            )
-        };
-        return format!(
-            "{me}: the peer had put {theirs} of its {them}, and this rank {mine} before this op (counted modulo 2^20; messages past COMMD_P2P_DIRECT_MAX_BYTES take that path), so the peer's counterpart of this op would never come. The two ranks' messages between them differ in size across that limit, or were issued in another order (mismatch); the op did not run, and this rank fails the communicator so that the peer's op waiting on the daemon's path fails too"
-        );
-    }
-    if r.code != k::MISMATCH {
-        return format!(
-            "{} (message #{q} of the pair's direction)",
-            explain_p2p_code(r.code)
-        );
-    }
-    let (mine, theirs) = (r.mine.0 as u32, r.theirs.0 as u32);
-    let dtype = |c: u8| {
-        commd_proto::desc::DType::from_code(c)
-            .map(|d| d.name().to_string())
-            .unwrap_or_else(|| format!("dtype {c}"))
-    };
-    match (sig_fields(mine), sig_fields(theirs)) {
-        _ if r.theirs.0 == 0 => format!(
-            "direct receive #{q} from the peer: its message is of the other size class (one of at most COMMD_P2P_LL_MAX_BYTES moves by LL lines, the other not): the peer's send and this receive disagree on the bytes (mismatch)"
-        ),
-        (Some((_, mc)), Some((_, tc))) if mc != tc => format!(
-            "direct receive #{q} from the peer: this rank had put {mc} of its receives from the peer on the daemon's path before it, the peer {tc} of its sends to this rank before its direct send #{q} (counted modulo 2^20; messages past COMMD_P2P_DIRECT_MAX_BYTES take that path). The two ranks' messages between them differ in size across that limit, or were issued in another order (mismatch); the peer's message is not this receive's, and it was not taken"
-        ),
-        (Some((md, _)), Some((td, _))) if md != td => format!(
-            "direct receive #{q} from the peer: the peer sent {}, this receive expects {} (mismatch)",
-            dtype(td),
-            dtype(md)
-        ),
-        (Some(_), None) => format!(
-            "direct receive #{q} from the peer: the peer sent {theirs} bytes, not this receive's count (mismatch)"
-        ),
-        _ => format!(
-            "direct receive #{q} from the peer: the peer's send and this receive disagree on the bytes (mismatch)"
-        ),
-    }
-}
-
-/// A failure code alone (the record described an earlier failure).
-fn explain_code(code: u32) -> String {
-    match code {
-        k::MISMATCH => "a peer ran another collective (mismatch)".into(),
-        k::TIMEOUT => "a peer's op did not come within the op timeout".into(),
-        k::BROKEN => "the communicator is broken".into(),
-        k::POISONED => "an earlier direct op on this communicator failed, and none runs after that (its error says why)".into(),
-        k::PEER_FAILED => "a peer reported that its own op failed earlier (its error says why)".into(),
-        k::ELSEWHERE => "a peer sent the op to the daemon's path while this rank ran it as a direct op (mismatch: counts across the direct limit, or collectives issued in different orders)".into(),
-        c => format!("failure code {c}"),
     }
 }
 

@@ -18,8 +18,11 @@ use commd_proto::desc::{DType, OpKind};
 use super::super::cu::sys;
 use super::super::kernels::{self, P2pArgs, p2p as kp};
 use super::super::{CudaOpArgs, CudaPosted, ensure_context, pointer_span};
+use super::DEFAULT_TIMEOUT_S;
+use super::config::env_int;
 use super::eager::StatusPool;
-use super::{DEFAULT_TIMEOUT_S, alloc_window, env_int, open_peer};
+use super::signature::p2p_signature;
+use super::window::{alloc_window, open_peer};
 use crate::{Client, Communicator, Error, Result, lock};
 
 /// `COMMD_P2P_DIRECT` (unset or `auto`: on, a pair that cannot take the path keeps the
@@ -129,8 +132,8 @@ pub(crate) struct P2pShared {
 impl P2pShared {
     /// A failure the kernels recorded since the last look (the communicator's next call
     /// raises it, as for the other direct ops).
-    pub(crate) fn take_record(&self) -> Option<super::Record> {
-        super::read_record(self.page, true)
+    pub(crate) fn take_record(&self) -> Option<super::signature::Record> {
+        super::record::read_record(self.page, true)
     }
 }
 
@@ -666,13 +669,15 @@ impl Communicator {
                 Ok((page, rec_dev, hint_dev)) => {
                     // The watchdog reads its record too: a send's mark failure leaves the
                     // peer waiting on the daemon's path (`report_direct_failures`).
-                    lock(&self.client.gpu).records.push(super::RecordWatch {
-                        page: page as usize,
-                        handle: self.handle,
-                        rank: self.rank,
-                        told: false,
-                        p2p: true,
-                    });
+                    lock(&self.client.gpu)
+                        .records
+                        .push(super::record::RecordWatch {
+                            page: page as usize,
+                            handle: self.handle,
+                            rank: self.rank,
+                            told: false,
+                            p2p: true,
+                        });
                     c.p2p_shared = Some(P2pShared {
                         page: page as usize,
                         // SAFETY: `record_page` leaks the page: it lives for the process.
@@ -802,30 +807,9 @@ struct Setup {
     why: Option<String>,
 }
 
-/// The flag's signature of a direct send/recv (a receive compares it whole with its sender's,
-/// and the bytes apart): the marker `SIG_MARK` (bits 28-31; no byte count of an LL header
-/// reaches them, so a record says which of the two differed), the sends (for a receive: the
-/// receives) of the pair's direction that took the daemon's path before the op, modulo 2^20
-/// (bits 8-27), and the dtype (bits 0-7). The k-th message from a rank to another pairs
-/// with the k-th receive, as in NCCL, only if both sides put the same messages on each path in
-/// the same order: equal counts before every direct op say so (`tests::
-/// equal_daemon_counts_pair_every_message_in_order`).
-pub(crate) fn p2p_signature(dtype: DType, daemon_ops: u64) -> u32 {
-    SIG_MARK | ((daemon_ops as u32 & SIG_COUNT_MASK) << 8) | u32::from(dtype.code())
-}
-
-/// The marker of a direct send/recv's signature (`p2p_signature`).
-pub(crate) const SIG_MARK: u32 = 0x5000_0000;
-const SIG_COUNT_MASK: u32 = (1 << 20) - 1;
-
-/// A signature's fields: its dtype code and count of daemon-path ops; `None` if `w` is not a
-/// signature (an LL header's byte count).
-pub(crate) fn sig_fields(w: u32) -> Option<(u8, u32)> {
-    (w & 0xF000_0000 == SIG_MARK).then_some(((w & 0xff) as u8, (w >> 8) & SIG_COUNT_MASK))
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::signature::sig_fields;
     use super::*;
 
     #[test]
