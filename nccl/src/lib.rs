@@ -18,8 +18,6 @@
 
 mod comm;
 mod ffi;
-mod group;
-mod host;
 mod log;
 mod premul;
 mod staging;
@@ -618,7 +616,7 @@ fn run(func: &str, c: ncclComm_t, op: Op) -> ncclResult_t {
 /// The exit of a profiled API call (`COMMD_EAGER_PROFILE`): inside a group the op waits for
 /// the group's end and counts with it.
 fn prof_exit() {
-    if group::active() {
+    if comm::group::active() {
         commd_client::gpu::prof::pause();
     } else {
         commd_client::gpu::prof::end();
@@ -897,7 +895,7 @@ fn rooted(
             stream: stream as usize,
             span: None,
         };
-        group::start();
+        comm::group::start();
         let body = || -> Outcome {
             if me == root {
                 for r in 0..n {
@@ -923,8 +921,8 @@ fn rooted(
             Ok(())
         };
         // The root's own block is copied with its device current too (as `Comm::run`).
-        let out = group::on_device(comm.device, body);
-        let end = group::end();
+        let out = comm::group::on_device(comm.device, body);
+        let end = comm::group::end();
         out?;
         end
     })
@@ -1015,7 +1013,7 @@ with_config! {
 #[unsafe(no_mangle)]
 pub extern "C" fn ncclGroupStart() -> ncclResult_t {
     guard("ncclGroupStart", || {
-        group::start();
+        comm::group::start();
         ok()
     })
 }
@@ -1023,7 +1021,7 @@ pub extern "C" fn ncclGroupStart() -> ncclResult_t {
 #[unsafe(no_mangle)]
 pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
     commd_client::gpu::prof::begin();
-    let r = guard("ncclGroupEnd", group::end);
+    let r = guard("ncclGroupEnd", comm::group::end);
     prof_exit();
     r
 }

@@ -32,6 +32,7 @@ from torch._C._distributed_c10d import Work as _Work
 from torch.futures import Future
 
 from ._core import Handle
+from ._torch_work import _DoneWork, _flat_tensors, _progress, _seconds, _wait_handle
 
 # dtype name for data movement: the tensor's own where commd has it (so metrics and traces show
 # the real dtype), else one of the element's size (only the bytes matter for moving them).
@@ -72,7 +73,6 @@ except AttributeError:  # pragma: no cover - older torch
 
 
 def _done(result: Any) -> _Work:
-    from .torch import _DoneWork
 
     return _DoneWork(result)
 
@@ -112,7 +112,6 @@ def _wait_within(h: Handle, timeout: Any) -> None:
     stream is ordered after the op, the CPU goes on); with one, the CPU waits for the op to
     complete and raises torch's timeout error (commd.torch.WaitTimeoutError) if it passes first,
     or the op's error."""
-    from .torch import _seconds, _wait_handle
 
     secs = _seconds(timeout)
     if secs is not None:
@@ -177,7 +176,6 @@ class FastCudaWork(_Work):
         self._req.cuda_wait(_raw_stream(self._dev))
 
     def get_future(self) -> Future:
-        from .torch import _flat_tensors, _progress
 
         if self._fut is None:
             if self._captured:
@@ -246,7 +244,6 @@ class CudaWork(_Work):
         torch.cuda.current_stream(self._dev).wait_event(self._ev)
 
     def get_future(self) -> Future:
-        from .torch import _flat_tensors, _progress
 
         self._ordered()
         with self._lock:

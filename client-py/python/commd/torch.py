@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import queue
 import sys
 import threading
 import time
@@ -47,6 +46,8 @@ from torch.futures import Future
 from . import _core, _native
 from ._core import Handle
 from ._torch_cuda import _COMPLEX, _REAL, CudaOps, check_overlap
+from ._torch_work import (_CommdWork, _DoneWork, WaitTimeoutError, _dist_error, _flat_tensors,
+                          _seconds)
 
 __all__ = ["CommdBackend", "register", "empty", "set_pacing", "backend", "BACKEND",
            "use_cpu_allocator"]
@@ -250,173 +251,6 @@ def _move_dt(t: torch.Tensor) -> str | None:
     traces show the tensor's real dtype (the GPU path's names); None (bytes, as u8) where commd
     has no such dtype."""
     return _REAL.get(t.dtype) or _COMPLEX.get(t.dtype)
-
-
-def _seconds(timeout: Any) -> float | None:
-    if timeout is None:
-        return None
-    s = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout) / 1000.0
-    return s if s > 0 else None
-
-
-# How long the progress thread waits on its oldest op before it looks at the others.
-_PROGRESS_SLICE_S = 0.002
-
-
-class _Progress:
-    """Completes futures of ops nobody waits on directly (DDP's reducer, get_future().then)."""
-
-    def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[Handle, Future, Any]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def watch(self, h: Handle, fut: Future, value: Any) -> None:
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="commd-progress",
-                                                daemon=True)
-                self._thread.start()
-        self._q.put((h, fut, value))
-
-    def _run(self) -> None:
-        # Every watched op completes its future when it is done, whatever the order: one that
-        # never ends (a receive nobody sends to, until its op timeout) must not hold back the
-        # futures of the others (DDP's reducer waits on them). The thread sleeps in the native
-        # wait of the oldest, a few ms at a time, and looks at the rest between.
-        pending: list[tuple[Handle, Future, Any]] = []
-        while True:
-            if not pending:
-                pending.append(self._q.get())
-            while True:
-                try:
-                    pending.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            still = []
-            for item in pending:
-                if item[0].is_completed():
-                    self._finish(*item)
-                else:
-                    still.append(item)
-            pending = still
-            if pending:
-                try:
-                    pending[0][0].wait(_PROGRESS_SLICE_S)
-                except BaseException:  # noqa: BLE001 - a timeout, or its error: seen next round
-                    pass
-
-    @staticmethod
-    def _finish(h: Handle, fut: Future, value: Any) -> None:
-        try:
-            h.wait()
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            fut.set_exception(_dist_error(e))
-        else:
-            fut.set_result(value)
-
-
-_progress = _Progress()
-
-
-_DIST_KINDS: dict[type, type] = {}
-
-
-def _dist_error(e: BaseException) -> BaseException:
-    """``e`` (a commd error) as an instance of a class that is both its commd class and
-    torch's ``DistBackendError`` (a ``RuntimeError``), so callers' ``except`` clauses written for
-    torch's backends keep working; other exceptions are returned unchanged."""
-    if not isinstance(e, _native.CommError) or isinstance(e, dist.DistBackendError):
-        return e
-    cls = type(e)
-    kind = _DIST_KINDS.get(cls)
-    if kind is None:
-        # A timeout is also Python's TimeoutError, so `except TimeoutError` catches it too.
-        extra = (TimeoutError,) if issubclass(cls, _native.CommTimeoutError) else ()
-        kind = type(cls.__name__, (cls, dist.DistBackendError, *extra),
-                    {"__module__": "commd.torch"})
-        _DIST_KINDS[cls] = kind
-    out = kind(*e.args)
-    out.__cause__ = e.__cause__
-    return out
-
-
-class WaitTimeoutError(dist.DistBackendError, TimeoutError):
-    """``Work.wait(timeout)`` ran out first (the op keeps running): torch's DistBackendError,
-    worded "Timed out" as gloo's, and Python's TimeoutError."""
-
-
-def _wait_handle(h: Handle, secs: float | None, what: str) -> None:
-    """Waits for ``h`` (at most ``secs``): its error as torch's kind, or ``WaitTimeoutError``
-    when the time passes first."""
-    try:
-        h.wait(secs)
-    except TimeoutError:
-        raise WaitTimeoutError(
-            f"commd: Timed out waiting {(secs or 0) * 1000:.0f} ms for {what} to complete (it "
-            "keeps running; a later wait() can still complete it)") from None
-    except _native.CommError as e:
-        raise _dist_error(e) from e
-
-
-class _CommdWork(_Work):
-    """torch's Work over a commd Handle. Errors are raised as torch's ``DistBackendError``
-    (kept as their commd class too); a ``wait(timeout)`` that passes first raises one saying
-    "Timed out", as gloo's Works do."""
-
-    def __init__(self, handle: Handle, result: Any) -> None:
-        super().__init__()
-        self._h = handle
-        self._result = result
-        self._fut: Future | None = None
-        self._lock = threading.Lock()
-
-    def wait(self, timeout: Any = None) -> bool:
-        _wait_handle(self._h, _seconds(timeout), "the op")
-        return True
-
-    def is_completed(self) -> bool:
-        return self._h.is_completed()
-
-    def is_success(self) -> bool:
-        return self._h.is_completed() and self._h.exception() is None
-
-    def source_rank(self) -> int | None:
-        """The sender of a receive from any source, once it completed (the C++ shell's
-        ``Work::sourceRank``, torch's ``Work._source_rank()``)."""
-        return self._h.source()
-
-    def exception(self) -> Any:
-        return self._h.exception()
-
-    def result(self) -> Any:
-        return self._result
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    def get_future(self) -> Future:
-        with self._lock:
-            if self._fut is None:
-                self._fut = Future()
-                if self._h.is_completed():
-                    e = self._h.exception()
-                    if e is None:
-                        self._fut.set_result(_flat_tensors(self._result))
-                    else:
-                        self._fut.set_exception(_dist_error(e))
-                else:
-                    _progress.watch(self._h, self._fut, _flat_tensors(self._result))
-            return self._fut
-
-
-def _flat_tensors(result: Any) -> list[torch.Tensor]:
-    if isinstance(result, torch.Tensor):
-        return [result]
-    out: list[torch.Tensor] = []
-    for r in result or []:
-        out.extend(_flat_tensors(r))
-    return out
 
 
 def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
@@ -981,31 +815,6 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         if not sends and not recvs:
             return _DoneWork(result)
         return self.gpu.p2p(sends, recvs, result)
-
-
-class _DoneWork(_Work):
-    """A Work with nothing to wait for (the op was local)."""
-
-    def __init__(self, result: Any) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def result(self) -> Any:
-        return self._result
-
-    def get_future(self) -> Future:
-        f: Future = Future()
-        f.set_result(_flat_tensors(self._result))
-        return f
 
 
 class _JoinWork(_Work):

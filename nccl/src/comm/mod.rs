@@ -4,8 +4,15 @@
 //! the dispatch of each op to the GPU path (stream-ordered, DESIGN.md contracts 4 and 6) or the
 //! host path (`host`, a commd extension).
 //!
-//! May use: `commd_client` (sessions, communicators, GPU ops), `ffi`, `group`, `host`, `log`,
-//! `premul`, `staging`.
+//! Children: `group` (the thread's group of calls, `ncclGroupStart`/`ncclGroupEnd`, which posts
+//! the ops this module defers) and `host` (the host-memory path). They use this module's `Comm`,
+//! `Op` and `Ready`; nothing below the crate root uses them but this module and the ABI.
+//!
+//! May use: `commd_client` (sessions, communicators, GPU ops), `ffi`, `log`, `premul`,
+//! `staging`.
+
+pub(crate) mod group;
+mod host;
 
 use std::collections::{BTreeSet, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -17,7 +24,7 @@ use commd_cuda::{self as cu, sys};
 
 use crate::ffi::{self, Failure, Outcome, invalid, usage};
 use crate::staging::Staging;
-use crate::{group, host, log, premul};
+use crate::{log, premul};
 
 pub const UNIQUE_ID_BYTES: usize = 128;
 

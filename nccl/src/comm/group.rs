@@ -11,9 +11,9 @@ use std::sync::Arc;
 
 use commd_cuda::{self as cu, sys};
 
-use crate::comm::{Comm, Op, Ready};
+use super::host::HostOp;
+use super::{Comm, Op, Ready};
 use crate::ffi::{self, Failure, Outcome, usage};
-use crate::host::HostOp;
 
 #[derive(Default)]
 struct Group {

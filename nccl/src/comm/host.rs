@@ -10,7 +10,7 @@
 use commd_client::desc::{DType, OpKind, RedOp};
 use commd_client::{Buffer, OpArgs, Request};
 
-use crate::comm::Ready;
+use super::Ready;
 use crate::ffi::{Failure, Outcome, invalid};
 
 /// A posted host op: its request, its staging buffers, and where its result goes.
