@@ -1,3 +1,6 @@
+// A build script reads Cargo's own variables (OUT_DIR, CARGO_*), not commd settings.
+#![allow(clippy::disallowed_methods)]
+
 //! Generates the C header from this crate's `extern "C"` items into `$OUT_DIR/commd.h` (the
 //! committed `include/commd.h` must equal it; see `header_is_current` in src/lib.rs), and gives
 //! the shared library a SONAME so installed programs bind to a compatible ABI.

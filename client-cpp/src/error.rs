@@ -2,6 +2,8 @@
 //! thread-local last-error message, and the guard every entry point runs in (no panic unwinds
 //! into C).
 
+#![allow(unsafe_code)] // the C ABI: raw pointers from C callers
+
 use std::cell::RefCell;
 use std::ffi::CString;
 use std::os::raw::c_char;

@@ -8,6 +8,8 @@
 //! dereference a NULL handle, or hold a borrow of a buffer past the call that posts an op (the
 //! C caller owns the ownership rule; see the header).
 
+#![deny(unsafe_code)] // allowed only in the modules that say why
+
 // Declaration order is the header's order (cbindgen follows it): types, sessions, ops.
 mod types;
 
@@ -27,6 +29,7 @@ use error::{Outcome, invalid};
 
 /// The library's version ("MAJOR.MINOR.PATCH"); compare with COMMD_VERSION from the header.
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub extern "C" fn commd_version() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
 }
@@ -34,6 +37,7 @@ pub extern "C" fn commd_version() -> *const c_char {
 /// The message of the last failed commd call on this thread ("" if none failed yet). The
 /// pointer stays valid until the next failing commd call on this thread; copy it to keep it.
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub extern "C" fn commd_last_error() -> *const c_char {
     error::last_error_ptr()
 }
@@ -41,6 +45,7 @@ pub extern "C" fn commd_last_error() -> *const c_char {
 /// The name of a status code ("COMMD_MISMATCH"), a static string; "COMMD_UNKNOWN_STATUS" for
 /// a value that is not a commd_status_t.
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub extern "C" fn commd_status_name(status: c_int) -> *const c_char {
     // An int, not commd_status_t: a C caller may pass any value, and only known codes may
     // become the Rust enum.
@@ -53,6 +58,7 @@ pub extern "C" fn commd_status_name(status: c_int) -> *const c_char {
 
 /// The size in bytes of one element of `dtype`, or 0 for an unknown code.
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub extern "C" fn commd_dtype_size(dtype: commd_dtype_t) -> usize {
     u8::try_from(dtype)
         .ok()
@@ -64,6 +70,7 @@ pub extern "C" fn commd_dtype_size(dtype: commd_dtype_t) -> usize {
 ///
 /// # Safety
 /// `p` is NULL or points to a live `T` that outlives `'a`.
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub(crate) unsafe fn handle<'a, T>(p: *const T, what: &str) -> Outcome<&'a T> {
     // SAFETY: per this function's contract.
     unsafe { p.as_ref() }.ok_or_else(|| invalid(format!("{what} is NULL")))
@@ -73,6 +80,7 @@ pub(crate) unsafe fn handle<'a, T>(p: *const T, what: &str) -> Outcome<&'a T> {
 ///
 /// # Safety
 /// `p` is NULL or writable.
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub(crate) unsafe fn set_out<T>(p: *mut T, v: T, what: &str) -> Outcome {
     if p.is_null() {
         return Err(invalid(format!("{what} is NULL")));
@@ -83,13 +91,14 @@ pub(crate) unsafe fn set_out<T>(p: *mut T, v: T, what: &str) -> Outcome {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 mod tests {
     /// The committed header must be what cbindgen generates from this crate (build.rs).
     #[test]
     fn header_is_current() {
         let generated = include_str!(concat!(env!("OUT_DIR"), "/commd.h"));
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/include/commd.h");
-        if std::env::var_os("COMMD_BLESS_HEADER").is_some() {
+        if commd_settings::get_os(&commd_settings::keys::BLESS_HEADER).is_some() {
             std::fs::write(path, generated).expect("write include/commd.h");
             return;
         }

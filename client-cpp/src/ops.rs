@@ -3,6 +3,8 @@
 //! Every op takes `(buffer, byte offset)` pairs and a `request` out-pointer: NULL blocks until
 //! the op completes and returns its result; non-NULL returns at once with a request to wait on.
 
+#![allow(unsafe_code)] // the C ABI: raw pointers from C callers
+
 use std::time::Duration;
 
 use commd_client::OpArgs;

@@ -1,5 +1,7 @@
 //! Sessions, unique ids, communicators and buffers.
 
+#![allow(unsafe_code)] // the C ABI: raw pointers from C callers
+
 use std::ffi::{CStr, OsStr};
 use std::os::raw::{c_char, c_void};
 use std::os::unix::ffi::OsStrExt;

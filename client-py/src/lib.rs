@@ -6,6 +6,8 @@
 //! Python package (`python/commd`). Every blocking call releases the GIL and wakes up every
 //! 100 ms to deliver signals (Ctrl-C interrupts a wait; the op itself keeps running).
 
+#![deny(unsafe_code)] // allowed only in the modules that say why
+
 use std::ffi::{c_int, c_void};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -280,6 +282,7 @@ struct Buffer {
 }
 
 #[pymethods]
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 impl Buffer {
     #[getter]
     fn nbytes(&self) -> u64 {
@@ -451,6 +454,7 @@ impl Communicator {
 type Loc<'py> = Option<(Bound<'py, Buffer>, u64)>;
 
 #[pymethods]
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 impl Communicator {
     #[getter]
     fn rank(&self) -> u32 {
@@ -770,6 +774,7 @@ struct CudaRequest {
     stash: Arc<Stash>,
 }
 
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 impl CudaRequest {
     /// The event after the op on its stream: recorded by `cuda_op`, or now (an op posted
     /// without one: recorded now, it also covers what was queued on that stream since).
@@ -788,6 +793,7 @@ impl CudaRequest {
 }
 
 #[pymethods]
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 impl CudaRequest {
     /// Waits for the op on the CPU (as `Request.wait`).
     #[pyo3(signature = (timeout=None))]
@@ -951,6 +957,13 @@ fn wait_request(
     }
 }
 
+/// The names of every environment setting in commd's registry (`commd-settings`): the only
+/// `COMMD_*` names the Python package reads (`commd._settings`).
+#[pyfunction]
+fn setting_names() -> Vec<&'static str> {
+    commd_settings::KEYS.iter().map(|k| k.name).collect()
+}
+
 /// Version of the bindings (same as the daemon's protocol version string).
 #[pyfunction]
 fn version() -> &'static str {
@@ -993,20 +1006,25 @@ struct NpHandler {
     allocator: NpAllocator,
 }
 
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 // SAFETY: immutable; `ctx` is null and never used.
 unsafe impl Sync for NpHandler {}
 
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 unsafe extern "C" fn np_malloc(_: *mut c_void, n: usize) -> *mut c_void {
     commd_client::hostmem::malloc(n)
 }
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 unsafe extern "C" fn np_calloc(_: *mut c_void, n: usize, size: usize) -> *mut c_void {
     commd_client::hostmem::calloc(n, size)
 }
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 unsafe extern "C" fn np_realloc(_: *mut c_void, p: *mut c_void, n: usize) -> *mut c_void {
     // SAFETY: numpy passes a pointer this handler allocated (it frees arrays with the handler
     // that made them).
     unsafe { commd_client::hostmem::realloc(p, n) }
 }
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 unsafe extern "C" fn np_free(_: *mut c_void, p: *mut c_void, _size: usize) {
     // SAFETY: as in np_realloc.
     unsafe { commd_client::hostmem::free_any(p) }
@@ -1037,6 +1055,7 @@ static NP_HANDLER: NpHandler = NpHandler {
 /// `min_bytes` come from commd's CPU allocator (so ops on them run in place), smaller ones
 /// from the C library. The handler is named "commd".
 #[pyfunction]
+#[allow(unsafe_code)] // PyO3 and raw buffers from Python (numpy, torch)
 fn numpy_mem_handler(py: Python<'_>, min_bytes: usize) -> PyResult<Py<PyAny>> {
     commd_client::hostmem::set_min_bytes(min_bytes);
     // SAFETY: a capsule over a static that lives as long as the process, with a static name
@@ -1085,6 +1104,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Request>()?;
     m.add_class::<CudaRequest>()?;
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_function(wrap_pyfunction!(setting_names, m)?)?;
     m.add_function(wrap_pyfunction!(host_allocator, m)?)?;
     m.add_function(wrap_pyfunction!(host_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(numpy_mem_handler, m)?)?;

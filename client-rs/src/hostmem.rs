@@ -30,6 +30,8 @@
 //!
 //! The table is one mutex (a pthread mutex, locked across `fork` by the prepare handler).
 
+#![allow(unsafe_code)] // host blocks are mappings this module owns
+
 use std::cell::UnsafeCell;
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -165,9 +167,9 @@ pub fn cache_limit() -> usize {
     if v != usize::MAX {
         return v;
     }
-    let v = match std::env::var("COMMD_CPU_CACHE_MIB") {
-        Err(_) => DEFAULT_CACHE_BYTES,
-        Ok(s) => match s.trim().parse::<usize>() {
+    let v = match commd_settings::get(&commd_settings::keys::CPU_CACHE_MIB) {
+        None => DEFAULT_CACHE_BYTES,
+        Some(s) => match s.trim().parse::<usize>() {
             Ok(m) => m.saturating_mul(1 << 20),
             Err(_) => {
                 eprintln!(

@@ -13,6 +13,8 @@
 //! Blocking calls drive an internal current-thread tokio runtime: call them from plain threads,
 //! not from inside another async runtime.
 
+#![deny(unsafe_code)] // allowed only in the modules that say why
+
 mod error;
 pub mod gpu;
 pub mod hostmem;
@@ -44,7 +46,8 @@ pub use commd_host::default_socket_path;
 /// Where a client looks for the daemon: `$COMMD_SOCKET`, else this user's default socket if it
 /// exists, else the system daemon's `/run/commd/commd.sock`.
 pub fn resolve_socket_path() -> PathBuf {
-    if let Some(p) = std::env::var_os("COMMD_SOCKET").filter(|p| !p.is_empty()) {
+    if let Some(p) = commd_settings::get_os(&commd_settings::keys::SOCKET).filter(|p| !p.is_empty())
+    {
         return PathBuf::from(p);
     }
     let mine = default_socket_path();
@@ -77,8 +80,7 @@ pub const DEFAULT_DAEMON_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Default for Options {
     fn default() -> Self {
-        let spin_us = std::env::var("COMMD_CLIENT_SPIN_US")
-            .ok()
+        let spin_us = commd_settings::get(&commd_settings::keys::CLIENT_SPIN_US)
             .and_then(|v| v.parse().ok())
             .unwrap_or(50);
         // An invalid value is refused by `Client::connect_with` (`daemon_timeout_env`).
@@ -98,7 +100,7 @@ impl Default for Options {
 /// `COMMD_DAEMON_TIMEOUT_MS`: `Ok(None)` when unset, `Ok(Some(None))` for 0 (wait forever),
 /// `Err` naming the variable for anything that is not a number of milliseconds.
 fn daemon_timeout_env() -> std::result::Result<Option<Option<Duration>>, String> {
-    let Some(v) = std::env::var_os("COMMD_DAEMON_TIMEOUT_MS") else {
+    let Some(v) = commd_settings::get_os(&commd_settings::keys::DAEMON_TIMEOUT_MS) else {
         return Ok(None);
     };
     match v
@@ -1041,6 +1043,7 @@ impl std::fmt::Debug for Buffer {
     }
 }
 
+#[allow(unsafe_code)] // the ring and doorbell pages are shared memory mapped from the daemon
 impl Buffer {
     pub fn mem_id(&self) -> u32 {
         self.mem_id
@@ -1336,6 +1339,7 @@ pub struct OpArgs<'b> {
     pub recv: Option<At<'b>>,
 }
 
+#[allow(unsafe_code)] // the ring and doorbell pages are shared memory mapped from the daemon
 impl Communicator {
     pub fn rank(&self) -> u32 {
         self.rank

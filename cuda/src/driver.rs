@@ -70,7 +70,9 @@ pub fn driver() -> Result<(), String> {
     static STATE: OnceLock<Result<(), String>> = OnceLock::new();
     STATE
         .get_or_init(|| {
-            if std::env::var_os("COMMD_DISABLE_CUDA").is_some_and(|v| v != "0" && !v.is_empty()) {
+            if commd_settings::get_os(&commd_settings::keys::DISABLE_CUDA)
+                .is_some_and(|v| v != "0" && !v.is_empty())
+            {
                 return Err("disabled by COMMD_DISABLE_CUDA".into());
             }
             // SAFETY: is_culib_present only tries to dlopen the library names.

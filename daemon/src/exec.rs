@@ -18,7 +18,9 @@ pub fn candidates(explicit: Option<&Path>, exe: Option<&Path>) -> Vec<PathBuf> {
         v.push(p.to_path_buf());
         return v;
     }
-    if let Some(p) = std::env::var_os("COMMD_NCCL_LIB").filter(|p| !p.is_empty()) {
+    if let Some(p) =
+        commd_settings::get_os(&commd_settings::keys::NCCL_LIB).filter(|p| !p.is_empty())
+    {
         v.push(PathBuf::from(p));
         return v;
     }
@@ -76,7 +78,7 @@ pub fn run(lib: &Path, socket: &Path, cmd: &[OsString], verbose: bool) -> i32 {
         eprintln!("commd exec: no command given (commd exec -- CMD ARGS...)");
         return crate::exit::USAGE;
     };
-    let preload = preload_value(lib, std::env::var_os("LD_PRELOAD"));
+    let preload = preload_value(lib, commd_settings::system("LD_PRELOAD"));
     if verbose {
         eprintln!(
             "commd exec: LD_PRELOAD={} VLLM_NCCL_SO_PATH={} COMMD_SOCKET={}",
@@ -121,7 +123,7 @@ mod tests {
         let c = candidates(Some(Path::new("/l.so")), Some(Path::new("/t/commd")));
         assert_eq!(c, vec![PathBuf::from("/l.so")]);
         let c = candidates(None, Some(Path::new("/t/release/commd")));
-        if std::env::var_os("COMMD_NCCL_LIB").is_none() {
+        if commd_settings::get_os(&commd_settings::keys::NCCL_LIB).is_none() {
             assert_eq!(c[0], PathBuf::from("/t/release/libcommd_nccl.so"));
             assert!(c.iter().any(|p| p.ends_with("lib/commd/libnccl.so.2")));
         }

@@ -7,6 +7,8 @@
 //! Helpers spin for [`SPIN`] after their last task (a stream of ops keeps them awake, so a
 //! phase pays no thread wake-up) and then park until the next one.
 
+#![allow(unsafe_code)] // borrowed closures run on pool threads and joined before return
+
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

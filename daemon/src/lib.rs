@@ -27,6 +27,8 @@
 //! daemon uses its protocol types and I/O), `commd-host` (paths no other user can redirect,
 //! host-wide CPU-core claims, the default socket path), `commd-proto` (the wire contracts).
 
+#![deny(unsafe_code)] // allowed only in the modules that say why
+
 pub mod admin;
 pub mod cli;
 pub mod comm;

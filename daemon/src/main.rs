@@ -1,5 +1,7 @@
 //! `commd`: the per-node communication daemon and its command-line tools. Wiring only.
 
+#![deny(unsafe_code)] // allowed only in the modules that say why
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -32,7 +34,13 @@ enum Cmd {
     /// Run the daemon in the foreground.
     Serve,
     /// Print every effective setting and where it came from.
-    Config,
+    Config {
+        /// The environment-only settings of the clients, the NCCL library, the Python package
+        /// and the daemon's GPU knobs (commd-settings' registry) as this process sees them,
+        /// instead of the daemon's config.
+        #[arg(long)]
+        client: bool,
+    },
     /// Show the running daemon's sessions, communicators and registrations.
     Status {
         #[arg(long)]
@@ -139,9 +147,19 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
                 e.exit_code()
             }
         },
-        Cmd::Config => {
+        Cmd::Config { client: false } => {
             print!("{}", cfg.render());
             exit::OK
+        }
+        Cmd::Config { client: true } => {
+            let table = commd_settings::table();
+            print!("{table}");
+            // A value its reader refuses is an error there too: say so in the exit code.
+            if table.contains("  INVALID: ") {
+                exit::USAGE
+            } else {
+                exit::OK
+            }
         }
         Cmd::Status { json } => commd_daemon::cli::stat::status(&cfg, *json)
             .unwrap_or_else(|| commd_daemon::cli::status::status(&cfg, *json)),
@@ -169,7 +187,7 @@ fn run(cli: &Cli, cfg: Config) -> i32 {
         Cmd::Bench { args } => {
             // Explicit --socket/COMMD_SOCKET: use that daemon; otherwise embed one on a private socket.
             let explicit = cli.socket.is_some()
-                || std::env::var_os("COMMD_SOCKET").is_some()
+                || commd_settings::get_os(&commd_settings::keys::SOCKET).is_some()
                 || cli.set.iter().any(|s| s.starts_with("socket"));
             let result = if explicit {
                 commd_daemon::cli::bench::run(args, Some(cfg.socket.clone()), None)

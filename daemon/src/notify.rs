@@ -63,7 +63,7 @@ pub struct Notifier {
 impl Notifier {
     /// From `$NOTIFY_SOCKET`: `None` when unset or empty (not run by a service manager).
     pub fn from_env() -> Option<Result<Self, NotifyError>> {
-        let v = std::env::var_os(ENV)?;
+        let v = commd_settings::system(ENV)?;
         if v.is_empty() {
             return None;
         }
@@ -146,12 +146,16 @@ impl Notifier {
 /// How often to send `WATCHDOG=1`: half of `$WATCHDOG_USEC` (set by systemd for a unit with
 /// `WatchdogSec=`), when `$WATCHDOG_PID` is unset or names this process.
 pub fn watchdog_interval() -> Option<Duration> {
-    if let Ok(pid) = std::env::var("WATCHDOG_PID")
-        && pid.trim().parse::<u32>().ok() != Some(std::process::id())
+    if let Some(pid) = commd_settings::system("WATCHDOG_PID")
+        && pid.to_string_lossy().trim().parse::<u32>().ok() != Some(std::process::id())
     {
         return None;
     }
-    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.trim().parse().ok()?;
+    let usec: u64 = commd_settings::system("WATCHDOG_USEC")?
+        .to_str()?
+        .trim()
+        .parse()
+        .ok()?;
     (usec > 0).then(|| Duration::from_micros(usec / 2))
 }
 

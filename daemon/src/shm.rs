@@ -4,6 +4,8 @@
 //! die with SIGBUS. So the daemon maps only memfds sealed with `F_SEAL_SHRINK` (the client library
 //! seals them); everything else is refused with a message saying so.
 
+#![allow(unsafe_code)] // client memory is mapped shared memory
+
 use std::fs::File;
 use std::os::fd::OwnedFd;
 

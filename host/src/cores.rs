@@ -27,7 +27,7 @@ const ROOT_REGISTRY: &str = "/run/commd/cpu-claims";
 /// Where this user's claims live: `COMMD_CPU_CLAIMS`, else `cpu-claims` beside this user's
 /// default socket (root: `/run/commd`; others: `$XDG_RUNTIME_DIR/commd` or `/tmp/commd-$UID`).
 pub fn registry_path() -> PathBuf {
-    std::env::var_os("COMMD_CPU_CLAIMS")
+    commd_settings::get_os(&commd_settings::keys::CPU_CLAIMS)
         .filter(|p| !p.is_empty())
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -80,7 +80,7 @@ fn with_registry<T>(f: impl FnOnce(&mut Vec<Row>) -> T) -> Result<T, String> {
     let refused = |e: crate::private::PathError| {
         format!("cannot open the CPU claim registry {}: {e}", path.display())
     };
-    if std::env::var_os("COMMD_CPU_CLAIMS").is_none_or(|p| p.is_empty())
+    if commd_settings::get_os(&commd_settings::keys::CPU_CLAIMS).is_none_or(|p| p.is_empty())
         && let Some(dir) = path.parent()
     {
         // The default runtime directory: private to this user (root's is world-readable, as
@@ -223,6 +223,7 @@ pub fn host_claims() -> Vec<Row> {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // tests set the environment and touch raw memory
 mod tests {
     use super::*;
 

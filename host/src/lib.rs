@@ -9,6 +9,8 @@
 //!
 //! Depends on no other commd crate.
 
+#![deny(unsafe_code)] // allowed only in the modules that say why
+
 pub mod cores;
 pub mod private;
 
@@ -22,7 +24,7 @@ pub fn default_socket_path() -> PathBuf {
     if uid.is_root() {
         return PathBuf::from("/run/commd/commd.sock");
     }
-    match std::env::var_os("XDG_RUNTIME_DIR") {
+    match commd_settings::system("XDG_RUNTIME_DIR") {
         Some(d) if !d.is_empty() => Path::new(&d).join("commd/commd.sock"),
         _ => PathBuf::from(format!("/tmp/commd-{}/commd.sock", uid.as_raw())),
     }

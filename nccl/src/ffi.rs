@@ -5,6 +5,7 @@
 //! May use: `commd_client` errors and `commd_proto` codes. Owns no state but the thread's
 //! last-error text.
 
+#![allow(unsafe_code)] // the C ABI: raw pointers from C callers
 #![allow(non_camel_case_types)]
 
 use std::cell::RefCell;

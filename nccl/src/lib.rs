@@ -14,6 +14,7 @@
 //! `log`. Device memory goes through `commd_client`'s stream-ordered GPU ops (DESIGN.md
 //! contracts 4 and 6: ops issued while a stream is captured become persistent graph ops).
 
+#![deny(unsafe_code)] // allowed only in the modules that say why
 #![allow(non_camel_case_types, non_snake_case, clippy::missing_safety_doc)]
 
 mod comm;
@@ -60,8 +61,7 @@ const SPLIT_NOCOLOR: c_int = -1;
 /// The NCCL API version this library reports (`NCCL_COMMD_VERSION_CODE` overrides it): 2.28,
 /// the release whose host API it implements.
 pub fn version_code() -> c_int {
-    std::env::var("NCCL_COMMD_VERSION_CODE")
-        .ok()
+    commd_settings::get(&commd_settings::keys::NCCL_COMMD_VERSION_CODE)
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(22800)
 }
@@ -70,6 +70,7 @@ pub fn version_code() -> c_int {
 ///
 /// # Safety
 /// `config` is null or points to an `ncclConfig_t` the caller initialised.
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 unsafe fn blocking(config: *const ConfigHead) -> Outcome<bool> {
     if config.is_null() {
         return Ok(true);
@@ -113,6 +114,7 @@ fn created(c: &Arc<Comm>) -> ncclResult_t {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
     guard("ncclGetVersion", || {
         // SAFETY: NCCL's contract on the out pointer.
@@ -122,6 +124,7 @@ pub unsafe extern "C" fn ncclGetVersion(version: *mut c_int) -> ncclResult_t {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclGetUniqueId(out: *mut ncclUniqueId) -> ncclResult_t {
     guard("ncclGetUniqueId", || {
         let u = comm::client()?.unique_id()?;
@@ -143,6 +146,7 @@ pub unsafe extern "C" fn ncclGetUniqueId(out: *mut ncclUniqueId) -> ncclResult_t
     })
 }
 
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 unsafe fn init_rank(
     out: *mut ncclComm_t,
     nranks: c_int,
@@ -163,6 +167,7 @@ unsafe fn init_rank(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommInitRank(
     out: *mut ncclComm_t,
     nranks: c_int,
@@ -176,6 +181,7 @@ pub unsafe extern "C" fn ncclCommInitRank(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommInitRankConfig(
     out: *mut ncclComm_t,
     nranks: c_int,
@@ -190,6 +196,7 @@ pub unsafe extern "C" fn ncclCommInitRankConfig(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommInitRankScalable(
     out: *mut ncclComm_t,
     nranks: c_int,
@@ -213,6 +220,7 @@ pub unsafe extern "C" fn ncclCommInitRankScalable(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommInitAll(
     comms: *mut ncclComm_t,
     ndev: c_int,
@@ -288,6 +296,7 @@ pub unsafe extern "C" fn ncclCommInitAll(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommFinalize(c: ncclComm_t) -> ncclResult_t {
     guard("ncclCommFinalize", || {
         comm::get(c)?.finalize()?;
@@ -296,6 +305,7 @@ pub unsafe extern "C" fn ncclCommFinalize(c: ncclComm_t) -> ncclResult_t {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommDestroy(c: ncclComm_t) -> ncclResult_t {
     guard("ncclCommDestroy", || {
         if c.is_null() {
@@ -313,6 +323,7 @@ pub unsafe extern "C" fn ncclCommDestroy(c: ncclComm_t) -> ncclResult_t {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommAbort(c: ncclComm_t) -> ncclResult_t {
     guard("ncclCommAbort", || {
         if c.is_null() {
@@ -326,6 +337,7 @@ pub unsafe extern "C" fn ncclCommAbort(c: ncclComm_t) -> ncclResult_t {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommSplit(
     c: ncclComm_t,
     color: c_int,
@@ -358,6 +370,7 @@ pub unsafe extern "C" fn ncclCommSplit(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub extern "C" fn ncclGetErrorString(result: ncclResult_t) -> *const c_char {
     ffi::result_name(result).as_ptr()
 }
@@ -365,6 +378,7 @@ pub extern "C" fn ncclGetErrorString(result: ncclResult_t) -> *const c_char {
 /// The communicator's own failure when it has one (so a watchdog thread reading it sees why
 /// the communicator failed), else the calling thread's last failure.
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
     if !comm.is_null()
         && let Ok(c) = comm::get(comm)
@@ -376,9 +390,11 @@ pub extern "C" fn ncclGetLastError(comm: ncclComm_t) -> *const c_char {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub extern "C" fn ncclResetDebugInit() {}
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommGetAsyncError(
     c: ncclComm_t,
     async_error: *mut ncclResult_t,
@@ -397,6 +413,7 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommCount(c: ncclComm_t, count: *mut c_int) -> ncclResult_t {
     guard("ncclCommCount", || {
         let n = comm::get(c)?.nranks as c_int;
@@ -407,6 +424,7 @@ pub unsafe extern "C" fn ncclCommCount(c: ncclComm_t, count: *mut c_int) -> nccl
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommCuDevice(c: ncclComm_t, device: *mut c_int) -> ncclResult_t {
     guard("ncclCommCuDevice", || {
         let d = comm::get(c)?.device.max(0);
@@ -417,6 +435,7 @@ pub unsafe extern "C" fn ncclCommCuDevice(c: ncclComm_t, device: *mut c_int) -> 
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommUserRank(c: ncclComm_t, rank: *mut c_int) -> ncclResult_t {
     guard("ncclCommUserRank", || {
         let r = comm::get(c)?.rank as c_int;
@@ -436,6 +455,7 @@ fn registrations() -> &'static std::sync::Mutex<std::collections::HashMap<usize,
 }
 
 /// Drops the registrations of a released communicator (NCCL frees them with it).
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 fn forget_registrations(c: ncclComm_t) {
     comm::lock(registrations()).retain(|&token, owner| {
         if *owner != c as usize {
@@ -448,6 +468,7 @@ fn forget_registrations(c: ncclComm_t) {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommRegister(
     c: ncclComm_t,
     buff: *mut c_void,
@@ -473,6 +494,7 @@ pub unsafe extern "C" fn ncclCommRegister(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommDeregister(c: ncclComm_t, handle: *mut c_void) -> ncclResult_t {
     guard("ncclCommDeregister", || {
         comm::get(c)?;
@@ -517,6 +539,7 @@ fn cuda_context() -> Outcome {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncclResult_t {
     guard("ncclMemAlloc", || {
         if ptr.is_null() {
@@ -535,6 +558,7 @@ pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncc
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
     guard("ncclMemFree", || {
         if ptr.is_null() {
@@ -549,6 +573,7 @@ pub unsafe extern "C" fn ncclMemFree(ptr: *mut c_void) -> ncclResult_t {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclCommMemStats(
     c: ncclComm_t,
     stat: c_int,
@@ -572,6 +597,7 @@ pub unsafe extern "C" fn ncclCommMemStats(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
     op: *mut c_int,
     scalar: *mut c_void,
@@ -595,6 +621,7 @@ pub unsafe extern "C" fn ncclRedOpCreatePreMulSum(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclRedOpDestroy(op: c_int, c: ncclComm_t) -> ncclResult_t {
     guard("ncclRedOpDestroy", || {
         let comm = comm::get(c)?;
@@ -648,6 +675,7 @@ fn coll(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclAllReduce(
     send: *const c_void,
     recv: *mut c_void,
@@ -665,6 +693,7 @@ pub unsafe extern "C" fn ncclAllReduce(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclReduce(
     send: *const c_void,
     recv: *mut c_void,
@@ -683,6 +712,7 @@ pub unsafe extern "C" fn ncclReduce(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclBroadcast(
     send: *const c_void,
     recv: *mut c_void,
@@ -700,6 +730,7 @@ pub unsafe extern "C" fn ncclBroadcast(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclBcast(
     buff: *mut c_void,
     count: usize,
@@ -716,6 +747,7 @@ pub unsafe extern "C" fn ncclBcast(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclReduceScatter(
     send: *const c_void,
     recv: *mut c_void,
@@ -739,6 +771,7 @@ pub unsafe extern "C" fn ncclReduceScatter(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclAllGather(
     send: *const c_void,
     recv: *mut c_void,
@@ -761,6 +794,7 @@ pub unsafe extern "C" fn ncclAllGather(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclAlltoAll(
     send: *const c_void,
     recv: *mut c_void,
@@ -777,6 +811,7 @@ pub unsafe extern "C" fn ncclAlltoAll(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclSend(
     send: *const c_void,
     count: usize,
@@ -799,6 +834,7 @@ pub unsafe extern "C" fn ncclSend(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclRecv(
     recv: *mut c_void,
     count: usize,
@@ -822,6 +858,7 @@ pub unsafe extern "C" fn ncclRecv(
 
 /// Copies this rank's own block of a gather/scatter: on the stream for device memory, at once
 /// for host memory (the group's host ops complete at its end, after this).
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 fn local_copy(dst: u64, src: u64, bytes: u64, stream: cudaStream_t) -> Outcome {
     if dst == src || bytes == 0 {
         return Ok(());
@@ -929,6 +966,7 @@ fn rooted(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclGather(
     send: *const c_void,
     recv: *mut c_void,
@@ -952,6 +990,7 @@ pub unsafe extern "C" fn ncclGather(
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub unsafe extern "C" fn ncclScatter(
     send: *const c_void,
     recv: *mut c_void,
@@ -979,6 +1018,7 @@ pub unsafe extern "C" fn ncclScatter(
 macro_rules! with_config {
     ($($name:ident => $base:ident($($arg:ident: $ty:ty),*);)*) => {
         $(
+            #[allow(unsafe_code)] // the C ABI: raw pointers from C callers
             #[unsafe(no_mangle)]
             pub unsafe extern "C" fn $name(
                 $($arg: $ty,)*
@@ -1011,6 +1051,7 @@ with_config! {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub extern "C" fn ncclGroupStart() -> ncclResult_t {
     guard("ncclGroupStart", || {
         comm::group::start();
@@ -1019,6 +1060,7 @@ pub extern "C" fn ncclGroupStart() -> ncclResult_t {
 }
 
 #[unsafe(no_mangle)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
     commd_client::gpu::prof::begin();
     let r = guard("ncclGroupEnd", comm::group::end);
@@ -1032,6 +1074,7 @@ pub extern "C" fn ncclGroupEnd() -> ncclResult_t {
 macro_rules! unsupported {
     ($($name:ident: $why:expr;)*) => {
         $(
+            #[allow(unsafe_code)] // exported by name: the C ABI
             #[unsafe(no_mangle)]
             pub extern "C" fn $name() -> ncclResult_t {
                 guard(stringify!($name), || Err(unsupported(stringify!($name), $why)))
@@ -1079,6 +1122,7 @@ unsupported! {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // the C ABI: raw pointers from C callers
 mod tests {
     use super::*;
 

@@ -8,6 +8,8 @@
 //!
 //! May use: std only.
 
+#![allow(unsafe_code)] // the C ABI: raw pointers from C callers
+
 use std::io::Write;
 use std::sync::{Once, OnceLock};
 
@@ -68,15 +70,16 @@ fn parse_subsys(v: Option<&str>) -> u32 {
 fn settings() -> &'static Settings {
     static S: OnceLock<Settings> = OnceLock::new();
     S.get_or_init(|| {
-        let level = std::env::var("NCCL_DEBUG")
-            .ok()
-            .or_else(|| std::env::var("COMMD_DEBUG").ok());
+        let level = commd_settings::get(&commd_settings::keys::NCCL_DEBUG)
+            .or_else(|| commd_settings::get(&commd_settings::keys::DEBUG));
         let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
             .unwrap_or_else(|_| "localhost".into());
         Settings {
             level: parse_level(level.as_deref()),
-            subsys: parse_subsys(std::env::var("NCCL_DEBUG_SUBSYS").ok().as_deref()),
+            subsys: parse_subsys(
+                commd_settings::get(&commd_settings::keys::NCCL_DEBUG_SUBSYS).as_deref(),
+            ),
             host,
         }
     })
@@ -137,8 +140,9 @@ pub fn startup(device: i32) {
                 ),
             );
         }
-        let mut vars: Vec<(String, String)> = std::env::vars()
-            .filter(|(k, _)| k.starts_with("NCCL_") && !READ.contains(&k.as_str()))
+        let mut vars: Vec<(String, String)> = commd_settings::vars_with_prefix("NCCL_")
+            .into_iter()
+            .filter(|(k, _)| !READ.contains(&k.as_str()))
             .collect();
         vars.sort();
         for (k, v) in vars {

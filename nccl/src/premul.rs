@@ -8,6 +8,8 @@
 //! after enqueuing the collective) or as a device address read when the op runs
 //! (`ncclScalarDevice`).
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use std::collections::HashMap;
 use std::sync::OnceLock;
 

@@ -10,6 +10,8 @@
 //!
 //! May use: `commd_client` CUDA calls, `ffi`.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use commd_cuda::{self as cu, sys};
 
 use crate::ffi::{self, Failure, Outcome};

@@ -733,6 +733,7 @@ pub fn range_in_bounds(off: u64, bytes: u64, len: u64) -> bool {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // tests set the environment and touch raw memory
 mod tests {
     use super::*;
     use proptest::prelude::*;

@@ -12,6 +12,8 @@
 //! This crate must not depend on the daemon or the client; it holds no policy beyond validation.
 //! Unsafe code is confined to [`ring`] (raw shared memory) and [`futex`].
 
+#![deny(unsafe_code)] // allowed only in the modules that say why
+
 pub mod check;
 pub mod desc;
 pub mod fdproto;

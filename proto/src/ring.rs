@@ -21,6 +21,8 @@
 //! it sleeps. The consumer announces, re-checks the tail, then waits on the futex word's value
 //! read before the re-check, so a wake-up can never be lost.
 
+#![allow(unsafe_code)] // the ring is raw shared memory mapped by two processes
+
 use std::fs::File;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 

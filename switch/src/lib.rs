@@ -11,6 +11,8 @@
 //!
 //! Depends on `commd-proto` (the controller's protobuf types) and `commd-host` (CPU claims).
 
+#![deny(unsafe_code)] // allowed only in the modules that say why
+
 pub mod agg;
 pub mod packet;
 pub mod server;

@@ -5,6 +5,8 @@
 //! kernel lacks either. Per packet this saves most of the kernel's work, which is what bounds a
 //! software switch and its workers (see docs/benchmarks.md, switch sessions).
 
+#![allow(unsafe_code)] // batched UDP system calls (sendmmsg/recvmmsg, GSO/GRO) on raw buffers
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

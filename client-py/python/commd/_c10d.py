@@ -10,11 +10,12 @@ in Python (see commd.torch)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from . import _settings
 
 _SOURCE = Path(__file__).with_name("_c10d.cpp")
 _loaded: ModuleType | None = None
@@ -34,7 +35,7 @@ def load(quiet: bool = False) -> ModuleType | None:
     global _loaded, _why_not
     if _loaded is not None or _why_not is not None:
         return _loaded
-    if os.environ.get("COMMD_TORCH_EXT", "1").strip().lower() in ("0", "off", "false", "no"):
+    if not _settings.flag("COMMD_TORCH_EXT", True):
         _why_not = "switched off by COMMD_TORCH_EXT=0"
         return None
     try:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _native
+from . import _native, _settings
 
 __all__ = [
     "Client",
@@ -167,28 +167,6 @@ _blocks_in_use = False
 _blocks_min_bytes = 1 << 20
 
 
-def _env_flag(name: str, default: bool) -> bool:
-    v = os.environ.get(name, "").strip().lower()
-    if not v:
-        return default
-    return v not in ("0", "off", "false", "no")
-
-
-def _size_env(name: str, default: int) -> int:
-    """A byte count from the environment: an integer with an optional K, M or G (binary)."""
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return default
-    mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(v[-1].lower(), 1)
-    try:
-        n = int(v[:-1] if mult != 1 else v) * mult
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not a byte count (e.g. 1048576, 512K, 1M)") from None
-    if n < 0:
-        raise ValueError(f"{name}={v!r} is negative")
-    return n
-
-
 def use_numpy_allocator(min_bytes: int | None = None) -> bool:
     """Makes commd's allocator numpy's data allocator (NEP 49) for arrays of at least
     ``min_bytes`` (default ``COMMD_CPU_ALLOC_MIN``, else 1 MiB) made from now on in this thread
@@ -199,7 +177,7 @@ def use_numpy_allocator(min_bytes: int | None = None) -> bool:
     import ctypes
 
     if min_bytes is None:
-        min_bytes = _size_env("COMMD_CPU_ALLOC_MIN", 1 << 20)
+        min_bytes = _settings.size("COMMD_CPU_ALLOC_MIN", 1 << 20)
     min_bytes = max(int(min_bytes), 1)
     try:
         try:
@@ -512,7 +490,7 @@ def connect(socket: str | None = None, name: str | None = None) -> Client:
     with _default_lock:
         if _default is None or (socket is not None and socket != _default.socket):
             _default = Client(socket, name)
-            if _env_flag("COMMD_CPU_ALLOC", True):
+            if _settings.flag("COMMD_CPU_ALLOC", True):
                 use_numpy_allocator()
         return _default
 

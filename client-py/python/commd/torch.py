@@ -43,7 +43,7 @@ from torch._C._distributed_c10d import ReduceOp
 from torch._C._distributed_c10d import Work as _Work
 from torch.futures import Future
 
-from . import _core, _native
+from . import _core, _native, _settings
 from ._core import Handle
 from ._torch_cuda import _COMPLEX, _REAL, CudaOps, check_overlap
 from ._torch_work import (_CommdWork, _DoneWork, WaitTimeoutError, _dist_error, _flat_tensors,
@@ -86,12 +86,12 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 
 def _debug_level() -> int:
     """COMMD_DEBUG in the job (as NCCL_DEBUG): 0 quiet, 1 WARN, 2 INFO and above."""
-    v = os.environ.get("COMMD_DEBUG", "").strip().upper()
+    v = _settings.get("COMMD_DEBUG").upper()
     return {"WARN": 1, "WARNING": 1, "ERROR": 1, "INFO": 2, "DEBUG": 2, "TRACE": 2}.get(v, 0)
 
 
 def _debug_subsys_init() -> bool:
-    v = os.environ.get("COMMD_DEBUG_SUBSYS", "").strip().upper()
+    v = _settings.get("COMMD_DEBUG_SUBSYS").upper()
     if not v or v == "ALL":
         return True
     names = {s.strip() for s in v.lstrip("^").split(",")}
@@ -328,10 +328,10 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         # daemon's `switch` setting) for the inter-node step of all-reduce, and
         # COMMD_COMM_PACING_GBPS, the cap on the daemon's GPU copies (unset: the daemon's
         # `gpu_pacing_gbps`; 0: uncapped).
-        pacing = o.pacing_gbps if o.pacing_gbps is not None else _env_gbps("COMMD_COMM_PACING_GBPS")
+        pacing = o.pacing_gbps if o.pacing_gbps is not None else _settings.gbps("COMMD_COMM_PACING_GBPS")
         self.comm = self.client.communicator(
             uid, rank, size, op_timeout=op_secs, join_timeout=secs,
-            switch=o.switch or os.environ.get("COMMD_COMM_SWITCH") or None, pacing_gbps=pacing)
+            switch=o.switch or _settings.get("COMMD_COMM_SWITCH") or None, pacing_gbps=pacing)
         self._cuda: CudaOps | None = None
         self._children: dict[tuple[str, tuple[int, ...]], CommdBackend] = {}
         _debug_init(self, group_name)
@@ -950,17 +950,6 @@ def _split_rows(a: np.ndarray, splits: list[int], n: int, side: str,
     return out
 
 
-def _env_gbps(name: str) -> float | None:
-    """A GB/s value from the environment variable ``name`` (unset or empty: None)."""
-    v = os.environ.get(name, "").strip()
-    if not v:
-        return None
-    try:
-        return float(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r}: expected a number of GB/s (0: uncapped)") from None
-
-
 def set_pacing(gbps: float | None, group: Any = None) -> None:
     """Caps the bandwidth of the commd daemon's GPU copies for the process group ``group``
     (default: the default group) at ``gbps`` GB/s (1e9 bytes/s); None or 0: uncapped; otherwise
@@ -1135,7 +1124,7 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
     shell = _shell()
     if shell is None:
         return b
-    if _core._env_flag("COMMD_CPU_ALLOC", True):
+    if _settings.flag("COMMD_CPU_ALLOC", True):
         use_cpu_allocator()
     b._shell = True
     return shell.wrap(b, opts.group_rank, opts.group_size, b._timeout_s or 0.0)
@@ -1157,7 +1146,7 @@ def use_cpu_allocator(min_bytes: int | None = None) -> bool:
     shell, or another CPU allocator installed at a higher priority), with the reason on stderr
     once."""
     if min_bytes is None:
-        min_bytes = _core._size_env("COMMD_CPU_ALLOC_MIN", 1 << 20)
+        min_bytes = _settings.size("COMMD_CPU_ALLOC_MIN", 1 << 20)
     min_bytes = max(int(min_bytes), 1)
     from . import _c10d
     mod = _c10d.load(quiet=True)

@@ -56,8 +56,10 @@ fn parse_max(v: Option<&str>) -> std::result::Result<u64, String> {
 fn settings() -> &'static std::result::Result<(Algo, u64), String> {
     static S: OnceLock<std::result::Result<(Algo, u64), String>> = OnceLock::new();
     S.get_or_init(|| {
-        let algo = parse_algo(std::env::var("COMMD_ALLREDUCE_ALGO").ok().as_deref())?;
-        let max = parse_max(std::env::var("COMMD_ONESHOT_MAX_BYTES").ok().as_deref())?;
+        let algo =
+            parse_algo(commd_settings::get(&commd_settings::keys::ALLREDUCE_ALGO).as_deref())?;
+        let max =
+            parse_max(commd_settings::get(&commd_settings::keys::ONESHOT_MAX_BYTES).as_deref())?;
         Ok((algo, max))
     })
 }
@@ -128,8 +130,8 @@ pub fn fused() -> Result<Fused> {
     static S: OnceLock<std::result::Result<Fused, String>> = OnceLock::new();
     S.get_or_init(|| {
         parse_fused(
-            std::env::var("COMMD_GPU_FUSED_ROUNDS").ok().as_deref(),
-            std::env::var("COMMD_GPU_FUSED_BLOCKS").ok().as_deref(),
+            commd_settings::get(&commd_settings::keys::GPU_FUSED_ROUNDS).as_deref(),
+            commd_settings::get(&commd_settings::keys::GPU_FUSED_BLOCKS).as_deref(),
         )
     })
     .clone()

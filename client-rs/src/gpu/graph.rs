@@ -8,6 +8,8 @@
 //! kernels between them, and a final `done = 0`. No CPU work per replay: the daemon notices
 //! each replay from the ready words alone.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 

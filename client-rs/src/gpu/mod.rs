@@ -2,6 +2,8 @@
 //! doorbell protocol on the caller's stream (DESIGN.md contract 4), and reduction kernels
 //! launched in the caller's context between doorbells.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 pub mod algo;
 pub(crate) use commd_cuda as cu;
 pub(crate) mod direct;

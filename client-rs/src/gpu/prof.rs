@@ -52,10 +52,12 @@ fn parse(v: Option<&str>) -> Result<u64, String> {
 fn every() -> u64 {
     static N: OnceLock<u64> = OnceLock::new();
     *N.get_or_init(|| {
-        parse(std::env::var("COMMD_EAGER_PROFILE").ok().as_deref()).unwrap_or_else(|e| {
-            eprintln!("commd: {e}");
-            0
-        })
+        parse(commd_settings::get(&commd_settings::keys::EAGER_PROFILE).as_deref()).unwrap_or_else(
+            |e| {
+                eprintln!("commd: {e}");
+                0
+            },
+        )
     })
 }
 

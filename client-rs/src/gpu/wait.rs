@@ -25,6 +25,8 @@
 //! compiles it once per context. A context where the module does not load (a GPU older than
 //! sm_70) uses the memory op, with one warning.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::{Mutex, OnceLock};
@@ -89,8 +91,12 @@ impl WaitMode {
     /// every GPU op rather than a silent default).
     pub fn current() -> Result<Self, String> {
         static MODE: OnceLock<Result<WaitMode, String>> = OnceLock::new();
-        MODE.get_or_init(|| WaitMode::parse(&std::env::var("COMMD_GPU_WAIT").unwrap_or_default()))
-            .clone()
+        MODE.get_or_init(|| {
+            WaitMode::parse(
+                &commd_settings::get(&commd_settings::keys::GPU_WAIT).unwrap_or_default(),
+            )
+        })
+        .clone()
     }
 }
 

@@ -9,7 +9,7 @@ use commd_proto::desc::{ALL_DTYPES, ALL_REDOPS};
 use half::{bf16, f16};
 
 fn env_is_1(name: &str) -> bool {
-    std::env::var(name).as_deref() == Ok("1")
+    commd_settings::by_name(name).as_deref() == Some("1")
 }
 
 fn valid_pairs() -> Vec<(DType, RedOp)> {

@@ -125,8 +125,8 @@ pub struct Inputs {
 
 impl Inputs {
     pub fn from_process(config_file: Option<PathBuf>, flags: Vec<(String, String)>) -> Self {
-        let env = std::env::vars()
-            .filter(|(k, _)| k.starts_with("COMMD_"))
+        let env = commd_settings::vars_with_prefix("COMMD_")
+            .into_iter()
             .collect();
         Self {
             config_file,
@@ -262,6 +262,7 @@ fn gbps_to_rate(gbps: f64) -> Result<Option<u64>, String> {
 }
 
 /// The host's physical memory in bytes (u64::MAX when it cannot be read).
+#[allow(unsafe_code)] // sysconf(3)
 fn physical_memory() -> u64 {
     // SAFETY: sysconf only reads system constants.
     let (pages, size) = unsafe {
@@ -494,7 +495,10 @@ mod tests {
     #[test]
     fn documented_subsystems_are_the_real_ones() {
         let docs = [
-            ("docs/features.md", include_str!("../../../docs/features.md")),
+            (
+                "docs/features.md",
+                include_str!("../../../docs/features.md"),
+            ),
             (
                 "docs/observability.md",
                 include_str!("../../../docs/observability.md"),

@@ -8,6 +8,8 @@
 //! May use: `plan`, `doorbell` (bells; the ops it completes through `Done`), `mem`,
 //! `topology`'s streams, `graphs`, `pacing`, `fanout`, `telemetry` (op spans).
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use super::*;
 
 /// A matched GPU op, ready for the executor.

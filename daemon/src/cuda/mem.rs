@@ -4,6 +4,8 @@
 //!
 //! May use: the driver (`cu`), `Cuda`'s GPUs.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use super::*;
 
 impl Cuda {

@@ -17,6 +17,8 @@
 //! words, done published contiguously), `executor` (the `commd-gpu` thread). This file: the
 //! `Cuda` state, initialization, events and the host-pinned copies.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

@@ -30,14 +30,14 @@ pub const CHAIN_MIN_BYTES: u64 = 32 << 20;
 fn chain_for(gpus: &[usize]) -> bool {
     static MODE: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
     let mode = *MODE.get_or_init(|| {
-        match std::env::var("COMMD_GPU_BCAST_CHAIN")
+        match commd_settings::get(&commd_settings::keys::GPU_BCAST_CHAIN)
             .as_deref()
             .map(str::trim)
         {
-            Ok("0") => 0,
-            Ok("all") => 2,
-            Ok("1") | Ok("") | Err(_) => 1,
-            Ok(v) => {
+            Some("0") => 0,
+            Some("all") => 2,
+            Some("1") | Some("") | None => 1,
+            Some(v) => {
                 tracing::warn!(target: "commd::cuda", "COMMD_GPU_BCAST_CHAIN={v:?} is not 0, 1 or all; using 1 (a chain when every rank has its own GPU)");
                 1
             }

@@ -3,6 +3,8 @@
 //!
 //! May use: the driver (`cu`), the `Cuda` state it fills in.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use super::*;
 
 impl Cuda {
@@ -135,7 +137,8 @@ impl Cuda {
             }
         }
         // COMMD_GPU_ISSUE_THREADS=0: the executor issues every copy itself (for measurements).
-        let threads = std::env::var("COMMD_GPU_ISSUE_THREADS").map_or(true, |v| v != "0");
+        let threads =
+            commd_settings::get(&commd_settings::keys::GPU_ISSUE_THREADS).is_none_or(|v| v != "0");
         let issuers = if gpus.len() > 1 && threads {
             match crate::fanout::Fanout::new(gpus.len() - 1, "commd-gpu-issue") {
                 Ok(f) => Some(f),

@@ -16,6 +16,8 @@
 //! Data-movement collectives (all-gather, all-to-all, broadcast, reduce-scatter) send each block
 //! once to each node that needs it; broadcast of large messages is a pipelined chain.
 
+#![allow(unsafe_code)] // host-staged GPU memory and registered buffers moved by the network thread
+
 mod moves;
 
 use std::time::Instant;

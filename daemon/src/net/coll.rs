@@ -3,6 +3,8 @@
 //!
 //! May use: what `thread` may.
 
+#![allow(unsafe_code)] // host-staged GPU memory and registered buffers moved by the network thread
+
 use super::*;
 
 impl Thread {

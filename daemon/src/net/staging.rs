@@ -8,6 +8,8 @@
 //! Buffers come from a per-communicator pool of pinned regions that is kept across ops: pinning
 //! (`cuMemHostRegister`) costs about a millisecond per 100 MiB, far more than an op.
 
+#![allow(unsafe_code)] // host-staged GPU memory and registered buffers moved by the network thread
+
 use std::sync::Arc;
 
 use crate::cuda::Cuda;

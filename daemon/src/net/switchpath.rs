@@ -3,6 +3,8 @@
 //! wire keeps heartbeating), and agreement on the outcome, so that either every node uses the
 //! switch or every node logs the same reason and uses TCP.
 
+#![allow(unsafe_code)] // host-staged GPU memory and registered buffers moved by the network thread
+
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};

@@ -9,6 +9,8 @@
 //!
 //! The frame (a 64-byte header, then the payload) is [`frame`]'s.
 
+#![allow(unsafe_code)] // host-staged GPU memory and registered buffers moved by the network thread
+
 use std::collections::{HashMap, VecDeque};
 use std::io::{ErrorKind, IoSlice};
 use std::os::fd::OwnedFd;

@@ -262,8 +262,8 @@ mod perf {
         };
         let sw = server::start(&a, &rt).unwrap();
         let n = 4u32;
-        let window: usize = std::env::var("W")
-            .ok()
+        let window: usize = commd_settings::system("W")
+            .and_then(|v| v.into_string().ok())
             .and_then(|v| v.parse().ok())
             .unwrap_or(128);
         let bytes = 4usize << 20;

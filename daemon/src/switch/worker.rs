@@ -15,6 +15,8 @@
 //! |x| >= 2^126 makes every worker see [`EXP_UNREPRESENTABLE`]; the op then reports
 //! [`Outcome::Unrepresentable`] on every worker alike, and the caller redoes it over TCP.
 
+#![allow(unsafe_code)] // host-staged GPU memory and registered buffers moved by the network thread
+
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

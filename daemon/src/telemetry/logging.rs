@@ -43,7 +43,7 @@ pub fn init(cfg: &Config, serving: bool) {
     let json = cfg.telemetry.log_json;
     let ansi = colour(
         std::io::IsTerminal::is_terminal(&std::io::stderr()),
-        std::env::var_os("NO_COLOR").as_deref(),
+        commd_settings::system("NO_COLOR").as_deref(),
     );
     let text_layer = (!json).then(|| {
         tracing_subscriber::fmt::layer()

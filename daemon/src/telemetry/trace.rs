@@ -44,7 +44,7 @@ where
         KeyValue::new("process.pid", i64::from(std::process::id())),
         KeyValue::new("host.name", hostname()),
     ]);
-    if std::env::var_os("OTEL_SERVICE_NAME").is_none() {
+    if commd_settings::system("OTEL_SERVICE_NAME").is_none() {
         resource = resource.with_service_name("commd");
     }
     let provider = SdkTracerProvider::builder()

@@ -6,6 +6,8 @@
 //!
 //! May use: `comm`, `host`, `ffi`, `commd_client` GPU flushes.
 
+#![allow(unsafe_code)] // the C ABI: raw pointers from C callers
+
 use std::cell::RefCell;
 use std::sync::Arc;
 

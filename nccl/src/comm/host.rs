@@ -7,6 +7,8 @@
 //!
 //! May use: `commd_client` buffers and host ops, `ffi`.
 
+#![allow(unsafe_code)] // the C ABI: raw pointers from C callers
+
 use commd_client::desc::{DType, OpKind, RedOp};
 use commd_client::{Buffer, OpArgs, Request};
 

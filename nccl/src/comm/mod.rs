@@ -11,6 +11,8 @@
 //! May use: `commd_client` (sessions, communicators, GPU ops), `ffi`, `log`, `premul`,
 //! `staging`.
 
+#![allow(unsafe_code)] // the C ABI: raw pointers from C callers
+
 pub(crate) mod group;
 mod host;
 

@@ -19,7 +19,7 @@ torch nor vLLM.
 
 from __future__ import annotations
 
-import os
+from .. import _settings
 
 ENV = "COMMD_VLLM"
 PLATFORM = "commd.vllm.platform.CommdCudaPlatform"
@@ -30,12 +30,12 @@ _OFF = ("", "0", "off", "false", "no")
 
 def enabled() -> bool:
     """Whether ``COMMD_VLLM`` asks for the commd platform (ValueError for an unknown value)."""
-    v = os.environ.get(ENV, "").strip().lower()
+    v = _settings.get(ENV).lower()
     if v in _ON:
         return True
     if v in _OFF:
         return False
-    raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: expected 1 (use commd for vLLM's "
+    raise ValueError(f"{ENV}={_settings.raw(ENV)!r}: expected 1 (use commd for vLLM's "
                      "collectives) or 0 (vLLM's own)")
 
 

@@ -189,7 +189,7 @@ pub(crate) fn split_max() -> Result<u64> {
 /// A direct path's byte setting: `default` when unset or empty, else an integer from `lo` to
 /// `hi`, or the error naming the setting and its value ([`env_int`]).
 pub(super) struct Setting {
-    pub(super) name: &'static str,
+    pub(super) key: &'static commd_settings::Key,
     pub(super) lo: u64,
     pub(super) hi: u64,
     pub(super) default: u64,
@@ -200,47 +200,47 @@ pub(super) type SettingCell = std::sync::OnceLock<std::result::Result<u64, Strin
 
 impl Setting {
     pub(super) fn parse(&self, v: Option<&str>) -> std::result::Result<u64, String> {
-        Ok(env_int(self.name, v, self.lo, self.hi)?.unwrap_or(self.default))
+        Ok(env_int(self.key.name, v, self.lo, self.hi)?.unwrap_or(self.default))
     }
 
     /// The process's value, read from the environment once into `cell`.
     pub(super) fn once(&self, cell: &'static SettingCell) -> Result<u64> {
-        cell.get_or_init(|| self.parse(std::env::var(self.name).ok().as_deref()))
+        cell.get_or_init(|| self.parse(commd_settings::get(self.key).as_deref()))
             .clone()
             .map_err(Error::InvalidArgument)
     }
 }
 
 pub(super) const SPLIT_MAX: Setting = Setting {
-    name: "COMMD_DIRECT_SPLIT_MAX_BYTES",
+    key: &commd_settings::keys::DIRECT_SPLIT_MAX_BYTES,
     lo: 0,
     hi: 1 << 40,
     default: u64::MAX,
 };
 
 pub(super) const ONE_BLOCK_MAX: Setting = Setting {
-    name: "COMMD_DIRECT_ONE_BLOCK_MAX_BYTES",
+    key: &commd_settings::keys::DIRECT_ONE_BLOCK_MAX_BYTES,
     lo: 0,
     hi: 1 << 20,
     default: 4096,
 };
 
 pub(super) const BCAST_FORWARD_MIN: Setting = Setting {
-    name: "COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES",
+    key: &commd_settings::keys::DIRECT_BCAST_FORWARD_MIN_BYTES,
     lo: 0,
     hi: u64::MAX,
     default: 2 << 20,
 };
 
 pub(super) const DEFER_WAIT: Setting = Setting {
-    name: "COMMD_DIRECT_DEFER_WAIT",
+    key: &commd_settings::keys::DIRECT_DEFER_WAIT,
     lo: 0,
     hi: 1,
     default: 0,
 };
 
 pub(super) const LL_MAX: Setting = Setting {
-    name: "COMMD_DIRECT_LL_MAX_BYTES",
+    key: &commd_settings::keys::DIRECT_LL_MAX_BYTES,
     lo: 0,
     hi: k::LL_MAX_BYTES,
     default: k::LL_MAX_BYTES,
@@ -265,11 +265,9 @@ pub struct Config {
 impl Config {
     pub fn from_env() -> std::result::Result<Self, String> {
         Self::parse(
-            std::env::var("COMMD_GRAPH_DIRECT").ok().as_deref(),
-            std::env::var("COMMD_GRAPH_DIRECT_MAX_BYTES")
-                .ok()
-                .as_deref(),
-            std::env::var("COMMD_GRAPH_DIRECT_BLOCKS").ok().as_deref(),
+            commd_settings::get(&commd_settings::keys::GRAPH_DIRECT).as_deref(),
+            commd_settings::get(&commd_settings::keys::GRAPH_DIRECT_MAX_BYTES).as_deref(),
+            commd_settings::get(&commd_settings::keys::GRAPH_DIRECT_BLOCKS).as_deref(),
         )
     }
 

@@ -10,6 +10,8 @@
 //! op's outcome was read ([`StatusPool`]); a communicator's direct ops run in order on the GPU,
 //! so when every word is in flight, the oldest op is the first to finish.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -64,10 +66,8 @@ impl EagerConfig {
         static C: OnceLock<std::result::Result<EagerConfig, String>> = OnceLock::new();
         C.get_or_init(|| {
             Self::parse(
-                std::env::var("COMMD_EAGER_DIRECT").ok().as_deref(),
-                std::env::var("COMMD_EAGER_DIRECT_MAX_BYTES")
-                    .ok()
-                    .as_deref(),
+                commd_settings::get(&commd_settings::keys::EAGER_DIRECT).as_deref(),
+                commd_settings::get(&commd_settings::keys::EAGER_DIRECT_MAX_BYTES).as_deref(),
             )
         })
         .clone()

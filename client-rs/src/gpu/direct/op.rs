@@ -1,6 +1,8 @@
 //! A communicator's direct ops: whether an op takes the direct path, its launch, split ops
 //! past the limit, the daemon marks left for peers, and the eager op's completion.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 

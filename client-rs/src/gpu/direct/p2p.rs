@@ -11,6 +11,8 @@
 //! are counted per direction on the host; ops of a communicator run in issue order (the order
 //! point of eager ops, `CommGpu::last`).
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use std::sync::{Arc, OnceLock};
 
 use commd_proto::desc::{DType, OpKind};
@@ -85,9 +87,9 @@ impl P2pConfig {
         static C: OnceLock<std::result::Result<P2pConfig, String>> = OnceLock::new();
         C.get_or_init(|| {
             Self::parse(
-                std::env::var("COMMD_P2P_DIRECT").ok().as_deref(),
-                std::env::var("COMMD_P2P_DIRECT_MAX_BYTES").ok().as_deref(),
-                std::env::var("COMMD_P2P_LL_MAX_BYTES").ok().as_deref(),
+                commd_settings::get(&commd_settings::keys::P2P_DIRECT).as_deref(),
+                commd_settings::get(&commd_settings::keys::P2P_DIRECT_MAX_BYTES).as_deref(),
+                commd_settings::get(&commd_settings::keys::P2P_LL_MAX_BYTES).as_deref(),
             )
         })
         .clone()

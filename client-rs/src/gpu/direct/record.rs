@@ -1,6 +1,8 @@
 //! The failure records of direct ops: read from the record page, watched by the watchdog, and
 //! turned into the op's error (with the daemon's reason for a broken communicator).
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::signature::{Record, explain};

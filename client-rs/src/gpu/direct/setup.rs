@@ -1,6 +1,8 @@
 //! Setting up a communicator's direct windows: allocation, the IPC handle exchange through host
 //! all-gathers, opening the peers' windows, and the record page.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use std::sync::Arc;
 
 use commd_proto::desc::{DType, doorbell};

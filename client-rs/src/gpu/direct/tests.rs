@@ -902,7 +902,7 @@ fn small_op_settings_take_their_range_and_refuse_the_rest() {
         (&ONE_BLOCK_MAX, "4k"),
     ] {
         let e = set.parse(Some(bad)).unwrap_err();
-        assert!(e.contains(set.name) && e.contains(bad), "{e}");
+        assert!(e.contains(set.key.name) && e.contains(bad), "{e}");
     }
 }
 

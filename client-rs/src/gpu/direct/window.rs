@@ -2,6 +2,8 @@
 //! or a peer's window opened from its offer. Shared by the collectives' windows and the
 //! send/recv channels.
 
+#![allow(unsafe_code)] // CUDA driver calls and device memory
+
 use crate::gpu::cu::{self, ck, sys};
 
 /// A window of `bytes` on the current context's device, its first `zero` bytes zeroed, and its

@@ -2,6 +2,8 @@
 //! once to each node that needs it; broadcast of large messages is a pipelined chain. The
 //! reductions, the topology and the I/O helpers are the parent module's.
 
+#![allow(unsafe_code)] // host-staged GPU memory and registered buffers moved by the network thread
+
 use super::*;
 
 pub(super) fn all_gather(io: &mut Io<'_>, c: &Coll) -> Result<(), NetError> {

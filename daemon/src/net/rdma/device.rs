@@ -7,6 +7,8 @@
 //! talks to libibverbs through `sideway` (loaded at run time: [`libibverbs_loadable`] explains a
 //! host without rdma-core).
 
+#![allow(unsafe_code)] // verbs calls and memory registered with the NIC
+
 use std::net::{IpAddr, Ipv6Addr};
 
 pub use crate::config::GidChoice;

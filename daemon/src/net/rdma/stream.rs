@@ -16,6 +16,8 @@
 //! when the peer died, a flushed QP, ...) makes every later `read`/`write` of the stream fail
 //! with the status text, which the wire reports as a lost node.
 
+#![allow(unsafe_code)] // verbs calls and memory registered with the NIC
+
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
