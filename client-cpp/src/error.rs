@@ -4,19 +4,10 @@
 
 #![allow(unsafe_code)] // the C ABI: raw pointers from C callers
 
-use std::cell::RefCell;
-use std::ffi::CString;
-use std::os::raw::c_char;
-use std::panic::{AssertUnwindSafe, catch_unwind};
-
 use commd_client::{Error, OpErrorKind};
 
 use crate::types::commd_status_t;
 use crate::types::commd_status_t::*;
-
-thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-}
 
 /// A failed call: its status and the message for `commd_last_error`.
 #[derive(Debug)]
@@ -85,48 +76,24 @@ pub(crate) fn classify(e: &Error) -> commd_status_t {
     }
 }
 
-pub(crate) fn set_last_error(message: &str) {
-    // A C string cannot hold NUL bytes; none are expected, but never lose the message.
-    let c = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    // try_with: during thread teardown (e.g. a C++ thread_local destructor calling commd) the
-    // slot may be gone; the status code still reports the failure.
-    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
-}
-
-/// The message of the last failure on this thread (a pointer valid until the next failing
-/// commd call on this thread).
-pub(crate) fn last_error_ptr() -> *const c_char {
-    LAST_ERROR
-        .try_with(|l| l.borrow().as_ptr())
-        .unwrap_or(c"".as_ptr())
-}
+pub(crate) use commd_abi::last_error_ptr;
+#[cfg(test)]
+use commd_abi::set_last_error;
 
 #[cfg(test)]
 pub(crate) fn last_error_string() -> String {
-    // SAFETY: last_error_ptr points at this thread's NUL-terminated CString, which stays
-    // alive and unmodified while we copy it (no commd call runs in between).
-    unsafe { std::ffi::CStr::from_ptr(last_error_ptr()) }
-        .to_string_lossy()
-        .into_owned()
+    commd_abi::last_error()
 }
 
-/// Runs the body of the entry point `func`: maps a failure to its status and message, and a
-/// panic to COMMD_INTERNAL, so nothing unwinds into C.
+/// Runs the body of the entry point `func` under the ABIs' shared guard (`commd_abi::guard`):
+/// a failure becomes its status and message, a panic COMMD_INTERNAL, so nothing unwinds into C.
 pub(crate) fn ffi(func: &str, body: impl FnOnce() -> Outcome<commd_status_t>) -> commd_status_t {
-    match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(s)) => s,
-        Ok(Err(f)) => {
-            set_last_error(&format!("{func}: {}", f.message));
-            f.status
-        }
-        Err(payload) => {
-            set_last_error(&format!(
-                "{func}: internal error (a bug in commd, please report it): panic: {}",
-                panic_text(payload.as_ref())
-            ));
-            COMMD_INTERNAL
-        }
-    }
+    commd_abi::guard(
+        func,
+        COMMD_INTERNAL,
+        |_| {},
+        || body().map_err(|f| (f.status, f.message)),
+    )
 }
 
 /// For entry points that return no status (free/close): failures only set the message.
@@ -135,16 +102,6 @@ pub(crate) fn ffi_void(func: &str, body: impl FnOnce()) {
         body();
         Ok(COMMD_OK)
     });
-}
-
-fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
-    if let Some(s) = p.downcast_ref::<&str>() {
-        (*s).to_string()
-    } else if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "(no message)".to_string()
-    }
 }
 
 #[cfg(test)]

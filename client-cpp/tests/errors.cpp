@@ -86,7 +86,7 @@ void invalid_arguments() {
   commd::Session session;
   commd::Session other;
   expect_throw<commd::InvalidArgumentError>("alloc(0)", [&] { session.alloc(0); });
-  // Sizes the system refuses: the caller's error, naming the size (was COMMD_INTERNAL).
+  // Sizes the system refuses: the caller's error, naming the size (not COMMD_INTERNAL).
   auto huge = expect_throw<commd::InvalidArgumentError>(
       "alloc(2^63)", [&] { session.alloc(std::uint64_t{1} << 63); });
   CHECK_THAT(contains(huge.what(), "9223372036854775808 bytes"), huge.what());

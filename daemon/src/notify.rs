@@ -13,8 +13,8 @@
 //! started by systemd) makes every call a no-op; a failed send is logged and never fatal, since
 //! the daemon serves either way (systemd then reports a start timeout, which names the cause).
 //!
-//! Why not the `sd-notify` crate (checked with sd-notify 0.5.0, 2026-11-25, a probe program
-//! against a bound socket): it connects to `$NOTIFY_SOCKET` as a filesystem path, so an
+//! Why not the `sd-notify` crate (checked with sd-notify 0.5.0 and a probe program against a
+//! bound socket): it connects to `$NOTIFY_SOCKET` as a filesystem path, so an
 //! `@abstract` address (what systemd hands services in some containers and nspawn machines)
 //! fails with ENOENT and the manager never hears READY=1; it sends `STATUS=` text unchanged,
 //! so a status line with a newline ("a\nREADY=1") delivers a second assignment; and its send

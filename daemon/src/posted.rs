@@ -147,7 +147,7 @@ impl Posted {
     }
 
     /// Completes the op. A failed GPU op also releases its stream: the doorbell's error word is
-    /// set and its done counter advanced past every phase (DESIGN.md contract 5).
+    /// set and its done counter advanced past every phase (docs/contracts.md #5).
     pub(crate) fn complete(&self, comm: u32, st: u32, msg: Option<String>) {
         if st != status::OK
             && let Some(c) = self.cuda

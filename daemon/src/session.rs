@@ -43,7 +43,7 @@ pub struct Tables {
     /// GPU scratch shared by this session's communicators, by (GPU, bytes): a rank's
     /// communicators on one GPU reduce through the same scratch, one op at a time (the
     /// executor serializes the jobs that share one), instead of one allocation each
-    /// (64 communicators of 2 ranks held 8 GiB per rank before; issue 23).
+    /// (with an allocation each, 64 communicators of 2 ranks would hold 8 GiB per rank).
     pub scratch_pool: HashMap<(usize, u64), Arc<DevMem>>,
     errors: HashMap<u64, (u32, String)>,
     error_order: VecDeque<u64>,

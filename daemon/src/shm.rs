@@ -72,10 +72,10 @@ impl MemRegion {
     }
 
     /// Faults in the page tables of the pages the client already has in memory, so the first
-    /// collective does not take those faults, and nothing else. `MAP_POPULATE` used to do this
-    /// for the whole range, which allocated every hole of a sparse memfd in the daemon: one
-    /// sealed 4 GiB memfd with 40 MB resident made the daemon populate 4 GiB in 11.4 s (issue
-    /// 30 item 2). Pages the client never touched are allocated only when an op writes them.
+    /// collective does not take those faults, and nothing else. Not `MAP_POPULATE`: it does this
+    /// for the whole range, which allocates every hole of a sparse memfd in the daemon (a sealed
+    /// 4 GiB memfd with 40 MB resident would make the daemon populate all 4 GiB). Pages the
+    /// client never touched are allocated only when an op writes them.
     fn prefault_resident(&self) {
         const PAGE: usize = 4096;
         // mincore in windows of 64 MiB (16 Ki pages, one byte each).

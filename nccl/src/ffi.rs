@@ -8,9 +8,7 @@
 #![allow(unsafe_code)] // the C ABI: raw pointers from C callers
 #![allow(non_camel_case_types)]
 
-use std::cell::RefCell;
-use std::ffi::{CString, c_char, c_int};
-use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::ffi::c_int;
 
 use commd_client::desc::{DType, RedOp, status};
 use commd_client::{Error, OpErrorKind};
@@ -241,46 +239,15 @@ impl From<Error> for Failure {
     }
 }
 
-thread_local! {
-    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-}
+pub use commd_abi::{last_error_ptr, set_last_error};
 
-pub fn set_last_error(message: &str) {
-    let c = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    let _ = LAST_ERROR.try_with(|l| *l.borrow_mut() = c);
-}
-
-/// This thread's last failure text (valid until the next failing call on this thread).
-pub fn last_error_ptr() -> *const c_char {
-    LAST_ERROR
-        .try_with(|l| l.borrow().as_ptr())
-        .unwrap_or(c"".as_ptr())
-}
-
-/// Runs the body of the entry point `func`: a failure becomes its code and last-error text
-/// (and a WARN line under NCCL_DEBUG=WARN), a panic `ncclInternalError`.
+/// Runs the body of the entry point `func` under the ABIs' shared guard (`commd_abi::guard`):
+/// a failure becomes its code and last-error text (and a WARN line under NCCL_DEBUG=WARN), a
+/// panic `ncclInternalError`.
 pub fn guard(func: &str, body: impl FnOnce() -> Outcome<ncclResult_t>) -> ncclResult_t {
-    match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(r)) => r,
-        Ok(Err(f)) => {
-            let text = format!("{func}: {}", f.message);
-            crate::log::warn(&text);
-            set_last_error(&text);
-            f.code
-        }
-        Err(p) => {
-            let what = p
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| p.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "(no message)".into());
-            let text =
-                format!("{func}: internal error (a bug in commd, please report it): panic: {what}");
-            crate::log::warn(&text);
-            set_last_error(&text);
-            INTERNAL_ERROR
-        }
-    }
+    commd_abi::guard(func, INTERNAL_ERROR, crate::log::warn, || {
+        body().map_err(|f| (f.code, f.message))
+    })
 }
 
 /// Writes `v` through an out pointer the caller passed, refusing a null one.

@@ -638,7 +638,7 @@ mod tests {
         let e =
             Config::load(&inputs(None, &[("COMMD_DEBUG_SUBSYS", "INIT,BOGUS")], &[])).unwrap_err();
         assert!(e.to_string().contains("BOGUS"));
-        // The keys of the hardening review (issue 30) refuse bad values by name too.
+        // The hardening keys refuse bad values by name too.
         for (k, v) in [
             ("peer_addr_check", "maybe"),
             ("max_sessions_per_uid", "0"),

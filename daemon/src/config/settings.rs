@@ -1,6 +1,6 @@
 //! The typed values of settings that other modules own the behaviour of (observability, the
 //! switch client, the RDMA GID choice), with their parsers and checks, and the bounds config
-//! shares with them, so that config depends on no module above it (issue 21).
+//! shares with them, so that config depends on no module above it.
 //!
 //! May use: std, `http` (URL syntax).
 

@@ -1,6 +1,6 @@
-//! The daemon's side of the doorbell words (DESIGN.md contracts 4-5): a rank's `Bell` (ready
-//! seen?), done counters published contiguously per slot (a p2p group completes out of ticket
-//! order), and failures that release every phase.
+//! The daemon's side of the doorbell words (docs/contracts.md #4 and #5): a rank's `Bell`
+//! (ready seen?), done counters published contiguously per slot (a p2p group completes out of
+//! ticket order), and failures that release every phase.
 //!
 //! The session a doorbell lives in is seen through [`Client`] (implemented by
 //! `session::Session`), so this layer never names the daemon-state types above it.
@@ -151,7 +151,7 @@ pub fn advance_done(s: &dyn Client, slot: u32, value: u32) {
 }
 
 /// Fails a CUDA op's doorbell: sets the error word (first error wins) and releases every phase
-/// so the client's stream never hangs (DESIGN.md contract 5).
+/// so the client's stream never hangs (docs/contracts.md #5).
 pub fn fail_doorbell(s: &dyn Client, slot: u32, last_ticket: u32, st: u32) {
     if let Some((_, _, err)) = s.ring().doorbell(slot) {
         let _ = err.compare_exchange(0, st.max(1), Ordering::AcqRel, Ordering::Acquire);

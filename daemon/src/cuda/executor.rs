@@ -567,9 +567,9 @@ fn step(cuda: &'static Cuda, times: &mut PhaseTimes, a: &mut Active) -> (bool, b
             // phase's early ones: per source GPU one push stream, so they run in that order.
             // The phase is done when its early copies are (the inputs its round's kernels
             // read); its main copies (the previous round's pieces pushed out, which no kernel
-            // reads) trail on, and the last phase waits for all of them. Measured on 2x H100
-            // (issue 25 row 6, docs/benchmarks.md): waiting for the pushes too kept the
-            // clients' rounds kernels spinning ~200 us longer per round.
+            // reads) trail on, and the last phase waits for all of them. Waiting for the pushes
+            // too would keep the clients' rounds kernels spinning longer each round
+            // (docs/benchmarks.md row `gemm-overlap-2gpu-256M`).
             let mut events = std::mem::take(&mut a.ahead);
             let last = p + 1 == a.job.phases.len();
             let issued = (|| -> Result<Vec<(usize, sys::CUevent)>, CuError> {
@@ -708,7 +708,7 @@ fn phase_done(cuda: &Cuda, a: &mut Active) -> (bool, bool) {
     let last = a.phase + 1 == a.job.phases.len();
     for b in &a.job.bells {
         match b.graph_words() {
-            // A replay: constant values, re-armed after the last phase (contract 6).
+            // A replay: constant values, re-armed after the last phase (docs/contracts.md #6).
             Some(w) => w.phase_done(a.phase as u32, last),
             None => signal_done(b, b.ticket.wrapping_add(a.phase as u32)),
         }
@@ -744,7 +744,8 @@ fn finish(cuda: &Cuda, a: &mut Active, st: u32, msg: Option<String>) {
     }
     crate::telemetry::op_status(&a.job.span, st);
     if a.job.persistent && st != status::OK {
-        // A failed replay releases every rank's stream and sets its error words (contract 5).
+        // A failed replay releases every rank's stream and sets its error words
+        // (docs/contracts.md #5).
         let msg = msg.clone().unwrap_or_default();
         let phases = a.job.phases.len() as u32;
         for b in &a.job.bells {

@@ -1,4 +1,4 @@
-//! Persistent GPU ops: ops captured into CUDA graphs (DESIGN.md contract 6), as the executor
+//! Persistent GPU ops: ops captured into CUDA graphs (docs/contracts.md #6), as the executor
 //! (`commd-gpu`, `cuda/executor.rs`) holds them between replays.
 //!
 //! A captured op is matched across ranks once, when the clients post it during capture, and

@@ -1,15 +1,14 @@
 //! CUDA in the daemon: the node's GPUs and their peer matrix, the IPC handle cache (each client
 //! allocation is opened once per session), per-rank device scratch for GPU reductions, and the
 //! copy-engine executor (`commd-gpu`) that runs the daemon's side of the doorbell protocol
-//! (DESIGN.md contracts 3-5).
+//! (docs/contracts.md #3 to #5).
 //!
 //! Loaded at run time: on a host without libcuda or without GPUs, [`init`] returns the reason,
 //! the daemon logs it once and serves host memory only. cudarc panics when libcuda is missing,
 //! so nothing here calls the driver before `cu::driver()` succeeded.
 //!
-//! Who does what (measured on our H200s, see shared/baselines.md): the daemon only moves data,
-//! with copy-engine *pushes* (the copy is issued on a stream of the source GPU); reductions run
-//! in the client's context, between doorbells.
+//! Who does what: the daemon only moves data, with copy-engine *pushes* (the copy is issued on
+//! a stream of the source GPU); reductions run in the client's context, between doorbells.
 //!
 //! The pieces, each with its own `//!`: `topology` (probing the GPUs and the peer matrix,
 //! the `Topology` reply), `mem` (device memory: IPC handles opened once, cuMem mirrors,

@@ -248,8 +248,8 @@ impl Daemon {
             if comm.abort_rank(Some(rank), status::PEER_LOST, msg) {
                 lock(&self.comms).remove(&comm.id);
             }
-            // A direct captured op (contract 7) of a surviving rank may be waiting on the GPU
-            // for this rank's flag: the hint bit stops it.
+            // A direct captured op (docs/contracts.md #7) of a surviving rank may be waiting on
+            // the GPU for this rank's flag: the hint bit stops it.
             for r in comm.local.iter().copied().filter(|&r| r != rank) {
                 self.hint(&comm, r, commd_proto::desc::doorbell::HINT_BROKEN);
             }
@@ -314,10 +314,10 @@ impl Daemon {
         let now = Instant::now();
         let comms: Vec<Arc<Comm>> = lock(&self.comms).values().cloned().collect();
         for c in comms {
-            // Every later op of the communicator fails at once; a direct op (contract 7) of a
-            // local rank waiting on the GPU for a peer's flag stops too, instead of at its own
-            // timeout, and the clients send later ops to the daemon, which fails them with the
-            // reason. Marked before the timed-out ops complete.
+            // Every later op of the communicator fails at once; a direct op
+            // (docs/contracts.md #7) of a local rank waiting on the GPU for a peer's flag stops
+            // too, instead of at its own timeout, and the clients send later ops to the daemon,
+            // which fails them with the reason. Marked before the timed-out ops complete.
             c.check_timeout(now, || {
                 for &r in &c.local {
                     self.hint(&c, r, commd_proto::desc::doorbell::HINT_BROKEN);

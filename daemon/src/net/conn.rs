@@ -9,22 +9,20 @@
 use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 const BIND_MAGIC: u32 = u32::from_le_bytes(*b"cmBD");
 const BIND_BYTES: usize = 256;
 const MAX_NODE_ID: usize = BIND_BYTES - 26;
-const UNCLAIMED_TTL: Duration = Duration::from_secs(60);
 const MAX_UNCLAIMED: usize = 4096;
 
-type BindKey = ([u8; 16], String, u32);
+use super::binds::{BindKey, Binds};
 
 pub struct DataPlane {
     /// The advertised address peers dial.
     pub addr: SocketAddr,
-    binds: Mutex<HashMap<BindKey, (TcpStream, Instant)>>,
-    cv: Condvar,
+    binds: Binds<TcpStream>,
     idle: Mutex<HashMap<String, Vec<TcpStream>>>,
 }
 
@@ -76,8 +74,7 @@ impl DataPlane {
         let addr = SocketAddr::new(advertise, l.local_addr()?.port());
         let dp = Arc::new(Self {
             addr,
-            binds: Mutex::new(HashMap::new()),
-            cv: Condvar::new(),
+            binds: Binds::new("data connection", MAX_UNCLAIMED),
             idle: Mutex::new(HashMap::new()),
         });
         let d = dp.clone();
@@ -115,21 +112,9 @@ impl DataPlane {
                     tracing::warn!(target: "commd::net", "data connection from {peer} rejected: not a commd BIND");
                     return;
                 };
-                let mut m = lock(&self.binds);
-                let now = Instant::now();
-                m.retain(|k, (_, t)| {
-                    let keep = now.duration_since(*t) < UNCLAIMED_TTL;
-                    if !keep {
-                        tracing::warn!(target: "commd::net", "data connection from node {} dropped: no communicator with its token formed here", k.1);
-                    }
-                    keep
-                });
-                if m.len() >= MAX_UNCLAIMED {
+                if self.binds.offer(key, s).is_err() {
                     tracing::warn!(target: "commd::net", "data connection from {peer} rejected: too many unclaimed connections");
-                    return;
                 }
-                m.insert(key, (s, now));
-                self.cv.notify_all();
             });
         if let Err(e) = spawned {
             tracing::warn!(target: "commd::net", "cannot start a bind thread: {e}");
@@ -144,32 +129,11 @@ impl DataPlane {
         streams: usize,
         deadline: Instant,
     ) -> Result<Vec<TcpStream>, String> {
-        let mut out: Vec<Option<TcpStream>> = (0..streams).map(|_| None).collect();
-        let mut m = lock(&self.binds);
-        loop {
-            for (i, slot) in out.iter_mut().enumerate() {
-                if slot.is_none() {
-                    *slot = m
-                        .remove(&(*token, node.to_string(), i as u32))
-                        .map(|(s, _)| s);
-                }
-            }
-            if out.iter().all(Option::is_some) {
-                return Ok(out.into_iter().flatten().collect());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let got = out.iter().filter(|s| s.is_some()).count();
-                return Err(format!(
-                    "node {node} opened {got} of {streams} data connections to this node in time (firewall on the data port, or a wrong advertise address on that node?)"
-                ));
-            }
-            m = self
-                .cv
-                .wait_timeout(m, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+        self.binds.take(token, node, streams, deadline).map_err(|got| {
+            format!(
+                "node {node} opened {got} of {streams} data connections to this node in time (firewall on the data port, or a wrong advertise address on that node?)"
+            )
+        })
     }
 
     /// Opens (or reuses) `streams` connections to `data_addr` and binds them to `token`.

@@ -13,6 +13,7 @@
 //! receives, host-staged GPU ones) and `coll` (collectives over the wire or the switch).
 
 pub mod algo;
+mod binds;
 pub mod conn;
 pub mod link;
 pub mod peer_client;

@@ -163,11 +163,10 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
             posted[i] = done;
         }
     }
-    // The rest: those that run as direct ops first, then those of the daemon's path (each
-    // pass sends first). Every rank then issues each direction's messages of the group in the
-    // same order across the two paths, whether or not it ran some as one kernel (the signatures'
-    // daemon-path counts and the daemon marks rely on it: docs/design.md, "Send/recv as
-    // direct ops", rule 3).
+    // The rest: those that run as direct ops first, then those of the daemon's path (each pass
+    // sends first). Every rank then issues each direction's messages of the group in the same order
+    // across the two paths, whether or not it ran some as one kernel (the signatures' daemon-path
+    // counts and the daemon marks rely on it: docs/design-gpu.md, send/recv rule 3).
     let left: Vec<(Arc<Comm>, Op)> = ordered
         .into_iter()
         .zip(posted)

@@ -1,8 +1,8 @@
 //! NCCL communicators on commd communicators: the process's one daemon session, creation
 //! (blocking, non-blocking and inside groups), the handle table that turns a stale or foreign
 //! `ncclComm_t` into `ncclInvalidArgument` instead of a crash, asynchronous errors, split, and
-//! the dispatch of each op to the GPU path (stream-ordered, DESIGN.md contracts 4 and 6) or the
-//! host path (`host`, a commd extension).
+//! the dispatch of each op to the GPU path (stream-ordered, docs/contracts.md #4 and #6) or
+//! the host path (`host`, a commd extension).
 //!
 //! Children: `group` (the thread's group of calls, `ncclGroupStart`/`ncclGroupEnd`, which posts
 //! the ops this module defers) and `host` (the host-memory path). They use this module's `Comm`,
@@ -760,7 +760,7 @@ impl Comm {
                 }
             )
         });
-        // A captured op (contract 6) runs at each replay; its failures come back through
+        // A captured op (docs/contracts.md #6) runs at each replay; its failures come back through
         // the error word and the graph check, not through this request.
         if !posted.captured {
             self.track(posted.request);

@@ -18,9 +18,8 @@ pub mod affinity;
 pub mod device;
 pub mod stream;
 
-use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
@@ -30,7 +29,8 @@ use sideway::ibverbs::protection_domain::ProtectionDomain;
 pub use device::GidChoice;
 use stream::{Endpoint, Pending, RdmaStream, Role, Shared, Staging};
 
-const UNCLAIMED_TTL: Duration = Duration::from_secs(60);
+use super::binds::Binds;
+
 /// Unclaimed incoming queue pairs (each holds a registered ring): bounds what an unauthenticated
 /// caller of `Peer.RdmaConnect` can pin (use `peer_tls_*` to authenticate peers).
 const MAX_UNCLAIMED: usize = 64;
@@ -145,15 +145,12 @@ impl Nic {
     }
 }
 
-type BindKey = ([u8; 16], String, u32);
-
 /// The daemon's RDMA state: usable device ports and the queue pairs peers opened to us that no
 /// communicator has claimed yet.
 pub struct RdmaCtx {
     pub nics: Vec<Arc<Nic>>,
     pub qps_per_peer: usize,
-    binds: Mutex<HashMap<BindKey, (RdmaStream, Instant)>>,
-    cv: Condvar,
+    binds: Binds<RdmaStream>,
     /// One line for logs and the join request: devices, GIDs, MTUs.
     pub desc: String,
     gpu_text: std::sync::OnceLock<String>,
@@ -269,8 +266,7 @@ impl RdmaCtx {
         Ok(Arc::new(Self {
             nics,
             qps_per_peer: s.qps_per_peer.max(1),
-            binds: Mutex::new(HashMap::new()),
-            cv: Condvar::new(),
+            binds: Binds::new("RDMA stream", MAX_UNCLAIMED),
             desc: descs.join("; "),
             gpu_text: std::sync::OnceLock::new(),
         }))
@@ -297,20 +293,9 @@ impl RdmaCtx {
         let p = Pending::new(self.nic_for(i), Role::Recv, format!("from {node} #{i}"))?;
         let local = p.local.clone();
         let s = p.connect(remote)?;
-        let mut m = lock(&self.binds);
-        let now = Instant::now();
-        m.retain(|k, (_, t)| {
-            let keep = now.duration_since(*t) < UNCLAIMED_TTL;
-            if !keep {
-                tracing::warn!(target: "commd::net", "RDMA stream from node {} dropped: no communicator with its token formed here", k.1);
-            }
-            keep
-        });
-        if m.len() >= MAX_UNCLAIMED {
-            return Err("too many unclaimed RDMA connections".into());
-        }
-        m.insert((token, node.to_string(), i), (s, now));
-        self.cv.notify_all();
+        self.binds
+            .offer((token, node.to_string(), i), s)
+            .map_err(|_| "too many unclaimed RDMA connections".to_string())?;
         Ok(local)
     }
 
@@ -322,32 +307,9 @@ impl RdmaCtx {
         n: usize,
         deadline: Instant,
     ) -> Result<Vec<RdmaStream>, String> {
-        let mut out: Vec<Option<RdmaStream>> = (0..n).map(|_| None).collect();
-        let mut m = lock(&self.binds);
-        loop {
-            for (i, slot) in out.iter_mut().enumerate() {
-                if slot.is_none() {
-                    *slot = m
-                        .remove(&(*token, node.to_string(), i as u32))
-                        .map(|(s, _)| s);
-                }
-            }
-            if out.iter().all(Option::is_some) {
-                return Ok(out.into_iter().flatten().collect());
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                let got = out.iter().filter(|s| s.is_some()).count();
-                return Err(format!(
-                    "node {node} connected {got} of {n} RDMA queue pairs to this node in time"
-                ));
-            }
-            m = self
-                .cv
-                .wait_timeout(m, deadline - now)
-                .map(|(g, _)| g)
-                .unwrap_or_else(|e| e.into_inner().0);
-        }
+        self.binds.take(token, node, n, deadline).map_err(|got| {
+            format!("node {node} connected {got} of {n} RDMA queue pairs to this node in time")
+        })
     }
 
     /// The GPU memory path of this node's RDMA links and why (computed once, logged with every
