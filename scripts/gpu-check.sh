@@ -4,48 +4,49 @@
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
 # Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|all] [OUTDIR]
-# `p2p` (issue 22; run only by name): send/recv as direct ops (COMMD_P2P_DIRECT, on by default) in the NCCL
+# `p2p` (run only by name): send/recv as direct ops (COMMD_P2P_DIRECT, on by default) in the NCCL
 # library: tests/gpu/nccl_p2p.py (torch's "nccl" backend on it) and nccl-tests' sendrecv and
 # alltoall, with and without it.
-# `eager` (contract 7 rule 8; run only by name): eager direct ops' tests, and their per-op
-# latency against the daemon's path and NCCL (graph_latency.py's eager column): eager.jsonl.
-# `nccl` (issue 22; run only by name): tests/gpu/nccl.sh, the NCCL-compatible library
+# `eager` (docs/design-gpu.md, direct collectives rule 8; run only by name): eager direct ops'
+# tests, and their per-op latency against the daemon's path and NCCL (graph_latency.py's eager
+# column): eager.jsonl.
+# `nccl` (run only by name): tests/gpu/nccl.sh, the NCCL-compatible library
 # (libcommd_nccl.so, target/release or .gpu/) under NCCL's own nccl-tests (every collective,
 # -c 1; real NCCL in the same run), a torch DDP job on the "nccl" backend name preloaded with it
 # against gloo, and vLLM's pynccl calls captured into a CUDA graph: nccl*.log,
-# nccltests-summary.txt, ddp-*.json, nccl.jsonl. NCCL_PARTS=vstorch (run only by name) is issue
-# 22's performance goal: nccl-tests through the library against commd's torch backend measured
+# nccltests-summary.txt, ddp-*.json, nccl.jsonl. NCCL_PARTS=vstorch (run only by name) is the
+# performance goal: nccl-tests through the library against commd's torch backend measured
 # the same way, size by size, 8 B .. 1 GiB: vs-*.log, vs-torch-*.jsonl, nccl-vs-torch.md.
-# `deepspeed` (issues 25/26; run only by name): DeepSpeed's own ZeRO-2 (and ZeRO-3) training
+# `deepspeed` (run only by name): DeepSpeed's own ZeRO-2 (and ZeRO-3) training
 # step, tests/deepspeed_worker.py --cuda (a 3-layer MLP of hidden $DS_HIDDEN, default 4096:
 # 16.9M parameters), one rank per GPU, through NCCL and through commd ("commd" backend name),
 # alternated over $DS_ROUNDS rounds (default 2); losses and final parameters compared with NCCL's
 # and step times side by side (tests/gpu/deepspeed_compare.py): deepspeed-*.log, deepspeed.jsonl.
 # DeepSpeed and its needs come from wheels in .whl/ when the machine has no DeepSpeed.
-# `dinov2` (issues 25/26; run only by name): dinov2's own training code (tests/gpu/dinov2_accept.py:
+# `dinov2` (run only by name): dinov2's own training code (tests/gpu/dinov2_accept.py:
 # its setup()/enable() with "nccl" hard-coded, SSLMetaArch under its FSDP wrapping, a tiny ViT-S/16,
 # $DINOV2_STEPS steps, default 10) on real NCCL, on commd through libcommd_nccl.so preloaded (the
 # same "nccl" name), and on the "commd" backend name; rank 0's losses compared step by step with
 # NCCL's (4 ranks on 4+ GPUs, else 2; one GPU: 2 ranks sharing it on both commd routes, compared with each other):
 # dinov2-*.log, dinov2.jsonl. dinov2's source from $DINOV2_SRC or .gpu/dinov2-src.tar.gz and its
 # needs from .whl/ (scripts/gpu-carry prepares both).
-# `jobstart` (issue 23; run only by name): client-py/benchmarks/job_start.py, communicator
+# `jobstart` (run only by name): client-py/benchmarks/job_start.py, communicator
 # start-up time and GPU memory, commd against NCCL on all GPUs (and 2 commd ranks sharing one
 # GPU on a one-GPU machine), then 10 short jobs back to back on one daemon: jobstart.log and
 # jobstart.jsonl.
 # `graphs` (also part of `tests`): tests/gpu/graph_capture.py, every GPU op captured into CUDA
-# graphs and replayed with new data against eager results (contract 6), 2 ranks (sharing the
-# GPU on a one-GPU machine) and 4 where there are 4 GPUs; tests/gpu/graph_kill.py via kill_rank.sh (a rank killed
-# during replays; more captures than graph doorbell slots, each graph destroyed);
-# client-py/benchmarks/graph_latency.py (replay vs eager per-op latency, NCCL where there is a
-# GPU per rank: graph_latency.jsonl); with a GPU per rank, the direct captured all-reduce
-# (contract 7): the kill on that path and the suite with it off (COMMD_GRAPH_DIRECT=0);
-# tests/gpu/vllm_decode.py (vLLM's TP decode step per batch size under graphs, commd and NCCL:
-# vllm_decode.jsonl); and tests/gpu/kill_daemon.py (a daemon killed while a
-# stream waits on its doorbell: the stream is released, the next call raises).
+# graphs and replayed with new data against eager results (docs/contracts.md #6), 2 ranks
+# (sharing the GPU on a one-GPU machine) and 4 where there are 4 GPUs; tests/gpu/graph_kill.py
+# via kill_rank.sh (a rank killed during replays; more captures than graph doorbell slots, each
+# graph destroyed); client-py/benchmarks/graph_latency.py (replay vs eager per-op latency, NCCL
+# where there is a GPU per rank: graph_latency.jsonl); with a GPU per rank, the direct captured
+# all-reduce (docs/contracts.md #7): the kill on that path and the suite with it off
+# (COMMD_GRAPH_DIRECT=0); tests/gpu/vllm_decode.py (vLLM's TP decode step per batch size under
+# graphs, commd and NCCL: vllm_decode.jsonl); and tests/gpu/kill_daemon.py (a daemon killed
+# while a stream waits on its doorbell: the stream is released, the next call raises).
 # COMMD_BENCH_OPS (default "sendrecv all_gather all_reduce") picks the benchmarks of `bench`;
 # `breakdown` runs client-py/benchmarks/gpu_op_breakdown.py (per-op CPU/GPU time, cProfile).
-# `allreduce` (GPU data path II): client-py/benchmarks/gpu_vs_nccl.py for all_reduce and
+# `allreduce`: client-py/benchmarks/gpu_vs_nccl.py for all_reduce and
 # reduce_scatter, float32 and bfloat16, 8 KiB .. 1 GiB, each result checked against NCCL, on 2
 # GPUs and on 4 when there are 4 (~2-3 min on 4x H200): allreduce-N-gpus.log and
 # allreduce.jsonl. COMMD_ALLREDUCE_ALGO=oneshot|rsag in the environment forces commd's
@@ -123,8 +124,11 @@ rc=0
 # GPU_CHECK_RUN_LIMIT: seconds one command of `run` may take (default 900; a hang ends there).
 run_limit=${GPU_CHECK_RUN_LIMIT:-900}
 run_timeout=$run_limit
+# GPU_CHECK_ONLY="name1 name2": run only those of the mode's commands (names as printed after
+# "== "), e.g. to re-run failures within one device call.
 run() { # name, command...
   local name=$1; shift
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then return 0; fi
   echo "== $name"
   if ! timeout "$run_timeout" "$@" 2>&1 | tee "$out/$name.log"; then rc=1; echo "FAILED: $name"; fi
 }
@@ -137,15 +141,16 @@ timed() { # seconds, name, command...: `run` under that time limit, then the tim
 }
 # (not a shell function: `timeout` runs programs)
 tr=(python3 -m torch.distributed.run --standalone --nproc_per_node)
-# Eager collectives as direct ops (contract 7 rule 8; on by default): every op, dtype and size
-# against references, two streams, a mismatch; a killed rank on that path; the suite with it off
-# (small eager ops through the daemon); ranks sharing a GPU keep the daemon's path under auto
-# and take the protocol under shared (3 ranks on 2 GPUs where there are 2).
+# Eager collectives as direct ops (docs/design-gpu.md, direct collectives rule 8; on by
+# default): every op, dtype and size against references, two streams, a mismatch; a killed rank
+# on that path; the suite with it off (small eager ops through the daemon); ranks sharing a GPU
+# keep the daemon's path under auto and take the protocol under shared (3 ranks on 2 GPUs where
+# there are 2).
 eager_tests() {
   if [ "$ngpu" -ge 2 ]; then
     COMMD_EAGER_DIRECT=auto run "eager-direct-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
     # Ops of at most 4 KiB on one block and by LL lines (the defaults) above; here on the half
-    # grid by flags, as every op was before 2026-11-28.
+    # grid by flags.
     COMMD_EAGER_DIRECT=auto COMMD_DIRECT_ONE_BLOCK_MAX_BYTES=0 COMMD_DIRECT_LL_MAX_BYTES=0 \
       run "eager-direct-flags-2-gpus" "${tr[@]}" 2 tests/gpu/eager_direct.py
     COMMD_DIRECT_ONE_BLOCK_MAX_BYTES=0 COMMD_DIRECT_LL_MAX_BYTES=0 \
@@ -199,14 +204,14 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   [ "$ngpu" -ge 2 ] && MS_BACKEND=nccl run "multi-stream-nccl-2-gpus" "${tr[@]}" 2 tests/gpu/multi_stream.py
 fi
 if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
-  # Contract 6: GPU ops captured into CUDA graphs run on every replay (every op and dtype,
-  # data changed between replays, against eager results; mismatch), a rank killed during
-  # replays, graphs destroyed (their slots come back); replay vs eager latency.
+  # Contract 6 (docs/contracts.md): GPU ops captured into CUDA graphs run on every replay (every
+  # op and dtype, data changed between replays, against eager results; mismatch), a rank killed
+  # during replays, graphs destroyed (their slots come back); replay vs eager latency.
   run "graph-capture-2-ranks" "${tr[@]}" 2 tests/gpu/graph_capture.py
   [ "$ngpu" -ge 4 ] && run "graph-capture-4-ranks" "${tr[@]}" 4 tests/gpu/graph_capture.py
   run "graph-kill-2-ranks" tests/gpu/kill_rank.sh tests/gpu/graph_kill.py
-  # Contract 7 (direct captured all-reduce, a GPU per rank): the same kill on that path, and the
-  # suite with it turned off (every captured op through the daemon).
+  # Contract 7 (docs/contracts.md; direct captured all-reduce, a GPU per rank): the same kill on
+  # that path, and the suite with it turned off (every captured op through the daemon).
   if [ "$ngpu" -ge 2 ]; then
     GRAPH_KILL_ELEMS=65536 GRAPH_CAPTURES=300 run "graph-kill-direct-2-ranks" tests/gpu/kill_rank.sh tests/gpu/graph_kill.py
     COMMD_GRAPH_DIRECT=0 GRAPH_CAPTURES=300 run "graph-kill-daemon-path-2-ranks" tests/gpu/kill_rank.sh tests/gpu/graph_kill.py
@@ -237,8 +242,9 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
         --backend $b --json "$out/graph_latency.jsonl"
     done
   fi
-  # Contract 5 when the daemon itself dies: a daemon of its own, SIGKILLed while a stream waits
-  # on its doorbell; the client's watchdog releases the stream and the next call raises.
+  # Contract 5 (docs/contracts.md) when the daemon itself dies: a daemon of its own, SIGKILLed
+  # while a stream waits on its doorbell; the client's watchdog releases the stream and the next
+  # call raises.
   "$bin" serve --socket "$sockdir/kill.sock" --set metrics_listen=off >"$out/daemon-kill.log" 2>&1 &
   kpid=$!
   for _ in $(seq 100); do [ -S "$sockdir/kill.sock" ] && break; sleep 0.1; done
@@ -247,9 +253,10 @@ if [ "$what" = tests ] || [ "$what" = graphs ] || [ "$what" = all ]; then
   wait $kpid 2>/dev/null
 fi
 if [ "$what" = eager ]; then
-  # Contract 7 rule 8 (eager direct ops), run only by name: the tests of `tests` for it, then
-  # per-op eager latency (graph_latency.py's eager column) with it off, with it on, and NCCL's,
-  # on 2 GPUs (and 4 where there are 4): eager.jsonl. EAGER_LATENCY=0: the tests alone.
+  # Eager direct ops (docs/design-gpu.md, direct collectives rule 8), run only by name: the
+  # tests of `tests` for it, then per-op eager latency (graph_latency.py's eager column) with it
+  # off, with it on, and NCCL's, on 2 GPUs (and 4 where there are 4): eager.jsonl.
+  # EAGER_LATENCY=0: the tests alone.
   eager_tests
   [ "${EAGER_LATENCY:-1}" = 0 ] || for n in 2 4; do
     [ "$n" -le "$ngpu" ] || continue
@@ -499,7 +506,7 @@ fi
 if [ "$what" = interference ]; then
   # INTERFERENCE_GPUS: the GPU counts (default: all up to 4). Per count: NCCL and commd at the
   # pacing caps, then commd uncapped with one reduction launch per round
-  # (COMMD_GPU_FUSED_ROUNDS=0, the way before the rounds kernel) for comparison; then a DDP
+  # (COMMD_GPU_FUSED_ROUNDS=0, without the rounds kernel) for comparison; then a DDP
   # training step with its bucket all-reduces overlapped with the backward pass, commd against
   # NCCL (client-py/benchmarks/ddp_overlap.py: ddp_overlap.jsonl).
   for n in ${INTERFERENCE_GPUS:-$g}; do

@@ -91,9 +91,9 @@ def test_bench_speaks_nccl_tests():
 
 
 def test_bench_plain_memory_is_staged_and_checked():
-    """`--memory plain` (issue 24): each rank's data in ordinary memory, copied through staging
-    around every timed op; the check reads the result from that memory, for every op, in and
-    out of place."""
+    """`--memory plain`: each rank's data in ordinary memory, copied through staging around
+    every timed op; the check reads the result from that memory, for every op, in and out of
+    place."""
     for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "sendrecv"):
         out = commd("bench", "--op", op, "--ranks", "3", "-b", "8", "-e", "64K", "-f", "64",
                     "-n", "3", "-w", "1", "--memory", "plain", "--json")

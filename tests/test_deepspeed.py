@@ -25,9 +25,8 @@ def run(daemon, tmp_path, nproc, backend, stage, *extra):
     p = subprocess.run(cmd, env=job_env(daemon, DS_ACCELERATOR="cpu"), capture_output=True,
                        text=True, timeout=600)
     if backend == "gloo" and p.returncode != 0 and "(SIGABRT)" in p.stdout + p.stderr:
-        # The reference only, and only a crash: gloo itself once aborted a rank here
-        # ("terminate called without an active exception", 2026-11-26 CI); one more try. A
-        # commd run is never retried.
+        # The reference only, and only a crash: gloo itself can abort a rank here ("terminate
+        # called without an active exception"); one more try. A commd run is never retried.
         p = subprocess.run(cmd, env=job_env(daemon, DS_ACCELERATOR="cpu"), capture_output=True,
                            text=True, timeout=600)
     assert p.returncode == 0, f"{backend} stage {stage} failed:\n{(p.stdout + p.stderr)[-6000:]}"

@@ -160,7 +160,7 @@ def test_sigkill_of_a_rank_fails_others_within_2s_and_frees_everything(daemon):
 
 def test_sigkill_of_a_rank_marks_the_communicator_broken_for_the_survivors(daemon):
     """The daemon sets the "broken" hint of every surviving rank's doorbell slot when a rank's
-    process dies: a direct captured all-reduce (DESIGN.md contract 7) waiting on the GPU for the
+    process dies: a direct captured all-reduce (docs/contracts.md #7) waiting on the GPU for the
     dead rank's flag polls that word, so it stops instead of waiting out its timeout."""
     def steps(r):
         if r == 2:
@@ -232,7 +232,7 @@ def test_timeout_names_the_missing_rank(daemon):
 def test_an_op_timeout_marks_the_communicator_broken_for_every_rank(daemon):
     """An op that times out in the daemon breaks the communicator for good (every later op
     fails): the daemon also sets the "broken" hint of every local rank's doorbell slot, so a
-    direct op waiting on the GPU for a peer's flag (DESIGN.md contract 7) stops at once, as
+    direct op waiting on the GPU for a peer's flag (docs/contracts.md #7) stops at once, as
     after a lost rank, instead of at its own timeout. Rank 1, which never posted the op, is
     told too."""
     def steps(r):
@@ -252,12 +252,12 @@ def test_an_op_timeout_marks_the_communicator_broken_for_every_rank(daemon):
 
 
 def test_a_rank_that_fails_the_communicator_fails_every_rank_at_once(daemon):
-    """`FailCommunicator`: a rank tells the daemon of a failure the others cannot see where
-    they wait (its direct op saw a peer's daemon mark: the peer sent the same op to the
-    daemon's path, DESIGN.md contract 7 rule 8). The others' op waiting in the daemon for it
-    fails at once with its words (not at the op timeout, 60 s here), every later op of every
-    rank fails the same way, and every rank's "broken" hint is set (direct ops stop, later ops
-    go to the daemon for the reason)."""
+    """`FailCommunicator`: a rank tells the daemon of a failure the others cannot see where they
+    wait (its direct op saw a peer's daemon mark: the peer sent the same op to the daemon's
+    path, docs/design-gpu.md, direct collectives rule 8). The others' op waiting in the daemon
+    for it fails at once with its words (not at the op timeout, 60 s here), every later op of
+    every rank fails the same way, and every rank's "broken" hint is set (direct ops stop, later
+    ops go to the daemon for the reason)."""
     why = "its direct op #3 saw rank 1's daemon mark"
 
     def steps(r):
@@ -419,9 +419,9 @@ def test_join_timeout_of_a_huge_communicator_names_ranges_not_every_rank(daemon)
 
 
 def test_a_stopped_daemon_is_reported_by_clients_within_their_limit(daemon):
-    # kill -STOP of the daemon used to block every rank silently until SIGCONT (issue 30 item
-    # 5). Clients read the ring's heartbeat word: a waiter fails with DaemonLost once it has
-    # stood still for COMMD_DAEMON_TIMEOUT_MS.
+    # kill -STOP of the daemon must not block every rank silently until SIGCONT. Clients read
+    # the ring's heartbeat word: a waiter fails with DaemonLost once it has stood still for
+    # COMMD_DAEMON_TIMEOUT_MS.
     steps = [{"op": "all_reduce", "dtype": "f32", "count": 64},
              {"sleep_ms": 1500},
              {"op": "all_reduce", "dtype": "f32", "count": 64, "expect": "error"},

@@ -1,7 +1,7 @@
-"""client-py/benchmarks/job_start.py on CPU tensors (issue 23): the start-up benchmark runs
-commd and gloo in one invocation, every job's collectives are right, and ten-style short jobs
-back to back leave the daemon at its idle level (no session, communicator or open handle left).
-Real daemons (the benchmark starts its own) and real torch processes."""
+"""client-py/benchmarks/job_start.py on CPU tensors: the start-up benchmark runs commd and gloo
+in one invocation, every job's collectives are right, and ten-style short jobs back to back
+leave the daemon at its idle level (no session, communicator or open handle left). Real daemons
+(the benchmark starts its own) and real torch processes."""
 
 import json
 import os

@@ -451,9 +451,9 @@ def test_mutual_tls_peer_service(tmp_path):
 
 @pytest.mark.parametrize("check", ["on", "off"])
 def test_a_join_announcing_another_ip_is_refused_by_the_root(tmp_path, check):
-    # A holder of a valid token could make the root's peers dial any address it announced
-    # (issue 30 item 9). Node b listens and advertises 127.0.0.9 but dials the root at
-    # 127.0.0.1 from 127.0.0.1: the root refuses it unless peer_addr_check=off.
+    # A holder of a valid token could make the root's peers dial any address it announced.
+    # Node b listens and advertises 127.0.0.9 but dials the root at 127.0.0.1 from 127.0.0.1:
+    # the root refuses it unless peer_addr_check=off.
     a = Daemon(tmp_path / "a", env={"COMMD_PEER_LISTEN": "127.0.0.1:0",
                                     "COMMD_PEER_ADDR_CHECK": check})
     (tmp_path / "a").mkdir()

@@ -254,8 +254,8 @@ def _many_unwaited(comm, c, rank, n, ops):
 def test_more_ops_waited_late_than_the_ring_holds(tmp_path):
     """Five times as many ops in flight and unwaited as the session's rings have entries: a
     completion read off the ring waits for its request without taking ring room, so posting
-    goes on (2026-11-27: a process with ring_entries unwaited ops waited in `post` forever;
-    torch's all_to_all_single on GPUs hung after about 1000 calls)."""
+    goes on (otherwise a process with ring_entries unwaited ops would wait in `post` forever,
+    which would hang torch's all_to_all_single on GPUs after about 1000 calls)."""
     from conftest import Daemon
     d = Daemon(tmp_path, "--set", "ring_entries=8").start()
     try:
@@ -475,7 +475,7 @@ def _shares(comm, c, rank, n):
 
 def test_ranks_in_one_process_are_told_so_alike(daemon):
     """The daemon tells every rank whether two ranks of the communicator are one process: the
-    client keeps such communicators' eager GPU ops off the direct path (DESIGN.md contract 7),
+    client keeps such communicators' eager GPU ops off the direct path (docs/contracts.md #7),
     whose setup would block a thread that drives several ranks."""
     import threading
 
@@ -526,9 +526,9 @@ def _eager_path(comm, c, rank, n, setting):
     ("bogus", 'daemon: COMMD_EAGER_DIRECT="bogus": expected auto/on'),
 ])
 def test_eager_direct_setting_is_said(daemon, setting, want):
-    """Eager direct ops (DESIGN.md contract 7 rule 8) are on unless turned off; on, the path is
-    decided at the first GPU op; a bad value is said with its name (and GPU ops then
-    fail with it rather than guess)."""
+    """Eager direct ops (docs/design-gpu.md, direct collectives rule 8) are on unless turned
+    off; on, the path is decided at the first GPU op; a bad value is said with its name (and
+    GPU ops then fail with it rather than guess)."""
     for got in _ok(_ranks(daemon, 2, _eager_path, setting)):
         assert got.startswith(want), got
 

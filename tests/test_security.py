@@ -1,8 +1,8 @@
 """Security: what a root daemon writes, and where, when other users plant names first.
 
-Reproduces issue 30 item 1: the root daemon opened `/dev/shm/commd-cpu-claims` following
-symlinks and truncated whatever file an unprivileged user's link named, on every root
-`commd status`. These tests run the real daemon as root with the link made by user `nobody`."""
+A root daemon that opened `/dev/shm/commd-cpu-claims` following symlinks would truncate whatever
+file an unprivileged user's link named, on every root `commd status`. These tests run the real
+daemon as root with the link made by user `nobody`."""
 
 import contextlib
 import json
@@ -136,8 +136,8 @@ def test_socket_directory_of_another_user_is_refused(tmp_path, sticky_dir):
 
 
 def test_status_shows_each_user_only_its_own_sessions(tmp_path):
-    """Local.Status listed every user's sessions, pids and job names to any user (issue 30
-    item 4). Now a user sees its own; root sees all."""
+    """Local.Status does not list every user's sessions, pids and job names to any user: a
+    user sees its own; root sees all."""
     with reachable_daemon("commd-status-") as (daemon, d, env):
         sock = str(daemon.socket)
         root_job = start_ranks(daemon, 1, [{"sleep_ms": 4000}])
@@ -161,9 +161,8 @@ def test_status_shows_each_user_only_its_own_sessions(tmp_path):
 
 
 def test_one_uid_cannot_take_every_session(tmp_path):
-    """One uid took all 4,096 sessions and locked every other user out (issue 30 item 3): now
-    each uid holds at most max_sessions_per_uid; others still get in, and `commd status` shows
-    the usage by uid."""
+    """One uid cannot take all 4,096 sessions and lock every other user out: each uid holds at
+    most max_sessions_per_uid; others still get in, and `commd status` shows the usage by uid."""
     with reachable_daemon("commd-limits-", {"COMMD_MAX_SESSIONS_PER_UID": "2"}) as (daemon, d, env):
         sock = str(daemon.socket)
         held = [subprocess.Popen([TESTCLIENT, "run", "--socket", sock, "--steps",
@@ -189,7 +188,7 @@ def test_one_uid_cannot_take_every_session(tmp_path):
 
 
 def test_unattached_fd_connections_of_one_uid_are_capped(tmp_path):
-    """Idle fd-socket connections added a daemon thread each, without limit (issue 30 item 3)."""
+    """Idle fd-socket connections, a daemon thread each, are capped per uid, not unlimited."""
     import socket as pysocket
 
     daemon = Daemon(tmp_path).start()
@@ -224,7 +223,7 @@ def test_unattached_fd_connections_of_one_uid_are_capped(tmp_path):
 
 def test_registered_memory_and_communicators_are_limited_per_uid(tmp_path):
     """Memory is charged to the uid that registers it, and one uid's communicators are
-    bounded (issue 30 items 2 and 3)."""
+    bounded."""
 
     daemon = Daemon(tmp_path, env={"COMMD_MAX_REGISTERED_BYTES_PER_UID": "1000000",
                                    "COMMD_MAX_COMMS_PER_UID": "1"}).start()

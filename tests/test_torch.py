@@ -218,7 +218,7 @@ VS = Path(__file__).resolve().parent / "gpu" / "nccl_vs_torch.py"
 
 
 def test_nccltests_harness_checks_every_op_on_the_commd_backend(daemon, tmp_path):
-    """client-py/benchmarks/nccltests_torch.py (issue 22's torch side of nccl-tests), on CPU
+    """client-py/benchmarks/nccltests_torch.py (the torch side of nccl-tests), on CPU
     tensors here: every op at every size checked against the values it computes, 3 ranks."""
     out = tmp_path / "rows.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=3",

@@ -72,7 +72,7 @@ def irecv_any_source(rank, world):
 def any_source_then_named(rank, world):
     """A receive from any source, then a receive naming rank 1, and rank 1 sends two messages:
     each receive gets one of them and the sender is named. commd keeps MPI's non-overtaking
-    order (the earlier receive takes the earlier message); gloo was seen handing the named
+    order (the earlier receive takes the earlier message); gloo can hand the named
     receive the first one, so the order is checked on commd only."""
     if rank == 0:
         first, second = torch.zeros(4), torch.zeros(4)
@@ -450,7 +450,7 @@ def timeout_error_is_torch_kind(rank, world):
             w.wait(timeout=timedelta(seconds=1))
         except Exception as e:  # noqa: BLE001
             assert isinstance(e, RuntimeError), type(e).__mro__
-            if dist.get_backend() == "commd":  # also Python's TimeoutError (issue 26)
+            if dist.get_backend() == "commd":  # also Python's TimeoutError
                 assert isinstance(e, TimeoutError), type(e).__mro__
             assert "timed out" in str(e).lower() or "timeout" in str(e).lower(), str(e)
             return

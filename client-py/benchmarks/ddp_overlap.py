@@ -7,8 +7,8 @@ A decoder-style transformer built from ``torch.nn`` (``--layers`` pre-norm
 ``TransformerEncoderLayer``s of width ``--dim``, 4x MLP, causal mask, token embedding and a tied
 output head), fp32 parameters under bf16 autocast, wrapped in
 ``torch.nn.parallel.DistributedDataParallel`` with its default gradient buckets (25 MiB), so
-bucket all-reduces run during the backward pass beside its GEMMs (issue 25 row 6: a DDP step
-with communication overlapped, no slower than on NCCL). Two replicas of the model start from
+bucket all-reduces run during the backward pass beside its GEMMs (the goal: a DDP step with
+communication overlapped, no slower than on NCCL). Two replicas of the model start from
 the same seed: one wrapped on the default ("commd") group, one on ``dist.new_group(backend=
 "nccl")``; each step feeds both the same batch (different per rank), and the steps alternate
 between the two in blocks of ``--block`` so clocks and power drift affect both alike.

@@ -93,7 +93,7 @@ for size in [parse(x) for x in a.sizes.split(",")]:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         ops()
-    # How commd ran the captured ops (contract 6 through the daemon, or 7: direct).
+    # How commd ran the captured ops (docs/contracts.md #6: through the daemon, or #7: direct).
     path = commd.torch.graph_path() if a.backend == "commd" else "-"
     eager_path = commd.torch.eager_path() if a.backend == "commd" else "-"
     for _ in range(5):

@@ -1,4 +1,4 @@
-"""What the daemon saves each job (issue 23): communicator start-up time and GPU memory, commd
+"""What the daemon saves each job: communicator start-up time and GPU memory, commd
 against NCCL (GPU) or gloo (CPU), in one invocation, on whatever GPUs the machine has.
 
     python3 client-py/benchmarks/job_start.py [--jobs 5] [--ranks N] [--comms 1,8,64]

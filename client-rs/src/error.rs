@@ -62,7 +62,7 @@ pub enum Error {
     InvalidArgument(String),
     /// The call is valid but commd cannot do it correctly in this state (e.g. a GPU op while
     /// its stream is being captured into a CUDA graph): refused rather than run wrongly
-    /// (DESIGN.md contract 6).
+    /// (docs/contracts.md #6).
     #[error("not supported: {0}")]
     Unsupported(String),
     #[error("{0}")]

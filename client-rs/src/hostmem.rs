@@ -2,11 +2,12 @@
 //!
 //! An ordinary allocation lives in the process's private pages, which the daemon cannot map, so
 //! every op on it is staged: copied into a shared buffer and back (two copies per rank and op,
-//! 2-2.6x the op itself on a 2-core host; docs/benchmarks.md). Reading the private pages from the
-//! daemon (`process_vm_readv`) measured no faster than staging. So the allocations themselves
-//! are made where the daemon can reach them: [`alloc`]/[`free`] are an allocator (torch's CPU
-//! allocator calls them for large tensors, through `commd._c10d`), and [`adopt`] gives an op on a
-//! block its registration with the daemon.
+//! which take longer than the op itself: docs/benchmarks.md row `host-allreduce-32M-plain`).
+//! Reading the private pages from the daemon (`process_vm_readv`) is no faster than staging
+//! (docs/benchmarks.md row `host-zero-copy-probe-32M`). So the allocations themselves are made
+//! where the daemon can reach them: [`alloc`]/[`free`] are an allocator (torch's CPU allocator
+//! calls them for large tensors, through `commd._c10d`), and [`adopt`] gives an op on a block its
+//! registration with the daemon.
 //!
 //! - A block starts as a private anonymous mapping of whole pages: nothing changes for memory
 //!   that is never communicated.

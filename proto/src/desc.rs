@@ -2,9 +2,9 @@
 //! value and the daemon can decode hostile input without undefined behaviour.
 //!
 //! Memory is always named by `(mem_id, offset)` of a registration that belongs to the posting
-//! session (DESIGN.md contract 3). Count semantics follow NCCL: `count` is the per-rank element
-//! count of the *smaller* buffer (send for all_gather, recv for reduce_scatter, per-peer block for
-//! all_to_all).
+//! session (docs/contracts.md #3). Count semantics follow NCCL: `count` is the per-rank
+//! element count of the *smaller* buffer (send for all_gather, recv for reduce_scatter,
+//! per-peer block for all_to_all).
 
 use thiserror::Error;
 
@@ -93,7 +93,7 @@ pub mod flags {
     /// Stream-ordered GPU op: both buffers are CUDA registrations. The daemon starts phase `p` of
     /// the op once the client's stream has written `ticket + p` into the communicator's ready
     /// counter, and writes `ticket + p` into its done counter when the phase's copies are done
-    /// (DESIGN.md contract 4). The number of phases is [`cuda_phases`](super::cuda_phases).
+    /// (docs/contracts.md #4). The number of phases is [`cuda_phases`](super::cuda_phases).
     pub const CUDA: u32 = 1;
     /// With [`CUDA`], all-reduce only: the one-shot algorithm (every rank's whole input goes to
     /// every other rank's scratch, each rank reduces everything itself: one copy phase instead
@@ -109,7 +109,7 @@ pub mod flags {
     /// communicator whose `CreateCommunicatorReply.nodes` is above 1; the daemon fails an op
     /// whose flag disagrees with the communicator.
     pub const HOST_STAGED: u32 = 4;
-    /// With [`CUDA`]: a persistent op, captured into a CUDA graph (DESIGN.md contract 6).
+    /// With [`CUDA`]: a persistent op, captured into a CUDA graph (docs/contracts.md #6).
     /// `ticket` is not a ticket: its low 32 bits are the index of the op's own graph doorbell
     /// slot ([`graph_doorbell`](super::graph_doorbell)), its high 32 bits a tag of the capture
     /// (the same for every op of one graph; the executor expects a graph's ops to fire in
@@ -138,22 +138,23 @@ pub mod doorbell {
     pub const DONE_OFF: u64 = 1024;
     pub const ERROR_OFF: u64 = 2048;
     /// Hints from the daemon per slot (bits below); zero until the daemon learns something.
-    /// This area of the page was unused and zero before, so a client that does not read it and
-    /// a daemon that does not write it both keep working (no ABI version change).
+    /// This area of the page is zero unless a daemon writes hints there, so a client that does
+    /// not read it and a daemon that does not write it both keep working (no ABI version
+    /// change).
     pub const HINT_OFF: u64 = 3072;
     /// Hint bit: another local rank of this communicator uses the same GPU as this rank. The
     /// client's `COMMD_GPU_WAIT=auto` then waits with `cuStreamWaitValue32`: a polling kernel
-    /// would be time-sliced against the daemon's same-GPU copy kernels (a 4 MiB all_reduce of
-    /// two ranks on one H100: 9.3 ms with the kernel, 0.48 ms with the memory op).
+    /// would be time-sliced against the daemon's same-GPU copy kernels, many times slower than
+    /// the memory op (docs/benchmarks.md row `onegpu-shared-allreduce-64K`).
     pub const HINT_SHARED_GPU: u32 = 1;
     /// Hint bit: a replay of an op captured into a CUDA graph on this communicator failed; the
     /// graph doorbells' error words say which (`graph_doorbell`), `GetGraphOpError` why. The
     /// client clears the bit once it has looked.
     pub const HINT_GRAPH_FAILED: u32 = 2;
     /// Hint bit: the communicator is broken for good (a rank's process was lost, an op of it
-    /// timed out in the daemon, or the client's watchdog lost the daemon). Direct ops (contract
-    /// 7) poll it while they wait for a peer, so they stop instead of waiting for a rank that
-    /// will never come.
+    /// timed out in the daemon, or the client's watchdog lost the daemon). Direct ops
+    /// (docs/contracts.md #7) poll it while they wait for a peer, so they stop instead of
+    /// waiting for a rank that will never come.
     pub const HINT_BROKEN: u32 = 4;
     /// Hint bit: every local rank of this communicator has bound its GPU scratch and none
     /// shares this rank's GPU. The client's rounds kernel (one launch spinning between rounds)
@@ -166,12 +167,12 @@ pub mod doorbell {
 }
 
 /// Graph doorbell area (at `RingLayout::graph_off`): one slot of (ready, done, error) words per
-/// persistent GPU op, i.e. per op captured into a CUDA graph ([`flags::PERSISTENT`]), allocated by
-/// the client and named by the op's `ticket` field. Values are constant per replay (DESIGN.md
-/// contract 6): for phase `p` the stream writes `ready = 1 + p` and waits for `done >= 1 + p`;
-/// after the last phase the daemon sets `ready = 0` and then `done = phases`, and the stream,
-/// once past its last wait, writes `done = 0`, so the next replay starts from zero. A failed
-/// replay sets `error` (sticky) and `done = phases`.
+/// persistent GPU op, i.e. per op captured into a CUDA graph ([`flags::PERSISTENT`]), allocated
+/// by the client and named by the op's `ticket` field. Values are constant per replay
+/// (docs/contracts.md #6): for phase `p` the stream writes `ready = 1 + p` and waits for
+/// `done >= 1 + p`; after the last phase the daemon sets `ready = 0` and then `done = phases`,
+/// and the stream, once past its last wait, writes `done = 0`, so the next replay starts from
+/// zero. A failed replay sets `error` (sticky) and `done = phases`.
 pub mod graph_doorbell {
     pub const SLOTS: u32 = 16384;
     pub const READY_OFF: u64 = 0;
@@ -259,7 +260,7 @@ pub fn cuda_scratch_off(round: u64, slot: u64, nranks: u32, slot_bytes: u64) -> 
     ((round % 2) * u64::from(nranks.saturating_sub(1)) + slot) * slot_bytes
 }
 
-/// Completion status codes. A failed op still completes (DESIGN.md contract 5); its message is
+/// Completion status codes. A failed op still completes (docs/contracts.md #5); its message is
 /// fetched with the `GetOpError` RPC.
 pub mod status {
     pub const OK: u32 = 0;
@@ -649,7 +650,7 @@ impl Op {
     /// Checks that the decoded fields make sense together (a bitwise reduction needs an integer
     /// dtype). Separate from [`SubmitDesc::decode`] on purpose: an op that decodes names its kind,
     /// so the daemon can still give it its sequence number and report the error on every rank
-    /// (DESIGN.md contract 5), whereas an undecodable descriptor can only fail alone.
+    /// (docs/contracts.md #5), whereas an undecodable descriptor can only fail alone.
     pub fn check(&self) -> Result<(), DescError> {
         match self.redop {
             Some(r) => r.check_dtype(self.dtype),

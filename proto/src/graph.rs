@@ -1,4 +1,4 @@
-//! The replay protocol of persistent GPU ops (DESIGN.md contract 6), on one rank's graph
+//! The replay protocol of persistent GPU ops (docs/contracts.md #6), on one rank's graph
 //! doorbell words (`desc::graph_doorbell`). Both sides use these functions, so the values a
 //! captured stream writes and waits for and the ones the daemon publishes are defined once.
 //!
@@ -12,12 +12,12 @@
 //! - the stream's `done = 0` is ordered before its next `ready = 1` (same stream), and the daemon
 //!   publishes the next replay's `done` only after seeing that `ready`.
 //!
-//! A failed replay ([`Words::fail`]) sets the sticky error word, clears `ready` and raises `done`
-//! to `phases`, which releases every wait of the replay (contract 5). A stream that goes on
-//! writing later phases' `ready` after such a release is released again by the daemon (an op
-//! that failed stays failed: every later replay fails the same way, never runs with stale
-//! state); `done` only ever goes down by the stream's own reset at the end of a replay, after
-//! which its next `ready` is seen, so no interleaving leaves a stream waiting.
+//! A failed replay ([`Words::fail`]) sets the sticky error word, clears `ready` and raises
+//! `done` to `phases`, which releases every wait of the replay (docs/contracts.md #5). A stream
+//! that goes on writing later phases' `ready` after such a release is released again by the
+//! daemon (an op that failed stays failed: every later replay fails the same way, never runs
+//! with stale state); `done` only ever goes down by the stream's own reset at the end of a
+//! replay, after which its next `ready` is seen, so no interleaving leaves a stream waiting.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

@@ -1,4 +1,4 @@
-//! The per-session shared-memory ring (DESIGN.md contract 2).
+//! The per-session shared-memory ring (docs/contracts.md #2).
 //!
 //! Layout (offsets from the start of the memfd; every index and offset below is computed from
 //! `(sq_entries, cq_entries)` by [`RingLayout`], never read back from shared memory by the daemon):

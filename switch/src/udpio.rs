@@ -3,7 +3,7 @@
 //! through the stack) and generic receive offload (`UDP_GRO`: the kernel hands back runs of
 //! packets from one source as one buffer), with `sendmmsg`/`recvmmsg` as the fallback where the
 //! kernel lacks either. Per packet this saves most of the kernel's work, which is what bounds a
-//! software switch and its workers (see docs/benchmarks.md, switch sessions).
+//! software switch and its workers (docs/benchmarks.md row `switch-allreduce-4M`).
 
 #![allow(unsafe_code)] // batched UDP system calls (sendmmsg/recvmmsg, GSO/GRO) on raw buffers
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Acceptance test (issue 26): facebookresearch/dinov2's own training code (its files unchanged:
+"""Acceptance test: facebookresearch/dinov2's own training code (its files unchanged:
 setup() -> dinov2.distributed.enable(), SSLMetaArch, its FSDP wrapping, build_optimizer, the body
 of do_train) for N steps on synthetic images made by its own augmentation and collate code, a
 tiny ViT-S/16 at 112 px. One JSON line per step (the losses); rank 0's records also go to
@@ -86,7 +86,7 @@ if a.cpu:  # ---- CPU-only shims (never used on the GPU run)
 
 if not a.xformers:  # ---- SHIM 3: attention through torch's SDPA instead of xformers' kernels
     # The xformers wheel carried to the GPU machines has no CUDA kernels for their torch (2.11:
-    # "xFormers wasn't build with CUDA support", 2026-11-25), and none run on CPU. dinov2 still
+    # "xFormers wasn't build with CUDA support"), and none run on CPU. dinov2 still
     # imports xformers (ssl_meta_arch.py requires it); only its attention call is replaced, with
     # the same math (softmax(QK^T/sqrt(d))V) on torch's own kernels.
     import dinov2.layers.attention as _dattn

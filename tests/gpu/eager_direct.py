@@ -1,6 +1,7 @@
-"""Eager collectives as direct ops (DESIGN.md contract 7 rule 8, COMMD_EAGER_DIRECT=auto, or
-=shared with ranks sharing GPUs): right results, every op's own outcome, no hang. torchrun, 2+
-ranks; scripts/gpu-check.sh runs it with the setting on (it is off by default).
+"""Eager collectives as direct ops (docs/design-gpu.md, direct collectives rule 8,
+COMMD_EAGER_DIRECT=auto, or =shared with ranks sharing GPUs): right results, every op's own
+outcome, no hang. torchrun, 2+ ranks; scripts/gpu-check.sh runs it with the setting on (it is
+off by default).
 
 1. Every op the direct kernel runs (all-reduce sum/max/min/avg, all-gather, reduce-scatter,
    all-to-all, broadcast and reduce from every root) in f32, bf16, f16, i32 and u8 (the copies), at sizes
@@ -270,6 +271,10 @@ def post_then_next(g, post) -> Exception | None:
 def mismatch_everywhere(what: str, post, naming: str = "") -> None:
     """``post(group)`` posts mismatched ops on a new group: every rank must raise a mismatch
     (whose message names ``naming``) within 60 s, from the op itself or the group's next one."""
+    if want_direct != "direct" and naming == "last part":
+        # Every op on the daemon's path (ranks sharing a GPU under auto): nothing is split, so
+        # the daemon's mismatch names the counts that differ.
+        naming = "count"
     g = dist.new_group(list(range(world)))
     t0 = time.time()
     err = post_then_next(g, post)
@@ -349,7 +354,8 @@ mismatch_everywhere("an all_reduce by LL lines against one by flags", lambda g: 
     data(rank, 512 if rank == 0 else 4096, torch.float32), group=g))
 
 
-# 8. The daemon's path against a direct op (contract 7 rule 8, the daemon mark).
+# 8. The daemon's path against a direct op (docs/design-gpu.md, direct collectives rule 8, the
+# daemon mark).
 def told_of_the_daemon_path(what: str, post, timeout_s: int = 60) -> None:
     """``post(group)`` sends rank 0's op to the direct path and the others' to the daemon's
     (or orders them differently): rank 0 must raise a mismatch naming the daemon's path, from
@@ -366,6 +372,10 @@ def told_of_the_daemon_path(what: str, post, timeout_s: int = 60) -> None:
     took = time.time() - t0
     if err is None:
         failures.append(f"{what}: nothing raised on rank {rank}")
+    elif want_direct != "direct":
+        # Every op on the daemon's path: the daemon itself tells every rank of the mismatch.
+        if "mismatch" not in str(err).lower():
+            failures.append(f"{what}: rank {rank}'s error is not a mismatch: {err}")
     elif "daemon's path" not in str(err) or "mismatch" not in str(err).lower():
         failures.append(f"{what}: rank {rank}'s error does not name the daemon's path: {err}")
     elif rank != 0 and "rank 0" not in str(err):

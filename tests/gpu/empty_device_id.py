@@ -24,7 +24,7 @@ world = dist.get_world_size()
 sub = dist.new_group(list(range(world)))
 failures = []
 # A group of rank 0 alone: torch has the other ranks call the bound device's backend's
-# perform_nocolor_split; they must go on (before, they died of an AttributeError).
+# perform_nocolor_split; they must go on (not die of an AttributeError).
 solo = dist.new_group([0])
 if rank == 0:
     # Every op on a group of one (DeepSpeed's groups of one rank when a parallel degree is 1;

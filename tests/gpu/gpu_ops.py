@@ -231,10 +231,9 @@ if SOCKS:
         failures.append("50 chained all-reduces across nodes gave wrong data")
 
 # More ops on torch's generic GPU path (all_gather into a list) than a session's ring has
-# entries (1024 by default), none waited for on the CPU: their Works only order streams. Until
-# 2026-11-27 each one's requests stayed counted as in flight, and the 1025th call waited
-# forever in post (docs/design.md, "Sessions and the ring"; found with all_to_all_single, which
-# took that path then).
+# entries (1024 by default), none waited for on the CPU: their Works only order streams. If
+# their requests stayed counted as in flight, the 1025th call would wait forever in post
+# (docs/design.md, "Sessions and the ring").
 ring = 1024
 t = torch.arange(16, device=dev, dtype=torch.float32) + 1000 * rank
 outs = [torch.empty_like(t) for _ in range(world)]
@@ -269,9 +268,9 @@ backend = pg if hasattr(pg, "client") else commd.torch.backend(pg)
 client = backend.client._native
 st0 = json.loads(client.status_json())
 r0 = client.cuda_registration_stats()
-# Small eager ops may run as direct ops (contract 7 rule 8), which never reach the daemon or its
-# cache: then an op past the largest direct one, and past the largest one split into direct
-# ops (its share, 1/world of it, past the limit).
+# Small eager ops may run as direct ops (docs/design-gpu.md, direct collectives rule 8), which
+# never reach the daemon or its cache: then an op past the largest direct one, and past the
+# largest one split into direct ops (its share, 1/world of it, past the limit).
 n_reg = 1 << 16
 if not commd.torch.eager_path(cg).startswith("daemon"):
     n_reg = world * (max(torchrun_env.direct_limit(world), torchrun_env.split_share(world)) // 4) + 1024

@@ -1,22 +1,21 @@
-"""GPU ops captured into CUDA graphs run correctly on every replay (DESIGN.md contract 6;
-issue 28). torchrun, any number of ranks from 2, on any number of GPUs from 1 (ranks share GPUs
-when there are fewer GPUs than ranks).
+"""GPU ops captured into CUDA graphs run correctly on every replay (docs/contracts.md #6).
+torchrun, any number of ranks from 2, on any number of GPUs from 1 (ranks share GPUs when there
+are fewer GPUs than ranks).
 
-Before persistent ops, `dist.all_reduce(t)` inside `torch.cuda.graph(g)` was accepted and
-replays returned stale data with no error (8.0 where 16.0 was right after three replays). Here
-every GPU op and dtype of the backend, through both of its paths (the native fast path and the
-general path: list outputs, send/recv groups, async ops on the communication stream), is
-captured into its own graph; then every graph is replayed many times, interleaved with each other
-and with eager ops on the same communicator, with *new input data before every replay*, and each
-replay's outputs must equal the same op run eagerly on the same inputs (bitwise: the same
-kernels run). A stale replay (one that skipped the daemon) leaves the previous replay's result
-and fails. Also: many ops in one graph, a reduction large enough for several scratch rounds, an
-all-reduce, broadcasts and reduces split into direct ops (past the direct limit, each share
-within it; a reduce whose share is not runs in chunks: on 2 ranks direct reduces of at most the
-limit, on 3+ splits in the largest shares),
-graphs replayed from two different streams, and a rank whose capture differs from its peers'
-(mismatch: the first replay releases every rank and the next commd call raises the daemon's
-reason, naming the fields; no hang, no wrong result taken as good).
+Without persistent ops, `dist.all_reduce(t)` inside `torch.cuda.graph(g)` would be accepted and
+its replays would return stale data with no error. Here every GPU op and dtype of the backend,
+through both of its paths (the native fast path and the general path: list outputs, send/recv
+groups, async ops on the communication stream), is captured into its own graph; then every graph
+is replayed many times, interleaved with each other and with eager ops on the same communicator,
+with *new input data before every replay*, and each replay's outputs must equal the same op run
+eagerly on the same inputs (bitwise: the same kernels run). A stale replay (one that skipped the
+daemon) leaves the previous replay's result and fails. Also: many ops in one graph, a reduction
+large enough for several scratch rounds, an all-reduce, broadcasts and reduces split into direct
+ops (past the direct limit, each share within it; a reduce whose share is not runs in chunks: on
+2 ranks direct reduces of at most the limit, on 3+ splits in the largest shares), graphs
+replayed from two different streams, and a rank whose capture differs from its peers' (mismatch:
+the first replay releases every rank and the next commd call raises the daemon's reason, naming
+the fields; no hang, no wrong result taken as good).
 Exits non-zero on any failure.
 """
 
@@ -182,8 +181,8 @@ for c in cs:
     graphs.append(g)
 torch.cuda.synchronize()
 # With a GPU per rank the captured all-reduces up to COMMD_GRAPH_DIRECT_MAX_BYTES run as direct
-# ops (contract 7), with ranks sharing a GPU through the daemon (contract 6): the path is checked
-# so a run meant for one cannot pass on the other.
+# ops (docs/contracts.md #7), with ranks sharing a GPU through the daemon
+# (docs/contracts.md #6): the path is checked so a run meant for one cannot pass on the other.
 path = commd.torch.graph_path()
 gpu_each = torch.cuda.device_count() >= world
 mode = os.environ.get("COMMD_GRAPH_DIRECT", "auto")

@@ -1,16 +1,15 @@
 """torch.compile(mode="reduce-overhead") around torch's functional collectives on the commd
-backend (issue 28): inductor captures the compiled region, collectives included, into CUDA
-graphs (cudagraph trees), and each call replays them. Every call's result, with new inputs each
-time, must equal the eager computation. torchrun, 2+ ranks, any number of GPUs.
+backend: inductor captures the compiled region, collectives included, into CUDA graphs
+(cudagraph trees), and each call replays them. Every call's result, with new inputs each time,
+must equal the eager computation. torchrun, 2+ ranks, any number of GPUs.
 
-KNOWN FAILURE (2026-11-24, torch 2.11, one H100): the first call raises inductor's
-"Detected N tensor(s) in the cudagraph pool not tracked as outputs". Captured Works now drop
-their tensors once waited for (4 live tensors -> 1); the one left is most likely an eager
-warm-up op's tensors, which the binding holds until the daemon reports the op done (reaped at
-the next call), allocated from the graph pool during cudagraph trees' warm-up. An error, not a
-wrong result. Not part of
-`scripts/gpu-check.sh graphs` until fixed; the same collectives under `torch.cuda.graph`
-pass (tests/gpu/graph_capture.py, "functional all_reduce").
+KNOWN FAILURE (torch 2.11): the first call raises inductor's "Detected N tensor(s) in the
+cudagraph pool not tracked as outputs". Captured Works drop their tensors once waited for; what
+is left is most likely an eager warm-up op's tensors, which the binding holds until the daemon
+reports the op done (reaped at the next call), allocated from the graph pool during cudagraph
+trees' warm-up. An error, not a wrong result. Not part of `scripts/gpu-check.sh graphs` until
+fixed; the same collectives under `torch.cuda.graph` pass (tests/gpu/graph_capture.py,
+"functional all_reduce").
 """
 
 from __future__ import annotations

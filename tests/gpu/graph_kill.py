@@ -1,9 +1,8 @@
-"""A rank dies while its peers replay a CUDA graph holding commd ops (issue 28): the
-survivors' replays must be released (no hang) within 2 s with the error raised by the next
-check, naming the lost rank; later replays of the same graph fail at once, never run with a
-partner missing. Then a graph destroyed on every rank releases what its ops held in the daemon:
-more captures than there are graph doorbell slots (16384) must all succeed when each graph is
-destroyed before the next.
+"""A rank dies while its peers replay a CUDA graph holding commd ops: the survivors' replays
+must be released (no hang) within 2 s with the error raised by the next check, naming the lost
+rank; later replays of the same graph fail at once, never run with a partner missing. Then a
+graph destroyed on every rank releases what its ops held in the daemon: more captures than there
+are graph doorbell slots (16384) must all succeed when each graph is destroyed before the next.
 
 Run by `tests/gpu/kill_rank.sh tests/gpu/graph_kill.py`: two ranks without torchrun (which
 would tear the survivor down when the victim dies). Exit status: the survivor's.
@@ -68,8 +67,9 @@ if rank == 0:
           f"{time.perf_counter() - t0:.1f} s", flush=True)
 
 # Part 2: the victim dies while the survivor replays. GRAPH_KILL_ELEMS picks the path: the
-# default 4 MiB all-reduce takes the daemon's (contract 6); 256 KiB on ranks with a GPU each the
-# direct one (contract 7), stopped on the GPU by the daemon's "broken" hint.
+# default 4 MiB all-reduce takes the daemon's (docs/contracts.md #6); 256 KiB on ranks with a
+# GPU each the direct one (docs/contracts.md #7), stopped on the GPU by the daemon's "broken"
+# hint.
 x = torch.ones(int(os.environ.get("GRAPH_KILL_ELEMS", str(1 << 20))), device="cuda")
 g = capture(x)
 if rank == 0:

@@ -1,6 +1,6 @@
 """A daemon killed while a GPU op waits on its doorbell: the job's stream is released, not
-wedged, and the next commd call raises (DESIGN.md contract 5, done by the client's watchdog for a
-daemon that can no longer do it). torchrun with 2 ranks on any number of GPUs from 1;
+wedged, and the next commd call raises (docs/contracts.md #5, done by the client's watchdog for
+a daemon that can no longer do it). torchrun with 2 ranks on any number of GPUs from 1;
 COMMD_TEST_DAEMON_PID names the daemon to kill. Exits non-zero on a failure.
 
 Rank 1 never posts its second all_reduce, so rank 0's stream waits on the doorbell; rank 0 then

@@ -29,7 +29,8 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 SOCKS = [s for s in os.environ.get("COMMD_NODE_SOCKETS", "").split(",") if s]
 if SOCKS:
     os.environ["COMMD_SOCKET"] = SOCKS[min(rank * len(SOCKS) // world, len(SOCKS) - 1)]
-torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+# Ranks share the GPUs there are (one GPU: all of them on it).
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
 dist.init_process_group("commd")
 # KILL_RANK_ELEMS: a small op takes the eager direct path under COMMD_EAGER_DIRECT=auto.
 t = torch.ones(int(os.environ.get("KILL_RANK_ELEMS", 1 << 24)), device="cuda")

@@ -1,8 +1,8 @@
 """Ops of one communicator issued on several streams that nothing orders (scripts/gpu-check.sh
 tests; 2+ ranks, which may share a GPU). FSDP does this: its all-gathers run on its unshard
 stream, its reduce-scatters on its post-backward stream, and a job's async all-reduce on the
-backend's communication stream. dinov2 on 4 GPUs hung on its second step that way (2026-11-26):
-the ops shared one ready counter and a later op's write landed before an earlier one's.
+backend's communication stream. With one ready counter shared by those ops, a later op's write
+could land before an earlier one's, and the job would hang.
 
 Each round: on stream A a ~1 ms sleep kernel, then a fill of A's input, then a blocking
 all_gather (on A, the current stream); on stream B, issued after A's op, a reduce_scatter that

@@ -12,7 +12,7 @@
 #   3. a torch DDP job naming the "nccl" backend, with the library preloaded, against gloo;
 #   4. vLLM's pynccl calls through ctypes, captured into a CUDA graph and replayed.
 # Library: $COMMD_NCCL_LIB (default target/release/libcommd_nccl.so, else .gpu/libcommd_nccl.so).
-# 5. (part "vstorch", run only by name) issue 22's performance goal, nccl-tests through the
+# 5. (part "vstorch", run only by name) the performance goal, nccl-tests through the
 #    library against commd's torch backend measured the same way; see the part below.
 # NCCL_PARTS picks parts (default "symbols pynccl ddp nccltests"), NCCL_TESTS_LIST the nccl-tests
 # programs, NCCL_TESTS_MODES the layouts (1rank shared gpus eager onegpus), NCCL_TESTS_MAX the largest size
@@ -91,7 +91,7 @@ fi
 tests=${NCCL_TESTS_LIST:-all_reduce all_gather broadcast reduce reduce_scatter alltoall sendrecv gather scatter hypercube}
 args=(-b ${NCCL_TESTS_MIN:-8} -e ${NCCL_TESTS_MAX:-64M} -f 8 -c 1 -n 10 -w 3)
 # NCCL_TESTS_EXTRA: more nccl-tests arguments, e.g. "-G 1" (capture the timed ops into a CUDA
-# graph and replay it: commd's persistent and direct captured ops, contracts 6 and 7).
+# graph and replay it: commd's persistent and direct captured ops, docs/contracts.md #6 and #7).
 # shellcheck disable=SC2206
 args+=(${NCCL_TESTS_EXTRA:-})
 # 1rank: real NCCL and commd; shared: 2 ranks on GPU 0 (commd); gpus: $NCCL_TESTS_NP ranks (default 2) on as many GPUs (both);
@@ -124,7 +124,8 @@ for t in $tests; do
         -x LD_LIBRARY_PATH="$ompi/lib:$d" "${fwd[@]}" -x NCCL_NVLS_ENABLE=0 "$exe" "${args[@]}" -g 1
     done
   fi
-  # eager: 2 processes on 2 GPUs on commd with eager direct ops on (contract 7 rule 8).
+  # eager: 2 processes on 2 GPUs on commd with eager direct ops on (docs/design-gpu.md, direct
+  # collectives rule 8).
   if [ "$ngpu" -ge "$np" ] && [ "$np" -ge 2 ] && [[ " $modes " == *" eager "* ]]; then
     step "nccltests-$t-${np}gpus-commd-eager-direct" "$limit_mpi" "$ompi/bin/mpirun" --oversubscribe \
       -np "$np" -x LD_LIBRARY_PATH="$ompi/lib:$ours" "${fwd[@]}" -x COMMD_EAGER_DIRECT=auto \

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # A/B of library builds and settings on nccl-tests (NVIDIA's, built here from .gpu/nccl-tests
 # with nvcc against Open MPI in .gpu/ompi; scripts/gpu-carry), rounds alternating between the
-# variants so that a machine's drift (runs of one build differ by up to 1.35x from round to
-# round on 2x H100, 2026-11-28) falls on all of them alike. On a lent GPU machine, after
-# scripts/gpu-carry build; a daemon of .gpu/commd is started here.
+# variants so that a machine's drift (runs of one build differ from round to round) falls on all
+# of them alike. On a lent GPU machine, after scripts/gpu-carry build; a daemon of .gpu/commd is
+# started here.
 #   tests/gpu/nccl_ab.sh OUTDIR
 #   AB_VARIANTS  "name=LIB[,VAR=VALUE...];..."  LIB: a libcommd_nccl.so, or nccl (real NCCL)
 #                default "commd=.gpu/libcommd_nccl.so;base=.gpu/base/libcommd_nccl.so;nccl=nccl"

@@ -7,8 +7,8 @@ pynccl calls it (COMMD_P2P_DIRECT on; =shared where the ranks share a GPU). 2 ra
 A message of at most COMMD_P2P_DIRECT_MAX_BYTES is a direct op, a larger one takes the daemon's
 path, and each path pairs its own messages in order. The k-th receive takes the k-th message
 (as NCCL pairs them) only where both ranks put the same messages on each path in the same order;
-each direct op's signature carries the daemon-path ops before it (docs/design.md, "Send/recv
-as direct ops", rule 3), so a receive whose sender's count differs fails as a mismatch.
+each direct op's signature carries the daemon-path ops before it (docs/design-gpu.md, send/recv
+rule 3), so a receive whose sender's count differs fails as a mismatch.
 
 1. The same messages on both ranks, small and large interleaved (and in groups), 6 rounds:
    right data, no error; and a group whose direct ops run as one kernel on one rank and one
@@ -16,13 +16,13 @@ as direct ops", rule 3), so a receive whose sender's count differs fails as a mi
 2. Rank 0 sends a small message and then a large one; rank 1 receives a large one and then a
    small one (each rank's sizes per position differ: the program's error). Rank 1's small
    receive fails at once, as a mismatch naming both ranks' daemon-path counts, and its buffer
-   is left as it was. (Before, each message landed in the receive of its size, in the other
-   order, and no error was raised anywhere.)
+   is left as it was. (Without the check, each message would land in the receive of its size,
+   in the other order, and no error would be raised anywhere.)
 3. Rank 0 sends a large message and then a small one; rank 1 receives a small one and then a
    large one, each on one stream: rank 0's stream waits in the daemon for rank 1's large
    receive, which waits behind its small one, which waits for rank 0's small send. Rank 1's
    direct receive reads rank 0's daemon mark and fails at once, and both ranks raise within
-   10 s (before: both waited for the op timeout).
+   10 s (not at the op timeout).
 4. Rank 0 sends three small messages; rank 1 receives a large one first: rank 0's third send
    waits for the first one's ack, reads rank 1's daemon mark and fails at once, and fails the
    communicator, so that rank 1's receive waiting on the daemon's path fails too, with rank

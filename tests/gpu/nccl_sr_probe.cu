@@ -1,6 +1,6 @@
 // Host against GPU time of a send/recv group in a ring (ncclGroupStart; ncclSend; ncclRecv;
 // ncclGroupEnd), against any NCCL-API library, and the raw cost of kernel launches on the host.
-// Built and run by tests/gpu/nccl_sr_probe.sh (docs/benchmarks.md, 2026-11-27 night).
+// Built and run by tests/gpu/nccl_sr_probe.sh.
 #include <cstdio>
 #include <cstdlib>
 #include <chrono>

@@ -6,16 +6,16 @@ pynccl calls it. Any number of ranks (they may share a GPU):
 1. In-place all-to-all on two streams at once, 6 rounds: each op's input is staged (the
    daemon refuses copies whose destination overlaps a source), and the second op's copy into
    the staging must wait until the first op read it. Each buffer's result must be its own
-   (before: one staging buffer, no ordering between streams; the later copy could overwrite
-   the input the earlier op was still sending).
+   (with one staging buffer and no ordering between streams, the later copy could overwrite
+   the input the earlier op is still sending).
 2. An all-reduce of pinned host memory on the NULL stream, right after a copy into it queued
-   on that stream behind a long kernel: the op must read the copied values (before: the NULL
-   stream was not waited for, and the op read what the buffer held before the copy).
+   on that stream behind a long kernel: the op must read the copied values (if the NULL
+   stream is not waited for, the op reads what the buffer held before the copy).
 3. A failed call inside a group returns its error; the group's valid ops still run, and
    ncclGroupEnd succeeds (it does not repeat the error as NCCL's does: torch's group guard
    would throw from its destructor while the call's exception unwinds, aborting the process).
 4. Every collective on a communicator of one rank (each rank split off alone) gives its input
-   (before, a GPU op there panicked dividing by zero in the direct limits).
+   (a GPU op there must not divide by zero in the direct limits).
 Exits non-zero on any failure.
 """
 

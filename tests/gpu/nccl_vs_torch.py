@@ -13,7 +13,7 @@ the rounds (the spread is printed). For every op and size:
 - where the torch backend is at least as fast as NCCL through torch, the library must be at
   least as fast as NCCL through nccl-tests (``vs NCCL``). A miss of it still counts when the
   library's best is no slower than NCCL's worst round; the line says so (rounds of one build
-  differed by up to 1.35x on 2x H100, 2026-11-28).
+  differ from one another on one machine).
 all_reduce, broadcast and reduce are compared in place (torch has only that form), the rest out
 of place. Exit status: 0 when both goals hold at every size all four routes measured, 1 when one
 does not (each miss is listed), 2 when no size has all four or a run reported wrong values or

@@ -1,5 +1,5 @@
-"""A rank's communicators on one GPU share the daemon's scratch (issue 23): their reductions
-must still be right when they run at the same time. torchrun, 2+ ranks, any number of GPUs.
+"""A rank's communicators on one GPU share the daemon's scratch: their reductions must still be
+right when they run at the same time. torchrun, 2+ ranks, any number of GPUs.
 
 Eight process groups over all ranks; on two streams at once, each group runs all_reduce,
 reduce_scatter and reduce of sizes from 4 KiB to 32 MiB (several scratch rounds), async,

@@ -4,13 +4,13 @@ values of the ops (2 ranks; they may share a GPU):
     torchrun --nproc_per_node 2 tests/gpu/torch_semantics.py
 
 1. all_reduce_coalesced(async_op=True)'s future is CUDA-aware: its wait() orders the caller's
-   stream after every op (before, the joined future of several GPU ops was a plain one,
-   completed at once: the stream read the tensors before the ops wrote them).
+   stream after every op (a plain joined future of several GPU ops would complete at once: the
+   stream would read the tensors before the ops wrote them).
 2. An uneven all_to_all_single whose own block differs in size between input and output is
-   refused before anything is posted (before, copy_ broadcast one row into three); the next
+   refused before anything is posted (copy_ would broadcast one row into three); the next
    all_to_all_single works.
 3. Work.wait(timeout) of a GPU op waits on the CPU and raises torch's timeout error when the
-   timeout passes first (before, it returned at once); a later wait() completes the op.
+   timeout passes first (rather than return at once); a later wait() completes the op.
 4. An output whose elements overlap (an expand()ed view) is refused before anything is posted.
 Exits non-zero on any failure.
 """

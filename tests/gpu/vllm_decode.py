@@ -1,10 +1,10 @@
-"""A torch-only replica of vLLM's tensor-parallel decode step under CUDA graphs (issue 29; the
-vLLM wheel, 89 MB of CUDA extension, does not travel to the GPU machines): per batch size, one
-graph holding LAYERS row-parallel linear layers, each a bf16 GEMM of this rank's shard followed
-by the tensor-parallel all-reduce of the partial sums (what vLLM's `RowParallelLinear` does),
-captured as vLLM captures one graph per decode batch size. Every replay gets new input data
-(copied into the graph's static input, as vLLM's model runner does) and its output must equal
-the same step run eagerly on the same input; then replay and eager step times.
+"""A torch-only replica of vLLM's tensor-parallel decode step under CUDA graphs (the vLLM wheel,
+89 MB of CUDA extension, does not travel to the GPU machines): per batch size, one graph holding
+LAYERS row-parallel linear layers, each a bf16 GEMM of this rank's shard followed by the
+tensor-parallel all-reduce of the partial sums (what vLLM's `RowParallelLinear` does), captured
+as vLLM captures one graph per decode batch size. Every replay gets new input data (copied into
+the graph's static input, as vLLM's model runner does) and its output must equal the same step
+run eagerly on the same input; then replay and eager step times.
 
     torchrun --nproc_per_node 2 tests/gpu/vllm_decode.py --backend commd [--json FILE]
     torchrun --nproc_per_node 2 tests/gpu/vllm_decode.py --backend nccl

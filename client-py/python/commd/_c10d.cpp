@@ -3,12 +3,12 @@
 //
 // Why C++: torch wraps every Work that a backend written in Python returns in a holder that
 // forwards only wait() and get_future(). Through it, is_completed() is always false and a receive
-// from any source cannot name its sender (Work::sourceRank), so commd.torch used to patch torch's
+// from any source cannot name its sender (Work::sourceRank), so a Python backend must patch torch's
 // Work class and refuse `recv(src=None)`. This backend is a thin C++ shell: each c10d call goes to
-// the same method of the Python implementation (commd.torch.CommdBackend), and each Work it
-// returns is wrapped in CommdWork, which forwards every Work method, not only those two.
+// the same method of the Python implementation (commd.torch.CommdBackend), and each Work it returns
+// is wrapped in CommdWork, which forwards every Work method, not only those two.
 //
-// Nothing here moves data: the collectives run in the daemon as before.
+// Nothing here moves data: the collectives run in the daemon.
 //
 // It also carries commd's CPU allocator for torch (install_cpu_allocator): large CPU tensors are
 // allocated by commd (commd_client::hostmem), so the daemon can run ops on them in place instead

@@ -557,8 +557,8 @@ class Communicator:
     @property
     def ranks_share_a_process(self) -> bool:
         """Whether two of this communicator's ranks on this node are one process (threads of
-        it), as the daemon said at init: eager GPU ops then never run as direct ops (DESIGN.md
-        contract 7), whose setup blocks a rank until every rank takes part."""
+        it), as the daemon said at init: eager GPU ops then never run as direct ops
+        (docs/contracts.md #7), whose setup blocks a rank until every rank takes part."""
         return bool(self._native.ranks_share_a_process)
 
     @property

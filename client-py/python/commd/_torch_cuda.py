@@ -86,11 +86,11 @@ def _stream_future(dev: int | None, stream: torch.cuda.Stream, value: Any) -> Fu
     """A CUDA-aware future completed at once, as NCCL's work futures are: its completion is
     recorded on ``stream`` after the op, so ``wait()`` and callbacks (DDP's reducer, comm hooks)
     order their streams after the op on the GPU instead of blocking the CPU until the daemon
-    reports it done (measured: a DDP step 1.45x NCCL's with CPU-completed futures, 2x H100,
-    docs/benchmarks.md). A failed op is reported as for ``Work.wait()``: the stream is released
-    and the communicator's next call raises; and as nothing waits on the future, the op's error
-    is also printed at once (``_report_failure``: a thread of the native library, without the
-    GIL)."""
+    reports it done (CPU-completed futures make a DDP step much slower than NCCL's; with these:
+    docs/benchmarks.md row ``ddp-overlap-2gpu``). A failed op is reported as for
+    ``Work.wait()``: the stream is released and the communicator's next call raises; and as
+    nothing waits on the future, the op's error is also printed at once (``_report_failure``: a
+    thread of the native library, without the GIL)."""
     fut = Future(devices=[torch.device("cuda", torch.cuda.current_device() if dev is None
                                        else dev)])
     with torch.cuda.stream(stream):
@@ -337,8 +337,8 @@ class CudaOps:
                                  f"(got {dev} and {t.device})")
             check_overlap(t, "op")  # before anything is posted
         # Under CUDA graph capture the communication stream joins the capture through the
-        # ordering below and the native layer captures the ops as persistent ops (DESIGN.md
-        # contract 6); what it cannot capture it refuses before posting.
+        # ordering below and the native layer captures the ops as persistent ops
+        # (docs/contracts.md #6); what it cannot capture it refuses before posting.
         s = self.stream(dev)
         cur = torch.cuda.current_stream(dev)
         s.wait_stream(cur)

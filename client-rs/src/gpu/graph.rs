@@ -1,7 +1,8 @@
-//! Persistent GPU ops: ops issued while their stream is captured into a CUDA graph (DESIGN.md
-//! contract 6). The client side: which capture an op joins, the graph doorbell slots (one per
-//! captured op, in the ring's graph area, `desc::graph_doorbell`), their release when the graph
-//! is destroyed (a CUDA user object retained by the graph), and failed replays reported back.
+//! Persistent GPU ops: ops issued while their stream is captured into a CUDA graph
+//! (docs/contracts.md #6). The client side: which capture an op joins, the graph doorbell slots
+//! (one per captured op, in the ring's graph area, `desc::graph_doorbell`), their release when
+//! the graph is destroyed (a CUDA user object retained by the graph), and failed replays
+//! reported back.
 //!
 //! What a captured op puts in the graph is pure stream work with constant values
 //! (`commd_proto::graph`): per phase a `ready` write and a wait for `done`, the reduction
@@ -294,9 +295,10 @@ impl Inner {
         }
     }
 
-    /// Contract 5 for captured ops once the daemon is gone (the watchdog, session abandoned):
-    /// every graph doorbell is released with the error word set. A replay's stream resets its
-    /// done word at the end, so the watchdog repeats this while the process lives.
+    /// Contract 5 (docs/contracts.md) for captured ops once the daemon is gone (the watchdog,
+    /// session abandoned): every graph doorbell is released with the error word set. A replay's
+    /// stream resets its done word at the end, so the watchdog repeats this while the process
+    /// lives.
     pub(crate) fn release_graph_streams(&self) {
         use std::sync::atomic::Ordering;
         if !self.graphs_used.load(Ordering::Acquire) {

@@ -134,7 +134,7 @@ impl Communicator {
     }
 }
 
-/// DESIGN.md contract 6: a wait for *eager* GPU ops (their tickets) enqueued on a stream that
+/// docs/contracts.md #6: a wait for *eager* GPU ops (their tickets) enqueued on a stream that
 /// is being captured is refused before anything is enqueued: the wait would bake the eager
 /// ticket into the graph, so every replay after the first would pass it at once (stale data,
 /// no error). Ops issued during capture are persistent ops instead (`graph`).

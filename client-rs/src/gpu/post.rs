@@ -35,7 +35,7 @@ impl Communicator {
         }
     }
 
-    /// Posts a stream-ordered GPU op (DESIGN.md contract 4): the op starts once `stream` reaches
+    /// Posts a stream-ordered GPU op (docs/contracts.md #4): the op starts once `stream` reaches
     /// it, and work enqueued on `stream` afterwards runs once it is done; the CPU never blocks.
     /// The returned [`Request`] completes (or fails) when the daemon is done; a failure also
     /// releases the stream and sets the communicator's error word.
@@ -56,13 +56,13 @@ impl Communicator {
     /// # Safety
     /// As [`Communicator::post_cuda`]; `a.after`, if any, must be a live stream.
     pub unsafe fn post_cuda_ordered(&self, a: CudaOpArgs) -> Result<CudaPosted> {
-        // Contract 5: a failed GPU op releases its stream and sets the communicator's error word,
-        // and the communicator's next call raises. Its completion reaches this process
-        // asynchronously, so one rank may already raise (at `wait()`) while another posts its
-        // next op. The daemon breaks a communicator whose eager GPU op failed (every later op
-        // fails at once, naming the first error, on every rank: no rank waits for a peer that
-        // stopped), and here a call made after the word was set waits for that answer, so it
-        // raises the error itself rather than leaving it to a later look.
+        // Contract 5 (docs/contracts.md): a failed GPU op releases its stream and sets the
+        // communicator's error word, and the communicator's next call raises. Its completion
+        // reaches this process asynchronously, so one rank may already raise (at `wait()`)
+        // while another posts its next op. The daemon breaks a communicator whose eager GPU op
+        // failed (every later op fails at once, naming the first error, on every rank: no rank
+        // waits for a peer that stopped), and here a call made after the word was set waits for
+        // that answer, so it raises the error itself rather than leaving it to a later look.
         // One load per op while nothing failed; the lock only once the word is set.
         let check = self
             .error_word()

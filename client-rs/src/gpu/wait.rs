@@ -1,23 +1,21 @@
-//! How the caller's stream waits for a done counter (DESIGN.md contract 4): a one-thread kernel
-//! that polls the counter in host memory, or `cuStreamWaitValue32`.
+//! How the caller's stream waits for a done counter (docs/contracts.md #4): a one-thread
+//! kernel that polls the counter in host memory, or `cuStreamWaitValue32`.
 //!
-//! Why a kernel: measured on 2x H200 (`scripts/probes/copy_doorbell.py`, docs/benchmarks.md
-//! "Waiting for done"), a stream blocked in `cuStreamWaitValue32` is slow to resume once the
-//! daemon has submitted any work to the same GPU while it waited: the doorbell round trip is
-//! 5.1-5.4 us when the daemon only writes counters from the CPU, but 15.6 us as soon as it also
+//! Why a kernel: a stream blocked in `cuStreamWaitValue32` is slow to resume once the daemon
+//! has submitted any work to the same GPU while it waited: the doorbell round trip is short
+//! when the daemon only writes counters from the CPU, but much longer as soon as it also
 //! records an event or issues a copy there, with or without MPS. A kernel polling the counter
-//! keeps the stream running: in the probe a send/recv of 64 KiB took 13.4-14 instead of 16.3 us
-//! of GPU time per op, 16 MiB 56.4-58 instead of 61.8-63 us.
+//! keeps the stream running, so a send/recv takes less GPU time per op (docs/benchmarks.md row
+//! `probe-doorbell-wait-64K`, measured by `scripts/probes/copy_doorbell.py`).
 //!
-//! Why not always: launching the kernel costs the CPU ~2-3 us more per op than the memory op
-//! (torch send/recv below 2 MiB, which the CPU's issue rate bounds: 18.6-20.9 against
-//! 15.9-19.7 us per op). So the default (`auto`) polls with the kernel for ops of at least
-//! [`AUTO_KERNEL_MIN_BYTES`] and uses `cuStreamWaitValue32` for smaller ones, and for ops
-//! whose daemon plan copies within a GPU ([`auto_bytes`]: such a copy is a kernel in the
-//! daemon's context, which waits for a time slice while this context's kernel polls: ~2.4 ms
-//! per op on 4x H200). `COMMD_GPU_WAIT=kernel|memop` forces one way. (Ops replayed from a CUDA graph would cost no
-//! CPU per op and favour the kernel at every size; the doorbell protocol has no replayable ops
-//! yet, so nothing here depends on capture.)
+//! Why not always: launching the kernel costs the CPU more per op than the memory op, which matters
+//! where the CPU's issue rate bounds the op (torch send/recv below 2 MiB). So the default (`auto`)
+//! polls with the kernel for ops of at least [`AUTO_KERNEL_MIN_BYTES`] and uses
+//! `cuStreamWaitValue32` for smaller ones, and for ops whose daemon plan copies within a GPU
+//! ([`auto_bytes`]: such a copy is a kernel in the daemon's context, which waits for a time slice
+//! while this context's kernel polls). `COMMD_GPU_WAIT=kernel|memop` forces one way. (Ops replayed
+//! from a CUDA graph would cost no CPU per op and favour the kernel at every size; the doorbell
+//! protocol has no replayable ops yet, so nothing here depends on capture.)
 //!
 //! The kernel is one thread of one block, runs only while the stream would otherwise sit in the
 //! memory-op wait, reads the counter with `ld.acquire.sys` (wrap-aware `>=`, as
@@ -58,8 +56,7 @@ WAIT:
 \0";
 
 /// Ops of at least this many bytes (per rank: count x element size) wait with the kernel in the
-/// `auto` mode: from 4 MiB the kernel was 3-4 us faster per send/recv (24.3-25.1 against 28.1
-/// us), at 1 MiB the two were even (18.6-20.6 against 19.1-19.7).
+/// `auto` mode: from 4 MiB the kernel is faster per send/recv, at 1 MiB the two are even.
 pub const AUTO_KERNEL_MIN_BYTES: u64 = 2 << 20;
 
 /// How streams wait for done counters.
@@ -103,16 +100,16 @@ impl WaitMode {
 /// The loaded kernel per context id (`None`: it did not load there; use the memory op).
 static FUNCS: OnceLock<Mutex<HashMap<u64, Option<usize>>>> = OnceLock::new();
 
-/// The size the `auto` rule sees for an op of `kind` moving `bytes` per rank: 0 (the memory
-/// op) for ops whose daemon plan copies within a rank's own GPU (all_gather, broadcast,
-/// all_to_all: the rank's own block). A copy within one GPU runs as a kernel in the daemon's
-/// context, time-sliced against this context's polling kernel: measured on 4x H200
-/// (79b6f74), all_gather of 16-256 MiB took ~2.4 ms per op whatever the size (0.08x NCCL at 16
-/// MiB), one time slice. Send/recv between GPUs and the reductions (whose plans have no copy
-/// within a GPU) keep the kernel. Ranks sharing one GPU make every copy such a copy: once the
-/// daemon has seen that (every rank bound its reduction scratch), it sets the communicator's
-/// `HINT_SHARED_GPU` doorbell hint and the client passes 0 here (`post_cuda_ordered`);
-/// send/recv-only communicators on a shared GPU still need `COMMD_GPU_WAIT=memop`.
+/// The size the `auto` rule sees for an op of `kind` moving `bytes` per rank: 0 (the memory op)
+/// for ops whose daemon plan copies within a rank's own GPU (all_gather, broadcast, all_to_all:
+/// the rank's own block). A copy within one GPU runs as a kernel in the daemon's context,
+/// time-sliced against this context's polling kernel: on 4 GPUs an all_gather of 16-256 MiB
+/// then takes one time slice per op whatever the size, far behind NCCL. Send/recv between GPUs
+/// and the reductions (whose plans have no copy within a GPU) keep the kernel. Ranks sharing
+/// one GPU make every copy such a copy: once the daemon has seen that (every rank bound its
+/// reduction scratch), it sets the communicator's `HINT_SHARED_GPU` doorbell hint and the
+/// client passes 0 here (`post_cuda_ordered`); send/recv-only communicators on a shared GPU
+/// still need `COMMD_GPU_WAIT=memop`.
 pub fn auto_bytes(kind: commd_proto::desc::OpKind, bytes: u64) -> u64 {
     use commd_proto::desc::OpKind as K;
     match kind {

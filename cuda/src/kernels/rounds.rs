@@ -1,11 +1,11 @@
-//! The *rounds* kernel: every reduction round of an eager multi-round op (DESIGN.md contract 4:
+//! The *rounds* kernel: every reduction round of an eager multi-round op (docs/contracts.md #4:
 //! a reduction whose data exceeds one scratch slot runs in rounds, phase `j` bringing round
 //! `j`'s inputs into the scratch) in one launch instead of one launch per round.
 //!
-//! Why (issue 25 row 6, docs/benchmarks.md "GEMM interference"): under a running GEMM whose
-//! kernels hold every SM, a kernel of another stream starts only at a GEMM kernel boundary. With
-//! one launch per round, a 2-round 256 MiB all-reduce waited for two boundaries: one all-reduce
-//! per two GEMMs, half NCCL's rate. One launch per op waits for one.
+//! Why (docs/benchmarks.md row `gemm-overlap-2gpu-256M`): under a running GEMM whose kernels
+//! hold every SM, a kernel of another stream starts only at a GEMM kernel boundary. With one
+//! launch per round, a 2-round 256 MiB all-reduce waits for two boundaries: one all-reduce per
+//! two GEMMs, half NCCL's rate. One launch per op waits for one.
 //!
 //! What the stream does for such an op: writes `ready = ticket` and waits for `done >= ticket`
 //! as before (round 0's inputs are in; the kernel is not on the GPU while the copies run), then
@@ -18,10 +18,9 @@
 //! the block reduces round `j`. The acquires invalidate the SM's L1, so the round `j - 2` data
 //! that the same scratch slot held is not read again; `__syncthreads` orders the block's loads
 //! after them. Only one thread reads the host word: with a reader per block (hundreds of
-//! host-memory reads in flight) the daemon's copies of the same phase took 13-17 ms instead of
-//! 0.2 ms (2x H100, docs/benchmarks.md). The pieces, scratch slots and reduction order are
-//! exactly those of the per-round launches (`Communicator::post_cuda_ordered`), so the result is
-//! bit for bit the same.
+//! host-memory reads in flight) the daemon's copies of the same phase take many times longer. The
+//! pieces, scratch slots and reduction order are exactly those of the per-round launches
+//! (`Communicator::post_cuda_ordered`), so the result is bit for bit the same.
 //!
 //! Every block must be resident at once for the grid barrier, so the kernel is launched
 //! cooperatively (`cuLaunchCooperativeKernel`) with at most the occupancy limit of blocks. The

@@ -72,7 +72,7 @@ fn every_kernel_compiles_with_nvrtc() {
                 "{d:?} {op:?}: no 16-byte stores in the PTX"
             );
         }
-        // The direct all-reduce kernel (contract 7) is in the same module, with its
+        // The direct all-reduce kernel (docs/contracts.md #7) is in the same module, with its
         // acquire/release flag accesses at system scope.
         let ptx = compile_ptx(d, op, (9, 0)).unwrap_or_else(|e| panic!("{e}"));
         assert!(

@@ -5,16 +5,14 @@ use super::signature::Part;
 use crate::gpu::kernels::direct as k;
 use crate::{Error, Result};
 
-/// Default blocks of the direct kernel (fewer on a GPU with fewer SMs). 2x H200, 2026-11-26
-/// (docs/benchmarks.md): 16 and 64 blocks both take 8.1-8.4 us per op up to 64 KiB; at 512
-/// KiB / 2 MiB / 4 MiB 64 blocks take 10.1 / 16.4 / 26.3 us against 16 blocks' 12.4 / 26.2 /
-/// 56.1 (NCCL's graph: 12.5 / 29.1 / 36.3).
+/// Default blocks of the direct kernel (fewer on a GPU with fewer SMs): 16 and 64 blocks take
+/// the same time up to 64 KiB, and from 512 KiB 64 blocks are faster (docs/benchmarks.md row
+/// `graph2-allreduce-1M-4M`).
 pub const DEFAULT_BLOCKS: u32 = 64;
 
 /// A direct op whose pushes reach this many bytes ((n - 1) x its bytes per rank) runs on twice
-/// the blocks ([`launch_grid`]). 4x H200, 2026-11-28 (docs/benchmarks.md): 128 blocks took
-/// 4-11% less than 64 from 6 MiB of pushes (alltoall 8 MiB 33.8 against 38.0 us, broadcast 8
-/// MiB 56.2 against 59.3), and 1-6% more up to 3 MiB (all_reduce 512 KiB 14.1 against 13.3).
+/// the blocks ([`launch_grid`]): on 4 GPUs 128 blocks take less time than 64 from 6 MiB of
+/// pushes, and more up to 3 MiB.
 pub const LARGE_PUSH_BYTES: u64 = 4 << 20;
 
 /// The (blocks, tickets per block) of a direct op of `bytes` per rank on `n` ranks, on windows
@@ -35,10 +33,10 @@ pub fn launch_grid(grid: u32, bytes: u64, n: u32, one_block: u64) -> (u32, u32) 
 /// `COMMD_DIRECT_ONE_BLOCK_MAX_BYTES`: the largest direct op (bytes per rank) that runs on one
 /// block ([`launch_grid`]); default 4096 (one pass of the block's 256 threads x 16 bytes);
 /// `0`: none. Local to a rank (the peers do not see a rank's grid). Read once per process.
-/// 2x H200 (docs/benchmarks.md, 2026-11-28, "Shortening a small direct op's GPU path"), 8 B-4
-/// KiB against the half grid: on its own 0.1-0.7 us less for broadcast and 0.8-1.9 for
-/// reduce-scatter, up to 0.4 more for all-reduce and 0.9 for all-to-all; with LL lines (which
-/// need it) all-reduce 0.7-2.1 us less, all-to-all 1.3-1.5, reduce-scatter 0.1-1.0.
+/// Against the half grid at 8 B-4 KiB, one block on its own is faster for broadcast and
+/// reduce-scatter and slightly slower for all-reduce and all-to-all; with LL lines (which need
+/// it) all-reduce, all-to-all and reduce-scatter are faster (docs/benchmarks.md row
+/// `nccl2-allreduce-8B`).
 pub(crate) fn one_block_max() -> Result<u64> {
     static V: SettingCell = SettingCell::new();
     ONE_BLOCK_MAX.once(&V)
@@ -51,14 +49,12 @@ pub(crate) fn one_block_max() -> Result<u64> {
 /// the split's share, so it never widens a window's slot ([`Limits::slot`]). Past it the
 /// daemon's copy engines copy straight into the receivers' buffers, where a direct copy goes
 /// through the windows:
-/// - 2x H200 (docs/benchmarks.md, 2026-11-28, "The direct limit on two GPUs"): an all-gather
-///   with 16 MiB per rank took 84.7 us direct against the daemon's 71.1, an all-to-all 94.7
-///   against 69.4, while 8 MiB per rank took 40.6 against 48.4;
-/// - 4x H200, once a push loads every peer's chunk at once (2026-11-28, "Pushes of 8 MiB per
-///   peer on four GPUs"): 8 MiB per peer (24 MiB of pushes) took 98.6 us for an all-gather of
-///   32 MiB, 100.7 for an all-to-all and 95.9 for a reduce-scatter, against the daemon's
-///   112.2, 111.0 and 119.4 (NCCL 105.9, 107.2, 103.6). The earlier kernel, one peer after
-///   the other, had taken 121.2 for that all-to-all, hence the 12 MiB of the time before.
+/// - on 2 GPUs an all-gather or all-to-all with 16 MiB per rank is slower direct than on the
+///   daemon's path, with 8 MiB per rank faster (docs/benchmarks.md row `nccl2-allgather-16M`);
+/// - on 4 GPUs, with a push loading every peer's chunk at once, 8 MiB per peer (24 MiB of
+///   pushes) is faster direct than on the daemon's path for an all-gather, all-to-all and
+///   reduce-scatter (docs/benchmarks.md rows `nccl4-allgather-32M`, `nccl4-alltoall-32M`,
+///   `nccl4-reduce-scatter-32M`).
 pub fn default_push_bytes(nranks: u32) -> u64 {
     let per = (24u64 << 20) / u64::from(nranks.saturating_sub(1).max(1));
     pow2_floor(per.min(8 << 20))
@@ -71,15 +67,14 @@ pub(super) fn pow2_floor(x: u64) -> u64 {
 
 /// The default largest direct all-reduce, reduce-scatter, broadcast and reduce (bytes per rank),
 /// on 2 ranks 16 MiB, elsewhere the power of two at most 8 MiB / (n - 1) and 4 MiB (4 MiB for 3
-/// ranks, 2 MiB for 4 to 5, 1 MiB for 6 to 8; one direct op of 4 or 8 MiB was slower than the
-/// split on 4x H200, "Larger shares on four GPUs"). A window slot is the largest of the limits
-/// ([`Limits::slot`]). Measured on 2x H200 (docs/benchmarks.md, 2026-11-28,
-/// "The direct limit on two GPUs"; nccl-tests, us, against the earlier 4 MiB limit and NCCL):
-/// all-reduce 16 MiB 74.9 (87.6, 78.3), reduce 16 MiB 55.4 (82.0, 58.4), broadcast 16 MiB
-/// 63.2 (65.6, 63.2), reduce-scatter 32 MiB 80.5 (87.3, 90.2); at 32 MiB per rank the daemon's
-/// path is as fast or faster. On more ranks an op past the limit whose share fits is split
-/// into direct ops; larger ones take the daemon's path, whose reduce-scatter + all-gather moves
-/// 2 (n - 1) / n x the bytes.
+/// ranks, 2 MiB for 4 to 5, 1 MiB for 6 to 8; on 4 GPUs one direct op of 4 or 8 MiB is slower
+/// than the split). A window slot is the largest of the limits ([`Limits::slot`]). On 2 GPUs
+/// an all-reduce, reduce or broadcast of 16 MiB and a reduce-scatter of 32 MiB are faster as
+/// one direct op than under a 4 MiB limit (docs/benchmarks.md rows `nccl2-allreduce-8M-16M`,
+/// `nccl2-reduce-8M-16M`, `nccl2-broadcast-8M-16M`, `nccl2-reduce-scatter-32M`); at 32 MiB per
+/// rank the daemon's path is as fast or faster. On more ranks an op past the limit whose share
+/// fits is split into direct ops; larger ones take the daemon's path, whose reduce-scatter +
+/// all-gather moves 2 (n - 1) / n x the bytes.
 pub fn default_max_bytes(nranks: u32) -> u64 {
     // One rank (a group of one) runs no direct op, but its limits are still asked for.
     if nranks <= 2 {
@@ -95,13 +90,12 @@ pub fn default_max_bytes(nranks: u32) -> u64 {
 /// for 3 and 4 ranks, 4 MiB for 5 to 8), so that a window's data slots (2 x n of the largest
 /// of the limits, [`Limits::slot`]) stay within 64 MiB, as on 2 ranks. Past the split the
 /// daemon's path runs a broadcast or reduce as a reduce-scatter and all-gather of copy-engine
-/// rounds. Measured on 4x H200 (docs/benchmarks.md, 2026-11-28, "Larger shares on four
-/// GPUs"; nccl-tests, us, against the earlier 2 MiB shares, whose split stopped at 8 MiB, and
-/// NCCL): at 16 MiB (4 MiB shares) broadcast 99.9 (158.9, 65.3), reduce 99.9 (174.3, 62.3),
-/// all-reduce 107.0 (135.5, 99.6); at 32 MiB (8 MiB shares) broadcast 190.3 (226.7, 113.2),
-/// reduce 192.3 (328.7, 109.0), all-reduce 199.4 (206.8, 172.0). The limit of a whole direct
-/// op stays: one direct op of 4 or 8 MiB was slower than the split (broadcast 4 MiB 44.4
-/// against 38.5). 3 and 5 to 8 ranks follow the same rule, not measured (no such machine).
+/// rounds. On 4 GPUs a broadcast, reduce or all-reduce of 16 MiB (4 MiB shares) and of 32 MiB
+/// (8 MiB shares) is faster than with 2 MiB shares, whose split stops at 8 MiB
+/// (docs/benchmarks.md rows `nccl4-broadcast-32M`, `nccl4-reduce-16M`, `nccl4-reduce-32M`,
+/// `nccl4-allreduce-32M`). The limit of a whole direct op stays: one direct op of 4 or 8 MiB
+/// is slower than the split. 3 and 5 to 8 ranks follow the same rule, not measured (no such
+/// machine).
 pub fn default_share_bytes(nranks: u32) -> u64 {
     if nranks <= 2 {
         default_push_bytes(nranks)
@@ -134,9 +128,9 @@ impl Limits {
 
     /// The largest whole direct op of `mode`: an all-gather or all-to-all pushes each peer's
     /// chunk as a copy (`push`); a reduce-scatter pushes each peer's chunk too, so it takes the
-    /// larger of `push` and `whole` (4x H200, docs/benchmarks.md, 2026-11-28, "Pushes of 8 MiB
-    /// per peer on four GPUs": a reduce-scatter of 16 MiB, 4 MiB per peer, took 51.5 us direct
-    /// against the daemon's 76.3, NCCL 61.9); the rest `whole`.
+    /// larger of `push` and `whole` (on 4 GPUs a reduce-scatter of 16 MiB, 4 MiB per peer, is
+    /// faster direct than on the daemon's path: docs/benchmarks.md row
+    /// `nccl4-reduce-scatter-16M`); the rest `whole`.
     pub fn of(&self, mode: u32) -> u64 {
         match mode {
             k::MODE_AG | k::MODE_A2A => self.push,
@@ -339,10 +333,9 @@ pub(crate) fn ll_op(
 }
 
 /// Whether a kernel mode has a root (broadcast, reduce, and the scatter and gather of split
-/// ones). Those keep the flags even under the LL limit: on 2x H200 (docs/benchmarks.md,
-/// 2026-11-28) a broadcast of 8 B-4 KiB by lines took 8.2-8.4 us at best against 6.2-7.8 by
-/// flags on one block, where all-reduce, all-to-all and reduce-scatter by lines took 0.1-2.1 us
-/// less.
+/// ones). Those keep the flags even under the LL limit: a broadcast of 8 B-4 KiB is slower by
+/// lines than by flags on one block, where an all-reduce, all-to-all or reduce-scatter is
+/// faster by lines (docs/benchmarks.md row `nccl2-broadcast-8B-512K`).
 pub(crate) fn rooted_mode(mode: u32) -> bool {
     matches!(
         mode,
@@ -359,11 +352,10 @@ pub(super) fn ll_area_off(n: u32, slot: u64) -> u64 {
 /// `COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES`: the smallest direct broadcast (bytes per rank) on 3+
 /// ranks that runs forwarded (`kernels::direct::MODE_BCF`: the root pushes one part of n - 1 to
 /// each non-root, which forwards it to the others, so the root's GPU sends the bytes once
-/// instead of n - 1 times, one flag hop later); default 2 MiB; `0`: every one. Measured on 4x
-/// H200 (docs/benchmarks.md, 2026-11-28, "A forwarded broadcast"; nccl-tests, us, against the
-/// root pushing to every rank, and NCCL): 2 MiB 21.8 (24.8, 20.1), 1 MiB 16.6 (15.9, 12.4),
-/// 256 KiB 12.0 (9.4, 10.4); as one op past the limit (a set limit of 8 MiB) 4 MiB 32.2 against
-/// the split's 36.8 (NCCL 26.0), 8 MiB 54.4 against 56.6. The same on every rank (checked when
+/// instead of n - 1 times, one flag hop later); default 2 MiB; `0`: every one. On 4 GPUs it is
+/// faster than the root pushing to every rank at 2 MiB and slower at 1 MiB and below
+/// (docs/benchmarks.md row `nccl4-broadcast-2M`); as one op past the limit (a set limit of
+/// 8 MiB) it is faster than the split at 4 and 8 MiB. The same on every rank (checked when
 /// the windows are set up). Read once per process.
 pub(crate) fn bcast_forward_min() -> Result<u64> {
     static V: SettingCell = SettingCell::new();
@@ -400,8 +392,8 @@ pub(crate) fn ll_max() -> Result<u64> {
 /// at such an op fails that rank's next op); what is missing before it can be a default: a
 /// peer may still write its flag into this rank's window after this rank's last op, so a
 /// process that exits right then leaves that write to freed memory (the windows live until
-/// the process exits; docs/design.md contract 7 rule 3 says what would close that). A rank's
-/// own choice (its peers need not share it). Read once per process.
+/// the process exits; docs/design-gpu.md, direct collectives rule 3, says what would close
+/// that). A rank's own choice (its peers need not share it). Read once per process.
 pub(crate) fn defer_wait() -> Result<bool> {
     static V: SettingCell = SettingCell::new();
     Ok(DEFER_WAIT.once(&V)? != 0)

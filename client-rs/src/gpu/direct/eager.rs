@@ -1,6 +1,6 @@
-//! Eager collectives as direct ops (DESIGN.md contract 7, rule 8): the same kernel as a
-//! captured direct op, launched for an op posted outside any capture, on windows of their own
-//! (so eager ops and graph replays never share a protocol instance).
+//! Eager collectives as direct ops (docs/design-gpu.md, direct collectives rule 8): the same
+//! kernel as a captured direct op, launched for an op posted outside any capture, on windows
+//! of their own (so eager ops and graph replays never share a protocol instance).
 //!
 //! A captured op's failure is raised at the communicator's next call; an eager op has a
 //! `Request` that must say whether *that* op succeeded. So every eager direct op gets a status
@@ -24,8 +24,8 @@ use super::signature::Record;
 use super::signature::{explain_code, explain_p2p, explain_p2p_code, op_error_kind};
 use crate::{Error, Result, lock};
 
-/// `COMMD_EAGER_DIRECT` (`auto`/`on`/`1`, the default since it was measured on GPUs:
-/// docs/benchmarks.md, "Eager collectives as direct ops"; `0`/`off`: every eager op through the
+/// `COMMD_EAGER_DIRECT` (`auto`/`on`/`1`, the default, as measured on GPUs: docs/benchmarks.md
+/// row `nccl4-allreduce-8B`; `0`/`off`: every eager op through the
 /// daemon; `shared`, tests only: ranks sharing a GPU too) and `COMMD_EAGER_DIRECT_MAX_BYTES`
 /// (the largest op, bytes per rank; default `direct::default_max_bytes`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,14 +1,13 @@
-//! Direct captured collectives (DESIGN.md contract 7): the host side.
+//! Direct captured collectives (docs/contracts.md #7): the host side.
 //!
-//! A persistent op (contract 6) takes every replay through the daemon's executor: ready seen,
-//! copies issued, events seen, done written, each a CPU round trip, 26-50 us per op against
-//! NCCL's 10-16 us under graphs (docs/benchmarks.md, 2026-11-25/26). An all-reduce,
-//! all-gather, reduce-scatter, broadcast or reduce captured on a communicator whose ranks each
-//! have their own GPU, all visible to each other with peer access, runs instead as one kernel
-//! of the graph (`kernels::direct`): it pushes the input into the peers' windows and reduces
-//! (or copies) its own window into the output, with flags that advance on the GPU. The daemon
-//! sees nothing per replay; it only marks a communicator broken (`HINT_BROKEN`) when a rank's
-//! process is lost, which stops a kernel that waits for that rank.
+//! A persistent op (docs/contracts.md #6) takes every replay through the daemon's executor: ready
+//! seen, copies issued, events seen, done written, each a CPU round trip, which makes it slower per
+//! op than NCCL under graphs. An all-reduce, all-gather, reduce-scatter, broadcast or reduce
+//! captured on a communicator whose ranks each have their own GPU, all visible to each other with
+//! peer access, runs instead as one kernel of the graph (`kernels::direct`): it pushes the input
+//! into the peers' windows and reduces (or copies) its own window into the output, with flags that
+//! advance on the GPU. The daemon sees nothing per replay; it only marks a communicator broken
+//! (`HINT_BROKEN`) when a rank's process is lost, which stops a kernel that waits for that rank.
 //!
 //! The windows are set up with the first such capture on a communicator: every rank allocates
 //! its window on its GPU and the ranks exchange IPC handles through a host all-gather on the

@@ -1,5 +1,5 @@
-//! A model of the direct-op protocol (DESIGN.md contract 7), run under random interleavings of
-//! the ranks: the window rules of `kernels/direct.rs` (epoch from a per-window counter, parity
+//! A model of the direct-op protocol (docs/contracts.md #7), run under random interleavings
+//! of the ranks: the window rules of `kernels/direct.rs` (epoch from a per-window counter, parity
 //! `e & 1`, a flag's second word (capture index, count) written to every window when the op
 //! starts, data slot (p, source), the flag's first word (epoch, signature) per (p, source)
 //! after every push, the own one last, a wait for every rank's first word of the epoch, then

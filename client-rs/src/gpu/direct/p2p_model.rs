@@ -1,5 +1,5 @@
-//! A model of the direct send/recv protocol (docs/design.md, "Send/recv as direct ops"), run
-//! under random interleavings of the ranks; written before the GPU code, which follows it.
+//! A model of the direct send/recv protocol (docs/design-gpu.md, send/recv rules), run under
+//! random interleavings of the ranks; the GPU code follows it.
 //!
 //! One channel per ordered pair (s -> d), in memory of the receiver d: two data slots, two
 //! flags (word 0: sequence | signature, word 1: count), and in the *sender's* inbox from d the

@@ -40,24 +40,22 @@ pub(super) const MAX_CHUNKS: u64 = 4;
 /// what runs as one direct op or one split (limits `lim`), up to [`MAX_CHUNKS`] chunks and
 /// `most` bytes (`COMMD_DIRECT_SPLIT_MAX_BYTES`); each chunk runs in order, the last one marked.
 /// On 2 ranks a chunk is one direct reduce of the limit: there a reduce's share (half the op)
-/// is past the split's ([`default_share_bytes`]), and the daemon's path took 1.3-1.4x NCCL's
-/// time. Measured on 2x H200 (docs/benchmarks.md, 2026-11-28, "A reduce past the limit on two
-/// GPUs"; nccl-tests, us):
-/// - in chunks of 16 MiB, 32 MiB took 110.5 and 64 MiB 221.7, against the daemon's 141.9
-///   and 258.3 (NCCL 104.2 and 197.2); from 128 MiB the daemon's copy engines are faster
-///   (430 against 442, 1463 against 1766 at 512 MiB), hence the cap;
-/// - one direct reduce of 32 MiB (a 32 MiB limit) took 103.4, but a larger slot costs every
-///   communicator GPU memory (4 slots per window), and all-reduce and broadcast are slower
-///   as one larger direct op than on the daemon's path (32 MiB: 153.2 against 136.4, 132.4
-///   against 109.1), so only a reduce is chunked and the slot stays.
+/// is past the split's ([`default_share_bytes`]), and the daemon's path is slower than NCCL.
+/// On 2 GPUs (nccl-tests):
+/// - in chunks of 16 MiB, a reduce of 32 or 64 MiB is faster than on the daemon's path
+///   (docs/benchmarks.md row `nccl2-reduce-32M-64M`); from 128 MiB the daemon's copy engines
+///   are faster (docs/benchmarks.md row `nccl2-reduce-128M`), hence the cap;
+/// - one direct reduce of 32 MiB (a 32 MiB limit) is faster still, but a larger slot costs
+///   every communicator GPU memory (4 slots per window), and all-reduce and broadcast are
+///   slower as one larger direct op than on the daemon's path, so only a reduce is chunked and
+///   the slot stays.
 ///
 /// On 3+ ranks a chunk is a split of n shares of the largest share (32 MiB on 4 ranks), whose
 /// parts are those of [`split_share`]'s split: the daemon's reduce brings every rank's input
 /// to the root ((n - 1) x the bytes into one GPU), the split moves 2 (n - 1) / n x the bytes
-/// through each GPU. On 4x H200 (docs/benchmarks.md, 2026-11-28, "Larger shares on four
-/// GPUs") a split reduce of 32 MiB took 192.3 us against the daemon's 328.7, and in chunks
-/// 64 MiB took 383.0 and 128 MiB 768.5 against the daemon's 628.6 and 1124.7 (NCCL 201.9 and
-/// 384.0).
+/// through each GPU. On 4 GPUs a split reduce of 32 MiB, and in chunks one of 64 or 128 MiB,
+/// is faster than on the daemon's path (docs/benchmarks.md rows `nccl4-reduce-32M`,
+/// `nccl4-reduce-128M`).
 pub(crate) fn reduce_chunk(
     kind: OpKind,
     count: u64,
@@ -82,9 +80,10 @@ pub(crate) fn reduce_chunk(
 /// The share (elements per rank) of an all-reduce, broadcast or reduce of `count` elements of
 /// `es` bytes split into direct ops ([`Communicator::split_op`]), or `None` when it is not
 /// split: within the direct limit `max` (one direct op), past `most` bytes
-/// (`COMMD_DIRECT_SPLIT_MAX_BYTES`), or a share past `share_max`. Measured on 4x H200
-/// (docs/benchmarks.md, 2026-11-28): at 4 and 8 MiB the two direct ops together take 0.5-0.65x
-/// the daemon's path (all-reduce, broadcast, reduce).
+/// (`COMMD_DIRECT_SPLIT_MAX_BYTES`), or a share past `share_max`. On 4 GPUs, at 4 and 8 MiB,
+/// the two direct ops together take less time than the daemon's path (all-reduce, broadcast,
+/// reduce; docs/benchmarks.md rows `nccl4-allreduce-4M-16M`, `nccl4-broadcast-8M`,
+/// `nccl4-reduce-8M`).
 pub(crate) fn split_share(
     count: u64,
     es: u64,

@@ -222,7 +222,7 @@ pub(super) fn dtype_name(sig: u32) -> String {
 }
 
 /// What a failure record means, for the error the client raises: of a replay of a captured op,
-/// or (`eager`) of an eager direct op (contract 7 rule 8).
+/// or (`eager`) of an eager direct op (docs/design-gpu.md, direct collectives rule 8).
 pub fn explain(r: &Record, me: u32, eager: bool) -> String {
     let e = r.epoch;
     let (m_sig, m_k, m_count) = (r.mine.0 as u32, (r.mine.1 >> 32) as u32, r.mine.1 as u32);

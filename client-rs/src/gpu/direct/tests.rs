@@ -95,7 +95,7 @@ fn an_all_reduce_splits_only_past_the_limit_with_a_share_within_it() {
     assert_eq!(split(mib, 4, 4 * mib), Some(mib / 4));
     assert_eq!(split(mib + 1, 4, 4 * mib), None);
     // One rank: nothing to split, and its limits are defined (a group of one asks for
-    // them before it finds that it runs no direct op: that once divided by zero).
+    // them before it finds that it runs no direct op, so they must not divide by zero).
     assert_eq!(split(mib, 1, u64::MAX), None);
     let lim1 = Config::parse(None, None, None).unwrap().limits(1);
     assert!(
@@ -118,7 +118,7 @@ fn an_all_reduce_splits_only_past_the_limit_with_a_share_within_it() {
     assert_eq!(split4(4 * mib), Some(mib));
     assert_eq!(split4(8 * mib + 3), Some(2 * mib));
     assert_eq!(split4(8 * mib + 4), None);
-    // 2 ranks with the limit set to 4 MiB (as before 2026-11-28): split up to 8 MiB.
+    // 2 ranks with the limit set to 4 MiB: split up to 8 MiB.
     let m2 = 4 * mib;
     assert_eq!(split_share(2 * mib, 4, 2, m2, m2, u64::MAX), Some(mib));
     assert_eq!(split_share(2 * mib + 2, 4, 2, m2, m2, u64::MAX), None);
@@ -765,7 +765,8 @@ fn a_mismatch_names_the_fields_that_differ() {
         "{m}"
     );
     assert!(m.contains("#3, rank 1 its #4"), "{m}");
-    // The same record of an eager direct op (rule 8) speaks of eager ops, not replays.
+    // The same record of an eager direct op (docs/design-gpu.md, direct collectives rule 8)
+    // speaks of eager ops, not replays.
     let m = explain(&r2, 0, true);
     assert!(
         m.contains("in an eager direct op")
