@@ -37,24 +37,3 @@ pub fn piece(s0: u64, len: u64, n: u64, r: u64) -> (u64, u64) {
     let rem = len % n;
     (s0 + r * base + r.min(rem), base + u64::from(r < rem))
 }
-
-#[cfg(test)]
-mod tests {
-    use super::piece;
-
-    #[test]
-    fn pieces_cover_the_segment_in_order() {
-        for len in [0u64, 1, 7, 64, 1001] {
-            for n in 1..=9u64 {
-                let mut next = 5;
-                for r in 0..n {
-                    let (s, l) = piece(5, len, n, r);
-                    assert_eq!(s, next, "len {len} n {n} r {r}");
-                    assert!(l == len / n || l == len / n + 1);
-                    next = s + l;
-                }
-                assert_eq!(next, 5 + len);
-            }
-        }
-    }
-}

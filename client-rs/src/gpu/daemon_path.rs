@@ -295,17 +295,8 @@ impl Communicator {
             None => 0,
         };
         let pool = g.events.clone();
-        // The op's stream waits for the work queued on `after` (GPU-side; the event goes back
-        // to the pool at once: the wait keeps the record it saw).
-        if let Some(after) = a.after
-            && after != a.stream
-        {
-            let ev = pool.get(dev)?;
-            // SAFETY: `after` is live (caller) and of the op's device.
-            unsafe { ev.record(after)? };
-            // SAFETY: `a.stream` was validated above.
-            unsafe { ev.wait_on(a.stream)? };
-        }
+        // SAFETY: the caller's contract; `a.stream` was validated above.
+        unsafe { super::order::wait_after(&pool, dev, a)? };
         // A communicator's eager ops share one ready counter (docs/contracts.md #4), which only
         // works if the ops' ready writes land in ticket order. Ops of one communicator on
         // several streams (FSDP's all-gathers on its unshard stream and reduce-scatters on its

@@ -23,7 +23,7 @@
 pub mod algo;
 mod daemon_path;
 mod event;
-mod order;
+pub(crate) mod order;
 mod post;
 mod register;
 pub(crate) use commd_cuda as cu;

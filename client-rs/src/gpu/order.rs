@@ -4,10 +4,12 @@
 
 #![allow(unsafe_code)] // stream waits through the driver
 
+use std::sync::Arc;
+
 use commd_proto::desc::{doorbell, graph_doorbell};
 
 use super::cu::{self, ck, sys};
-use super::{CommGpu, CudaEvent, driver, graph, wait};
+use super::{CommGpu, CudaEvent, CudaOpArgs, EventPool, driver, graph, wait};
 use crate::{Communicator, Error, Result, lock};
 
 impl Communicator {
@@ -161,4 +163,23 @@ pub unsafe fn refuse_capture(stream: sys::CUstream, what: &str) -> Result<()> {
          stale data. Refused (nothing was enqueued); wait for those ops before the capture \
          begins (DESIGN.md contract 6)"
     )))
+}
+
+/// Orders `a.stream` after the work queued on `a.after`, if that is another stream: an event of
+/// the pool recorded there and waited on by `a.stream`, all on the GPU (the event goes back to
+/// the pool at once: the wait keeps the record it saw).
+///
+/// # Safety
+/// `a.stream` and `a.after` must be live streams of device `dev`.
+pub(crate) unsafe fn wait_after(pool: &Arc<EventPool>, dev: i32, a: &CudaOpArgs) -> Result<()> {
+    if let Some(after) = a.after
+        && after != a.stream
+    {
+        let ev = pool.get(dev)?;
+        // SAFETY: the caller's contract.
+        unsafe { ev.record(after)? };
+        // SAFETY: as above.
+        unsafe { ev.wait_on(a.stream)? };
+    }
+    Ok(())
 }

@@ -371,15 +371,8 @@ impl Communicator {
         let pool = g.events.clone();
         let kern = g.kernels.get_or_insert_with(kernels::Kernels::new);
         kern.prepare(a.dtype, op)?;
-        if let Some(after) = a.after
-            && after != a.stream
-        {
-            let ev = pool.get(dev)?;
-            // SAFETY: `after` is live (caller) and of the op's device.
-            unsafe { ev.record(after)? };
-            // SAFETY: `a.stream` is live (caller).
-            unsafe { ev.wait_on(a.stream)? };
-        }
+        // SAFETY: `a.stream` and `a.after` are live (caller) and of the op's device.
+        unsafe { crate::gpu::order::wait_after(&pool, dev, a)? };
         // An eager op on another stream than the communicator's last eager op (of either path)
         // waits for it on the GPU: the windows' epochs and the daemon's ready counter both
         // need the communicator's ops in issue order (as `post_cuda_ordered`).
