@@ -11,10 +11,11 @@ use commd_proto::desc::{OpKind, RedOp, doorbell};
 use super::config::{Config, defer_wait, forwarded, launch_grid, ll_op, one_block_max, split_max};
 use super::plan::{Split, split_how, split_plan};
 use super::signature::{Part, explain, part_signature};
-use super::{DEFAULT_TIMEOUT_S, State};
+use super::{DEFAULT_TIMEOUT_S, State, Windows};
 use crate::gpu::cu::{ck, sys};
+use crate::gpu::event::EventPool;
 use crate::gpu::kernels::{self, DirectArgs, direct as k};
-use crate::gpu::{CudaOpArgs, CudaPosted, ensure_context, pointer_span};
+use crate::gpu::{CudaEvent, CudaOpArgs, CudaPosted, ensure_context, pointer_span};
 use crate::{Communicator, Error, Request, Result, lock};
 
 impl Communicator {
@@ -184,51 +185,12 @@ impl Communicator {
         let Some(mode) = part.mode(a.kind) else {
             return Ok(None);
         };
-        // Copies (all-gather, broadcast) load the (dtype, sum) module: any dtype has one.
-        let op = match (mode, a.redop) {
-            (k::MODE_AG | k::MODE_BC | k::MODE_A2A | k::MODE_SC | k::MODE_GA, _) => RedOp::Sum,
-            (_, Some(op)) => op,
-            (_, None) => {
-                return Err(Error::InvalidArgument(format!(
-                    "{} needs a reduction op",
-                    a.kind.name()
-                )));
-            }
-        };
+        let op = launch_redop(a, mode)?;
         // Bytes per rank: what each rank pushes to a peer, the size of a window slot.
         let bytes = a.count.saturating_mul(a.dtype.size());
-        // Eager ops (rule 8): their own windows, sized and shared as COMMD_EAGER_DIRECT says,
-        // never where two ranks are one process (the windows' setup blocks each rank until
-        // every rank takes part, and one thread may drive several ranks).
-        let cfg = if eager {
-            let e = super::eager::EagerConfig::cached()?;
-            if !e.enabled || self.ranks_share_a_process {
-                return Ok(None);
-            }
-            // The environment read once for eager ops (each one asks: a few microseconds
-            // per op otherwise); captures read it each time, as before.
-            static BLOCKS: std::sync::OnceLock<std::result::Result<u32, String>> =
-                std::sync::OnceLock::new();
-            let blocks = BLOCKS
-                .get_or_init(|| Config::from_env().map(|c| c.blocks))
-                .clone()
-                .map_err(Error::InvalidArgument)?;
-            Config {
-                enabled: true,
-                shared_gpus: e.shared_gpus,
-                max_bytes: e.max_bytes,
-                blocks,
-            }
-        } else {
-            Config::from_env().map_err(Error::InvalidArgument)?
-        };
-        if !cfg.enabled {
-            let mut c = lock(&self.gpu);
-            if matches!(c.direct, State::Unknown) {
-                c.direct = State::Off("COMMD_GRAPH_DIRECT=0".into());
-            }
+        let Some(cfg) = self.direct_config(eager)? else {
             return Ok(None);
-        }
+        };
         let lim = cfg.limits(self.nranks);
         // Read for every op (a bad value fails each one, before any exchange with the peers).
         let most = split_max()?;
@@ -265,50 +227,8 @@ impl Communicator {
         {
             return Ok(None);
         }
-        let n = u64::from(self.nranks);
         let me_root = a.peer == self.rank;
-        // (uses, elements) of the send and the recv buffer; a non-root's share of a split
-        // reduce is in its scratch slot instead (below).
-        let (send_use, recv_use) = part.buffers(a.kind, a.count, n, me_root);
-        let mut device = None;
-        let mut bufs = [0u64; 2];
-        let mut span = None;
-        for (i, (what, (uses, elems), p)) in
-            [("send", send_use, a.send), ("recv", recv_use, a.recv)]
-                .into_iter()
-                .enumerate()
-        {
-            if !uses {
-                continue;
-            }
-            let p = p.ok_or_else(|| {
-                Error::InvalidArgument(format!("{} needs a {what} buffer", a.kind.name()))
-            })?;
-            let len = elems
-                .and_then(|e| e.checked_mul(a.dtype.size()))
-                .ok_or_else(|| Error::InvalidArgument(format!("count {} overflows", a.count)))?;
-            // In place: one query for both buffers.
-            let (base, size, ordinal) = match span {
-                Some((q, s)) if q == p => s,
-                _ => pointer_span(p)?,
-            };
-            span = Some((p, (base, size, ordinal)));
-            if p.checked_add(len).is_none_or(|end| end > base + size) {
-                return Err(Error::InvalidArgument(format!(
-                    "{} {what} buffer {p:#x}: {len} bytes run past its allocation ({base:#x}, {size} bytes)",
-                    a.kind.name(),
-                )));
-            }
-            if *device.get_or_insert(ordinal) != ordinal {
-                return Err(Error::InvalidArgument(format!(
-                    "{} buffers on two devices ({} and {ordinal})",
-                    a.kind.name(),
-                    device.unwrap_or(-1),
-                )));
-            }
-            bufs[i] = p;
-        }
-        let [mut send, mut recv] = bufs;
+        let (device, [send, recv]) = direct_buffers(a, part, u64::from(self.nranks), me_root)?;
         let dev = match device {
             Some(d) => d,
             // No buffer of its own (a non-root's gather of a split reduce reads its scratch
@@ -331,8 +251,85 @@ impl Communicator {
             ..
         } = &mut *c;
         let state = if eager { eager_state } else { direct };
+        let Some(w) = self.ready_windows(state, &cfg, dev, eager, a)? else {
+            return Ok(None);
+        };
+        if bytes > w.slot {
+            return Ok(None);
+        }
+        let (send_scratch, recv_scratch) = part.scratch(me_root);
+        let l = Launch {
+            eager,
+            part,
+            mode,
+            op,
+            bytes,
+            defer,
+            dev,
+            send: if send_scratch {
+                w.scratch(self.rank)
+            } else {
+                send
+            },
+            recv: if recv_scratch {
+                w.scratch(self.rank)
+            } else {
+                recv
+            },
+        };
+        // SAFETY: the caller's contract; the buffers were checked above.
+        unsafe { self.launch_direct(w, last, a, &l) }
+    }
+
+    /// The direct path's settings for this op: the eager ones (rule 8) or the captures'.
+    /// `None`: this op takes the daemon's path (direct ops off, or an eager op where two ranks
+    /// are one process: the windows' setup blocks each rank until every rank takes part, and
+    /// one thread may drive several ranks).
+    fn direct_config(&self, eager: bool) -> Result<Option<Config>> {
+        let cfg = if eager {
+            let e = super::eager::EagerConfig::cached()?;
+            if !e.enabled || self.ranks_share_a_process {
+                return Ok(None);
+            }
+            // The environment read once for eager ops (each one asks: a few microseconds
+            // per op otherwise); captures read it each time.
+            static BLOCKS: std::sync::OnceLock<std::result::Result<u32, String>> =
+                std::sync::OnceLock::new();
+            let blocks = BLOCKS
+                .get_or_init(|| Config::from_env().map(|c| c.blocks))
+                .clone()
+                .map_err(Error::InvalidArgument)?;
+            Config {
+                enabled: true,
+                shared_gpus: e.shared_gpus,
+                max_bytes: e.max_bytes,
+                blocks,
+            }
+        } else {
+            Config::from_env().map_err(Error::InvalidArgument)?
+        };
+        if !cfg.enabled {
+            let mut c = lock(&self.gpu);
+            if matches!(c.direct, State::Unknown) {
+                c.direct = State::Off("COMMD_GRAPH_DIRECT=0".into());
+            }
+            return Ok(None);
+        }
+        Ok(Some(cfg))
+    }
+
+    /// This communicator's windows for the op on `dev`, set up at its first direct op.
+    /// `None`: the direct path was refused for it (the op takes the daemon's path).
+    fn ready_windows<'s>(
+        &self,
+        state: &'s mut State,
+        cfg: &Config,
+        dev: i32,
+        eager: bool,
+        a: &CudaOpArgs,
+    ) -> Result<Option<&'s mut Windows>> {
         if matches!(state, State::Unknown) {
-            match self.setup(&cfg, dev, eager) {
+            match self.setup(cfg, dev, eager) {
                 Ok(s) => *state = s,
                 Err(e) => {
                     // The exchange itself failed (a rank that posted another op instead, whose
@@ -345,38 +342,44 @@ impl Communicator {
                 }
             }
         }
-        let w = match state {
-            State::On(w) if w.device == dev => w,
-            State::On(w) => {
-                return Err(Error::InvalidArgument(format!(
-                    "{} on device {dev}, but this rank's earlier direct ops on the communicator used device {}",
-                    a.kind.name(),
-                    w.device
-                )));
-            }
-            _ => return Ok(None),
-        };
-        if bytes > w.slot {
-            return Ok(None);
+        if let State::On(w) = state
+            && w.device != dev
+        {
+            return Err(Error::InvalidArgument(format!(
+                "{} on device {dev}, but this rank's earlier direct ops on the communicator used device {}",
+                a.kind.name(),
+                w.device
+            )));
         }
-        let (send_scratch, recv_scratch) = part.scratch(me_root);
-        if send_scratch {
-            send = w.scratch(self.rank);
+        match state {
+            State::On(w) => Ok(Some(w)),
+            _ => Ok(None),
         }
-        if recv_scratch {
-            recv = w.scratch(self.rank);
-        }
+    }
+
+    /// Launches the op's kernel on `a.stream` after what it must wait for, and returns it
+    /// posted (an eager op with its status word and completion event).
+    ///
+    /// # Safety
+    /// As `try_direct`; `l`'s buffers were checked against the op.
+    unsafe fn launch_direct(
+        &self,
+        w: &mut Windows,
+        last: &mut Option<(usize, Arc<CudaEvent>)>,
+        a: &CudaOpArgs,
+        l: &Launch,
+    ) -> Result<Option<CudaPosted>> {
         let i = &self.client;
         let mut g = lock(&i.gpu);
         let pool = g.events.clone();
         let kern = g.kernels.get_or_insert_with(kernels::Kernels::new);
-        kern.prepare(a.dtype, op)?;
+        kern.prepare(a.dtype, l.op)?;
         // SAFETY: `a.stream` and `a.after` are live (caller) and of the op's device.
-        unsafe { crate::gpu::order::wait_after(&pool, dev, a)? };
+        unsafe { crate::gpu::order::wait_after(&pool, l.dev, a)? };
         // An eager op on another stream than the communicator's last eager op (of either path)
         // waits for it on the GPU: the windows' epochs and the daemon's ready counter both
         // need the communicator's ops in issue order (as `post_cuda_ordered`).
-        if eager
+        if l.eager
             && let Some((ls, ev)) = last.as_ref()
             && *ls != a.stream as usize
         {
@@ -384,7 +387,7 @@ impl Communicator {
             unsafe { ev.wait_on(a.stream)? };
         }
         // An eager op's status word, zeroed (the kernel writes its failure code there).
-        let status = match (&w.status, eager) {
+        let status = match (&w.status, l.eager) {
             (Some(sp), true) => Some((sp.clone(), sp.take()?)),
             (None, true) => {
                 return Err(Error::InvalidArgument(
@@ -393,12 +396,60 @@ impl Communicator {
             }
             _ => None,
         };
-        let (blocks, unit) = launch_grid(w.grid, bytes, self.nranks, one_block_max()?);
-        let mode = forwarded(mode, part, self.nranks, bytes, w.fwd_min);
-        let args = DirectArgs {
+        let (blocks, unit) = launch_grid(w.grid, l.bytes, self.nranks, one_block_max()?);
+        let args = self.direct_args(w, a, l, blocks, unit, status.as_ref().map_or(0, |s| s.1));
+        crate::gpu::prof::mark(crate::gpu::prof::PREPARE);
+        // SAFETY: the windows, record and hint word live for the process (`setup`); the
+        // buffers were checked by the caller, who vouches for the stream.
+        if let Err(e) = unsafe { kern.launch_direct(a.stream, a.dtype, l.op, blocks, &args) } {
+            if let Some((sp, word)) = &status {
+                sp.give_back(*word);
+            }
+            return Err(e.into());
+        }
+        crate::gpu::prof::mark(crate::gpu::prof::LAUNCH);
+        w.next_k = w.next_k.wrapping_add(1);
+        if l.eager {
+            w.epoch += 1;
+        }
+        let Some((sp, word)) = status else {
+            let done = if a.record {
+                let ev = pool.get(l.dev)?;
+                // SAFETY: `a.stream` is live and of the event's device.
+                unsafe { ev.record(a.stream)? };
+                Some(Arc::new(ev))
+            } else {
+                None
+            };
+            return Ok(Some(CudaPosted {
+                request: Request::new(i.clone(), 0, Some(Ok(0)), None),
+                done,
+                device: l.dev,
+                last_ticket: 0,
+                bytes: l.bytes,
+                captured: true,
+            }));
+        };
+        // SAFETY: `a.stream` is live (caller); the kernel holding `word` was launched on it.
+        unsafe { self.eager_launched(a, &pool, last, sp, word, l) }.map(Some)
+    }
+
+    /// The kernel's arguments: the windows, the buffers, and the op's place in the windows'
+    /// sequence.
+    fn direct_args(
+        &self,
+        w: &Windows,
+        a: &CudaOpArgs,
+        l: &Launch,
+        blocks: u32,
+        unit: u32,
+        status: u32,
+    ) -> DirectArgs {
+        let mode = forwarded(l.mode, l.part, self.nranks, l.bytes, w.fwd_min);
+        DirectArgs {
             win: w.win,
-            input: send,
-            out: recv,
+            input: l.send,
+            out: l.recv,
             count: a.count,
             slot: w.slot,
             rec: w.rec_dev,
@@ -410,55 +461,37 @@ impl Communicator {
                 .min(u128::from(u64::MAX)) as u64,
             me: self.rank,
             n: self.nranks,
-            sig: part_signature(part, a.kind, a.dtype, op, a.peer),
+            sig: part_signature(l.part, a.kind, a.dtype, l.op, a.peer),
             k: w.next_k,
             divisor: self.nranks,
             mode,
             root: a.peer,
-            status: status.as_ref().map_or(0, |(_, w)| *w),
+            status,
             unit,
-            ll: u32::from(ll_op(eager, w.epoch + 1, blocks, bytes, w.ll_max, mode)),
-            defer: u32::from(defer),
-            dseq: if eager { w.daemon_ops } else { 0 },
-            epoch: if eager { w.epoch + 1 } else { 0 },
-        };
-        crate::gpu::prof::mark(crate::gpu::prof::PREPARE);
-        // SAFETY: the windows, record and hint word live for the process (`setup`); the
-        // buffers were checked above; the caller vouches for the stream.
-        if let Err(e) = unsafe { kern.launch_direct(a.stream, a.dtype, op, blocks, &args) } {
-            if let Some((sp, word)) = &status {
-                sp.give_back(*word);
-            }
-            return Err(e.into());
+            ll: u32::from(ll_op(l.eager, w.epoch + 1, blocks, l.bytes, w.ll_max, mode)),
+            defer: u32::from(l.defer),
+            dseq: if l.eager { w.daemon_ops } else { 0 },
+            epoch: if l.eager { w.epoch + 1 } else { 0 },
         }
-        crate::gpu::prof::mark(crate::gpu::prof::LAUNCH);
-        w.next_k = w.next_k.wrapping_add(1);
-        if eager {
-            w.epoch += 1;
-        }
-        let Some((sp, word)) = status else {
-            let done = if a.record {
-                let ev = pool.get(dev)?;
-                // SAFETY: `a.stream` is live and of the event's device.
-                unsafe { ev.record(a.stream)? };
-                Some(Arc::new(ev))
-            } else {
-                None
-            };
-            return Ok(Some(CudaPosted {
-                request: Request::new(i.clone(), 0, Some(Ok(0)), None),
-                done,
-                device: dev,
-                last_ticket: 0,
-                bytes,
-                captured: true,
-            }));
-        };
-        // Eager: one event after the kernel is the op's completion, the order point for the
-        // communicator's next op on another stream, and (`a.record`) the caller's done event.
-        // (A word whose kernel was launched is never given back: if this record failed, the
-        // kernel could still write it after another op took it.)
-        let ev = pool.get(dev).map(Arc::new).and_then(|ev| {
+    }
+
+    /// An eager op whose kernel was launched: one event after the kernel is the op's
+    /// completion, the order point for the communicator's next op on another stream, and
+    /// (`a.record`) the caller's done event. (A word whose kernel was launched is never given
+    /// back: if this record failed, the kernel could still write it after another op took it.)
+    ///
+    /// # Safety
+    /// `a.stream` is live, not capturing, and runs the kernel that holds `word`.
+    unsafe fn eager_launched(
+        &self,
+        a: &CudaOpArgs,
+        pool: &Arc<EventPool>,
+        last: &mut Option<(usize, Arc<CudaEvent>)>,
+        sp: Arc<super::eager::StatusPool>,
+        word: u32,
+        l: &Launch,
+    ) -> Result<CudaPosted> {
+        let ev = pool.get(l.dev).map(Arc::new).and_then(|ev| {
             // SAFETY: `a.stream` is live and of the event's device.
             unsafe { ev.record(a.stream) }.map(|()| ev)
         });
@@ -475,9 +508,9 @@ impl Communicator {
         };
         *last = Some((a.stream as usize, ev.clone()));
         let op = sp.launched(word, ev.clone(), false);
-        let posted = self.eager_posted(a, sp, op, ev, dev, bytes);
+        let posted = self.eager_posted(a, sp, op, ev, l.dev, l.bytes);
         crate::gpu::prof::mark(crate::gpu::prof::EVENT);
-        Ok(Some(posted))
+        Ok(posted)
     }
 
     /// An op past the direct limit as direct ops (`COMMD_DIRECT_SPLIT_MAX_BYTES`,
@@ -599,4 +632,81 @@ impl Communicator {
             captured: false,
         }
     }
+}
+
+/// What one direct launch is, once its windows are known.
+struct Launch {
+    eager: bool,
+    part: Part,
+    mode: u32,
+    op: RedOp,
+    bytes: u64,
+    defer: bool,
+    dev: i32,
+    send: sys::CUdeviceptr,
+    recv: sys::CUdeviceptr,
+}
+
+/// The reduction the op's kernel module is loaded for: copies (all-gather, broadcast,
+/// all-to-all, scatter, gather) load the (dtype, sum) module, which any dtype has.
+fn launch_redop(a: &CudaOpArgs, mode: u32) -> Result<RedOp> {
+    match (mode, a.redop) {
+        (k::MODE_AG | k::MODE_BC | k::MODE_A2A | k::MODE_SC | k::MODE_GA, _) => Ok(RedOp::Sum),
+        (_, Some(op)) => Ok(op),
+        (_, None) => Err(Error::InvalidArgument(format!(
+            "{} needs a reduction op",
+            a.kind.name()
+        ))),
+    }
+}
+
+/// The op's send and recv buffers, each checked to lie in one allocation of one device:
+/// (that device, [send, recv]); 0 for a buffer the op does not use. A non-root's share of a
+/// split reduce is in its scratch slot instead (the caller's).
+fn direct_buffers(
+    a: &CudaOpArgs,
+    part: Part,
+    n: u64,
+    me_root: bool,
+) -> Result<(Option<i32>, [u64; 2])> {
+    // (uses, elements) of the send and the recv buffer.
+    let (send_use, recv_use) = part.buffers(a.kind, a.count, n, me_root);
+    let mut device = None;
+    let mut bufs = [0u64; 2];
+    let mut span = None;
+    for (i, (what, (uses, elems), p)) in [("send", send_use, a.send), ("recv", recv_use, a.recv)]
+        .into_iter()
+        .enumerate()
+    {
+        if !uses {
+            continue;
+        }
+        let p = p.ok_or_else(|| {
+            Error::InvalidArgument(format!("{} needs a {what} buffer", a.kind.name()))
+        })?;
+        let len = elems
+            .and_then(|e| e.checked_mul(a.dtype.size()))
+            .ok_or_else(|| Error::InvalidArgument(format!("count {} overflows", a.count)))?;
+        // In place: one query for both buffers.
+        let (base, size, ordinal) = match span {
+            Some((q, s)) if q == p => s,
+            _ => pointer_span(p)?,
+        };
+        span = Some((p, (base, size, ordinal)));
+        if p.checked_add(len).is_none_or(|end| end > base + size) {
+            return Err(Error::InvalidArgument(format!(
+                "{} {what} buffer {p:#x}: {len} bytes run past its allocation ({base:#x}, {size} bytes)",
+                a.kind.name(),
+            )));
+        }
+        if *device.get_or_insert(ordinal) != ordinal {
+            return Err(Error::InvalidArgument(format!(
+                "{} buffers on two devices ({} and {ordinal})",
+                a.kind.name(),
+                device.unwrap_or(-1),
+            )));
+        }
+        bufs[i] = p;
+    }
+    Ok((device, bufs))
 }

@@ -422,33 +422,9 @@ impl Communicator {
             return Ok(none());
         };
         // Every op's channel, as it stands (sequences counted here, kept on success).
-        let mut seqs: Vec<(u32, u64, u64)> = Vec::new();
-        let mut chans = Vec::with_capacity(ops.len());
-        for (a, pl) in ops {
-            match p2p.get(&a.peer) {
-                Some(Pair::On(ch)) if ch.device == pl.dev && pl.dev == dev => {
-                    if !seqs.iter().any(|(p, _, _)| *p == a.peer) {
-                        seqs.push((a.peer, ch.sent, ch.received));
-                    }
-                    let daemon = if pl.send {
-                        ch.daemon_sent
-                    } else {
-                        ch.daemon_received
-                    };
-                    chans.push((ch.local, ch.remote, ch.slot, daemon));
-                }
-                Some(Pair::On(ch)) if ops.len() == 1 => {
-                    return Err(Error::InvalidArgument(format!(
-                        "{} on device {}, but this rank's earlier direct send/recv with rank {} used device {}",
-                        a.kind.name(),
-                        pl.dev,
-                        a.peer,
-                        ch.device
-                    )));
-                }
-                _ => return Ok(none()),
-            }
-        }
+        let Some((mut seqs, chans)) = op_channels(p2p, ops, dev)? else {
+            return Ok(none());
+        };
         let i = &self.client;
         let mut g = lock(&i.gpu);
         let pool = g.events.clone();
@@ -516,20 +492,8 @@ impl Communicator {
         super::super::prof::mark(super::super::prof::PREPARE);
         // SAFETY: the inboxes, record and hint word live for the process (`p2p_setup`); the
         // buffers were checked (`p2p_plan`); the caller vouches for the stream.
-        let launched = unsafe {
-            match ops.len() {
-                1 => kern.launch_p2p(stream, first.dtype, ops[0].1.send, blocks, &group.ops[0]),
-                2 => {
-                    let two = kernels::P2pTwoArgs {
-                        split: group.first[1],
-                        sends: group.sends,
-                        ops: [group.ops[0], group.ops[1]],
-                    };
-                    kern.launch_p2p_two(stream, first.dtype, blocks, &two)
-                }
-                _ => kern.launch_p2p_group(stream, first.dtype, &group),
-            }
-        };
+        let launched =
+            unsafe { launch_group(kern, stream, first.dtype, ops[0].1.send, blocks, &group) };
         super::super::prof::mark(super::super::prof::LAUNCH);
         if let Err(e) = launched {
             words.iter().for_each(|w| shared.pool.give_back(*w));
@@ -604,96 +568,16 @@ impl Communicator {
         if todo.is_empty() {
             return;
         }
-        let uuid = super::super::device_uuid(dev);
-        for t in &mut todo {
-            match &uuid {
-                Ok(u) => t.offer[64..80].copy_from_slice(u),
-                Err(e) => t.why = Some(format!("rank {}: {e}", self.rank)),
-            }
-            t.offer[80..88].copy_from_slice(&slot.to_le_bytes());
-            t.offer[89..97].copy_from_slice(&cfg.ll_max.to_le_bytes());
-            if t.why.is_none() {
-                match alloc_window(kp::DATA_OFF + 2 * slot, &[(0, kp::DATA_OFF)]) {
-                    Ok((p, h)) => {
-                        t.local = p;
-                        t.offer[..64].copy_from_slice(&h);
-                        t.offer[88] = 1;
-                    }
-                    Err(e) => t.why = Some(format!("rank {}: {e}", self.rank)),
-                }
-            }
-        }
+        self.p2p_offers(&mut todo, dev, cfg, slot);
         // Round 1: the offers (inbox handle, device, slot size).
         let offers: Vec<&[u8]> = todo.iter().map(|t| t.offer.as_slice()).collect();
         let peers: Vec<u32> = todo.iter().map(|t| t.peer).collect();
         let theirs = self.host_exchange(&peers, &offers);
         for (t, theirs) in todo.iter_mut().zip(theirs) {
-            let theirs = match theirs {
-                Ok(v) => v,
-                Err(e) => {
-                    t.why
-                        .get_or_insert(format!("the exchange with rank {} failed: {e}", t.peer));
-                    continue;
-                }
-            };
-            if t.why.is_some() {
-                continue;
-            }
-            let peer = t.peer;
-            if theirs[88] != 1 {
-                t.why = Some(format!("rank {peer} could not allocate its inbox"));
-            } else if theirs[80..88] != t.offer[80..88] {
-                t.why = Some(format!(
-                    "rank {peer} has another COMMD_P2P_DIRECT_MAX_BYTES than rank {}",
-                    self.rank
-                ));
-            } else if theirs[89..97] != t.offer[89..97] {
-                t.why = Some(format!(
-                    "rank {peer} has another COMMD_P2P_LL_MAX_BYTES than rank {}",
-                    self.rank
-                ));
-            } else if theirs[64..80] == t.offer[64..80] && !cfg.shared_gpus {
-                t.why = Some(format!("ranks {} and {peer} share a GPU", self.rank));
-            } else {
-                match open_peer(dev, &theirs) {
-                    Ok(p) => t.remote = p,
-                    Err(e) => {
-                        t.why = Some(format!(
-                            "rank {} cannot map rank {peer}'s inbox: {e}",
-                            self.rank
-                        ))
-                    }
-                }
-            }
+            self.p2p_check_offer(t, theirs, dev, cfg);
         }
         if c.p2p_shared.is_none() && todo.iter().any(|t| t.why.is_none()) {
-            match self.record_page() {
-                Ok((page, rec_dev, hint_dev)) => {
-                    // The watchdog reads its record too: a send's mark failure leaves the
-                    // peer waiting on the daemon's path (`report_direct_failures`).
-                    lock(&self.client.gpu)
-                        .records
-                        .push(super::record::RecordWatch {
-                            page: page as usize,
-                            handle: self.handle,
-                            rank: self.rank,
-                            told: false,
-                            p2p: true,
-                        });
-                    c.p2p_shared = Some(P2pShared {
-                        page: page as usize,
-                        // SAFETY: `record_page` leaks the page: it lives for the process.
-                        pool: Arc::new(unsafe { StatusPool::new(page as usize) }),
-                        rec_dev,
-                        hint_dev,
-                    })
-                }
-                Err(e) => {
-                    for t in todo.iter_mut().filter(|t| t.why.is_none()) {
-                        t.why = Some(format!("rank {}: {e}", self.rank));
-                    }
-                }
-            }
+            self.p2p_record(c, &mut todo);
         }
         // Round 2: the verdicts (both sides take the direct path, or neither does).
         let verdicts: Vec<Vec<u8>> = todo
@@ -717,38 +601,143 @@ impl Communicator {
                 }
                 Ok(_) => {}
             }
-            let pair = match t.why {
-                None => Pair::On(Box::new(Channel {
-                    local: t.local,
-                    remote: t.remote,
-                    slot,
-                    device: dev,
-                    sent: 0,
-                    received: 0,
-                    daemon_sent: 0,
-                    daemon_received: 0,
-                })),
-                Some(why) => {
-                    if t.remote != 0 {
-                        // SAFETY: opened above with cuIpcOpenMemHandle; no work uses it.
-                        unsafe { sys::cuIpcCloseMemHandle(t.remote) };
+            let peer = t.peer;
+            c.p2p.insert(peer, self.p2p_pair(t, slot, dev, cfg));
+        }
+    }
+
+    /// Fills each setup's offer: this GPU's UUID, the slot size, the LL limit, and a fresh
+    /// inbox's IPC handle (or why there is none).
+    fn p2p_offers(&self, todo: &mut [Setup], dev: i32, cfg: &P2pConfig, slot: u64) {
+        let uuid = super::super::device_uuid(dev);
+        for t in todo {
+            match &uuid {
+                Ok(u) => t.offer[64..80].copy_from_slice(u),
+                Err(e) => t.why = Some(format!("rank {}: {e}", self.rank)),
+            }
+            t.offer[80..88].copy_from_slice(&slot.to_le_bytes());
+            t.offer[89..97].copy_from_slice(&cfg.ll_max.to_le_bytes());
+            if t.why.is_none() {
+                match alloc_window(kp::DATA_OFF + 2 * slot, &[(0, kp::DATA_OFF)]) {
+                    Ok((p, h)) => {
+                        t.local = p;
+                        t.offer[..64].copy_from_slice(&h);
+                        t.offer[88] = 1;
                     }
-                    if t.local != 0 {
-                        // SAFETY: allocated above; no work uses it.
-                        unsafe { sys::cuMemFree_v2(t.local) };
-                    }
-                    // By default quietly (two ranks sharing a GPU is a normal setup); the
-                    // reason stays in `cuda_p2p_path`.
-                    if cfg.explicit {
-                        eprintln!(
-                            "commd: communicator {}: send/recv between ranks {} and {} take the daemon's path, not the direct one: {why}",
-                            self.comm_id, self.rank, t.peer
-                        );
-                    }
-                    Pair::Off(why)
+                    Err(e) => t.why = Some(format!("rank {}: {e}", self.rank)),
                 }
-            };
-            c.p2p.insert(t.peer, pair);
+            }
+        }
+    }
+
+    /// Checks the peer's offer against this rank's and maps the peer's inbox, or says why
+    /// the pair cannot take the direct path.
+    fn p2p_check_offer(&self, t: &mut Setup, theirs: Result<Vec<u8>>, dev: i32, cfg: &P2pConfig) {
+        let theirs = match theirs {
+            Ok(v) => v,
+            Err(e) => {
+                t.why
+                    .get_or_insert(format!("the exchange with rank {} failed: {e}", t.peer));
+                return;
+            }
+        };
+        if t.why.is_some() {
+            return;
+        }
+        let peer = t.peer;
+        if theirs[88] != 1 {
+            t.why = Some(format!("rank {peer} could not allocate its inbox"));
+        } else if theirs[80..88] != t.offer[80..88] {
+            t.why = Some(format!(
+                "rank {peer} has another COMMD_P2P_DIRECT_MAX_BYTES than rank {}",
+                self.rank
+            ));
+        } else if theirs[89..97] != t.offer[89..97] {
+            t.why = Some(format!(
+                "rank {peer} has another COMMD_P2P_LL_MAX_BYTES than rank {}",
+                self.rank
+            ));
+        } else if theirs[64..80] == t.offer[64..80] && !cfg.shared_gpus {
+            t.why = Some(format!("ranks {} and {peer} share a GPU", self.rank));
+        } else {
+            match open_peer(dev, &theirs) {
+                Ok(p) => t.remote = p,
+                Err(e) => {
+                    t.why = Some(format!(
+                        "rank {} cannot map rank {peer}'s inbox: {e}",
+                        self.rank
+                    ))
+                }
+            }
+        }
+    }
+
+    /// The communicator's send/recv record page and status words, made at its first direct
+    /// pair (each pending setup fails with the reason when it cannot be made).
+    fn p2p_record(&self, c: &mut super::super::CommGpu, todo: &mut [Setup]) {
+        match self.record_page() {
+            Ok((page, rec_dev, hint_dev)) => {
+                // The watchdog reads its record too: a send's mark failure leaves the
+                // peer waiting on the daemon's path (`report_direct_failures`).
+                lock(&self.client.gpu)
+                    .records
+                    .push(super::record::RecordWatch {
+                        page: page as usize,
+                        handle: self.handle,
+                        rank: self.rank,
+                        told: false,
+                        p2p: true,
+                    });
+                c.p2p_shared = Some(P2pShared {
+                    page: page as usize,
+                    // SAFETY: `record_page` leaks the page: it lives for the process.
+                    pool: Arc::new(unsafe { StatusPool::new(page as usize) }),
+                    rec_dev,
+                    hint_dev,
+                })
+            }
+            Err(e) => {
+                for t in todo.iter_mut().filter(|t| t.why.is_none()) {
+                    t.why = Some(format!("rank {}: {e}", self.rank));
+                }
+            }
+        }
+    }
+
+    /// The pair's outcome once both sides gave their verdict: its channel, or why it takes
+    /// the daemon's path (what was set up for it freed).
+    fn p2p_pair(&self, t: Setup, slot: u64, dev: i32, cfg: &P2pConfig) -> Pair {
+        match t.why {
+            None => Pair::On(Box::new(Channel {
+                local: t.local,
+                remote: t.remote,
+                slot,
+                device: dev,
+                sent: 0,
+                received: 0,
+                daemon_sent: 0,
+                daemon_received: 0,
+            })),
+            Some(why) => {
+                if t.remote != 0 {
+                    // SAFETY: opened with cuIpcOpenMemHandle by `p2p_check_offer`; no work
+                    // uses it.
+                    unsafe { sys::cuIpcCloseMemHandle(t.remote) };
+                }
+                if t.local != 0 {
+                    // SAFETY: allocated by `p2p_offers`; no work uses it.
+                    unsafe { sys::cuMemFree_v2(t.local) };
+                }
+                // By default quietly (two ranks sharing a GPU is a normal setup); the
+                // reason stays in `cuda_p2p_path`.
+                if cfg.explicit {
+                    eprintln!(
+                        "commd: communicator {}: send/recv between ranks {} and {} take the daemon's path, not the direct one: {why}",
+                        self.comm_id, self.rank, t.peer
+                    );
+                }
+                Pair::Off(why)
+            }
         }
     }
 
@@ -807,6 +796,79 @@ struct Setup {
     remote: sys::CUdeviceptr,
     offer: Vec<u8>,
     why: Option<String>,
+}
+
+/// A peer's `(rank, sent, received)` sequences.
+type PeerSeqs = (u32, u64, u64);
+/// An op's channel: `(local inbox, remote inbox, slot, the daemon's ops on the pair)`.
+type OpChannel = (u64, u64, u64, u64);
+
+/// Each op's channel as it stands, `(local, remote, slot, daemon ops)`, and each peer's
+/// `(peer, sent, received)` sequences. `None` where a pair has no channel (or another device's)
+/// among several ops; an error for the one op whose pair's channel is on another device.
+fn op_channels(
+    p2p: &std::collections::HashMap<u32, Pair>,
+    ops: &[(&CudaOpArgs, Plan)],
+    dev: i32,
+) -> Result<Option<(Vec<PeerSeqs>, Vec<OpChannel>)>> {
+    let mut seqs: Vec<PeerSeqs> = Vec::new();
+    let mut chans = Vec::with_capacity(ops.len());
+    for (a, pl) in ops {
+        match p2p.get(&a.peer) {
+            Some(Pair::On(ch)) if ch.device == pl.dev && pl.dev == dev => {
+                if !seqs.iter().any(|(p, _, _)| *p == a.peer) {
+                    seqs.push((a.peer, ch.sent, ch.received));
+                }
+                let daemon = if pl.send {
+                    ch.daemon_sent
+                } else {
+                    ch.daemon_received
+                };
+                chans.push((ch.local, ch.remote, ch.slot, daemon));
+            }
+            Some(Pair::On(ch)) if ops.len() == 1 => {
+                return Err(Error::InvalidArgument(format!(
+                    "{} on device {}, but this rank's earlier direct send/recv with rank {} used device {}",
+                    a.kind.name(),
+                    pl.dev,
+                    a.peer,
+                    ch.device
+                )));
+            }
+            _ => return Ok(None),
+        }
+    }
+    Ok(Some((seqs, chans)))
+}
+
+/// Launches a group's kernel: the op's own for one, the two-op kernel for two, the group
+/// kernel for more.
+///
+/// # Safety
+/// As `p2p_launch`: every op's buffers, inboxes and record are live, `stream` too.
+unsafe fn launch_group(
+    kern: &mut kernels::Kernels,
+    stream: sys::CUstream,
+    dtype: DType,
+    first_send: bool,
+    blocks: u32,
+    group: &kernels::P2pGroupArgs,
+) -> std::result::Result<(), kernels::KernelError> {
+    // SAFETY: the caller's contract.
+    unsafe {
+        match group.n {
+            1 => kern.launch_p2p(stream, dtype, first_send, blocks, &group.ops[0]),
+            2 => {
+                let two = kernels::P2pTwoArgs {
+                    split: group.first[1],
+                    sends: group.sends,
+                    ops: [group.ops[0], group.ops[1]],
+                };
+                kern.launch_p2p_two(stream, dtype, blocks, &two)
+            }
+            _ => kern.launch_p2p_group(stream, dtype, group),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -60,53 +60,9 @@ impl Communicator {
         let fwd = bcast_forward_min()?;
         offer[120..128].copy_from_slice(&fwd.to_le_bytes());
         let all = self.host_all_gather(&offer)?;
-        let part = |r: usize| &all[r * OFFER_BYTES as usize..(r + 1) * OFFER_BYTES as usize];
+        let part = |r: usize| offer_of(all.as_slice(), r);
         // Decisions every rank makes alike from the same offers.
-        let mut why = None;
-        for r in 0..n as usize {
-            let o = part(r);
-            if o[92] != 1 {
-                why = Some(format!("rank {r} could not allocate its window"));
-            } else if o[80..88] != offer[80..88]
-                || o[88..92] != offer[88..92]
-                || o[112..120] != offer[112..120]
-            {
-                why = Some(format!(
-                    "rank {r} has another {} or COMMD_GRAPH_DIRECT_BLOCKS (or GPU size) than rank {}",
-                    if eager {
-                        "COMMD_EAGER_DIRECT_MAX_BYTES"
-                    } else {
-                        "COMMD_GRAPH_DIRECT_MAX_BYTES"
-                    },
-                    self.rank
-                ));
-            } else if o[104..112] != offer[104..112] {
-                why = Some(format!(
-                    "rank {r} has another COMMD_DIRECT_LL_MAX_BYTES than rank {}",
-                    self.rank
-                ));
-            } else if o[120..128] != offer[120..128] {
-                why = Some(format!(
-                    "rank {r} has another COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES than rank {}",
-                    self.rank
-                ));
-            } else if o[96..104] != offer[96..104] {
-                why = Some(format!(
-                    "rank {r} has another COMMD_DIRECT_SPLIT_MAX_BYTES than rank {}",
-                    self.rank
-                ));
-            } else if let Some(q) = (0..r)
-                .find(|&q| part(q)[64..80] == o[64..80])
-                .filter(|_| !cfg.shared_gpus)
-            {
-                why = Some(format!(
-                    "ranks {q} and {r} share a GPU (a kernel that waits for a peer on the same GPU would be time-sliced against it)"
-                ));
-            }
-            if why.is_some() {
-                break;
-            }
-        }
+        let mut why = self.offer_refusal(&all, &offer, cfg, eager);
         // Open the peers' windows (only when every offer was acceptable).
         let mut wins = [0u64; 8];
         wins[self.rank as usize] = win;
@@ -156,26 +112,7 @@ impl Communicator {
             });
         }
         if let Some(why) = why {
-            for p in opened {
-                // SAFETY: opened above with cuIpcOpenMemHandle; no work uses it.
-                unsafe { sys::cuIpcCloseMemHandle(p) };
-            }
-            if win != 0 {
-                // SAFETY: allocated above; no work uses it.
-                unsafe { sys::cuMemFree_v2(win) };
-            }
-            if self.rank == 0 {
-                let which = if eager {
-                    "eager GPU collectives (COMMD_EAGER_DIRECT)"
-                } else {
-                    "collectives captured into CUDA graphs"
-                };
-                eprintln!(
-                    "commd: communicator {}: {which} take the daemon's path (contract 6), not the direct one: {why}",
-                    self.comm_id
-                );
-            }
-            return Ok(State::Off(why));
+            return Ok(self.refuse_windows(why, &opened, win, eager));
         }
         let Some((page, rec_dev, hint_dev)) = rec else {
             return Err(Error::InvalidArgument(
@@ -208,6 +145,82 @@ impl Communicator {
             status: eager
                 .then(|| Arc::new(unsafe { super::eager::StatusPool::new(page as usize) })),
         })))
+    }
+
+    /// Why the offers of all ranks (`all`, one [`OFFER_BYTES`] part per rank) cannot take the
+    /// direct path, compared with this rank's `offer`: the first rank whose offer differs.
+    fn offer_refusal(&self, all: &[u8], offer: &[u8], cfg: &Config, eager: bool) -> Option<String> {
+        let part = |r: usize| offer_of(all, r);
+        for r in 0..self.nranks as usize {
+            let o = part(r);
+            let why = if o[92] != 1 {
+                format!("rank {r} could not allocate its window")
+            } else if o[80..88] != offer[80..88]
+                || o[88..92] != offer[88..92]
+                || o[112..120] != offer[112..120]
+            {
+                format!(
+                    "rank {r} has another {} or COMMD_GRAPH_DIRECT_BLOCKS (or GPU size) than rank {}",
+                    if eager {
+                        "COMMD_EAGER_DIRECT_MAX_BYTES"
+                    } else {
+                        "COMMD_GRAPH_DIRECT_MAX_BYTES"
+                    },
+                    self.rank
+                )
+            } else if o[104..112] != offer[104..112] {
+                format!(
+                    "rank {r} has another COMMD_DIRECT_LL_MAX_BYTES than rank {}",
+                    self.rank
+                )
+            } else if o[120..128] != offer[120..128] {
+                format!(
+                    "rank {r} has another COMMD_DIRECT_BCAST_FORWARD_MIN_BYTES than rank {}",
+                    self.rank
+                )
+            } else if o[96..104] != offer[96..104] {
+                format!(
+                    "rank {r} has another COMMD_DIRECT_SPLIT_MAX_BYTES than rank {}",
+                    self.rank
+                )
+            } else if let Some(q) = (0..r)
+                .find(|&q| part(q)[64..80] == o[64..80])
+                .filter(|_| !cfg.shared_gpus)
+            {
+                format!(
+                    "ranks {q} and {r} share a GPU (a kernel that waits for a peer on the same GPU would be time-sliced against it)"
+                )
+            } else {
+                continue;
+            };
+            return Some(why);
+        }
+        None
+    }
+
+    /// The direct path refused on every rank: frees this rank's window and the peers' opened
+    /// ones, and says why once (rank 0).
+    fn refuse_windows(&self, why: String, opened: &[u64], win: u64, eager: bool) -> State {
+        for &p in opened {
+            // SAFETY: opened by `setup` with cuIpcOpenMemHandle; no work uses it.
+            unsafe { sys::cuIpcCloseMemHandle(p) };
+        }
+        if win != 0 {
+            // SAFETY: allocated by `setup`; no work uses it.
+            unsafe { sys::cuMemFree_v2(win) };
+        }
+        if self.rank == 0 {
+            let which = if eager {
+                "eager GPU collectives (COMMD_EAGER_DIRECT)"
+            } else {
+                "collectives captured into CUDA graphs"
+            };
+            eprintln!(
+                "commd: communicator {}: {which} take the daemon's path (contract 6), not the direct one: {why}",
+                self.comm_id
+            );
+        }
+        State::Off(why)
     }
 
     /// GPU memory this process allocated for the communicator's direct ops, in bytes: the
@@ -268,4 +281,9 @@ impl Communicator {
             .wait()?;
         Ok(recv.as_slice().to_vec())
     }
+}
+
+/// Rank `r`'s offer among all ranks' (`all`, one [`OFFER_BYTES`] part per rank).
+fn offer_of(all: &[u8], r: usize) -> &[u8] {
+    &all[r * OFFER_BYTES as usize..(r + 1) * OFFER_BYTES as usize]
 }
