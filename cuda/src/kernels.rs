@@ -21,13 +21,11 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::ffi::{CString, c_char, c_void};
-use std::fmt::Write as _;
-use std::sync::{Mutex, OnceLock};
+use std::ffi::{CString, c_void};
+use std::sync::Mutex;
 
 use commd_proto::desc::{DType, DescError, RedOp};
 use cudarc::driver::sys::{self as cu_sys, CUcontext, CUdeviceptr, CUfunction, CUmodule, CUstream};
-use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
 use crate::{self as cu, CuError};
 
@@ -38,8 +36,6 @@ pub const THREADS: u32 = 256;
 /// Default grid cap, in blocks per SM (of the 8 that fit at 256 threads): enough loads in flight
 /// to approach memory bandwidth while leaving room on every SM for the job's own kernels.
 pub const DEFAULT_BLOCKS_PER_SM: u32 = 4;
-/// Elements per thread and loop step (independent loads in flight; no alignment assumed).
-const UNROLL: u32 = 4;
 
 /// Why a kernel could not be built or launched. Nothing here panics.
 #[derive(Debug, thiserror::Error)]
@@ -88,320 +84,25 @@ pub fn direct_kernel_name(dtype: DType, op: RedOp) -> String {
     format!("commd_direct_{}_{}", dtype.name(), op.name())
 }
 
-/// How one (dtype, op) kernel loads, combines and stores, as C expressions over `x` (an element),
-/// `a`, `b` (accumulators) and `divisor`.
-struct Shape {
-    elem: &'static str,
-    acc: &'static str,
-    load: String,
-    combine: String,
-    finish: String,
-    store: String,
-    needs_i128: bool,
-    /// `a * b` in the accumulator type, wrapping for integers (the scale kernel, PreMulSum).
-    mul: String,
-}
-
-fn shape(dtype: DType, op: RedOp) -> Result<Shape, KernelError> {
-    op.check_dtype(dtype)?;
-    let float = |elem: &'static str, acc: &'static str, from: &str, to: &str| {
-        let conv = |f: &str, v: &str| {
-            if f.is_empty() {
-                v.to_string()
-            } else {
-                format!("{f}({v})")
-            }
-        };
-        Shape {
-            elem,
-            acc,
-            load: conv(from, "x"),
-            combine: match op {
-                RedOp::Sum | RedOp::Avg => "a + b".into(),
-                RedOp::Prod => "a * b".into(),
-                // Not fminf/fmaxf: those drop NaNs; the host loop keeps `a` unless `b < a`.
-                RedOp::Min => "(b < a) ? b : a".into(),
-                RedOp::Max => "(b > a) ? b : a".into(),
-                // check_dtype refused bitwise ops on floats above.
-                RedOp::Band | RedOp::Bor | RedOp::Bxor => String::new(),
-            },
-            finish: if op == RedOp::Avg {
-                format!("a / ({acc})divisor")
-            } else {
-                "a".into()
-            },
-            store: conv(to, "r"),
-            needs_i128: false,
-            mul: "a * b".into(),
-        }
-    };
-    let int = |elem: &'static str, unsigned: &'static str, wide: &'static str| {
-        let avg = op == RedOp::Avg;
-        Shape {
-            elem,
-            acc: if avg { wide } else { elem },
-            load: if avg {
-                format!("({wide})x")
-            } else {
-                "x".into()
-            },
-            // Wrapping arithmetic in the unsigned twin (signed overflow is undefined in C).
-            combine: match op {
-                RedOp::Sum => format!("({elem})(({unsigned})a + ({unsigned})b)"),
-                RedOp::Prod => format!("({elem})(({unsigned})a * ({unsigned})b)"),
-                // The wide accumulator cannot overflow: at most 8 inputs.
-                RedOp::Avg => "a + b".into(),
-                RedOp::Min => "(b < a) ? b : a".into(),
-                RedOp::Max => "(b > a) ? b : a".into(),
-                RedOp::Band => format!("({elem})(a & b)"),
-                RedOp::Bor => format!("({elem})(a | b)"),
-                RedOp::Bxor => format!("({elem})(a ^ b)"),
-            },
-            // C division truncates toward zero, like i128 division in reduce.rs.
-            finish: if avg {
-                format!("a / ({wide})divisor")
-            } else {
-                "a".into()
-            },
-            store: format!("({elem})r"),
-            needs_i128: avg && wide == "i128",
-            mul: format!("({elem})(({unsigned})a * ({unsigned})b)"),
-        }
-    };
-    Ok(match dtype {
-        DType::F32 => float("float", "float", "", ""),
-        DType::F64 => float("double", "double", "", ""),
-        DType::F16 => float("u16", "float", "commd_f16_to_f32", "commd_f32_to_f16"),
-        DType::BF16 => float("u16", "float", "commd_bf16_to_f32", "commd_f32_to_bf16"),
-        DType::I8 => int("i8", "u8", "i64"),
-        DType::U8 => int("u8", "u8", "i64"),
-        DType::I32 => int("i32", "u32", "i64"),
-        // The sum of 8 i64 needs 67 bits.
-        DType::I64 => int("i64", "u64", "i128"),
-    })
-}
-
-/// Fixed-width types and the argument block; no CUDA headers.
-const TYPES: &str = r#"typedef signed char i8;
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef int i32;
-typedef unsigned int u32;
-typedef long long i64;
-typedef unsigned long long u64;
-
-struct commd_ins {
-    const void *p[8];
-    u32 m;
-};
-
-static __device__ __forceinline__ float commd_bits_f32(u32 u) {
-    float f;
-    asm("mov.b32 %0, %1;" : "=f"(f) : "r"(u));
-    return f;
-}
-
-static __device__ __forceinline__ u32 commd_f32_bits(float f) {
-    u32 u;
-    asm("mov.b32 %0, %1;" : "=r"(u) : "f"(f));
-    return u;
-}
-"#;
-
-/// f16 <-> f32: PTX `cvt` (round to nearest even); NaNs as the half crate converts them (quiet
-/// bit set, payload kept) rather than PTX's canonical NaN.
-const F16: &str = r#"
-static __device__ __forceinline__ float commd_f16_to_f32(u16 h) {
-    if ((h & 0x7C00u) == 0x7C00u && (h & 0x03FFu) != 0u) {
-        return commd_bits_f32(((u32)(h & 0x8000u) << 16) | 0x7FC00000u | ((u32)(h & 0x03FFu) << 13));
-    }
-    float f;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-    return f;
-}
-
-static __device__ __forceinline__ u16 commd_f32_to_f16(float f) {
-    u32 x = commd_f32_bits(f);
-    if ((x & 0x7FFFFFFFu) > 0x7F800000u) {
-        return (u16)(((x >> 16) & 0x8000u) | 0x7E00u | ((x & 0x007FFFFFu) >> 13));
-    }
-    u16 h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-"#;
-
-/// bf16 <-> f32 by bits: round to nearest even; a NaN stays NaN (quiet bit set), as in the half
-/// crate.
-const BF16: &str = r#"
-static __device__ __forceinline__ float commd_bf16_to_f32(u16 h) {
-    return commd_bits_f32((u32)h << 16);
-}
-
-static __device__ __forceinline__ u16 commd_f32_to_bf16(float f) {
-    u32 x = commd_f32_bits(f);
-    if ((x & 0x7FFFFFFFu) > 0x7F800000u) {
-        return (u16)((x >> 16) | 0x0040u);
-    }
-    u32 r = x >> 16;
-    if ((x & 0x8000u) != 0u && (x & 0x17FFFu) != 0u) {
-        r += 1u;
-    }
-    return (u16)r;
-}
-"#;
-
 /// The CUDA C++ source of the kernel for `(dtype, op)`, named [`kernel_name`].
 ///
 /// Signature: `(T *out, struct commd_ins ins, u64 count, u32 divisor)`, where `ins` holds 8
 /// pointers and the number `m` of them in use (1..=8). `out` may be `ins.p[0]` (each element is
 /// read before it is written, by the same thread). A grid-stride loop; any grid size works.
+///
+/// The module holds, in this order: the prelude and the reduction kernel (`reduce`), the direct
+/// kernel (`direct::push_source`), the rounds kernel (`rounds::push_source`) and, in sum modules
+/// only, the scale kernel and the direct send/recv kernels (`p2p::push_source`).
 pub fn source(dtype: DType, op: RedOp) -> Result<String, KernelError> {
-    let s = shape(dtype, op)?;
-    let name = kernel_name(dtype, op);
-    let Shape {
-        elem,
-        acc,
-        load,
-        combine,
-        finish,
-        store,
-        needs_i128,
-        mul,
-    } = s;
+    let s = reduce::shape(dtype, op)?;
+    let es = dtype.size();
     let mut src = String::with_capacity(4096);
-    src.push_str(TYPES);
-    match dtype {
-        DType::F16 => src.push_str(F16),
-        DType::BF16 => src.push_str(BF16),
-        _ => {}
-    }
-    if needs_i128 {
-        // Compiled with --device-int128 (see `nvrtc_compile`).
-        src.push_str("typedef __int128 i128;\n");
-    }
-    // `write!` to a String cannot fail.
-    let unroll_m1 = UNROLL - 1;
-    let vec = 16 / dtype.size();
-    let _ = write!(
-        src,
-        r#"
-static __device__ __forceinline__ {acc} commd_load({elem} x) {{ return {load}; }}
-static __device__ __forceinline__ {acc} commd_combine({acc} a, {acc} b) {{ return {combine}; }}
-static __device__ __forceinline__ {elem} commd_finish({acc} a, u32 divisor) {{
-    (void)divisor;
-    {acc} r = {finish};
-    return {store};
-}}
-
-struct alignas(16) commd_v16 {{ u32 w[4]; }};
-union commd_vec {{ commd_v16 q; {elem} e[{vec}]; }};
-
-/* out[i] = op(ins[0][i], ..., ins[m-1][i]) for i < count, grid-stride from thread `tid`. */
-static __device__ __forceinline__ void commd_reduce_body({elem} *out, const struct commd_ins &ins, u64 count, u32 divisor, u64 tid, u64 stride) {{
-    const u32 m = ins.m;
-    u64 i = tid;
-    /* 16-byte loads and stores ({vec} elements) where every pointer is 16-byte aligned; the
-       rest (a tail, or unaligned pointers) element by element below. */
-    bool aligned = (((u64)out) & 15u) == 0u;
-#pragma unroll
-    for (u32 k = 0; k < {MAX_INPUTS}; ++k) {{
-        if (k < m) {{
-            aligned = aligned && ((((u64)ins.p[k]) & 15u) == 0u);
-        }}
-    }}
-    if (aligned) {{
-        const u64 nv = count / {vec};
-        for (u64 j = tid; j < nv; j += stride) {{
-            union commd_vec v[{MAX_INPUTS}];
-#pragma unroll
-            for (u32 k = 0; k < {MAX_INPUTS}; ++k) {{
-                if (k < m) {{
-                    v[k].q = ((const commd_v16 *)ins.p[k])[j];
-                }}
-            }}
-            union commd_vec o;
-#pragma unroll
-            for (u32 u = 0; u < {vec}; ++u) {{
-                {acc} a = commd_load(v[0].e[u]);
-#pragma unroll
-                for (u32 k = 1; k < {MAX_INPUTS}; ++k) {{
-                    if (k < m) {{
-                        a = commd_combine(a, commd_load(v[k].e[u]));
-                    }}
-                }}
-                o.e[u] = commd_finish(a, divisor);
-            }}
-            ((commd_v16 *)out)[j] = o.q;
-        }}
-        i = nv * {vec} + tid;
-    }}
-    /* {UNROLL} elements per thread and step, every load issued before any value is used. */
-    for (; i + {unroll_m1} * stride < count; i += {UNROLL} * stride) {{
-        {elem} v[{MAX_INPUTS}][{UNROLL}];
-#pragma unroll
-        for (u32 k = 0; k < {MAX_INPUTS}; ++k) {{
-            if (k < m) {{
-                const {elem} *p = (const {elem} *)ins.p[k];
-#pragma unroll
-                for (u32 u = 0; u < {UNROLL}; ++u) {{
-                    v[k][u] = p[i + u * stride];
-                }}
-            }}
-        }}
-#pragma unroll
-        for (u32 u = 0; u < {UNROLL}; ++u) {{
-            {acc} a = commd_load(v[0][u]);
-#pragma unroll
-            for (u32 k = 1; k < {MAX_INPUTS}; ++k) {{
-                if (k < m) {{
-                    a = commd_combine(a, commd_load(v[k][u]));
-                }}
-            }}
-            out[i + u * stride] = commd_finish(a, divisor);
-        }}
-    }}
-    for (; i < count; i += stride) {{
-        {acc} a = commd_load(((const {elem} *)ins.p[0])[i]);
-#pragma unroll
-        for (u32 k = 1; k < {MAX_INPUTS}; ++k) {{
-            if (k < m) {{
-                a = commd_combine(a, commd_load(((const {elem} *)ins.p[k])[i]));
-            }}
-        }}
-        out[i] = commd_finish(a, divisor);
-    }}
-}}
-
-extern "C" __global__ void __launch_bounds__({THREADS}) {name}({elem} *out, struct commd_ins ins, u64 count, u32 divisor) {{
-    commd_reduce_body(out, ins, count, divisor,
-                      (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x,
-                      (u64)gridDim.x * (u64)blockDim.x);
-}}
-"#
-    );
-    direct::push_source(&mut src, &direct_kernel_name(dtype, op), elem, dtype.size());
-    rounds::push_source(&mut src, &rounds_kernel_name(dtype, op), elem, dtype.size());
+    reduce::push_prelude(&mut src, dtype, s.needs_i128);
+    reduce::push_reduce(&mut src, &s, &kernel_name(dtype, op), es);
+    direct::push_source(&mut src, &direct_kernel_name(dtype, op), s.elem, es);
+    rounds::push_source(&mut src, &rounds_kernel_name(dtype, op), s.elem, es);
     if op == RedOp::Sum {
-        // `out[i] = in[i] * s`, `s` read from `sp` when it is not null, else the low bytes of
-        // `imm` (NCCL's PreMulSum: each rank scales its own input before a sum).
-        let _ = write!(
-            src,
-            r#"
-static __device__ __forceinline__ {acc} commd_mul({acc} a, {acc} b) {{ return {mul}; }}
-
-extern "C" __global__ void __launch_bounds__({THREADS}) {scale}({elem} *out, const {elem} *in, u64 count, const {elem} *sp, u64 imm) {{
-    union {{ u64 u; {elem} e; }} b;
-    b.u = imm;
-    const {acc} s = commd_load(sp != 0 ? *sp : b.e);
-    const u64 stride = (u64)gridDim.x * (u64)blockDim.x;
-    for (u64 i = (u64)blockIdx.x * (u64)blockDim.x + (u64)threadIdx.x; i < count; i += stride) {{
-        out[i] = commd_finish(commd_mul(commd_load(in[i]), s), 1u);
-    }}
-}}
-"#,
-            scale = scale_kernel_name(dtype),
-        );
+        reduce::push_scale(&mut src, &s, &scale_kernel_name(dtype));
         // Direct send/recv (`direct/p2p.rs`), single and grouped.
         p2p::push_source(&mut src, P2P_SEND, P2P_RECV, P2P_GROUP, P2P_TWO);
     }
@@ -461,153 +162,6 @@ pub fn rounds_kernel_name(dtype: DType, op: RedOp) -> String {
 /// The `extern "C"` name of the scale kernel for `dtype` (in the `(dtype, sum)` module).
 pub fn scale_kernel_name(dtype: DType) -> String {
     format!("commd_scale_{}", dtype.name())
-}
-
-/// Whether libnvrtc can be loaded (checked once: cudarc panics on its first call without it).
-fn nvrtc_present() -> bool {
-    static PRESENT: OnceLock<bool> = OnceLock::new();
-    // SAFETY: is_culib_present only tries to dlopen the candidate library names.
-    *PRESENT.get_or_init(|| unsafe { nvrtc_sys::is_culib_present() })
-}
-
-/// The version of the NVRTC library that [`compile_ptx`] uses.
-pub fn nvrtc_version() -> Result<(i32, i32), KernelError> {
-    if !nvrtc_present() {
-        return Err(KernelError::NvrtcMissing);
-    }
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: the library is present; both out pointers are valid.
-    let r = unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) };
-    r.result().map_err(|e| KernelError::Nvrtc {
-        call: "nvrtcVersion",
-        kernel: String::new(),
-        status: format!("{:?}", e.0),
-    })?;
-    Ok((major, minor))
-}
-
-/// Destroys an NVRTC program on every path out of [`nvrtc_compile`].
-struct Program(nvrtc_sys::nvrtcProgram);
-
-impl Drop for Program {
-    fn drop(&mut self) {
-        // SAFETY: the program was created by nvrtcCreateProgram and is destroyed only here.
-        let _ = unsafe { nvrtc_result::destroy_program(self.0) };
-    }
-}
-
-enum Output {
-    Ptx,
-    Cubin,
-}
-
-/// Whether the kernel for `(dtype, op)` uses `__int128` (NVRTC accepts it only when asked).
-fn src_uses_i128(dtype: DType, op: RedOp) -> bool {
-    shape(dtype, op).is_ok_and(|s| s.needs_i128)
-}
-
-fn nvrtc_compile(
-    dtype: DType,
-    op: RedOp,
-    arch: String,
-    out: Output,
-) -> Result<Vec<u8>, KernelError> {
-    let src = source(dtype, op)?;
-    if !nvrtc_present() {
-        return Err(KernelError::NvrtcMissing);
-    }
-    let kernel = kernel_name(dtype, op);
-    let fail = |call: &'static str, e: nvrtc_result::NvrtcError| KernelError::Nvrtc {
-        call,
-        kernel: kernel.clone(),
-        status: format!("{:?}", e.0),
-    };
-    let c_src = CString::new(src).map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
-    let c_name = CString::new(format!("{kernel}.cu"))
-        .map_err(|e| KernelError::InvalidArgument(e.to_string()))?;
-    let prog = Program(
-        nvrtc_result::create_program(&c_src, Some(&c_name))
-            .map_err(|e| fail("nvrtcCreateProgram", e))?,
-    );
-    // Pin IEEE semantics (these are NVRTC's defaults): denormals kept, exact division, no
-    // contraction of a*b+c into fma.
-    let mut options = vec![
-        format!("--gpu-architecture={arch}"),
-        "--ftz=false".to_string(),
-        "--prec-div=true".to_string(),
-        "--fmad=false".to_string(),
-    ];
-    if src_uses_i128(dtype, op) {
-        options.push("--device-int128".to_string());
-    }
-    // SAFETY: `prog` is a live program; the options are NUL-free ASCII.
-    if let Err(e) = unsafe { nvrtc_result::compile_program(prog.0, &options) } {
-        // SAFETY: as above.
-        let log = match unsafe { nvrtc_result::get_program_log(prog.0) } {
-            Ok(raw) => c_chars_to_string(&raw),
-            Err(le) => format!("(no log: {:?})", le.0),
-        };
-        return Err(KernelError::Compile {
-            kernel,
-            options,
-            status: format!("{:?}", e.0),
-            log,
-        });
-    }
-    match out {
-        Output::Ptx => {
-            // SAFETY: `prog` compiled successfully.
-            let raw =
-                unsafe { nvrtc_result::get_ptx(prog.0) }.map_err(|e| fail("nvrtcGetPTX", e))?;
-            Ok(raw
-                .iter()
-                .map(|&c| c as u8)
-                .take_while(|&b| b != 0)
-                .collect())
-        }
-        Output::Cubin => {
-            let mut size = 0usize;
-            // SAFETY: `prog` compiled successfully; `size` is a valid out pointer.
-            unsafe { nvrtc_sys::nvrtcGetCUBINSize(prog.0, &mut size) }
-                .result()
-                .map_err(|e| fail("nvrtcGetCUBINSize", e))?;
-            let mut image = vec![0u8; size];
-            // SAFETY: `image` has the `size` bytes NVRTC asked for.
-            unsafe { nvrtc_sys::nvrtcGetCUBIN(prog.0, image.as_mut_ptr().cast::<c_char>()) }
-                .result()
-                .map_err(|e| fail("nvrtcGetCUBIN", e))?;
-            Ok(image)
-        }
-    }
-}
-
-fn c_chars_to_string(raw: &[c_char]) -> String {
-    let bytes: Vec<u8> = raw
-        .iter()
-        .map(|&c| c as u8)
-        .take_while(|&b| b != 0)
-        .collect();
-    String::from_utf8_lossy(&bytes).into_owned()
-}
-
-/// PTX of the kernel for `(dtype, op)`, for virtual architecture `compute_{major}{minor}`.
-pub fn compile_ptx(dtype: DType, op: RedOp, arch: (u32, u32)) -> Result<String, KernelError> {
-    let ptx = nvrtc_compile(
-        dtype,
-        op,
-        format!("compute_{}{}", arch.0, arch.1),
-        Output::Ptx,
-    )?;
-    String::from_utf8(ptx).map_err(|e| KernelError::Nvrtc {
-        call: "nvrtcGetPTX",
-        kernel: kernel_name(dtype, op),
-        status: format!("PTX is not UTF-8: {e}"),
-    })
-}
-
-/// CUBIN (SASS) of the kernel for `(dtype, op)`, for real architecture `sm_{major}{minor}`.
-pub fn compile_cubin(dtype: DType, op: RedOp, arch: (u32, u32)) -> Result<Vec<u8>, KernelError> {
-    nvrtc_compile(dtype, op, format!("sm_{}{}", arch.0, arch.1), Output::Cubin)
 }
 
 /// The argument block every kernel takes by value (`struct commd_ins`).
@@ -1329,7 +883,11 @@ fn ctx_info() -> Result<CtxInfo, KernelError> {
 }
 
 pub mod direct;
+mod nvrtc;
 pub mod p2p;
+mod reduce;
 pub mod rounds;
+
+pub use nvrtc::{compile_cubin, compile_ptx, nvrtc_version};
 #[cfg(test)]
 mod tests;

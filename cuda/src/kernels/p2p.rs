@@ -100,16 +100,27 @@ pub const GROUP_MAX: usize = 16;
 
 /// Appends the send and receive kernels to `src`, which already holds the direct kernel's
 /// helpers (`direct::push_source`: `commd_copy`, `commd_ld_acquire`, `commd_st_relaxed`,
-/// `commd_globaltimer`).
+/// `commd_globaltimer`): the device functions, `commd_p2p_send_run` and `commd_p2p_recv_run`
+/// (each in two phases), then the kernels that run them.
 pub fn push_source(src: &mut String, send: &str, recv: &str, group: &str, two: &str) {
-    let group_max = GROUP_MAX;
-    let group_size = std::mem::size_of::<super::P2pGroupArgs>();
-    let two_size = std::mem::size_of::<super::P2pTwoArgs>();
-    let hint_broken = commd_proto::desc::doorbell::HINT_BROKEN;
+    push_args_and_lines(src);
+    push_outcomes(src);
+    push_wait(src);
+    push_ll_bytes(src);
+    push_send_start(src);
+    push_send_data(src);
+    push_recv_start(src);
+    push_recv_data(src);
+    push_kernels(src, send, recv, group, two);
+}
+
+// Every `write!` below is to a String: it cannot fail. Each text starts with a newline; one that
+// stops inside a C function ends without its last newline, which the next text starts with.
+
+/// `struct commd_p2p`, laid out as `P2pArgs`; the 16-byte line store and load, the system
+/// fence, and whether a send refreshes its parity's flags ([`refreshes`]).
+fn push_args_and_lines(src: &mut String) {
     let refresh = REFRESH_PERIOD;
-    let bits = MARK_COUNT_BITS;
-    let count_mask = (1u32 << MARK_COUNT_BITS) - 1;
-    // `write!` to a String cannot fail.
     let _ = write!(
         src,
         r#"
@@ -149,7 +160,17 @@ static __device__ __forceinline__ void commd_fence_sys() {{
 static __device__ __forceinline__ bool commd_p2p_refresh(u64 seq) {{
     return (((seq - 1ull) >> 1) & ({refresh}ull - 1ull)) == 0ull;
 }}
+"#
+    );
+}
 
+/// How an op ends: `commd_p2p_fail` (the status word, both `dead` words, the record),
+/// `commd_p2p_done` ([`DONE`]), and `commd_p2p_marked` ([`mark_proves_mismatch`]).
+fn push_outcomes(src: &mut String) {
+    let bits = MARK_COUNT_BITS;
+    let _ = write!(
+        src,
+        r#"
 /* A failed op of the pair: its status word, both sides' dead words (the peer's next op stops
    too), and the record if none is pending. */
 static __device__ void commd_p2p_fail(const struct commd_p2p &a, u32 code, u64 m0, u64 t0) {{
@@ -183,7 +204,17 @@ static __device__ __forceinline__ void commd_p2p_done(const struct commd_p2p &a)
 static __device__ __forceinline__ bool commd_p2p_marked(u64 m, u64 seq, u32 count) {{
     return m != 0ull && (m >> {bits}) <= seq && (int)(((u32)m - count) << (32u - {bits}u)) > 0;
 }}
+"#
+    );
+}
 
+/// `commd_p2p_wait`: thread 0's wait for a flag or ack word, with its checks every 1024 spins.
+fn push_wait(src: &mut String) {
+    let hint_broken = commd_proto::desc::doorbell::HINT_BROKEN;
+    let count_mask = (1u32 << MARK_COUNT_BITS) - 1;
+    let _ = write!(
+        src,
+        r#"
 /* Thread 0 of a block: waits until the word at `p` reaches `want` (32-bit wrap-aware, in the
    high half when `high`), watching the pair's dead word, the broken hint and the timeout,
    `alt` when not null: the other protocol's flag word of the same sequence (its high half
@@ -226,7 +257,15 @@ static __device__ u64 commd_p2p_wait(const struct commd_p2p &a, const u64 *p, u3
         }}
     }}
 }}
+"#
+    );
+}
 
+/// The 8 bytes of a message's line `i`, loaded and stored at any alignment.
+fn push_ll_bytes(src: &mut String) {
+    let _ = write!(
+        src,
+        r#"
 /* The 8 bytes of line `i` of a message of `bytes` at `buf` (zero past the end). */
 static __device__ __forceinline__ u64 commd_ll_load(u64 buf, u64 bytes, u64 i) {{
     const u64 at = i * 8ull;
@@ -250,7 +289,16 @@ static __device__ __forceinline__ void commd_ll_store(u64 buf, u64 bytes, u64 i,
         ((u8 *)buf)[at + j] = (u8)(v >> (8ull * j));
     }}
 }}
+"#
+    );
+}
 
+/// The start of `commd_p2p_send_run`: the wait for the slot's ack, the header (or word 1 of
+/// the flag), and the failure of a block that stops.
+fn push_send_start(src: &mut String) {
+    let _ = write!(
+        src,
+        r#"
 /* Send `bytes` at `buf` as sequence `seq` into the peer's inbox (`remote`): block `lb` of the
    op's `nb` blocks (a kernel of its own, or a share of a group kernel). */
 static __device__ void commd_p2p_send_run(const struct commd_p2p &a, u32 lb, u32 nb, u32 &s_fail) {{
@@ -290,7 +338,16 @@ static __device__ void commd_p2p_send_run(const struct commd_p2p &a, u32 lb, u32
     __syncthreads();
     if (s_fail != 0u) {{
         return;
-    }}
+    }}"#
+    );
+}
+
+/// The rest of `commd_p2p_send_run`: the LL lines (with a refresh's markers), or the copy into
+/// the peer's slot and the flag written by the last block.
+fn push_send_data(src: &mut String) {
+    let _ = write!(
+        src,
+        r#"
     const u64 tid = (u64)lb * (u64)blockDim.x + (u64)threadIdx.x;
     const u64 stride = (u64)nb * (u64)blockDim.x;
     if (a.ll != 0u) {{
@@ -339,7 +396,16 @@ static __device__ void commd_p2p_send_run(const struct commd_p2p &a, u32 lb, u32
         }}
     }}
 }}
+"#
+    );
+}
 
+/// The start of `commd_p2p_recv_run`: thread 0 waits for the header (LL) or the flag and
+/// checks it names this op.
+fn push_recv_start(src: &mut String) {
+    let _ = write!(
+        src,
+        r#"
 /* Receive sequence `seq` from the peer's pushes into this rank's inbox (`local`) into `buf`,
    then acknowledge it in the peer's inbox from this rank (`remote`). */
 static __device__ void commd_p2p_recv_run(const struct commd_p2p &a, u32 lb, u32 nb, u32 &s_fail) {{
@@ -385,7 +451,17 @@ static __device__ void commd_p2p_recv_run(const struct commd_p2p &a, u32 lb, u32
     __syncthreads();
     if (s_fail != 0u) {{
         return;
-    }}
+    }}"#
+    );
+}
+
+/// The rest of `commd_p2p_recv_run`: the LL lines polled one by one, or the copy out of the
+/// slot; then the ack written by the last block.
+fn push_recv_data(src: &mut String) {
+    let hint_broken = commd_proto::desc::doorbell::HINT_BROKEN;
+    let _ = write!(
+        src,
+        r#"
     const u64 tid = (u64)lb * (u64)blockDim.x + (u64)threadIdx.x;
     const u64 stride = (u64)nb * (u64)blockDim.x;
     if (a.ll != 0u) {{
@@ -454,7 +530,19 @@ static __device__ void commd_p2p_recv_run(const struct commd_p2p &a, u32 lb, u32
         }}
     }}
 }}
+"#
+    );
+}
 
+/// The kernels: send `send` and receive `recv` (one op per launch), the group kernel `group`
+/// ([`GROUP_MAX`] ops) and the group of two `two`, with their parameters' layouts checked.
+fn push_kernels(src: &mut String, send: &str, recv: &str, group: &str, two: &str) {
+    let group_max = GROUP_MAX;
+    let group_size = std::mem::size_of::<super::P2pGroupArgs>();
+    let two_size = std::mem::size_of::<super::P2pTwoArgs>();
+    let _ = write!(
+        src,
+        r#"
 extern "C" __global__ void __launch_bounds__({THREADS}) {send}(struct commd_p2p a) {{
     __shared__ u32 s_fail;
     commd_p2p_send_run(a, blockIdx.x, gridDim.x, s_fail);

@@ -3,10 +3,12 @@
 
 #![allow(unsafe_code)] // tests launch kernels on raw device memory
 
+use super::nvrtc::nvrtc_present;
 use super::*;
 use commd_proto::check;
 use commd_proto::desc::{ALL_DTYPES, ALL_REDOPS};
 use half::{bf16, f16};
+use std::fmt::Write as _;
 
 fn env_is_1(name: &str) -> bool {
     commd_settings::by_name(name).as_deref() == Some("1")
