@@ -43,9 +43,8 @@
 //! too, so every op's outcome is known, not only the first failure's.
 
 /// 16-byte loads in flight per thread before their stores in a direct op's pushes and copies
-/// (`commd_vloop`). 4x H200, 2026-11-28 (docs/benchmarks.md, "Loads in flight"; nccl-tests, us,
-/// against one load per step, and 8): alltoall 4 MiB 24.5 (28.5, 28.5), all-gather 4 MiB 19.5
-/// (21.2, 21.2), broadcast 16 MiB 93.9 (100.7, 94.1), reduce 64 MiB 448 (468, 446).
+/// (`commd_vloop`): 4 beat 1 and 8 on 4x H200 (the log "Loads in flight", linked from
+/// docs/benchmarks.md).
 const VEC_UNROLL: u32 = 4;
 /// Offset of the flags in a window.
 pub const FLAGS_OFF: u64 = 0;

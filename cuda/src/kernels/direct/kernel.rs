@@ -341,9 +341,8 @@ pub(super) fn push_plain_push(src: &mut String) {
                 if (chunked && __popc(to_mask) > 1) {{
                     /* Chunk r to rank r, every rank at once: a step loads vector j of every
                        peer's chunk, for two j, before it stores them. One rank after the
-                       other (below) took up to 1.5x the time on 4x H200 (docs/benchmarks.md,
-                       2026-11-28, "Every peer's chunk at once"): all-to-all 16 MiB 78.7 us
-                       against 53.0. */
+                       other (below) took up to 1.5x the time on 4x H200 (the log linked from
+                       docs/benchmarks.md, "Every peer's chunk at once"). */
                     u64 j = tid;
                     for (; j + stride < nv; j += 2ull * stride) {{
                         commd_v16 v[2][8];
