@@ -78,7 +78,7 @@ pub fn kernel_name(dtype: DType, op: RedOp) -> String {
     format!("commd_reduce_{}_{}", dtype.name(), op.name())
 }
 
-/// The `extern "C"` name of the direct all-reduce kernel for `(dtype, op)` (DESIGN.md contract 7),
+/// The `extern "C"` name of the direct all-reduce kernel for `(dtype, op)` (docs/design-gpu.md, direct collectives),
 /// compiled into the same module as the reduction kernel.
 pub fn direct_kernel_name(dtype: DType, op: RedOp) -> String {
     format!("commd_direct_{}_{}", dtype.name(), op.name())
@@ -452,7 +452,7 @@ impl Kernels {
         Ok(())
     }
 
-    /// Enqueues the direct all-reduce kernel for `(dtype, op)` (DESIGN.md contract 7) on
+    /// Enqueues the direct all-reduce kernel for `(dtype, op)` (docs/design-gpu.md, direct collectives) on
     /// `stream` with `grid` blocks: `grid` x `args.unit` must be the same for every direct op of
     /// a communicator (its epochs count tickets, `unit` per block).
     ///

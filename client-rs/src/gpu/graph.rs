@@ -62,7 +62,7 @@ pub(crate) unsafe fn capture_of(stream: sys::CUstream, what: &str) -> Result<Opt
         (r, _) => return Err(ck(r, "cuStreamGetCaptureInfo").unwrap_err().into()),
     };
     Err(Error::Unsupported(format!(
-        "{what}: {why}. The op was refused (nothing was enqueued or posted) (DESIGN.md contract 6)"
+        "{what}: {why}. The op was refused (nothing was enqueued or posted; docs/design-gpu.md, persistent ops rule 7)"
     )))
 }
 

@@ -116,9 +116,9 @@ pub(crate) struct CommGpu {
     /// op's stream work (after its ready write for a send/recv whose wait is deferred): the
     /// next op on another stream waits for it first (see `post_cuda`).
     last: Option<(usize, Arc<CudaEvent>)>,
-    /// Captured collectives as direct ops (contract 7): not tried yet, refused, or the windows.
+    /// Captured collectives as direct ops (docs/design-gpu.md, direct collectives): not tried yet, refused, or the windows.
     pub(crate) direct: direct::State,
-    /// Eager collectives as direct ops (contract 7 rule 8, `COMMD_EAGER_DIRECT`): windows of
+    /// Eager collectives as direct ops (direct collectives rule 8, `COMMD_EAGER_DIRECT`): windows of
     /// their own.
     pub(crate) eager: direct::State,
     /// The grid barrier of the rounds kernel (`kernels::rounds`): four u32 of device memory on

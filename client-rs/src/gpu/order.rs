@@ -161,7 +161,7 @@ pub unsafe fn refuse_capture(stream: sys::CUstream, what: &str) -> Result<()> {
         "{what}: {why}. It waits for GPU ops issued outside the capture, whose doorbell values \
          were fixed when they were issued, so a replay would pass the wait at once and leave \
          stale data. Refused (nothing was enqueued); wait for those ops before the capture \
-         begins (DESIGN.md contract 6)"
+         begins (docs/design-gpu.md, persistent ops rule 7)"
     )))
 }
 

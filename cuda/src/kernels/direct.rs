@@ -1,4 +1,4 @@
-//! The kernel of a *direct* captured collective (DESIGN.md contract 7): one launch that pushes
+//! The kernel of a *direct* captured collective (docs/design-gpu.md, direct collectives): one launch that pushes
 //! this rank's input (or its chunks) into the peers' windows (NVLink/PCIe stores through
 //! IPC-mapped pointers), signals each peer with a flag, waits for every rank's flag of the same
 //! epoch (every op, whatever it moves, so the ranks stay in lockstep), checks that the peers run
@@ -39,7 +39,7 @@
 //! client's `cuda_graph_check`): `code` (u32, written last), `rank` (u32), `epoch` (u64), this
 //! rank's flag words, the other rank's flag words. Codes: [`MISMATCH`], [`TIMEOUT`], [`BROKEN`],
 //! [`POISONED`], [`PEER_FAILED`], [`ELSEWHERE`]. The rest of its page holds the status words of eager direct
-//! ops (contract 7 rule 8; [`STATUS_OFF`]): each failing op writes its code into its own word
+//! ops (direct collectives rule 8; [`STATUS_OFF`]): each failing op writes its code into its own word
 //! too, so every op's outcome is known, not only the first failure's.
 
 /// 16-byte loads in flight per thread before their stores in a direct op's pushes and copies

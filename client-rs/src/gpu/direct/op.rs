@@ -29,8 +29,8 @@ impl Communicator {
             .is_some_and(|h| h.load(Ordering::Acquire) & doorbell::HINT_BROKEN != 0)
     }
 
-    /// How this communicator's captured collectives run: `"direct"` (contract 7),
-    /// `"daemon: <why>"` (contract 6, and why not direct), or `"undecided"` before the first
+    /// How this communicator's captured collectives run: `"direct"` (docs/design-gpu.md, direct collectives),
+    /// `"daemon: <why>"` (persistent ops, and why not direct), or `"undecided"` before the first
     /// one was captured.
     pub fn cuda_graph_path(&self) -> String {
         match &lock(&self.gpu).direct {
@@ -157,7 +157,7 @@ impl Communicator {
         Ok(())
     }
 
-    /// Runs `a` as a direct op if this communicator can: a captured collective (contract 7),
+    /// Runs `a` as a direct op if this communicator can: a captured collective (direct collectives rule 1),
     /// or with `eager` an eager one (rule 8). `Ok(None)`: it takes the daemon's path instead.
     ///
     /// # Safety

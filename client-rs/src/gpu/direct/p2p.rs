@@ -316,7 +316,7 @@ impl Communicator {
         }
         drop(c);
         // A captured group goes the usual way, op by op (captured send/recv are persistent
-        // ops of the daemon, contract 6): host-counted sequences baked into a graph would
+        // ops of the daemon, docs/design-gpu.md, persistent ops rules): host-counted sequences baked into a graph would
         // repeat at every replay.
         if let Some((f, _)) = pick.first() {
             // SAFETY: the caller's live stream.

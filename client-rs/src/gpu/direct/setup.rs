@@ -216,7 +216,7 @@ impl Communicator {
                 "collectives captured into CUDA graphs"
             };
             eprintln!(
-                "commd: communicator {}: {which} take the daemon's path (contract 6), not the direct one: {why}",
+                "commd: communicator {}: {which} take the daemon's path, not the direct one: {why}",
                 self.comm_id
             );
         }
