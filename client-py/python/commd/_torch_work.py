@@ -1,6 +1,7 @@
 """The Works and futures of commd's torch backend, CPU and CUDA alike: torch's ``Work`` over a
 commd ``Handle`` (its errors raised as torch's ``DistBackendError``), the progress thread that
-completes futures nobody waits on, and a Work with nothing to wait for.
+completes futures nobody waits on, a Work with nothing to wait for, and several GPU Works
+joined as one.
 
 Below both ``commd.torch`` (the backend) and ``commd._torch_cuda`` (its CUDA path); imports
 neither."""
@@ -213,3 +214,79 @@ class _DoneWork(_Work):
         f: Future = Future()
         f.set_result(_flat_tensors(self._result))
         return f
+
+
+class _JoinWork(_Work):
+    """Several GPU Works as one."""
+
+    def __init__(self, works: list[Any], result: Any) -> None:
+        super().__init__()
+        self._works = works
+        self._result = result
+
+    def wait(self, timeout: Any = None) -> bool:
+        for w in self._works:
+            w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def result(self) -> Any:
+        return self._result
+
+    def get_future(self) -> Future:
+        """Completed once every op's future is; CUDA-aware as theirs are (GPU ops' futures are
+        completed at once on their streams): the joined future's completion is recorded on a
+        side stream after it waited for every op's, so its ``wait()`` and callbacks order the
+        caller's stream after all the ops, not only the CPU."""
+        futs = [w.get_future() for w in self._works]
+        value = _flat_tensors(self._result)
+        dev = next((t.device for t in value if t.is_cuda), None)
+        if dev is not None and torch.cuda.is_current_stream_capturing():
+            dev = None  # captured ops' futures are plain ones (FastCudaWork)
+        out: Future = Future(devices=[dev]) if dev is not None else Future()
+        lock = threading.Lock()
+        left = [len(futs)]
+
+        def done(_: Any) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] > 0 or out.done():
+                    return
+                for f in futs:
+                    try:
+                        f.value()
+                    except BaseException as e:  # noqa: BLE001
+                        out.set_exception(e)
+                        return
+                if dev is None:
+                    out.set_result(value)
+                    return
+                with torch.cuda.device(dev), torch.cuda.stream(_side_stream(dev)):
+                    for f in futs:
+                        f.wait()  # the side stream waits for the op's recorded completion
+                    out.set_result(value)
+
+        for f in futs:
+            f.add_done_callback(done)
+        return out
+
+
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(dev: torch.device) -> torch.cuda.Stream:
+    """A stream of ``dev`` that joined futures record their completion on."""
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    s = _SIDE.get(i)
+    if s is None:
+        s = _SIDE[i] = torch.cuda.Stream(device=i)
+    return s
+
+
+def _join(works: list[Any], result: Any) -> Any:
+    return _JoinWork(works, result)

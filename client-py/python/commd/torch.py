@@ -26,12 +26,9 @@ stderr, refuses ``recv(src=None)`` and ``split_group`` with a clear error, and m
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
-import threading
 import time
-import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -40,223 +37,24 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as _C10dBackend
 from torch._C._distributed_c10d import ReduceOp
-from torch._C._distributed_c10d import Work as _Work
-from torch.futures import Future
 
 from . import _core, _native, _settings
 from ._core import Handle
-from ._torch_cuda import _COMPLEX, _REAL, CudaOps, check_overlap
-from ._torch_work import (_CommdWork, _DoneWork, WaitTimeoutError, _dist_error, _flat_tensors,
+# The backend's parts below this module: its ops' arguments, its Works, its CUDA path, what it
+# takes from the job's environment, and its C++ shell.
+from ._torch_args import (_check_same, _check_sizes, _check_tensor, _is_cuda, _move_dt, _np,
+                          _one, _premul, _reduce_args, _reduce_names, _split_rows, _split_t,
+                          _sync, _tag_ignored)
+from ._torch_cuda import CudaOps
+from ._torch_env import _debug_init, _env_from_launcher
+from ._torch_shell import _no_shell, _shell
+from ._torch_work import (_CommdWork, _DoneWork, WaitTimeoutError, _dist_error, _join,
                           _seconds)
 
 __all__ = ["CommdBackend", "register", "empty", "set_pacing", "backend", "BACKEND",
            "use_cpu_allocator"]
 
 BACKEND = "commd"
-
-_REDUCE_DTYPES = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.int32: "i32",
-    torch.int64: "i64",
-    torch.bool: "u8",
-}
-
-_REDOPS = {
-    ReduceOp.RedOpType.SUM: "sum",
-    ReduceOp.RedOpType.PRODUCT: "prod",
-    ReduceOp.RedOpType.MIN: "min",
-    ReduceOp.RedOpType.MAX: "max",
-    ReduceOp.RedOpType.AVG: "avg",
-    ReduceOp.RedOpType.BAND: "band",
-    ReduceOp.RedOpType.BOR: "bor",
-    ReduceOp.RedOpType.BXOR: "bxor",
-}
-
-# Same-size integer views for dtypes numpy lacks (pure data movement needs only the bytes).
-_BYTE_VIEWS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
-for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-    if hasattr(torch, _name):
-        _BYTE_VIEWS[getattr(torch, _name)] = torch.uint8
-
-
-def _debug_level() -> int:
-    """COMMD_DEBUG in the job (as NCCL_DEBUG): 0 quiet, 1 WARN, 2 INFO and above."""
-    v = _settings.get("COMMD_DEBUG").upper()
-    return {"WARN": 1, "WARNING": 1, "ERROR": 1, "INFO": 2, "DEBUG": 2, "TRACE": 2}.get(v, 0)
-
-
-def _debug_subsys_init() -> bool:
-    v = _settings.get("COMMD_DEBUG_SUBSYS").upper()
-    if not v or v == "ALL":
-        return True
-    names = {s.strip() for s in v.lstrip("^").split(",")}
-    return ("INIT" in names) != v.startswith("^")
-
-
-def _debug_init(b: Any, group_name: str) -> None:
-    """Under COMMD_DEBUG=INFO, each rank prints its communicator and the daemon's paths for
-    it, as NCCL_DEBUG=INFO does at init."""
-    if _debug_level() < 2 or not _debug_subsys_init():
-        return
-    import socket
-
-    head = f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()} commd INFO"
-    c = b.comm
-    lines = [f"{head} group {group_name or '(default)'} rank {b._rank} nranks {b._size}: commd "
-             f"communicator {c.id:#x}, {c.nodes} node(s), daemon {b.client.socket} - Init COMPLETE"]
-    lines += [f"{head} comm {c.id:#x}: {p}" for p in c.paths]
-    print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def _check_tensor(t: torch.Tensor, what: str, cuda: bool = False) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"commd {what}: expected a tensor, got {type(t).__name__}")
-    want = "cuda" if cuda else "cpu"
-    if t.device.type != want:
-        raise ValueError(
-            f"commd {what}: tensor on {t.device}, expected {want} like the op's other tensors "
-            "(supported: CPU and CUDA tensors, not mixed within one op)")
-    if t.is_sparse:
-        raise ValueError(f"commd {what}: sparse tensors are not supported")
-    check_overlap(t, what)
-
-
-_TAG_WARNED = False
-
-
-def _tag_ignored(tag: int) -> None:
-    """commd pairs a rank's messages to a peer in order, as NCCL does; gloo pairs them by tag.
-    Said once per process when a tag is given, so a program that relies on tags is told."""
-    global _TAG_WARNED
-    if tag and not _TAG_WARNED:
-        _TAG_WARNED = True
-        print(f"commd: send/recv tags are ignored (tag {tag}): each receive takes the next "
-              "message from its peer in the order they were sent, as with NCCL (gloo matches "
-              "tags)", file=sys.stderr, flush=True)
-
-
-def _is_cuda(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.is_cuda
-
-
-def _sync(opts: Any) -> bool:
-    """Whether torch waits for the op at once (``async_op=False``): such GPU ops run on the
-    current stream itself."""
-    return not getattr(opts, "asyncOp", True)
-
-
-_NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-              torch.int8: np.int8, torch.uint8: np.uint8, torch.int16: np.int16,
-              torch.int32: np.int32, torch.int64: np.int64}
-for _name, _npt in (("uint16", np.uint16), ("uint32", np.uint32), ("uint64", np.uint64)):
-    if hasattr(torch, _name):
-        _NP_DTYPES[getattr(torch, _name)] = _npt
-
-
-def _np(t: torch.Tensor, what: str = "op") -> np.ndarray:
-    """A numpy view of ``t`` (no copy, strides kept), with a same-size integer dtype where
-    numpy has no equivalent.
-
-    Made over the tensor's memory by address, not with ``Tensor.numpy()``: that marks the
-    tensor's storage as never resizable, for good, and FSDP frees its unsharded parameters by
-    resizing their storage to 0 after an all-gather ("Trying to resize storage that is not
-    resizable" in dinov2's training step, 2026-11-25). The view holds a reference to the tensor,
-    so its memory lives as long as the view does."""
-    _check_tensor(t, what)
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    v = _BYTE_VIEWS.get(t.dtype)
-    if v is not None:
-        t = t.view(v)
-    dt = _NP_DTYPES.get(t.dtype)
-    if dt is None:
-        raise ValueError(f"commd {what}: unsupported tensor dtype {t.dtype}")
-    shape = tuple(t.shape)
-    if t.numel() == 0:
-        return np.empty(shape, dtype=dt)
-    es = t.element_size()
-    span = 1 + sum((n - 1) * st for n, st in zip(shape, t.stride()))
-    raw = (ctypes.c_char * (span * es)).from_address(t.data_ptr())
-    raw.tensor = t  # the view keeps the tensor's memory alive, as Tensor.numpy() does
-    base = np.frombuffer(raw, dtype=dt, count=span)
-    return np.lib.stride_tricks.as_strided(base, shape=shape,
-                                           strides=tuple(st * es for st in t.stride()))
-
-
-def _reduce_args(t: torch.Tensor, op: Any, what: str) -> tuple[np.ndarray, str, str]:
-    """(array, daemon dtype name, daemon reduction name) for a reduction over ``t``."""
-    dt, red = _reduce_names(t, op, what)
-    return _np(t, what), dt, red
-
-
-def _premul(t: torch.Tensor, op: Any, what: str, copy: bool) -> tuple[torch.Tensor, Any]:
-    """``ReduceOp.PREMUL_SUM(f)`` as NCCL defines it (FSDP2 uses it for its gradient divide
-    factor): every rank's input times ``f``, then summed. Returns the tensor to reduce, ``t``
-    scaled in place, or a scaled copy when ``copy`` (an input the op must not change), and SUM;
-    any other op comes back as it was."""
-    kind = getattr(op, "op", op)
-    if kind != ReduceOp.RedOpType.PREMUL_SUM:
-        return t, op
-    f = getattr(op, "factor", None)
-    if f is None:  # torch without ReduceOp.factor: the pickled form is (op, factor)
-        f = op.__getstate__()[1]
-    if isinstance(f, torch.Tensor):
-        if f.numel() != 1:
-            raise ValueError(f"commd {what}: PREMUL_SUM needs a one-element factor, got "
-                             f"{f.numel()} elements")
-        # A 0-dim factor: a [1] one would not broadcast into a 0-dim tensor in place.
-        f = f.reshape(()).to(t.device)
-    # Checked before the tensor is scaled in place (a refusal then leaves it as it was).
-    _reduce_names(t, ReduceOp.SUM, what)
-    if t.is_complex() or t.is_floating_point():
-        with torch.no_grad():
-            s = torch.mul(t, f) if copy else t.mul_(f)
-    else:
-        raise ValueError(f"commd {what}: PREMUL_SUM needs a floating-point tensor, got {t.dtype}")
-    return s, ReduceOp.SUM
-
-
-def _reduce_names(t: torch.Tensor, op: Any, what: str) -> tuple[str, str]:
-    """(daemon dtype name, daemon reduction name) for a reduction over ``t``."""
-    _check_tensor(t, what, _is_cuda(t))
-    kind = getattr(op, "op", op)
-    if kind == ReduceOp.RedOpType.PREMUL_SUM:  # (the ops resolve it with _premul first)
-        raise ValueError(f"commd {what}: PREMUL_SUM here is an internal error")
-    name = _REDOPS.get(kind)
-    if name is None:
-        raise ValueError(f"commd {what}: unsupported reduction {op}")
-    if t.is_complex():
-        if name not in ("sum", "avg"):
-            raise ValueError(f"commd {what}: reduction {name} is not defined for complex tensors")
-        dt = {torch.complex64: "f32", torch.complex128: "f64"}.get(t.dtype)
-        if dt is None:
-            raise ValueError(f"commd {what}: unsupported tensor dtype {t.dtype}")
-        return dt, name
-    dt = _REDUCE_DTYPES.get(t.dtype)
-    if dt is None:
-        raise ValueError(
-            f"commd {what}: cannot reduce {t.dtype} tensors (supported: float32, float64, "
-            "float16, bfloat16, int8, uint8, int32, int64, bool, complex64/128 for sum/avg)")
-    return dt, _core._redop(name, dt, t.dtype == torch.bool)
-
-
-def _move_dt(t: torch.Tensor) -> str | None:
-    """The daemon's dtype name for moving ``t`` (as ``_np(t)`` counts elements), so metrics and
-    traces show the tensor's real dtype (the GPU path's names); None (bytes, as u8) where commd
-    has no such dtype."""
-    return _REAL.get(t.dtype) or _COMPLEX.get(t.dtype)
-
-
-def _one(tensors: list[torch.Tensor], what: str) -> torch.Tensor:
-    if len(tensors) != 1:
-        raise ValueError(f"commd {what}: expected one tensor per process, got {len(tensors)}")
-    return tensors[0]
 
 
 def _base_class() -> type:
@@ -817,96 +615,6 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         return self.gpu.p2p(sends, recvs, result)
 
 
-class _JoinWork(_Work):
-    """Several GPU Works as one."""
-
-    def __init__(self, works: list[Any], result: Any) -> None:
-        super().__init__()
-        self._works = works
-        self._result = result
-
-    def wait(self, timeout: Any = None) -> bool:
-        for w in self._works:
-            w.wait(timeout)
-        return True
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self._works)
-
-    def is_success(self) -> bool:
-        return all(w.is_success() for w in self._works)
-
-    def result(self) -> Any:
-        return self._result
-
-    def get_future(self) -> Future:
-        """Completed once every op's future is; CUDA-aware as theirs are (GPU ops' futures are
-        completed at once on their streams): the joined future's completion is recorded on a
-        side stream after it waited for every op's, so its ``wait()`` and callbacks order the
-        caller's stream after all the ops, not only the CPU."""
-        futs = [w.get_future() for w in self._works]
-        value = _flat_tensors(self._result)
-        dev = next((t.device for t in value if t.is_cuda), None)
-        if dev is not None and torch.cuda.is_current_stream_capturing():
-            dev = None  # captured ops' futures are plain ones (FastCudaWork)
-        out: Future = Future(devices=[dev]) if dev is not None else Future()
-        lock = threading.Lock()
-        left = [len(futs)]
-
-        def done(_: Any) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0] > 0 or out.done():
-                    return
-                for f in futs:
-                    try:
-                        f.value()
-                    except BaseException as e:  # noqa: BLE001
-                        out.set_exception(e)
-                        return
-                if dev is None:
-                    out.set_result(value)
-                    return
-                with torch.cuda.device(dev), torch.cuda.stream(_side_stream(dev)):
-                    for f in futs:
-                        f.wait()  # the side stream waits for the op's recorded completion
-                    out.set_result(value)
-
-        for f in futs:
-            f.add_done_callback(done)
-        return out
-
-
-_SIDE: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(dev: torch.device) -> torch.cuda.Stream:
-    """A stream of ``dev`` that joined futures record their completion on."""
-    i = dev.index if dev.index is not None else torch.cuda.current_device()
-    s = _SIDE.get(i)
-    if s is None:
-        s = _SIDE[i] = torch.cuda.Stream(device=i)
-    return s
-
-
-def _join(works: list[Any], result: Any) -> Any:
-    return _JoinWork(works, result)
-
-
-def _split_t(t: torch.Tensor, splits: list[int], n: int, side: str,
-             what: str) -> list[torch.Tensor]:
-    """Rows of ``t`` split by ``splits`` (equal split when empty)."""
-    rows = t.shape[0] if t.dim() > 0 else 0
-    if not splits:
-        if rows % n:
-            raise ValueError(f"commd {what}: {side} has {rows} rows, not divisible by {n}")
-        splits = [rows // n] * n
-    if len(splits) != n or sum(splits) != rows or any(s < 0 for s in splits):
-        raise ValueError(f"commd {what}: {side} split sizes {splits} do not cover {rows} rows "
-                         f"in {n} parts")
-    return list(torch.split(t, splits, dim=0))
-
-
 # torch >= 2.12 calls these names; older releases the underscored/base ones above.
 CommdBackend.all_gather_single = CommdBackend._allgather_base  # type: ignore[attr-defined]
 CommdBackend.all_gather_single_coalesced = (  # type: ignore[attr-defined]
@@ -915,39 +623,6 @@ CommdBackend.reduce_scatter_single = CommdBackend._reduce_scatter_base  # type: 
 CommdBackend.reduce_scatter_single_coalesced = (  # type: ignore[attr-defined]
     CommdBackend.reduce_scatter_tensor_coalesced)
 CommdBackend.all_to_all_single = CommdBackend.alltoall_base  # type: ignore[attr-defined]
-
-
-def _check_same(t: torch.Tensor, like: torch.Tensor, what: str) -> None:
-    _check_tensor(t, what, _is_cuda(like))
-    if t.dtype != like.dtype or t.numel() != like.numel():
-        raise ValueError(f"commd {what}: tensor of {t.numel()} x {t.dtype} does not match "
-                         f"{like.numel()} x {like.dtype}")
-
-
-def _check_sizes(big: torch.Tensor, small: torch.Tensor, n: int, what: str) -> None:
-    cuda = _is_cuda(big)
-    _check_tensor(big, what, cuda)
-    _check_tensor(small, what, cuda)
-    if big.dtype != small.dtype or big.numel() != n * small.numel():
-        raise ValueError(f"commd {what}: expected {n} x {small.numel()} elements of "
-                         f"{small.dtype}, got {big.numel()} of {big.dtype}")
-
-
-def _split_rows(a: np.ndarray, splits: list[int], n: int, side: str,
-                what: str) -> list[np.ndarray]:
-    rows = a.shape[0] if a.ndim else 1
-    if not splits:
-        if rows % n:
-            raise ValueError(f"commd {what}: {side} has {rows} rows, not divisible by {n}")
-        splits = [rows // n] * n
-    if len(splits) != n or any(s < 0 for s in splits) or sum(splits) != rows:
-        raise ValueError(f"commd {what}: {side} split sizes {list(splits)} must be {n} "
-                         f"non-negative numbers summing to {rows}")
-    out, off = [], 0
-    for s in splits:
-        out.append(a[off:off + s])
-        off += s
-    return out
 
 
 def set_pacing(gbps: float | None, group: Any = None) -> None:
@@ -1041,43 +716,6 @@ def empty(*size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=dtype, count=n).view(size)
 
 
-def _env_from_launcher() -> None:
-    """Fills torch's env:// variables from mpirun (Open MPI, or PMI) when they are absent."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return
-    for rank, size, lrank, lsize in (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-         "OMPI_COMM_WORLD_LOCAL_SIZE"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ):
-        if rank in env and size in env:
-            env.setdefault("RANK", env[rank])
-            env.setdefault("WORLD_SIZE", env[size])
-            if lrank in env:
-                env.setdefault("LOCAL_RANK", env[lrank])
-            if lsize in env:
-                env.setdefault("LOCAL_WORLD_SIZE", env[lsize])
-            single_node = env.get(lsize) == env[size]
-            if single_node:
-                env.setdefault("MASTER_ADDR", "127.0.0.1")
-            # Every rank derives the same port from the job's id, below Linux's default
-            # ephemeral range (32768-60999): a port in that range can be taken by any outgoing
-            # connection on rank 0's host (CI saw EADDRINUSE at 34376 with the old 20000-39999).
-            job = (env.get("OMPI_MCA_ess_base_jobid") or env.get("PMIX_NAMESPACE")
-                   or env.get("OMPI_MCA_orte_ess_jobid") or env.get("PMI_ID_JOB") or "")
-            if job and "MASTER_PORT" not in env:
-                env["MASTER_PORT"] = str(_MPI_PORT_LOW + zlib.crc32(job.encode())
-                                         % (_MPI_PORT_END - _MPI_PORT_LOW))
-            return
-
-
-# The MASTER_PORT range derived from an MPI job's id (``_env_from_launcher``): 20000-32767, below
-# Linux's default ephemeral ports. A job that needs another sets MASTER_PORT itself.
-_MPI_PORT_LOW = 20000
-_MPI_PORT_END = 32768
-
-
 class Options:
     """Per-group settings of the ``"commd"`` backend, passed as ``pg_options`` to
     ``init_process_group`` or ``new_group``. A field left None falls back to the environment
@@ -1165,21 +803,6 @@ def use_cpu_allocator(min_bytes: int | None = None) -> bool:
     return ok
 
 
-def _shell() -> Any:
-    """The C++ shell module (``commd._c10d``), built on first use; None where it cannot be,
-    after saying so once and patching ``Work.is_completed`` (see the module docstring)."""
-    from . import _c10d
-    mod = _c10d.load()
-    if mod is None and not getattr(_shell, "_said", False):
-        _shell._said = True  # type: ignore[attr-defined]
-        print(f"commd: the torch backend runs without its C++ shell ({_c10d.why_not()}): "
-              "recv(src=None) and split_group are refused, and Work.is_completed is patched; "
-              "`python -m commd._c10d` shows why it cannot be built", file=sys.stderr,
-              flush=True)
-        _patch_is_completed()
-    return mod
-
-
 def _impl_of(b: Any) -> Any:
     """The commd.torch.CommdBackend behind a torch Backend object (itself when not shelled)."""
     if isinstance(b, CommdBackend):
@@ -1189,40 +812,11 @@ def _impl_of(b: Any) -> Any:
     return mod.impl_of(b) if mod is not None else None
 
 
-def _no_shell(what: str) -> str:
-    from . import _c10d
-    return (f"commd: {what} needs the backend's C++ shell, which could not be built here "
-            f"({_c10d.why_not()}); run `python -m commd._c10d` to see why")
-
-
 def register() -> None:
     """Registers the ``"commd"`` backend with torch.distributed (idempotent)."""
     if BACKEND.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
-
-
-def _patch_is_completed() -> None:
-    """Only without the C++ shell: torch (2.15) wraps every Work a Python backend returns in a
-    holder that forwards only ``wait`` and ``get_future``, so ``is_completed()`` on it is always
-    False. Our async Works complete their future when the op finishes; this makes
-    ``is_completed()`` fall back to that future. Works of other backends are unaffected: their
-    own answer is used first, and their future is never done before they are."""
-    orig = _Work.is_completed
-    if getattr(orig, "_commd_patched", False):
-        return
-
-    def is_completed(self: _Work) -> bool:
-        if orig(self):
-            return True
-        try:
-            return bool(self.get_future().done())
-        except Exception:  # noqa: BLE001 - a Work without a future keeps its own answer
-            return False
-
-    is_completed._commd_patched = True  # type: ignore[attr-defined]
-    is_completed.__doc__ = orig.__doc__
-    _Work.is_completed = is_completed  # type: ignore[method-assign]
 
 
 _env_from_launcher()

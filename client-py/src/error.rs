@@ -1,0 +1,88 @@
+//! The Python exception hierarchy (`commd.CommError` and its subclasses) and the mapping of
+//! `commd_client` errors onto it. Every binding that calls the client converts its error here.
+
+use commd_client::{Error, OpErrorKind};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+
+create_exception!(
+    _native,
+    CommError,
+    PyException,
+    "Base class of every commd error."
+);
+create_exception!(
+    _native,
+    DaemonUnavailableError,
+    CommError,
+    "The commd daemon could not be reached (the message names the socket and how to start it)."
+);
+create_exception!(
+    _native,
+    DaemonLostError,
+    CommError,
+    "The daemon went away (exited or closed this session) while the client used it."
+);
+create_exception!(
+    _native,
+    MismatchError,
+    CommError,
+    "Ranks posted different collectives (op, dtype, count, root or reduction) at the same step."
+);
+create_exception!(
+    _native,
+    PeerLostError,
+    CommError,
+    "A rank of the communicator died or left."
+);
+create_exception!(
+    _native,
+    CommTimeoutError,
+    CommError,
+    "Some ranks never posted the op (or never joined) within the timeout."
+);
+create_exception!(
+    _native,
+    ShutdownError,
+    CommError,
+    "The daemon is shutting down."
+);
+create_exception!(
+    _native,
+    AbortedError,
+    CommError,
+    "The communicator was aborted by an earlier error or destroyed."
+);
+create_exception!(
+    _native,
+    InvalidOpError,
+    CommError,
+    "The daemon refused the op's arguments (bounds, dtype, reduction)."
+);
+create_exception!(
+    _native,
+    UnsupportedError,
+    CommError,
+    "commd cannot do this correctly yet (e.g. a GPU op during CUDA graph capture): refused."
+);
+
+/// Converts a client error to the matching Python exception.
+pub(crate) fn to_py(e: Error) -> PyErr {
+    let msg = e.to_string();
+    match &e {
+        Error::DaemonUnavailable { .. } => DaemonUnavailableError::new_err(msg),
+        Error::DaemonLost { .. } => DaemonLostError::new_err(msg),
+        Error::InvalidArgument(_) => PyValueError::new_err(msg),
+        Error::Unsupported(_) => UnsupportedError::new_err(msg),
+        _ => match e.op_kind() {
+            Some(OpErrorKind::Mismatch) => MismatchError::new_err(msg),
+            Some(OpErrorKind::PeerLost) => PeerLostError::new_err(msg),
+            Some(OpErrorKind::Timeout) => CommTimeoutError::new_err(msg),
+            Some(OpErrorKind::Shutdown) => ShutdownError::new_err(msg),
+            Some(OpErrorKind::Aborted) => AbortedError::new_err(msg),
+            Some(OpErrorKind::Invalid) => InvalidOpError::new_err(msg),
+            Some(OpErrorKind::Internal) | None => CommError::new_err(msg),
+        },
+    }
+}

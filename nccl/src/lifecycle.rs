@@ -1,0 +1,295 @@
+//! Communicator lifecycle: unique ids, the `ncclCommInit*` family, split, finalize, destroy and
+//! abort, and the reading of `ncclConfig_t`. It checks and converts the C arguments and hands
+//! the work to `comm::Comm`; it keeps no state of its own.
+
+#![allow(unsafe_code)] // the C ABI: raw pointers from C callers
+
+use std::ffi::{c_char, c_int};
+use std::sync::Arc;
+
+use crate::comm::{self, Comm, UNIQUE_ID_BYTES};
+use crate::ffi::{self, Failure, Outcome, guard, invalid, ncclResult_t, put};
+use crate::memory::forget_registrations;
+use crate::{ConfigHead, ncclComm_t, ncclUniqueId, ok};
+
+pub(crate) const API_MAGIC: u32 = 0xcafe_beef;
+const CONFIG_UNDEF_INT: c_int = c_int::MIN;
+const SPLIT_NOCOLOR: c_int = -1;
+
+/// Whether a config asks for a blocking communicator (the default).
+///
+/// # Safety
+/// `config` is null or points to an `ncclConfig_t` the caller initialised.
+pub(crate) unsafe fn blocking(config: *const ConfigHead) -> Outcome<bool> {
+    if config.is_null() {
+        return Ok(true);
+    }
+    // SAFETY: the caller's contract; the head is read only after its size says it is there.
+    let size = unsafe { (*config).size };
+    // SAFETY: as above (the magic and version follow the size in every config version).
+    let magic = unsafe { (*config).magic };
+    if magic != API_MAGIC || size < std::mem::size_of::<ConfigHead>() {
+        return Err(invalid(
+            "config was not initialised with NCCL_CONFIG_INITIALIZER (bad magic or size)",
+        ));
+    }
+    // SAFETY: size covers the field.
+    let b = unsafe { (*config).blocking };
+    match b {
+        CONFIG_UNDEF_INT | 1 => Ok(true),
+        0 => Ok(false),
+        _ => Err(invalid(format!(
+            "config blocking attribute {b} is invalid (0 or 1)"
+        ))),
+    }
+}
+
+fn uid_bytes(id: &ncclUniqueId) -> [u8; UNIQUE_ID_BYTES] {
+    id.internal.map(|c| c as u8)
+}
+
+/// The current result of a create: `ncclInProgress` for a non-blocking communicator whose
+/// join still runs.
+fn created(c: &Arc<Comm>) -> ncclResult_t {
+    if !c.blocking && c.joining() {
+        ffi::IN_PROGRESS
+    } else {
+        ffi::SUCCESS
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclGetUniqueId(out: *mut ncclUniqueId) -> ncclResult_t {
+    guard("ncclGetUniqueId", || {
+        let u = comm::client()?.unique_id()?;
+        let mut id = ncclUniqueId {
+            internal: [0; UNIQUE_ID_BYTES],
+        };
+        if u.len() != UNIQUE_ID_BYTES {
+            return Err(Failure {
+                code: ffi::INTERNAL_ERROR,
+                message: format!("the daemon's unique id has {} bytes, not 128", u.len()),
+            });
+        }
+        for (d, s) in id.internal.iter_mut().zip(&u) {
+            *d = *s as c_char;
+        }
+        // SAFETY: NCCL's contract on the out pointer.
+        unsafe { put(out, id, "uniqueId") }?;
+        ok()
+    })
+}
+
+unsafe fn init_rank(
+    out: *mut ncclComm_t,
+    nranks: c_int,
+    id: &ncclUniqueId,
+    rank: c_int,
+    config: *const ConfigHead,
+) -> Outcome<ncclResult_t> {
+    if out.is_null() {
+        return Err(invalid("comm is a null pointer"));
+    }
+    // SAFETY: the caller's contract on config.
+    let b = unsafe { blocking(config) }?;
+    let c = Comm::create(&uid_bytes(id), rank, nranks, comm::current_device(), b)?;
+    let r = created(&c);
+    // SAFETY: checked non-null above; NCCL's contract.
+    unsafe { out.write(comm::handle(c)) };
+    Ok(r)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommInitRank(
+    out: *mut ncclComm_t,
+    nranks: c_int,
+    id: ncclUniqueId,
+    rank: c_int,
+) -> ncclResult_t {
+    // SAFETY: NCCL's contract on the pointers.
+    guard("ncclCommInitRank", || unsafe {
+        init_rank(out, nranks, &id, rank, std::ptr::null())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommInitRankConfig(
+    out: *mut ncclComm_t,
+    nranks: c_int,
+    id: ncclUniqueId,
+    rank: c_int,
+    config: *mut ConfigHead,
+) -> ncclResult_t {
+    // SAFETY: NCCL's contract on the pointers.
+    guard("ncclCommInitRankConfig", || unsafe {
+        init_rank(out, nranks, &id, rank, config)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommInitRankScalable(
+    out: *mut ncclComm_t,
+    nranks: c_int,
+    rank: c_int,
+    n_id: c_int,
+    ids: *mut ncclUniqueId,
+    config: *mut ConfigHead,
+) -> ncclResult_t {
+    guard("ncclCommInitRankScalable", || {
+        if n_id < 1 || ids.is_null() {
+            return Err(invalid(format!(
+                "{n_id} unique ids at {ids:p}: at least one is needed"
+            )));
+        }
+        // The first id names the communicator (commd's daemons need no spread of roots).
+        // SAFETY: NCCL's contract: `ids` holds `n_id` ids.
+        let id = unsafe { *ids };
+        // SAFETY: as above.
+        unsafe { init_rank(out, nranks, &id, rank, config) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommInitAll(
+    comms: *mut ncclComm_t,
+    ndev: c_int,
+    devlist: *const c_int,
+) -> ncclResult_t {
+    guard("ncclCommInitAll", || {
+        if comms.is_null() {
+            return Err(invalid("comms is a null pointer"));
+        }
+        if ndev < 1 {
+            return Err(invalid(format!("ndev {ndev} must be at least 1")));
+        }
+        let u = comm::client()?.unique_id()?;
+        let mut id = [0u8; UNIQUE_ID_BYTES];
+        if u.len() == UNIQUE_ID_BYTES {
+            id.copy_from_slice(&u);
+        }
+        let devs: Vec<i32> = (0..ndev)
+            .map(|i| {
+                if devlist.is_null() {
+                    i
+                } else {
+                    // SAFETY: NCCL's contract: devlist holds ndev entries.
+                    unsafe { *devlist.add(i as usize) }
+                }
+            })
+            .collect();
+        // The same device may be listed more than once (ranks sharing a GPU: a commd
+        // extension), but each must exist.
+        let count = comm::device_count();
+        if let Some(&d) = devs
+            .iter()
+            .find(|&&d| d < 0 || count.is_some_and(|n| d >= n))
+        {
+            return Err(invalid(format!(
+                "invalid device {d} in devlist ({})",
+                count.map_or("CUDA not loaded".into(), |n| format!(
+                    "{n} CUDA devices visible"
+                ))
+            )));
+        }
+        // Every rank joins on its own thread (a join returns once all ranks joined).
+        let joins: Vec<_> = devs
+            .iter()
+            .enumerate()
+            .map(|(r, &d)| std::thread::spawn(move || Comm::create(&id, r as i32, ndev, d, true)))
+            .collect();
+        let mut made = Vec::new();
+        let mut first = None;
+        for j in joins {
+            match j.join() {
+                Ok(Ok(c)) => made.push(c),
+                Ok(Err(f)) => {
+                    first.get_or_insert(f);
+                }
+                Err(_) => {
+                    first.get_or_insert(Failure {
+                        code: ffi::INTERNAL_ERROR,
+                        message: "a join thread panicked".into(),
+                    });
+                }
+            }
+        }
+        if let Some(f) = first {
+            return Err(f);
+        }
+        for (i, c) in made.into_iter().enumerate() {
+            // SAFETY: NCCL's contract: comms holds ndev entries.
+            unsafe { comms.add(i).write(comm::handle(c)) };
+        }
+        ok()
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommFinalize(c: ncclComm_t) -> ncclResult_t {
+    guard("ncclCommFinalize", || {
+        comm::get(c)?.finalize()?;
+        ok()
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommDestroy(c: ncclComm_t) -> ncclResult_t {
+    guard("ncclCommDestroy", || {
+        if c.is_null() {
+            return ok();
+        }
+        let comm = comm::release(c)?;
+        forget_registrations(c);
+        // Outstanding ops finish first (NCCL's destroy flushes them); a failure is already
+        // the communicator's async error and does not stop the destroy.
+        if !comm.joining() {
+            let _ = comm.finalize();
+        }
+        ok()
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommAbort(c: ncclComm_t) -> ncclResult_t {
+    guard("ncclCommAbort", || {
+        if c.is_null() {
+            return ok();
+        }
+        let comm = comm::release(c)?;
+        forget_registrations(c);
+        comm.abort();
+        ok()
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ncclCommSplit(
+    c: ncclComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut ncclComm_t,
+    config: *mut ConfigHead,
+) -> ncclResult_t {
+    guard("ncclCommSplit", || {
+        if newcomm.is_null() {
+            return Err(invalid("newcomm is a null pointer"));
+        }
+        // NCCL_COMM_NULL until a communicator is made (as NCCL: a failed split leaves none).
+        // SAFETY: checked non-null; NCCL's contract.
+        unsafe { newcomm.write(std::ptr::null_mut()) };
+        let parent = comm::get(c)?;
+        // SAFETY: NCCL's contract on config.
+        let b = match unsafe { blocking(config) } {
+            Ok(b) => b,
+            Err(f) => return Err(f),
+        };
+        let b = if config.is_null() { parent.blocking } else { b };
+        let color = if color == SPLIT_NOCOLOR { -1 } else { color };
+        let out = parent.split(color, key, b)?;
+        let r = out.as_ref().map(created).unwrap_or(ffi::SUCCESS);
+        let h = out.map(comm::handle).unwrap_or(std::ptr::null_mut());
+        // SAFETY: checked non-null; NCCL's contract.
+        unsafe { newcomm.write(h) };
+        Ok(r)
+    })
+}
