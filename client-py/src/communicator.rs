@@ -298,13 +298,13 @@ impl Communicator {
     }
 
     /// How all-reduces captured into CUDA graphs run on this communicator: "direct",
-    /// "daemon: <why not direct>" or "undecided" (DESIGN.md contracts 6 and 7).
+    /// "daemon: <why not direct>" or "undecided" (docs/design-gpu.md: persistent ops, direct collectives).
     fn cuda_graph_path(&self) -> PyResult<String> {
         Ok(self.get()?.cuda_graph_path())
     }
 
     /// How small eager GPU collectives run on this communicator: "direct", "daemon: <why
-    /// not>" or "undecided" (DESIGN.md contract 7 rule 8, COMMD_EAGER_DIRECT).
+    /// not>" or "undecided" (docs/design-gpu.md, direct collectives rule 8, COMMD_EAGER_DIRECT).
     fn cuda_eager_path(&self) -> PyResult<String> {
         Ok(self.get()?.cuda_eager_path())
     }

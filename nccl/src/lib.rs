@@ -13,7 +13,7 @@
 //! `memory`, `unsupported`: argument checks and conversions only) -> `comm` (communicators, op
 //! dispatch) and `group` -> `host` (the host-memory extension) -> `ffi`, `log`. The crate root
 //! holds the C types they share. Device memory goes through `commd_client`'s stream-ordered GPU
-//! ops (DESIGN.md contracts 4 and 6: ops issued while a stream is captured become persistent
+//! ops (docs/contracts.md #4, docs/design-gpu.md persistent ops: ops issued while a stream is captured become persistent
 //! graph ops).
 
 #![deny(unsafe_code)] // allowed only in the modules that say why

@@ -689,8 +689,8 @@ def graph_path(group: Any = None) -> str:
     """How collectives captured into CUDA graphs run on ``group``: ``"direct"`` (all-reduce,
     all-gather, reduce-scatter, broadcast and reduce up to ``COMMD_GRAPH_DIRECT_MAX_BYTES`` are
     one kernel of the graph each, with no daemon work per replay: ranks with a GPU each, peer
-    access between them; docs/design.md contract 7), ``"daemon: <why not direct>"`` (every
-    replay through the daemon's executor, contract 6), or ``"undecided"`` before the first
+    access between them; docs/design-gpu.md, direct collectives), ``"daemon: <why not direct>"`` (every
+    replay through the daemon's executor, persistent ops), or ``"undecided"`` before the first
     capture on the group."""
     return _backends(group, "graph_path")[0].comm._native.cuda_graph_path()
 
@@ -699,7 +699,7 @@ def eager_path(group: Any = None) -> str:
     """How small eager GPU collectives run on ``group``: ``"direct"`` (unless
     ``COMMD_EAGER_DIRECT=0``, all-reduce, all-gather, reduce-scatter, broadcast and reduce up
     to ``COMMD_EAGER_DIRECT_MAX_BYTES`` are one kernel each, with no daemon round trip: ranks
-    with a GPU each, peer access between them; docs/design.md contract 7 rule 8),
+    with a GPU each, peer access between them; docs/design-gpu.md, direct collectives rule 8),
     ``"daemon: <why not direct>"``, or ``"undecided"`` before the first such op on the group."""
     return _backends(group, "eager_path")[0].comm._native.cuda_eager_path()
 
