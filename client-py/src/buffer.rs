@@ -35,6 +35,8 @@ impl Buffer {
         self.inner.as_ptr() as usize
     }
 
+    // The length of a mapping of this process, which fits its address space.
+    #[allow(clippy::cast_possible_truncation)] // 64-bit targets only
     fn __len__(&self) -> usize {
         self.inner.len() as usize
     }
@@ -64,7 +66,8 @@ impl Buffer {
                  belong to the tensor that owns the block)",
             ));
         }
-        let len = me.inner.len() as ffi::Py_ssize_t;
+        let len = ffi::Py_ssize_t::try_from(me.inner.len())
+            .map_err(|_| PyBufferError::new_err("buffer too large for the buffer protocol"))?;
         // SAFETY: `view` is non-null and owned by the caller for the duration of this call; we
         // fill every field. The exporter object is kept alive by the new reference in `obj`.
         unsafe {

@@ -231,8 +231,8 @@ impl Communicator {
     ) -> PyResult<CudaRequest> {
         let bad = || PyValueError::new_err(format!("invalid cuda_op code {code:#x}"));
         let kind = OpKind::from_code((code & 0xffff) as u16).ok_or_else(bad)?;
-        let dtype = DType::from_code((code >> 16) as u8).ok_or_else(bad)?;
-        let redop = match (code >> 24) as u8 {
+        let dtype = DType::from_code(((code >> 16) & 0xff) as u8).ok_or_else(bad)?;
+        let redop = match ((code >> 24) & 0xff) as u8 {
             0 => None,
             r => Some(RedOp::from_code(r - 1).ok_or_else(bad)?),
         };

@@ -28,14 +28,19 @@ pub(crate) fn pacing(gbps: Option<f64>, what: &str) -> PyResult<Option<u64>> {
         Some(g) if !g.is_finite() || g < 0.0 => Err(PyValueError::new_err(format!(
             "{what} must be a non-negative number of GB/s (0 or None: uncapped), got {g}"
         ))),
-        // `as` saturates: absurdly large caps become u64::MAX bytes/s, i.e. no limit in effect.
-        Some(g) => match (g * 1e9).round() as u64 {
-            b if b > 0 && b < min => Err(PyValueError::new_err(format!(
-                "{what}={g} GB/s is below the minimum of {} GB/s (1 MB/s); the cap is in GB/s, and 0 or None means uncapped",
-                min as f64 / 1e9
-            ))),
-            b => Ok(Some(b)),
-        },
+        Some(g) => {
+            // `as` saturates: absurdly large caps become u64::MAX bytes/s, i.e. no limit in
+            // effect; `g` is finite and non-negative here, so no sign is lost.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let b = (g * 1e9).round() as u64;
+            if b > 0 && b < min {
+                return Err(PyValueError::new_err(format!(
+                    "{what}={g} GB/s is below the minimum of {} GB/s (1 MB/s); the cap is in GB/s, and 0 or None means uncapped",
+                    min as f64 / 1e9
+                )));
+            }
+            Ok(Some(b))
+        }
     }
 }
 

@@ -45,7 +45,8 @@ pub(crate) unsafe fn blocking(config: *const ConfigHead) -> Outcome<bool> {
 }
 
 fn uid_bytes(id: &ncclUniqueId) -> [u8; UNIQUE_ID_BYTES] {
-    id.internal.map(|c| c as u8)
+    // The same byte, whether `c_char` is signed or not.
+    id.internal.map(|c| u8::from_ne_bytes(c.to_ne_bytes()))
 }
 
 /// The current result of a create: `ncclInProgress` for a non-blocking communicator whose
@@ -72,7 +73,7 @@ pub unsafe extern "C" fn ncclGetUniqueId(out: *mut ncclUniqueId) -> ncclResult_t
             });
         }
         for (d, s) in id.internal.iter_mut().zip(&u) {
-            *d = *s as c_char;
+            *d = c_char::from_ne_bytes([*s]);
         }
         // SAFETY: NCCL's contract on the out pointer.
         unsafe { put(out, id, "uniqueId") }?;
@@ -168,12 +169,13 @@ pub unsafe extern "C" fn ncclCommInitAll(
             id.copy_from_slice(&u);
         }
         let devs: Vec<i32> = (0..ndev)
-            .map(|i| {
+            .zip(0usize..)
+            .map(|(d, i)| {
                 if devlist.is_null() {
-                    i
+                    d
                 } else {
                     // SAFETY: NCCL's contract: devlist holds ndev entries.
-                    unsafe { *devlist.add(i as usize) }
+                    unsafe { *devlist.add(i) }
                 }
             })
             .collect();
@@ -194,8 +196,8 @@ pub unsafe extern "C" fn ncclCommInitAll(
         // Every rank joins on its own thread (a join returns once all ranks joined).
         let joins: Vec<_> = devs
             .iter()
-            .enumerate()
-            .map(|(r, &d)| std::thread::spawn(move || Comm::create(&id, r as i32, ndev, d, true)))
+            .zip(0..ndev)
+            .map(|(&d, r)| std::thread::spawn(move || Comm::create(&id, r, ndev, d, true)))
             .collect();
         let mut made = Vec::new();
         let mut first = None;

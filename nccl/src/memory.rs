@@ -114,8 +114,11 @@ pub unsafe extern "C" fn ncclMemAlloc(ptr: *mut *mut c_void, size: usize) -> ncc
         // SAFETY: valid out pointer; a context is current.
         let r = unsafe { sys::cuMemAlloc_v2(&mut d, size.max(1)) };
         cu::ck(r, "cuMemAlloc").map_err(cuda_failure)?;
+        // A device address of this process is pointer-sized.
+        #[allow(clippy::cast_possible_truncation)] // 64-bit targets only
+        let p = d as usize as *mut c_void;
         // SAFETY: checked non-null above.
-        unsafe { ptr.write(d as usize as *mut c_void) };
+        unsafe { ptr.write(p) };
         ok()
     })
 }

@@ -65,14 +65,15 @@ fn local_copy(dst: u64, src: u64, bytes: u64, stream: cudaStream_t) -> Outcome {
     if dst == src || bytes == 0 {
         return Ok(());
     }
+    let len = usize::try_from(bytes)
+        .map_err(|_| invalid(format!("a block of {bytes} bytes is too large")))?;
     if comm::memory_of(dst) == comm::Memory::Device {
         // SAFETY: NCCL's contract: both ranges are device memory of this process, `bytes` long.
-        let r =
-            unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, bytes as usize, stream as sys::CUstream) };
+        let r = unsafe { sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream as sys::CUstream) };
         return cu::ck(r, "cuMemcpyDtoDAsync").map_err(cuda_failure);
     }
     // SAFETY: NCCL's contract: both ranges are host memory of this process, `bytes` long.
-    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, bytes as usize) };
+    unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, len) };
     Ok(())
 }
 
@@ -93,7 +94,7 @@ fn rooted(
     guard(func, || {
         let comm = comm::get(c)?;
         let es = comm::elem_size(dtype)?;
-        let n = comm.nranks as i32;
+        let n = comm.c_nranks()?;
         if root < 0 || root >= n {
             return Err(invalid(format!(
                 "root {root} is out of range for {n} ranks"
@@ -104,10 +105,10 @@ fn rooted(
             return Err(too_large());
         }
         let bytes = (count as u64).checked_mul(es).ok_or_else(too_large)?;
-        (bytes * n as u64 <= isize::MAX as u64)
+        (bytes * u64::from(comm.nranks) <= isize::MAX as u64)
             .then_some(())
             .ok_or_else(too_large)?;
-        let me = comm.rank as i32;
+        let me = comm.c_rank()?;
         // The root's own block is copied here, before any op checks its buffers.
         if me == root && count > 0 {
             let (all, own) = if gather {
@@ -137,8 +138,8 @@ fn rooted(
         comm::group::start();
         let body = || -> Outcome {
             if me == root {
-                for r in 0..n {
-                    let block = if gather { recv as u64 } else { send as u64 } + r as u64 * bytes;
+                for (r, i) in (0..n).zip(0u64..) {
+                    let block = if gather { recv as u64 } else { send as u64 } + i * bytes;
                     if r == me {
                         let (dst, src) = if gather {
                             (block, send as u64)

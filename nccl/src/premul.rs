@@ -72,7 +72,13 @@ impl Ops {
         let scalar = match residence {
             SCALAR_HOST_IMMEDIATE => {
                 let mut bits = [0u8; 8];
-                let n = dtype.size() as usize;
+                let n = usize::try_from(dtype.size())
+                    .ok()
+                    .filter(|&n| n <= bits.len())
+                    .ok_or_else(|| Failure {
+                        code: ffi::INTERNAL_ERROR,
+                        message: format!("{} elements do not fit a scalar's 8 bytes", dtype.name()),
+                    })?;
                 // SAFETY: the caller's contract: one element of the type at `scalar`.
                 unsafe { std::ptr::copy_nonoverlapping(scalar, bits.as_mut_ptr(), n) };
                 Scalar::Immediate(u64::from_le_bytes(bits))

@@ -61,7 +61,7 @@ pub unsafe extern "C" fn ncclCommGetAsyncError(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommCount(c: ncclComm_t, count: *mut c_int) -> ncclResult_t {
     guard("ncclCommCount", || {
-        let n = comm::get(c)?.nranks as c_int;
+        let n = comm::get(c)?.c_nranks()?;
         // SAFETY: NCCL's contract on the out pointer.
         unsafe { put(count, n, "count") }?;
         ok()
@@ -81,7 +81,7 @@ pub unsafe extern "C" fn ncclCommCuDevice(c: ncclComm_t, device: *mut c_int) -> 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn ncclCommUserRank(c: ncclComm_t, rank: *mut c_int) -> ncclResult_t {
     guard("ncclCommUserRank", || {
-        let r = comm::get(c)?.rank as c_int;
+        let r = comm::get(c)?.c_rank()?;
         // SAFETY: NCCL's contract on the out pointer.
         unsafe { put(rank, r, "rank") }?;
         ok()

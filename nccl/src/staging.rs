@@ -37,6 +37,13 @@ fn cuda_failure(e: cu::CuError) -> Failure {
     }
 }
 
+/// A byte count this process cannot address (never on the 64-bit targets commd runs on).
+fn too_large(bytes: u64, what: &str) -> Failure {
+    ffi::invalid(format!(
+        "{what}: {bytes} bytes do not fit this process's address space"
+    ))
+}
+
 /// Whether `stream` is being captured into a CUDA graph.
 fn capturing(stream: usize) -> Outcome<bool> {
     // SAFETY: the caller's live stream.
@@ -46,10 +53,11 @@ fn capturing(stream: usize) -> Outcome<bool> {
 }
 
 fn alloc(bytes: u64, what: &str) -> Outcome<u64> {
+    let len = usize::try_from(bytes.max(1)).map_err(|_| too_large(bytes, what))?;
     let mut d = 0;
     ck(
         // SAFETY: valid out pointer; the caller's thread has the context current.
-        unsafe { sys::cuMemAlloc_v2(&mut d, bytes.max(1) as usize) },
+        unsafe { sys::cuMemAlloc_v2(&mut d, len) },
         &format!("cuMemAlloc({what})"),
     )?;
     Ok(d)
@@ -115,10 +123,11 @@ impl Staging {
         stream: usize,
         what: &str,
     ) -> Outcome<u64> {
+        let len = usize::try_from(bytes).map_err(|_| too_large(bytes, what))?;
         let d = self.buffer(bytes, stream, what)?;
         ck(
             // SAFETY: the caller's contract for `src` and the stream; `d` holds `bytes`.
-            unsafe { sys::cuMemcpyDtoDAsync_v2(d, src, bytes as usize, stream as sys::CUstream) },
+            unsafe { sys::cuMemcpyDtoDAsync_v2(d, src, len, stream as sys::CUstream) },
             "cuMemcpyDtoDAsync",
         )?;
         Ok(d)

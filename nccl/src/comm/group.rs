@@ -137,7 +137,7 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
     // other).
     let mut pairs: Vec<(Arc<Comm>, Vec<u32>)> = Vec::new();
     for (c, op) in &held {
-        let peer = op.peer.max(0) as u32;
+        let peer = u32::try_from(op.peer).unwrap_or(0);
         match pairs.iter_mut().find(|(x, _)| Arc::ptr_eq(x, c)) {
             Some((_, peers)) if !peers.contains(&peer) => peers.push(peer),
             Some(_) => {}

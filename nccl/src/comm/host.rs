@@ -47,28 +47,30 @@ pub unsafe fn start(
 ) -> Outcome<HostOp> {
     let n = u64::from(r.c.nranks());
     let es = dtype.size();
+    // The op's bytes, for the daemon (u64) and for this process's copies (usize).
     let bytes = |elems: Option<u64>| {
         elems
             .and_then(|e| e.checked_mul(es))
+            .and_then(|b| Some((b, usize::try_from(b).ok()?)))
             .ok_or_else(|| invalid(format!("count {count} overflows the buffer size")))
     };
     let send_buf = match send {
         Some(p) => {
-            let len = bytes(kind.send_elems(count, n))?;
+            let (len, ulen) = bytes(kind.send_elems(count, n))?;
             let mut b = stage(r, len)?;
             // SAFETY: the caller's contract: `p` is readable for `len` bytes.
-            let src = unsafe { std::slice::from_raw_parts(p as *const u8, len as usize) };
-            b.as_mut_slice()[..len as usize].copy_from_slice(src);
+            let src = unsafe { std::slice::from_raw_parts(p as *const u8, ulen) };
+            b.as_mut_slice()[..ulen].copy_from_slice(src);
             if let Some(sc) = premul {
-                crate::premul::scale_host(&mut b.as_mut_slice()[..len as usize], dtype, sc)?;
+                crate::premul::scale_host(&mut b.as_mut_slice()[..ulen], dtype, sc)?;
             }
             Some(b)
         }
         None => None,
     };
-    let out_len = match recv {
+    let (out_len, out_ulen) = match recv {
         Some(_) => bytes(kind.recv_elems(count, n))?,
-        None => 0,
+        None => (0, 0),
     };
     let recv_buf = match recv {
         Some(_) => Some(stage(r, out_len)?),
@@ -79,7 +81,7 @@ pub unsafe fn start(
         dtype,
         redop,
         count,
-        peer: peer.max(0) as u32,
+        peer: u32::try_from(peer).unwrap_or(0),
         send: send_buf.as_ref().map(|b| (b, 0)),
         recv: recv_buf.as_ref().map(|b| (b, 0)),
     };
@@ -91,7 +93,7 @@ pub unsafe fn start(
         _send: send_buf,
         recv: recv_buf,
         out: recv.unwrap_or(0),
-        out_len: out_len as usize,
+        out_len: out_ulen,
     })
 }
 

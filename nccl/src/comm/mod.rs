@@ -240,22 +240,24 @@ impl Comm {
         device: i32,
         blocking: bool,
     ) -> Outcome<Arc<Comm>> {
-        if nranks < 1 || nranks as u32 > commd_client::desc::MAX_RANKS {
-            return Err(invalid(format!(
-                "nranks {nranks} is out of range (1 to {})",
-                commd_client::desc::MAX_RANKS
-            )));
-        }
-        if rank < 0 || rank >= nranks {
-            return Err(invalid(format!(
-                "rank {rank} is out of range for {nranks} ranks"
-            )));
-        }
+        let n = u32::try_from(nranks)
+            .ok()
+            .filter(|n| (1..=commd_client::desc::MAX_RANKS).contains(n))
+            .ok_or_else(|| {
+                invalid(format!(
+                    "nranks {nranks} is out of range (1 to {})",
+                    commd_client::desc::MAX_RANKS
+                ))
+            })?;
+        let me = u32::try_from(rank)
+            .ok()
+            .filter(|&r| r < n)
+            .ok_or_else(|| invalid(format!("rank {rank} is out of range for {nranks} ranks")))?;
         log::startup(device);
         let cl = client()?;
         let comm = Arc::new(Comm {
-            rank: rank as u32,
-            nranks: nranks as u32,
+            rank: me,
+            nranks: n,
             device,
             blocking,
             init: Mutex::new(Init::Joining),
@@ -316,6 +318,16 @@ impl Comm {
             group::joined_later(comm.clone());
         }
         Ok(comm)
+    }
+
+    /// This rank as NCCL's `int`.
+    pub fn c_rank(&self) -> Outcome<i32> {
+        c_int_of(self.rank)
+    }
+
+    /// The number of ranks as NCCL's `int`.
+    pub fn c_nranks(&self) -> Outcome<i32> {
+        c_int_of(self.nranks)
     }
 
     /// Waits for the join; the joined communicator or why joining failed.
@@ -587,7 +599,7 @@ impl Comm {
             (ffi::copy_dtype(op.dtype)?, None)
         };
         if (op.kind.has_root() || op.kind.is_p2p())
-            && (op.peer < 0 || op.peer as u32 >= self.nranks)
+            && !u32::try_from(op.peer).is_ok_and(|p| p < self.nranks)
         {
             let what = if op.kind.is_p2p() { "peer" } else { "root" };
             return Err(invalid(format!(
@@ -601,7 +613,7 @@ impl Comm {
         if op.count == 0 {
             return Ok(());
         }
-        let me = op.peer as u32 == self.rank;
+        let me = u32::try_from(op.peer) == Ok(self.rank);
         let send = op.kind.uses_send(me).then_some(op.send);
         let recv = op.kind.uses_recv(me).then_some(op.recv);
         if send == Some(0) {
@@ -711,7 +723,7 @@ impl Comm {
         };
         let mut a = CudaOpArgs::new(op.kind, dtype, op.count, op.stream as sys::CUstream);
         a.redop = redop;
-        a.peer = op.peer.max(0) as u32;
+        a.peer = u32::try_from(op.peer).unwrap_or(0);
         a.send = send;
         a.recv = recv;
         let mut staged = None;
@@ -858,13 +870,22 @@ impl Comm {
         });
         Comm::create(
             &uid,
-            new_rank as i32,
-            members.len() as i32,
+            c_int_of(new_rank)?,
+            c_int_of(members.len())?,
             self.device,
             blocking,
         )
         .map(Some)
     }
+}
+
+/// A rank or rank count of a communicator as NCCL's `int`: exact, as `Comm::create` keeps
+/// them within `MAX_RANKS` (2^16); the error is for a broken invariant only.
+fn c_int_of<T: TryInto<i32> + Copy + std::fmt::Display>(v: T) -> Outcome<i32> {
+    v.try_into().map_err(|_| Failure {
+        code: ffi::INTERNAL_ERROR,
+        message: format!("rank {v} does not fit a C int"),
+    })
 }
 
 /// Element size of an NCCL data type.
@@ -881,7 +902,7 @@ fn p2p_args(op: &Op) -> CudaOpArgs {
         op.count,
         op.stream as sys::CUstream,
     );
-    a.peer = op.peer.max(0) as u32;
+    a.peer = u32::try_from(op.peer).unwrap_or(0);
     if op.kind == OpKind::Send {
         a.send = Some(op.send);
     } else {
