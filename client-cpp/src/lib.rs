@@ -63,7 +63,7 @@ pub extern "C" fn commd_dtype_size(dtype: commd_dtype_t) -> usize {
     u8::try_from(dtype)
         .ok()
         .and_then(commd_proto::desc::DType::from_code)
-        .map_or(0, |d| d.size() as usize)
+        .map_or(0, |d| commd_proto::num::usize_of(d.size()))
 }
 
 /// Borrows the object behind a C handle.

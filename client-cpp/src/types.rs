@@ -190,7 +190,7 @@ mod tests {
             (COMMD_BOR, "bor"),
             (COMMD_BXOR, "bxor"),
         ] {
-            if let Some(r) = RedOp::from_code(c as u8) {
+            if let Some(r) = RedOp::from_code(u8::try_from(c).unwrap()) {
                 assert!(
                     format!("{r:?}").to_lowercase().contains(&name[1..]),
                     "{c} is {r:?}"

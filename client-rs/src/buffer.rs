@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::{Client, Error, Inner, Result};
+use commd_proto::num::usize_of;
 use commd_proto::pb;
 use memmap2::{MmapOptions, MmapRaw};
 
@@ -63,11 +64,11 @@ impl Buffer {
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: the mapping is `len` bytes, lives as long as self, and is only written by the
         // daemon during ops that name it, which the module-level ownership rules exclude here.
-        unsafe { std::slice::from_raw_parts(self.as_ptr(), self.len as usize) }
+        unsafe { std::slice::from_raw_parts(self.as_ptr(), usize_of(self.len)) }
     }
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only reference from this process.
-        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), self.len as usize) }
+        unsafe { std::slice::from_raw_parts_mut(self.as_ptr(), usize_of(self.len)) }
     }
 }
 

@@ -358,6 +358,12 @@ impl Communicator {
     }
 }
 
+/// A timeout as the request carries it: milliseconds, at least 1 (0 means the daemon's default),
+/// saturated at u64::MAX (a timeout that long is forever all the same).
+fn timeout_ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis().max(1)).unwrap_or(u64::MAX)
+}
+
 impl Client {
     /// Joins the communicator `unique_id` as `rank` of `nranks`; returns when all ranks joined.
     pub fn communicator(&self, unique_id: &[u8], rank: u32, nranks: u32) -> Result<Communicator> {
@@ -378,14 +384,8 @@ impl Client {
             unique_id: unique_id.to_vec(),
             rank,
             nranks,
-            op_timeout_ms: o
-                .op_timeout
-                .map(|d| d.as_millis().max(1) as u64)
-                .unwrap_or(0),
-            join_timeout_ms: o
-                .join_timeout
-                .map(|d| d.as_millis().max(1) as u64)
-                .unwrap_or(0),
+            op_timeout_ms: o.op_timeout.map_or(0, timeout_ms),
+            join_timeout_ms: o.join_timeout.map_or(0, timeout_ms),
             switch: o.switch.clone().unwrap_or_default(),
             pacing_bytes_per_sec: o.pacing_bytes_per_sec,
         };

@@ -110,7 +110,8 @@ pub fn device_uuid(dev: sys::CUdevice) -> Result<[u8; 16], CuError> {
         unsafe { sys::cuDeviceGetUuid_v2(&mut u, dev) },
         "cuDeviceGetUuid",
     )?;
-    Ok(u.bytes.map(|b| b as u8))
+    // The UUID's bytes, whatever the sign of c_char.
+    Ok(u.bytes.map(|b| u8::from_ne_bytes(b.to_ne_bytes())))
 }
 
 /// An integer attribute of device `dev`.
@@ -161,7 +162,7 @@ pub fn ipc_open(handle: &[u8], what: &str) -> Result<sys::CUdeviceptr, CuError> 
     }
     let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
     for (d, s) in h.reserved.iter_mut().zip(handle) {
-        *d = *s as std::ffi::c_char;
+        *d = std::ffi::c_char::from_ne_bytes([*s]);
     }
     let mut ptr: sys::CUdeviceptr = 0;
     ck(

@@ -416,7 +416,7 @@ impl Kernels {
         let k = self.get(ctx, dtype, op)?;
         let mut arg = InsArg {
             p: [0; MAX_INPUTS],
-            m: ins.len() as u32,
+            m: u32::try_from(ins.len()).expect("at most MAX_INPUTS inputs (checked above)"),
         };
         arg.p[..ins.len()].copy_from_slice(ins);
         let blocks = self.grid(k, count);
@@ -714,10 +714,13 @@ impl Kernels {
     /// Blocks of a grid-stride launch over `count` elements: one thread each, capped at
     /// `blocks_per_sm` per SM.
     fn grid(&self, k: Loaded, count: u64) -> u32 {
-        count
+        let cap = k.sm_count.saturating_mul(self.blocks_per_sm);
+        let blocks = count
             .div_ceil(u64::from(THREADS))
-            .min(u64::from(k.sm_count.saturating_mul(self.blocks_per_sm)))
-            .max(1) as u32
+            .min(u64::from(cap))
+            .max(1);
+        // At most `cap` (or 1), a u32.
+        u32::try_from(blocks).unwrap_or(cap)
     }
 
     /// SMs of the current context's device.
@@ -809,7 +812,8 @@ impl Kernels {
                     cu_sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(
                         &mut rounds_per_sm,
                         rounds,
-                        rounds::THREADS as std::ffi::c_int,
+                        std::ffi::c_int::try_from(rounds::THREADS)
+                            .expect("the rounds kernel's block size is small"),
                         0,
                     )
                 },
@@ -830,7 +834,7 @@ impl Kernels {
             p2p_group: p2p_group as usize,
             p2p_two: p2p_two as usize,
             rounds: rounds as usize,
-            rounds_per_sm: rounds_per_sm.max(0) as u32,
+            rounds_per_sm: u32::try_from(rounds_per_sm).unwrap_or(0),
             sm_count: info.sm_count,
         };
         st.loaded.insert((id, dtype, op), k);
@@ -877,8 +881,12 @@ fn ctx_info() -> Result<CtxInfo, KernelError> {
     let minor = cu::device_attr(dev, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
     let sms = cu::device_attr(dev, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
     Ok(CtxInfo {
-        arch: (major.max(0) as u32, minor.max(0) as u32),
-        sm_count: sms.max(1) as u32,
+        // The driver's ints, negatives read as 0 (and no SMs as one).
+        arch: (
+            u32::try_from(major).unwrap_or(0),
+            u32::try_from(minor).unwrap_or(0),
+        ),
+        sm_count: u32::try_from(sms).unwrap_or(0).max(1),
     })
 }
 

@@ -5,6 +5,8 @@
 
 use std::os::fd::{FromRawFd, OwnedFd};
 
+use commd_proto::num::usize_of;
+
 use crate::{CuError, ck, sys};
 
 /// The attributes of a device pointer that registration needs, in one driver call.
@@ -68,6 +70,13 @@ pub fn pointer_attrs(ptr: sys::CUdeviceptr) -> Result<PointerAttrs, CuError> {
         unsafe { sys::cuPointerGetAttributes(7, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) },
         "cuPointerGetAttributes",
     )?;
+    // A handle-type mask is a few low bits: anything wider is not one (never truncated).
+    let handle_types = u32::try_from(types).map_err(|_| CuError {
+        what: "cuPointerGetAttributes".into(),
+        code: 0,
+        name: "malformed attribute".into(),
+        text: format!("allowed handle types {types:#x} of {ptr:#x} do not fit 32 bits"),
+    })?;
     Ok(PointerAttrs {
         base,
         size: size as u64,
@@ -75,7 +84,7 @@ pub fn pointer_attrs(ptr: sys::CUdeviceptr) -> Result<PointerAttrs, CuError> {
         ordinal,
         memory_type: mtype,
         legacy_ipc: legacy & 0xffff_ffff != 0,
-        handle_types: types as u32,
+        handle_types,
     })
 }
 
@@ -148,7 +157,7 @@ pub fn buffer_id(ptr: sys::CUdeviceptr) -> Option<u64> {
 pub fn export_piece(addr: sys::CUdeviceptr) -> Result<OwnedFd, CuError> {
     let mut h: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: valid out pointer; `addr` lies in a mapping of this process (the driver checks).
-    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, addr as usize as *mut _) };
+    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut h, usize_of(addr) as *mut _) };
     ck(r, "cuMemRetainAllocationHandle")?;
     let mut fd: std::ffi::c_int = -1;
     // SAFETY: for POSIX fds the out parameter is an int; `h` is the handle retained above.
@@ -185,7 +194,7 @@ pub unsafe fn map_host(host: *mut u8, len: u64, what: &str) -> Result<sys::CUdev
     let r = unsafe {
         sys::cuMemHostRegister_v2(
             host.cast(),
-            len as usize,
+            usize_of(len),
             sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE,
         )
     };

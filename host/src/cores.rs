@@ -139,7 +139,7 @@ pub fn claim(label: &str, pin: bool) -> Claim {
             tid,
         };
     }
-    let pid = std::process::id() as i32;
+    let pid = rustix::process::getpid().as_raw_nonzero().get();
     let allowed = allowed_cores();
     let label = label.replace(['\n', ' '], "_");
     let system = system_claims();
@@ -192,7 +192,7 @@ pub fn claim(label: &str, pin: bool) -> Claim {
 }
 
 fn release(tid: i32) {
-    let pid = std::process::id() as i32;
+    let pid = rustix::process::getpid().as_raw_nonzero().get();
     let _ = with_registry(|rows| rows.retain(|r| !(r.1 == pid && r.2 == tid)));
 }
 

@@ -17,6 +17,13 @@
 //! graph ops).
 
 #![deny(unsafe_code)] // allowed only in the modules that say why
+// cast/unwrap lints: fixed in the next change
+#![allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_possible_wrap,
+    clippy::cast_sign_loss,
+    clippy::unwrap_used
+)]
 #![allow(non_camel_case_types, non_snake_case, clippy::missing_safety_doc)]
 
 mod collective;

@@ -6,6 +6,7 @@
 //! kernels (f64 / wrapping i128 arithmetic, one element at a time) so a check can fail.
 
 use crate::desc::{DType, OpKind, RedOp};
+use crate::num::usize_of;
 use half::{bf16, f16};
 
 fn mix(mut z: u64) -> u64 {
@@ -20,16 +21,9 @@ pub fn value(dtype: DType, redop: Option<RedOp>, seed: u64, rank: u32, i: u64) -
     let h = mix(seed ^ (u64::from(rank) << 44) ^ i);
     let unsigned = dtype == DType::U8;
     match redop {
-        Some(r) if r.is_bitwise() => match dtype {
-            DType::I8 => h as i8 as f64,
-            DType::U8 => h as u8 as f64,
-            DType::I32 => h as i32 as f64,
-            DType::I64 => ((h as i64) >> 11) as f64,
-            // The daemon refuses bitwise ops on floats; any exact small value will do.
-            _ => (h % 9) as f64 - 4.0,
-        },
+        Some(r) if r.is_bitwise() => bit_pattern(dtype, h),
         Some(RedOp::Prod) => {
-            [1.0f64, 2.0, 1.0, -1.0][(h % 4) as usize].max(if unsigned { 1.0 } else { -1.0 })
+            [1.0f64, 2.0, 1.0, -1.0][usize_of(h % 4)].max(if unsigned { 1.0 } else { -1.0 })
         }
         Some(RedOp::Min | RedOp::Max) if !unsigned => (h % 17) as f64 - 8.0,
         _ if unsigned => (h % 9) as f64,
@@ -37,8 +31,27 @@ pub fn value(dtype: DType, redop: Option<RedOp>, seed: u64, rank: u32, i: u64) -
     }
 }
 
+/// A full-width value of `dtype` taken from the hash `h`, for the bitwise ops.
+// Truncation and wrap are the point: the low bits of the hash, reinterpreted in the dtype's
+// width; i64 keeps 53 bits (an arithmetic shift) so that f64 holds it exactly.
+#[allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap)]
+fn bit_pattern(dtype: DType, h: u64) -> f64 {
+    match dtype {
+        DType::I8 => f64::from(h as i8),
+        DType::U8 => f64::from(h as u8),
+        DType::I32 => f64::from(h as i32),
+        DType::I64 => ((h as i64) >> 11) as f64,
+        // The daemon refuses bitwise ops on floats; any exact small value will do.
+        _ => (h % 9) as f64 - 4.0,
+    }
+}
+
+/// Writes `v` as element `i` of `buf` in `dtype`. `v` is a value of [`value`] or
+/// [`reduce_ref`]: an integer exact in the dtype, or for floats one it rounds exactly.
+// The `as` from f64 is exact for those values (saturating outside the dtype's range).
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 pub fn write_elem(dtype: DType, buf: &mut [u8], i: usize, v: f64) {
-    let s = dtype.size() as usize;
+    let s = usize_of(dtype.size());
     let b = &mut buf[i * s..(i + 1) * s];
     match dtype {
         DType::F32 => b.copy_from_slice(&(v as f32).to_ne_bytes()),
@@ -53,7 +66,7 @@ pub fn write_elem(dtype: DType, buf: &mut [u8], i: usize, v: f64) {
 }
 
 pub fn read_elem(dtype: DType, buf: &[u8], i: usize) -> f64 {
-    let s = dtype.size() as usize;
+    let s = usize_of(dtype.size());
     let b = &buf[i * s..(i + 1) * s];
     match dtype {
         DType::F32 => f32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as f64,
@@ -70,7 +83,7 @@ pub fn read_elem(dtype: DType, buf: &[u8], i: usize) -> f64 {
 /// Fills `buf` (the send buffer of `rank`, `elems` elements) with its deterministic values.
 pub fn fill(dtype: DType, redop: Option<RedOp>, seed: u64, rank: u32, buf: &mut [u8], elems: u64) {
     for i in 0..elems {
-        write_elem(dtype, buf, i as usize, value(dtype, redop, seed, rank, i));
+        write_elem(dtype, buf, usize_of(i), value(dtype, redop, seed, rank, i));
     }
 }
 
@@ -86,6 +99,9 @@ fn wrap_int(dtype: DType, x: i128) -> i128 {
 
 /// Reference reduction of `vals` as the daemon defines it. A bitwise op on a float dtype has no
 /// result (the daemon refuses it): NaN, which no received value is [`close`] to.
+// The integer values (from `value` or read back from a buffer) are integers exact in f64 within
+// the dtype's range, so the `as i128` casts are exact.
+#[allow(clippy::cast_possible_truncation)]
 pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u32) -> f64 {
     if dtype.is_float() && op.is_bitwise() {
         return f64::NAN;
@@ -189,17 +205,20 @@ impl OpSpec {
             .unwrap_or(0)
     }
 
-    /// Expected value at element `j` of this rank's receive buffer.
+    /// Expected value at element `j` of this rank's receive buffer (`j < recv_elems()`).
     pub fn expected(&self, j: u64) -> f64 {
         let (d, r, s, n, c) = (self.dtype, self.redop, self.seed, self.nranks, self.count);
         let v = |rank: u32, i: u64| value(d, r, s, rank, i);
         let red = |i: u64| reduce_ref(d, r.unwrap_or(RedOp::Sum), (0..n).map(|k| v(k, i)), n);
+        // The source rank's value for element `j` of a gathered buffer: `j / count` is below
+        // nranks for `j < recv_elems()`; beyond a u32 it is no rank (NaN, never `close`).
+        let from = |j: u64, i: u64| u32::try_from(j / c).map_or(f64::NAN, |k| v(k, i));
         match self.kind {
             OpKind::AllReduce | OpKind::Reduce => red(j),
             OpKind::ReduceScatter => red(u64::from(self.rank) * c + j),
-            OpKind::AllGather => v((j / c) as u32, j % c),
+            OpKind::AllGather => from(j, j % c),
             OpKind::Broadcast => v(self.peer, j),
-            OpKind::AllToAll => v((j / c) as u32, u64::from(self.rank) * c + j % c),
+            OpKind::AllToAll => from(j, u64::from(self.rank) * c + j % c),
             OpKind::Recv => v(self.peer, j),
             OpKind::Send | OpKind::Barrier => 0.0,
         }
@@ -221,12 +240,12 @@ impl OpSpec {
             n.saturating_sub(1000)
         };
         let idx = (0..n)
-            .step_by(stride as usize)
+            .step_by(usize_of(stride))
             .chain((tail_from..n).filter(|j| j % stride != 0));
         idx.filter(|&j| {
             !close(
                 self.dtype,
-                read_elem(self.dtype, recv, j as usize),
+                read_elem(self.dtype, recv, usize_of(j)),
                 self.expected(j),
             )
         })
@@ -297,6 +316,8 @@ mod tests {
     }
 
     #[test]
+    // The I32 values are integers in i32's range: the `as i32` from f64 is exact.
+    #[allow(clippy::cast_possible_truncation)]
     fn bitwise_ops_get_full_width_values_and_checks_fail_on_wrong_bits() {
         for (dtype, lo, hi) in [
             (DType::I8, -128.0, 127.0),
@@ -330,7 +351,7 @@ mod tests {
             let want = (0..3)
                 .map(|r| value(DType::I32, Some(RedOp::Bor), 11, r, j) as i32)
                 .fold(0, |a, v| a | v);
-            write_elem(DType::I32, &mut buf, j as usize, f64::from(want));
+            write_elem(DType::I32, &mut buf, usize_of(j), f64::from(want));
         }
         assert_eq!(spec.count_wrong(&buf), 0);
         let e = read_elem(DType::I32, &buf, 7) as i32;

@@ -659,6 +659,14 @@ impl Op {
     }
 }
 
+/// The low 32 bits of a descriptor's `ticket` field: a CUDA op's first ticket (the field is
+/// refused above 2^32 for any other op) or a persistent op's graph doorbell slot.
+// Truncation is the point: a persistent op packs its capture tag into the high half.
+#[allow(clippy::cast_possible_truncation)]
+const fn low_half(ticket: u64) -> u32 {
+    ticket as u32
+}
+
 impl SubmitDesc {
     /// Decodes and checks every single field that needs no context. Never panics, for any bit
     /// pattern. Combinations of fields are checked by [`Op::check`].
@@ -685,7 +693,7 @@ impl SubmitDesc {
             return Err(DescError::Staged);
         }
         let persistent = self.flags & flags::PERSISTENT != 0;
-        if persistent && (!cuda || staged || (self.ticket as u32) >= graph_doorbell::SLOTS) {
+        if persistent && (!cuda || staged || low_half(self.ticket) >= graph_doorbell::SLOTS) {
             return Err(DescError::Persistent);
         }
         if (!cuda && self.ticket != 0) || (!persistent && self.ticket > u64::from(u32::MAX)) {
@@ -714,7 +722,7 @@ impl SubmitDesc {
             recv_mem: self.recv_mem,
             send_off: self.send_off,
             recv_off: self.recv_off,
-            cuda_ticket: cuda.then_some(self.ticket as u32),
+            cuda_ticket: cuda.then_some(low_half(self.ticket)),
             one_shot,
             staged,
             persistent,
@@ -925,7 +933,7 @@ mod tests {
                 prop_assert_eq!(op.persistent, d.flags & flags::PERSISTENT != 0);
                 prop_assert_eq!(op.any_source, d.flags & flags::ANY_SOURCE != 0);
                 prop_assert!(!op.any_source || (!cuda && op.kind == OpKind::Recv && op.peer == 0));
-                prop_assert!(!op.persistent || (cuda && !op.staged && (d.ticket as u32) < graph_doorbell::SLOTS));
+                prop_assert!(!op.persistent || (cuda && !op.staged && low_half(d.ticket) < graph_doorbell::SLOTS));
                 let ticket_ok = if op.persistent { true } else if cuda { d.ticket <= u64::from(u32::MAX) } else { d.ticket == 0 };
                 prop_assert!(ticket_ok);
                 prop_assert_eq!(op.cuda_ticket.map(u64::from), cuda.then_some(d.ticket & u64::from(u32::MAX)));

@@ -60,7 +60,8 @@ impl FdMsg {
         if t.len() > TEXT_MAX {
             t = &t[..TEXT_MAX];
         }
-        b[48..52].copy_from_slice(&(t.len() as u32).to_le_bytes());
+        let len = u32::try_from(t.len()).expect("the text is clipped to TEXT_MAX bytes");
+        b[48..52].copy_from_slice(&len.to_le_bytes());
         b[56..56 + t.len()].copy_from_slice(t);
         b
     }

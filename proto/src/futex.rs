@@ -10,7 +10,8 @@ use rustix::thread::futex;
 /// re-check their condition in a loop.
 pub fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = rustix::time::Timespec {
-        tv_sec: timeout.as_secs() as i64,
+        // A timeout past i64::MAX seconds is forever all the same.
+        tv_sec: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
         tv_nsec: i64::from(timeout.subsec_nanos()),
     };
     // EAGAIN (value changed), EINTR and ETIMEDOUT are all "go and look again".

@@ -46,7 +46,9 @@ impl Words<'_> {
     pub fn reached(&self, p: u32) -> bool {
         self.ready
             .load(Ordering::Acquire)
-            .wrapping_sub(phase_value(p)) as i32
+            .wrapping_sub(phase_value(p))
+            // Wrap-aware >=: the difference read as signed, as GEQ stream waits compare.
+            .cast_signed()
             >= 0
     }
 
@@ -78,7 +80,9 @@ impl Words<'_> {
     pub fn passes(&self, p: u32) -> bool {
         self.done
             .load(Ordering::Acquire)
-            .wrapping_sub(phase_value(p)) as i32
+            .wrapping_sub(phase_value(p))
+            // Wrap-aware >=: the difference read as signed, as GEQ stream waits compare.
+            .cast_signed()
             >= 0
     }
 }

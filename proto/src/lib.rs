@@ -19,6 +19,7 @@ pub mod desc;
 pub mod fdproto;
 pub mod futex;
 pub mod graph;
+pub mod num;
 pub mod ring;
 pub mod uid;
 

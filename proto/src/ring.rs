@@ -30,6 +30,7 @@ use memmap2::{MmapOptions, MmapRaw};
 use thiserror::Error;
 
 use crate::desc::{CompletionDesc, SubmitDesc};
+use crate::num::usize_of;
 
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"commdRNG");
 /// 2: the graph doorbell area after the CQ (`RingHeader::graph_off`, persistent GPU ops).
@@ -95,6 +96,12 @@ pub enum RingError {
     Map(#[from] std::io::Error),
 }
 
+/// Descriptor sizes as the header records them.
+const SQ_DESC_BYTES: u32 = 64;
+const CQ_DESC_BYTES: u32 = 32;
+const _: () = assert!(std::mem::size_of::<SubmitDesc>() == SQ_DESC_BYTES as usize);
+const _: () = assert!(std::mem::size_of::<CompletionDesc>() == CQ_DESC_BYTES as usize);
+
 /// Ring geometry derived from the two entry counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RingLayout {
@@ -132,8 +139,8 @@ impl RingLayout {
             version: RING_ABI_VERSION,
             sq_entries: self.sq_entries,
             cq_entries: self.cq_entries,
-            sq_desc_bytes: std::mem::size_of::<SubmitDesc>() as u32,
-            cq_desc_bytes: std::mem::size_of::<CompletionDesc>() as u32,
+            sq_desc_bytes: SQ_DESC_BYTES,
+            cq_desc_bytes: CQ_DESC_BYTES,
             daemon_pid,
             session_id,
             ctrl_off: CTRL_OFF,
@@ -176,7 +183,7 @@ impl Ring {
             });
         }
         let map = MmapOptions::new()
-            .len(layout.total_bytes as usize)
+            .len(usize_of(layout.total_bytes))
             .map_raw(file)?;
         let ring = Self { map, layout };
         let hdr = layout.header(session_id, daemon_pid);
@@ -192,7 +199,7 @@ impl Ring {
         if have < PAGE {
             return Err(RingError::TooSmall { have, need: PAGE });
         }
-        let map = MmapOptions::new().len(have as usize).map_raw(file)?;
+        let map = MmapOptions::new().len(usize_of(have)).map_raw(file)?;
         // SAFETY: the mapping is at least one page, page-aligned; RingHeader is plain integers.
         let hdr = unsafe { std::ptr::read_volatile(map.as_ptr().cast::<RingHeader>()) };
         if hdr.magic != RING_MAGIC {
@@ -232,7 +239,7 @@ impl Ring {
             &*self
                 .map
                 .as_ptr()
-                .add((CTRL_OFF + off) as usize)
+                .add(usize_of(CTRL_OFF + off))
                 .cast::<AtomicU32>()
         }
     }
@@ -244,7 +251,7 @@ impl Ring {
             &*self
                 .map
                 .as_ptr()
-                .add((CTRL_OFF + off) as usize)
+                .add(usize_of(CTRL_OFF + off))
                 .cast::<AtomicU64>()
         }
     }
@@ -291,7 +298,7 @@ impl Ring {
             let off = DOORBELL_OFF + area + 4 * u64::from(slot);
             // SAFETY: DOORBELL_OFF + area + 4 * slot < DOORBELL_OFF + PAGE (slot < SLOTS = 256,
             // areas end at 3072), inside the mapping; 4-byte aligned; lives as long as `self`.
-            unsafe { &*self.map.as_ptr().add(off as usize).cast::<AtomicU32>() }
+            unsafe { &*self.map.as_ptr().add(usize_of(off)).cast::<AtomicU32>() }
         };
         Some((at(READY_OFF), at(DONE_OFF), at(ERROR_OFF)))
     }
@@ -308,7 +315,7 @@ impl Ring {
             // SAFETY: graph_off + area + 4 * slot < graph_off + AREA_BYTES <= total_bytes (slot
             // < SLOTS, areas of 4 * SLOTS bytes), inside the mapping; 4-byte aligned (graph_off
             // is page-aligned); lives as long as `self`.
-            unsafe { &*self.map.as_ptr().add(off as usize).cast::<AtomicU32>() }
+            unsafe { &*self.map.as_ptr().add(usize_of(off)).cast::<AtomicU32>() }
         };
         Some((at(READY_OFF), at(DONE_OFF), at(ERROR_OFF)))
     }
@@ -317,7 +324,7 @@ impl Ring {
     /// registering it with the GPU driver.
     pub fn graph_area(&self) -> (*mut u8, u64) {
         // SAFETY: graph_off + AREA_BYTES == total_bytes (see `RingLayout::new`).
-        let p = unsafe { self.map.as_mut_ptr().add(self.layout.graph_off as usize) };
+        let p = unsafe { self.map.as_mut_ptr().add(usize_of(self.layout.graph_off)) };
         (p, crate::desc::graph_doorbell::AREA_BYTES)
     }
 
@@ -330,14 +337,14 @@ impl Ring {
         let off = DOORBELL_OFF + HINT_OFF + 4 * u64::from(slot);
         // SAFETY: HINT_OFF + 4 * slot < 4096 (slot < SLOTS = 256), inside the doorbell page,
         // which is inside the mapping; 4-byte aligned; lives as long as `self`.
-        Some(unsafe { &*self.map.as_ptr().add(off as usize).cast::<AtomicU32>() })
+        Some(unsafe { &*self.map.as_ptr().add(usize_of(off)).cast::<AtomicU32>() })
     }
 
     /// Address of the doorbell page in this process (page-aligned, one page), for registering it
     /// with the GPU driver.
     pub fn doorbell_page(&self) -> *mut u8 {
         // SAFETY: DOORBELL_OFF + PAGE <= SQ_OFF <= total_bytes (see the layout table).
-        unsafe { self.map.as_mut_ptr().add(DOORBELL_OFF as usize) }
+        unsafe { self.map.as_mut_ptr().add(usize_of(DOORBELL_OFF)) }
     }
 
     /// Copies SQ slot `idx & mask` out of shared memory.
@@ -348,7 +355,9 @@ impl Ring {
         // lies inside the mapping (layout checked at construction); the offset is 64-aligned.
         // Any bit pattern is a valid SubmitDesc (plain integers). A concurrent writer can only
         // make the copy inconsistent, which validation of the copy handles.
-        unsafe { std::ptr::read_volatile(self.map.as_ptr().add(off as usize).cast::<SubmitDesc>()) }
+        unsafe {
+            std::ptr::read_volatile(self.map.as_ptr().add(usize_of(off)).cast::<SubmitDesc>())
+        }
     }
 
     pub fn write_sq(&self, idx: u32, d: &SubmitDesc) {
@@ -357,7 +366,10 @@ impl Ring {
         // SAFETY: as in `read_sq`.
         unsafe {
             std::ptr::write_volatile(
-                self.map.as_mut_ptr().add(off as usize).cast::<SubmitDesc>(),
+                self.map
+                    .as_mut_ptr()
+                    .add(usize_of(off))
+                    .cast::<SubmitDesc>(),
                 *d,
             )
         }
@@ -368,7 +380,12 @@ impl Ring {
         let off = self.layout.cq_off + slot * std::mem::size_of::<CompletionDesc>() as u64;
         // SAFETY: slot < cq_entries, the CQ array lies inside the mapping, offset 32-aligned.
         unsafe {
-            std::ptr::read_volatile(self.map.as_ptr().add(off as usize).cast::<CompletionDesc>())
+            std::ptr::read_volatile(
+                self.map
+                    .as_ptr()
+                    .add(usize_of(off))
+                    .cast::<CompletionDesc>(),
+            )
         }
     }
 
@@ -380,7 +397,7 @@ impl Ring {
             std::ptr::write_volatile(
                 self.map
                     .as_mut_ptr()
-                    .add(off as usize)
+                    .add(usize_of(off))
                     .cast::<CompletionDesc>(),
                 *c,
             )
@@ -466,7 +483,7 @@ mod tests {
         );
         assert!(d.graph_doorbell(SLOTS).is_none());
         let (p, len) = c.graph_area();
-        assert_eq!(p as usize % PAGE as usize, 0);
+        assert_eq!(p as usize % usize_of(PAGE), 0);
         assert_eq!(l.graph_off + len, l.total_bytes);
     }
 

@@ -69,7 +69,10 @@ impl UniqueId {
         b[4..8].copy_from_slice(&FORMAT.to_le_bytes());
         b[8..24].copy_from_slice(&self.token);
         let a = self.root.as_bytes();
-        b[24..26].copy_from_slice(&(a.len() as u16).to_le_bytes());
+        let len = u16::try_from(a.len()).expect(
+            "the root address is at most MAX_ROOT_ADDR bytes (random_with_root drops longer)",
+        );
+        b[24..26].copy_from_slice(&len.to_le_bytes());
         b[26..26 + a.len()].copy_from_slice(a);
         b
     }

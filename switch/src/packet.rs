@@ -116,8 +116,9 @@ impl Header {
         out[1] = self.job;
         out[2..6].copy_from_slice(&self.tsi.to_le_bytes());
         out[6..8].copy_from_slice(&self.pool_index().to_be_bytes());
-        out[8] = self.e0 as u8;
-        out[9] = self.e1 as u8;
+        // The exponents travel as their two's-complement bytes.
+        out[8] = self.e0.cast_unsigned();
+        out[9] = self.e1.cast_unsigned();
     }
 
     /// Parses and checks a UDP payload; returns the header (values follow at [`HEADER_BYTES`]).
@@ -144,8 +145,8 @@ impl Header {
             tsi: u32::from_le_bytes([buf[2], buf[3], buf[4], buf[5]]),
             slot,
             set: (pool >> 15) as u8,
-            e0: buf[8] as i8,
-            e1: buf[9] as i8,
+            e0: buf[8].cast_signed(),
+            e1: buf[9].cast_signed(),
         };
         if buf.len() != h.wire_len() {
             return Err(PacketError::Length {
@@ -180,11 +181,11 @@ pub fn block_exponent(xs: &[f32]) -> i8 {
         let b = x.to_bits() & 0x7fff_ffff;
         m = m.max(b);
     }
-    let biased = ((m >> 23) & 0xff) as i32;
+    let biased = i16::from(u8::try_from((m >> 23) & 0xff).expect("masked to 8 bits"));
     if biased >= 253 {
         return EXP_UNREPRESENTABLE;
     }
-    (biased - 126) as i8
+    i8::try_from(biased - 126).expect("a biased exponent below 253 gives -126..=126")
 }
 
 /// The exponent that marks a block holding NaN, infinity, or |x| >= 2^126.
@@ -197,6 +198,9 @@ pub fn bfp_scale(e: i8, n: u32) -> f64 {
 }
 
 /// Quantizes `xs` with exponent `e` for `n` workers (round to nearest).
+// Exact: `e` is the agreed (largest) block exponent, so every |x| < 2^e and |x * scale| stays
+// within INT32_MAX / n; the rounded f64 is an integer in i32's range.
+#[allow(clippy::cast_possible_truncation)]
 pub fn quantize(xs: &[f32], e: i8, n: u32, out: &mut [i32]) {
     let s = bfp_scale(e, n);
     for (o, &x) in out.iter_mut().zip(xs) {
@@ -205,6 +209,8 @@ pub fn quantize(xs: &[f32], e: i8, n: u32, out: &mut [i32]) {
 }
 
 /// Turns aggregated values back into floats.
+// Rounding the f64 product to the nearest f32 is the point (the block's values are f32).
+#[allow(clippy::cast_possible_truncation)]
 pub fn dequantize(vals: &[i32], e: i8, n: u32, out: &mut [f32]) {
     let s = 1.0 / bfp_scale(e, n);
     for (o, &v) in out.iter_mut().zip(vals) {

@@ -183,7 +183,7 @@ impl Switch {
                     id: r.session_id,
                     size,
                     members: vec![None; n],
-                    pool: Pool::new(n as u32, size.values(), self.slots),
+                    pool: Pool::new(r.num_workers, size.values(), self.slots),
                     workers: (0..n).map(|_| WorkerCounters::default()).collect(),
                     completions: 0,
                 },
@@ -633,7 +633,7 @@ impl Switch {
         let reg = lock(&self.reg);
         let mut r = PromRegistry::default();
         let sessions = Gauge::<i64>::default();
-        sessions.set(reg.sessions.len() as i64);
+        sessions.set(i64::try_from(reg.sessions.len()).unwrap_or(i64::MAX));
         r.register("commd_switch_sessions", "Sessions open", sessions);
         let mut sess = Vec::new();
         let mut wk: Vec<(Labels, &WorkerCounters)> = Vec::new();

@@ -34,6 +34,12 @@ pub const RECV_BUF: usize = 65_536;
 /// Whether GSO sends work on this host (cleared at the first refusal).
 static GSO_OK: AtomicBool = AtomicBool::new(true);
 
+/// `size_of::<T>()` as the C APIs take it (`socklen_t`, the `c_uint` of `CMSG_SPACE`), for the
+/// small plain types passed to them.
+fn c_size_of<T>() -> u32 {
+    u32::try_from(std::mem::size_of::<T>()).expect("a socket argument is a few bytes")
+}
+
 /// `setsockopt(level, opt, v)` for an int option; true on success.
 fn set_int(sock: &impl AsFd, level: libc::c_int, opt: libc::c_int, v: libc::c_int) -> bool {
     // SAFETY: setsockopt reads sizeof(int) bytes from a live int.
@@ -43,7 +49,7 @@ fn set_int(sock: &impl AsFd, level: libc::c_int, opt: libc::c_int, v: libc::c_in
             level,
             opt,
             (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as u32,
+            c_size_of::<libc::c_int>(),
         )
     };
     r == 0
@@ -60,7 +66,7 @@ pub fn enable_gro(sock: &impl AsFd) -> bool {
 /// retransmission, so the buffers bound the useful window. Returns the receive buffer the
 /// kernel granted.
 pub fn size_buffers(sock: &impl AsFd, bytes: usize) -> usize {
-    let v = bytes.min(i32::MAX as usize) as libc::c_int;
+    let v = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
     for (force, plain) in [
         (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
         (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
@@ -75,7 +81,7 @@ pub fn size_buffers(sock: &impl AsFd, bytes: usize) -> usize {
 fn sockaddr(a: SocketAddr) -> libc::sockaddr_in {
     // SAFETY: sockaddr_in is plain data; zero is valid.
     let mut s: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-    s.sin_family = libc::AF_INET as u16;
+    s.sin_family = libc::sa_family_t::try_from(libc::AF_INET).expect("AF_INET is 2");
     s.sin_port = a.port().to_be();
     if let IpAddr::V4(ip) = a.ip() {
         s.sin_addr.s_addr = u32::from(ip).to_be();
@@ -189,15 +195,20 @@ fn send_gso(
         .collect();
     let mut name = dst.map(sockaddr);
     // SAFETY: CMSG_SPACE is a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<u16>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(c_size_of::<u16>()) } as usize;
     let mut ctrl = vec![0u64; space.div_ceil(8)];
+    // The kernel splits the payload at `seg` bytes: a segment size that does not fit the
+    // option's u16 is refused, never truncated.
+    let seg = u16::try_from(seg).map_err(|_| {
+        std::io::Error::other(format!("UDP segment of {seg} bytes is over 65535 (GSO)"))
+    })?;
     // SAFETY: msghdr is plain data; zero is valid.
     let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
     m.msg_iov = iov.as_mut_ptr();
     m.msg_iovlen = iov.len();
     if let Some(n) = name.as_mut() {
         m.msg_name = (n as *mut libc::sockaddr_in).cast();
-        m.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        m.msg_namelen = c_size_of::<libc::sockaddr_in>();
     }
     m.msg_control = ctrl.as_mut_ptr().cast();
     m.msg_controllen = space;
@@ -206,8 +217,8 @@ fn send_gso(
         let c = libc::CMSG_FIRSTHDR(&m);
         (*c).cmsg_level = libc::SOL_UDP;
         (*c).cmsg_type = UDP_SEGMENT;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<u16>() as u32) as usize;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), seg as u16);
+        (*c).cmsg_len = libc::CMSG_LEN(c_size_of::<u16>()) as usize;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<u16>(), seg);
     }
     let mut spins = 0;
     loop {
@@ -250,7 +261,7 @@ fn send_mmsg(
         m.msg_hdr.msg_iovlen = 1;
         if let Some(n) = name.as_mut() {
             m.msg_hdr.msg_name = (n as *mut libc::sockaddr_in).cast();
-            m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+            m.msg_hdr.msg_namelen = c_size_of::<libc::sockaddr_in>();
         }
     }
     let mut off = 0;
@@ -262,11 +273,13 @@ fn send_mmsg(
             libc::sendmmsg(
                 sock.as_fd().as_raw_fd(),
                 msgs.as_mut_ptr().add(off),
-                (msgs.len() - off) as u32,
+                // More than u32::MAX at once is sent in several calls (the loop goes on).
+                u32::try_from(msgs.len() - off).unwrap_or(u32::MAX),
                 0,
             )
         };
-        if r < 0 {
+        // A negative count is a failure.
+        let Ok(sent) = usize::try_from(r) else {
             let e = std::io::Error::last_os_error();
             match e.raw_os_error() {
                 Some(libc::EAGAIN) | Some(libc::ENOBUFS) | Some(libc::EINTR) if spins < 1000 => {
@@ -281,8 +294,8 @@ fn send_mmsg(
                 }
                 _ => return lost_or_err(e),
             }
-        }
-        off += r as usize;
+        };
+        off += sent;
     }
     Ok(())
 }
@@ -332,6 +345,8 @@ impl RecvBufs {
 /// how many packets arrived.
 pub fn recv(sock: &impl AsFd, rb: &mut RecvBufs, stats: &Stats) -> Result<usize, String> {
     const MSGS: usize = RecvBufs::MSGS;
+    const VLEN: u32 = 16;
+    const _: () = assert!(VLEN as usize == MSGS);
     rb.pkts.clear();
     let mut iov: Vec<libc::iovec> = rb
         .big
@@ -344,7 +359,7 @@ pub fn recv(sock: &impl AsFd, rb: &mut RecvBufs, stats: &Stats) -> Result<usize,
     // SAFETY: sockaddr_in and mmsghdr are plain data; zero is valid for both.
     let mut names: [libc::sockaddr_in; MSGS] = unsafe { std::mem::zeroed() };
     // SAFETY: a pure size computation.
-    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<libc::c_int>() as u32) } as usize;
+    let space = unsafe { libc::CMSG_SPACE(c_size_of::<libc::c_int>()) } as usize;
     let stride = space.div_ceil(8);
     let mut ctrl = [0u64; 64];
     debug_assert!(stride * MSGS <= ctrl.len());
@@ -359,7 +374,7 @@ pub fn recv(sock: &impl AsFd, rb: &mut RecvBufs, stats: &Stats) -> Result<usize,
         m.msg_hdr.msg_iov = v;
         m.msg_hdr.msg_iovlen = 1;
         m.msg_hdr.msg_name = (a as *mut libc::sockaddr_in).cast();
-        m.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as u32;
+        m.msg_hdr.msg_namelen = c_size_of::<libc::sockaddr_in>();
         // SAFETY: each message gets its own `space`-byte slice of ctrl.
         m.msg_hdr.msg_control = unsafe { ctrl.as_mut_ptr().add(i * stride) }.cast();
         m.msg_hdr.msg_controllen = space;
@@ -370,19 +385,20 @@ pub fn recv(sock: &impl AsFd, rb: &mut RecvBufs, stats: &Stats) -> Result<usize,
         libc::recvmmsg(
             sock.as_fd().as_raw_fd(),
             msgs.as_mut_ptr(),
-            MSGS as u32,
+            VLEN,
             libc::MSG_DONTWAIT,
             std::ptr::null_mut(),
         )
     };
-    if r < 0 {
+    // A negative count is a failure.
+    let Ok(got) = usize::try_from(r) else {
         let e = std::io::Error::last_os_error();
         return match e.raw_os_error() {
             Some(libc::EAGAIN) | Some(libc::EINTR) | Some(libc::ECONNREFUSED) => Ok(0),
             _ => Err(format!("UDP receive: {e}")),
         };
-    }
-    for (i, m) in msgs.iter().enumerate().take(r as usize) {
+    };
+    for (i, m) in msgs.iter().enumerate().take(got) {
         let len = m.msg_len as usize;
         let mut seg = len;
         // SAFETY: the kernel filled msg_control up to msg_controllen with valid cmsgs.
@@ -391,8 +407,10 @@ pub fn recv(sock: &impl AsFd, rb: &mut RecvBufs, stats: &Stats) -> Result<usize,
             while !c.is_null() {
                 if (*c).cmsg_level == libc::SOL_UDP && (*c).cmsg_type == UDP_GRO {
                     let g = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<libc::c_int>());
-                    if g > 0 {
-                        seg = g as usize;
+                    if let Ok(g) = usize::try_from(g)
+                        && g > 0
+                    {
+                        seg = g;
                     }
                 }
                 c = libc::CMSG_NXTHDR(&m.msg_hdr, c);
@@ -421,8 +439,9 @@ pub fn wait_readable(sock: &impl AsFd, wait: std::time::Duration) {
         rustix::event::PollFlags::IN,
     )];
     let ts = rustix::event::Timespec {
-        tv_sec: wait.as_secs() as i64,
-        tv_nsec: wait.subsec_nanos() as i64,
+        // A wait past i64::MAX seconds is forever all the same.
+        tv_sec: i64::try_from(wait.as_secs()).unwrap_or(i64::MAX),
+        tv_nsec: i64::from(wait.subsec_nanos()),
     };
     let _ = rustix::event::poll(&mut fds, Some(&ts));
 }

@@ -31,6 +31,7 @@ use clap::{Parser, Subcommand};
 use commd_client::desc::{DType, OpKind, RedOp, SubmitDesc};
 use commd_client::{Buffer, Client, CommOptions, Communicator, OpArgs, Pending};
 use commd_proto::check::{self, OpSpec};
+use commd_proto::num::usize_of;
 use serde::Deserialize;
 use serde_json::json;
 
@@ -395,7 +396,7 @@ fn prepare<'c>(
             OpKind::ReduceScatter => args.recv_off = u64::from(rank) * s.count * es,
             _ => {}
         }
-        let so = args.send_off as usize;
+        let so = usize_of(args.send_off);
         check::fill(
             dtype,
             redop,
@@ -552,7 +553,7 @@ fn run_group(
         let mut wrong = 0;
         if res == "ok" && p.spec.recv_elems() > 0 && p.args.bad.is_none() {
             let rb = p.recv.as_ref().ok_or("no recv buffer")?;
-            let bytes = &rb.as_slice()[p.recv_off as usize..];
+            let bytes = &rb.as_slice()[usize_of(p.recv_off)..];
             wrong = p.spec.count_wrong_strided(bytes, steps_stride(steps, p));
         }
         out.push((res, wrong, msg));
@@ -589,6 +590,8 @@ fn fuzz(client: &Client, comms: &[Communicator], n: u32) -> Vec<(String, u64, St
     let mut last = String::new();
     for _ in 0..n {
         let w = [rnd(), rnd(), rnd(), rnd(), rnd(), rnd(), rnd()];
+        // Truncation is the point: the fields are cut from random words.
+        #[allow(clippy::cast_possible_truncation)]
         let mut d = SubmitDesc {
             opcode: (w[0] % 12) as u16,
             dtype: (w[0] >> 16) as u8 % 10,

@@ -46,6 +46,9 @@ struct Plan {
     slot_bytes: u64,
     one_shot: bool,
     shape: CudaShape,
+    /// `shape.phases` and `shape.rounds`, which the stream counts in u32 tickets.
+    phases: u32,
+    rounds: u32,
     /// The graph doorbell area (captured ops).
     gdev: Option<sys::CUdeviceptr>,
 }
@@ -76,6 +79,14 @@ struct Waits {
     op_bytes: u64,
     /// The rounds kernel's barrier, its block cap and whether it launches cooperatively.
     fused: Option<(sys::CUdeviceptr, u32, bool)>,
+}
+
+/// The tag of capture `id` in a persistent op's ticket (`flags::PERSISTENT`): never 0.
+// Truncation is the point: the tag only tells one graph's ops from another's, and the low 32
+// bits of the driver's capture ids (sequential per process) do.
+#[allow(clippy::cast_possible_truncation)]
+fn capture_tag(id: u64) -> u32 {
+    (id as u32).max(1)
 }
 
 /// Queues `ready = v` on `s`.
@@ -127,9 +138,9 @@ impl Communicator {
         // A captured op's slot, once posted, is released only with its graph (the daemon may
         // hold it); posting can only fail before the daemon sees it.
         let user_data = i.post(d)?;
-        let phases = plan.shape.phases;
+        let phases = plan.phases;
         if words.graph_slot.is_none() {
-            c.next_ticket = words.ticket.wrapping_add(phases as u32);
+            c.next_ticket = words.ticket.wrapping_add(phases);
         }
         let req = Request::new(i.clone(), user_data, None, None);
         let kernels = g.kernels.as_ref();
@@ -147,7 +158,7 @@ impl Communicator {
             request: req,
             done: done_ev.map(Arc::new),
             device: dev,
-            last_ticket: words.ticket.wrapping_add(phases as u32).wrapping_sub(1),
+            last_ticket: words.ticket.wrapping_add(phases).wrapping_sub(1),
             bytes: waits.op_bytes,
             captured: words.graph_slot.is_some(),
         })
@@ -239,6 +250,15 @@ impl Communicator {
         } else {
             commd_proto::desc::cuda_shape(a.kind, a.count, es, self.nranks, slot_bytes, one_shot)
         };
+        let (Ok(phases), Ok(rounds)) = (u32::try_from(shape.phases), u32::try_from(shape.rounds))
+        else {
+            return Err(Error::InvalidArgument(format!(
+                "{}: {} elements take {} doorbell phases with scratch slots of {slot_bytes} bytes, more than a u32 ticket counts. The op was refused (nothing was enqueued or posted)",
+                a.kind.name(),
+                a.count,
+                shape.phases
+            )));
+        };
         let gdev = match captured {
             true => Some(self.client.graph_dev(g)?),
             false => None,
@@ -256,6 +276,8 @@ impl Communicator {
             slot_bytes,
             one_shot,
             shape,
+            phases,
+            rounds,
             gdev,
         })
     }
@@ -395,7 +417,7 @@ impl Communicator {
             recv_off: bound.recv.1,
             // A captured op: its slot, and its capture as the tag (`flags::PERSISTENT`).
             ticket: match words.graph_slot {
-                Some((slot, _, id)) => u64::from(slot) | (u64::from((id as u32).max(1)) << 32),
+                Some((slot, _, id)) => u64::from(slot) | (u64::from(capture_tag(id)) << 32),
                 None => u64::from(words.ticket),
             },
         }
@@ -534,11 +556,10 @@ impl Communicator {
         if !plan.kernel_reduces {
             write_ready(s, words.ready, ticket)?;
             if a.defer_wait && a.kind.is_p2p() {
-                let phases = plan.shape.phases;
+                let phases = plan.phases;
                 match words.graph_slot {
                     Some((slot, _, id)) => {
-                        c.captured_deferred
-                            .push((id, slot, phases as u32, waits.op_bytes))
+                        c.captured_deferred.push((id, slot, phases, waits.op_bytes))
                     }
                     None => {
                         let most = c.deferred.map_or(0, |(_, b)| b).max(waits.op_bytes);
@@ -588,7 +609,7 @@ impl Communicator {
         let op = a
             .redop
             .ok_or_else(|| Error::InvalidArgument("reduction op missing".into()))?;
-        let mut from = 0;
+        let mut from = 0u32;
         if let Some((bar, max_blocks, coop)) = waits.fused {
             write_ready(s, words.ready, ticket)?;
             wait(ticket)?;
@@ -610,7 +631,7 @@ impl Communicator {
                 n: self.nranks,
                 rank: self.rank,
                 piecewise,
-                rounds: shape.rounds as u32,
+                rounds: plan.rounds,
                 ticket,
                 divisor: self.nranks,
             };
@@ -619,17 +640,18 @@ impl Communicator {
             // device-mapped words; the barrier is this communicator's, whose GPU work is
             // ordered (one stream, or events across streams).
             match unsafe { k.launch_rounds(s, a.dtype, op, max_blocks, coop, &ra) } {
-                Ok(_) => from = shape.rounds,
+                Ok(_) => from = plan.rounds,
                 // A launch refused (e.g. too few SMs free for a cooperative grid on this GPU):
                 // the op goes on with one launch per round, which writes round 0's ready again
                 // (the same value) and finds its wait satisfied.
                 Err(e) => warn_once_rounds(&e),
             }
         }
-        for j in from..shape.rounds {
-            let t = ticket.wrapping_add(j as u32);
+        for j in from..plan.rounds {
+            let t = ticket.wrapping_add(j);
             write_ready(s, words.ready, t)?;
             wait(t)?;
+            let j = u64::from(j);
             let s0 = j * shape.round_elems;
             let len = shape.round_elems.min(a.count - s0.min(a.count));
             // This rank's piece of the round and where its inputs sit.
@@ -667,7 +689,7 @@ impl Communicator {
                 unsafe { k.launch(s, a.dtype, op, dst, &ins, plen, self.nranks)? };
             }
         }
-        let last = ticket.wrapping_add(shape.rounds as u32);
+        let last = ticket.wrapping_add(plan.rounds);
         write_ready(s, words.ready, last)?;
         wait(last)?;
         Ok(())

@@ -59,7 +59,13 @@ pub(crate) unsafe fn capture_of(stream: sys::CUstream, what: &str) -> Result<Opt
         (sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, _) => {
             "it uses the legacy default stream while another stream is being captured into a CUDA graph"
         }
-        (r, _) => return Err(ck(r, "cuStreamGetCaptureInfo").unwrap_err().into()),
+        (r, st) => {
+            ck(r, "cuStreamGetCaptureInfo")?;
+            // A successful call with a capture status this build does not know.
+            return Err(Error::Unsupported(format!(
+                "{what}: unknown CUDA graph capture status {st:?}. The op was refused (nothing was enqueued or posted)"
+            )));
+        }
     };
     Err(Error::Unsupported(format!(
         "{what}: {why}. The op was refused (nothing was enqueued or posted; docs/design-gpu.md, persistent ops rule 7)"

@@ -66,7 +66,8 @@ impl Communicator {
         // Done counters advance contiguously: deferred p2p ops up to `ticket` are waited for.
         let mut c = lock(&self.gpu);
         if c.deferred
-            .is_some_and(|(t, _)| ticket.wrapping_sub(t) as i32 >= 0)
+            // Wrap-aware: the tickets' difference read as signed.
+            .is_some_and(|(t, _)| ticket.wrapping_sub(t).cast_signed() >= 0)
         {
             c.deferred = None;
         }

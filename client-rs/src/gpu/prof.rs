@@ -93,7 +93,7 @@ fn lap(a: &mut Acc, phase: usize, close: bool) -> bool {
     }
     let now = Instant::now();
     if let Some(l) = a.last {
-        a.ns[phase] += (now - l).as_nanos() as u64;
+        a.ns[phase] += u64::try_from((now - l).as_nanos()).unwrap_or(u64::MAX);
     }
     a.last = Some(now);
     a.open = !close;

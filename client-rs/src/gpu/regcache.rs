@@ -192,7 +192,7 @@ mod tests {
             base,
             size,
             buffer_id: id,
-            mem_id: id as u32,
+            mem_id: u32::try_from(id).unwrap(),
             device: 0,
             vmm: false,
         }

@@ -156,7 +156,11 @@ impl Inner {
                     info.handle_types
                 )));
             }
-            h.reserved.iter().map(|c| *c as u8).collect()
+            // The handle's bytes, whatever the sign of c_char.
+            h.reserved
+                .iter()
+                .map(|c| u8::from_ne_bytes(c.to_ne_bytes()))
+                .collect()
         };
         let req = pb::RegisterCudaMemoryRequest {
             session_id: self.session_id,

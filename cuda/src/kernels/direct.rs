@@ -91,6 +91,8 @@ pub const RECORD_BYTES: u64 = 64;
 pub const STATUS_OFF: u64 = RECORD_BYTES;
 /// Status words in the record page (4096 bytes): eager direct ops of one communicator in flight
 /// at once, at most.
+// A constant, (4096 - 64) / 4 = 1008: the cast is exact.
+#[allow(clippy::cast_possible_truncation)]
 pub const STATUS_WORDS: u32 = ((4096 - STATUS_OFF) / 4) as u32;
 /// Ranks a direct op supports (the flag area holds 8 sources per parity).
 pub const MAX_RANKS: u32 = 8;

@@ -105,7 +105,7 @@ fn nvrtc_compile(
                 unsafe { nvrtc_result::get_ptx(prog.0) }.map_err(|e| fail("nvrtcGetPTX", e))?;
             Ok(raw
                 .iter()
-                .map(|&c| c as u8)
+                .map(|&c| u8::from_ne_bytes(c.to_ne_bytes()))
                 .take_while(|&b| b != 0)
                 .collect())
         }
@@ -128,7 +128,7 @@ fn nvrtc_compile(
 fn c_chars_to_string(raw: &[c_char]) -> String {
     let bytes: Vec<u8> = raw
         .iter()
-        .map(|&c| c as u8)
+        .map(|&c| u8::from_ne_bytes(c.to_ne_bytes()))
         .take_while(|&b| b != 0)
         .collect();
     String::from_utf8_lossy(&bytes).into_owned()

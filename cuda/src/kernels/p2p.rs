@@ -67,10 +67,13 @@ pub fn mark(seq: u64, count: u64) -> u64 {
 /// two sides put the same messages on each path in the same order, the peer's count before its
 /// op `seq` equals `count`, and no mark before it exceeds that. `commd_p2p_wait` computes the
 /// same on the GPU.
+// Truncation is the point: only the low MARK_COUNT_BITS bits of the counts take part (they are
+// modulo 2^20), shifted to the top of a u32 so that the signed difference is wrap-aware.
+#[allow(clippy::cast_possible_truncation)]
 pub fn mark_proves_mismatch(m: u64, seq: u64, count: u64) -> bool {
     let bits = MARK_COUNT_BITS;
     let diff = ((m as u32).wrapping_sub(count as u32)) << (32 - bits);
-    m != 0 && (m >> bits) <= seq && (diff as i32) > 0
+    m != 0 && (m >> bits) <= seq && diff.cast_signed() > 0
 }
 
 /// Offset of the LL lines (two parities).

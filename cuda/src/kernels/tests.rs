@@ -7,6 +7,7 @@ use super::nvrtc::nvrtc_present;
 use super::*;
 use commd_proto::check;
 use commd_proto::desc::{ALL_DTYPES, ALL_REDOPS};
+use commd_proto::num::usize_of;
 use half::{bf16, f16};
 use std::fmt::Write as _;
 
@@ -279,6 +280,9 @@ where
     if op == RedOp::Avg { a / div } else { a }
 }
 
+/// `x` wrapped to the range of `d`, as the GPU's integer arithmetic wraps.
+// Truncation and wrap are the point: the low bits of `x`, reinterpreted in the dtype.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 fn wrap(d: DType, x: i128) -> i128 {
     match d {
         DType::I8 => i128::from(x as i8),
@@ -315,8 +319,11 @@ fn int_red(d: DType, op: RedOp, vals: impl Iterator<Item = i128>, div: u32) -> i
 }
 
 /// The expected output bytes for element-wise inputs `ins` (each `count` elements).
+// The integer stores truncate to the dtype as the kernels' stores do (int_red has wrapped the
+// value already, except AVG's exact mean, which lies in the dtype's range).
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 fn reference(d: DType, op: RedOp, ins: &[Vec<u8>], count: usize, div: u32) -> Vec<u8> {
-    let s = d.size() as usize;
+    let s = usize_of(d.size());
     let mut out = vec![0u8; count * s];
     for i in 0..count {
         let e = |k: usize| &ins[k][i * s..(i + 1) * s];
@@ -364,12 +371,19 @@ fn reference(d: DType, op: RedOp, ins: &[Vec<u8>], count: usize, div: u32) -> Ve
 
 /// Inputs from `check::fill` (small exact values) and the result `check::reduce_ref` wants.
 fn check_case(d: DType, op: RedOp, m: usize, count: usize, div: u32) -> (Vec<Vec<u8>>, Vec<u8>) {
-    let s = d.size() as usize;
+    let s = usize_of(d.size());
     let seed = 0xC0FFEE ^ (u64::from(d.code()) << 8) ^ u64::from(op.code());
     let ins: Vec<Vec<u8>> = (0..m)
         .map(|k| {
             let mut b = vec![0u8; count * s];
-            check::fill(d, Some(op), seed, k as u32, &mut b, count as u64);
+            check::fill(
+                d,
+                Some(op),
+                seed,
+                u32::try_from(k).unwrap(),
+                &mut b,
+                count as u64,
+            );
             b
         })
         .collect();
@@ -394,8 +408,10 @@ impl Rng {
 
 /// Random inputs: full-width integers; floats mostly in a narrow exponent range (so sums
 /// round), one in eight raw bit patterns (NaN, inf, subnormals, signed zeros).
+// Truncation is the point: the float bit patterns are cut from random u64s.
+#[allow(clippy::cast_possible_truncation)]
 fn random_case(d: DType, m: usize, count: usize, seed: u64) -> Vec<Vec<u8>> {
-    let s = d.size() as usize;
+    let s = usize_of(d.size());
     let mut rng = Rng(seed | 1);
     (0..m)
         .map(|_| {
@@ -457,7 +473,7 @@ fn random_case(d: DType, m: usize, count: usize, seed: u64) -> Vec<Vec<u8>> {
 /// Index of the first element where `got` differs from `want`. Arithmetic on NaNs yields the
 /// GPU's canonical NaN, not the CPU's propagated payload: any NaN matches a NaN there.
 fn first_mismatch(d: DType, op: RedOp, got: &[u8], want: &[u8]) -> Option<usize> {
-    let s = d.size() as usize;
+    let s = usize_of(d.size());
     let nan_any = matches!(op, RedOp::Sum | RedOp::Prod | RedOp::Avg);
     let is_nan = |b: &[u8]| match d {
         DType::F32 => f32::from_ne_bytes(b.try_into().unwrap()).is_nan(),
@@ -477,7 +493,7 @@ fn host_reference_agrees_with_check_rs() {
     // against check.rs on check.rs's data, for every op, input count and divisor.
     for (d, op) in valid_pairs() {
         for m in 1..=MAX_INPUTS {
-            for div in [m as u32, m as u32 + 3] {
+            for div in [u32::try_from(m).unwrap(), u32::try_from(m).unwrap() + 3] {
                 let (ins, want) = check_case(d, op, m, 3000, div);
                 let got = reference(d, op, &ins, 3000, div);
                 assert_eq!(
@@ -583,12 +599,12 @@ fn gpu_kernels_match_host_reference() {
     let t0 = std::time::Instant::now();
     for (d, op) in valid_pairs() {
         kernels.prepare(d, op).unwrap_or_else(|e| panic!("{e}"));
-        let s = d.size() as usize;
+        let s = usize_of(d.size());
         for m in [1usize, 2, 3, 4, 8] {
             // (count, element offset of every pointer, divisor - m): odd counts, unaligned
             // offsets, and a divisor that differs from the number of inputs.
             for (count, off, extra) in [(1usize, 3usize, 0u32), (7, 1, 3), (MAX_COUNT, 0, 0)] {
-                let div = m as u32 + extra;
+                let div = u32::try_from(m).unwrap() + extra;
                 let seed = (u64::from(d.code()) << 32) ^ (u64::from(op.code()) << 16) ^ (m as u64);
                 let (cins, cwant) = check_case(d, op, m, count, div);
                 let rins = random_case(d, m, count, seed ^ count as u64);
@@ -694,7 +710,7 @@ fn gpu_kernel_bandwidth() {
         (DType::F32, RedOp::Sum, 8),
         (DType::I64, RedOp::Avg, 4),
     ] {
-        let count = (BYTES / d.size() as usize) as u64;
+        let count = BYTES as u64 / d.size();
         let ins: Vec<CUdeviceptr> = bufs[..m].iter().map(|b| b.0).collect();
         let mut row = format!("{:>4} {:>4} m={m}:", d.name(), op.name());
         for per_sm in [1, 2, 4, 8] {
@@ -702,8 +718,18 @@ fn gpu_kernel_bandwidth() {
             let run = |n: usize| {
                 for _ in 0..n {
                     // SAFETY: every buffer holds BYTES bytes = `count` elements; out is separate.
-                    unsafe { k.launch(stream, d, op, bufs[MAX_INPUTS].0, &ins, count, m as u32) }
-                        .unwrap_or_else(|e| panic!("{e}"));
+                    unsafe {
+                        k.launch(
+                            stream,
+                            d,
+                            op,
+                            bufs[MAX_INPUTS].0,
+                            &ins,
+                            count,
+                            u32::try_from(m).unwrap(),
+                        )
+                    }
+                    .unwrap_or_else(|e| panic!("{e}"));
                 }
             };
             run(3);

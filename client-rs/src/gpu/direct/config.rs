@@ -285,7 +285,9 @@ impl Config {
             shared_gpus,
             max_bytes: env_int("COMMD_GRAPH_DIRECT_MAX_BYTES", max, 0, 1 << 30)?,
             blocks: env_int("COMMD_GRAPH_DIRECT_BLOCKS", blocks, 1, 1024)?
-                .map_or(DEFAULT_BLOCKS, |b| b as u32),
+                .map_or(DEFAULT_BLOCKS, |b| {
+                    u32::try_from(b).expect("COMMD_GRAPH_DIRECT_BLOCKS is checked in 1..=1024")
+                }),
         })
     }
 

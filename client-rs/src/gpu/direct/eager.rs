@@ -130,7 +130,8 @@ impl StatusPool {
         // SAFETY: `index` is in 1..=STATUS_WORDS, so the word lies in the page (`new`'s
         // contract), which outlives `self`; u32 words are 4-aligned there.
         unsafe {
-            &*((self.page + k::STATUS_OFF as usize) as *const AtomicU32).add(index as usize - 1)
+            &*((self.page + commd_proto::num::usize_of(k::STATUS_OFF)) as *const AtomicU32)
+                .add(index as usize - 1)
         }
     }
 

@@ -47,6 +47,13 @@
 //! count across the limit (one rank on the daemon's path) and ops issued in different orders
 //! are told at once (without the marks both wait forever: the test can fail).
 
+use commd_proto::num::usize_of;
+
+/// A model index or count (a few thousand at most) as the u32 of an op's fields.
+fn small(x: usize) -> u32 {
+    u32::try_from(x).unwrap()
+}
+
 /// A flag's first word: epoch, signature.
 type Flag = (u64, u32);
 
@@ -244,7 +251,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
         if ranks.iter().all(|r| r.op == r.program.len()) {
             return End::Done;
         }
-        let me = (rng.next() % n as u64) as usize;
+        let me = usize_of(rng.next() % n as u64);
         let r = &mut ranks[me];
         if r.op == r.program.len() {
             stalls += 1;
@@ -256,7 +263,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
         let (sig, k, ll, fwd, bc) = r.program[r.op];
         // This op's root defers its wait (and reads nothing).
         let defers = bc == Some(me);
-        let p = (r.epoch % parities) as usize;
+        let p = usize_of(r.epoch % parities);
         let next = |s: usize| if s + 1 < n { Some(s + 1) } else { None };
         match r.step {
             Step::Start if sig >= DAEMON => {
@@ -297,7 +304,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
             }
             Step::DWait(from) => {
                 let (de, dsig, dk, dd) = r.deferred.unwrap_or_default();
-                let dp = (de % parities) as usize;
+                let dp = usize_of(de % parities);
                 match win[me].flags[from][dp] {
                     Some((e, s)) if e >= de => {
                         assert!(
@@ -325,7 +332,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
             Step::Aux(to) => {
                 // The first block writes every window's second word before any push (and a
                 // forwarded broadcast its early signature).
-                let p = (r.epoch % parities) as usize;
+                let p = usize_of(r.epoch % parities);
                 win[to].aux[me][p] = Some((r.epoch, k));
                 if fwd.is_some() && early {
                     win[to].pre[me][p] = Some((r.epoch, sig));
@@ -339,7 +346,7 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
                 r.step = next(to).map_or(first, Step::Aux);
             }
             Step::Push(to) => {
-                let p = (r.epoch % parities) as usize;
+                let p = usize_of(r.epoch % parities);
                 // A broadcast's non-roots push nothing.
                 if to != me && bc.is_none_or(|t| t == me) {
                     win[to].data[me][p].fill(Some((r.epoch, me, value(me, r.epoch))));
@@ -561,12 +568,12 @@ fn run_with(programs: &[Vec<Op>], parities: u64, how: Fwd, seed: u64) -> End {
 
 /// The signature of a forwarded broadcast from `root` (the root is in a real signature too).
 fn fwd_sig(root: usize) -> u32 {
-    100 + root as u32
+    100 + small(root)
 }
 
 /// The signature of a broadcast from `root` whose root defers its wait.
 fn defer_sig(root: usize) -> u32 {
-    200 + root as u32
+    200 + small(root)
 }
 
 /// The same random program for `n` ranks: `ops` ops, about half of them by LL lines, on 3+
@@ -579,11 +586,17 @@ fn programs(n: usize, ops: usize, seed: u64) -> Vec<Vec<Op>> {
             let x = rng.next();
             let root = ((x >> 24) % n as u64) as usize;
             if n >= 3 && (x >> 16).is_multiple_of(4) {
-                (fwd_sig(root), k as u32, false, Some(root), None)
+                (fwd_sig(root), small(k), false, Some(root), None)
             } else if (x >> 32).is_multiple_of(4) {
-                (defer_sig(root), k as u32, false, None, Some(root))
+                (defer_sig(root), small(k), false, None, Some(root))
             } else {
-                ((x % 5) as u32, k as u32, (x >> 8) & 1 == 1, None, None)
+                (
+                    u32::try_from(x % 5).unwrap(),
+                    small(k),
+                    (x >> 8) & 1 == 1,
+                    None,
+                    None,
+                )
             }
         })
         .collect();
@@ -592,6 +605,8 @@ fn programs(n: usize, ops: usize, seed: u64) -> Vec<Vec<Op>> {
 
 /// `programs` with ops on the daemon's path inserted at random places (the same on every
 /// rank), about one in six, of three signatures.
+// Truncation is the point: the signatures are cut from random bits.
+#[allow(clippy::cast_possible_truncation)]
 fn with_daemon_ops(programs: Vec<Vec<Op>>, seed: u64) -> Vec<Vec<Op>> {
     let mut rng = Xorshift(seed.wrapping_mul(6151) | 1);
     let len = programs[0].len();
@@ -682,7 +697,7 @@ fn plain_direct_op(ps: &mut [Vec<Op>], from: usize, ll: bool) -> usize {
         .find(|&i| ps[0][i].0 < DAEMON)
         .expect("a direct op");
     for p in ps.iter_mut() {
-        p[at] = (7, at as u32, ll, None, None);
+        p[at] = (7, small(at), ll, None, None);
     }
     at
 }
@@ -714,7 +729,7 @@ fn an_op_on_the_daemons_path_against_a_direct_one_is_told_at_once() {
         for seed in 0..100u64 {
             let mut ps = with_daemon_ops(programs(n, 12, seed), seed);
             let at = plain_direct_op(&mut ps, (seed % 12) as usize, seed % 3 == 0);
-            let odd = (seed as usize / 12) % n;
+            let odd = (usize_of(seed) / 12) % n;
             ps[odd][at] = (DAEMON + 9, 0, false, None, None);
             let want = epoch_of(&ps[(odd + 1) % n], at);
             let what = format!("{n} ranks, seed {seed}");
@@ -758,11 +773,11 @@ fn a_root_that_deferred_its_wait_is_told_of_the_daemons_path_at_its_next_op() {
         for seed in 0..60u64 {
             let mut ps = programs(n, 8, seed);
             let at = (seed % 6) as usize;
-            let root = (seed as usize / 6) % n;
-            let odd = (root + 1 + seed as usize % (n - 1)) % n;
+            let root = (usize_of(seed) / 6) % n;
+            let odd = (root + 1 + usize_of(seed) % (n - 1)) % n;
             for p in ps.iter_mut() {
-                p[at] = (defer_sig(root), at as u32, false, None, Some(root));
-                p[at + 1] = (7, at as u32 + 1, seed % 2 == 0, None, None);
+                p[at] = (defer_sig(root), small(at), false, None, Some(root));
+                p[at + 1] = (7, small(at) + 1, seed % 2 == 0, None, None);
             }
             ps[odd][at] = (DAEMON + 9, 0, false, None, None);
             let what = format!("{n} ranks, seed {seed}");
@@ -793,7 +808,7 @@ fn ranks_that_run_different_ops_are_told_not_paired() {
         // Rank 2 captured one more op at position 5: every later op's capture index differs.
         ps[2].insert(5, (9, 5, seed % 2 == 0, None, None));
         for (i, op) in ps[2].iter_mut().enumerate().skip(6) {
-            op.1 = i as u32;
+            op.1 = small(i);
         }
         assert_mismatch_at(run(&ps, 2, seed + 11), 5, &format!("seed {seed}"));
         // Same signatures but another count of ops at the end: the short rank finishes, the
@@ -820,11 +835,11 @@ fn an_op_by_lines_against_the_same_op_by_flags_is_a_mismatch_on_either_side() {
         for seed in 0..100u64 {
             let mut ps = programs(n, 12, seed);
             let at = (seed % 12) as usize;
-            let odd = (seed as usize / 12) % n;
+            let odd = (usize_of(seed) / 12) % n;
             // (A broadcast never moves by lines: make that op a plain one first.)
             for p in ps.iter_mut() {
                 if p[at].3.is_some() || p[at].4.is_some() {
-                    p[at] = (7, at as u32, false, None, None);
+                    p[at] = (7, small(at), false, None, None);
                 }
             }
             ps[odd][at].2 = !ps[odd][at].2;
@@ -861,7 +876,7 @@ fn forwarded_broadcasts_whose_roots_differ_are_told_not_stuck() {
             let at = (seed % 10) as usize;
             for (r, p) in ps.iter_mut().enumerate() {
                 let root = (r + 1) % n;
-                p[at] = (fwd_sig(root), at as u32, false, Some(root), None);
+                p[at] = (fwd_sig(root), small(at), false, Some(root), None);
             }
             assert_mismatch_at(
                 run(&ps, 2, seed * 13 + 7),
@@ -925,7 +940,7 @@ fn a_deferred_wait_left_out_is_caught() {
         let mut ps = programs(3, 30, seed);
         for (i, op) in ps[0].clone().iter().enumerate() {
             if i % 3 != 2 {
-                let root = (seed as usize + i / 6) % 3;
+                let root = (usize_of(seed) + i / 6) % 3;
                 for p in ps.iter_mut() {
                     p[i] = (defer_sig(root), op.1, false, None, Some(root));
                 }
@@ -953,12 +968,12 @@ fn a_deferred_broadcast_against_another_op_is_told_at_that_op() {
         for seed in 0..100u64 {
             let mut ps = programs(n, 12, seed);
             let at = (seed % 11) as usize;
-            let root = (seed as usize / 11) % n;
-            let odd = (seed as usize / 7) % n;
+            let root = (usize_of(seed) / 11) % n;
+            let odd = (usize_of(seed) / 7) % n;
             for p in ps.iter_mut() {
-                p[at] = (defer_sig(root), at as u32, false, None, Some(root));
+                p[at] = (defer_sig(root), small(at), false, None, Some(root));
             }
-            ps[odd][at] = (7, at as u32, seed % 2 == 0, None, None);
+            ps[odd][at] = (7, small(at), seed % 2 == 0, None, None);
             assert_mismatch_at(
                 run(&ps, 2, seed * 29 + 1),
                 at,

@@ -458,7 +458,8 @@ impl Communicator {
                 .op_timeout
                 .unwrap_or(std::time::Duration::from_secs(DEFAULT_TIMEOUT_S))
                 .as_nanos()
-                .min(u128::from(u64::MAX)) as u64,
+                .try_into()
+                .unwrap_or(u64::MAX),
             me: self.rank,
             n: self.nranks,
             sig: part_signature(l.part, a.kind, a.dtype, l.op, a.peer),

@@ -441,7 +441,8 @@ impl Communicator {
             .op_timeout
             .unwrap_or(std::time::Duration::from_secs(DEFAULT_TIMEOUT_S))
             .as_nanos()
-            .min(u128::from(u64::MAX)) as u64;
+            .try_into()
+            .unwrap_or(u64::MAX);
         let mut group = kernels::P2pGroupArgs::default();
         let mut words = Vec::with_capacity(ops.len());
         let mut blocks = 0u32;
@@ -487,7 +488,7 @@ impl Communicator {
                 group.sends |= 1 << k;
             }
         }
-        group.n = ops.len() as u32;
+        group.n = u32::try_from(ops.len()).expect("a group holds at most GROUP_MAX ops");
         group.first[ops.len()] = blocks;
         super::super::prof::mark(super::super::prof::PREPARE);
         // SAFETY: the inboxes, record and hint word live for the process (`p2p_setup`); the
@@ -956,7 +957,7 @@ mod tests {
         // message never lands in another receive unnoticed.
         let sizes = [8u64, 64, 200, 4000];
         let lists = |n: usize| -> Vec<Vec<u64>> {
-            (0..sizes.len().pow(n as u32))
+            (0..sizes.len().pow(u32::try_from(n).unwrap()))
                 .map(|mut x| {
                     (0..n)
                         .map(|_| {
@@ -1100,7 +1101,7 @@ mod tests {
                 return daemon_step(s, r, false, sends, recvs, pairs);
             }
             let q = r.seq + 1;
-            if let Some(&(from, sb, sdn)) = flags.get(q as usize) {
+            if let Some(&(from, sb, sdn)) = flags.get(usize::try_from(q).unwrap()) {
                 if sb != b || p2p_signature(DType::F32, sdn) != p2p_signature(DType::F32, r.daemon)
                 {
                     return Step::Failed { by_mark: false };
@@ -1237,7 +1238,7 @@ mod tests {
             sig_fields(p2p_signature(DType::F32, (1 << 20) + 3)).map(|f| f.1),
             Some(3)
         );
-        assert_eq!(sig_fields(kp::LL_CAP as u32), None);
+        assert_eq!(sig_fields(u32::try_from(kp::LL_CAP).unwrap()), None);
         assert_ne!(p2p_signature(DType::F32, 0), p2p_signature(DType::F32, 1));
         assert_ne!(p2p_signature(DType::F32, 0), p2p_signature(DType::I32, 0));
     }

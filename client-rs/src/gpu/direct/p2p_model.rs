@@ -20,6 +20,7 @@
 use std::collections::HashMap;
 
 use super::model::Xorshift;
+use commd_proto::num::usize_of;
 
 /// An op of a rank's program: send to / receive from `peer`, with its signature (dtype) and
 /// count.
@@ -127,7 +128,7 @@ fn run(programs: &[Vec<Vec<Op>>], k: &Knobs, seed: u64) -> End {
         if (0..n).all(|r| at[r] == units[r].len()) {
             return End::Done;
         }
-        let me = (rng.next() % n as u64) as usize;
+        let me = usize_of(rng.next() % n as u64);
         if at[me] == units[me].len() {
             stalls += 1;
             if stalls > 200_000 {
@@ -161,10 +162,10 @@ fn run(programs: &[Vec<Vec<Op>>], k: &Knobs, seed: u64) -> End {
         }
         // One step of one of the unit's unfinished ops, picked at random.
         let open: Vec<usize> = (0..unit.len()).filter(|&i| !live[me][i].2).collect();
-        let j = open[(rng.next() % open.len() as u64) as usize];
+        let j = open[usize_of(rng.next() % open.len() as u64)];
         let op = unit[j];
         let (st, q, _) = live[me][j];
-        let p = (q % k.slots) as usize;
+        let p = usize_of(q % k.slots);
         let mut progressed = true;
         let mut next = st;
         let mut finished = false;
@@ -409,6 +410,7 @@ mod ll_flags {
     //! (or take for a mismatch) may already be there.
     use super::super::super::kernels::p2p::{REFRESH_PERIOD, refreshes};
     use super::super::model::Xorshift;
+    use commd_proto::num::usize_of;
 
     const BITS: u32 = 10;
     const MASK: u64 = (1 << BITS) - 1;
@@ -491,7 +493,7 @@ mod ll_flags {
                 let kind = rng.next() % 3;
                 for _ in 0..len {
                     msgs.push(match kind {
-                        0 => Some(1 + (rng.next() % LINES as u64) as usize),
+                        0 => Some(1 + usize_of(rng.next() % LINES as u64)),
                         1 => Some(1),
                         _ => None,
                     });

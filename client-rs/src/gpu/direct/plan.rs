@@ -156,7 +156,7 @@ pub(crate) fn split_plan(
                 need(recv, "recv")?;
             }
             let chunk = chunk.max(1);
-            let mut parts = Vec::with_capacity(count.div_ceil(chunk) as usize);
+            let mut parts = Vec::with_capacity(commd_proto::num::usize_of(count.div_ceil(chunk)));
             let mut off = 0;
             while off < count {
                 let c = chunk.min(count - off);

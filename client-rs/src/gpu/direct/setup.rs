@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use commd_proto::desc::{DType, doorbell};
+use commd_proto::num::usize_of;
 
 use super::config::{Config, bcast_forward_min, ll_area_off, ll_max, split_max, window_bytes};
 use super::record::RecordWatch;
@@ -33,7 +34,7 @@ impl Communicator {
         // Tickets per op: a small op's blocks (at most half the SMs) twice (`launch_grid`).
         let grid = 2 * cfg.blocks.min(sms / 2).max(1);
         let wbytes = window_bytes(n, slot);
-        let mut offer = vec![0u8; OFFER_BYTES as usize];
+        let mut offer = vec![0u8; usize_of(OFFER_BYTES)];
         // My window: allocated, its header zeroed, exported.
         let mut local_err = None;
         let mut win: sys::CUdeviceptr = 0;
@@ -285,5 +286,5 @@ impl Communicator {
 
 /// Rank `r`'s offer among all ranks' (`all`, one [`OFFER_BYTES`] part per rank).
 fn offer_of(all: &[u8], r: usize) -> &[u8] {
-    &all[r * OFFER_BYTES as usize..(r + 1) * OFFER_BYTES as usize]
+    &all[r * usize_of(OFFER_BYTES)..(r + 1) * usize_of(OFFER_BYTES)]
 }

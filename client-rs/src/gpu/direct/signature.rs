@@ -157,6 +157,14 @@ pub fn part_signature(part: Part, kind: OpKind, dtype: DType, op: RedOp, root: u
     (base & !0xff) | code | PART | root | last
 }
 
+/// The low 32 bits of a 64-bit word that packs two u32s (a record's flag words: the signature
+/// or count below the capture index or epoch) or of a count kept modulo 2^20.
+// Truncation is the point: the high half is another field, read with `>> 32`.
+#[allow(clippy::cast_possible_truncation)]
+pub(crate) const fn lo(w: u64) -> u32 {
+    w as u32
+}
+
 /// A failure record's words as the kernel wrote them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Record {
@@ -225,12 +233,8 @@ pub(super) fn dtype_name(sig: u32) -> String {
 /// or (`eager`) of an eager direct op (docs/design-gpu.md, direct collectives rule 8).
 pub fn explain(r: &Record, me: u32, eager: bool) -> String {
     let e = r.epoch;
-    let (m_sig, m_k, m_count) = (r.mine.0 as u32, (r.mine.1 >> 32) as u32, r.mine.1 as u32);
-    let (t_sig, t_k, t_count) = (
-        r.theirs.0 as u32,
-        (r.theirs.1 >> 32) as u32,
-        r.theirs.1 as u32,
-    );
+    let (m_sig, m_k, m_count) = (lo(r.mine.0), (r.mine.1 >> 32) as u32, lo(r.mine.1));
+    let (t_sig, t_k, t_count) = (lo(r.theirs.0), (r.theirs.1 >> 32) as u32, lo(r.theirs.1));
     let (coll, runs) = if eager {
         ("a collective", "ran")
     } else {
@@ -302,8 +306,8 @@ pub fn explain(r: &Record, me: u32, eager: bool) -> String {
         k::ELSEWHERE => format!(
             "mismatched collective (direct op #{e} of the communicator): rank {} sent this op, or one issued before it, to the daemon's path (its collective #{} on that path since the direct windows' setup; rank {me} had issued {} there), while rank {me} ran it as a direct op ({}, count {m_count}). The ranks' counts differ across the direct limit (COMMD_EAGER_DIRECT_MAX_BYTES), or they issued their collectives in different orders. Rank {}'s op, which waits in the daemon for this rank's, is failed there at once with this error (this rank fails the communicator)",
             r.rank,
-            r.theirs.0 as u32,
-            r.theirs.1 as u32,
+            lo(r.theirs.0),
+            lo(r.theirs.1),
             describe_sig(m_sig),
             r.rank
         ),
@@ -320,7 +324,7 @@ pub fn explain(r: &Record, me: u32, eager: bool) -> String {
 /// the same order: equal counts before every direct op say so (`tests::
 /// equal_daemon_counts_pair_every_message_in_order`).
 pub(crate) fn p2p_signature(dtype: DType, daemon_ops: u64) -> u32 {
-    SIG_MARK | ((daemon_ops as u32 & SIG_COUNT_MASK) << 8) | u32::from(dtype.code())
+    SIG_MARK | ((lo(daemon_ops) & SIG_COUNT_MASK) << 8) | u32::from(dtype.code())
 }
 
 /// The marker of a direct send/recv's signature (`p2p_signature`).
@@ -354,7 +358,7 @@ pub(crate) fn explain_p2p(r: &Record) -> String {
         let send = r.theirs.0 >> 63 != 0;
         let bits = kp::MARK_COUNT_BITS;
         let (their_q, theirs) = (m >> bits, m & ((1 << bits) - 1));
-        let mine = sig_fields(r.mine.0 as u32).map_or(0, |f| f.1);
+        let mine = sig_fields(lo(r.mine.0)).map_or(0, |f| f.1);
         let (me, them) = if send {
             (
                 format!("direct send #{q} to the peer"),
@@ -380,7 +384,7 @@ pub(crate) fn explain_p2p(r: &Record) -> String {
             explain_p2p_code(r.code)
         );
     }
-    let (mine, theirs) = (r.mine.0 as u32, r.theirs.0 as u32);
+    let (mine, theirs) = (lo(r.mine.0), lo(r.theirs.0));
     let dtype = |c: u8| {
         commd_proto::desc::DType::from_code(c)
             .map(|d| d.name().to_string())

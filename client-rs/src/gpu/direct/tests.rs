@@ -303,7 +303,8 @@ fn split_plans_compute_the_whole_op_on_every_rank() {
                     );
                     let send = |r: u32| base(r);
                     let recv = |r: u32| base(r) + if in_place { 0 } else { 0x80_0000 };
-                    let input = |r: u32, i: u64| i64::from(r + 1) * 1000 + i as i64;
+                    let input =
+                        |r: u32, i: u64| i64::from(r + 1) * 1000 + i64::try_from(i).unwrap();
                     let mut mem: HashMap<u64, i64> = HashMap::new();
                     for r in 0..n {
                         for i in 0..count {
@@ -347,7 +348,7 @@ fn split_plans_compute_the_whole_op_on_every_rank() {
                             }
                         };
                         let full = (count - 1) / c;
-                        let first_of_last = full as usize * per(c);
+                        let first_of_last = usize::try_from(full).unwrap() * per(c);
                         assert_eq!(marked[0], first_of_last, "{what}");
                         assert_eq!(p.len(), first_of_last + per(count - full * c), "{what}");
                         for q in p {

@@ -5,6 +5,7 @@
 #![allow(unsafe_code)] // CUDA driver calls and device memory
 
 use crate::gpu::cu::{self, ck, sys};
+use commd_proto::num::usize_of;
 
 /// A window of `bytes` on the current context's device, its first `zero` bytes zeroed, and its
 /// IPC handle: (address, handle).
@@ -15,7 +16,7 @@ pub(super) fn alloc_window(
     let mut win: sys::CUdeviceptr = 0;
     ck(
         // SAFETY: valid out pointer; the caller made the device's context current.
-        unsafe { sys::cuMemAlloc_v2(&mut win, bytes as usize) },
+        unsafe { sys::cuMemAlloc_v2(&mut win, usize_of(bytes)) },
         "cuMemAlloc",
     )?;
     let fail = |e| {
@@ -31,7 +32,7 @@ pub(super) fn alloc_window(
             let len = len.min(bytes.saturating_sub(at));
             // SAFETY: `[at, at + len)` lies within the `bytes` of `win`; `s` is live.
             ck(
-                unsafe { sys::cuMemsetD8Async(win + at, 0, len as usize, s) },
+                unsafe { sys::cuMemsetD8Async(win + at, 0, usize_of(len), s) },
                 "cuMemsetD8Async",
             )
         })
@@ -54,7 +55,8 @@ pub(super) fn alloc_window(
     .map_err(fail)?;
     let mut out = [0u8; 64];
     for (d, s) in out.iter_mut().zip(h.reserved.iter()) {
-        *d = *s as u8;
+        // The handle's bytes, whatever the sign of c_char.
+        *d = u8::from_ne_bytes(s.to_ne_bytes());
     }
     Ok((win, out))
 }
