@@ -7,13 +7,6 @@
 //! 100 ms to deliver signals (Ctrl-C interrupts a wait; the op itself keeps running).
 
 #![deny(unsafe_code)] // allowed only in the modules that say why
-// cast/unwrap lints: fixed in the next change
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_possible_wrap,
-    clippy::cast_sign_loss,
-    clippy::unwrap_used
-)]
 
 mod buffer;
 mod client;

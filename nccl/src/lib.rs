@@ -13,17 +13,10 @@
 //! `memory`, `unsupported`: argument checks and conversions only) -> `comm` (communicators, op
 //! dispatch) and `group` -> `host` (the host-memory extension) -> `ffi`, `log`. The crate root
 //! holds the C types they share. Device memory goes through `commd_client`'s stream-ordered GPU
-//! ops (docs/contracts.md #4, docs/design-gpu.md persistent ops: ops issued while a stream is captured become persistent
-//! graph ops).
+//! ops (docs/contracts.md #4, docs/design-gpu.md persistent ops: ops issued while a stream is
+//! captured become persistent graph ops).
 
 #![deny(unsafe_code)] // allowed only in the modules that say why
-// cast/unwrap lints: fixed in the next change
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_possible_wrap,
-    clippy::cast_sign_loss,
-    clippy::unwrap_used
-)]
 #![allow(non_camel_case_types, non_snake_case, clippy::missing_safety_doc)]
 
 mod collective;
