@@ -240,3 +240,190 @@ impl Scrape for State {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Pins the scrape-time series of [`State`] (names, help, order, labels, values) on a
+    //! daemon without CUDA: one with per-job series, one with the bounded default.
+
+    use std::time::Duration;
+
+    use super::*;
+    use crate::comm::Comm;
+    use crate::config::{Config, Inputs};
+    use crate::daemon::JoinOpts;
+    use crate::session::Session;
+
+    fn daemon(per_job: bool) -> Arc<Daemon> {
+        let toml = std::env::temp_dir().join(format!(
+            "commd-report-test-{}-{per_job}.toml",
+            std::process::id()
+        ));
+        std::fs::write(&toml, "").expect("write empty config");
+        let mut flags = vec![("cuda".to_string(), "0".to_string())];
+        if per_job {
+            flags.push(("metrics_per_job".into(), "on".into()));
+        }
+        let cfg = Config::load(&Inputs {
+            config_file: Some(toml),
+            flags,
+            env: Default::default(),
+        })
+        .expect("test config");
+        Daemon::new(cfg)
+    }
+
+    /// Forms a communicator of `nranks` ranks, one session each, asking for `pacing`; returns
+    /// its sessions and the communicator.
+    fn comm(d: &Arc<Daemon>, pacing: Option<u64>, nranks: u32) -> (Vec<Arc<Session>>, Arc<Comm>) {
+        let uid = d.unique_id(0).encode();
+        let mut out = Vec::new();
+        for rank in 0..nranks {
+            let s = d
+                .hello(1000, std::process::id() as i32, "test".into(), 0, 0)
+                .expect("hello");
+            let rx = d
+                .join(
+                    s.clone(),
+                    &uid,
+                    rank,
+                    nranks,
+                    JoinOpts {
+                        op_timeout: None,
+                        pacing,
+                    },
+                    Duration::from_secs(5),
+                )
+                .expect("join");
+            out.push((s, rx));
+        }
+        let mut comm = None;
+        let mut sessions = Vec::new();
+        for (s, mut rx) in out {
+            let (h, _, _, _) = rx.try_recv().expect("formed").expect("joined");
+            comm = s.tables().comms.get(&h).map(|(c, _)| c.clone());
+            sessions.push(s);
+        }
+        (sessions, comm.expect("a communicator"))
+    }
+
+    /// The series `State` writes, uptime's value blanked.
+    fn scrape(d: &Arc<Daemon>) -> String {
+        let m = metrics::Metrics::new();
+        m.attach(Arc::new(State(Arc::downgrade(d))));
+        let t = m.encode();
+        let from = t.find("# HELP commd_uptime_seconds").expect("state series");
+        let mut out = String::new();
+        for l in t[from..].lines() {
+            match l.strip_prefix("commd_uptime_seconds ") {
+                Some(_) => out.push_str("commd_uptime_seconds UPTIME\n"),
+                None => {
+                    out.push_str(l);
+                    out.push('\n');
+                }
+            }
+        }
+        out
+    }
+
+    const COMMON_HEAD: &str = "\
+# HELP commd_uptime_seconds Seconds since the daemon started
+# TYPE commd_uptime_seconds gauge
+commd_uptime_seconds UPTIME
+# HELP commd_sessions Client sessions (processes) connected now
+# TYPE commd_sessions gauge
+commd_sessions {sessions}.0
+# HELP commd_communicators Communicators formed and not destroyed
+# TYPE commd_communicators gauge
+commd_communicators {comms}.0
+# HELP commd_communicators_forming Communicators waiting for ranks to join
+# TYPE commd_communicators_forming gauge
+commd_communicators_forming 0.0
+# HELP commd_registrations Memory registrations (host and GPU) of all sessions
+# TYPE commd_registrations gauge
+commd_registrations 0.0
+# HELP commd_registered_bytes Host memory registered by all sessions
+# TYPE commd_registered_bytes gauge
+commd_registered_bytes 0.0
+";
+
+    fn head(sessions: usize, comms: usize) -> String {
+        COMMON_HEAD
+            .replace("{sessions}", &sessions.to_string())
+            .replace("{comms}", &comms.to_string())
+    }
+
+    #[test]
+    fn bounded_series_sum_over_communicators_and_sessions() {
+        let d = daemon(false);
+        let (_s1, _c1) = comm(&d, Some(10_000_000_000), 2);
+        let (_s2, _c2) = comm(&d, None, 1);
+        let entries = d.cfg.ring_entries * 3;
+        let want = head(3, 2)
+            + "\
+# HELP commd_gpu_paced_communicators Communicators whose GPU copies on this node are capped (per communicator: metrics_per_job = on)
+# TYPE commd_gpu_paced_communicators gauge
+commd_gpu_paced_communicators{} 1
+# HELP commd_gpu_pacing_delay_seconds Time GPU copy phases were held back by pacing caps: summed, or per communicator with metrics_per_job = on
+# TYPE commd_gpu_pacing_delay_seconds counter
+commd_gpu_pacing_delay_seconds_total{} 0.0
+# HELP commd_pending_ops Ops posted and not yet matched or completed, over all communicators and ranks
+# TYPE commd_pending_ops gauge
+commd_pending_ops 0.0
+# HELP commd_oldest_pending_op_seconds Age of the oldest op still waiting for ranks (0 when none): alert on this to catch hangs
+# TYPE commd_oldest_pending_op_seconds gauge
+commd_oldest_pending_op_seconds 0.0
+# HELP commd_ring_entries_used Descriptors in the sessions' submission (sq) and completion (cq) rings: summed, or per session with metrics_per_job = on
+# TYPE commd_ring_entries_used gauge
+commd_ring_entries_used{queue=\"sq\"} 0
+commd_ring_entries_used{queue=\"cq\"} 0
+# HELP commd_ring_entries Capacity of the sessions' rings: summed, or per session with metrics_per_job = on
+# TYPE commd_ring_entries gauge
+commd_ring_entries{queue=\"sq\"} ENTRIES
+commd_ring_entries{queue=\"cq\"} ENTRIES
+# EOF
+"
+            .replace("ENTRIES", &entries.to_string())
+            .as_str();
+        assert_eq!(scrape(&d), want);
+    }
+
+    #[test]
+    fn per_job_series_name_each_communicator_and_session() {
+        let d = daemon(true);
+        let (s, c) = comm(&d, Some(10_000_000_000), 1);
+        let s = &s[0];
+        let comm_labels = format!("comm=\"{}\",unique_id=\"{}\"", c.id, c.uid_short);
+        let ring = |q: &str| format!("session=\"{}\",pid=\"{}\",queue=\"{q}\"", s.id, s.pid);
+        let entries = d.cfg.ring_entries;
+        let want = head(1, 1)
+            + &format!(
+                "\
+# HELP commd_gpu_pacing_bytes_per_second Cap on each communicator's GPU copy bandwidth on this node (0: uncapped)
+# TYPE commd_gpu_pacing_bytes_per_second gauge
+commd_gpu_pacing_bytes_per_second{{{comm_labels}}} 10000000000
+# HELP commd_gpu_pacing_delay_seconds Time GPU copy phases were held back by pacing caps: summed, or per communicator with metrics_per_job = on
+# TYPE commd_gpu_pacing_delay_seconds counter
+commd_gpu_pacing_delay_seconds_total{{{comm_labels}}} 0.0
+# HELP commd_pending_ops Ops posted and not yet matched or completed, over all communicators and ranks
+# TYPE commd_pending_ops gauge
+commd_pending_ops 0.0
+# HELP commd_oldest_pending_op_seconds Age of the oldest op still waiting for ranks (0 when none): alert on this to catch hangs
+# TYPE commd_oldest_pending_op_seconds gauge
+commd_oldest_pending_op_seconds 0.0
+# HELP commd_ring_entries_used Descriptors in the sessions' submission (sq) and completion (cq) rings: summed, or per session with metrics_per_job = on
+# TYPE commd_ring_entries_used gauge
+commd_ring_entries_used{{{sq}}} 0
+commd_ring_entries_used{{{cq}}} 0
+# HELP commd_ring_entries Capacity of the sessions' rings: summed, or per session with metrics_per_job = on
+# TYPE commd_ring_entries gauge
+commd_ring_entries{{{sq}}} {entries}
+commd_ring_entries{{{cq}}} {entries}
+# EOF
+",
+                sq = ring("sq"),
+                cq = ring("cq"),
+            );
+        assert_eq!(scrape(&d), want);
+    }
+}

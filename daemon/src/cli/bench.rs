@@ -854,7 +854,71 @@ pub fn worker(
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::*;
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        let argv = std::iter::once("bench").chain(extra.iter().copied());
+        <Cli as clap::Parser>::try_parse_from(argv)
+            .expect("bench args")
+            .a
+    }
+
+    #[test]
+    fn sizes_iterations_and_geometry_follow_nccl_tests() {
+        let a = args(&["-b", "8", "-e", "100", "-f", "3"]);
+        assert_eq!(sizes(&a), [8, 24, 72]);
+        assert_eq!(sizes(&args(&["-b", "1G", "-e", "1G"])), [1 << 30]);
+        assert_eq!(iters_for(&a, 8), (1000, 100));
+        assert_eq!(iters_for(&a, 1 << 30), (5, 2));
+        assert_eq!(iters_for(&a, 64 << 20), (32, 6));
+        assert_eq!(iters_for(&args(&["-n", "7", "-w", "3"]), 8), (7, 3));
+        assert_eq!(geometry(OpKind::AllReduce, DType::F32, 4, 8), (8, 2));
+        assert_eq!(geometry(OpKind::AllReduce, DType::F64, 4, 4), (8, 1));
+        assert_eq!(
+            geometry(OpKind::AllGather, DType::F32, 3, 8192),
+            (8184, 682)
+        );
+        assert_eq!(geometry(OpKind::ReduceScatter, DType::F32, 4, 8), (16, 1));
+        assert_eq!(geometry(OpKind::AllToAll, DType::BF16, 4, 64), (64, 8));
+        assert_eq!(bus_factor(OpKind::AllReduce, 4), 1.5);
+        assert_eq!(bus_factor(OpKind::AllGather, 4), 0.75);
+        assert_eq!(bus_factor(OpKind::Broadcast, 4), 1.0);
+    }
+
+    #[test]
+    fn selections_that_cannot_run_are_refused_by_name() {
+        let e = |v: &[&str]| select(&args(v)).unwrap_err();
+        assert_eq!(e(&["--ranks", "0"]), "--ranks must be in 1..=256");
+        assert_eq!(
+            e(&["--op", "sendrecv", "--ranks", "1"]),
+            "sendrecv needs at least 2 ranks"
+        );
+        assert_eq!(
+            e(&["--ranks", "2", "-r", "5"]),
+            "--root 5 is out of range for 2 ranks"
+        );
+        assert_eq!(
+            e(&["--ranks", "2", "--nodes", "3"]),
+            "--nodes must be in 1..=--ranks"
+        );
+        assert_eq!(e(&["-f", "1"]), "--step-factor must be at least 2");
+        assert_eq!(
+            e(&["-b", "2K", "-e", "1K"]),
+            "need 0 < --min-bytes <= --max-bytes"
+        );
+        let s = select(&args(&["--op", "sendrecv", "--ranks", "2"])).expect("sendrecv");
+        assert_eq!((s.kind, s.redop), (OpKind::Send, None));
+        let s = select(&args(&["-d", "bf16", "-o", "max"])).expect("all_reduce");
+        assert_eq!(
+            (s.kind, s.dtype, s.redop),
+            (OpKind::AllReduce, DType::BF16, Some(RedOp::Max))
+        );
+    }
 
     #[test]
     fn sizes_read_as_nccl_tests_reads_them() {
