@@ -57,50 +57,77 @@ pub fn start(d: &Arc<Daemon>) {
 struct State(Weak<Daemon>);
 
 impl Scrape for State {
+    /// Writes, in this order: the daemon's counts, pacing, pending ops, rings, the IPC cache.
     fn encode(&self, enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
         let Some(d) = self.0.upgrade() else {
             return Ok(());
         };
-        let c = d.counts();
-        gauge(
-            enc,
-            "commd_uptime_seconds",
-            "Seconds since the daemon started",
-            d.started.elapsed().as_secs_f64(),
-        )?;
-        gauge(
-            enc,
-            "commd_sessions",
-            "Client sessions (processes) connected now",
-            f64::from(c.sessions),
-        )?;
-        gauge(
-            enc,
-            "commd_communicators",
-            "Communicators formed and not destroyed",
-            f64::from(c.communicators),
-        )?;
-        gauge(
-            enc,
-            "commd_communicators_forming",
-            "Communicators waiting for ranks to join",
-            f64::from(c.pending_joins),
-        )?;
-        gauge(
-            enc,
-            "commd_registrations",
-            "Memory registrations (host and GPU) of all sessions",
-            f64::from(c.registrations),
-        )?;
-        gauge(
-            enc,
-            "commd_registered_bytes",
-            "Host memory registered by all sessions",
-            c.mapped_bytes as f64,
-        )?;
+        encode_counts(enc, &d)?;
+        let per_job = d.cfg.telemetry.metrics_per_job;
+        let comms = CommSeries::read(&d, per_job);
+        comms.encode(enc, per_job)?;
+        encode_rings(enc, &d, per_job)?;
+        encode_ipc(enc)
+    }
+}
+
+/// Uptime and the daemon's counts of sessions, communicators and registrations.
+fn encode_counts(enc: &mut DescriptorEncoder<'_>, d: &Daemon) -> std::fmt::Result {
+    let c = d.counts();
+    gauge(
+        enc,
+        "commd_uptime_seconds",
+        "Seconds since the daemon started",
+        d.started.elapsed().as_secs_f64(),
+    )?;
+    gauge(
+        enc,
+        "commd_sessions",
+        "Client sessions (processes) connected now",
+        f64::from(c.sessions),
+    )?;
+    gauge(
+        enc,
+        "commd_communicators",
+        "Communicators formed and not destroyed",
+        f64::from(c.communicators),
+    )?;
+    gauge(
+        enc,
+        "commd_communicators_forming",
+        "Communicators waiting for ranks to join",
+        f64::from(c.pending_joins),
+    )?;
+    gauge(
+        enc,
+        "commd_registrations",
+        "Memory registrations (host and GPU) of all sessions",
+        f64::from(c.registrations),
+    )?;
+    gauge(
+        enc,
+        "commd_registered_bytes",
+        "Host memory registered by all sessions",
+        c.mapped_bytes as f64,
+    )
+}
+
+/// What the communicators report at one scrape: their pending ops and their pacing, per
+/// communicator (`metrics_per_job = on`) or summed.
+struct CommSeries {
+    pending: u64,
+    oldest: Duration,
+    /// Per communicator (`metrics_per_job = on` only).
+    pacing_cap: Vec<(Vec<(&'static str, String)>, i64)>,
+    /// Per communicator, or one unlabelled sum.
+    pacing_delay: Vec<(Vec<(&'static str, String)>, f64)>,
+    paced: i64,
+}
+
+impl CommSeries {
+    fn read(d: &Daemon, per_job: bool) -> Self {
         let now = std::time::Instant::now();
         let (mut pending, mut oldest) = (0u64, Duration::ZERO);
-        let per_job = d.cfg.telemetry.metrics_per_job;
         let (mut pacing_cap, mut pacing_delay) = (Vec::new(), Vec::new());
         let (mut paced, mut delay_sum) = (0i64, 0f64);
         for comm in d.comms() {
@@ -122,12 +149,26 @@ impl Scrape for State {
                 pacing_delay.push((labels, delayed));
             }
         }
+        if !per_job {
+            pacing_delay.push((Vec::new(), delay_sum));
+        }
+        Self {
+            pending,
+            oldest,
+            pacing_cap,
+            pacing_delay,
+            paced,
+        }
+    }
+
+    /// The pacing series, then the pending-op series.
+    fn encode(&self, enc: &mut DescriptorEncoder<'_>, per_job: bool) -> std::fmt::Result {
         if per_job {
             gauge_rows(
                 enc,
                 "commd_gpu_pacing_bytes_per_second",
                 "Cap on each communicator's GPU copy bandwidth on this node (0: uncapped)",
-                &pacing_cap,
+                &self.pacing_cap,
             )?;
         } else {
             // Bounded labels by default: a scrape's series do not grow with every job.
@@ -135,9 +176,8 @@ impl Scrape for State {
                 enc,
                 "commd_gpu_paced_communicators",
                 "Communicators whose GPU copies on this node are capped (per communicator: metrics_per_job = on)",
-                &[(Vec::new(), paced)],
+                &[(Vec::new(), self.paced)],
             )?;
-            pacing_delay.push((Vec::new(), delay_sum));
         }
         let mut m = enc.encode_descriptor(
             "commd_gpu_pacing_delay_seconds",
@@ -145,100 +185,109 @@ impl Scrape for State {
             None,
             MetricType::Counter,
         )?;
-        for (labels, v) in &pacing_delay {
+        for (labels, v) in &self.pacing_delay {
             ConstCounter::new(*v).encode(m.encode_family(labels)?)?;
         }
         gauge(
             enc,
             "commd_pending_ops",
             "Ops posted and not yet matched or completed, over all communicators and ranks",
-            pending as f64,
+            self.pending as f64,
         )?;
         gauge(
             enc,
             "commd_oldest_pending_op_seconds",
             "Age of the oldest op still waiting for ranks (0 when none): alert on this to catch hangs",
-            oldest.as_secs_f64(),
-        )?;
-        let mut used = Vec::new();
-        let mut cap = Vec::new();
-        let mut sums = [("sq", 0i64, 0i64), ("cq", 0, 0)];
-        for s in d.sessions() {
-            let r = &s.ring;
-            let l = r.layout();
-            use std::sync::atomic::Ordering::Relaxed;
-            // The SQ tail is client-written: clamp it to the capacity.
-            let sq = r
-                .sq_tail()
-                .load(Relaxed)
-                .wrapping_sub(r.sq_head().load(Relaxed))
-                .min(l.sq_entries);
-            let cq = r
-                .cq_tail()
-                .load(Relaxed)
-                .wrapping_sub(r.cq_head().load(Relaxed))
-                .min(l.cq_entries);
-            for (i, (q, n, c)) in [("sq", sq, l.sq_entries), ("cq", cq, l.cq_entries)]
-                .into_iter()
-                .enumerate()
-            {
-                sums[i].1 += i64::from(n);
-                sums[i].2 += i64::from(c);
-                if !per_job {
-                    continue;
-                }
-                let labels = vec![
-                    ("session", s.id.to_string()),
-                    ("pid", s.pid.to_string()),
-                    ("queue", q.to_string()),
-                ];
-                used.push((labels.clone(), i64::from(n)));
-                cap.push((labels, i64::from(c)));
-            }
-        }
-        if !per_job {
-            for (q, n, c) in sums {
-                used.push((vec![("queue", q.to_string())], n));
-                cap.push((vec![("queue", q.to_string())], c));
-            }
-        }
-        gauge_rows(
-            enc,
-            "commd_ring_entries_used",
-            "Descriptors in the sessions' submission (sq) and completion (cq) rings: summed, or per session with metrics_per_job = on",
-            &used,
-        )?;
-        gauge_rows(
-            enc,
-            "commd_ring_entries",
-            "Capacity of the sessions' rings: summed, or per session with metrics_per_job = on",
-            &cap,
-        )?;
-        if let Ok(cuda) = crate::cuda::get() {
-            use std::sync::atomic::Ordering::Relaxed;
-            let s = &cuda.stats;
-            let one = |v: u64| vec![(Vec::new(), v)];
-            counter(
-                enc,
-                "commd_ipc_handle_opens",
-                "cuIpcOpenMemHandle calls (registrations not served from the cache)",
-                &one(s.opens.load(Relaxed)),
-            )?;
-            counter(
-                enc,
-                "commd_ipc_handle_cache_hits",
-                "GPU registrations served from an open mapping",
-                &one(s.hits.load(Relaxed)),
-            )?;
-            gauge(
-                enc,
-                "commd_ipc_handles_open",
-                "IPC mappings open now",
-                f64::from(s.open_now.load(Relaxed)),
-            )?;
-        }
-        Ok(())
+            self.oldest.as_secs_f64(),
+        )
     }
+}
+
+/// The sessions' submission and completion rings: entries used and capacity, per session
+/// (`metrics_per_job = on`) or summed per queue.
+fn encode_rings(enc: &mut DescriptorEncoder<'_>, d: &Daemon, per_job: bool) -> std::fmt::Result {
+    let mut used = Vec::new();
+    let mut cap = Vec::new();
+    let mut sums = [("sq", 0i64, 0i64), ("cq", 0, 0)];
+    for s in d.sessions() {
+        let r = &s.ring;
+        let l = r.layout();
+        use std::sync::atomic::Ordering::Relaxed;
+        // The SQ tail is client-written: clamp it to the capacity.
+        let sq = r
+            .sq_tail()
+            .load(Relaxed)
+            .wrapping_sub(r.sq_head().load(Relaxed))
+            .min(l.sq_entries);
+        let cq = r
+            .cq_tail()
+            .load(Relaxed)
+            .wrapping_sub(r.cq_head().load(Relaxed))
+            .min(l.cq_entries);
+        for (i, (q, n, c)) in [("sq", sq, l.sq_entries), ("cq", cq, l.cq_entries)]
+            .into_iter()
+            .enumerate()
+        {
+            sums[i].1 += i64::from(n);
+            sums[i].2 += i64::from(c);
+            if !per_job {
+                continue;
+            }
+            let labels = vec![
+                ("session", s.id.to_string()),
+                ("pid", s.pid.to_string()),
+                ("queue", q.to_string()),
+            ];
+            used.push((labels.clone(), i64::from(n)));
+            cap.push((labels, i64::from(c)));
+        }
+    }
+    if !per_job {
+        for (q, n, c) in sums {
+            used.push((vec![("queue", q.to_string())], n));
+            cap.push((vec![("queue", q.to_string())], c));
+        }
+    }
+    gauge_rows(
+        enc,
+        "commd_ring_entries_used",
+        "Descriptors in the sessions' submission (sq) and completion (cq) rings: summed, or per session with metrics_per_job = on",
+        &used,
+    )?;
+    gauge_rows(
+        enc,
+        "commd_ring_entries",
+        "Capacity of the sessions' rings: summed, or per session with metrics_per_job = on",
+        &cap,
+    )
+}
+
+/// The CUDA IPC cache's counters (when CUDA is up).
+fn encode_ipc(enc: &mut DescriptorEncoder<'_>) -> std::fmt::Result {
+    if let Ok(cuda) = crate::cuda::get() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = &cuda.stats;
+        let one = |v: u64| vec![(Vec::new(), v)];
+        counter(
+            enc,
+            "commd_ipc_handle_opens",
+            "cuIpcOpenMemHandle calls (registrations not served from the cache)",
+            &one(s.opens.load(Relaxed)),
+        )?;
+        counter(
+            enc,
+            "commd_ipc_handle_cache_hits",
+            "GPU registrations served from an open mapping",
+            &one(s.hits.load(Relaxed)),
+        )?;
+        gauge(
+            enc,
+            "commd_ipc_handles_open",
+            "IPC mappings open now",
+            f64::from(s.open_now.load(Relaxed)),
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
