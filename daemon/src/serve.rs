@@ -4,6 +4,7 @@
 
 use std::fs::File;
 use std::io::{Read, Seek, Write};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -175,6 +176,31 @@ pub fn run(
         None
     };
     let lock = take_lock(&cfg)?;
+    let (std_listener, fd_listener) = bind_sockets(&cfg)?;
+
+    let daemon = Daemon::new(cfg.clone());
+    let peer_listener = start_net(&daemon)?;
+    spawn_threads(&daemon, fd_listener)?;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("commd-ctl")
+        .enable_all()
+        .build()
+        .map_err(|e| ServeError::Runtime(e.to_string()))?;
+    let listeners = Listeners {
+        control: std_listener,
+        peer: peer_listener,
+    };
+    let result = rt.block_on(serve(&daemon, &notifier, stop, ready, listeners));
+    rt.shutdown_timeout(Duration::from_millis(200));
+    crate::telemetry::shutdown();
+    drop(lock);
+    result
+}
+
+/// Binds the control (gRPC) socket and the fd socket, open to whom may call this daemon.
+fn bind_sockets(cfg: &Config) -> Result<(std::os::unix::net::UnixListener, OwnedFd), ServeError> {
     let setup = |path: &Path| {
         let path = path.to_path_buf();
         move |err| ServeError::Setup { path, err }
@@ -195,9 +221,11 @@ pub fn run(
     for p in [&cfg.socket, &cfg.fd_socket()] {
         std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).map_err(setup(p))?;
     }
+    Ok((std_listener, fd_listener))
+}
 
-    let daemon = Daemon::new(cfg.clone());
-    let peer_listener = start_net(&daemon)?;
+/// The fd-socket accept thread and the housekeeping timer.
+fn spawn_threads(daemon: &Arc<Daemon>, fd_listener: OwnedFd) -> Result<(), ServeError> {
     let d = daemon.clone();
     std::thread::Builder::new()
         .name("commd-fd-accept".into())
@@ -208,131 +236,182 @@ pub fn run(
         .name("commd-timer".into())
         .spawn(move || housekeeping(d))
         .map_err(|e| ServeError::Runtime(e.to_string()))?;
+    Ok(())
+}
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("commd-ctl")
-        .enable_all()
-        .build()
+/// The bound listeners the control runtime serves: the control socket and, unless
+/// `peer_listen=off`, the peer service's.
+struct Listeners {
+    control: std::os::unix::net::UnixListener,
+    peer: Option<std::net::TcpListener>,
+}
+
+/// The control plane, inside the tokio runtime: the local and admin services, the peer
+/// service, the stop task and the watchdog; returns once the server ended (or, shutting down,
+/// did not end in time).
+async fn serve(
+    daemon: &Arc<Daemon>,
+    notifier: &Option<crate::notify::Notifier>,
+    stop: Option<oneshot::Receiver<&'static str>>,
+    ready: Option<std::sync::mpsc::Sender<Arc<Daemon>>>,
+    listeners: Listeners,
+) -> Result<(), ServeError> {
+    let listener = tokio::net::UnixListener::from_std(listeners.control)
         .map_err(|e| ServeError::Runtime(e.to_string()))?;
-    let result = rt.block_on(async {
-        let listener = tokio::net::UnixListener::from_std(std_listener).map_err(|e| ServeError::Runtime(e.to_string()))?;
-        let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
-        let svc = commd_proto::pb::local_server::LocalServer::new(LocalService { daemon: daemon.clone() });
-        let admin = commd_proto::pb::admin_server::AdminServer::new(crate::admin::AdminService::new(daemon.clone()));
-        crate::report::start(&daemon);
-        let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
-        let d = daemon.clone();
-        let n = notifier.clone();
-        tokio::spawn(async move {
-            let reason = wait_for_stop(stop).await;
-            if let Some(n) = &n {
-                n.stopping(&format!("shutting down: {reason}; failing in-flight ops"));
-            }
-            if reason == STOPPED_BY_EMBEDDER {
-                // The normal end of an embedded daemon (`commd bench`): not a warning.
-                tracing::info!(target: "commd::init", "shutting down: {reason}");
-            } else {
-                tracing::warn!(target: "commd::init", "shutting down: {reason}");
-            }
-            d.shutdown(reason);
-            let _ = sig_tx.send(reason);
-        });
-        tracing::info!(target: "commd::init", socket = %daemon.cfg.socket.display(), workers = daemon.cfg.workers, "commd {} serving", commd_proto::VERSION);
-        if let Some(r) = ready {
-            let _ = r.send(daemon.clone());
-        }
-        if let Some(l) = peer_listener {
-            let l = tokio::net::TcpListener::from_std(l).map_err(|e| ServeError::Runtime(e.to_string()))?;
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
-            let svc = commd_proto::pb::peer_server::PeerServer::new(crate::peer::PeerService { daemon: daemon.clone() });
-            let d = daemon.clone();
-            let mut builder = tonic::transport::Server::builder();
-            if let Some(t) = daemon.net().and_then(|n| n.tls.clone()) {
-                use tonic::transport::{Certificate, Identity, ServerTlsConfig};
-                let c = ServerTlsConfig::new()
-                    .identity(Identity::from_pem(&t.cert, &t.key))
-                    .client_ca_root(Certificate::from_pem(&t.ca));
-                builder = builder.tls_config(c).map_err(|e| ServeError::Runtime(format!("peer TLS configuration: {e}")))?;
-                tracing::info!(target: "commd::init", "peer service requires mutual TLS");
-            }
-            tokio::spawn(async move {
-                let r = builder.add_service(svc).serve_with_incoming_shutdown(incoming, async move {
-                    while !d.is_shutting_down() {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                }).await;
-                if let Err(e) = r {
-                    tracing::error!(target: "commd::net", "peer service failed: {e}");
-                }
-            });
-        }
-        let server = tonic::transport::Server::builder().add_service(svc).add_service(admin).serve_with_incoming_shutdown(incoming, async {
+    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let svc = commd_proto::pb::local_server::LocalServer::new(LocalService {
+        daemon: daemon.clone(),
+    });
+    let admin = commd_proto::pb::admin_server::AdminServer::new(crate::admin::AdminService::new(
+        daemon.clone(),
+    ));
+    crate::report::start(daemon);
+    let sig_rx = spawn_stop(daemon, notifier, stop);
+    tracing::info!(target: "commd::init", socket = %daemon.cfg.socket.display(), workers = daemon.cfg.workers, "commd {} serving", commd_proto::VERSION);
+    if let Some(r) = ready {
+        let _ = r.send(daemon.clone());
+    }
+    if let Some(l) = listeners.peer {
+        spawn_peer_service(daemon, l)?;
+    }
+    let server = tonic::transport::Server::builder()
+        .add_service(svc)
+        .add_service(admin)
+        .serve_with_incoming_shutdown(incoming, async {
             let _ = sig_rx.await;
             // Let clients read their failed completions before the sockets go away.
             tokio::time::sleep(Duration::from_millis(200)).await;
         });
-        // Graceful shutdown waits for open RPCs; do not let a stuck one hold the exit.
-        let (done_tx, mut done_rx) = tokio::sync::watch::channel(false);
-        let server = async move {
-            let r = server.await;
-            let _ = done_tx.send(true);
-            r
-        };
-        let srv = tokio::spawn(server);
-        // Both sockets are bound and listening and the server task runs: clients can connect.
-        if let Some(n) = &notifier {
-            n.ready(&format!("serving {}", daemon.cfg.socket.display()));
-            if let Some(every) = crate::notify::watchdog_interval() {
-                // WatchdogSec=: a ping only while the control runtime runs (this task) and the
-                // daemon's tables answer within the interval (a deadlocked daemon stops pinging
-                // and systemd restarts it).
-                let (n, d) = (n.clone(), daemon.clone());
-                tokio::spawn(async move {
-                    loop {
-                        tokio::time::sleep(every).await;
-                        if d.is_shutting_down() {
-                            break;
-                        }
-                        let probe = d.clone();
-                        let answered = tokio::time::timeout(
-                            every,
-                            tokio::task::spawn_blocking(move || probe.counts()),
-                        )
-                        .await;
-                        if matches!(answered, Ok(Ok(_))) && !d.is_shutting_down() {
-                            n.watchdog();
-                        } else {
-                            tracing::warn!(target: "commd::init", "watchdog: the daemon's state did not answer within {every:?}; no WATCHDOG=1 sent");
-                        }
-                    }
-                });
-            }
+    // Graceful shutdown waits for open RPCs; do not let a stuck one hold the exit.
+    let (done_tx, done_rx) = tokio::sync::watch::channel(false);
+    let server = async move {
+        let r = server.await;
+        let _ = done_tx.send(true);
+        r
+    };
+    let srv = tokio::spawn(server);
+    // Both sockets are bound and listening and the server task runs: clients can connect.
+    if let Some(n) = notifier {
+        n.ready(&format!("serving {}", daemon.cfg.socket.display()));
+        if let Some(every) = crate::notify::watchdog_interval() {
+            spawn_watchdog(n, daemon, every);
         }
-        loop {
-            if *done_rx.borrow() {
-                break;
-            }
-            if daemon.is_shutting_down() {
-                let _ = tokio::time::timeout(Duration::from_secs(2), done_rx.changed()).await;
-                break;
-            }
-            let _ = tokio::time::timeout(Duration::from_millis(100), done_rx.changed()).await;
+    }
+    wait_for_server(daemon, done_rx, srv).await
+}
+
+/// The task that waits for SIGTERM/SIGINT (or the embedder's stop), tells the service manager,
+/// and shuts the daemon down; the receiver fires with the reason once it has.
+fn spawn_stop(
+    daemon: &Arc<Daemon>,
+    notifier: &Option<crate::notify::Notifier>,
+    stop: Option<oneshot::Receiver<&'static str>>,
+) -> oneshot::Receiver<&'static str> {
+    let (sig_tx, sig_rx) = oneshot::channel::<&'static str>();
+    let d = daemon.clone();
+    let n = notifier.clone();
+    tokio::spawn(async move {
+        let reason = wait_for_stop(stop).await;
+        if let Some(n) = &n {
+            n.stopping(&format!("shutting down: {reason}; failing in-flight ops"));
         }
-        if srv.is_finished() {
-            match srv.await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(ServeError::Runtime(e.to_string())),
-                Err(e) => Err(ServeError::Runtime(e.to_string())),
-            }
+        if reason == STOPPED_BY_EMBEDDER {
+            // The normal end of an embedded daemon (`commd bench`): not a warning.
+            tracing::info!(target: "commd::init", "shutting down: {reason}");
         } else {
-            Ok(())
+            tracing::warn!(target: "commd::init", "shutting down: {reason}");
+        }
+        d.shutdown(reason);
+        let _ = sig_tx.send(reason);
+    });
+    sig_rx
+}
+
+/// Serves the peer service (mutual TLS when configured) on `l` until the daemon shuts down.
+fn spawn_peer_service(daemon: &Arc<Daemon>, l: std::net::TcpListener) -> Result<(), ServeError> {
+    let l = tokio::net::TcpListener::from_std(l).map_err(|e| ServeError::Runtime(e.to_string()))?;
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+    let svc = commd_proto::pb::peer_server::PeerServer::new(crate::peer::PeerService {
+        daemon: daemon.clone(),
+    });
+    let d = daemon.clone();
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = daemon.net().and_then(|n| n.tls.clone()) {
+        use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+        let c = ServerTlsConfig::new()
+            .identity(Identity::from_pem(&t.cert, &t.key))
+            .client_ca_root(Certificate::from_pem(&t.ca));
+        builder = builder
+            .tls_config(c)
+            .map_err(|e| ServeError::Runtime(format!("peer TLS configuration: {e}")))?;
+        tracing::info!(target: "commd::init", "peer service requires mutual TLS");
+    }
+    tokio::spawn(async move {
+        let r = builder
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, async move {
+                while !d.is_shutting_down() {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::error!(target: "commd::net", "peer service failed: {e}");
         }
     });
-    rt.shutdown_timeout(Duration::from_millis(200));
-    crate::telemetry::shutdown();
-    drop(lock);
-    result
+    Ok(())
+}
+
+/// WatchdogSec=: a ping only while the control runtime runs (this task) and the daemon's
+/// tables answer within the interval (a deadlocked daemon stops pinging and systemd restarts
+/// it).
+fn spawn_watchdog(n: &crate::notify::Notifier, daemon: &Arc<Daemon>, every: Duration) {
+    let (n, d) = (n.clone(), daemon.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(every).await;
+            if d.is_shutting_down() {
+                break;
+            }
+            let probe = d.clone();
+            let answered =
+                tokio::time::timeout(every, tokio::task::spawn_blocking(move || probe.counts()))
+                    .await;
+            if matches!(answered, Ok(Ok(_))) && !d.is_shutting_down() {
+                n.watchdog();
+            } else {
+                tracing::warn!(target: "commd::init", "watchdog: the daemon's state did not answer within {every:?}; no WATCHDOG=1 sent");
+            }
+        }
+    });
+}
+
+/// Waits for the server task to end, or, once the daemon shuts down, at most 2 s more; the
+/// server's own error if it ended with one.
+async fn wait_for_server(
+    daemon: &Daemon,
+    mut done_rx: tokio::sync::watch::Receiver<bool>,
+    srv: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+) -> Result<(), ServeError> {
+    loop {
+        if *done_rx.borrow() {
+            break;
+        }
+        if daemon.is_shutting_down() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), done_rx.changed()).await;
+            break;
+        }
+        let _ = tokio::time::timeout(Duration::from_millis(100), done_rx.changed()).await;
+    }
+    if srv.is_finished() {
+        match srv.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(ServeError::Runtime(e.to_string())),
+            Err(e) => Err(ServeError::Runtime(e.to_string())),
+        }
+    } else {
+        Ok(())
+    }
 }
 
 /// Binds the peer service and the data listener (unless `peer_listen=off`) and gives the daemon

@@ -9,13 +9,16 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::Instant;
 
-use commd_client::{Client, OpArgs};
-use commd_proto::check::{self, OpSpec};
+use commd_client::Client;
 use commd_proto::desc::{DType, OpKind, RedOp};
 use serde::{Deserialize, Serialize};
+
+mod worker;
+
+pub use worker::worker;
 
 #[derive(Clone, Debug, clap::Args, Serialize, Deserialize)]
 pub struct BenchArgs {
@@ -303,78 +306,176 @@ pub fn run(
         );
         let _ = std::io::stdout().flush();
     }
-    let mut _embedded = Vec::new();
-    let mut _switch_rt = None;
-    let mut _switch = None;
-    let switch_ctl = match a.switch.as_str() {
-        "off" => None,
-        _ if a.nodes < 2 => return Err("--switch needs --nodes 2 or more".into()),
-        "embedded" => {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(1)
-                .enable_all()
-                .build()
-                .map_err(|e| e.to_string())?;
-            let args = commd_switch::server::SwitchArgs {
-                listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-                data: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
-                metrics: "off".into(),
-                slots: commd_switch::packet::SLOTS,
-                drop: 0.0,
-                dup: 0.0,
-                reorder: 0.0,
-                seed: 1,
-                pin: "on".into(),
-                slot_metrics: false,
-            };
-            let r = commd_switch::server::start(&args, &rt)?;
-            let ctl = r.listen.to_string();
-            _switch = Some(r);
-            _switch_rt = Some(rt);
-            Some(ctl)
-        }
-        x => {
-            crate::switch::check_controller(x).map_err(|e| format!("--switch {x}: {e}"))?;
-            Some(x.to_string())
-        }
+    let daemons = Daemons::start(a, socket, embedded_cfg)?;
+    let (_client, mut children) = spawn_workers(a, &daemons.sockets)?;
+    let n = u64::from(a.ranks);
+    let p = Printer {
+        a,
+        sel,
+        mb: memcpy_gbps(),
+        root_col: if sel.kind.has_root() {
+            i64::from(a.root)
+        } else {
+            -1
+        },
     };
-    let sockets: Vec<PathBuf> = match socket {
-        Some(s) if a.nodes == 1 => vec![s],
-        Some(_) => {
-            return Err("--nodes > 1 runs its own embedded daemons; do not pass --socket".into());
+    let mut out = std::io::stdout().lock();
+    p.header(&mut out);
+    // Read every worker's rows; rank 0 paces the output.
+    let mut readers: Vec<_> = children
+        .iter_mut()
+        .map(|c| BufReader::new(c.stdout.take().expect("stdout is piped")).lines())
+        .collect();
+    let mut totals = Totals {
+        ok: true,
+        ..Totals::default()
+    };
+    for size in sizes(a) {
+        let (sz, count) = geometry(sel.kind, sel.dtype, n, size);
+        let mut cols = Vec::new();
+        for inplace in [false, true] {
+            let c = read_col(&mut readers, sel.kind, n, sz, inplace)?;
+            totals.ok &= c.wrong == 0;
+            cols.push(c);
         }
-        None => {
-            let cfg = embedded_cfg.ok_or("no daemon configuration")?;
-            let mut v = Vec::new();
-            for i in 0..a.nodes {
-                let mut c = cfg.clone();
-                // Embedded daemons serve /metrics on an ephemeral port of the configured
-                // address: several of them (--nodes), or one beside the host's own daemon,
-                // would otherwise fight over the same port (an ERROR each).
-                if let Some(m) = &mut c.telemetry.metrics_listen {
-                    m.set_port(0);
-                }
-                if a.nodes > 1 {
-                    c.socket = cfg.socket.with_file_name(format!("node{i}.sock"));
-                    c.peer_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
-                    c.peer_listen_explicit = true;
-                    c.advertise = String::new();
-                    if let Some(ctl) = &switch_ctl {
-                        c.switch.controller = ctl.clone();
-                    }
-                    if c.switch.bind.is_empty() {
-                        c.switch.bind = format!("127.0.0.{}", 10 + i);
-                    }
-                }
-                v.push(c.socket.clone());
-                _embedded.push(
-                    crate::serve::start(c)
-                        .map_err(|e| format!("starting embedded daemon {i}: {e}"))?,
+        for c in &cols {
+            totals.busbw_sum += c.busbw;
+            totals.rows_seen += 1;
+            totals.wrong_total += c.wrong;
+        }
+        p.row(&mut out, sz, count, &cols);
+        let _ = out.flush();
+    }
+    for (r, mut c) in children.into_iter().enumerate() {
+        let st = c.wait().map_err(|e| e.to_string())?;
+        if !st.success() {
+            return Err(format!("worker {r} exited with {st}"));
+        }
+    }
+    p.footer(&mut out, &totals);
+    Ok(totals.ok)
+}
+
+/// The daemons the workers use (their sockets) and what runs them: embedded daemons and an
+/// embedded switch, stopped when this is dropped.
+struct Daemons {
+    // Dropped in this order: the switch, its runtime, then the daemons.
+    switch: Option<commd_switch::server::Running>,
+    switch_rt: Option<tokio::runtime::Runtime>,
+    embedded: Vec<crate::serve::Running>,
+    /// Per node, its daemon's socket.
+    sockets: Vec<PathBuf>,
+}
+
+impl Daemons {
+    /// The daemon at `socket` (one node), or embedded daemons made from `embedded_cfg`, one
+    /// per node, with the switch that `--switch` names.
+    fn start(
+        a: &BenchArgs,
+        socket: Option<PathBuf>,
+        embedded_cfg: Option<crate::config::Config>,
+    ) -> Result<Self, String> {
+        let mut d = Daemons {
+            switch: None,
+            switch_rt: None,
+            embedded: Vec::new(),
+            sockets: Vec::new(),
+        };
+        let switch_ctl = d.start_switch(a)?;
+        d.sockets = match socket {
+            Some(s) if a.nodes == 1 => vec![s],
+            Some(_) => {
+                return Err(
+                    "--nodes > 1 runs its own embedded daemons; do not pass --socket".into(),
                 );
             }
-            v
+            None => {
+                let cfg = embedded_cfg.ok_or("no daemon configuration")?;
+                d.start_embedded(a, &cfg, switch_ctl.as_deref())?
+            }
+        };
+        Ok(d)
+    }
+
+    /// The switch controller's address for `--switch` (`None`: off), starting an embedded
+    /// switch for `embedded`.
+    fn start_switch(&mut self, a: &BenchArgs) -> Result<Option<String>, String> {
+        match a.switch.as_str() {
+            "off" => Ok(None),
+            _ if a.nodes < 2 => Err("--switch needs --nodes 2 or more".into()),
+            "embedded" => {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(1)
+                    .enable_all()
+                    .build()
+                    .map_err(|e| e.to_string())?;
+                let args = commd_switch::server::SwitchArgs {
+                    listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                    data: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+                    metrics: "off".into(),
+                    slots: commd_switch::packet::SLOTS,
+                    drop: 0.0,
+                    dup: 0.0,
+                    reorder: 0.0,
+                    seed: 1,
+                    pin: "on".into(),
+                    slot_metrics: false,
+                };
+                let r = commd_switch::server::start(&args, &rt)?;
+                let ctl = r.listen.to_string();
+                self.switch = Some(r);
+                self.switch_rt = Some(rt);
+                Ok(Some(ctl))
+            }
+            x => {
+                crate::switch::check_controller(x).map_err(|e| format!("--switch {x}: {e}"))?;
+                Ok(Some(x.to_string()))
+            }
         }
-    };
+    }
+
+    /// Starts one embedded daemon per node (several: each on its own socket and loopback
+    /// ports, through `switch_ctl` when set); returns their sockets.
+    fn start_embedded(
+        &mut self,
+        a: &BenchArgs,
+        cfg: &crate::config::Config,
+        switch_ctl: Option<&str>,
+    ) -> Result<Vec<PathBuf>, String> {
+        let mut v = Vec::new();
+        for i in 0..a.nodes {
+            let mut c = cfg.clone();
+            // Embedded daemons serve /metrics on an ephemeral port of the configured
+            // address: several of them (--nodes), or one beside the host's own daemon,
+            // would otherwise fight over the same port (an ERROR each).
+            if let Some(m) = &mut c.telemetry.metrics_listen {
+                m.set_port(0);
+            }
+            if a.nodes > 1 {
+                c.socket = cfg.socket.with_file_name(format!("node{i}.sock"));
+                c.peer_listen = Some(std::net::SocketAddr::from(([127, 0, 0, 1], 0)));
+                c.peer_listen_explicit = true;
+                c.advertise = String::new();
+                if let Some(ctl) = switch_ctl {
+                    c.switch.controller = ctl.to_string();
+                }
+                if c.switch.bind.is_empty() {
+                    c.switch.bind = format!("127.0.0.{}", 10 + i);
+                }
+            }
+            v.push(c.socket.clone());
+            self.embedded.push(
+                crate::serve::start(c).map_err(|e| format!("starting embedded daemon {i}: {e}"))?,
+            );
+        }
+        Ok(v)
+    }
+}
+
+/// Starts one worker process per rank, each on its node's daemon (`sockets`), in a
+/// communicator whose unique id comes from a client of node 0's daemon; that client is kept
+/// open for the run.
+fn spawn_workers(a: &BenchArgs, sockets: &[PathBuf]) -> Result<(Client, Vec<Child>), String> {
     let node_of = |r: u32| (u64::from(r) * u64::from(a.nodes) / u64::from(a.ranks)) as usize;
     let socket = sockets[0].clone();
     let client = Client::connect(Some(&socket)).map_err(|e| e.to_string())?;
@@ -400,28 +501,93 @@ pub fn run(
             .map_err(|e| format!("starting worker {r}: {e}"))?;
         children.push(c);
     }
-    let n = u64::from(a.ranks);
-    let mb = memcpy_gbps();
-    let mut out = std::io::stdout().lock();
-    if a.csv {
-        let _ = writeln!(
-            out,
-            "op,ranks,nodes,dtype,redop,root,size,count,inplace,time_us,median_us,algbw_gbps,busbw_gbps,wrong"
-        );
+    Ok((client, children))
+}
+
+/// One placement (out of place or in place) of one size over every rank: the slowest rank's
+/// mean and median times (us), the bandwidths (GB/s) and the wrong elements of all ranks.
+#[derive(Clone, Copy, Debug)]
+struct Col {
+    mean: f64,
+    med: f64,
+    algbw: f64,
+    busbw: f64,
+    wrong: u64,
+    inplace: bool,
+}
+
+/// The run's sums for the closing lines.
+#[derive(Debug, Default)]
+struct Totals {
+    /// Every result verified correct (or not checked).
+    ok: bool,
+    busbw_sum: f64,
+    rows_seen: u32,
+    wrong_total: u64,
+}
+
+/// Reads every worker's row of one size and placement (`sz` bytes reported).
+fn read_col(
+    readers: &mut [std::io::Lines<BufReader<ChildStdout>>],
+    kind: OpKind,
+    n: u64,
+    sz: u64,
+    inplace: bool,
+) -> Result<Col, String> {
+    let mut worst_mean = 0f64;
+    let mut worst_med = 0f64;
+    let mut wrong = 0u64;
+    for (r, rd) in readers.iter_mut().enumerate() {
+        let line = rd
+            .next()
+            .and_then(|l| l.ok())
+            .ok_or_else(|| format!("worker {r} exited early"))?;
+        let row: WorkerRow = serde_json::from_str(&line)
+            .map_err(|e| format!("worker {r}: bad row {line:?}: {e}"))?;
+        if let Some(e) = row.error {
+            return Err(format!("rank {r}: {e}"));
+        }
+        worst_mean = worst_mean.max(row.mean_us);
+        worst_med = worst_med.max(row.median_us);
+        wrong += row.wrong;
     }
-    let root_col = if sel.kind.has_root() {
-        i64::from(a.root)
-    } else {
-        -1
-    };
-    if !a.json && !a.csv {
+    let algbw = sz as f64 / (worst_mean * 1e-6) / 1e9;
+    let busbw = algbw * bus_factor(kind, n);
+    Ok(Col {
+        mean: worst_mean,
+        med: worst_med,
+        algbw,
+        busbw,
+        wrong,
+        inplace,
+    })
+}
+
+/// Writes the parent's output as a table (nccl-tests' layout), CSV or JSON lines.
+struct Printer<'a> {
+    a: &'a BenchArgs,
+    sel: Sel,
+    /// The memcpy reference (GB/s).
+    mb: f64,
+    /// The root rank, or -1 for ops without one.
+    root_col: i64,
+}
+
+impl Printer<'_> {
+    fn redop(&self) -> &'static str {
+        self.sel.redop.map(|r| r.name()).unwrap_or("none")
+    }
+
+    /// The table's first line: the selection and where the ranks run.
+    fn title(&self, out: &mut impl Write) {
+        let (a, sel) = (self.a, self.sel);
         let _ = writeln!(
             out,
             "# commd bench: op {} ranks {} dtype {} redop {} memory {} (client processes: {}, nodes: {}{}{})",
             a.op,
             a.ranks,
             sel.dtype.name(),
-            sel.redop.map(|r| r.name()).unwrap_or("none"),
+            self.redop(),
             a.memory,
             a.ranks,
             a.nodes,
@@ -444,6 +610,21 @@ pub fn run(
                 String::new()
             }
         );
+    }
+
+    /// The CSV header, or the table's title and column heads (JSON: nothing).
+    fn header(&self, out: &mut impl Write) {
+        let (a, mb) = (self.a, self.mb);
+        if a.csv {
+            let _ = writeln!(
+                out,
+                "op,ranks,nodes,dtype,redop,root,size,count,inplace,time_us,median_us,algbw_gbps,busbw_gbps,wrong"
+            );
+        }
+        if a.json || a.csv {
+            return;
+        }
+        self.title(out);
         let _ = writeln!(
             out,
             "# memcpy reference: {mb:.2} GB/s (single thread, 64 MiB)"
@@ -491,47 +672,14 @@ pub fn run(
             ""
         );
     }
-    // Read every worker's rows; rank 0 paces the output.
-    let readers: Vec<_> = children
-        .iter_mut()
-        .map(|c| BufReader::new(c.stdout.take().expect("stdout is piped")).lines())
-        .collect();
-    let mut readers = readers;
-    let mut ok = true;
-    let (mut busbw_sum, mut rows_seen, mut wrong_total) = (0f64, 0u32, 0u64);
-    for size in sizes(a) {
-        let (sz, count) = geometry(sel.kind, sel.dtype, n, size);
-        let mut cols = Vec::new();
-        for inplace in [false, true] {
-            let mut worst_mean = 0f64;
-            let mut worst_med = 0f64;
-            let mut wrong = 0u64;
-            for (r, rd) in readers.iter_mut().enumerate() {
-                let line = rd
-                    .next()
-                    .and_then(|l| l.ok())
-                    .ok_or_else(|| format!("worker {r} exited early"))?;
-                let row: WorkerRow = serde_json::from_str(&line)
-                    .map_err(|e| format!("worker {r}: bad row {line:?}: {e}"))?;
-                if let Some(e) = row.error {
-                    return Err(format!("rank {r}: {e}"));
-                }
-                worst_mean = worst_mean.max(row.mean_us);
-                worst_med = worst_med.max(row.median_us);
-                wrong += row.wrong;
-            }
-            ok &= wrong == 0;
-            let algbw = sz as f64 / (worst_mean * 1e-6) / 1e9;
-            let busbw = algbw * bus_factor(sel.kind, n);
-            cols.push((worst_mean, worst_med, algbw, busbw, wrong, inplace));
-        }
-        for c in &cols {
-            busbw_sum += c.3;
-            rows_seen += 1;
-            wrong_total += c.4;
-        }
+
+    /// One size: a CSV or JSON line per placement, or one table row of both (`cols`: out of
+    /// place, then in place).
+    fn row(&self, out: &mut impl Write, sz: u64, count: u64, cols: &[Col]) {
+        let (a, sel, mb, root_col) = (self.a, self.sel, self.mb, self.root_col);
         if a.csv {
-            for (t, m, al, bu, w, ip) in &cols {
+            for c in cols {
+                let (t, m, al, bu, w, ip) = (c.mean, c.med, c.algbw, c.busbw, c.wrong, c.inplace);
                 let _ = writeln!(
                     out,
                     "{},{},{},{},{},{root_col},{sz},{count},{ip},{t:.3},{m:.3},{al:.4},{bu:.4},{w}",
@@ -539,11 +687,12 @@ pub fn run(
                     a.ranks,
                     a.nodes,
                     sel.dtype.name(),
-                    sel.redop.map(|r| r.name()).unwrap_or("none"),
+                    self.redop(),
                 );
             }
         } else if a.json {
-            for (t, m, al, bu, w, ip) in &cols {
+            for c in cols {
+                let (t, m, al, bu, w, ip) = (c.mean, c.med, c.algbw, c.busbw, c.wrong, c.inplace);
                 let j = serde_json::json!({"op": a.op, "ranks": a.ranks, "nodes": a.nodes, "dtype": sel.dtype.name(), "size": sz, "count": count, "inplace": ip,
                     "time_us": t, "median_us": m, "algbw": al, "busbw": bu, "wrong": w, "memcpy_gbps": mb, "memory": a.memory});
                 let _ = writeln!(out, "{j}");
@@ -556,29 +705,29 @@ pub fn run(
                 sz,
                 count,
                 sel.dtype.name(),
-                sel.redop.map(|r| r.name()).unwrap_or("none"),
+                self.redop(),
                 root_col,
-                a0.0,
-                a0.1,
-                a0.2,
-                a0.3,
-                a0.4,
-                b0.0,
-                b0.1,
-                b0.2,
-                b0.3,
-                b0.4
+                a0.mean,
+                a0.med,
+                a0.algbw,
+                a0.busbw,
+                a0.wrong,
+                b0.mean,
+                b0.med,
+                b0.algbw,
+                b0.busbw,
+                b0.wrong
             );
         }
-        let _ = out.flush();
     }
-    for (r, mut c) in children.into_iter().enumerate() {
-        let st = c.wait().map_err(|e| e.to_string())?;
-        if !st.success() {
-            return Err(format!("worker {r} exited with {st}"));
+
+    /// The table's closing lines (CSV, JSON: nothing).
+    fn footer(&self, out: &mut impl Write, totals: &Totals) {
+        let a = self.a;
+        if a.json || a.csv {
+            return;
         }
-    }
-    if !a.json && !a.csv {
+        let wrong_total = totals.wrong_total;
         // nccl-tests' closing lines, which scripts grep for.
         let _ = if a.verify() {
             writeln!(
@@ -592,269 +741,241 @@ pub fn run(
         let _ = writeln!(
             out,
             "# Avg bus bandwidth    : {:.4}",
-            busbw_sum / f64::from(rows_seen.max(1))
+            totals.busbw_sum / f64::from(totals.rows_seen.max(1))
         );
         let _ = writeln!(
             out,
             "# verification: {}",
             if !a.verify() {
                 "skipped"
-            } else if ok {
+            } else if totals.ok {
                 "all results correct"
             } else {
                 "WRONG RESULTS"
             }
         );
     }
-    Ok(ok)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() { 0.0 } else { v[v.len() / 2] }
-}
-
-/// The worker side: one client process, one rank.
-/// `socket`: the one `--socket` named, else the client's own resolution (`COMMD_SOCKET`, then
-/// this user's default).
-pub fn worker(
-    socket: Option<PathBuf>,
-    uid_hex: &str,
-    rank: u32,
-    args_json: &str,
-) -> Result<(), String> {
-    let socket = socket.unwrap_or_else(commd_client::resolve_socket_path);
-    let a: BenchArgs = serde_json::from_str(args_json).map_err(|e| e.to_string())?;
-    let sel = select(&a)?;
-    let uid: Vec<u8> = (0..uid_hex.len() / 2)
-        .map(|i| u8::from_str_radix(&uid_hex[2 * i..2 * i + 2], 16))
-        .collect::<Result<_, _>>()
-        .map_err(|e| format!("bad --uid: {e}"))?;
-    let client = Client::connect(Some(&socket)).map_err(|e| e.to_string())?;
-    let comm = client
-        .communicator(&uid, rank, a.ranks)
-        .map_err(|e| e.to_string())?;
-    let n = u64::from(a.ranks);
-    let es = sel.dtype.size();
-    let max_count = geometry(sel.kind, sel.dtype, n, a.max_bytes).1;
-    let spec0 = OpSpec {
-        kind: sel.kind,
-        dtype: sel.dtype,
-        redop: sel.redop,
-        count: max_count,
-        peer: a.root,
-        nranks: a.ranks,
-        rank,
-        seed: 1,
-    };
-    let send_bytes = (max_count * n * es).max(spec0.send_elems() * es).max(es);
-    let recv_bytes = send_bytes;
-    let mut sbuf = client.alloc(send_bytes).map_err(|e| e.to_string())?;
-    let mut rbuf = client.alloc(recv_bytes).map_err(|e| e.to_string())?;
-    // `--memory plain`: the rank's data in ordinary memory; sbuf/rbuf become the staging.
-    let plain = a.memory == "plain";
-    let (mut usend, mut urecv) = if plain {
-        (
-            vec![0u8; send_bytes as usize],
-            vec![0u8; recv_bytes as usize],
-        )
-    } else {
-        (Vec::new(), Vec::new())
-    };
-    let stdout = std::io::stdout();
-    for size in sizes(&a) {
-        let (_, count) = geometry(sel.kind, sel.dtype, n, size);
-        let (iters, warmup) = iters_for(&a, size);
-        for inplace in [false, true] {
-            // sendrecv: rank r sends to r+1 and receives from r-1 (a ring), as nccl-tests does.
-            let (next, prev) = ((rank + 1) % a.ranks, (rank + a.ranks - 1) % a.ranks);
-            let spec = OpSpec {
-                count,
-                peer: if sel.kind == OpKind::Send {
-                    prev
-                } else {
-                    a.root
-                },
-                seed: size ^ u64::from(inplace),
-                ..spec0
-            };
-            // In-place layouts as NCCL defines them: all_gather reads, reduce_scatter writes,
-            // this rank's slot of the receive buffer.
-            let slot = u64::from(rank) * count * es;
-            let (send_off, recv_off) = match sel.kind {
-                OpKind::AllGather if inplace => (slot, 0),
-                OpKind::ReduceScatter if inplace => (0, slot),
-                _ => (0, 0),
-            };
-            let fill = |s: &mut commd_client::Buffer, r: &mut commd_client::Buffer| {
-                let sb = if inplace { r } else { s };
-                let at = send_off as usize;
-                check::fill(
-                    sel.dtype,
-                    sel.redop,
-                    spec.seed,
-                    rank,
-                    &mut sb.as_mut_slice()[at..],
-                    spec.send_elems()
-                        .max(if sel.kind == OpKind::Send { count } else { 0 }),
-                );
-            };
-            fill(&mut sbuf, &mut rbuf);
-            // What this size's op reads and writes of the rank's buffers (in place: both in
-            // the receive buffer, whose input part the op reads).
-            let in_bytes = (spec
-                .send_elems()
-                .max(if sel.kind == OpKind::Send { count } else { 0 })
-                * es) as usize;
-            let out_bytes =
-                (sel.kind.recv_elems(count, n).unwrap_or(count).max(count) * es) as usize;
-            let to_plain = |s: &commd_client::Buffer,
-                            r: &commd_client::Buffer,
-                            us: &mut [u8],
-                            ur: &mut [u8]| {
-                us.copy_from_slice(&s.as_slice()[..us.len()]);
-                ur.copy_from_slice(&r.as_slice()[..ur.len()]);
-            };
-            if plain {
-                to_plain(&sbuf, &rbuf, &mut usend, &mut urecv);
-            }
-            let run_one =
-                |sbuf: &commd_client::Buffer, rbuf: &commd_client::Buffer| -> Result<(), String> {
-                    let sb = if inplace { rbuf } else { sbuf };
-                    if sel.kind == OpKind::Send {
-                        let rcv = if inplace { sbuf } else { rbuf };
-                        let s = comm
-                            .send((sb, 0), count, sel.dtype, next)
-                            .map_err(|e| e.to_string())?;
-                        let r = comm
-                            .recv((rcv, 0), count, sel.dtype, prev)
-                            .map_err(|e| e.to_string())?;
-                        s.wait().map_err(|e| e.to_string())?;
-                        return r.wait().map_err(|e| e.to_string());
-                    }
-                    let args = OpArgs {
-                        kind: sel.kind,
-                        dtype: sel.dtype,
-                        redop: sel.redop,
-                        count,
-                        peer: a.root,
-                        send: Some((sb, send_off)),
-                        recv: Some((rbuf, recv_off)),
-                    };
-                    comm.post(args)
-                        .map_err(|e| e.to_string())?
-                        .wait()
-                        .map_err(|e| e.to_string())
-                };
-            // Plain memory: the staging copies in and out are part of every op, as a client
-            // library pays them for memory the daemon cannot reach.
-            let op = |sbuf: &mut commd_client::Buffer,
-                      rbuf: &mut commd_client::Buffer,
-                      usend: &[u8],
-                      urecv: &mut [u8]|
-             -> Result<(), String> {
-                if !plain {
-                    return run_one(sbuf, rbuf);
-                }
-                if inplace {
-                    rbuf.as_mut_slice()[..in_bytes.max(out_bytes)]
-                        .copy_from_slice(&urecv[..in_bytes.max(out_bytes)]);
-                } else {
-                    sbuf.as_mut_slice()[..in_bytes].copy_from_slice(&usend[..in_bytes]);
-                }
-                run_one(sbuf, rbuf)?;
-                // The op's output (its slot for an in-place reduce-scatter).
-                let at = recv_off as usize;
-                urecv[at..at + out_bytes].copy_from_slice(&rbuf.as_slice()[at..at + out_bytes]);
-                if sel.kind == OpKind::Send && inplace {
-                    // The in-place ring receives into the send buffer (see run_one).
-                    let n = (count * es) as usize;
-                    urecv[..n].copy_from_slice(&sbuf.as_slice()[..n]);
-                }
-                Ok(())
-            };
-            let mut times = Vec::with_capacity(iters as usize);
-            let mut err = None;
-            for _ in 0..warmup {
-                if let Err(e) = op(&mut sbuf, &mut rbuf, &usend, &mut urecv) {
-                    err = Some(e);
-                    break;
-                }
-            }
-            let t_all = Instant::now();
-            if err.is_none() {
-                for _ in 0..iters {
-                    let t = Instant::now();
-                    if let Err(e) = op(&mut sbuf, &mut rbuf, &usend, &mut urecv) {
-                        err = Some(e);
-                        break;
-                    }
-                    times.push(t.elapsed().as_secs_f64() * 1e6);
-                }
-            }
-            let mean = t_all.elapsed().as_secs_f64() * 1e6 / f64::from(iters.max(1));
-            // Verify one fresh op.
-            let mut wrong = 0;
-            if err.is_none() && a.verify() {
-                fill(&mut sbuf, &mut rbuf);
-                if plain {
-                    // The fresh input goes in through the rank's own memory; the staging is
-                    // cleared so that only the copies of this op can put it there.
-                    to_plain(&sbuf, &rbuf, &mut usend, &mut urecv);
-                    sbuf.as_mut_slice().fill(0);
-                    rbuf.as_mut_slice().fill(0);
-                }
-                if let Err(e) = op(&mut sbuf, &mut rbuf, &usend, &mut urecv) {
-                    err = Some(e);
-                } else {
-                    // The result as the rank sees it: its own memory when plain.
-                    let rcv: &[u8] = match (plain, sel.kind == OpKind::Send && inplace) {
-                        (true, _) => &urecv,
-                        (false, true) => sbuf.as_slice(),
-                        (false, false) => rbuf.as_slice(),
-                    };
-                    wrong = if sel.kind == OpKind::Send {
-                        OpSpec {
-                            kind: OpKind::Recv,
-                            ..spec
-                        }
-                        .count_wrong(rcv)
-                    } else if inplace && sel.kind == OpKind::ReduceScatter {
-                        spec.count_wrong(&rcv[recv_off as usize..])
-                    } else {
-                        spec.count_wrong(rcv)
-                    };
-                }
-            }
-            let row = WorkerRow {
-                rank,
-                size,
-                inplace,
-                mean_us: mean,
-                median_us: median(&mut times),
-                wrong,
-                error: err.clone(),
-            };
-            let mut o = stdout.lock();
-            let _ = writeln!(o, "{}", serde_json::to_string(&row).unwrap_or_default());
-            let _ = o.flush();
-            if err.is_some() {
-                return Ok(());
-            }
-        }
-    }
-    // Keep the session open until every rank is done.
-    comm.barrier()
-        .map_err(|e| e.to_string())?
-        .wait()
-        .map_err(|e| e.to_string())?;
-    std::thread::sleep(Duration::from_millis(10));
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::*;
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: BenchArgs,
+        }
+        let argv = std::iter::once("bench").chain(extra.iter().copied());
+        <Cli as clap::Parser>::try_parse_from(argv)
+            .expect("bench args")
+            .a
+    }
+
+    #[test]
+    fn sizes_iterations_and_geometry_follow_nccl_tests() {
+        let a = args(&["-b", "8", "-e", "100", "-f", "3"]);
+        assert_eq!(sizes(&a), [8, 24, 72]);
+        assert_eq!(sizes(&args(&["-b", "1G", "-e", "1G"])), [1 << 30]);
+        assert_eq!(iters_for(&a, 8), (1000, 100));
+        assert_eq!(iters_for(&a, 1 << 30), (5, 2));
+        assert_eq!(iters_for(&a, 64 << 20), (32, 6));
+        assert_eq!(iters_for(&args(&["-n", "7", "-w", "3"]), 8), (7, 3));
+        assert_eq!(geometry(OpKind::AllReduce, DType::F32, 4, 8), (8, 2));
+        assert_eq!(geometry(OpKind::AllReduce, DType::F64, 4, 4), (8, 1));
+        assert_eq!(
+            geometry(OpKind::AllGather, DType::F32, 3, 8192),
+            (8184, 682)
+        );
+        assert_eq!(geometry(OpKind::ReduceScatter, DType::F32, 4, 8), (16, 1));
+        assert_eq!(geometry(OpKind::AllToAll, DType::BF16, 4, 64), (64, 8));
+        assert_eq!(bus_factor(OpKind::AllReduce, 4), 1.5);
+        assert_eq!(bus_factor(OpKind::AllGather, 4), 0.75);
+        assert_eq!(bus_factor(OpKind::Broadcast, 4), 1.0);
+    }
+
+    #[test]
+    fn selections_that_cannot_run_are_refused_by_name() {
+        let e = |v: &[&str]| select(&args(v)).unwrap_err();
+        assert_eq!(e(&["--ranks", "0"]), "--ranks must be in 1..=256");
+        assert_eq!(
+            e(&["--op", "sendrecv", "--ranks", "1"]),
+            "sendrecv needs at least 2 ranks"
+        );
+        assert_eq!(
+            e(&["--ranks", "2", "-r", "5"]),
+            "--root 5 is out of range for 2 ranks"
+        );
+        assert_eq!(
+            e(&["--ranks", "2", "--nodes", "3"]),
+            "--nodes must be in 1..=--ranks"
+        );
+        assert_eq!(e(&["-f", "1"]), "--step-factor must be at least 2");
+        assert_eq!(
+            e(&["-b", "2K", "-e", "1K"]),
+            "need 0 < --min-bytes <= --max-bytes"
+        );
+        let s = select(&args(&["--op", "sendrecv", "--ranks", "2"])).expect("sendrecv");
+        assert_eq!((s.kind, s.redop), (OpKind::Send, None));
+        let s = select(&args(&["-d", "bf16", "-o", "max"])).expect("all_reduce");
+        assert_eq!(
+            (s.kind, s.dtype, s.redop),
+            (OpKind::AllReduce, DType::BF16, Some(RedOp::Max))
+        );
+    }
+
+    fn printer(a: &BenchArgs, mb: f64) -> Printer<'_> {
+        let sel = select(a).expect("selection");
+        Printer {
+            a,
+            sel,
+            mb,
+            root_col: if sel.kind.has_root() {
+                i64::from(a.root)
+            } else {
+                -1
+            },
+        }
+    }
+
+    fn col(mean: f64, med: f64, algbw: f64, busbw: f64, wrong: u64, inplace: bool) -> Col {
+        Col {
+            mean,
+            med,
+            algbw,
+            busbw,
+            wrong,
+            inplace,
+        }
+    }
+
+    fn text(f: impl FnOnce(&mut Vec<u8>)) -> String {
+        let mut out = Vec::new();
+        f(&mut out);
+        String::from_utf8(out).expect("utf-8")
+    }
+
+    // The expected lines are `commd bench` output (one node, no GPU), the values its numbers.
+
+    #[test]
+    fn the_table_keeps_the_nccl_tests_layout() {
+        let a = args(&["--ranks", "2"]);
+        let p = printer(&a, 16.02);
+        let got = text(|o| {
+            p.header(o);
+            p.row(
+                o,
+                8,
+                2,
+                &[
+                    col(11.32, 10.39, 0.0, 0.0, 0, false),
+                    col(9.27, 9.22, 0.0, 0.0, 0, true),
+                ],
+            );
+            let totals = Totals {
+                ok: true,
+                busbw_sum: 0.1544,
+                rows_seen: 2,
+                wrong_total: 0,
+            };
+            p.footer(o, &totals);
+        });
+        assert_eq!(
+            got,
+            "\
+# commd bench: op all_reduce ranks 2 dtype f32 redop sum memory registered (client processes: 2, nodes: 1)
+# memcpy reference: 16.02 GB/s (single thread, 64 MiB)
+#                                               out-of-place                           in-place
+#         size        count  type  redop  root      time       med   algbw   busbw #wrong      time       med   algbw   busbw #wrong
+#          (B)      (elems)                         (us)      (us)  (GB/s)  (GB/s)             (us)      (us)  (GB/s)  (GB/s)       
+             8            2   f32    sum    -1     11.32     10.39    0.00    0.00      0      9.27      9.22    0.00    0.00      0
+# Out of bounds values : 0 OK
+# Avg bus bandwidth    : 0.0772
+# verification: all results correct
+"
+        );
+        let totals = Totals {
+            ok: false,
+            busbw_sum: 1.0,
+            rows_seen: 4,
+            wrong_total: 3,
+        };
+        assert_eq!(
+            text(|o| p.footer(o, &totals)),
+            "\
+# Out of bounds values : 3 FAILED
+# Avg bus bandwidth    : 0.2500
+# verification: WRONG RESULTS
+"
+        );
+        let a = args(&["--op", "broadcast", "-r", "1", "--ranks", "3", "-c", "0"]);
+        let totals = Totals {
+            ok: true,
+            busbw_sum: 0.0804,
+            rows_seen: 2,
+            wrong_total: 0,
+        };
+        assert_eq!(
+            text(|o| printer(&a, 1.0).footer(o, &totals)),
+            "\
+# Out of bounds values : N/A (not checked)
+# Avg bus bandwidth    : 0.0402
+# verification: skipped
+"
+        );
+    }
+
+    #[test]
+    fn csv_and_json_rows_keep_their_columns() {
+        let a = args(&["--op", "allgather", "--ranks", "3", "--csv"]);
+        let p = printer(&a, 1.0);
+        let cols = [
+            col(780.674, 1524.924, 0.0001, 0.0001, 0, false),
+            col(15.669, 16.635, 0.0038, 0.0026, 0, true),
+        ];
+        let got = text(|o| {
+            p.header(o);
+            p.row(o, 60, 5, &cols);
+            p.footer(o, &Totals::default());
+        });
+        assert_eq!(
+            got,
+            "\
+op,ranks,nodes,dtype,redop,root,size,count,inplace,time_us,median_us,algbw_gbps,busbw_gbps,wrong
+all_gather,3,1,f32,none,-1,60,5,false,780.674,1524.924,0.0001,0.0001,0
+all_gather,3,1,f32,none,-1,60,5,true,15.669,16.635,0.0038,0.0026,0
+"
+        );
+        let a = args(&[
+            "--op",
+            "reduce_scatter",
+            "--ranks",
+            "3",
+            "--json",
+            "--memory",
+            "plain",
+        ]);
+        let p = printer(&a, 16.5857296052747);
+        let cols = [col(
+            2527.3424999999997,
+            3171.498,
+            0.000023740351772662397,
+            0.00001582690118177493,
+            0,
+            false,
+        )];
+        let got = text(|o| {
+            p.header(o);
+            p.row(o, 60, 5, &cols);
+            p.footer(o, &Totals::default());
+        });
+        assert_eq!(
+            got,
+            r#"{"algbw":0.000023740351772662397,"busbw":0.00001582690118177493,"count":5,"dtype":"f32","inplace":false,"median_us":3171.498,"memcpy_gbps":16.5857296052747,"memory":"plain","nodes":1,"op":"reduce_scatter","ranks":3,"size":60,"time_us":2527.3424999999997,"wrong":0}
+"#
+        );
+    }
 
     #[test]
     fn sizes_read_as_nccl_tests_reads_them() {

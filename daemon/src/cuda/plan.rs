@@ -129,27 +129,59 @@ pub fn plan(
     slot_bytes: u64,
     one_shot: bool,
 ) -> Result<Vec<Phase>, String> {
-    let n = bufs.len();
-    let es = dtype.size();
-    let blk = count * es;
-    let missing = |what: &str, r: usize| format!("rank {r} has no {what} buffer (internal error)");
-    let send = |r: usize| bufs[r].send.clone().ok_or_else(|| missing("send", r));
-    let recv = |r: usize| bufs[r].recv.clone().ok_or_else(|| missing("recv", r));
-    let sub = |s: &GpuSpan, at: u64, len: u64| {
-        s.sub(at, len)
-            .ok_or_else(|| "buffer range out of bounds (internal error)".to_string())
-    };
-    let push = |v: &mut Vec<CopyOp>, src: GpuSpan, dst: GpuSpan| {
-        if src.bytes > 0 && !src.same_range(&dst) {
-            v.push(CopyOp {
-                src,
-                dst,
-                after: None,
-            });
-        }
+    let op = Matched {
+        kind,
+        es: dtype.size(),
+        count,
+        root: root as usize,
+        bufs,
     };
     if kind.reduces() {
         let _ = redop.ok_or("reduction op missing (internal error)")?;
+        return op.reduce_phases(scratch, slot_bytes, one_shot);
+    }
+    op.copy_phase()
+}
+
+/// A matched GPU op as the phase builders read it: its kind, geometry and the ranks' buffers.
+struct Matched<'a> {
+    kind: OpKind,
+    /// Element size in bytes.
+    es: u64,
+    count: u64,
+    root: usize,
+    bufs: &'a [GpuBufs],
+}
+
+impl Matched<'_> {
+    fn n(&self) -> usize {
+        self.bufs.len()
+    }
+
+    /// One rank's block: `count` elements.
+    fn blk(&self) -> u64 {
+        self.count * self.es
+    }
+
+    fn send(&self, r: usize) -> Result<GpuSpan, String> {
+        self.bufs[r].send.clone().ok_or_else(|| missing("send", r))
+    }
+
+    fn recv(&self, r: usize) -> Result<GpuSpan, String> {
+        self.bufs[r].recv.clone().ok_or_else(|| missing("recv", r))
+    }
+
+    /// A reduction's phases: each round's inputs pushed into the peers' scratch slots (`early`)
+    /// and, for a two-phase all-reduce, the round's reduced pieces pushed out (`main` of the
+    /// next phase).
+    fn reduce_phases(
+        &self,
+        scratch: &[Option<GpuSpan>],
+        slot_bytes: u64,
+        one_shot: bool,
+    ) -> Result<Vec<Phase>, String> {
+        let (kind, n, es, count) = (self.kind, self.n(), self.es, self.count);
+        let blk = self.blk();
         if one_shot && !commd_proto::desc::cuda_one_shot_fits(kind, count, es, slot_bytes) {
             return Err(format!(
                 "one-shot {} of {} bytes does not fit the {slot_bytes}-byte scratch slot",
@@ -157,18 +189,10 @@ pub fn plan(
                 blk
             ));
         }
-        let scratch_of = |r: usize| -> Result<GpuSpan, String> {
-            if n == 1 {
-                return Err("no scratch needed".into());
-            }
-            scratch[r].clone().ok_or_else(|| {
-                format!("rank {r} has no GPU scratch for this communicator: the client must call GetCommScratch before posting a GPU reduction")
-            })
-        };
-        // Slot of peer k in rank r's scratch, in round j's buffer.
-        let slot = |j: u64, k: usize, r: usize| {
-            let i = if k < r { k } else { k - 1 } as u64;
-            commd_proto::desc::cuda_scratch_off(j, i, n as u32, slot_bytes)
+        let sc = ScratchSlots {
+            spans: scratch,
+            n,
+            slot_bytes,
         };
         let shape = commd_proto::desc::cuda_shape(kind, count, es, n as u32, slot_bytes, one_shot);
         let mut phases = vec![Phase::default(); shape.phases as usize];
@@ -176,149 +200,247 @@ pub fn plan(
             let s0 = j * shape.round_elems;
             let len = shape.round_elems.min(count - s0.min(count));
             let (head, tail) = phases.split_at_mut(j as usize + 1);
-            let a = &mut head[j as usize].early;
-            let b = &mut tail[0].main;
-            match kind {
-                OpKind::AllReduce if one_shot => {
-                    for r in 0..n {
-                        for k in (0..n).filter(|&k| k != r) {
-                            push(
-                                a,
-                                sub(&send(k)?, s0 * es, len * es)?,
-                                sub(&scratch_of(r)?, slot(j, k, r), len * es)?,
-                            );
-                        }
-                    }
-                }
-                OpKind::AllReduce => {
-                    for r in 0..n {
-                        let (ps, pl) = piece(s0, len, n as u64, r as u64);
-                        for k in (0..n).filter(|&k| k != r) {
-                            push(
-                                a,
-                                sub(&send(k)?, ps * es, pl * es)?,
-                                sub(&scratch_of(r)?, slot(j, k, r), pl * es)?,
-                            );
-                            push(
-                                b,
-                                sub(&recv(r)?, ps * es, pl * es)?,
-                                sub(&recv(k)?, ps * es, pl * es)?,
-                            );
-                        }
-                    }
-                }
-                OpKind::Reduce => {
-                    let t = root as usize;
-                    for k in (0..n).filter(|&k| k != t) {
+            let round = Round {
+                j,
+                s0,
+                len,
+                one_shot,
+            };
+            self.round_copies(&sc, &round, &mut head[j as usize].early, &mut tail[0].main)?;
+        }
+        Ok(phases)
+    }
+
+    /// Round `round.j`'s copies: its inputs into the peers' scratch slots (`a`: early copies of
+    /// its phase) and, for a two-phase all-reduce, its reduced pieces out to the peers (`b`:
+    /// main copies of the next phase).
+    fn round_copies(
+        &self,
+        sc: &ScratchSlots<'_>,
+        round: &Round,
+        a: &mut Vec<CopyOp>,
+        b: &mut Vec<CopyOp>,
+    ) -> Result<(), String> {
+        let (n, es, blk) = (self.n(), self.es, self.blk());
+        let Round {
+            j,
+            s0,
+            len,
+            one_shot,
+        } = *round;
+        match self.kind {
+            OpKind::AllReduce if one_shot => {
+                for r in 0..n {
+                    for k in (0..n).filter(|&k| k != r) {
                         push(
                             a,
-                            sub(&send(k)?, s0 * es, len * es)?,
-                            sub(&scratch_of(t)?, slot(j, k, t), len * es)?,
+                            sub(&self.send(k)?, s0 * es, len * es)?,
+                            sub(&sc.of(r)?, sc.slot(j, k, r), len * es)?,
                         );
                     }
                 }
-                OpKind::ReduceScatter => {
-                    for r in 0..n {
-                        for k in (0..n).filter(|&k| k != r) {
-                            push(
-                                a,
-                                sub(&send(k)?, r as u64 * blk + s0 * es, len * es)?,
-                                sub(&scratch_of(r)?, slot(j, k, r), len * es)?,
-                            );
-                        }
+            }
+            OpKind::AllReduce => {
+                for r in 0..n {
+                    let (ps, pl) = piece(s0, len, n as u64, r as u64);
+                    for k in (0..n).filter(|&k| k != r) {
+                        push(
+                            a,
+                            sub(&self.send(k)?, ps * es, pl * es)?,
+                            sub(&sc.of(r)?, sc.slot(j, k, r), pl * es)?,
+                        );
+                        push(
+                            b,
+                            sub(&self.recv(r)?, ps * es, pl * es)?,
+                            sub(&self.recv(k)?, ps * es, pl * es)?,
+                        );
                     }
                 }
-                _ => unreachable_kind(kind)?,
             }
-        }
-        return Ok(phases);
-    }
-    let mut a = Vec::new();
-    match kind {
-        OpKind::AllGather => {
-            for k in 0..n {
-                for r in 0..n {
-                    push(&mut a, send(k)?, sub(&recv(r)?, k as u64 * blk, blk)?);
-                }
-            }
-        }
-        OpKind::Broadcast
-            if n >= 3
-                && blk >= CHAIN_MIN_BYTES
-                && chain_for(
-                    &bufs
-                        .iter()
-                        .map(|b| b.recv.as_ref().map_or(usize::MAX, |s| s.mem.gpu))
-                        .collect::<Vec<_>>(),
-                ) =>
-        {
-            let t = root as usize;
-            let src = send(t)?;
-            // The root's own copy (out of place) runs beside the chain.
-            push(&mut a, src.clone(), recv(t)?);
-            let base = a.len();
-            for h in chain_hops(n, t, blk) {
-                let from = if h.from == t {
-                    src.clone()
-                } else {
-                    recv(h.from)?
-                };
-                a.push(CopyOp {
-                    src: sub(&from, h.off, h.len)?,
-                    dst: sub(&recv(h.to)?, h.off, h.len)?,
-                    after: h.after.map(|i| base + i),
-                });
-            }
-            // A chain reads what its earlier hops wrote (ordered by `after`); no destination
-            // may overlap another or the root's input.
-            for (i, c) in a.iter().enumerate() {
-                if a.iter()
-                    .enumerate()
-                    .any(|(j, o)| i != j && c.dst.overlaps(&o.dst))
-                    || c.dst.overlaps(&src)
-                {
-                    return Err(overlap_error(kind));
-                }
-            }
-            return Ok(vec![Phase {
-                early: Vec::new(),
-                main: a,
-            }]);
-        }
-        OpKind::Broadcast => {
-            let src = send(root as usize)?;
-            for r in 0..n {
-                push(&mut a, src.clone(), recv(r)?);
-            }
-        }
-        OpKind::AllToAll => {
-            for k in 0..n {
-                for r in 0..n {
+            OpKind::Reduce => {
+                let t = self.root;
+                for k in (0..n).filter(|&k| k != t) {
                     push(
-                        &mut a,
-                        sub(&send(k)?, r as u64 * blk, blk)?,
-                        sub(&recv(r)?, k as u64 * blk, blk)?,
+                        a,
+                        sub(&self.send(k)?, s0 * es, len * es)?,
+                        sub(&sc.of(t)?, sc.slot(j, k, t), len * es)?,
                     );
                 }
             }
+            OpKind::ReduceScatter => {
+                for r in 0..n {
+                    for k in (0..n).filter(|&k| k != r) {
+                        push(
+                            a,
+                            sub(&self.send(k)?, r as u64 * blk + s0 * es, len * es)?,
+                            sub(&sc.of(r)?, sc.slot(j, k, r), len * es)?,
+                        );
+                    }
+                }
+            }
+            _ => unreachable_kind(self.kind)?,
         }
-        OpKind::Barrier => {}
-        _ => unreachable_kind(kind)?,
+        Ok(())
     }
-    // Copies of one phase run concurrently: a destination that overlaps any other copy's range
-    // would make the result depend on timing (in-place all-to-all, or aliased buffers).
-    for (i, c) in a.iter().enumerate() {
-        if a.iter()
-            .enumerate()
-            .any(|(j, o)| (i != j && c.dst.overlaps(&o.dst)) || c.dst.overlaps(&o.src))
-        {
-            return Err(overlap_error(kind));
+
+    /// A data-movement op: one phase of copies that run concurrently (a chained broadcast's
+    /// are ordered by `after`).
+    fn copy_phase(&self) -> Result<Vec<Phase>, String> {
+        let (kind, n, blk) = (self.kind, self.n(), self.blk());
+        let mut a = Vec::new();
+        match kind {
+            OpKind::AllGather => {
+                for k in 0..n {
+                    for r in 0..n {
+                        push(
+                            &mut a,
+                            self.send(k)?,
+                            sub(&self.recv(r)?, k as u64 * blk, blk)?,
+                        );
+                    }
+                }
+            }
+            OpKind::Broadcast
+                if n >= 3
+                    && blk >= CHAIN_MIN_BYTES
+                    && chain_for(
+                        &self
+                            .bufs
+                            .iter()
+                            .map(|b| b.recv.as_ref().map_or(usize::MAX, |s| s.mem.gpu))
+                            .collect::<Vec<_>>(),
+                    ) =>
+            {
+                return self.chain_broadcast();
+            }
+            OpKind::Broadcast => {
+                let src = self.send(self.root)?;
+                for r in 0..n {
+                    push(&mut a, src.clone(), self.recv(r)?);
+                }
+            }
+            OpKind::AllToAll => {
+                for k in 0..n {
+                    for r in 0..n {
+                        push(
+                            &mut a,
+                            sub(&self.send(k)?, r as u64 * blk, blk)?,
+                            sub(&self.recv(r)?, k as u64 * blk, blk)?,
+                        );
+                    }
+                }
+            }
+            OpKind::Barrier => {}
+            _ => unreachable_kind(kind)?,
         }
+        // Copies of one phase run concurrently: a destination that overlaps any other copy's
+        // range would make the result depend on timing (in-place all-to-all, or aliased
+        // buffers).
+        for (i, c) in a.iter().enumerate() {
+            if a.iter()
+                .enumerate()
+                .any(|(j, o)| (i != j && c.dst.overlaps(&o.dst)) || c.dst.overlaps(&o.src))
+            {
+                return Err(overlap_error(kind));
+            }
+        }
+        Ok(vec![Phase {
+            early: Vec::new(),
+            main: a,
+        }])
     }
-    Ok(vec![Phase {
-        early: Vec::new(),
-        main: a,
-    }])
+
+    /// A broadcast as a pipelined chain ([`chain_hops`]), beside the root's own copy.
+    fn chain_broadcast(&self) -> Result<Vec<Phase>, String> {
+        let (n, t, blk) = (self.n(), self.root, self.blk());
+        let mut a = Vec::new();
+        let src = self.send(t)?;
+        // The root's own copy (out of place) runs beside the chain.
+        push(&mut a, src.clone(), self.recv(t)?);
+        let base = a.len();
+        for h in chain_hops(n, t, blk) {
+            let from = if h.from == t {
+                src.clone()
+            } else {
+                self.recv(h.from)?
+            };
+            a.push(CopyOp {
+                src: sub(&from, h.off, h.len)?,
+                dst: sub(&self.recv(h.to)?, h.off, h.len)?,
+                after: h.after.map(|i| base + i),
+            });
+        }
+        // A chain reads what its earlier hops wrote (ordered by `after`); no destination
+        // may overlap another or the root's input.
+        for (i, c) in a.iter().enumerate() {
+            if a.iter()
+                .enumerate()
+                .any(|(j, o)| i != j && c.dst.overlaps(&o.dst))
+                || c.dst.overlaps(&src)
+            {
+                return Err(overlap_error(self.kind));
+            }
+        }
+        Ok(vec![Phase {
+            early: Vec::new(),
+            main: a,
+        }])
+    }
+}
+
+/// One round of a reduction: its index, its elements `[s0, s0 + len)`, and whether the op is
+/// one-shot.
+#[derive(Clone, Copy)]
+struct Round {
+    j: u64,
+    s0: u64,
+    len: u64,
+    one_shot: bool,
+}
+
+/// The ranks' scratch of a reduction over `n` ranks, cut into slots of `slot_bytes`.
+struct ScratchSlots<'a> {
+    spans: &'a [Option<GpuSpan>],
+    n: usize,
+    slot_bytes: u64,
+}
+
+impl ScratchSlots<'_> {
+    /// Rank r's scratch.
+    fn of(&self, r: usize) -> Result<GpuSpan, String> {
+        if self.n == 1 {
+            return Err("no scratch needed".into());
+        }
+        self.spans[r].clone().ok_or_else(|| {
+            format!("rank {r} has no GPU scratch for this communicator: the client must call GetCommScratch before posting a GPU reduction")
+        })
+    }
+
+    /// Slot of peer k in rank r's scratch, in round j's buffer.
+    fn slot(&self, j: u64, k: usize, r: usize) -> u64 {
+        let i = if k < r { k } else { k - 1 } as u64;
+        commd_proto::desc::cuda_scratch_off(j, i, self.n as u32, self.slot_bytes)
+    }
+}
+
+fn missing(what: &str, r: usize) -> String {
+    format!("rank {r} has no {what} buffer (internal error)")
+}
+
+fn sub(s: &GpuSpan, at: u64, len: u64) -> Result<GpuSpan, String> {
+    s.sub(at, len)
+        .ok_or_else(|| "buffer range out of bounds (internal error)".to_string())
+}
+
+/// Adds a copy, unless it moves nothing (empty, or a range onto itself).
+fn push(v: &mut Vec<CopyOp>, src: GpuSpan, dst: GpuSpan) {
+    if src.bytes > 0 && !src.same_range(&dst) {
+        v.push(CopyOp {
+            src,
+            dst,
+            after: None,
+        });
+    }
 }
 
 fn overlap_error(kind: OpKind) -> String {

@@ -299,17 +299,9 @@ impl Daemon {
         let (op_timeout, pacing) = limits;
         let n = reply.rank_node.len();
         let my_node = reply.nodes.iter().position(|x| x.node == me);
-        let bad = |why: String, local: HashMap<u32, Joiner>| {
-            tracing::warn!(target: "commd::comm", "communicator {}: {why}", uid.short());
-            for (_, j) in local {
-                let _ = j.tx.send(Err(DaemonError::Internal(format!(
-                    "communicator {}: {why}",
-                    uid.short()
-                ))));
-            }
-        };
         let Some(my_node) = my_node else {
-            return bad(
+            return fail_joiners(
+                uid,
                 "the root's membership does not include this node".into(),
                 local,
             );
@@ -318,7 +310,8 @@ impl Daemon {
             .filter(|&r| reply.rank_node[r as usize] as usize == my_node)
             .collect();
         if mine.len() != local.len() || mine.iter().any(|r| !local.contains_key(r)) {
-            return bad(
+            return fail_joiners(
+                uid,
                 format!(
                     "ranks {:?} are on this node, but {:?} joined here",
                     mine,
@@ -328,71 +321,18 @@ impl Daemon {
             );
         }
         let id = self.new_id();
-        let members: Vec<Member> = (0..n as u32)
-            .map(|r| match local.get(&r) {
-                Some(j) => Member {
-                    session_id: j.session.id,
-                    pid: j.session.pid,
-                    local: true,
-                },
-                None => Member {
-                    session_id: 0,
-                    pid: reply.rank_pid.get(r as usize).copied().unwrap_or(0),
-                    local: false,
-                },
-            })
-            .collect();
         let comm = Arc::new(Comm::new(
             id,
             uid.short(),
-            members,
+            members(reply, &local),
             op_timeout,
             self.cfg.workers,
             pacing,
         ));
-        if reply.nodes.len() > 1 {
-            let Some(ctx) = self.net.get() else {
-                return bad(
-                    "spans nodes but this daemon has no peer service".into(),
-                    local,
-                );
-            };
-            let topo = crate::net::algo::Topo::new(
-                my_node,
-                reply.nodes.iter().map(|x| x.node.clone()).collect(),
-                reply.rank_node.iter().map(|&x| x as usize).collect(),
-            );
-            let weak = Arc::downgrade(&comm);
-            let setup = crate::net::Setup {
-                token: uid.token,
-                topo,
-                data_addrs: reply.nodes.iter().map(|x| x.data_addr.clone()).collect(),
-                offers: reply
-                    .nodes
-                    .iter()
-                    .map(|x| crate::net::rdma::Offer {
-                        desc: x.rdma.clone(),
-                        off: x.rdma_off.clone(),
-                    })
-                    .collect(),
-                label: comm.label(),
-                comm_id: id,
-                op_timeout,
-                switch: lock(&self.switch_opts).remove(&uid.token),
-                on_fail: Box::new(move |st, msg| {
-                    if let Some(c) = weak.upgrade() {
-                        c.abort_rank(None, st, msg);
-                    }
-                }),
-            };
-            match crate::net::start(ctx, setup) {
-                Ok(h) => {
-                    let _ = comm.net.set(h);
-                }
-                Err(e) => {
-                    return bad(format!("cannot start its network thread: {e}"), local);
-                }
-            }
+        if reply.nodes.len() > 1
+            && let Err(why) = self.start_comm_net(uid, reply, my_node, &comm, op_timeout)
+        {
+            return fail_joiners(uid, why, local);
         }
         lock(&self.comms).insert(id, comm.clone());
         tracing::info!(
@@ -404,40 +344,62 @@ impl Daemon {
             crate::pacing::describe(pacing)
         );
         crate::comm::comm_formed(&comm, &uid.token);
+        let nodes = reply.nodes.len().max(1) as u32;
         for rank in mine {
             let Some(m) = local.remove(&rank) else {
                 continue;
             };
-            let (handle, slot) = {
-                let mut t = m.session.tables();
-                t.next_comm += 1;
-                let h = t.next_comm;
-                t.comms.insert(h, (comm.clone(), rank));
-                let used: std::collections::HashSet<u32> =
-                    t.doorbell_slots.values().copied().collect();
-                let slot = (0..commd_proto::desc::doorbell::SLOTS)
-                    .find(|i| !used.contains(i))
-                    .unwrap_or(commd_proto::desc::doorbell::NO_SLOT);
-                if let Some((ready, done, err)) = m.session.ring.doorbell(slot) {
-                    ready.store(0, Ordering::Release);
-                    done.store(0, Ordering::Release);
-                    err.store(0, Ordering::Release);
-                    if let Some(hint) = m.session.ring.doorbell_hint(slot) {
-                        hint.store(0, Ordering::Release);
-                    }
-                    t.doorbell_slots.insert(h, slot);
+            hand_out(&comm, id, rank, nodes, m);
+        }
+    }
+
+    /// Starts the network thread of a communicator that spans nodes; the error says why it
+    /// cannot form.
+    fn start_comm_net(
+        &self,
+        uid: &UniqueId,
+        reply: &pb::PeerJoinReply,
+        my_node: usize,
+        comm: &Arc<Comm>,
+        op_timeout: Duration,
+    ) -> Result<(), String> {
+        let Some(ctx) = self.net.get() else {
+            return Err("spans nodes but this daemon has no peer service".into());
+        };
+        let topo = crate::net::algo::Topo::new(
+            my_node,
+            reply.nodes.iter().map(|x| x.node.clone()).collect(),
+            reply.rank_node.iter().map(|&x| x as usize).collect(),
+        );
+        let weak = Arc::downgrade(comm);
+        let setup = crate::net::Setup {
+            token: uid.token,
+            topo,
+            data_addrs: reply.nodes.iter().map(|x| x.data_addr.clone()).collect(),
+            offers: reply
+                .nodes
+                .iter()
+                .map(|x| crate::net::rdma::Offer {
+                    desc: x.rdma.clone(),
+                    off: x.rdma_off.clone(),
+                })
+                .collect(),
+            label: comm.label(),
+            comm_id: comm.id,
+            op_timeout,
+            switch: lock(&self.switch_opts).remove(&uid.token),
+            on_fail: Box::new(move |st, msg| {
+                if let Some(c) = weak.upgrade() {
+                    c.abort_rank(None, st, msg);
                 }
-                (h, slot)
-            };
-            if m.session.is_closed() {
-                comm.abort_rank(
-                    Some(rank),
-                    status::PEER_LOST,
-                    format!("{}: rank {rank} exited while joining", comm.label()),
-                );
+            }),
+        };
+        match crate::net::start(ctx, setup) {
+            Ok(h) => {
+                let _ = comm.net.set(h);
+                Ok(())
             }
-            let _ =
-                m.tx.send(Ok((handle, id, slot, reply.nodes.len().max(1) as u32)));
+            Err(e) => Err(format!("cannot start its network thread: {e}")),
         }
     }
 
@@ -814,4 +776,67 @@ fn from_status(root: &str, s: tonic::Status) -> DaemonError {
         Code::Unavailable => DaemonError::Unavailable(format!("root daemon {root}: {m}")),
         _ => DaemonError::Internal(format!("root daemon {root}: {m}")),
     }
+}
+
+/// A communicator that cannot form: logs why and fails every rank that joined here.
+fn fail_joiners(uid: &UniqueId, why: String, local: HashMap<u32, Joiner>) {
+    tracing::warn!(target: "commd::comm", "communicator {}: {why}", uid.short());
+    for (_, j) in local {
+        let _ = j.tx.send(Err(DaemonError::Internal(format!(
+            "communicator {}: {why}",
+            uid.short()
+        ))));
+    }
+}
+
+/// Every rank of a communicator forming here: this node's (`local`) with their sessions, the
+/// others with the pid the root reported.
+fn members(reply: &pb::PeerJoinReply, local: &HashMap<u32, Joiner>) -> Vec<Member> {
+    (0..reply.rank_node.len() as u32)
+        .map(|r| match local.get(&r) {
+            Some(j) => Member {
+                session_id: j.session.id,
+                pid: j.session.pid,
+                local: true,
+            },
+            None => Member {
+                session_id: 0,
+                pid: reply.rank_pid.get(r as usize).copied().unwrap_or(0),
+                local: false,
+            },
+        })
+        .collect()
+}
+
+/// Gives a local rank its handle to the formed communicator `comm` (daemon-wide `id`, over
+/// `nodes` nodes) and a free doorbell slot, and answers its join.
+fn hand_out(comm: &Arc<Comm>, id: u64, rank: u32, nodes: u32, m: Joiner) {
+    let (handle, slot) = {
+        let mut t = m.session.tables();
+        t.next_comm += 1;
+        let h = t.next_comm;
+        t.comms.insert(h, (comm.clone(), rank));
+        let used: std::collections::HashSet<u32> = t.doorbell_slots.values().copied().collect();
+        let slot = (0..commd_proto::desc::doorbell::SLOTS)
+            .find(|i| !used.contains(i))
+            .unwrap_or(commd_proto::desc::doorbell::NO_SLOT);
+        if let Some((ready, done, err)) = m.session.ring.doorbell(slot) {
+            ready.store(0, Ordering::Release);
+            done.store(0, Ordering::Release);
+            err.store(0, Ordering::Release);
+            if let Some(hint) = m.session.ring.doorbell_hint(slot) {
+                hint.store(0, Ordering::Release);
+            }
+            t.doorbell_slots.insert(h, slot);
+        }
+        (h, slot)
+    };
+    if m.session.is_closed() {
+        comm.abort_rank(
+            Some(rank),
+            status::PEER_LOST,
+            format!("{}: rank {rank} exited while joining", comm.label()),
+        );
+    }
+    let _ = m.tx.send(Ok((handle, id, slot, nodes)));
 }

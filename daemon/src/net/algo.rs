@@ -18,6 +18,7 @@
 
 #![allow(unsafe_code)] // host-staged GPU memory and registered buffers moved by the network thread
 
+mod chain;
 mod moves;
 
 use std::time::Instant;
@@ -26,7 +27,7 @@ use commd_proto::desc::{DType, OpKind, RedOp};
 
 use super::wire::{CLASS_COLL, NetError, RecvId, SendId, Sig, Tag, Wire};
 use crate::engine::RankBufs;
-use crate::engine::reduce::{self, Chain, Kernel};
+use crate::engine::reduce::{self, Kernel};
 
 /// Who is where.
 #[derive(Clone, Debug)]
@@ -302,7 +303,7 @@ pub fn run(
                 one_shot_reduce(&mut io, c, kernel, scratch)?;
                 "one-shot"
             } else {
-                chain_reduce(&mut io, c, kernel, scratch, tu.chunk)?;
+                chain::chain_reduce(&mut io, c, kernel, scratch, tu.chunk)?;
                 "chain"
             }
         }
@@ -593,252 +594,6 @@ fn one_shot_reduce(
     // element size); an output may equal an input (in-place) but no partial overlap is possible
     // between distinct registrations and the scratch.
     unsafe { reduce::reduce(k, n as u32, &inputs, &outputs, c.count as usize, false) };
-    Ok(())
-}
-
-/// Maximal runs of consecutive ranks on one node: (node, first rank, end rank).
-fn runs(t: &Topo) -> Vec<(usize, usize, usize)> {
-    let mut v: Vec<(usize, usize, usize)> = Vec::new();
-    for (r, &node) in t.rank_node.iter().enumerate() {
-        match v.last_mut() {
-            Some(last) if last.0 == node => last.2 = r + 1,
-            _ => v.push((node, r, r + 1)),
-        }
-    }
-    v
-}
-
-fn chain_reduce(
-    io: &mut Io<'_>,
-    c: &Coll,
-    k: Kernel,
-    scratch: &mut Scratch,
-    chunk: u64,
-) -> Result<(), NetError> {
-    let t = io.t;
-    let n = t.nranks();
-    let es = c.dtype.size();
-    let acc = k.acc_size() as u64;
-    let runs = runs(t);
-    let nruns = runs.len() as u64;
-    let last = runs.len() - 1;
-    let last_node = runs[last].0;
-    let root_node = t.rank_node[c.root as usize];
-    let celems = (chunk / acc).max(1);
-    let nchunks = c.count.div_ceil(celems).max(1);
-    let mine: Vec<usize> = (0..runs.len()).filter(|&j| runs[j].0 == t.me).collect();
-    // Scratch: per run of mine, accumulators in and out; plus the final result when this node
-    // ends the chain of a reduce whose root lives elsewhere.
-    let region = c.count * acc;
-    let final_remote = c.kind == OpKind::Reduce && t.me == last_node && root_node != t.me;
-    let total = region * 2 * mine.len() as u64 + if final_remote { c.count * es } else { 0 };
-    let base = scratch.get(total);
-    let region_at = |k: usize| -> *mut u8 {
-        // SAFETY: k <= 2 * mine.len(), so the offset stays inside the `total` bytes requested.
-        unsafe { base.add(k * region as usize) }
-    };
-    let acc_in = |m: usize| region_at(2 * m);
-    let acc_out = |m: usize| region_at(2 * m + 1);
-    let final_buf = region_at(2 * mine.len());
-    let range = |ci: u64| {
-        let e0 = ci * celems;
-        (e0, (e0 + celems).min(c.count))
-    };
-    // Post every incoming accumulator chunk up front.
-    let mut incoming: Vec<Vec<RecvId>> = vec![Vec::new(); mine.len()];
-    for (m, &j) in mine.iter().enumerate() {
-        if j == 0 {
-            continue;
-        }
-        for ci in 0..nchunks {
-            let (e0, e1) = range(ci);
-            // SAFETY: inside acc_in(m), which holds count accumulators.
-            let id = unsafe {
-                io.recv(
-                    runs[j - 1].0,
-                    ci * nruns + j as u64,
-                    acc_in(m).add((e0 * acc) as usize),
-                    (e1 - e0) * acc,
-                )?
-            };
-            incoming[m].push(id);
-        }
-    }
-    // Final-result receivers (non-last nodes of an all-reduce get it back along a chain;
-    // the root's node of a reduce gets it from the last node).
-    let order: Vec<usize> = (0..t.nodes.len())
-        .map(|i| (last_node + i) % t.nodes.len())
-        .collect();
-    let pos = order.iter().position(|&x| x == t.me).unwrap_or(0);
-    let bcast_tag = |ci: u64| (1u64 << 48) | ci;
-    let first_recv = || recv_ptr(c, 0);
-    let mut finals: Vec<RecvId> = Vec::new();
-    if c.kind == OpKind::AllReduce && t.me != last_node {
-        let dst = first_recv()?;
-        for ci in 0..nchunks {
-            let (e0, e1) = range(ci);
-            // SAFETY: inside rank bufs[0]'s recv span of count elements.
-            finals.push(unsafe {
-                io.recv(
-                    order[pos - 1],
-                    bcast_tag(ci),
-                    dst.add((e0 * es) as usize),
-                    (e1 - e0) * es,
-                )?
-            });
-        }
-    } else if c.kind == OpKind::Reduce && t.me == root_node && t.me != last_node {
-        let i = local_index(c, c.root).ok_or_else(|| local_err("root not local"))?;
-        let dst = recv_ptr(c, i)?;
-        for ci in 0..nchunks {
-            let (e0, e1) = range(ci);
-            // SAFETY: inside the root's recv span.
-            finals.push(unsafe {
-                io.recv(
-                    last_node,
-                    bcast_tag(ci),
-                    dst.add((e0 * es) as usize),
-                    (e1 - e0) * es,
-                )?
-            });
-        }
-    }
-    // The chain itself, chunk by chunk.
-    for ci in 0..nchunks {
-        let (e0, e1) = range(ci);
-        let ne = (e1 - e0) as usize;
-        for (m, &j) in mine.iter().enumerate() {
-            if j > 0 {
-                let id = incoming[m][ci as usize];
-                io.wait(&[id])?;
-            }
-            let (_, r0, r1) = runs[j];
-            let mut inputs = Vec::with_capacity(r1 - r0);
-            for r in r0..r1 {
-                let i = local_index(c, r as u32).ok_or_else(|| local_err("run rank not local"))?;
-                // SAFETY: e0 < count: inside the send span.
-                inputs.push(unsafe { send_ptr(c, i)?.add((e0 * es) as usize) });
-            }
-            let ch_in = if j > 0 {
-                // SAFETY: inside acc_in(m).
-                unsafe { acc_in(m).add((e0 * acc) as usize).cast_const() }
-            } else {
-                std::ptr::null()
-            };
-            if j < last {
-                // SAFETY: inside acc_out(m).
-                let out = unsafe { acc_out(m).add((e0 * acc) as usize) };
-                // SAFETY: inputs valid for ne elements; accumulators in/out hold ne accumulators
-                // in distinct scratch regions.
-                unsafe {
-                    reduce::reduce_chain(
-                        k,
-                        n as u32,
-                        Chain {
-                            acc_in: ch_in,
-                            acc_out: out,
-                        },
-                        &inputs,
-                        &[],
-                        ne,
-                        false,
-                    )
-                };
-                // SAFETY: acc_out(m) is not written again during this op.
-                unsafe {
-                    io.send(
-                        runs[j + 1].0,
-                        ci * nruns + j as u64 + 1,
-                        out,
-                        ne as u64 * acc,
-                    )?
-                };
-                continue;
-            }
-            // Last run: finish into the outputs.
-            let mut outs = Vec::new();
-            if final_remote {
-                // SAFETY: inside final_buf (count elements).
-                outs.push(unsafe { final_buf.add((e0 * es) as usize) });
-            }
-            for (i, (r, _)) in c.bufs.iter().enumerate() {
-                if c.kind == OpKind::AllReduce || *r == c.root {
-                    // SAFETY: inside the recv span.
-                    outs.push(unsafe { recv_ptr(c, i)?.add((e0 * es) as usize) });
-                }
-            }
-            // SAFETY: as above; outputs are recv spans (possibly equal to an input: in place)
-            // or the final scratch.
-            unsafe {
-                reduce::reduce_chain(
-                    k,
-                    n as u32,
-                    Chain {
-                        acc_in: ch_in,
-                        acc_out: std::ptr::null_mut(),
-                    },
-                    &inputs,
-                    &outs,
-                    ne,
-                    false,
-                )
-            };
-            if c.kind == OpKind::AllReduce && order.len() > 1 {
-                // SAFETY: the first local rank's recv holds the final chunk; it is not written
-                // again during this op.
-                unsafe {
-                    io.send(
-                        order[1],
-                        bcast_tag(ci),
-                        recv_ptr(c, 0)?.add((e0 * es) as usize),
-                        ne as u64 * es,
-                    )?
-                };
-            } else if final_remote {
-                // SAFETY: final_buf is not written again during this op.
-                unsafe {
-                    io.send(
-                        root_node,
-                        bcast_tag(ci),
-                        final_buf.add((e0 * es) as usize),
-                        ne as u64 * es,
-                    )?
-                };
-            }
-        }
-    }
-    // Final result coming back: forward along the chain and copy to the other local ranks.
-    if !finals.is_empty() {
-        let dst = if c.kind == OpKind::AllReduce {
-            first_recv()?
-        } else {
-            recv_ptr(c, local_index(c, c.root).unwrap_or(0))?
-        };
-        for ci in 0..nchunks {
-            let (e0, e1) = range(ci);
-            io.wait(&[finals[ci as usize]])?;
-            if c.kind == OpKind::AllReduce && pos + 1 < order.len() {
-                // SAFETY: the chunk was received and is not written again.
-                unsafe {
-                    io.send(
-                        order[pos + 1],
-                        bcast_tag(ci),
-                        dst.add((e0 * es) as usize),
-                        (e1 - e0) * es,
-                    )?
-                };
-            }
-            if c.kind == OpKind::AllReduce {
-                // Copy each chunk to the other local ranks as it lands (every input was folded
-                // before the first final chunk can exist, so in-place buffers are free to write).
-                for i in 1..c.bufs.len() {
-                    let off = (e0 * es) as usize;
-                    // SAFETY: chunk [e0, e1) of recv spans of count elements; distinct registrations.
-                    unsafe { copy(recv_ptr(c, i)?.add(off), dst.add(off), (e1 - e0) * es) };
-                }
-            }
-        }
-    }
     Ok(())
 }
 
