@@ -59,7 +59,8 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
             .map(|r| {
                 sc.get(r)
                     .and_then(|s| s.as_ref())
-                    .map(|s| s.mem.gpu as i32)
+                    // A CUDA device ordinal (a C int), so it fits; -1: not known.
+                    .and_then(|s| i32::try_from(s.mem.gpu).ok())
                     .unwrap_or(-1)
             })
             .collect()
@@ -71,11 +72,11 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
         .map(|(r, m)| {
             let rw = w.ranks.get(r).cloned().unwrap_or_default();
             pb::CommRank {
-                rank: r as u32,
+                rank: u32::try_from(r).expect("a member's rank is below nranks, a u32"),
                 pid: m.pid,
                 session_id: m.session_id,
                 collectives_posted: rw.posted,
-                queued: rw.queued as u32,
+                queued: u32::try_from(rw.queued).unwrap_or(u32::MAX),
                 gpu: gpus.get(r).copied().unwrap_or(-1),
                 oldest_pending: rw.oldest.unwrap_or_default(),
             }
@@ -86,9 +87,9 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
         unique_id: c.uid_short.clone(),
         label: c.label(),
         nranks: c.nranks,
-        local_ranks: c.local.len() as u32,
-        nodes: crate::comm::comm_nodes(c) as u32,
-        op_timeout_ms: c.op_timeout.as_millis() as u64,
+        local_ranks: u32::try_from(c.local.len()).expect("local ranks are at most nranks, a u32"),
+        nodes: u32::try_from(crate::comm::comm_nodes(c)).expect("nodes are at most nranks, a u32"),
+        op_timeout_ms: u64::try_from(c.op_timeout.as_millis()).unwrap_or(u64::MAX),
         ranks,
         pending_ops: w.queued as u64,
         oldest: w.oldest.map(|s| pb::StuckOp {
@@ -96,7 +97,7 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
             seq: s.seq,
             p2p: s.p2p,
             what: s.what,
-            age_ms: s.age.as_millis() as u64,
+            age_ms: u64::try_from(s.age.as_millis()).unwrap_or(u64::MAX),
             posted: s.posted,
             missing: s.missing,
             rank: s.rank,
@@ -108,7 +109,7 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
             .map(|h| h.switch.lock().unwrap_or_else(|e| e.into_inner()).text())
             .unwrap_or_default(),
         pacing_bytes_per_sec: c.pacer.rate().unwrap_or(0),
-        pacing_delayed_us: c.pacer.delayed().as_micros() as u64,
+        pacing_delayed_us: u64::try_from(c.pacer.delayed().as_micros()).unwrap_or(u64::MAX),
     }
 }
 
@@ -126,7 +127,10 @@ impl Admin for AdminService {
             .and_then(|i| i.peer_cred)
             .map(|c| c.uid());
         let viewer = match uid {
-            None => return Err(authorize(None, self.daemon_uid).unwrap_err()),
+            None => {
+                return Err(authorize(None, self.daemon_uid)
+                    .expect_err("authorize refuses a caller without peer credentials"));
+            }
             Some(u) if authorize(Some(u), self.daemon_uid).is_ok() => crate::control::Viewer::All,
             Some(u) => crate::control::Viewer::Uid(u),
         };
@@ -179,7 +183,7 @@ impl Admin for AdminService {
         req: Request<pb::LinkStatsRequest>,
     ) -> Result<Response<pb::LinkStatsReply>, Status> {
         self.check(&req)?;
-        let uptime_ns = self.daemon.started.elapsed().as_nanos() as u64;
+        let uptime_ns = u64::try_from(self.daemon.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let links = crate::telemetry::links::registry()
             .snapshot()
             .into_iter()

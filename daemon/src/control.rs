@@ -86,7 +86,8 @@ impl Local for LocalService {
             fd_socket: self.daemon.cfg.fd_socket().display().to_string(),
             daemon_version: commd_proto::VERSION.to_string(),
             ring_abi_version: commd_proto::ring::RING_ABI_VERSION,
-            attach_deadline_ms: self.daemon.cfg.attach_timeout.as_millis() as u32,
+            attach_deadline_ms: u32::try_from(self.daemon.cfg.attach_timeout.as_millis())
+                .unwrap_or(u32::MAX),
         }))
     }
 
@@ -402,12 +403,12 @@ impl LocalService {
                 uid: s.uid,
                 pid: s.pid,
                 name: s.name.clone(),
-                communicators: t.comms.len() as u32,
-                registrations: (t.mems.len() + t.cuda_mems.len()) as u32,
+                communicators: u32::try_from(t.comms.len()).unwrap_or(u32::MAX),
+                registrations: u32::try_from(t.mems.len() + t.cuda_mems.len()).unwrap_or(u32::MAX),
                 mapped_bytes: t.registered_bytes,
                 ops_completed: sc,
                 ops_failed: sf,
-                cuda_registrations: t.cuda_mems.len() as u32,
+                cuda_registrations: u32::try_from(t.cuda_mems.len()).unwrap_or(u32::MAX),
                 ipc_opens: s.ipc_opens.load(Relaxed),
                 ipc_cache_hits: s.ipc_hits.load(Relaxed),
             });
@@ -418,8 +419,9 @@ impl LocalService {
             |f: fn(&crate::cuda::IpcStats) -> u64| cuda.as_ref().map(|c| f(&c.stats)).unwrap_or(0);
         pb::StatusReply {
             daemon_version: commd_proto::VERSION.to_string(),
-            pid: std::process::id() as i32,
-            uptime_ms: d.started.elapsed().as_millis() as u64,
+            // std::process::id is getpid's pid_t as a u32: back to the pid_t.
+            pid: std::process::id().cast_signed(),
+            uptime_ms: u64::try_from(d.started.elapsed().as_millis()).unwrap_or(u64::MAX),
             sessions: c.sessions,
             communicators: c.communicators,
             registrations: c.registrations,
@@ -427,15 +429,18 @@ impl LocalService {
             ops_completed: done,
             ops_failed: failed,
             session_list: list,
-            workers: d.cfg.workers as u32,
+            workers: u32::try_from(d.cfg.workers).unwrap_or(u32::MAX),
             pending_joins: c.pending_joins,
             cuda_available: cuda.is_ok(),
             cuda_reason: cuda.as_ref().err().cloned().unwrap_or_default(),
-            gpus: cuda.as_ref().map(|c| c.gpus.len() as u32).unwrap_or(0),
+            gpus: cuda
+                .as_ref()
+                .map(|c| u32::try_from(c.gpus.len()).unwrap_or(u32::MAX))
+                .unwrap_or(0),
             ipc_opens: stat(|s| s.opens.load(Relaxed)),
             ipc_cache_hits: stat(|s| s.hits.load(Relaxed)),
             ipc_open_us: stat(|s| s.open_us.load(Relaxed)),
-            ipc_open_now: stat(|s| u64::from(s.open_now.load(Relaxed))) as u32,
+            ipc_open_now: cuda.as_ref().map_or(0, |c| c.stats.open_now.load(Relaxed)),
             gpu_ops: stat(|s| s.gpu_ops.load(Relaxed)),
         }
     }

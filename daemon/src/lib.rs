@@ -28,13 +28,6 @@
 //! host-wide CPU-core claims, the default socket path), `commd-proto` (the wire contracts).
 
 #![deny(unsafe_code)] // allowed only in the modules that say why
-// cast/unwrap lints: fixed in the next change
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_possible_wrap,
-    clippy::cast_sign_loss,
-    clippy::unwrap_used
-)]
 
 pub mod admin;
 pub mod cli;

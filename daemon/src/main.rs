@@ -1,13 +1,6 @@
 //! `commd`: the per-node communication daemon and its command-line tools. Wiring only.
 
 #![deny(unsafe_code)] // allowed only in the modules that say why
-// cast/unwrap lints: fixed in the next change
-#![allow(
-    clippy::cast_possible_truncation,
-    clippy::cast_possible_wrap,
-    clippy::cast_sign_loss,
-    clippy::unwrap_used
-)]
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -135,14 +128,20 @@ fn main() -> ExitCode {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("commd: {e}");
-                    return ExitCode::from(exit::USAGE as u8);
+                    return ExitCode::from(status_byte(exit::USAGE));
                 }
             };
             init_logging(&cfg, matches!(cli.cmd, Cmd::Serve));
             run(&cli, cfg)
         }
     };
-    ExitCode::from(code as u8)
+    ExitCode::from(status_byte(code))
+}
+
+/// `code` as the exit status the OS reports: its low 8 bits, which is what `exit(3)` passes on.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn status_byte(code: i32) -> u8 {
+    code as u8
 }
 
 fn run(cli: &Cli, cfg: Config) -> i32 {

@@ -268,7 +268,7 @@ mod tests {
         for rate in [GB / 1000, 2 * GB, 25 * GB, 400 * GB] {
             for phase in [4096, 256 * 1024, 16 * MIB, 200 * MIB] {
                 // About 10 bursts' worth of data, at least 200 phases.
-                let n = (10 * Pacer::burst_bytes(rate) / phase).max(200) as usize;
+                let n = usize::try_from((10 * Pacer::burst_bytes(rate) / phase).max(200)).unwrap();
                 let got = achieved(rate, &vec![phase; n]);
                 assert_close(got, rate as f64, 0.03, &format!("{phase}-byte phases"));
             }

@@ -74,7 +74,8 @@ impl pb::peer_server::Peer for PeerService {
             .as_slice()
             .try_into()
             .map_err(|_| Status::permission_denied("malformed communicator token"))?;
-        let remote = endpoint_from_pb(&r.endpoint.unwrap_or_default());
+        let remote =
+            endpoint_from_pb(&r.endpoint.unwrap_or_default()).map_err(Status::invalid_argument)?;
         // Verbs calls are short but blocking: keep them off the async workers.
         let node = r.node.clone();
         let ep = tokio::task::spawn_blocking(move || rdma.accept(token, &node, r.stream, &remote))

@@ -9,6 +9,13 @@
 /// Ranges shown before the rest is summarized.
 pub const MAX_RANGES: usize = 16;
 
+/// A rank (a member index), or a count of a communicator's ranks, as the `u32` ranks are named
+/// with. Exact: both are at most the communicator's `nranks`, a `u32`.
+#[must_use]
+pub fn of(r: usize) -> u32 {
+    u32::try_from(r).expect("a rank is below nranks, a u32")
+}
+
 /// `rs` as sorted ranges: "0-3,5,9-4095"; "none" when empty; past [`MAX_RANGES`] ranges,
 /// "... and N more ranks". Order and duplicates in `rs` do not matter.
 pub fn list(rs: &[u32]) -> String {

@@ -329,7 +329,7 @@ mod tests {
         let mut out = Vec::new();
         for rank in 0..nranks {
             let s = d
-                .hello(1000, std::process::id() as i32, "test".into(), 0, 0)
+                .hello(1000, std::process::id().cast_signed(), "test".into(), 0, 0)
                 .expect("hello");
             let rx = d
                 .join(

@@ -351,7 +351,8 @@ impl Session {
         Some(CudaTicket {
             slot,
             ticket,
-            phases: phases.min(u64::from(u32::MAX / 2)) as u32,
+            phases: u32::try_from(phases.min(u64::from(u32::MAX / 2)))
+                .expect("clamped to u32::MAX / 2"),
             graph: op.persistent,
             comm_slot,
         })

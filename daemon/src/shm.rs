@@ -60,12 +60,19 @@ impl MemRegion {
         if !seals.contains(SealFlags::SHRINK) {
             return Err(ShmError::NotSealed);
         }
-        let have = st.st_size as u64;
+        // A regular file's size is never negative; one that were would be refused as too small.
+        let have = u64::try_from(st.st_size).unwrap_or(0);
         if have < bytes {
             return Err(ShmError::TooSmall { have, want: bytes });
         }
         let file = File::from(fd);
-        let map = MmapOptions::new().len(bytes as usize).map_raw(&file)?;
+        let len = usize::try_from(bytes).map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "registration larger than the address space",
+            )
+        })?;
+        let map = MmapOptions::new().len(len).map_raw(&file)?;
         let region = Self { map, len: bytes };
         region.prefault_resident();
         Ok(region)
@@ -81,7 +88,7 @@ impl MemRegion {
         // mincore in windows of 64 MiB (16 Ki pages, one byte each).
         const WINDOW: usize = 16 << 10;
         let base = self.map.as_mut_ptr();
-        let pages = (self.len as usize).div_ceil(PAGE);
+        let pages = commd_proto::num::usize_of(self.len).div_ceil(PAGE);
         let mut vec = vec![0u8; WINDOW];
         let mut first = 0;
         while first < pages {
@@ -111,7 +118,9 @@ impl MemRegion {
         if bytes == 0 {
             return Err(ShmError::Empty);
         }
-        let map = MmapOptions::new().len(bytes as usize).map_anon()?;
+        let map = MmapOptions::new()
+            .len(commd_proto::num::usize_of(bytes))
+            .map_anon()?;
         Ok(Self {
             map: MmapRaw::from(map),
             len: bytes,
@@ -154,7 +163,7 @@ mod tests {
         let f = File::from(fd.try_clone().unwrap());
         use std::os::unix::fs::FileExt;
         f.write_all_at(&vec![7u8; 1 << 20], 0).unwrap();
-        let blocks = || rustix::fs::fstat(&fd).unwrap().st_blocks as u64 * 512;
+        let blocks = || u64::try_from(rustix::fs::fstat(&fd).unwrap().st_blocks).unwrap() * 512;
         let before = blocks();
         let t = std::time::Instant::now();
         let r = MemRegion::from_fd(fd.try_clone().unwrap(), len).unwrap();

@@ -476,7 +476,8 @@ impl Daemons {
 /// communicator whose unique id comes from a client of node 0's daemon; that client is kept
 /// open for the run.
 fn spawn_workers(a: &BenchArgs, sockets: &[PathBuf]) -> Result<(Client, Vec<Child>), String> {
-    let node_of = |r: u32| (u64::from(r) * u64::from(a.nodes) / u64::from(a.ranks)) as usize;
+    let node_of =
+        |r: u32| commd_proto::num::usize_of(u64::from(r) * u64::from(a.nodes) / u64::from(a.ranks));
     let socket = sockets[0].clone();
     let client = Client::connect(Some(&socket)).map_err(|e| e.to_string())?;
     let uid = client.unique_id().map_err(|e| e.to_string())?;

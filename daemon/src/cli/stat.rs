@@ -264,6 +264,8 @@ pub struct StatArgs {
 }
 
 /// Human units: 1.23 GB, 512 B (decimal, as link rates are quoted; bytesize's SI display).
+// `as` saturates on purpose: a displayed rate, clamped to 0..=u64::MAX.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 pub fn human(v: f64) -> String {
     format!(
         "{:.2}",
@@ -592,7 +594,7 @@ mod tests {
                 ranks: (0..3)
                     .map(|k| pb::CommRank {
                         rank: k,
-                        pid: 100 + k as i32,
+                        pid: i32::try_from(100 + k).unwrap(),
                         gpu: -1,
                         ..Default::default()
                     })

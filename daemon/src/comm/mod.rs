@@ -91,12 +91,12 @@ impl Inner {
             if !others().all(|r| self.left[r]) {
                 return None;
             }
-            return others().find_map(|r| self.left_msg.get(&(r as u32)).cloned());
+            return others().find_map(|r| self.left_msg.get(&crate::ranks::of(r)).cloned());
         }
         let who = if p.op.kind.is_p2p() {
             Some(p.op.peer)
         } else {
-            (0..self.left.len() as u32).find(|&r| self.left[r as usize])
+            (0..crate::ranks::of(self.left.len())).find(|&r| self.left[r as usize])
         };
         who.filter(|&r| self.left.get(r as usize) == Some(&true))
             .and_then(|r| self.left_msg.get(&r).cloned())
@@ -138,13 +138,13 @@ impl Comm {
         pacing: Option<u64>,
     ) -> Self {
         let n = members.len();
-        let local = (0..n as u32)
+        let local = (0..crate::ranks::of(n))
             .filter(|&r| members[r as usize].local)
             .collect();
         Self {
             id,
             uid_short,
-            nranks: n as u32,
+            nranks: crate::ranks::of(n),
             op_timeout,
             members,
             workers,
@@ -405,7 +405,7 @@ impl Comm {
                     let j = if a == b && j > i { j - 1 } else { j };
                     let mut recv = g.queues[b].remove(j)?;
                     if any {
-                        take_any_source(g, &mut recv, a as u32, send.seq);
+                        take_any_source(g, &mut recv, crate::ranks::of(a), send.seq);
                     }
                     return Some(self.p2p_step(send, recv));
                 }
@@ -587,11 +587,11 @@ impl Comm {
             let seq = p.seq;
             let missing: Vec<u32> = (0..n)
                 .filter(|&r| self.members[r].local && g.coll_next[r] <= seq)
-                .map(|r| r as u32)
+                .map(crate::ranks::of)
                 .collect();
             let posted: Vec<u32> = (0..n)
                 .filter(|&r| self.members[r].local && g.coll_next[r] > seq)
-                .map(|r| r as u32)
+                .map(crate::ranks::of)
                 .collect();
             let pids: Vec<String> = missing
                 .iter()
@@ -652,7 +652,7 @@ impl Comm {
                     let by = |f: &dyn Fn(u64) -> bool| {
                         (0..n)
                             .filter(|&r| self.members[r].local && f(g.coll_next[r]))
-                            .map(|r| r as u32)
+                            .map(crate::ranks::of)
                             .collect::<Vec<u32>>()
                     };
                     (by(&|c| c > p.seq), by(&|c| c <= p.seq))
@@ -694,7 +694,7 @@ fn run_plan(
     let t0 = Instant::now();
     let res = engine::execute(plan, workers);
     report::op_executed(&span, &traffic, res.is_ok());
-    tracing::trace!(target: "commd::engine", op = ops[0].op.kind.name(), seq = ops[0].seq, us = t0.elapsed().as_micros() as u64, "executed");
+    tracing::trace!(target: "commd::engine", op = ops[0].op.kind.name(), seq = ops[0].seq, us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX), "executed");
     for p in ops {
         let c = p.op.comm;
         match &res {

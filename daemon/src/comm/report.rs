@@ -39,7 +39,8 @@ pub fn op_span(
         if let (Some(t0), Some(last)) = (first_post, ops.iter().max_by_key(|p| p.posted_at)) {
             span.record(
                 "wait_us",
-                last.posted_at.saturating_duration_since(t0).as_micros() as u64,
+                u64::try_from(last.posted_at.saturating_duration_since(t0).as_micros())
+                    .unwrap_or(u64::MAX),
             );
             span.record("last_rank", last.rank);
         }

@@ -251,8 +251,10 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
 }
 
 /// A cap in GB/s (1e9 bytes/s; 0: uncapped) as a pacing rate in bytes/s.
+// `as` saturates (negative and NaN to 0, too large to u64::MAX); the registry bounds keep the
+// product far below u64::MAX anyway.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 fn gbps_to_rate(gbps: f64) -> Result<Option<u64>, String> {
-    // `as` saturates; the registry bounds keep the product far below u64::MAX anyway.
     crate::pacing::check_rate((gbps * 1e9).round() as u64).map_err(|_| {
         format!(
             "a nonzero cap must be at least {} GB/s (0 means uncapped)",
@@ -271,10 +273,10 @@ fn physical_memory() -> u64 {
             libc::sysconf(libc::_SC_PAGESIZE),
         )
     };
-    if pages <= 0 || size <= 0 {
-        return u64::MAX;
+    match (u64::try_from(pages), u64::try_from(size)) {
+        (Ok(pages @ 1..), Ok(size @ 1..)) => pages.saturating_mul(size),
+        _ => u64::MAX,
     }
-    (pages as u64).saturating_mul(size as u64)
 }
 
 /// The default socket path for the current user (shared with clients).
@@ -365,6 +367,22 @@ impl Config {
                 why: "not an unsigned integer".into(),
             })
         };
+        // The registry bounds keep every value in its field's range; one that is not is refused.
+        let out_of_range = |n: &str| ConfigError::Invalid {
+            key: n.to_string(),
+            value: s(n),
+            origin: eff[n].1.to_string(),
+            why: "out of range".into(),
+        };
+        let uz = |n: &str| -> Result<usize, ConfigError> {
+            usize::try_from(u(n)?).map_err(|_| out_of_range(n))
+        };
+        let u32_of = |n: &str| -> Result<u32, ConfigError> {
+            u32::try_from(u(n)?).map_err(|_| out_of_range(n))
+        };
+        let u16_of = |n: &str| -> Result<u16, ConfigError> {
+            u16::try_from(u(n)?).map_err(|_| out_of_range(n))
+        };
         let ms = |n: &str| u(n).map(Duration::from_millis);
         let gbps = |n: &str| -> Result<Option<u64>, ConfigError> {
             let invalid = |why: String| ConfigError::Invalid {
@@ -384,20 +402,20 @@ impl Config {
             join_timeout: ms("join_timeout_ms")?,
             attach_timeout: ms("attach_timeout_ms")?,
             liveness_interval: ms("liveness_interval_ms")?,
-            workers: u("workers")? as usize,
+            workers: uz("workers")?,
             cuda: u("cuda")? == 1,
             gpu_scratch_slot_bytes: u("gpu_scratch_slot_bytes")? / 256 * 256,
             gpu_pacing: gbps("gpu_pacing_gbps")?,
             poll_spin: Duration::from_micros(u("poll_spin_us")?),
-            ring_entries: u("ring_entries")? as u32,
-            max_sessions: u("max_sessions")? as usize,
-            max_sessions_per_uid: u("max_sessions_per_uid")? as usize,
-            max_unique_ids_per_uid: u("max_unique_ids_per_uid")? as usize,
+            ring_entries: u32_of("ring_entries")?,
+            max_sessions: uz("max_sessions")?,
+            max_sessions_per_uid: uz("max_sessions_per_uid")?,
+            max_unique_ids_per_uid: uz("max_unique_ids_per_uid")?,
             max_registered_bytes_per_uid: match u("max_registered_bytes_per_uid")? {
                 0 => physical_memory(),
                 n => n,
             },
-            max_comms_per_uid: u("max_comms_per_uid")? as usize,
+            max_comms_per_uid: uz("max_comms_per_uid")?,
             max_registered_bytes: u("max_registered_bytes")?,
             peer_listen: if s("peer_listen").eq_ignore_ascii_case("off") {
                 None
@@ -426,8 +444,8 @@ impl Config {
                     }
                 }
             },
-            data_port: u("data_port")? as u16,
-            tcp_streams: u("tcp_streams")? as usize,
+            data_port: u16_of("data_port")?,
+            tcp_streams: uz("tcp_streams")?,
             peer_timeout: ms("peer_timeout_ms")?,
             net_chunk_bytes: u("net_chunk_bytes")?,
             net_small_bytes: u("net_small_bytes")?,
@@ -435,16 +453,16 @@ impl Config {
             switch: SwitchSettings {
                 controller: s("switch"),
                 bind: s("switch_bind"),
-                threads: u("switch_threads")? as usize,
-                window: u("switch_window")? as usize,
-                packet_bytes: u("switch_packet_bytes")? as usize,
+                threads: uz("switch_threads")?,
+                window: uz("switch_window")?,
+                packet_bytes: uz("switch_packet_bytes")?,
                 timeout: ms("switch_timeout_ms")?,
                 pin: s("switch_pin") != "off",
             },
             transport: s("transport"),
             rdma_device: s("rdma_device"),
             rdma_gid: s("rdma_gid"),
-            rdma_qps_per_peer: u("rdma_qps_per_peer")? as usize,
+            rdma_qps_per_peer: uz("rdma_qps_per_peer")?,
             rdma_buffer_bytes: u("rdma_buffer_bytes")?,
             debug: s("debug").to_ascii_uppercase(),
             debug_subsys: s("debug_subsys")
@@ -602,12 +620,12 @@ mod tests {
         assert_eq!(c.gpu_pacing, Some(1_000_000));
         // TOML: an integer or a float.
         for (text, want) in [
-            ("gpu_pacing_gbps = 40\n", 40e9),
-            ("gpu_pacing_gbps = 2.5\n", 2.5e9),
+            ("gpu_pacing_gbps = 40\n", 40_000_000_000),
+            ("gpu_pacing_gbps = 2.5\n", 2_500_000_000),
         ] {
             let (p, _d) = tmp_toml(text);
             let c = Config::load(&inputs(Some(p), &[], &[])).unwrap();
-            assert_eq!(c.gpu_pacing, Some(want as u64), "{text}");
+            assert_eq!(c.gpu_pacing, Some(want), "{text}");
         }
     }
 

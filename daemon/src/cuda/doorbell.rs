@@ -11,6 +11,13 @@ use super::*;
 
 use commd_proto::ring::Ring;
 
+/// A job's phase index (or phase count) in the doorbell's `u32` ticket arithmetic, which
+/// counts modulo 2^32 (`wrapping_add` of tickets): `p` modulo 2^32 is that exact value.
+#[allow(clippy::cast_possible_truncation)]
+pub(crate) fn phase_word(p: usize) -> u32 {
+    p as u32
+}
+
 /// What the GPU executor needs of a client's session: its id and pid (for messages), the ring
 /// holding its doorbell words, whether it is gone, and where a captured op's failure is kept
 /// for the client to read.
@@ -65,7 +72,11 @@ impl Bell {
         match self.words() {
             Some((ready, _, _)) => {
                 let want = self.ticket.wrapping_add(phase);
-                ready.load(Ordering::Acquire).wrapping_sub(want) as i32 >= 0
+                ready
+                    .load(Ordering::Acquire)
+                    .wrapping_sub(want)
+                    .cast_signed()
+                    >= 0
             }
             None => false,
         }
@@ -124,7 +135,7 @@ impl Slots {
         };
         let key = (b.session.id(), b.slot);
         let mut cur = done.load(Ordering::Acquire);
-        if t.wrapping_sub(cur) as i32 <= 0 {
+        if t.wrapping_sub(cur).cast_signed() <= 0 {
             return; // already released (a failure advanced past it)
         }
         let pending = self.pending.entry(key).or_default();
@@ -133,7 +144,7 @@ impl Slots {
             pending.swap_remove(i);
             cur = cur.wrapping_add(1);
         }
-        pending.retain(|&x| x.wrapping_sub(cur) as i32 > 0);
+        pending.retain(|&x| x.wrapping_sub(cur).cast_signed() > 0);
         if pending.is_empty() {
             self.pending.remove(&key);
         }
@@ -145,7 +156,7 @@ impl Slots {
 pub fn advance_done(s: &dyn Client, slot: u32, value: u32) {
     if let Some((_, done, _)) = s.ring().doorbell(slot) {
         let _ = done.fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| {
-            (value.wrapping_sub(d) as i32 > 0).then_some(value)
+            (value.wrapping_sub(d).cast_signed() > 0).then_some(value)
         });
     }
 }

@@ -70,9 +70,9 @@ impl PhaseTimes {
     fn add(&mut self, copies: usize, bytes: u64, wait: Duration, issue: Duration, copy: Duration) {
         let a = self.by_shape.entry((copies, bytes)).or_default();
         a.phases += 1;
-        a.wait_ns += wait.as_nanos() as u64;
-        a.issue_ns += issue.as_nanos() as u64;
-        a.copy_ns += copy.as_nanos() as u64;
+        a.wait_ns += u64::try_from(wait.as_nanos()).unwrap_or(u64::MAX);
+        a.issue_ns += u64::try_from(issue.as_nanos()).unwrap_or(u64::MAX);
+        a.copy_ns += u64::try_from(copy.as_nanos()).unwrap_or(u64::MAX);
     }
 
     /// Logs and clears the shapes with enough phases to mean something.
@@ -356,7 +356,7 @@ fn log_stuck(a: &mut Active, after: &[Active]) {
     }
     a.logged = true;
     let line = |j: &Active| {
-        let late = late_streams(&j.job.bells, j.phase as u32);
+        let late = late_streams(&j.job.bells, phase_word(j.phase));
         let state = if started(j) {
             "started".to_string()
         } else if late.is_empty() {
@@ -463,7 +463,10 @@ impl Queued for Active {
         started(self)
     }
     fn ready(&self) -> bool {
-        self.job.bells.iter().all(|b| b.ready(self.phase as u32))
+        self.job
+            .bells
+            .iter()
+            .all(|b| b.ready(phase_word(self.phase)))
     }
     fn conflicts(&self, o: &Self) -> bool {
         !beside(&self.job, &o.job)
@@ -492,7 +495,7 @@ fn program_first(
     for (r, ta) in a {
         for (_, tb) in b.clone().into_iter().filter(|(rb, _)| *rb == r) {
             shared = true;
-            if ta.wrapping_sub(tb) as i32 >= 0 {
+            if ta.wrapping_sub(tb).cast_signed() >= 0 {
                 return false;
             }
         }
@@ -514,7 +517,7 @@ fn simple(j: &GpuJob) -> bool {
 fn step(cuda: &'static Cuda, times: &mut PhaseTimes, a: &mut Active) -> (bool, bool) {
     match &mut a.state {
         State::Waiting { since } => {
-            let phase = a.phase as u32;
+            let phase = phase_word(a.phase);
             if let Some(lost) = a.job.bells.iter().find(|b| b.session.is_closed()) {
                 let msg = format!(
                     "{}: rank {} (pid {}) was lost during the op",
@@ -697,7 +700,7 @@ fn signal_ahead(a: &mut Active) -> bool {
     }
     for b in &a.job.bells {
         if b.graph_words().is_none() {
-            signal_done(b, b.ticket.wrapping_add(p as u32));
+            signal_done(b, b.ticket.wrapping_add(phase_word(p)));
         }
     }
     a.signaled = true;
@@ -709,8 +712,8 @@ fn phase_done(cuda: &Cuda, a: &mut Active) -> (bool, bool) {
     for b in &a.job.bells {
         match b.graph_words() {
             // A replay: constant values, re-armed after the last phase (docs/contracts.md #6).
-            Some(w) => w.phase_done(a.phase as u32, last),
-            None => signal_done(b, b.ticket.wrapping_add(a.phase as u32)),
+            Some(w) => w.phase_done(phase_word(a.phase), last),
+            None => signal_done(b, b.ticket.wrapping_add(phase_word(a.phase))),
         }
     }
     a.phase += 1;
@@ -747,7 +750,7 @@ fn finish(cuda: &Cuda, a: &mut Active, st: u32, msg: Option<String>) {
         // A failed replay releases every rank's stream and sets its error words
         // (docs/contracts.md #5).
         let msg = msg.clone().unwrap_or_default();
-        let phases = a.job.phases.len() as u32;
+        let phases = phase_word(a.job.phases.len());
         for b in &a.job.bells {
             super::graphs::fail_bell(b, phases, st, &msg);
         }
@@ -889,7 +892,14 @@ fn issue_from(cuda: &Cuda, copies: &[&CopyOp]) -> Result<Vec<(usize, sys::CUeven
                 // SAFETY: both spans were bounds-checked against live mappings (valid in the
                 // source GPU's context, see `ptr_on`) that the job keeps alive until its events
                 // complete; the stream belongs to the source GPU's context.
-                unsafe { sys::cuMemcpyAsync(dst, src, c.src.bytes as usize, g.streams[si]) },
+                unsafe {
+                    sys::cuMemcpyAsync(
+                        dst,
+                        src,
+                        commd_proto::num::usize_of(c.src.bytes),
+                        g.streams[si],
+                    )
+                },
                 "cuMemcpyAsync",
             )?;
             crate::telemetry::links::gpu_copy(from, to, c.src.bytes);

@@ -229,7 +229,7 @@ impl Registry {
                 next: None,
                 label: job.label.clone(),
                 bells: job.bells.clone(),
-                phases: job.phases.len() as u32,
+                phases: super::doorbell::phase_word(job.phases.len()),
                 timeout: job.timeout,
                 job: Some(job),
                 poisoned: None,
@@ -396,7 +396,17 @@ mod tests {
 
     fn session(id: u64) -> Arc<Session> {
         let layout = RingLayout::new(8, 8).unwrap();
-        Arc::new(Session::new(id, 0, 100 + id as i32, "t".into(), [0; 16], layout).unwrap())
+        Arc::new(
+            Session::new(
+                id,
+                0,
+                i32::try_from(100 + id).unwrap(),
+                "t".into(),
+                [0; 16],
+                layout,
+            )
+            .unwrap(),
+        )
     }
 
     fn job(sessions: &[Arc<Session>], slots: &[u32], phases: usize, timeout: Duration) -> GpuJob {
@@ -410,7 +420,7 @@ mod tests {
                 .enumerate()
                 .map(|(r, (s, &slot))| Bell {
                     session: s.clone(),
-                    rank: r as u32,
+                    rank: u32::try_from(r).unwrap(),
                     slot,
                     ticket: 1,
                     graph: true,

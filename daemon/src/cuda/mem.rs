@@ -20,7 +20,7 @@ impl Cuda {
         cu::set_current(self.gpus[gpu].ctx).map_err(|e| e.to_string())?;
         let t0 = Instant::now();
         let ptr = cu::ipc_open(handle, "cuIpcOpenMemHandle").map_err(|e| e.to_string())?;
-        let us = t0.elapsed().as_micros() as u64;
+        let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
         self.stats.opens.fetch_add(1, Ordering::Relaxed);
         self.stats.open_us.fetch_add(us, Ordering::Relaxed);
         crate::telemetry::metrics().ipc_open(t0.elapsed());
@@ -39,7 +39,7 @@ impl Cuda {
         let mut ptr: sys::CUdeviceptr = 0;
         ck(
             // SAFETY: valid out pointer; the GPU's context is current.
-            unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(256) as usize) },
+            unsafe { sys::cuMemAlloc_v2(&mut ptr, commd_proto::num::usize_of(bytes.max(256))) },
             "cuMemAlloc",
         )
         .map_err(|e| e.to_string())?;
@@ -77,7 +77,9 @@ impl Cuda {
         let mut ptr: sys::CUdeviceptr = 0;
         ck(
             // SAFETY: valid out pointer; default alignment, no fixed address, no flags.
-            unsafe { sys::cuMemAddressReserve(&mut ptr, bytes as usize, 0, 0, 0) },
+            unsafe {
+                sys::cuMemAddressReserve(&mut ptr, commd_proto::num::usize_of(bytes), 0, 0, 0)
+            },
             "cuMemAddressReserve",
         )
         .map_err(|e| e.to_string())?;
@@ -132,7 +134,8 @@ impl Cuda {
             for (o, old) in overlapping_pieces(&t, off, bytes) {
                 // SAFETY: [o, o + len) of the mirror was mapped by this function; no op holds
                 // it (no pins, checked under this lock).
-                let r = unsafe { sys::cuMemUnmap(mem.ptr + o, old.bytes as usize) };
+                let r =
+                    unsafe { sys::cuMemUnmap(mem.ptr + o, commd_proto::num::usize_of(old.bytes)) };
                 ck(r, "cuMemUnmap").map_err(|e| e.to_string())?;
                 t.remove(&o);
             }
@@ -143,7 +146,8 @@ impl Cuda {
                 unsafe {
                     sys::cuMemImportFromShareableHandle(
                         &mut h,
-                        fd.as_raw_fd() as usize as *mut std::ffi::c_void,
+                        usize::try_from(fd.as_raw_fd()).expect("an open fd is non-negative")
+                            as *mut std::ffi::c_void,
                         sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                     )
                 },
@@ -151,7 +155,8 @@ impl Cuda {
             );
             r.map_err(|e| e.to_string())?;
             // SAFETY: the range lies inside the reservation (checked above) and is unmapped.
-            let r = unsafe { sys::cuMemMap(mem.ptr + off, bytes as usize, 0, h, 0) };
+            let r =
+                unsafe { sys::cuMemMap(mem.ptr + off, commd_proto::num::usize_of(bytes), 0, h, 0) };
             let mapped = ck(r, "cuMemMap");
             // SAFETY: `h` came from the import above; a mapping keeps the memory alive.
             unsafe { sys::cuMemRelease(h) };
@@ -161,13 +166,13 @@ impl Cuda {
             t.insert(off, Slot { bytes, pins: 0 });
             if let Err(e) = self.grant_access(mem.gpu, mem.ptr + off, bytes) {
                 // SAFETY: mapped just above; nothing uses it yet.
-                unsafe { sys::cuMemUnmap(mem.ptr + off, bytes as usize) };
+                unsafe { sys::cuMemUnmap(mem.ptr + off, commd_proto::num::usize_of(bytes)) };
                 t.remove(&off);
                 return Err(e);
             }
             self.stats.opens.fetch_add(1, Ordering::Relaxed);
         }
-        let us = t0.elapsed().as_micros() as u64;
+        let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
         self.stats.open_us.fetch_add(us, Ordering::Relaxed);
         crate::telemetry::metrics().ipc_open(t0.elapsed());
         tracing::debug!(target: "commd::cuda", gpu = mem.gpu, us, "mapped cuMem pieces");
@@ -194,7 +199,8 @@ impl Cuda {
                 flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
             };
             // SAFETY: the range is mapped; one descriptor.
-            let r = unsafe { sys::cuMemSetAccess(ptr, bytes as usize, &desc, 1) };
+            let r =
+                unsafe { sys::cuMemSetAccess(ptr, commd_proto::num::usize_of(bytes), &desc, 1) };
             ck(r, "cuMemSetAccess").map_err(|e| e.to_string())?;
         }
         Ok(())
@@ -210,7 +216,7 @@ impl Cuda {
             "cuIpcGetMemHandle",
         )
         .map_err(|e| e.to_string())?;
-        Ok(h.reserved.iter().map(|c| *c as u8).collect())
+        Ok(h.reserved.iter().map(|c| c.cast_unsigned()).collect())
     }
 }
 
@@ -313,12 +319,16 @@ impl Drop for DevMem {
             let r = cu::set_current(g.ctx).and_then(|()| {
                 for (o, slot) in table {
                     // SAFETY: mapped by `map_pieces`; the last reference is gone.
-                    let r = unsafe { sys::cuMemUnmap(self.ptr + o, slot.bytes as usize) };
+                    let r = unsafe {
+                        sys::cuMemUnmap(self.ptr + o, commd_proto::num::usize_of(slot.bytes))
+                    };
                     ck(r, "cuMemUnmap")?;
                 }
                 // SAFETY: reserved by `reserve_vmm`, freed once, here.
                 ck(
-                    unsafe { sys::cuMemAddressFree(self.ptr, self.len as usize) },
+                    unsafe {
+                        sys::cuMemAddressFree(self.ptr, commd_proto::num::usize_of(self.len))
+                    },
                     "cuMemAddressFree",
                 )
             });
@@ -411,7 +421,7 @@ impl DevMem {
         cu::set_current(self.cuda.gpus[gpu].ctx)?;
         let t0 = Instant::now();
         let p = cu::ipc_open(h, "cuIpcOpenMemHandle(peer view)")?;
-        let us = t0.elapsed().as_micros() as u64;
+        let us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
         self.cuda.stats.opens.fetch_add(1, Ordering::Relaxed);
         self.cuda.stats.open_us.fetch_add(us, Ordering::Relaxed);
         tracing::debug!(target: "commd::cuda", owner = self.gpu, gpu, us, "opened a peer view");

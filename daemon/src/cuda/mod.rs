@@ -129,7 +129,7 @@ fn cstr(buf: &[std::ffi::c_char]) -> String {
     let bytes: Vec<u8> = buf
         .iter()
         .take_while(|c| **c != 0)
-        .map(|c| *c as u8)
+        .map(|c| c.cast_unsigned())
         .collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
@@ -217,7 +217,7 @@ impl Cuda {
             unsafe {
                 sys::cuMemHostRegister_v2(
                     ptr.cast(),
-                    bytes as usize,
+                    commd_proto::num::usize_of(bytes),
                     sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP,
                 )
             },
@@ -267,7 +267,7 @@ impl Cuda {
         ck(
             // SAFETY: `span` was bounds-checked against a live mapping of this GPU's context that
             // the caller's op keeps alive; `host` as the caller promises (unified addressing).
-            unsafe { sys::cuMemcpyAsync(dst, src, span.bytes as usize, stream) },
+            unsafe { sys::cuMemcpyAsync(dst, src, commd_proto::num::usize_of(span.bytes), stream) },
             "cuMemcpyAsync (host staging)",
         )?;
         let e = self.event(gi)?;

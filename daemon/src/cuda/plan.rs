@@ -194,19 +194,31 @@ impl Matched<'_> {
             n,
             slot_bytes,
         };
-        let shape = commd_proto::desc::cuda_shape(kind, count, es, n as u32, slot_bytes, one_shot);
-        let mut phases = vec![Phase::default(); shape.phases as usize];
+        let shape = commd_proto::desc::cuda_shape(
+            kind,
+            count,
+            es,
+            crate::ranks::of(n),
+            slot_bytes,
+            one_shot,
+        );
+        let mut phases = vec![Phase::default(); commd_proto::num::usize_of(shape.phases)];
         for j in 0..shape.rounds {
             let s0 = j * shape.round_elems;
             let len = shape.round_elems.min(count - s0.min(count));
-            let (head, tail) = phases.split_at_mut(j as usize + 1);
+            let (head, tail) = phases.split_at_mut(commd_proto::num::usize_of(j) + 1);
             let round = Round {
                 j,
                 s0,
                 len,
                 one_shot,
             };
-            self.round_copies(&sc, &round, &mut head[j as usize].early, &mut tail[0].main)?;
+            self.round_copies(
+                &sc,
+                &round,
+                &mut head[commd_proto::num::usize_of(j)].early,
+                &mut tail[0].main,
+            )?;
         }
         Ok(phases)
     }
@@ -419,7 +431,7 @@ impl ScratchSlots<'_> {
     /// Slot of peer k in rank r's scratch, in round j's buffer.
     fn slot(&self, j: u64, k: usize, r: usize) -> u64 {
         let i = if k < r { k } else { k - 1 } as u64;
-        commd_proto::desc::cuda_scratch_off(j, i, self.n as u32, self.slot_bytes)
+        commd_proto::desc::cuda_scratch_off(j, i, crate::ranks::of(self.n), self.slot_bytes)
     }
 }
 

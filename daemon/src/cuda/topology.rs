@@ -209,13 +209,13 @@ pub fn topology_reply() -> commd_proto::pb::TopologyReply {
                 .gpus
                 .iter()
                 .map(|g| pb::GpuInfo {
-                    ordinal: g.ordinal as u32,
+                    ordinal: u32::try_from(g.ordinal).expect("a device ordinal is non-negative"),
                     name: g.name.clone(),
                     uuid: g.uuid.to_vec(),
                     pci_bus_id: g.pci_bus_id.clone(),
                     memory_bytes: g.memory_bytes,
-                    copy_engines: g.copy_engines as u32,
-                    sm_count: g.sm_count as u32,
+                    copy_engines: u32::try_from(g.copy_engines).unwrap_or(0),
+                    sm_count: u32::try_from(g.sm_count).unwrap_or(0),
                     compute_capability: format!(
                         "{}.{}",
                         g.compute_capability.0, g.compute_capability.1
@@ -226,8 +226,10 @@ pub fn topology_reply() -> commd_proto::pb::TopologyReply {
                 .links
                 .iter()
                 .map(|l| pb::GpuLink {
-                    from: l.from as u32,
-                    to: l.to as u32,
+                    from: u32::try_from(l.from)
+                        .expect("a GPU index is below the device count, a C int"),
+                    to: u32::try_from(l.to)
+                        .expect("a GPU index is below the device count, a C int"),
                     p2p: l.p2p,
                     path: l.path.clone(),
                     performance_rank: l.performance_rank,

@@ -257,14 +257,16 @@ impl Daemon {
                     reply.nodes.len() - 1
                 }
             };
-            reply.rank_node.push(idx as u32);
+            reply
+                .rank_node
+                .push(u32::try_from(idx).expect("a node index is below the rank count, a u32"));
             reply.rank_pid.push(m.pid());
         }
         let mut local = HashMap::new();
         for (rank, m) in j.members.into_iter().flatten().enumerate() {
             match m {
                 Slot::Local(joiner) => {
-                    local.insert(rank as u32, joiner);
+                    local.insert(crate::ranks::of(rank), joiner);
                 }
                 Slot::Remote { tx, .. } => {
                     let _ = tx.send(Ok(reply.clone()));
@@ -297,7 +299,13 @@ impl Daemon {
         mut local: HashMap<u32, Joiner>,
     ) {
         let (op_timeout, pacing) = limits;
-        let n = reply.rank_node.len();
+        let Ok(n) = u32::try_from(reply.rank_node.len()) else {
+            return fail_joiners(
+                uid,
+                "the root's membership names more than u32::MAX ranks".into(),
+                local,
+            );
+        };
         let my_node = reply.nodes.iter().position(|x| x.node == me);
         let Some(my_node) = my_node else {
             return fail_joiners(
@@ -306,7 +314,7 @@ impl Daemon {
                 local,
             );
         };
-        let mine: Vec<u32> = (0..n as u32)
+        let mine: Vec<u32> = (0..n)
             .filter(|&r| reply.rank_node[r as usize] as usize == my_node)
             .collect();
         if mine.len() != local.len() || mine.iter().any(|r| !local.contains_key(r)) {
@@ -344,7 +352,8 @@ impl Daemon {
             crate::pacing::describe(pacing)
         );
         crate::comm::comm_formed(&comm, &uid.token);
-        let nodes = reply.nodes.len().max(1) as u32;
+        let nodes =
+            u32::try_from(reply.nodes.len().max(1)).expect("nodes are at most the ranks, a u32");
         for rank in mine {
             let Some(m) = local.remove(&rank) else {
                 continue;
@@ -459,11 +468,13 @@ impl Daemon {
             pid,
             // The root answers a little before the caller gives up, so its message (naming the
             // missing ranks) is the one the caller sees.
-            timeout_ms: wait
-                .saturating_sub(Duration::from_millis(300))
-                .as_millis()
-                .max(1) as u64,
-            op_timeout_ms: op_timeout.as_millis() as u64,
+            timeout_ms: u64::try_from(
+                wait.saturating_sub(Duration::from_millis(300))
+                    .as_millis()
+                    .max(1),
+            )
+            .unwrap_or(u64::MAX),
+            op_timeout_ms: u64::try_from(op_timeout.as_millis()).unwrap_or(u64::MAX),
         };
         let d = self.clone();
         tokio::spawn(async move {
@@ -792,7 +803,7 @@ fn fail_joiners(uid: &UniqueId, why: String, local: HashMap<u32, Joiner>) {
 /// Every rank of a communicator forming here: this node's (`local`) with their sessions, the
 /// others with the pid the root reported.
 fn members(reply: &pb::PeerJoinReply, local: &HashMap<u32, Joiner>) -> Vec<Member> {
-    (0..reply.rank_node.len() as u32)
+    (0..u32::try_from(reply.rank_node.len()).expect("form_local checked that the ranks fit u32"))
         .map(|r| match local.get(&r) {
             Some(j) => Member {
                 session_id: j.session.id,

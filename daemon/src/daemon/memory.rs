@@ -216,14 +216,18 @@ impl Daemon {
             if shared {
                 self.hint(
                     &comm,
-                    r as u32,
+                    crate::ranks::of(r),
                     commd_proto::desc::doorbell::HINT_SHARED_GPU,
                 );
             }
         }
         for (r, own) in own_gpu_ranks(&gpus).into_iter().enumerate() {
             if own {
-                self.hint(&comm, r as u32, commd_proto::desc::doorbell::HINT_OWN_GPU);
+                self.hint(
+                    &comm,
+                    crate::ranks::of(r),
+                    commd_proto::desc::doorbell::HINT_OWN_GPU,
+                );
             }
         }
         Ok((h, c.slot_bytes, bytes))

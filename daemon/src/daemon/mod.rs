@@ -296,16 +296,18 @@ impl Daemon {
     pub fn counts(&self) -> Counts {
         let sessions = self.sessions();
         let mut c = Counts {
-            sessions: sessions.len() as u32,
+            sessions: u32::try_from(sessions.len()).unwrap_or(u32::MAX),
             ..Default::default()
         };
         for s in &sessions {
             let t = s.tables();
-            c.registrations += (t.mems.len() + t.cuda_mems.len()) as u32;
+            c.registrations = c.registrations.saturating_add(
+                u32::try_from(t.mems.len() + t.cuda_mems.len()).unwrap_or(u32::MAX),
+            );
             c.mapped_bytes += t.registered_bytes;
         }
-        c.communicators = lock(&self.comms).len() as u32;
-        c.pending_joins = lock(&self.joins).len() as u32;
+        c.communicators = u32::try_from(lock(&self.comms).len()).unwrap_or(u32::MAX);
+        c.pending_joins = u32::try_from(lock(&self.joins).len()).unwrap_or(u32::MAX);
         c
     }
 

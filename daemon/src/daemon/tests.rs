@@ -29,7 +29,7 @@ fn empty_toml() -> std::path::PathBuf {
 }
 
 fn session(d: &Daemon) -> Arc<Session> {
-    d.hello(1000, std::process::id() as i32, "test".into(), 0, 0)
+    d.hello(1000, std::process::id().cast_signed(), "test".into(), 0, 0)
         .expect("hello")
 }
 
@@ -47,7 +47,7 @@ fn create(
     pacings: &[Option<u64>],
 ) -> (Vec<Result<u32, String>>, Option<Arc<Comm>>) {
     let uid = d.unique_id(0).encode();
-    let n = pacings.len() as u32;
+    let n = u32::try_from(pacings.len()).unwrap();
     let mut rxs = Vec::new();
     for (rank, &p) in pacings.iter().enumerate() {
         let s = session(d);
@@ -55,7 +55,7 @@ fn create(
             d.join(
                 s.clone(),
                 &uid,
-                rank as u32,
+                u32::try_from(rank).unwrap(),
                 n,
                 opts(p),
                 Duration::from_secs(5),

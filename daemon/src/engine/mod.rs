@@ -12,6 +12,7 @@
 
 pub mod reduce;
 
+use commd_proto::num::usize_of;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -61,7 +62,7 @@ impl Span {
     pub(crate) fn ptr(&self) -> *mut u8 {
         // SAFETY: off + bytes <= region.len() (checked at construction), so the pointer stays in
         // (or one past) the mapping.
-        unsafe { self.region.base().add(self.off as usize) }
+        unsafe { self.region.base().add(usize_of(self.off)) }
     }
 
     fn key(&self) -> (usize, u64, u64) {
@@ -238,7 +239,7 @@ pub fn plan_collective(
     });
     Some(Plan {
         dtype,
-        nranks: n as u32,
+        nranks: crate::ranks::of(n),
         tasks,
     })
 }
@@ -313,7 +314,7 @@ fn stage_inputs(plan: &mut Plan) -> Result<(), ShmError> {
     let stage = |s: &Span| -> Result<Span, ShmError> {
         let region = Arc::new(MemRegion::anonymous(s.bytes.max(1))?);
         // SAFETY: both ranges are in bounds of their regions; the staging region is fresh and private.
-        unsafe { std::ptr::copy_nonoverlapping(s.ptr(), region.base(), s.bytes as usize) };
+        unsafe { std::ptr::copy_nonoverlapping(s.ptr(), region.base(), usize_of(s.bytes)) };
         Ok(Span {
             region,
             off: 0,
@@ -349,9 +350,9 @@ fn run_piece(plan: &Plan, p: Piece, stream: bool) {
             // and spans are in bounds of live mappings held by the plan. `copy` tolerates overlap.
             unsafe {
                 std::ptr::copy(
-                    src.ptr().add(p.start as usize),
-                    dst.ptr().add(p.start as usize),
-                    (p.end - p.start) as usize,
+                    src.ptr().add(usize_of(p.start)),
+                    dst.ptr().add(usize_of(p.start)),
+                    usize_of(p.end - p.start),
                 )
             }
         }
@@ -361,7 +362,7 @@ fn run_piece(plan: &Plan, p: Piece, stream: bool) {
             outputs,
             ..
         } => {
-            let at = (p.start * es) as usize;
+            let at = usize_of(p.start * es);
             let ins: Vec<*const u8> = inputs
                 .iter()
                 .map(|s| {
@@ -385,7 +386,7 @@ fn run_piece(plan: &Plan, p: Piece, stream: bool) {
                     plan.nranks,
                     &ins,
                     &outs,
-                    (p.end - p.start) as usize,
+                    usize_of(p.end - p.start),
                     stream,
                 )
             }
@@ -622,7 +623,7 @@ mod tests {
             let got = read_f32(b.recv.as_ref().unwrap());
             let want: Vec<f32> = (0..n)
                 .flat_map(|k| {
-                    (0..count as usize).map(move |j| (k * 100 + r * count as usize + j) as f32)
+                    (0..usize_of(count)).map(move |j| (k * 100 + r * usize_of(count) + j) as f32)
                 })
                 .collect();
             assert_eq!(got, want, "rank {r}");

@@ -14,6 +14,7 @@
 #![allow(unsafe_code)] // reductions over registered memory that clients also map
 
 use commd_proto::desc::{DType, DescError, RedOp};
+use commd_proto::num::usize_of;
 use half::{bf16, f16};
 
 const CHUNK: usize = 2048;
@@ -139,8 +140,9 @@ macro_rules! wide_elem {
                 i128::from(self.0)
             }
             #[inline(always)]
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             fn store(a: i128) -> Self {
-                // A mean of values of $t lies within $t's range.
+                // A mean of values of $t lies within $t's range, so the cast is exact.
                 Wide(a as $t)
             }
         }
@@ -473,7 +475,7 @@ impl Kernel {
         match (self.dtype, self.op) {
             (DType::F16 | DType::BF16, _) => 4,
             (d, RedOp::Avg) if !d.is_float() => 16,
-            (d, _) => d.size() as usize,
+            (d, _) => usize_of(d.size()),
         }
     }
 }
@@ -520,6 +522,9 @@ mod tests {
     use commd_proto::desc::{ALL_DTYPES, ALL_REDOPS};
 
     /// Reference: reduce in f64 (or i128) one element at a time, with the same rounding points.
+    // An f64 reference of a reduction: `a as f32` rounds like an f32 accumulator; the integer
+    // dtypes' values are whole f64s within i128, wrapped to the dtype by `wrap`.
+    #[allow(clippy::cast_possible_truncation)]
     fn reference(dtype: DType, op: RedOp, vals: &[f64]) -> f64 {
         let n = vals.len() as f64;
         if dtype.is_float() {
@@ -581,6 +586,9 @@ mod tests {
         }
     }
 
+    // An f64 reference value stored as the dtype: `as` rounds (floats) or truncates (integers,
+    // whose values are exact in f64 and within the dtype's range), as the kernels' results do.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     fn to_bytes(dtype: DType, v: &[f64]) -> Vec<u8> {
         let mut out = Vec::new();
         for &x in v {
@@ -599,7 +607,7 @@ mod tests {
     }
 
     fn from_bytes(dtype: DType, b: &[u8]) -> Vec<f64> {
-        let s = dtype.size() as usize;
+        let s = usize_of(dtype.size());
         b.chunks(s)
             .map(|c| match dtype {
                 DType::F32 => f32::from_ne_bytes(c.try_into().unwrap()) as f64,
@@ -614,19 +622,21 @@ mod tests {
             .collect()
     }
 
+    // The low bits of a hash as each dtype's full-width bit pattern: truncation is the point.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_possible_wrap)]
     fn value(dtype: DType, op: RedOp, r: usize, i: usize) -> f64 {
         if op.is_bitwise() {
             // Full-width bit patterns, sign bit included; i64 keeps 53 bits so f64 holds it exactly
             // (bits 52..63 then all equal the sign, which still tests them).
             let h = (r as u64 + 1)
                 .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                .rotate_left(i as u32 % 64)
+                .rotate_left(u32::try_from(i % 64).unwrap())
                 ^ (i as u64).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             return match dtype {
-                DType::I8 => h as i8 as f64,
-                DType::U8 => h as u8 as f64,
-                DType::I32 => h as i32 as f64,
-                _ => ((h as i64) >> 11) as f64,
+                DType::I8 => f64::from(h as i8),
+                DType::U8 => f64::from(h as u8),
+                DType::I32 => f64::from(h as i32),
+                _ => (h.cast_signed() >> 11) as f64,
             };
         }
         let h = (r * 7919 + i * 104_729) % 23;
@@ -664,19 +674,46 @@ mod tests {
                         })
                         .collect();
                     // Out-of-place to two outputs, and in-place into input 0.
-                    let mut out1 = vec![0u8; n * dtype.size() as usize];
-                    let mut out2 = vec![0u8; n * dtype.size() as usize];
+                    let mut out1 = vec![0u8; n * usize_of(dtype.size())];
+                    let mut out2 = vec![0u8; n * usize_of(dtype.size())];
                     let mut inplace = inputs.clone();
                     let ins: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr()).collect();
                     // SAFETY: all buffers hold n elements; Vec<u8> of a multiple of the element size
                     // allocated by the global allocator is aligned enough on x86-64 (checked below).
-                    unsafe { reduce(kernel, nranks as u32, &ins, &[out1.as_mut_ptr()], n, false) };
+                    unsafe {
+                        reduce(
+                            kernel,
+                            u32::try_from(nranks).unwrap(),
+                            &ins,
+                            &[out1.as_mut_ptr()],
+                            n,
+                            false,
+                        )
+                    };
                     // SAFETY: as above; the streaming path must give the same bytes.
-                    unsafe { reduce(kernel, nranks as u32, &ins, &[out2.as_mut_ptr()], n, true) };
+                    unsafe {
+                        reduce(
+                            kernel,
+                            u32::try_from(nranks).unwrap(),
+                            &ins,
+                            &[out2.as_mut_ptr()],
+                            n,
+                            true,
+                        )
+                    };
                     let ip_ins: Vec<*const u8> = inplace.iter().map(|v| v.as_ptr()).collect();
                     let dst = inplace[0].as_mut_ptr();
                     // SAFETY: as above; the output is identical to input 0.
-                    unsafe { reduce(kernel, nranks as u32, &ip_ins, &[dst], n, nranks == 3) };
+                    unsafe {
+                        reduce(
+                            kernel,
+                            u32::try_from(nranks).unwrap(),
+                            &ip_ins,
+                            &[dst],
+                            n,
+                            nranks == 3,
+                        )
+                    };
                     assert_eq!(out1.as_ptr() as usize % 8, 0);
                     let got = from_bytes(dtype, &out1);
                     let got_ip = from_bytes(dtype, &inplace[0]);
@@ -705,7 +742,7 @@ mod tests {
     /// Buffers of `n` elements of `dtype` with random bits, backed by u64 so every dtype is aligned.
     fn random_words(n: usize, dtype: DType, seed: u64) -> Vec<u64> {
         let mut x = seed | 1;
-        (0..(n * dtype.size() as usize).div_ceil(8))
+        (0..(n * usize_of(dtype.size())).div_ceil(8))
             .map(|_| {
                 x ^= x << 13;
                 x ^= x >> 7;
@@ -725,7 +762,7 @@ mod tests {
         // bytes. All 64 bits random (also i64 bits that `value` cannot reach through f64).
         let n = CHUNK + 13;
         for dtype in [DType::I8, DType::U8, DType::I32, DType::I64] {
-            let len = n * dtype.size() as usize;
+            let len = n * usize_of(dtype.size());
             for op in [RedOp::Band, RedOp::Bor, RedOp::Bxor] {
                 let kernel = Kernel::new(dtype, op).unwrap();
                 for nranks in [1usize, 2, 3, 5] {
@@ -752,7 +789,7 @@ mod tests {
                         unsafe {
                             reduce(
                                 kernel,
-                                nranks as u32,
+                                u32::try_from(nranks).unwrap(),
                                 &ins,
                                 &[out.as_mut_ptr().cast()],
                                 n,
@@ -770,7 +807,16 @@ mod tests {
                     let ip: Vec<*const u8> = inplace.iter().map(|v| v.as_ptr().cast()).collect();
                     let dst = inplace[nranks - 1].as_mut_ptr().cast::<u8>();
                     // SAFETY: as above; the output is identical to an input.
-                    unsafe { reduce(kernel, nranks as u32, &ip, &[dst], n, false) };
+                    unsafe {
+                        reduce(
+                            kernel,
+                            u32::try_from(nranks).unwrap(),
+                            &ip,
+                            &[dst],
+                            n,
+                            false,
+                        )
+                    };
                     assert_eq!(bytes_of(&inplace[nranks - 1], len), want, "in-place");
                 }
             }
@@ -786,7 +832,7 @@ mod tests {
             unsafe {
                 reduce(
                     Kernel::new(dtype, op).unwrap(),
-                    vals.len() as u32,
+                    u32::try_from(vals.len()).unwrap(),
                     &ptrs,
                     &[(&mut out as *mut T).cast()],
                     1,
@@ -817,7 +863,7 @@ mod tests {
             unsafe {
                 reduce(
                     Kernel::new(dtype, RedOp::Avg).unwrap(),
-                    vals.len() as u32,
+                    u32::try_from(vals.len()).unwrap(),
                     &ptrs,
                     &[(&mut out as *mut T).cast()],
                     1,
@@ -894,7 +940,7 @@ mod tests {
                 let Ok(k) = Kernel::new(dtype, op) else {
                     continue;
                 };
-                let es = dtype.size() as usize;
+                let es = usize_of(dtype.size());
                 let inputs: Vec<Vec<u8>> = (0..ranks)
                     .map(|_| {
                         let vals: Vec<f64> = (0..n)
@@ -913,7 +959,16 @@ mod tests {
                 let ptrs: Vec<*const u8> = inputs.iter().map(|v| v.as_ptr()).collect();
                 let mut want = vec![0u8; n * es];
                 // SAFETY: every buffer holds n elements; outputs are distinct from the inputs.
-                unsafe { reduce(k, ranks as u32, &ptrs, &[want.as_mut_ptr()], n, false) };
+                unsafe {
+                    reduce(
+                        k,
+                        u32::try_from(ranks).unwrap(),
+                        &ptrs,
+                        &[want.as_mut_ptr()],
+                        n,
+                        false,
+                    )
+                };
                 let acc = k.acc_size();
                 let mut a1 = vec![0u8; n * acc];
                 let mut a2 = vec![0u8; n * acc];
@@ -932,11 +987,27 @@ mod tests {
                 };
                 // SAFETY: as above; accumulator buffers hold n accumulators each.
                 unsafe {
-                    reduce_chain(k, ranks as u32, start, &ptrs[0..2], &[], n, false);
-                    reduce_chain(k, ranks as u32, mid, &ptrs[2..3], &[], n, false);
                     reduce_chain(
                         k,
-                        ranks as u32,
+                        u32::try_from(ranks).unwrap(),
+                        start,
+                        &ptrs[0..2],
+                        &[],
+                        n,
+                        false,
+                    );
+                    reduce_chain(
+                        k,
+                        u32::try_from(ranks).unwrap(),
+                        mid,
+                        &ptrs[2..3],
+                        &[],
+                        n,
+                        false,
+                    );
+                    reduce_chain(
+                        k,
+                        u32::try_from(ranks).unwrap(),
                         end,
                         &ptrs[3..5],
                         &[got.as_mut_ptr()],

@@ -21,6 +21,7 @@
 mod chain;
 mod moves;
 
+use commd_proto::num::usize_of;
 use std::time::Instant;
 
 use commd_proto::desc::{DType, OpKind, RedOp};
@@ -45,7 +46,7 @@ impl Topo {
         let mut node_ranks = vec![Vec::new(); nodes.len()];
         for (r, &n) in rank_node.iter().enumerate() {
             if let Some(v) = node_ranks.get_mut(n) {
-                v.push(r as u32);
+                v.push(crate::ranks::of(r));
             }
         }
         Self {
@@ -104,7 +105,7 @@ pub struct Coll {
 impl Coll {
     pub fn sig(&self) -> Sig {
         Sig {
-            op: self.kind.code() as u8,
+            op: u8::try_from(self.kind.code()).expect("every op code is below 256"),
             dtype: self.dtype.code(),
             redop: self.redop.map_or(0xff, |r| r.code()),
             root: if self.kind.has_root() { self.root } else { 0 },
@@ -137,7 +138,7 @@ pub struct Scratch {
 impl Scratch {
     /// A region of at least `bytes` bytes (contents unspecified), valid until the next call.
     pub fn get(&mut self, bytes: u64) -> *mut u8 {
-        let words = (bytes as usize).div_ceil(16).max(1);
+        let words = usize_of(bytes).div_ceil(16).max(1);
         if self.buf.len() < words {
             self.buf = vec![0u128; words];
         }
@@ -178,7 +179,7 @@ impl Io<'_> {
                 },
                 &sig,
                 ptr,
-                len as usize,
+                usize_of(len),
             )?
         };
         self.sends.push(id);
@@ -417,7 +418,7 @@ pub fn run_switch(
         rs.push(unsafe { io.recv(n, SWITCH_SIG_MSG, dangling, 0)? });
     }
     let float = c.dtype == DType::F32;
-    let count = c.count as usize;
+    let count = usize_of(c.count);
     let mut inputs = Vec::with_capacity(c.bufs.len());
     for i in 0..c.bufs.len() {
         inputs.push(send_ptr(c, i)?);
@@ -438,7 +439,16 @@ pub fn run_switch(
         // SAFETY: inputs are valid registered spans of count elements (aligned); acc is rank 0's
         // output (count elements, aliasing no input) or the scratch (count * 4 bytes, 16-byte
         // aligned, overlapping no registration).
-        unsafe { reduce::reduce(k, inputs.len() as u32, &inputs, &[acc], count, false) };
+        unsafe {
+            reduce::reduce(
+                k,
+                crate::ranks::of(inputs.len()),
+                &inputs,
+                &[acc],
+                count,
+                false,
+            )
+        };
     }
     let t1 = Instant::now();
     // SAFETY: acc stays untouched by anyone else until the op completes (we wait for it below,
@@ -536,7 +546,7 @@ fn local_index(c: &Coll, r: u32) -> Option<usize> {
 unsafe fn copy(dst: *mut u8, src: *const u8, n: u64) {
     if n > 0 && dst.cast_const() != src {
         // SAFETY: forwarded.
-        unsafe { std::ptr::copy(src, dst, n as usize) };
+        unsafe { std::ptr::copy(src, dst, usize_of(n)) };
     }
 }
 
@@ -569,7 +579,7 @@ fn one_shot_reduce(
         let node = t.rank_node[r];
         if node != t.me {
             // SAFETY: slot r of the scratch holds blk bytes; the scratch lives across the op.
-            rs.push(unsafe { io.recv(node, r as u64, base.add(r * blk as usize), blk)? });
+            rs.push(unsafe { io.recv(node, r as u64, base.add(r * usize_of(blk)), blk)? });
         }
     }
     io.wait(&rs)?;
@@ -577,10 +587,10 @@ fn one_shot_reduce(
     io.flush()?;
     let mut inputs = Vec::with_capacity(n);
     for r in 0..n {
-        inputs.push(match local_index(c, r as u32) {
+        inputs.push(match local_index(c, crate::ranks::of(r)) {
             Some(i) => send_ptr(c, i)?,
             // SAFETY: inside the scratch region of n blocks.
-            None => unsafe { base.add(r * blk as usize).cast_const() },
+            None => unsafe { base.add(r * usize_of(blk)).cast_const() },
         });
     }
     let mut outputs = Vec::new();
@@ -593,7 +603,16 @@ fn one_shot_reduce(
     // were validated for alignment; the scratch is 16-byte aligned and blk is a multiple of the
     // element size); an output may equal an input (in-place) but no partial overlap is possible
     // between distinct registrations and the scratch.
-    unsafe { reduce::reduce(k, n as u32, &inputs, &outputs, c.count as usize, false) };
+    unsafe {
+        reduce::reduce(
+            k,
+            crate::ranks::of(n),
+            &inputs,
+            &outputs,
+            usize_of(c.count),
+            false,
+        )
+    };
     Ok(())
 }
 
@@ -618,7 +637,7 @@ fn reduce_scatter(
                     io.send(
                         node,
                         u64::from(*r) * n as u64 + q as u64,
-                        src.add(q * blk as usize),
+                        src.add(q * usize_of(blk)),
                         blk,
                     )?
                 };
@@ -628,7 +647,7 @@ fn reduce_scatter(
     // Receive block q (local) of every remote rank r into scratch slot (r, q).
     let remote: Vec<usize> = (0..n).filter(|&r| t.rank_node[r] != t.me).collect();
     let base = scratch.get(blk * (remote.len() * local.len()).max(1) as u64);
-    let slot = |ri: usize, qi: usize| (ri * local.len() + qi) * blk as usize;
+    let slot = |ri: usize, qi: usize| (ri * local.len() + qi) * usize_of(blk);
     let mut rs = Vec::new();
     for (ri, &r) in remote.iter().enumerate() {
         for (qi, &q) in local.iter().enumerate() {
@@ -647,9 +666,9 @@ fn reduce_scatter(
     for (qi, &q) in local.iter().enumerate() {
         let mut inputs = Vec::with_capacity(n);
         for r in 0..n {
-            inputs.push(match local_index(c, r as u32) {
+            inputs.push(match local_index(c, crate::ranks::of(r)) {
                 // SAFETY: block q of rank r's send span.
-                Some(i) => unsafe { send_ptr(c, i)?.add(q as usize * blk as usize) },
+                Some(i) => unsafe { send_ptr(c, i)?.add(q as usize * usize_of(blk)) },
                 None => {
                     let ri = remote.iter().position(|&x| x == r).unwrap_or(0);
                     // SAFETY: inside the scratch.
@@ -659,7 +678,16 @@ fn reduce_scatter(
         }
         let out = recv_ptr(c, qi)?;
         // SAFETY: as in one_shot_reduce.
-        unsafe { reduce::reduce(k, n as u32, &inputs, &[out], c.count as usize, false) };
+        unsafe {
+            reduce::reduce(
+                k,
+                crate::ranks::of(n),
+                &inputs,
+                &[out],
+                usize_of(c.count),
+                false,
+            )
+        };
     }
     Ok(())
 }

@@ -83,7 +83,11 @@ impl<S> Binds<S> {
             for (i, slot) in out.iter_mut().enumerate() {
                 if slot.is_none() {
                     *slot = m
-                        .remove(&(*token, node.to_string(), i as u32))
+                        .remove(&(
+                            *token,
+                            node.to_string(),
+                            u32::try_from(i).expect("n is a tcp_streams count (at most 16)"),
+                        ))
                         .map(|(s, _)| s);
                 }
             }

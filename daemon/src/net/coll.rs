@@ -40,7 +40,7 @@ impl Thread {
         }
         match r {
             Ok((alg, transport, ran)) => {
-                tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = alg, transport = transport, staged_in_us = staged_in.as_micros() as u64, ran_us = ran.as_micros() as u64, us = t0.elapsed().as_micros() as u64, "executed");
+                tracing::trace!(target: "commd::net", comm = self.s.comm_id, op = coll.kind.name(), seq = coll.seq, bytes = coll.count * coll.dtype.size(), algorithm = alg, transport = transport, staged_in_us = u64::try_from(staged_in.as_micros()).unwrap_or(u64::MAX), ran_us = u64::try_from(ran.as_micros()).unwrap_or(u64::MAX), us = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX), "executed");
                 for p in ops {
                     if let Some(b) = p.bell() {
                         crate::cuda::signal_done(&b, b.ticket);

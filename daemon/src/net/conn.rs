@@ -42,7 +42,11 @@ fn encode_bind(token: &[u8; 16], node: &str, stream: u32) -> [u8; BIND_BYTES] {
     b[4..20].copy_from_slice(token);
     b[20..24].copy_from_slice(&stream.to_le_bytes());
     let id = &node.as_bytes()[..node.len().min(MAX_NODE_ID)];
-    b[24..26].copy_from_slice(&(id.len() as u16).to_le_bytes());
+    b[24..26].copy_from_slice(
+        &u16::try_from(id.len())
+            .expect("a node id is cut to MAX_NODE_ID bytes")
+            .to_le_bytes(),
+    );
     b[26..26 + id.len()].copy_from_slice(id);
     b
 }
@@ -156,7 +160,9 @@ impl DataPlane {
             };
             s.set_nonblocking(false).map_err(|e| e.to_string())?;
             s.set_nodelay(true).map_err(|e| e.to_string())?;
-            s.write_all(&encode_bind(token, me, i as u32))
+            let stream =
+                u32::try_from(i).map_err(|_| format!("data stream {i} does not fit u32"))?;
+            s.write_all(&encode_bind(token, me, stream))
                 .map_err(|e| format!("binding a data connection to {data_addr}: {e}"))?;
             out.push(s);
         }

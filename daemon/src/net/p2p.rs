@@ -28,7 +28,7 @@ pub(super) struct StagedP2p {
 
 pub(super) fn p2p_sig(p: &Posted) -> Sig {
     Sig {
-        op: OpKind::Send.code() as u8,
+        op: u8::try_from(OpKind::Send.code()).expect("every op code is below 256"),
         dtype: p.op.dtype.code(),
         redop: 0xff,
         root: 0,
@@ -100,7 +100,7 @@ impl Thread {
                     },
                     &sig,
                     ptr,
-                    bytes as usize,
+                    commd_proto::num::usize_of(bytes),
                 )
             }
             .map(|id| (Some(id), None))

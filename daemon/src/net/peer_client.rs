@@ -33,22 +33,25 @@ pub fn endpoint_to_pb(e: &crate::net::rdma::stream::Endpoint) -> pb::PeerRdmaEnd
     }
 }
 
-pub fn endpoint_from_pb(e: &pb::PeerRdmaEndpoint) -> crate::net::rdma::stream::Endpoint {
+pub fn endpoint_from_pb(
+    e: &pb::PeerRdmaEndpoint,
+) -> Result<crate::net::rdma::stream::Endpoint, String> {
     let mut gid = [0u8; 16];
     if e.gid.len() == 16 {
         gid.copy_from_slice(&e.gid);
     }
-    crate::net::rdma::stream::Endpoint {
+    Ok(crate::net::rdma::stream::Endpoint {
         qpn: e.qpn,
         psn: e.psn,
         gid,
-        lid: e.lid as u16,
+        lid: u16::try_from(e.lid)
+            .map_err(|_| format!("RDMA endpoint LID {} does not fit 16 bits", e.lid))?,
         mtu: e.mtu,
         addr: e.addr,
         rkey: e.rkey,
         len: e.len,
         device: e.device.clone(),
-    }
+    })
 }
 
 /// Connects this node's RDMA streams to `peer` (its peer-service address): for each pending QP,
@@ -75,12 +78,13 @@ pub fn rdma_connect_blocking(
                 .rdma_connect(pb::PeerRdmaConnect {
                     token: token.to_vec(),
                     node: me.to_string(),
-                    stream: i as u32,
+                    stream: u32::try_from(i)
+                        .map_err(|_| format!("RDMA stream {i} does not fit u32"))?,
                     endpoint: Some(endpoint_to_pb(l)),
                 })
                 .await
                 .map_err(|s| format!("RdmaConnect refused: {}", s.message()))?;
-            out.push(endpoint_from_pb(&r.into_inner()));
+            out.push(endpoint_from_pb(&r.into_inner())?);
         }
         Ok(out)
     })

@@ -198,14 +198,18 @@ pub fn setup(
                 stall: (ctx.peer_timeout * 2).max(Duration::from_secs(2)),
                 pin: s.pin,
             };
-            let (rank, label2, wake2) = (t.me as u32, label.to_string(), wake.clone());
+            let (rank, label2, wake2) = (
+                u32::try_from(t.me).expect("nodes are at most the ranks, a u32"),
+                label.to_string(),
+                wake.clone(),
+            );
             let h = std::thread::Builder::new()
                 .name("commd-sw-setup".into())
                 .spawn(move || {
                     bring_up(
                         &want,
                         rank,
-                        n as u32,
+                        u32::try_from(n).expect("nodes are at most the ranks, a u32"),
                         &scope,
                         &label2,
                         Some(wake2),

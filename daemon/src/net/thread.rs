@@ -210,7 +210,9 @@ impl Thread {
                 }
                 Transport::Rdma => {
                     let r = rd()?;
-                    let pend = (0..r.qps_per_peer as u32)
+                    let qps = u32::try_from(r.qps_per_peer)
+                        .map_err(|_| format!("{label}: rdma_qps_per_peer out of range"))?;
+                    let pend = (0..qps)
                         .map(|q| r.prepare(q, &topo.nodes[i]))
                         .collect::<Result<Vec<_>, _>>()
                         .map_err(|e| format!("{label}: {e}"))?;

@@ -213,6 +213,13 @@ impl Wire {
         peer_timeout: Duration,
         wake: OwnedFd,
     ) -> std::io::Result<Self> {
+        // A chunk's length travels in the header's 32-bit field.
+        let chunk = u32::try_from(chunk.max(4096)).map_err(|_| {
+            std::io::Error::new(
+                ErrorKind::InvalidInput,
+                format!("a network chunk of {chunk} bytes does not fit the header's 32-bit length"),
+            )
+        })?;
         let now = Instant::now();
         let n = links.len();
         let mut peers = Vec::with_capacity(n);
@@ -256,7 +263,7 @@ impl Wire {
         Ok(Self {
             me,
             peers,
-            chunk: chunk.max(4096) as usize,
+            chunk: commd_proto::num::usize_of(u64::from(chunk)),
             peer_timeout,
             posted: HashMap::new(),
             early: HashMap::new(),
@@ -315,7 +322,14 @@ impl Wire {
             let s = p.next % p.tx.len();
             p.next += 1;
             p.tx[s].q.push_back(TxItem {
-                hdr: put_hdr(KIND_DATA, &key, sig, off as u64, len as u64, n as u32),
+                hdr: put_hdr(
+                    KIND_DATA,
+                    &key,
+                    sig,
+                    off as u64,
+                    len as u64,
+                    u32::try_from(n).expect("n <= chunk, which Wire::new checked fits u32"),
+                ),
                 // SAFETY: off <= len; the caller keeps ptr valid for len bytes.
                 ptr: unsafe { ptr.add(off) },
                 len: n,
@@ -381,8 +395,8 @@ impl Wire {
                 unsafe {
                     std::ptr::copy_nonoverlapping(
                         e.buf.as_ptr(),
-                        ptr.add(e.offset as usize),
-                        e.len as usize,
+                        ptr.add(commd_proto::num::usize_of(e.offset)),
+                        commd_proto::num::usize_of(e.len),
                     )
                 };
                 slot.got += e.len;
@@ -493,7 +507,7 @@ impl Wire {
             let timeout = until.map(|u| {
                 let d = u.saturating_duration_since(now).min(HEARTBEAT_EVERY);
                 rustix::event::Timespec {
-                    tv_sec: d.as_secs() as i64,
+                    tv_sec: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
                     tv_nsec: d.subsec_nanos() as i64,
                 }
             });
@@ -686,8 +700,10 @@ impl Wire {
             for t in &mut p.tx {
                 t.q.retain(|it| it.pos > 0);
                 let len = text.as_ref().map_or(0, |t| t.len());
+                let len32 =
+                    u32::try_from(len).expect("an abort text is cut to MAX_ABORT_TEXT bytes");
                 t.q.push_back(TxItem {
-                    hdr: put_hdr(kind, &key, &Sig::default(), 0, len as u64, len as u32),
+                    hdr: put_hdr(kind, &key, &Sig::default(), 0, len as u64, len32),
                     ptr: std::ptr::null(),
                     len,
                     pos: 0,

@@ -79,7 +79,7 @@ mod tests {
                     WINDOW.with(|t| t.set(window));
                     let want = Want {
                         controller: ctl,
-                        bind: Ipv4Addr::new(127, 0, 1, 2 + rank as u8),
+                        bind: Ipv4Addr::new(127, 0, 1, 2 + u8::try_from(rank).unwrap()),
                         threads: THREADS.with(|t| t.get()),
                         window: WINDOW.with(|t| t.get()),
                         size,
@@ -113,9 +113,10 @@ mod tests {
                             } else {
                                 let mut v: Vec<i32> = (0..count)
                                     .map(|i| {
-                                        (i as i32)
-                                            .wrapping_mul(7919)
-                                            .wrapping_add(rank as i32 * 1_000_003 + k as i32)
+                                        i32::try_from(i).unwrap().wrapping_mul(7919).wrapping_add(
+                                            rank.cast_signed() * 1_000_003
+                                                + i32::try_from(k).unwrap(),
+                                        )
                                     })
                                     .collect();
                                 w.all_reduce_i32(&mut v)?;
@@ -143,9 +144,9 @@ mod tests {
                 } else {
                     f64::from((0..n).fold(0i32, |a, r| {
                         a.wrapping_add(
-                            (i as i32)
-                                .wrapping_mul(7919)
-                                .wrapping_add(r as i32 * 1_000_003 + k as i32),
+                            i32::try_from(i).unwrap().wrapping_mul(7919).wrapping_add(
+                                r.cast_signed() * 1_000_003 + i32::try_from(k).unwrap(),
+                            ),
                         )
                     }))
                 };
@@ -273,7 +274,7 @@ mod perf {
                 std::thread::spawn(move || {
                     let want = Want {
                         controller: ctl,
-                        bind: Ipv4Addr::new(127, 0, 2, 2 + rank as u8),
+                        bind: Ipv4Addr::new(127, 0, 2, 2 + u8::try_from(rank).unwrap()),
                         threads: 1,
                         window,
                         size: PacketSize::Mtu1024,

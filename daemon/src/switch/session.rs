@@ -91,7 +91,12 @@ fn with_meta<T>(msg: T, kv: &[(&'static str, String)]) -> Request<T> {
 fn pick_port(ip: Ipv4Addr, threads: usize) -> Result<u16, String> {
     for _ in 0..64 {
         let p: u16 = rand::random_range(20000..60000u16);
-        let ok = (0..threads).all(|t| UdpSocket::bind((ip, p + t as u16)).is_ok());
+        let ok = (0..threads).all(|t| {
+            u16::try_from(t)
+                .ok()
+                .and_then(|t| p.checked_add(t))
+                .is_some_and(|port| UdpSocket::bind((ip, port)).is_ok())
+        });
         if ok {
             return Ok(p);
         }

@@ -163,7 +163,10 @@ impl Worker {
         }
         let mut socks = Vec::new();
         for t in 0..p.threads {
-            let port = p.port.checked_add(t as u16).ok_or("worker port overflow")?;
+            let port = u16::try_from(t)
+                .ok()
+                .and_then(|t| p.port.checked_add(t))
+                .ok_or("worker port overflow")?;
             let s = UdpSocket::bind((p.bind, port))
                 .map_err(|e| format!("cannot bind switch worker socket {}:{port}: {e}", p.bind))?;
             s.connect(p.switch)
@@ -265,6 +268,13 @@ impl Worker {
         let op = unsafe { self.start_op(v.as_mut_ptr().cast(), v.len(), true) };
         wait(&op)
     }
+}
+
+/// A slot or id count in the switch's `u32` ids (tsi), which wrap: every worker numbers them
+/// modulo 2^32 with `wrapping_add`, so `x` modulo 2^32 is the exact value.
+#[allow(clippy::cast_possible_truncation)]
+fn tsi_word(x: usize) -> u32 {
+    x as u32
 }
 
 fn wait(op: &OpState) -> Result<Outcome, String> {
@@ -425,7 +435,7 @@ impl Thread {
         // Every worker advances the ids by the same amount, whatever this thread's share.
         let span = (job.count.div_ceil(v).div_ceil(self.threads) + 2) * self.threads * self.window;
         self.op_base = self.tsi_base;
-        self.tsi_base = self.tsi_base.wrapping_add(span as u32);
+        self.tsi_base = self.tsi_base.wrapping_add(tsi_word(span));
         if np == 0 {
             return Ok(false);
         }
@@ -535,8 +545,8 @@ impl Thread {
         // Same on every worker: (op, round, slot) numbered across the session's slots.
         s.tsi = self
             .op_base
-            .wrapping_add((r as u32).wrapping_mul((self.threads * self.window) as u32))
-            .wrapping_add((self.t * self.window + j) as u32);
+            .wrapping_add(tsi_word(r).wrapping_mul(tsi_word(self.threads * self.window)))
+            .wrapping_add(tsi_word(self.t * self.window + j));
         let (mut e0, mut e1) = (i8::MIN, i8::MIN);
         let elems = job.count;
         let range = |pk: usize| -> (usize, usize) {
@@ -578,7 +588,9 @@ impl Thread {
             size: self.size,
             job: job.job,
             tsi: s.tsi,
-            slot: (self.t * self.window + j) as u16,
+            slot: u16::try_from(self.t * self.window + j).expect(
+                "a slot is below threads * window, at most 16 * 4096 (the registry's bounds)",
+            ),
             set,
             e0,
             e1,

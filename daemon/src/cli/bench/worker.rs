@@ -129,8 +129,8 @@ impl<'a> Worker<'a> {
         let plain = a.memory == "plain";
         let (usend, urecv) = if plain {
             (
-                vec![0u8; send_bytes as usize],
-                vec![0u8; recv_bytes as usize],
+                vec![0u8; commd_proto::num::usize_of(send_bytes)],
+                vec![0u8; commd_proto::num::usize_of(recv_bytes)],
             )
         } else {
             (Vec::new(), Vec::new())
@@ -176,16 +176,18 @@ impl<'a> Worker<'a> {
         };
         // What this size's op reads and writes of the rank's buffers (in place: both in
         // the receive buffer, whose input part the op reads).
-        let in_bytes = (spec
-            .send_elems()
-            .max(if sel.kind == OpKind::Send { count } else { 0 })
-            * es) as usize;
-        let out_bytes = (sel
-            .kind
-            .recv_elems(count, self.n)
-            .unwrap_or(count)
-            .max(count)
-            * es) as usize;
+        let in_bytes = commd_proto::num::usize_of(
+            spec.send_elems()
+                .max(if sel.kind == OpKind::Send { count } else { 0 })
+                * es,
+        );
+        let out_bytes = commd_proto::num::usize_of(
+            sel.kind
+                .recv_elems(count, self.n)
+                .unwrap_or(count)
+                .max(count)
+                * es,
+        );
         Case {
             size,
             count,
@@ -252,7 +254,7 @@ impl<'a> Worker<'a> {
         } else {
             &mut self.sbuf
         };
-        let at = c.send_off as usize;
+        let at = commd_proto::num::usize_of(c.send_off);
         check::fill(
             self.sel.dtype,
             self.sel.redop,
@@ -321,12 +323,12 @@ impl<'a> Worker<'a> {
         }
         self.run_one(c)?;
         // The op's output (its slot for an in-place reduce-scatter).
-        let at = c.recv_off as usize;
+        let at = commd_proto::num::usize_of(c.recv_off);
         self.urecv[at..at + c.out_bytes]
             .copy_from_slice(&self.rbuf.as_slice()[at..at + c.out_bytes]);
         if self.sel.kind == OpKind::Send && c.inplace {
             // The in-place ring receives into the send buffer (see run_one).
-            let n = (c.count * self.es) as usize;
+            let n = commd_proto::num::usize_of(c.count * self.es);
             self.urecv[..n].copy_from_slice(&self.sbuf.as_slice()[..n]);
         }
         Ok(())
@@ -357,7 +359,8 @@ impl<'a> Worker<'a> {
             }
             .count_wrong(rcv)
         } else if c.inplace && kind == OpKind::ReduceScatter {
-            c.spec.count_wrong(&rcv[c.recv_off as usize..])
+            c.spec
+                .count_wrong(&rcv[commd_proto::num::usize_of(c.recv_off)..])
         } else {
             c.spec.count_wrong(rcv)
         })

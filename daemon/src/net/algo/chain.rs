@@ -9,6 +9,7 @@
 
 use super::*;
 use crate::engine::reduce::Chain;
+use commd_proto::num::usize_of;
 
 pub(super) fn chain_reduce(
     io: &mut Io<'_>,
@@ -126,7 +127,7 @@ impl<'a> ChainOp<'a> {
 
     fn region_at(&self, k: usize) -> *mut u8 {
         // SAFETY: k <= 2 * mine.len(), so the offset stays inside the `total` bytes requested.
-        unsafe { self.base.add(k * self.region as usize) }
+        unsafe { self.base.add(k * usize_of(self.region)) }
     }
 
     fn acc_in(&self, m: usize) -> *mut u8 {
@@ -162,7 +163,7 @@ impl<'a> ChainOp<'a> {
                     io.recv(
                         self.runs[j - 1].0,
                         ci * nruns + j as u64,
-                        self.acc_in(m).add((e0 * self.acc) as usize),
+                        self.acc_in(m).add(usize_of(e0 * self.acc)),
                         (e1 - e0) * self.acc,
                     )?
                 };
@@ -186,7 +187,7 @@ impl<'a> ChainOp<'a> {
                     io.recv(
                         self.order[self.pos - 1],
                         bcast_tag(ci),
-                        dst.add((e0 * es) as usize),
+                        dst.add(usize_of(e0 * es)),
                         (e1 - e0) * es,
                     )?
                 });
@@ -201,7 +202,7 @@ impl<'a> ChainOp<'a> {
                     io.recv(
                         self.last_node,
                         bcast_tag(ci),
-                        dst.add((e0 * es) as usize),
+                        dst.add(usize_of(e0 * es)),
                         (e1 - e0) * es,
                     )?
                 });
@@ -224,19 +225,20 @@ impl<'a> ChainOp<'a> {
         let (c, es) = (self.c, self.es);
         let (e0, _) = self.range(ci);
         if j > 0 {
-            let id = incoming[m][ci as usize];
+            let id = incoming[m][usize_of(ci)];
             io.wait(&[id])?;
         }
         let (_, r0, r1) = self.runs[j];
         let mut inputs = Vec::with_capacity(r1 - r0);
         for r in r0..r1 {
-            let i = local_index(c, r as u32).ok_or_else(|| local_err("run rank not local"))?;
+            let i = local_index(c, crate::ranks::of(r))
+                .ok_or_else(|| local_err("run rank not local"))?;
             // SAFETY: e0 < count: inside the send span.
-            inputs.push(unsafe { send_ptr(c, i)?.add((e0 * es) as usize) });
+            inputs.push(unsafe { send_ptr(c, i)?.add(usize_of(e0 * es)) });
         }
         let ch_in = if j > 0 {
             // SAFETY: inside acc_in(m).
-            unsafe { self.acc_in(m).add((e0 * self.acc) as usize).cast_const() }
+            unsafe { self.acc_in(m).add(usize_of(e0 * self.acc)).cast_const() }
         } else {
             std::ptr::null()
         };
@@ -258,16 +260,16 @@ impl<'a> ChainOp<'a> {
         inputs: &[*const u8],
     ) -> Result<(), NetError> {
         let (e0, e1) = self.range(ci);
-        let ne = (e1 - e0) as usize;
+        let ne = usize_of(e1 - e0);
         let nruns = self.runs.len() as u64;
         // SAFETY: inside acc_out(m).
-        let out = unsafe { self.acc_out(m).add((e0 * self.acc) as usize) };
+        let out = unsafe { self.acc_out(m).add(usize_of(e0 * self.acc)) };
         // SAFETY: inputs valid for ne elements; accumulators in/out hold ne accumulators
         // in distinct scratch regions.
         unsafe {
             reduce::reduce_chain(
                 self.k,
-                self.n as u32,
+                crate::ranks::of(self.n),
                 Chain {
                     acc_in: ch_in,
                     acc_out: out,
@@ -301,16 +303,16 @@ impl<'a> ChainOp<'a> {
     ) -> Result<(), NetError> {
         let (c, es) = (self.c, self.es);
         let (e0, e1) = self.range(ci);
-        let ne = (e1 - e0) as usize;
+        let ne = usize_of(e1 - e0);
         let mut outs = Vec::new();
         if self.final_remote {
             // SAFETY: inside final_buf (count elements).
-            outs.push(unsafe { self.final_buf().add((e0 * es) as usize) });
+            outs.push(unsafe { self.final_buf().add(usize_of(e0 * es)) });
         }
         for (i, (r, _)) in c.bufs.iter().enumerate() {
             if c.kind == OpKind::AllReduce || *r == c.root {
                 // SAFETY: inside the recv span.
-                outs.push(unsafe { recv_ptr(c, i)?.add((e0 * es) as usize) });
+                outs.push(unsafe { recv_ptr(c, i)?.add(usize_of(e0 * es)) });
             }
         }
         // SAFETY: as above; outputs are recv spans (possibly equal to an input: in place)
@@ -318,7 +320,7 @@ impl<'a> ChainOp<'a> {
         unsafe {
             reduce::reduce_chain(
                 self.k,
-                self.n as u32,
+                crate::ranks::of(self.n),
                 Chain {
                     acc_in: ch_in,
                     acc_out: std::ptr::null_mut(),
@@ -336,7 +338,7 @@ impl<'a> ChainOp<'a> {
                 io.send(
                     self.order[1],
                     bcast_tag(ci),
-                    recv_ptr(c, 0)?.add((e0 * es) as usize),
+                    recv_ptr(c, 0)?.add(usize_of(e0 * es)),
                     ne as u64 * es,
                 )?
             };
@@ -346,7 +348,7 @@ impl<'a> ChainOp<'a> {
                 io.send(
                     self.root_node,
                     bcast_tag(ci),
-                    self.final_buf().add((e0 * es) as usize),
+                    self.final_buf().add(usize_of(e0 * es)),
                     ne as u64 * es,
                 )?
             };
@@ -367,14 +369,14 @@ impl<'a> ChainOp<'a> {
         };
         for ci in 0..self.nchunks {
             let (e0, e1) = self.range(ci);
-            io.wait(&[finals[ci as usize]])?;
+            io.wait(&[finals[usize_of(ci)]])?;
             if c.kind == OpKind::AllReduce && self.pos + 1 < self.order.len() {
                 // SAFETY: the chunk was received and is not written again.
                 unsafe {
                     io.send(
                         self.order[self.pos + 1],
                         bcast_tag(ci),
-                        dst.add((e0 * es) as usize),
+                        dst.add(usize_of(e0 * es)),
                         (e1 - e0) * es,
                     )?
                 };
@@ -383,7 +385,7 @@ impl<'a> ChainOp<'a> {
                 // Copy each chunk to the other local ranks as it lands (every input was folded
                 // before the first final chunk can exist, so in-place buffers are free to write).
                 for i in 1..c.bufs.len() {
-                    let off = (e0 * es) as usize;
+                    let off = usize_of(e0 * es);
                     // SAFETY: chunk [e0, e1) of recv spans of count elements; distinct
                     // registrations.
                     unsafe { copy(recv_ptr(c, i)?.add(off), dst.add(off), (e1 - e0) * es) };

@@ -5,6 +5,7 @@
 #![allow(unsafe_code)] // host-staged GPU memory and registered buffers moved by the network thread
 
 use super::*;
+use commd_proto::num::usize_of;
 
 pub(super) fn all_gather(io: &mut Io<'_>, c: &Coll) -> Result<(), NetError> {
     let t = io.t;
@@ -25,7 +26,7 @@ pub(super) fn all_gather(io: &mut Io<'_>, c: &Coll) -> Result<(), NetError> {
         let node = t.rank_node[r];
         if node != t.me {
             // SAFETY: block r of the first local rank's recv span (n blocks).
-            rs.push(unsafe { io.recv(node, r as u64, first.add(r * blk as usize), blk)? });
+            rs.push(unsafe { io.recv(node, r as u64, first.add(r * usize_of(blk)), blk)? });
         }
     }
     // Local blocks meanwhile.
@@ -33,7 +34,7 @@ pub(super) fn all_gather(io: &mut Io<'_>, c: &Coll) -> Result<(), NetError> {
         let dst = recv_ptr(c, i)?;
         for (j, (r, _)) in c.bufs.iter().enumerate() {
             // SAFETY: block r of a recv span; a send span of one block.
-            unsafe { copy(dst.add(*r as usize * blk as usize), send_ptr(c, j)?, blk) };
+            unsafe { copy(dst.add(*r as usize * usize_of(blk)), send_ptr(c, j)?, blk) };
         }
     }
     io.wait(&rs)?;
@@ -41,7 +42,7 @@ pub(super) fn all_gather(io: &mut Io<'_>, c: &Coll) -> Result<(), NetError> {
         let dst = recv_ptr(c, i)?;
         for r in 0..n {
             if t.rank_node[r] != t.me {
-                let off = r * blk as usize;
+                let off = r * usize_of(blk);
                 // SAFETY: block r of both recv spans.
                 unsafe { copy(dst.add(off), first.add(off).cast_const(), blk) };
             }
@@ -53,7 +54,7 @@ pub(super) fn all_gather(io: &mut Io<'_>, c: &Coll) -> Result<(), NetError> {
 fn overlaps(c: &Coll) -> bool {
     let span = |s: &Option<crate::engine::Span>| {
         s.as_ref()
-            .map(|s| (s.ptr() as usize, s.ptr() as usize + s.bytes() as usize))
+            .map(|s| (s.ptr() as usize, s.ptr() as usize + usize_of(s.bytes())))
     };
     c.bufs.iter().any(|(_, a)| {
         c.bufs
@@ -75,14 +76,14 @@ pub(super) fn all_to_all(io: &mut Io<'_>, c: &Coll, scratch: &mut Scratch) -> Re
     let src = |i: usize| -> Result<*const u8, NetError> {
         match staged {
             // SAFETY: row i of the staging area.
-            Some(b) => Ok(unsafe { b.add(i * row as usize).cast_const() }),
+            Some(b) => Ok(unsafe { b.add(i * usize_of(row)).cast_const() }),
             None => send_ptr(c, i),
         }
     };
     if let Some(b) = staged {
         for i in 0..c.bufs.len() {
             // SAFETY: send spans of n blocks into distinct staging rows.
-            unsafe { copy(b.add(i * row as usize), send_ptr(c, i)?, row) };
+            unsafe { copy(b.add(i * usize_of(row)), send_ptr(c, i)?, row) };
         }
     }
     for (i, (r, _)) in c.bufs.iter().enumerate() {
@@ -94,7 +95,7 @@ pub(super) fn all_to_all(io: &mut Io<'_>, c: &Coll, scratch: &mut Scratch) -> Re
                     io.send(
                         node,
                         u64::from(*r) * n as u64 + q as u64,
-                        src(i)?.add(q * blk as usize),
+                        src(i)?.add(q * usize_of(blk)),
                         blk,
                     )?
                 };
@@ -113,7 +114,7 @@ pub(super) fn all_to_all(io: &mut Io<'_>, c: &Coll, scratch: &mut Scratch) -> Re
                 io.recv(
                     node,
                     (r * n) as u64 + u64::from(*q),
-                    recv_ptr(c, qi)?.add(r * blk as usize),
+                    recv_ptr(c, qi)?.add(r * usize_of(blk)),
                     blk,
                 )?
             });
@@ -124,8 +125,8 @@ pub(super) fn all_to_all(io: &mut Io<'_>, c: &Coll, scratch: &mut Scratch) -> Re
             // SAFETY: block q of r's input into block r of q's output.
             unsafe {
                 copy(
-                    recv_ptr(c, qi)?.add(*r as usize * blk as usize),
-                    src(i)?.add(*q as usize * blk as usize),
+                    recv_ptr(c, qi)?.add(*r as usize * usize_of(blk)),
+                    src(i)?.add(*q as usize * usize_of(blk)),
                     blk,
                 )
             };
@@ -183,18 +184,18 @@ pub(super) fn broadcast_chain(io: &mut Io<'_>, c: &Coll, chunk: u64) -> Result<(
         for ci in 0..nchunks {
             let (a, b) = range(ci);
             // SAFETY: inside the first local recv span.
-            ids.push(unsafe { io.recv(order[pos - 1], ci, first.add(a as usize), b - a)? });
+            ids.push(unsafe { io.recv(order[pos - 1], ci, first.add(usize_of(a)), b - a)? });
         }
         (first, ids)
     };
     for ci in 0..nchunks {
         let (a, b) = range(ci);
         if pos > 0 {
-            io.wait(&[ids[ci as usize]])?;
+            io.wait(&[ids[usize_of(ci)]])?;
         }
         if pos + 1 < nn {
             // SAFETY: the chunk is final and not written again during the op.
-            unsafe { io.send(order[pos + 1], ci, buf.add(a as usize), b - a)? };
+            unsafe { io.send(order[pos + 1], ci, buf.add(usize_of(a)), b - a)? };
         }
     }
     for j in 0..c.bufs.len() {

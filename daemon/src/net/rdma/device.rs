@@ -155,7 +155,7 @@ pub fn probe() -> Result<Vec<PortInfo>, String> {
                 LinkLayer::Unspecified => "InfiniBand",
             };
             let mut gids = Vec::new();
-            for i in 0..p.gid_tbl_len().max(0) as u32 {
+            for i in 0..u32::try_from(p.gid_tbl_len()).unwrap_or(0) {
                 let Ok(e) = ctx.query_gid_ex(port, i) else {
                     continue;
                 };

@@ -244,7 +244,7 @@ impl RdmaCtx {
                 mtu: p.active_mtu,
                 ctx,
                 pd,
-                ring_bytes: s.ring_bytes as usize,
+                ring_bytes: commd_proto::num::usize_of(s.ring_bytes),
                 pool: Mutex::new(Vec::new()),
                 watched: Mutex::new(Vec::new()),
                 registered: std::sync::atomic::AtomicU64::new(0),

@@ -262,7 +262,7 @@ impl Pending {
         let mut qp = nic
             .pd
             .create_qp_builder()
-            .setup_max_inline_data(INLINE_MAX as u32)
+            .setup_max_inline_data(u32::try_from(INLINE_MAX).expect("INLINE_MAX is 64"))
             .setup_send_cq(GenericCompletionQueue::from(cq.clone()))
             .setup_recv_cq(GenericCompletionQueue::from(cq.clone()))
             .setup_max_send_wr(SQ_DEPTH)
@@ -348,7 +348,14 @@ impl Pending {
                 .setup_port(nic.port)
                 .setup_service_level(0);
             if !nic.ib || remote.gid != [0u8; 16] {
-                ah.setup_grh_src_gid_index(nic.gid_index as u8)
+                // The GRH's source GID index is 8 bits wide: a larger index is refused, not wrapped.
+                let gid_index = u8::try_from(nic.gid_index).map_err(|_| {
+                    format!(
+                        "GID index {} on {} does not fit the 8-bit GRH field; check rdma_gid",
+                        nic.gid_index, nic.name
+                    )
+                })?;
+                ah.setup_grh_src_gid_index(gid_index)
                     .setup_grh_dest_gid(&Gid { raw: remote.gid })
                     .setup_grh_hop_limit(64);
             }
@@ -482,7 +489,7 @@ impl RdmaStream {
         if free == 0 || self.sq_free() < 2 {
             return Err(would_block());
         }
-        let n = (want as u64).min(free) as usize;
+        let n = commd_proto::num::usize_of((want as u64).min(free));
         // Copy into the staging ring at pos (wrapping), then post one or two writes.
         let mut copied = 0usize;
         for b in bufs {
@@ -493,12 +500,16 @@ impl RdmaStream {
             let mut src = &b[..take];
             let mut at = (self.pos + copied as u64) % self.len;
             while !src.is_empty() {
-                let room = (self.len - at) as usize;
+                let room = commd_proto::num::usize_of(self.len - at);
                 let k = room.min(src.len());
                 // SAFETY: at + k <= len (the ring's size); the ring region [pos, pos+n) is free
                 // (the peer consumed it: credits), and no one else writes the staging ring.
                 unsafe {
-                    std::ptr::copy_nonoverlapping(src.as_ptr(), self.base.add(at as usize), k)
+                    std::ptr::copy_nonoverlapping(
+                        src.as_ptr(),
+                        self.base.add(commd_proto::num::usize_of(at)),
+                        k,
+                    )
                 };
                 src = &src[k..];
                 at = (at + k as u64) % self.len;
@@ -506,15 +517,19 @@ impl RdmaStream {
             copied += take;
         }
         let (first, second) = ring_split(self.len, self.pos, n as u64);
-        self.post_write(self.pos % self.len, first as usize)?;
+        self.post_write(self.pos % self.len, commd_proto::num::usize_of(first))?;
         if second > 0 {
-            self.post_write(0, second as usize)?;
+            self.post_write(0, commd_proto::num::usize_of(second))?;
         }
         self.pos += n as u64;
         Ok(n)
     }
 
     fn post_write(&mut self, at: u64, len: usize) -> io::Result<()> {
+        // A write is at most the staging ring, whose size the immediate's 32 bits carry.
+        let len32 = u32::try_from(len).map_err(|_| {
+            io::Error::other(format!("an RDMA write of {len} bytes exceeds 32 bits"))
+        })?;
         let mut g = self.sh.qp.lock().unwrap_or_else(|e| e.into_inner());
         let Some(qp) = g.as_mut() else {
             return Err(io::Error::other("queue pair gone"));
@@ -530,11 +545,11 @@ impl RdmaStream {
         let wr = guard.construct_wr(WR_SEND, flags).setup_write_imm(
             self.remote_rkey,
             self.remote_addr + at,
-            (len as u32).to_be(),
+            len32.to_be(),
         );
         // SAFETY: [base+at, base+at+len) lies in the registered staging ring (lkey), which stays
         // registered until the QP is destroyed (Shared's Drop).
-        unsafe { wr.setup_sge(self.lkey, self.base as u64 + at, len as u32) };
+        unsafe { wr.setup_sge(self.lkey, self.base as u64 + at, len32) };
         guard.post().map_err(|e| {
             io::Error::other(format!("posting an RDMA write on {}: {e}", self.sh.label))
         })?;
@@ -556,16 +571,16 @@ impl RdmaStream {
             self.return_credits(true)?;
             return Err(would_block());
         }
-        let n = (ready.min(buf.len() as u64)) as usize;
+        let n = commd_proto::num::usize_of(ready.min(buf.len() as u64));
         let mut done = 0usize;
         while done < n {
             let at = (self.pos + done as u64) % self.len;
-            let k = ((self.len - at) as usize).min(n - done);
+            let k = commd_proto::num::usize_of(self.len - at).min(n - done);
             // SAFETY: at + k <= len; the peer wrote these bytes (its immediate completions say
             // so) and will not overwrite them before we return credits for them.
             unsafe {
                 std::ptr::copy_nonoverlapping(
-                    self.base.add(at as usize),
+                    self.base.add(commd_proto::num::usize_of(at)),
                     buf[done..].as_mut_ptr(),
                     k,
                 )
@@ -584,6 +599,9 @@ impl RdmaStream {
         if !credit_due(owed, self.len, idle) || self.sq_free() < 1 {
             return Ok(());
         }
+        // Credits are at most the ring's size, which the immediate's 32 bits carry.
+        let owed32 = u32::try_from(owed)
+            .map_err(|_| io::Error::other(format!("{owed} bytes of credits exceed 32 bits")))?;
         let mut g = self.sh.qp.lock().unwrap_or_else(|e| e.into_inner());
         let Some(qp) = g.as_mut() else {
             return Ok(());
@@ -594,7 +612,7 @@ impl RdmaStream {
                 WR_SEND,
                 WorkRequestFlags::Signaled | WorkRequestFlags::Inline,
             )
-            .setup_send_imm((owed as u32).to_be());
+            .setup_send_imm(owed32.to_be());
         guard
             .post()
             .map_err(|e| io::Error::other(format!("posting credits on {}: {e}", self.sh.label)))?;

@@ -192,7 +192,7 @@ impl Wire {
                     len: len as usize,
                     pos: 0,
                     // SAFETY: offset + len <= total == the posted receive's size.
-                    dest: unsafe { slot.ptr.add(offset as usize) },
+                    dest: unsafe { slot.ptr.add(commd_proto::num::usize_of(offset)) },
                     early: None,
                     sig: hsig,
                 }
@@ -233,7 +233,7 @@ impl Wire {
                     unsafe {
                         std::ptr::copy_nonoverlapping(
                             buf.as_ptr(),
-                            slot.ptr.add(c.offset as usize),
+                            slot.ptr.add(commd_proto::num::usize_of(c.offset)),
                             c.len,
                         )
                     };
