@@ -101,8 +101,32 @@ def test_bench_plain_memory_is_staged_and_checked():
         rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
         assert len(rows) == 2 * 3, (op, rows)
         assert all(r["memory"] == "plain" and r["wrong"] == 0 and r["time_us"] > 0 for r in rows), rows
+        # Where the time went: the staging copies around the op itself.
+        assert all(r["phases"]["copy_in_us"] > 0 and r["phases"]["copy_out_us"] > 0
+                   and r["phases"]["op_us"] > 0 for r in rows), rows
     out = commd("bench", "--memory", "pinned")
     assert out.returncode == 2 and "registered" in out.stderr and "plain" in out.stderr, out.stderr
+
+
+def test_bench_allocator_memory_runs_in_place_and_is_checked():
+    """`--memory allocator`: each rank's data in blocks of commd's CPU allocator (what ordinary
+    torch tensors and numpy arrays of 1 MiB and up get), moved into shared memory by the first
+    op and used in place after it; the check reads the result from the blocks, for every op,
+    in and out of place, and no op copies through staging."""
+    for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "sendrecv"):
+        out = commd("bench", "--op", op, "--ranks", "3", "-b", "8", "-e", "64K", "-f", "64",
+                    "-n", "3", "-w", "1", "--memory", "allocator", "--json")
+        assert out.returncode == 0, op + out.stdout + out.stderr
+        rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+        assert len(rows) == 2 * 3, (op, rows)
+        assert all(r["memory"] == "allocator" and r["wrong"] == 0 for r in rows), rows
+        assert all(r["phases"]["copy_in_us"] == 0 and r["phases"]["copy_out_us"] == 0
+                   and r["phases"]["op_us"] > 0 and r["phases"]["first_us"] > 0
+                   for r in rows), rows
+    out = commd("bench", "--ranks", "2", "-b", "1M", "-e", "1M", "-n", "2", "-w", "1",
+                "--memory", "allocator")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "phases, median us: out of place: first" in out.stdout, out.stdout
 
 
 def test_logs_to_a_file_carry_no_colour_codes_and_bench_ends_quietly():

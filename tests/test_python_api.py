@@ -407,6 +407,22 @@ def test_out_of_bounds_descriptor_is_refused_by_the_daemon(daemon):
         comm._native.post("all_reduce", "f32", 1000, (buf, 0), (buf, 0), "sum").wait(10)
 
 
+def test_a_shared_buffer_has_its_pages_from_the_client_before_any_op(daemon):
+    # The client allocates every page of a buffer (charged to it), so no op makes the daemon
+    # allocate pages of a user's buffer: the memfd behind the mapping is fully allocated before
+    # any write (its blocks, read through /proc/self/map_files).
+    c = commd.Client(str(daemon.socket))
+    buf = c.alloc(8 << 20)
+    a = np.frombuffer(buf, dtype=np.uint8)
+    addr = a.ctypes.data
+    maps = [ln.split()[0] for ln in open("/proc/self/maps")]
+    rng = next(r for r in maps if int(r.split("-")[0], 16) <= addr < int(r.split("-")[1], 16))
+    st = os.stat(f"/proc/self/map_files/{rng}")
+    assert st.st_size == a.nbytes
+    assert st.st_blocks * 512 >= a.nbytes, f"{st.st_blocks * 512} of {a.nbytes} bytes allocated"
+    assert not a.any()  # and zero-filled, as before
+
+
 def test_invalid_recv_from_any_source_fails_alone_at_once(daemon):
     """A receive from any source owes no rank its error: an invalid one fails now, alone,
     instead of waiting to take (and fail) some sender's message."""

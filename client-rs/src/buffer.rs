@@ -136,6 +136,11 @@ impl Client {
             rustix::fs::memfd_create("commd-buf", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
                 .map_err(|e| refused("memfd_create", e.into()))?;
         rustix::fs::ftruncate(&fd, bytes).map_err(|e| refused("ftruncate", e.into()))?;
+        // Every page allocated here, by this process (charged to its memory limits, refused
+        // here when memory is short), never by the daemon when an op first writes a page the
+        // caller did not touch.
+        rustix::fs::fallocate(&fd, rustix::fs::FallocateFlags::empty(), 0, bytes)
+            .map_err(|e| refused("fallocate", e.into()))?;
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
             .map_err(std::io::Error::from)?;
         let file = File::from(fd);

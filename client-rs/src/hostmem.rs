@@ -338,6 +338,48 @@ pub unsafe fn realloc(p: *mut libc::c_void, bytes: usize) -> *mut libc::c_void {
     q
 }
 
+/// A block of this allocator owned by Rust code, freed when dropped: the memory an ordinary
+/// allocation of a program using the allocator gets (`commd bench --memory allocator`).
+#[derive(Debug)]
+pub struct OwnedBlock {
+    addr: usize,
+    len: usize,
+}
+
+impl OwnedBlock {
+    /// A zeroed block of `bytes` (at least 1); `None` when the memory cannot be had.
+    pub fn new(bytes: usize) -> Option<Self> {
+        let p = alloc_zeroed(bytes.max(1));
+        (!p.is_null()).then_some(Self {
+            addr: p as usize,
+            len: bytes,
+        })
+    }
+
+    /// Its address, for [`adopt`].
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: a live block of at least `len` bytes owned by `self`; the daemon writes it only
+        // during ops that name it, which the caller does not overlap with this borrow (the
+        // crate's ownership rules).
+        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only reference in this process.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+    }
+}
+
+impl Drop for OwnedBlock {
+    fn drop(&mut self) {
+        free(self.addr as *mut libc::c_void);
+    }
+}
+
 /// Frees a pointer from [`malloc`]/[`calloc`]/[`realloc`], a block or not.
 ///
 /// # Safety

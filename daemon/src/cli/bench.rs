@@ -81,10 +81,13 @@ pub struct BenchArgs {
     #[serde(default)]
     pub csv: bool,
     /// Where each rank's data lives: `registered` (memory from the daemon's shared allocation,
-    /// used in place, as `commd.torch.empty` tensors) or `plain` (ordinary process memory,
-    /// copied into shared staging memory and back around every op, as ordinary tensors and
-    /// numpy arrays are today). The copies are part of the timed op.
-    #[arg(long, default_value = "registered", value_parser = ["registered", "plain"])]
+    /// used in place, as `commd.torch.empty` tensors), `allocator` (blocks of commd's CPU
+    /// allocator, as ordinary torch tensors and numpy arrays of 1 MiB and up get: the first op
+    /// moves them into shared memory and registers them, later ops run in place) or `plain`
+    /// (ordinary process memory, copied into shared staging memory and back around every op,
+    /// as memory no commd allocator served is). The copies are part of the timed op. Except
+    /// with `registered`, each row says where an op's time went (`phases`).
+    #[arg(long, default_value = "registered", value_parser = ["registered", "allocator", "plain"])]
     #[serde(default = "registered")]
     pub memory: String,
 }
@@ -273,6 +276,33 @@ pub struct WorkerRow {
     pub median_us: f64,
     pub wrong: u64,
     pub error: Option<String>,
+    #[serde(default)]
+    pub phases: Phases,
+}
+
+/// Where an op's time goes, medians over the timed ops (us), and the first op on the buffers
+/// (warm-up included): the staging copies of `--memory plain`, the registration lookup of
+/// `allocator` (whose first op of the run moves and registers the blocks), the op itself.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Phases {
+    pub first_us: f64,
+    pub copy_in_us: f64,
+    pub lookup_us: f64,
+    pub op_us: f64,
+    pub copy_out_us: f64,
+}
+
+impl Phases {
+    /// Each phase's worst over ranks.
+    fn max(self, o: Self) -> Self {
+        Self {
+            first_us: self.first_us.max(o.first_us),
+            copy_in_us: self.copy_in_us.max(o.copy_in_us),
+            lookup_us: self.lookup_us.max(o.lookup_us),
+            op_us: self.op_us.max(o.op_us),
+            copy_out_us: self.copy_out_us.max(o.copy_out_us),
+        }
+    }
 }
 
 /// Single-thread memcpy bandwidth of this machine (GB/s), best of 5, 64 MiB.
@@ -515,6 +545,7 @@ struct Col {
     busbw: f64,
     wrong: u64,
     inplace: bool,
+    phases: Phases,
 }
 
 /// The run's sums for the closing lines.
@@ -538,6 +569,7 @@ fn read_col(
     let mut worst_mean = 0f64;
     let mut worst_med = 0f64;
     let mut wrong = 0u64;
+    let mut phases = Phases::default();
     for (r, rd) in readers.iter_mut().enumerate() {
         let line = rd
             .next()
@@ -551,6 +583,7 @@ fn read_col(
         worst_mean = worst_mean.max(row.mean_us);
         worst_med = worst_med.max(row.median_us);
         wrong += row.wrong;
+        phases = phases.max(row.phases);
     }
     let algbw = sz as f64 / (worst_mean * 1e-6) / 1e9;
     let busbw = algbw * bus_factor(kind, n);
@@ -561,6 +594,7 @@ fn read_col(
         busbw,
         wrong,
         inplace,
+        phases,
     })
 }
 
@@ -694,8 +728,11 @@ impl Printer<'_> {
         } else if a.json {
             for c in cols {
                 let (t, m, al, bu, w, ip) = (c.mean, c.med, c.algbw, c.busbw, c.wrong, c.inplace);
-                let j = serde_json::json!({"op": a.op, "ranks": a.ranks, "nodes": a.nodes, "dtype": sel.dtype.name(), "size": sz, "count": count, "inplace": ip,
+                let mut j = serde_json::json!({"op": a.op, "ranks": a.ranks, "nodes": a.nodes, "dtype": sel.dtype.name(), "size": sz, "count": count, "inplace": ip,
                     "time_us": t, "median_us": m, "algbw": al, "busbw": bu, "wrong": w, "memcpy_gbps": mb, "memory": a.memory});
+                if a.memory != "registered" {
+                    j["phases"] = serde_json::json!(c.phases);
+                }
                 let _ = writeln!(out, "{j}");
             }
         } else {
@@ -719,6 +756,22 @@ impl Printer<'_> {
                 b0.busbw,
                 b0.wrong
             );
+            if a.memory != "registered" {
+                let p = |c: &Col| {
+                    let q = c.phases;
+                    format!(
+                        "first {:.1}, copy in {:.1}, lookup {:.1}, op {:.1}, copy out {:.1}",
+                        q.first_us, q.copy_in_us, q.lookup_us, q.op_us, q.copy_out_us
+                    )
+                };
+                let _ = writeln!(
+                    out,
+                    "  {:>12}   phases, median us: out of place: {}; in place: {}",
+                    "",
+                    p(a0),
+                    p(b0)
+                );
+            }
         }
     }
 
@@ -848,6 +901,7 @@ mod tests {
             busbw,
             wrong,
             inplace,
+            phases: Phases::default(),
         }
     }
 
@@ -973,7 +1027,7 @@ all_gather,3,1,f32,none,-1,60,5,true,15.669,16.635,0.0038,0.0026,0
         });
         assert_eq!(
             got,
-            r#"{"algbw":0.000023740351772662397,"busbw":0.00001582690118177493,"count":5,"dtype":"f32","inplace":false,"median_us":3171.498,"memcpy_gbps":16.5857296052747,"memory":"plain","nodes":1,"op":"reduce_scatter","ranks":3,"size":60,"time_us":2527.3424999999997,"wrong":0}
+            r#"{"algbw":0.000023740351772662397,"busbw":0.00001582690118177493,"count":5,"dtype":"f32","inplace":false,"median_us":3171.498,"memcpy_gbps":16.5857296052747,"memory":"plain","nodes":1,"op":"reduce_scatter","phases":{"copy_in_us":0.0,"copy_out_us":0.0,"first_us":0.0,"lookup_us":0.0,"op_us":0.0},"ranks":3,"size":60,"time_us":2527.3424999999997,"wrong":0}
 "#
         );
     }

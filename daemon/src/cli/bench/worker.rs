@@ -5,7 +5,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use commd_client::OpArgs;
+use commd_client::hostmem::{self, OwnedBlock};
+use commd_client::{Buffer, OpArgs};
 use commd_proto::check::{self, OpSpec};
 
 use super::*;
@@ -67,15 +68,62 @@ struct Worker<'a> {
     es: u64,
     /// The op at the largest size; each size's spec is made from it.
     spec0: OpSpec,
-    /// `--memory plain`: the rank's data is in `usend`/`urecv`; `sbuf`/`rbuf` are the staging.
-    plain: bool,
+    /// Where the rank's data is: `sbuf`/`rbuf` (registered), or `usend`/`urecv` (plain:
+    /// `sbuf`/`rbuf` are the staging; allocator: the ops run on the blocks themselves).
+    mem: Memory,
     // Dropped in this order: the rank's memory, the buffers, the communicator, the client.
-    usend: Vec<u8>,
-    urecv: Vec<u8>,
+    usend: RankMem,
+    urecv: RankMem,
     rbuf: commd_client::Buffer,
     sbuf: commd_client::Buffer,
     comm: commd_client::Communicator,
     _client: Client,
+}
+
+/// `--memory`: where a rank's data lives.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Memory {
+    Registered,
+    Plain,
+    Allocator,
+}
+
+/// The rank's own memory (`--memory plain` or `allocator`; empty when registered).
+enum RankMem {
+    /// Ordinary process memory, staged around every op.
+    Plain(Vec<u8>),
+    /// A block of commd's CPU allocator: the first op moves it into shared memory and
+    /// registers it, later ops run on it in place.
+    Block(OwnedBlock),
+}
+
+impl RankMem {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Plain(v) => v,
+            Self::Block(b) => b.as_slice(),
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        match self {
+            Self::Plain(v) => v,
+            Self::Block(b) => b.as_mut_slice(),
+        }
+    }
+}
+
+/// Where one op's time went (us).
+#[derive(Default, Clone, Copy)]
+struct OpTimes {
+    copy_in: f64,
+    lookup: f64,
+    op: f64,
+    copy_out: f64,
+}
+
+fn us_since(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e6
 }
 
 /// One size and placement of the op as this rank runs it.
@@ -125,16 +173,24 @@ impl<'a> Worker<'a> {
         let recv_bytes = send_bytes;
         let sbuf = client.alloc(send_bytes).map_err(|e| e.to_string())?;
         let rbuf = client.alloc(recv_bytes).map_err(|e| e.to_string())?;
-        // `--memory plain`: the rank's data in ordinary memory; sbuf/rbuf become the staging.
-        let plain = a.memory == "plain";
-        let (usend, urecv) = if plain {
-            (
-                vec![0u8; commd_proto::num::usize_of(send_bytes)],
-                vec![0u8; commd_proto::num::usize_of(recv_bytes)],
-            )
-        } else {
-            (Vec::new(), Vec::new())
+        // `--memory plain|allocator`: the rank's data in its own memory; with plain, sbuf/rbuf
+        // become the staging.
+        let mem = match a.memory.as_str() {
+            "plain" => Memory::Plain,
+            "allocator" => Memory::Allocator,
+            _ => Memory::Registered,
         };
+        let own = |bytes: u64| -> Result<RankMem, String> {
+            let n = commd_proto::num::usize_of(bytes);
+            Ok(match mem {
+                Memory::Registered => RankMem::Plain(Vec::new()),
+                Memory::Plain => RankMem::Plain(vec![0u8; n]),
+                Memory::Allocator => RankMem::Block(OwnedBlock::new(n).ok_or_else(|| {
+                    format!("commd's CPU allocator could not give a block of {n} bytes")
+                })?),
+            })
+        };
+        let (usend, urecv) = (own(send_bytes)?, own(recv_bytes)?);
         Ok(Self {
             a,
             sel,
@@ -142,7 +198,7 @@ impl<'a> Worker<'a> {
             n,
             es,
             spec0,
-            plain,
+            mem,
             usend,
             urecv,
             rbuf,
@@ -203,30 +259,39 @@ impl<'a> Worker<'a> {
     }
 
     /// Fills the case's input (the receive buffer in place) with its deterministic data;
-    /// then, with plain memory, copies both buffers into the rank's own memory. Warm-up, the
-    /// timed ops and, unless `--no-check`, one verified op; the row to report.
+    /// then, with the rank's own memory, copies both buffers into it. Warm-up, the timed ops
+    /// and, unless `--no-check`, one verified op; the row to report, with where the time went.
     fn measure(&mut self, c: &Case, iters: u32, warmup: u32) -> WorkerRow {
         self.fill(c);
-        if self.plain {
-            self.copy_to_plain();
+        if self.mem != Memory::Registered {
+            self.copy_to_own();
         }
         let mut times = Vec::with_capacity(iters as usize);
+        let mut parts = Vec::with_capacity(iters as usize);
+        let mut first = None;
         let mut err = None;
         for _ in 0..warmup {
+            let t = Instant::now();
             if let Err(e) = self.op(c) {
                 err = Some(e);
                 break;
             }
+            first.get_or_insert(us_since(t));
         }
         let t_all = Instant::now();
         if err.is_none() {
             for _ in 0..iters {
                 let t = Instant::now();
-                if let Err(e) = self.op(c) {
-                    err = Some(e);
-                    break;
+                match self.op(c) {
+                    Ok(p) => parts.push(p),
+                    Err(e) => {
+                        err = Some(e);
+                        break;
+                    }
                 }
-                times.push(t.elapsed().as_secs_f64() * 1e6);
+                let us = us_since(t);
+                first.get_or_insert(us);
+                times.push(us);
             }
         }
         let mean = t_all.elapsed().as_secs_f64() * 1e6 / f64::from(iters.max(1));
@@ -237,6 +302,14 @@ impl<'a> Worker<'a> {
                 Err(e) => err = Some(e),
             }
         }
+        let part = |f: fn(&OpTimes) -> f64| median(&mut parts.iter().map(f).collect::<Vec<_>>());
+        let phases = Phases {
+            first_us: first.unwrap_or(0.0),
+            copy_in_us: part(|p| p.copy_in),
+            lookup_us: part(|p| p.lookup),
+            op_us: part(|p| p.op),
+            copy_out_us: part(|p| p.copy_out),
+        };
         WorkerRow {
             rank: self.rank,
             size: c.size,
@@ -245,6 +318,7 @@ impl<'a> Worker<'a> {
             median_us: median(&mut times),
             wrong,
             error: err,
+            phases,
         }
     }
 
@@ -269,19 +343,25 @@ impl<'a> Worker<'a> {
         );
     }
 
-    /// Copies the buffers into the rank's own memory (plain).
-    fn copy_to_plain(&mut self) {
-        let (us, ur) = (self.usend.len(), self.urecv.len());
-        self.usend.copy_from_slice(&self.sbuf.as_slice()[..us]);
-        self.urecv.copy_from_slice(&self.rbuf.as_slice()[..ur]);
+    /// Copies the buffers into the rank's own memory (plain, allocator).
+    fn copy_to_own(&mut self) {
+        let us = self.usend.as_slice().len();
+        let ur = self.urecv.as_slice().len();
+        self.usend
+            .as_mut_slice()
+            .copy_from_slice(&self.sbuf.as_slice()[..us]);
+        self.urecv
+            .as_mut_slice()
+            .copy_from_slice(&self.rbuf.as_slice()[..ur]);
     }
 
-    /// One op on the buffers.
-    fn run_one(&self, c: &Case) -> Result<(), String> {
+    /// One op on the buffers `sbuf` and `rbuf` (the registered ones, or the registrations of
+    /// the rank's allocator blocks).
+    fn run_one(&self, c: &Case, sbuf: &Buffer, rbuf: &Buffer) -> Result<(), String> {
         let sel = self.sel;
-        let sb = if c.inplace { &self.rbuf } else { &self.sbuf };
+        let sb = if c.inplace { rbuf } else { sbuf };
         if sel.kind == OpKind::Send {
-            let rcv = if c.inplace { &self.sbuf } else { &self.rbuf };
+            let rcv = if c.inplace { sbuf } else { rbuf };
             let s = self
                 .comm
                 .send((sb, 0), c.count, sel.dtype, c.next)
@@ -300,7 +380,7 @@ impl<'a> Worker<'a> {
             count: c.count,
             peer: self.a.root,
             send: Some((sb, c.send_off)),
-            recv: Some((&self.rbuf, c.recv_off)),
+            recv: Some((rbuf, c.recv_off)),
         };
         self.comm
             .post(args)
@@ -309,48 +389,107 @@ impl<'a> Worker<'a> {
             .map_err(|e| e.to_string())
     }
 
-    /// One op as the rank sees it. Plain memory: the staging copies in and out are part of
-    /// every op, as a client library pays them for memory the daemon cannot reach.
-    fn op(&mut self, c: &Case) -> Result<(), String> {
-        if !self.plain {
-            return self.run_one(c);
+    /// One op as the rank sees it, and where its time went. Plain memory: the staging copies
+    /// in and out are part of every op, as a client library pays them for memory the daemon
+    /// cannot reach. Allocator memory: the lookup of each block's registration (the first op
+    /// moves the blocks into shared memory and registers them), then the op in place.
+    fn op(&mut self, c: &Case) -> Result<OpTimes, String> {
+        let mut t = OpTimes::default();
+        match self.mem {
+            Memory::Registered => {
+                let t0 = Instant::now();
+                self.run_one(c, &self.sbuf, &self.rbuf)?;
+                t.op = us_since(t0);
+            }
+            Memory::Allocator => {
+                let t0 = Instant::now();
+                let (sb, rb) = self.adopted()?;
+                t.lookup = us_since(t0);
+                let t0 = Instant::now();
+                self.run_one(c, &sb, &rb)?;
+                t.op = us_since(t0);
+            }
+            Memory::Plain => {
+                let t0 = Instant::now();
+                self.copy_in(c);
+                t.copy_in = us_since(t0);
+                let t0 = Instant::now();
+                self.run_one(c, &self.sbuf, &self.rbuf)?;
+                t.op = us_since(t0);
+                let t0 = Instant::now();
+                self.copy_out(c);
+                t.copy_out = us_since(t0);
+            }
         }
+        Ok(t)
+    }
+
+    /// The registrations of the rank's two allocator blocks (made by the first op).
+    fn adopted(&self) -> Result<(std::sync::Arc<Buffer>, std::sync::Arc<Buffer>), String> {
+        let reg = |m: &RankMem| -> Result<std::sync::Arc<Buffer>, String> {
+            let RankMem::Block(b) = m else {
+                return Err("allocator memory without a block (internal error)".into());
+            };
+            match hostmem::adopt(&self._client, b.addr(), b.as_slice().len()) {
+                Some((buf, 0)) => Ok(buf),
+                Some((_, off)) => Err(format!(
+                    "a block's registration starts {off} bytes before it (internal error)"
+                )),
+                None => Err(
+                    "commd's CPU allocator block could not be registered with the daemon \
+                     (see the message above)"
+                        .into(),
+                ),
+            }
+        };
+        Ok((reg(&self.usend)?, reg(&self.urecv)?))
+    }
+
+    /// Plain memory: the op's input into the staging.
+    fn copy_in(&mut self, c: &Case) {
         if c.inplace {
-            self.rbuf.as_mut_slice()[..c.in_bytes.max(c.out_bytes)]
-                .copy_from_slice(&self.urecv[..c.in_bytes.max(c.out_bytes)]);
+            let n = c.in_bytes.max(c.out_bytes);
+            self.rbuf.as_mut_slice()[..n].copy_from_slice(&self.urecv.as_slice()[..n]);
         } else {
-            self.sbuf.as_mut_slice()[..c.in_bytes].copy_from_slice(&self.usend[..c.in_bytes]);
+            self.sbuf.as_mut_slice()[..c.in_bytes]
+                .copy_from_slice(&self.usend.as_slice()[..c.in_bytes]);
         }
-        self.run_one(c)?;
-        // The op's output (its slot for an in-place reduce-scatter).
+    }
+
+    /// Plain memory: the op's output (its slot for an in-place reduce-scatter) out of the
+    /// staging.
+    fn copy_out(&mut self, c: &Case) {
         let at = commd_proto::num::usize_of(c.recv_off);
-        self.urecv[at..at + c.out_bytes]
+        self.urecv.as_mut_slice()[at..at + c.out_bytes]
             .copy_from_slice(&self.rbuf.as_slice()[at..at + c.out_bytes]);
         if self.sel.kind == OpKind::Send && c.inplace {
             // The in-place ring receives into the send buffer (see run_one).
             let n = commd_proto::num::usize_of(c.count * self.es);
-            self.urecv[..n].copy_from_slice(&self.sbuf.as_slice()[..n]);
+            self.urecv.as_mut_slice()[..n].copy_from_slice(&self.sbuf.as_slice()[..n]);
         }
-        Ok(())
     }
 
     /// Verifies one fresh op: the elements it got wrong.
     fn verify(&mut self, c: &Case) -> Result<u64, String> {
         self.fill(c);
-        if self.plain {
-            // The fresh input goes in through the rank's own memory; the staging is
-            // cleared so that only the copies of this op can put it there.
-            self.copy_to_plain();
+        if self.mem != Memory::Registered {
+            // The fresh input goes in through the rank's own memory; the registered buffers
+            // are cleared so that only this op can put the result there.
+            self.copy_to_own();
             self.sbuf.as_mut_slice().fill(0);
             self.rbuf.as_mut_slice().fill(0);
         }
         self.op(c)?;
         let kind = self.sel.kind;
-        // The result as the rank sees it: its own memory when plain.
-        let rcv: &[u8] = match (self.plain, kind == OpKind::Send && c.inplace) {
-            (true, _) => &self.urecv,
-            (false, true) => self.sbuf.as_slice(),
-            (false, false) => self.rbuf.as_slice(),
+        // The result as the rank sees it: its own memory when plain or allocator (where the
+        // in-place ring receives into the send block, as in run_one).
+        let ring_in_place = kind == OpKind::Send && c.inplace;
+        let rcv: &[u8] = match (self.mem, ring_in_place) {
+            (Memory::Plain, _) => self.urecv.as_slice(),
+            (Memory::Allocator, true) => self.usend.as_slice(),
+            (Memory::Allocator, false) => self.urecv.as_slice(),
+            (Memory::Registered, true) => self.sbuf.as_slice(),
+            (Memory::Registered, false) => self.rbuf.as_slice(),
         };
         Ok(if kind == OpKind::Send {
             OpSpec {
