@@ -1,5 +1,6 @@
 """The numpy-level Python API (package `commd`) against the real daemon, in real processes."""
 
+import json
 import multiprocessing as mp
 import os
 import signal
@@ -173,6 +174,87 @@ def test_ordinary_numpy_arrays_run_in_place_with_right_results(daemon):
         s1, s2 = res["stats"]
         assert s1["moved"] >= 4 and s1["registered"] >= 4, s1
         assert (s2["moved"], s2["registered"]) == (s1["moved"], s1["registered"]), (s1, s2)
+
+
+def _my_registrations(socket):
+    from conftest import COMMD
+    out = subprocess.run([COMMD, "status", "--json", "--socket", socket], capture_output=True,
+                         text=True, timeout=10, check=True)
+    mine = [x for x in json.loads(out.stdout)["session_list"] if x["pid"] == os.getpid()]
+    return sum(x["registrations"] for x in mine), sum(x["mapped_bytes"] for x in mine)
+
+
+def _cache_given_back(comm, c, rank, n, socket):
+    """Freed moved blocks stay registered in the cache; releasing it (what memory pressure
+    does) unmaps them here and in the daemon, and a fresh mapping that fails releases it too."""
+    import resource
+    from commd import _native
+    m = 1 << 20  # 4 MiB of f32
+    x = data(rank, m, np.float32)
+    comm.all_reduce(x)  # moved into shared memory and registered
+    first = x.copy()
+    del x  # freed: cached, still registered
+    comm.barrier()
+    cached = _native.host_blocks()["cached_bytes"]
+    regs_cached = _my_registrations(socket)
+    given = _native.host_blocks_release()
+    comm.barrier()  # a new op lets the daemon drop what was deregistered
+    after = _native.host_blocks()
+    regs_released = _my_registrations(socket)
+    # Again, then a fresh mapping refused (address-space limit) while the cache holds 4 MiB:
+    # the allocation must still succeed, from the cache's memory given back.
+    y = data(rank, m, np.float32)
+    comm.all_reduce(y)
+    del y
+    before_limit = _native.host_blocks()["released_bytes"]
+    with open("/proc/self/status") as f:
+        vm = next(int(l.split()[1]) for l in f if l.startswith("VmSize:")) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 20), resource.RLIM_INFINITY))
+    try:
+        z = np.full(3 << 18, 5, np.int32)  # 3 MiB: another page count than the cached block
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    from numpy._core import _multiarray_umath as mu
+    threads = set()
+    for t in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{t}/comm") as f:
+            threads.add(f.read().strip())
+    return {"watcher": "commd-mempress" in threads, "first": first, "cached": cached, "given": given, "after": after,
+            "regs": (regs_cached, regs_released), "z_ok": bool((z == 5).all()),
+            "z_handler": mu.get_handler_name(z),
+            "released_by_limit": _native.host_blocks()["released_bytes"] - before_limit}
+
+
+def test_the_allocator_gives_its_cache_back(daemon):
+    n = 2
+    m = 1 << 20
+    got = _ok(_ranks(daemon, n, _cache_given_back, str(daemon.socket)))
+    total = sum(data(r, m, np.float32) for r in range(n))
+    for res in got:
+        np.testing.assert_array_equal(res["first"], total)
+        assert res["cached"] >= 4 << 20, res
+        assert res["given"] >= 4 << 20 and res["after"]["cached_bytes"] == 0, res
+        (regs_c, bytes_c), (regs_r, bytes_r) = res["regs"]
+        assert regs_r < regs_c and bytes_r <= bytes_c - (4 << 20), res["regs"]
+        assert res["z_ok"] and res["z_handler"] == "commd", res
+        assert res["released_by_limit"] >= 4 << 20, res
+        assert res["watcher"] == _psi_trigger_allowed(), res
+
+
+def _psi_trigger_allowed():
+    """Whether this kernel lets a process watch memory stalls (what the allocator's watcher
+    thread needs)."""
+    try:
+        fd = os.open("/proc/pressure/memory", os.O_RDWR | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"some 100000 2000000\0")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _dropped_handle(comm, c, rank, n):

@@ -241,6 +241,28 @@ def test_nccltests_harness_checks_every_op_on_the_commd_backend(daemon, tmp_path
     assert ag[32736] == 2728, ag
 
 
+DDP_BENCH = BENCH.parent / "ddp_overlap.py"
+
+
+def test_ddp_step_benchmark_on_cpu_matches_gloo(daemon, tmp_path):
+    """client-py/benchmarks/ddp_overlap.py --device cpu: a DDP step on commd and on gloo from
+    the same seed and data; the run fails when the two replicas' losses part."""
+    out = tmp_path / "ddp.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={free_port()}", str(DDP_BENCH), "--device", "cpu", "--layers", "1",
+           "--dim", "64", "--heads", "4", "--vocab", "256", "--batch", "2", "--seq", "16",
+           "--steps", "4", "--warmup", "1", "--block", "2", "--loss-rtol", "1e-4",
+           "--json", str(out)]
+    p = subprocess.run(cmd, env=job_env(daemon), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    import json
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["ok"] and row["peer"] == "gloo" and row["device"] == "cpu", row
+    assert len(row["losses_commd"]) == 5 and row["loss_rel_diff"] <= 1e-4, row
+    assert row["losses_commd"][0] != row["losses_commd"][-1], row  # the model trained
+    assert all(v > 0 for v in row["median_ms"].values()), row
+
+
 def _nccltests_log(path, rows):
     """A log in nccl-tests' table format: (size, out-of-place us, in-place us, wrong)."""
     lines = ["# nccl-tests version 2.19.6", "#       size         count      type   redop    root"

@@ -168,6 +168,24 @@ def run_info(world: int) -> dict[str, Any]:
     }
 
 
+def run_info_cpu(world: int) -> dict[str, Any]:
+    """``run_info`` for a CPU benchmark: the processor instead of the GPU and NCCL."""
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ranks": world,
+        "torch": torch.__version__,
+        "commit": commit(),
+    }
+
+
 def md_header(cols: Sequence[str], left: int = 0) -> str:
     """A markdown table header; the first ``left`` columns are left-aligned, the rest right."""
     align = ["---" if i < left else "---:" for i in range(len(cols))]

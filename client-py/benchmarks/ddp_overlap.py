@@ -1,7 +1,15 @@
-"""DDP training step with communication overlapped: "commd" vs NCCL, the same model and data.
+"""DDP training step with communication overlapped: "commd" vs NCCL (GPU) or gloo (CPU), the
+same model and data.
 
     torchrun --nproc_per_node 4 client-py/benchmarks/ddp_overlap.py \\
         [--layers 8] [--dim 1024] [--batch 8] [--seq 1024] [--steps 30] [--json out.jsonl]
+    torchrun --nproc_per_node 4 client-py/benchmarks/ddp_overlap.py --device cpu \\
+        --layers 4 --dim 1024 --vocab 8192 --batch 1 --seq 32 --steps 10
+
+``--device cpu``: the model on the CPU in fp32 (no autocast), the peer is gloo, steps are timed
+with the wall clock, and each rank runs torch with ``--threads`` threads (default: the
+machine's cores divided among the local ranks). The gradient buckets are ordinary tensors, so
+commd runs them in place through its CPU allocator.
 
 A decoder-style transformer built from ``torch.nn`` (``--layers`` pre-norm
 ``TransformerEncoderLayer``s of width ``--dim``, 4x MLP, causal mask, token embedding and a tied
@@ -30,6 +38,8 @@ import sys
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
+import time  # noqa: E402
+
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
@@ -54,12 +64,36 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-rtol", type=float, default=0.02,
                    help="largest relative loss difference between the backends that passes")
     p.add_argument("--json", default="", help="append one JSON line here (rank 0)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cuda: vs NCCL, bf16 autocast; cpu: vs gloo, fp32")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per rank on --device cpu (0: cores / local ranks)")
     a = p.parse_args(argv)
     if min(a.layers, a.dim, a.batch, a.seq, a.steps, a.block) < 1 or a.warmup < 0:
         p.error("sizes and counts must be positive")
     if a.dim % a.heads:
         p.error("--dim must be a multiple of --heads")
     return a
+
+
+class Clock:
+    """A step's time: CUDA events on the GPU, the wall clock on the CPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        if cuda:
+            self.start, self.end = (torch.cuda.Event(enable_timing=True),
+                                    torch.cuda.Event(enable_timing=True))
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def ms(self) -> float:
+        if not self.cuda:
+            return (time.perf_counter() - self.t0) * 1e3
+        self.end.record()
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end)
 
 
 class Decoder(nn.Module):
@@ -79,16 +113,41 @@ class Decoder(nn.Module):
         return self.norm(h) @ self.emb.weight.t()
 
 
+def start_vs_gloo(a: argparse.Namespace):
+    """The CPU counterpart of ``bc.start_vs_nccl``: the default group on "commd", a gloo group
+    beside it, torch's threads shared out among the local ranks."""
+    import commd.torch  # noqa: F401  (registers the backend)
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world < 2:
+        raise SystemExit("ddp_overlap.py needs at least 2 ranks")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group("commd")
+    groups = {"commd": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    info = bc.run_info_cpu(world)
+
+    def say(*m) -> None:
+        if rank == 0:
+            print(*m, flush=True)
+
+    return rank, world, torch.device("cpu"), groups, info, say
+
+
 def main() -> None:
     a = parse()
-    rank, world, dev, groups, info, say = bc.start_vs_nccl("ddp_overlap.py")
-    local = dev.index
+    cuda = a.device == "cuda"
+    if cuda:
+        rank, world, dev, groups, info, say = bc.start_vs_nccl("ddp_overlap.py")
+    else:
+        rank, world, dev, groups, info, say = start_vs_gloo(a)
+    peer = "nccl" if cuda else "gloo"
 
     models, opts = {}, {}
     for name, pg in groups.items():
         torch.manual_seed(1234)
         m = Decoder(a).to(dev)
-        models[name] = DDP(m, device_ids=[local], process_group=pg)
+        models[name] = DDP(m, device_ids=[dev.index] if cuda else None, process_group=pg)
         opts[name] = torch.optim.SGD(models[name].parameters(), lr=a.lr)
     # The same step with no communication at all (a plain module): the compute floor.
     torch.manual_seed(1234)
@@ -97,10 +156,13 @@ def main() -> None:
     runs = list(models)
     n_params = sum(p.numel() for p in models["commd"].parameters())
     grad_bytes = 4 * n_params
-    say(f"# DDP overlap: {world} x {info['gpu']}; torch {info['torch']}; NCCL {info['nccl']}; "
-        f"commit {info['commit']}; {info['date']}; model {a.layers} layers x {a.dim}, "
-        f"{n_params / 1e6:.1f}M parameters ({bc.human_bytes(grad_bytes)} of fp32 gradients "
-        f"per step); batch {a.batch} x {a.seq} tokens per rank; bf16 autocast")
+    where = (f"{world} x {info['gpu']}; torch {info['torch']}; NCCL {info['nccl']}" if cuda else
+             f"{world} ranks on {info['cpu']} ({os.cpu_count()} cores, {torch.get_num_threads()} "
+             f"threads per rank); torch {info['torch']}")
+    say(f"# DDP overlap: {where}; commit {info['commit']}; {info['date']}; model {a.layers} "
+        f"layers x {a.dim}, {n_params / 1e6:.1f}M parameters ({bc.human_bytes(grad_bytes)} of "
+        f"fp32 gradients per step); batch {a.batch} x {a.seq} tokens per rank; "
+        f"{'bf16 autocast' if cuda else 'fp32'}")
 
     gen = torch.Generator(device=dev).manual_seed(99 + rank)
     times: dict[str, list[float]] = {k: [] for k in runs}
@@ -119,10 +181,8 @@ def main() -> None:
                                                  generator=gen))
                 tok = batches[i]
                 m, opt = models[name], opts[name]
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
-                start.record()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                clock = Clock(cuda)
+                with torch.autocast(a.device, dtype=torch.bfloat16, enabled=cuda):
                     logits = m(tok)
                     loss = nn.functional.cross_entropy(
                         logits[:, :-1].reshape(-1, a.vocab).float(),
@@ -130,15 +190,13 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-                end.record()
-                end.synchronize()
                 if i >= a.warmup:
-                    times[name].append(start.elapsed_time(end))
+                    times[name].append(clock.ms())
                 losses[name].append(float(loss.detach()))
                 done[name] += 1
     # The ranks' mean loss per step, so the comparison covers every rank's data.
-    lt = torch.tensor([losses["commd"], losses["nccl"]], device=dev, dtype=torch.float64)
-    dist.all_reduce(lt, group=groups["nccl"])
+    lt = torch.tensor([losses["commd"], losses[peer]], device=dev, dtype=torch.float64)
+    dist.all_reduce(lt, group=groups[peer])
     lt /= world
     diff = max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(lt[0].tolist(), lt[1].tolist()))
     ms = {k: statistics.median(v) for k, v in times.items()}
@@ -149,19 +207,19 @@ def main() -> None:
         say(f"| {k} | {ms[k]:.2f} | {mean[k]:.2f} | {lt[j][0]:.4f} | {lt[j][-1]:.4f} |")
     k = "compute only"
     say(f"| {k} (no all-reduce) | {ms[k]:.2f} | {mean[k]:.2f} | - | - |")
-    ratio = ms["commd"] / ms["nccl"]
-    say(f"commd/NCCL step time (median): {ratio:.3f}; largest relative loss difference "
+    ratio = ms["commd"] / ms[peer]
+    say(f"commd/{peer} step time (median): {ratio:.3f}; largest relative loss difference "
         f"{diff:.2e} (limit {a.loss_rtol:g})")
     ok = diff <= a.loss_rtol
     if rank == 0 and a.json:
         bc.append_jsonl(a.json, [{
             "bench": "ddp_overlap", "world": world, "layers": a.layers, "dim": a.dim,
             "params": n_params, "grad_bytes": grad_bytes, "batch": a.batch, "seq": a.seq,
-            "steps": a.steps, "median_ms": ms, "mean_ms": mean, "ratio": ratio,
-            "loss_rel_diff": diff, "losses_commd": lt[0].tolist(), "losses_nccl": lt[1].tolist(),
-            "ok": ok, **{k: info[k] for k in ("date", "gpu", "gpus", "torch", "nccl", "commit",
-                                              "nvls")}}])
-    dist.barrier(group=groups["nccl"])
+            "steps": a.steps, "device": a.device, "peer": peer, "median_ms": ms,
+            "mean_ms": mean, "ratio": ratio, "loss_rel_diff": diff,
+            "losses_commd": lt[0].tolist(), f"losses_{peer}": lt[1].tolist(), "ok": ok,
+            **info}])
+    dist.barrier(group=groups[peer])
     dist.destroy_process_group()
     if not ok:
         say(f"FAIL: the losses differ by {diff:.2e} (more than {a.loss_rtol:g})")

@@ -116,8 +116,16 @@ pub(crate) fn host_blocks(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyD
         ("live_bytes", s.live_bytes),
         ("live_shared", s.live_shared),
         ("cached_bytes", s.cached_bytes),
+        ("released_bytes", s.released_bytes),
     ] {
         d.set_item(k, v)?;
     }
     Ok(d)
+}
+
+/// Gives the allocator's cached freed blocks back to the system (what memory pressure does);
+/// returns the bytes given back.
+#[pyfunction]
+pub(crate) fn host_blocks_release(py: Python<'_>) -> usize {
+    py.detach(commd_client::hostmem::release_cache)
 }

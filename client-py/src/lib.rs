@@ -25,7 +25,7 @@ use error::{
     AbortedError, CommError, CommTimeoutError, DaemonLostError, DaemonUnavailableError,
     InvalidOpError, MismatchError, PeerLostError, ShutdownError, UnsupportedError,
 };
-use hostmem::{host_allocator, host_blocks, numpy_mem_handler};
+use hostmem::{host_allocator, host_blocks, host_blocks_release, numpy_mem_handler};
 use request::{CudaRequest, Request};
 
 /// The names of every environment setting in commd's registry (`commd-settings`): the only
@@ -59,6 +59,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(setting_names, m)?)?;
     m.add_function(wrap_pyfunction!(host_allocator, m)?)?;
     m.add_function(wrap_pyfunction!(host_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(host_blocks_release, m)?)?;
     m.add_function(wrap_pyfunction!(numpy_mem_handler, m)?)?;
     m.add_function(wrap_pyfunction!(default_socket, m)?)?;
     m.add("CommError", py.get_type::<CommError>())?;

@@ -20,6 +20,11 @@
 //! - [`free`] keeps up to [`cache_limit`] bytes of freed blocks for reuse by an allocation of the
 //!   same page count: moved blocks keep their registration, so a training loop allocating the
 //!   same sizes every step moves and registers each block once.
+//! - Memory pressure gives the cache back: freed private blocks are `MADV_FREE`, which the
+//!   kernel reclaims by itself; freed moved blocks (shared pages, which it cannot drop) are
+//!   unmapped and deregistered by [`release_cache`], which a watcher thread calls when the
+//!   kernel reports memory stalls (a PSI trigger on `/proc/pressure/memory`: 100 ms of stall
+//!   within 2 s), and [`alloc`] calls before it gives up on a fresh mapping.
 //! - `fork()`: a shared mapping would stay shared with the child, so a child writing to a tensor
 //!   it inherited would change the parent's (and the parent's later writes would show in the
 //!   child). A `pthread_atfork` child handler gives the child a private copy of every moved live
@@ -118,6 +123,7 @@ static REUSED: AtomicU64 = AtomicU64::new(0);
 static MOVED: AtomicU64 = AtomicU64::new(0);
 static REGISTERED: AtomicU64 = AtomicU64::new(0);
 static FORK_COPIES: AtomicU64 = AtomicU64::new(0);
+static RELEASED: AtomicU64 = AtomicU64::new(0);
 static CACHE_LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
 static REFUSED_SAID: Once = Once::new();
 
@@ -140,6 +146,9 @@ pub struct Stats {
     pub live_shared: u64,
     /// Freed blocks kept for reuse, in bytes.
     pub cached_bytes: u64,
+    /// Bytes of cached blocks given back by [`release_cache`] (memory pressure, a failed
+    /// mapping, or a caller).
+    pub released_bytes: u64,
 }
 
 pub fn stats() -> Stats {
@@ -150,6 +159,7 @@ pub fn stats() -> Stats {
         moved: MOVED.load(Ordering::Relaxed),
         registered: REGISTERED.load(Ordering::Relaxed),
         fork_copies: FORK_COPIES.load(Ordering::Relaxed),
+        released_bytes: RELEASED.load(Ordering::Relaxed),
         cached_bytes: t.cached as u64,
         ..Stats::default()
     };
@@ -242,17 +252,10 @@ fn take(bytes: usize, zero: bool) -> *mut libc::c_void {
             return p;
         }
     }
-    // SAFETY: a fresh anonymous mapping; no existing memory is touched.
-    let p = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
+    let mut p = fresh_mapping(len);
+    if p == libc::MAP_FAILED && release_cache() > 0 {
+        p = fresh_mapping(len);
+    }
     if p == libc::MAP_FAILED {
         return std::ptr::null_mut();
     }
@@ -265,6 +268,86 @@ fn take(bytes: usize, zero: bool) -> *mut libc::c_void {
         },
     );
     p
+}
+
+fn fresh_mapping(len: usize) -> *mut libc::c_void {
+    // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+    unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    }
+}
+
+/// Gives every cached freed block back to the system: unmapped here, its registration (if
+/// any) ended, so the daemon's mapping goes too once no op holds it. Returns the bytes given
+/// back. Live blocks are untouched.
+pub fn release_cache() -> usize {
+    let mut t = lock();
+    let addrs: Vec<usize> = std::mem::take(&mut t.free).into_values().flatten().collect();
+    let bytes = std::mem::take(&mut t.cached);
+    let mut left = Vec::new();
+    for a in addrs {
+        let Some(b) = t.blocks.remove(&a) else { continue };
+        // SAFETY: a freed block's own mapping, removed from the table above; nobody holds it.
+        unsafe { libc::munmap(a as *mut libc::c_void, b.len) };
+        left.extend(drop_off_thread(&mut t, b.shared.and_then(|s| s.reg)));
+    }
+    drop(t);
+    drop(left);
+    RELEASED.fetch_add(bytes as u64, Ordering::Relaxed);
+    bytes
+}
+
+/// Starts, once per process, the thread that calls [`release_cache`] when the kernel reports
+/// memory stalls. Without PSI (an old kernel, `/proc/pressure` not mounted) there is no thread:
+/// the cache is then bounded by [`cache_limit`] alone, and a failed mapping still releases it.
+fn watch_pressure() {
+    static STARTED: Once = Once::new();
+    STARTED.call_once(|| {
+        let _ = std::thread::Builder::new()
+            .name("commd-mempress".into())
+            .spawn(pressure_loop);
+    });
+}
+
+fn pressure_loop() {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(mut f) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open("/proc/pressure/memory")
+    else {
+        return;
+    };
+    // Any task stalled on memory for 100 ms within a 2 s window (2 s: the smallest window an
+    // unprivileged process may ask for).
+    if f.write_all(b"some 100000 2000000\0").is_err() {
+        return;
+    }
+    let fd = rustix::fd::AsFd::as_fd(&f);
+    loop {
+        let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::PRI)];
+        match rustix::event::poll(&mut fds, None) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(_) => return,
+        }
+        let ev = fds[0].revents();
+        if ev.contains(rustix::event::PollFlags::ERR) {
+            return;
+        }
+        if ev.contains(rustix::event::PollFlags::PRI) {
+            release_cache();
+        }
+    }
 }
 
 /// The bound from which [`malloc`], [`calloc`] and [`realloc`] serve blocks (1 MiB unless set).
@@ -410,6 +493,9 @@ pub extern "C" fn free(p: *mut libc::c_void) -> bool {
         if t.cached + len <= limit {
             t.cached += len;
             t.free.entry(len).or_default().push(addr);
+            if !anon {
+                watch_pressure();
+            }
             if anon {
                 // Its pages may go back to the system under pressure (a reuse refaults them).
                 // SAFETY: the block's own pages, which nobody uses now.

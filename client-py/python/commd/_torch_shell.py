@@ -18,7 +18,9 @@ def _shell() -> Any:
     if mod is None and not getattr(_shell, "_said", False):
         _shell._said = True  # type: ignore[attr-defined]
         print(f"commd: the torch backend runs without its C++ shell ({_c10d.why_not()}): "
-              "recv(src=None) and split_group are refused, and Work.is_completed is patched; "
+              "recv(src=None) and split_group are refused, Work.is_completed is patched, and "
+              "ordinary CPU tensors are staged (copied for every op; commd.torch.empty runs in "
+              "place); "
               "`python -m commd._c10d` shows why it cannot be built", file=sys.stderr,
               flush=True)
         _patch_is_completed()
