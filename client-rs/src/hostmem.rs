@@ -289,11 +289,16 @@ fn fresh_mapping(len: usize) -> *mut libc::c_void {
 /// back. Live blocks are untouched.
 pub fn release_cache() -> usize {
     let mut t = lock();
-    let addrs: Vec<usize> = std::mem::take(&mut t.free).into_values().flatten().collect();
+    let addrs: Vec<usize> = std::mem::take(&mut t.free)
+        .into_values()
+        .flatten()
+        .collect();
     let bytes = std::mem::take(&mut t.cached);
     let mut left = Vec::new();
     for a in addrs {
-        let Some(b) = t.blocks.remove(&a) else { continue };
+        let Some(b) = t.blocks.remove(&a) else {
+            continue;
+        };
         // SAFETY: a freed block's own mapping, removed from the table above; nobody holds it.
         unsafe { libc::munmap(a as *mut libc::c_void, b.len) };
         left.extend(drop_off_thread(&mut t, b.shared.and_then(|s| s.reg)));
@@ -334,7 +339,10 @@ fn pressure_loop() {
     }
     let fd = rustix::fd::AsFd::as_fd(&f);
     loop {
-        let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::PRI)];
+        let mut fds = [rustix::event::PollFd::new(
+            &fd,
+            rustix::event::PollFlags::PRI,
+        )];
         match rustix::event::poll(&mut fds, None) {
             Ok(_) => {}
             Err(rustix::io::Errno::INTR) => continue,
