@@ -263,6 +263,14 @@ def test_ddp_step_benchmark_on_cpu_matches_gloo(daemon, tmp_path):
     assert all(v > 0 for v in row["median_ms"].values()), row
 
 
+def test_ddp_step_benchmark_refuses_bad_arguments_by_name():
+    for args, says in [(["--threads", "-1"], "--threads"), (["--device", "tpu"], "--device"),
+                       (["--dim", "30", "--heads", "4"], "--dim")]:
+        p = subprocess.run([sys.executable, str(DDP_BENCH), *args], capture_output=True,
+                           text=True, timeout=120)
+        assert p.returncode == 2 and says in p.stderr, (args, p.stderr[-2000:])
+
+
 def _nccltests_log(path, rows):
     """A log in nccl-tests' table format: (size, out-of-place us, in-place us, wrong)."""
     lines = ["# nccl-tests version 2.19.6", "#       size         count      type   redop    root"

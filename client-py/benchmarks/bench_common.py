@@ -222,9 +222,32 @@ def start_vs_nccl(script: str) -> tuple[int, int, torch.device, dict[str, Any], 
     dist.init_process_group("commd")
     groups = {"commd": dist.group.WORLD, "nccl": dist.new_group(backend="nccl")}
 
+    return rank, world, torch.device("cuda", local), groups, run_info(world), _say(rank)
+
+
+def _say(rank: int) -> Callable[..., None]:
+    """print on rank 0 only."""
     def say(*m: Any) -> None:
         if rank == 0:
             print(*m, flush=True)
+    return say
 
-    return rank, world, torch.device("cuda", local), groups, run_info(world), say
+
+def start_vs_gloo(script: str, threads: int = 0) -> tuple[int, int, torch.device,
+                                                           dict[str, Any], dict[str, Any],
+                                                           Callable[..., None]]:
+    """The CPU counterpart of ``start_vs_nccl``: the default group on "commd", a gloo group
+    beside it, and ``threads`` torch threads per rank (0: the cores shared out among the local
+    ranks)."""
+    import commd.torch  # noqa: F401  (registers the backend)
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world < 2:
+        raise SystemExit(f"{script} needs at least 2 ranks")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group("commd")
+    groups = {"commd": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+    return rank, world, torch.device("cpu"), groups, run_info_cpu(world), _say(rank)
 

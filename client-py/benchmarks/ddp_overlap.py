@@ -35,10 +35,9 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-
-import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -71,6 +70,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if min(a.layers, a.dim, a.batch, a.seq, a.steps, a.block) < 1 or a.warmup < 0:
         p.error("sizes and counts must be positive")
+    if a.threads < 0:
+        p.error("--threads must be 0 (automatic) or more")
     if a.dim % a.heads:
         p.error("--dim must be a multiple of --heads")
     return a
@@ -113,34 +114,13 @@ class Decoder(nn.Module):
         return self.norm(h) @ self.emb.weight.t()
 
 
-def start_vs_gloo(a: argparse.Namespace):
-    """The CPU counterpart of ``bc.start_vs_nccl``: the default group on "commd", a gloo group
-    beside it, torch's threads shared out among the local ranks."""
-    import commd.torch  # noqa: F401  (registers the backend)
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world < 2:
-        raise SystemExit("ddp_overlap.py needs at least 2 ranks")
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    torch.set_num_threads(a.threads or max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group("commd")
-    groups = {"commd": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
-    info = bc.run_info_cpu(world)
-
-    def say(*m) -> None:
-        if rank == 0:
-            print(*m, flush=True)
-
-    return rank, world, torch.device("cpu"), groups, info, say
-
-
 def main() -> None:
     a = parse()
     cuda = a.device == "cuda"
     if cuda:
         rank, world, dev, groups, info, say = bc.start_vs_nccl("ddp_overlap.py")
     else:
-        rank, world, dev, groups, info, say = start_vs_gloo(a)
+        rank, world, dev, groups, info, say = bc.start_vs_gloo("ddp_overlap.py", a.threads)
     peer = "nccl" if cuda else "gloo"
 
     models, opts = {}, {}

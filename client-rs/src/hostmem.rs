@@ -312,14 +312,17 @@ pub fn release_cache() -> usize {
 /// Starts, once per process, the thread that calls [`release_cache`] when the kernel reports
 /// memory stalls. Without PSI (an old kernel, `/proc/pressure` not mounted) there is no thread:
 /// the cache is then bounded by [`cache_limit`] alone, and a failed mapping still releases it.
+/// A forked child has no watcher (threads do not fork): its `child` handler clears this so the
+/// child starts its own at its first cached moved block.
 fn watch_pressure() {
-    static STARTED: Once = Once::new();
-    STARTED.call_once(|| {
+    if !WATCHING.swap(true, Ordering::Relaxed) {
         let _ = std::thread::Builder::new()
             .name("commd-mempress".into())
             .spawn(pressure_loop);
-    });
+    }
 }
+
+static WATCHING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn pressure_loop() {
     use std::io::Write;
@@ -501,13 +504,12 @@ pub extern "C" fn free(p: *mut libc::c_void) -> bool {
         if t.cached + len <= limit {
             t.cached += len;
             t.free.entry(len).or_default().push(addr);
-            if !anon {
-                watch_pressure();
-            }
             if anon {
                 // Its pages may go back to the system under pressure (a reuse refaults them).
                 // SAFETY: the block's own pages, which nobody uses now.
                 unsafe { libc::madvise(addr as *mut libc::c_void, len, libc::MADV_FREE) };
+            } else {
+                watch_pressure();
             }
             None
         } else {
@@ -692,6 +694,7 @@ extern "C" fn child() {
     // The parent's helper thread is not in the child, and its channel may have been mid-call
     // in that thread at the fork: never touched here (a drop could wait on its lock).
     std::mem::forget(t.reaper.take());
+    WATCHING.store(false, Ordering::Relaxed);
     let mut gone = Vec::new();
     for (&start, b) in t.blocks.iter_mut() {
         let Some(sh) = b.shared.take() else { continue };
