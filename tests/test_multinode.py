@@ -153,6 +153,15 @@ def _random_ops(comm, rank, n):
         for op in ("sum", "avg", "prod", "min"):
             x = rng.standard_normal(count).astype(dt)
             res.append(comm.all_reduce(x.copy(), op=op).tobytes())
+    # Large enough for the chain's default 1 MiB chunks to be split over the daemon's data-plane
+    # threads, with accumulators wider than the elements (f32 for f16, i128 for an integer avg).
+    for dt, count, op in (("float32", 1_000_003, "sum"), ("float16", 700_001, "sum"),
+                          ("int32", 300_001, "avg")):
+        if dt == "int32":
+            x = rng.integers(-(10**9), 10**9, count, dtype=np.int32)
+        else:
+            x = rng.standard_normal(count).astype(dt)
+        res.append(comm.all_reduce(x, op=op).tobytes())
         x = rng.standard_normal(count * n).astype(dt)
         out = np.empty(count, dtype=dt)
         comm.reduce_scatter(x, out, op="sum")
@@ -168,7 +177,8 @@ def test_results_are_bitwise_identical_to_a_single_node_communicator(tmp_path):
         want = _py_ranks([single[0].socket], [0] * 6, _random_ops)
     finally:
         single[0].stop()
-    for env in ALGOS[:2]:
+    # The default algorithm and chunk with 4 data-plane threads: each chain chunk is split.
+    for env in ALGOS[:2] + [{"COMMD_WORKERS": "4"}]:
         ns = start_nodes(tmp_path / env.get("COMMD_NET_ALGO", "auto"), 3, env=env)
         try:
             got = _py_ranks([d.socket for d in ns], place_contiguous(6, 3), _random_ops)

@@ -520,6 +520,7 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
             chunk: cfg.net_chunk_bytes,
             small: cfg.net_small_bytes,
             algo,
+            workers: cfg.workers,
         },
     }));
     Ok(Some(l))

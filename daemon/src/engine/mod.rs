@@ -457,10 +457,65 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
         }
         return Ok(());
     }
-    let job = Arc::new(Job {
-        plan,
+    let n = pieces.len();
+    run_job(
+        Box::new(move |i| run_piece(&plan, pieces[i], stream)),
+        n,
+        threads,
+        workers,
+    );
+    Ok(())
+}
+
+/// Runs `f(start, end)` over the element range `[0, len)`, cut into pieces of whole 64-element
+/// blocks (at least [`MIN_PIECE_BYTES`] of traffic each, `unit_bytes` being the traffic of one
+/// element), on up to `workers` threads (the caller's included) of the same pool as
+/// [`execute`]; returns when every piece has run. Small ranges run on the calling thread.
+/// `f` must be element-wise: the pieces run in any order and at the same time.
+pub fn run_split(
+    len: u64,
+    unit_bytes: u64,
+    workers: usize,
+    f: impl Fn(u64, u64) + Send + Sync + 'static,
+) {
+    let unit_bytes = unit_bytes.max(1);
+    let threads = if len.saturating_mul(unit_bytes) < PARALLEL_MIN_BYTES {
+        1
+    } else {
+        workers.max(1)
+    };
+    let min_len = (MIN_PIECE_BYTES / unit_bytes).max(1);
+    let step = len
+        .div_ceil((threads * 2) as u64)
+        .max(min_len)
+        .div_ceil(64)
+        .saturating_mul(64)
+        .max(1);
+    let pieces = usize_of(len.div_ceil(step));
+    let threads = threads.min(pieces);
+    if threads <= 1 {
+        if len > 0 {
+            f(0, len);
+        }
+        return;
+    }
+    run_job(
+        Box::new(move |i| {
+            let s = i as u64 * step;
+            f(s, (s + step).min(len));
+        }),
         pieces,
-        stream,
+        threads,
+        workers,
+    );
+}
+
+/// Runs pieces `0..pieces` of `run` on the caller and `threads - 1` pool helpers; returns when
+/// every piece has run (so nothing `run` points at is touched after this returns).
+fn run_job(run: Box<dyn Fn(usize) + Send + Sync>, pieces: usize, threads: usize, workers: usize) {
+    let job = Arc::new(Job {
+        run,
+        pieces,
         next: AtomicUsize::new(0),
         done: AtomicUsize::new(0),
         lock: Mutex::new(()),
@@ -469,14 +524,12 @@ pub fn execute(mut plan: Plan, workers: usize) -> Result<(), ShmError> {
     pool(workers).submit(&job, threads - 1);
     job.work();
     job.wait();
-    Ok(())
 }
 
-/// One plan being executed by the caller and pool threads, piece by piece.
+/// One job being executed by the caller and pool threads, piece by piece.
 struct Job {
-    plan: Plan,
-    pieces: Vec<Piece>,
-    stream: bool,
+    run: Box<dyn Fn(usize) + Send + Sync>,
+    pieces: usize,
     next: AtomicUsize,
     done: AtomicUsize,
     lock: Mutex<()>,
@@ -485,15 +538,17 @@ struct Job {
 
 impl Job {
     fn exhausted(&self) -> bool {
-        self.next.load(Ordering::Relaxed) >= self.pieces.len()
+        self.next.load(Ordering::Relaxed) >= self.pieces
     }
 
     fn work(&self) {
         loop {
             let i = self.next.fetch_add(1, Ordering::Relaxed);
-            let Some(p) = self.pieces.get(i) else { break };
-            run_piece(&self.plan, *p, self.stream);
-            if self.done.fetch_add(1, Ordering::AcqRel) + 1 == self.pieces.len() {
+            if i >= self.pieces {
+                break;
+            }
+            (self.run)(i);
+            if self.done.fetch_add(1, Ordering::AcqRel) + 1 == self.pieces {
                 let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
                 self.cv.notify_all();
             }
@@ -502,7 +557,7 @@ impl Job {
 
     fn wait(&self) {
         let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-        while self.done.load(Ordering::Acquire) < self.pieces.len() {
+        while self.done.load(Ordering::Acquire) < self.pieces {
             g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
         }
     }
@@ -627,6 +682,40 @@ mod tests {
                 })
                 .collect();
             assert_eq!(got, want, "rank {r}");
+        }
+    }
+
+    #[test]
+    fn run_split_covers_every_element_once_on_several_threads() {
+        use std::sync::atomic::AtomicU8;
+        let cases = [
+            (0, 4, 4),
+            (1, 4, 4),
+            (1000, 4, 4),
+            (1_000_003, 12, 4),
+            (3 << 20, 1, 3),
+        ];
+        for (len, unit, workers) in cases {
+            let seen: Arc<Vec<AtomicU8>> = Arc::new((0..len).map(|_| AtomicU8::new(0)).collect());
+            let calls = Arc::new(AtomicUsize::new(0));
+            let (s2, c2) = (seen.clone(), calls.clone());
+            run_split(len, unit, workers, move |a, b| {
+                assert!(a < b && b <= len, "piece [{a}, {b}) of {len}");
+                c2.fetch_add(1, Ordering::Relaxed);
+                for i in a..b {
+                    s2[usize_of(i)].fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert!(
+                seen.iter().all(|x| x.load(Ordering::Relaxed) == 1),
+                "len {len}"
+            );
+            let calls = calls.load(Ordering::Relaxed);
+            if len * unit >= 4 * PARALLEL_MIN_BYTES {
+                assert!(calls >= 2 * workers, "len {len}: {calls} pieces");
+            } else if len * unit < PARALLEL_MIN_BYTES {
+                assert!(calls <= 1, "len {len}: {calls} pieces for a small range");
+            }
         }
     }
 

@@ -88,6 +88,8 @@ pub struct Tuning {
     pub chunk: u64,
     pub small: u64,
     pub algo: Algo,
+    /// Data-plane threads a reduction or copy of one chunk may split over (config `workers`).
+    pub workers: usize,
 }
 
 /// One matched collective, as seen by this node.
@@ -246,6 +248,12 @@ impl Io<'_> {
         self.flush()
     }
 
+    /// Moves whatever bytes the streams take or hold now, without waiting: called between the
+    /// chunks of a pipelined algorithm, so that data flows while this thread computes.
+    fn progress(&mut self) -> Result<(), NetError> {
+        self.w.pump(None, sig_text)
+    }
+
     /// Waits until every send so far has left (its source may be overwritten after this).
     fn flush(&mut self) -> Result<(), NetError> {
         let sends = std::mem::take(&mut self.sends);
@@ -304,7 +312,7 @@ pub fn run(
                 one_shot_reduce(&mut io, c, kernel, scratch)?;
                 "one-shot"
             } else {
-                chain::chain_reduce(&mut io, c, kernel, scratch, tu.chunk)?;
+                chain::chain_reduce(&mut io, c, kernel, scratch, tu)?;
                 "chain"
             }
         }
@@ -539,6 +547,101 @@ fn recv_ptr(c: &Coll, i: usize) -> Result<*mut u8, NetError> {
 /// Index of global rank `r` among this node's ranks.
 fn local_index(c: &Coll, r: u32) -> Option<usize> {
     c.bufs.iter().position(|(x, _)| *x == r)
+}
+
+/// The pointers of one element-wise step (a chain fold, or a copy to the other local ranks)
+/// handed to the data-plane threads.
+struct Step {
+    acc_in: *const u8,
+    acc_out: *mut u8,
+    ins: Vec<*const u8>,
+    outs: Vec<*mut u8>,
+}
+
+// SAFETY: the pointers are only used inside `engine::run_split`, which returns once every piece
+// has run; the caller of `par_reduce`/`par_copy` keeps them valid until then, and the pieces
+// write disjoint element ranges.
+unsafe impl Send for Step {}
+// SAFETY: as for Send: the pieces only read shared inputs and write disjoint ranges.
+unsafe impl Sync for Step {}
+
+fn offset<T>(p: *const T, bytes: usize) -> *const T {
+    p.cast::<u8>().wrapping_add(bytes).cast()
+}
+
+/// `reduce::reduce_chain` over `n` elements, split across up to `workers` data-plane threads.
+/// Each element is still reduced in rank order by one thread, so the result is bitwise the same.
+///
+/// # Safety
+/// As `reduce::reduce_chain`.
+unsafe fn par_reduce(
+    k: Kernel,
+    nranks: u32,
+    ch: reduce::Chain,
+    inputs: &[*const u8],
+    outputs: &[*mut u8],
+    n: usize,
+    workers: usize,
+) {
+    let es = k.elem_size();
+    let acc = k.acc_size();
+    let step = Step {
+        acc_in: ch.acc_in,
+        acc_out: ch.acc_out,
+        ins: inputs.to_vec(),
+        outs: outputs.to_vec(),
+    };
+    let accs = usize::from(!ch.acc_in.is_null()) + usize::from(!ch.acc_out.is_null());
+    let unit = es * (inputs.len() + outputs.len()) + acc * accs;
+    crate::engine::run_split(n as u64, unit as u64, workers, move |s, e| {
+        let step = &step; // the whole Step (Send + Sync), not its fields
+        let (s, m) = (usize_of(s), usize_of(e - s));
+        let at = |p: *const u8, size: usize| if p.is_null() { p } else { offset(p, s * size) };
+        let ins: Vec<*const u8> = step.ins.iter().map(|&p| at(p, es)).collect();
+        let outs: Vec<*mut u8> = step.outs.iter().map(|&p| at(p, es).cast_mut()).collect();
+        let ch = reduce::Chain {
+            acc_in: at(step.acc_in, acc),
+            acc_out: at(step.acc_out, acc).cast_mut(),
+        };
+        // SAFETY: elements [s, s + m) of the ranges the caller vouched for; pieces are disjoint.
+        unsafe { reduce::reduce_chain(k, nranks, ch, &ins, &outs, m, false) };
+    });
+}
+
+/// Copies `n` bytes at `src` to each of `dsts`, split across up to `workers` data-plane threads.
+///
+/// # Safety
+/// `src` valid for `n` reads and every `dsts[i]` for `n` writes, none overlapping `src`, until
+/// this returns.
+unsafe fn par_copy(dsts: &[*mut u8], src: *const u8, n: u64, workers: usize) {
+    let len = usize_of(n);
+    let apart = |d: *mut u8| {
+        let (d, s) = (d as usize, src as usize);
+        d.saturating_add(len) <= s || s.saturating_add(len) <= d
+    };
+    for &d in dsts.iter().filter(|&&d| d.cast_const() != src && !apart(d)) {
+        // SAFETY: overlapping ranges (never seen: buffers of two ranks are distinct
+        // registrations) take the memmove path; both valid (caller).
+        unsafe { copy(d, src, n) };
+    }
+    let step = Step {
+        acc_in: std::ptr::null(),
+        acc_out: std::ptr::null_mut(),
+        ins: vec![src],
+        outs: dsts.iter().copied().filter(|&d| apart(d)).collect(),
+    };
+    if step.outs.is_empty() || n == 0 {
+        return;
+    }
+    let unit = 1 + step.outs.len() as u64;
+    crate::engine::run_split(n, unit, workers, move |s, e| {
+        let step = &step; // the whole Step (Send + Sync), not its fields
+        let (s, m) = (usize_of(s), usize_of(e - s));
+        for &d in &step.outs {
+            // SAFETY: bytes [s, s + m) of ranges the caller vouched for; pieces are disjoint.
+            unsafe { std::ptr::copy_nonoverlapping(offset(step.ins[0], s), d.add(s), m) };
+        }
+    });
 }
 
 /// # Safety

@@ -16,9 +16,9 @@ pub(super) fn chain_reduce(
     c: &Coll,
     k: Kernel,
     scratch: &mut Scratch,
-    chunk: u64,
+    tu: &Tuning,
 ) -> Result<(), NetError> {
-    let op = ChainOp::new(io.t, c, k, scratch, chunk);
+    let op = ChainOp::new(io.t, c, k, scratch, tu);
     // Post every incoming accumulator chunk up front, then the final-result receivers.
     let incoming = op.post_incoming(io)?;
     let finals = op.post_finals(io)?;
@@ -79,10 +79,13 @@ struct ChainOp<'a> {
     /// and this node's place in it.
     order: Vec<usize>,
     pos: usize,
+    /// Data-plane threads one chunk's fold or copy may use.
+    workers: usize,
 }
 
 impl<'a> ChainOp<'a> {
-    fn new(t: &'a Topo, c: &'a Coll, k: Kernel, scratch: &mut Scratch, chunk: u64) -> Self {
+    fn new(t: &'a Topo, c: &'a Coll, k: Kernel, scratch: &mut Scratch, tu: &Tuning) -> Self {
+        let chunk = tu.chunk;
         let n = t.nranks();
         let es = c.dtype.size();
         let acc = k.acc_size() as u64;
@@ -122,6 +125,7 @@ impl<'a> ChainOp<'a> {
             base,
             order,
             pos,
+            workers: tu.workers,
         }
     }
 
@@ -267,7 +271,7 @@ impl<'a> ChainOp<'a> {
         // SAFETY: inputs valid for ne elements; accumulators in/out hold ne accumulators
         // in distinct scratch regions.
         unsafe {
-            reduce::reduce_chain(
+            par_reduce(
                 self.k,
                 crate::ranks::of(self.n),
                 Chain {
@@ -277,7 +281,7 @@ impl<'a> ChainOp<'a> {
                 inputs,
                 &[],
                 ne,
-                false,
+                self.workers,
             )
         };
         // SAFETY: acc_out(m) is not written again during this op.
@@ -289,7 +293,7 @@ impl<'a> ChainOp<'a> {
                 ne as u64 * self.acc,
             )?
         };
-        Ok(())
+        io.progress()
     }
 
     /// The last run: finishes chunk `ci` into the outputs and sends it on (all-reduce: to the
@@ -318,7 +322,7 @@ impl<'a> ChainOp<'a> {
         // SAFETY: as above; outputs are recv spans (possibly equal to an input: in place)
         // or the final scratch.
         unsafe {
-            reduce::reduce_chain(
+            par_reduce(
                 self.k,
                 crate::ranks::of(self.n),
                 Chain {
@@ -328,7 +332,7 @@ impl<'a> ChainOp<'a> {
                 inputs,
                 &outs,
                 ne,
-                false,
+                self.workers,
             )
         };
         if c.kind == OpKind::AllReduce && self.order.len() > 1 {
@@ -353,7 +357,7 @@ impl<'a> ChainOp<'a> {
                 )?
             };
         }
-        Ok(())
+        io.progress()
     }
 
     /// Final result coming back: forward along the chain and copy to the other local ranks.
@@ -381,15 +385,19 @@ impl<'a> ChainOp<'a> {
                     )?
                 };
             }
-            if c.kind == OpKind::AllReduce {
+            if c.kind == OpKind::AllReduce && c.bufs.len() > 1 {
                 // Copy each chunk to the other local ranks as it lands (every input was folded
                 // before the first final chunk can exist, so in-place buffers are free to write).
+                let off = usize_of(e0 * es);
+                let mut dsts = Vec::with_capacity(c.bufs.len() - 1);
                 for i in 1..c.bufs.len() {
-                    let off = usize_of(e0 * es);
-                    // SAFETY: chunk [e0, e1) of recv spans of count elements; distinct
-                    // registrations.
-                    unsafe { copy(recv_ptr(c, i)?.add(off), dst.add(off), (e1 - e0) * es) };
+                    // SAFETY: chunk [e0, e1) of a recv span of count elements.
+                    dsts.push(unsafe { recv_ptr(c, i)?.add(off) });
                 }
+                // SAFETY: chunk [e0, e1) of recv spans of count elements; the received chunk
+                // is not written again during this op.
+                unsafe { par_copy(&dsts, dst.add(off), (e1 - e0) * es, self.workers) };
+                io.progress()?;
             }
         }
         Ok(())
