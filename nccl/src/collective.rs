@@ -218,18 +218,24 @@ pub unsafe extern "C" fn ncclAlltoAll(
     )
 }
 
-// The per-collective config variants (NCCL 2.29+): the config tunes NCCL's kernels (CTAs,
-// algorithm choice, profiler tags), which commd does not have; the op itself is the same.
+// The per-collective config variants (NCCL 2.31+): the config is read and checked, its event
+// recorded, and the plain call runs (`collconfig` says what each field does).
 macro_rules! with_config {
-    ($($name:ident => $base:ident($($arg:ident: $ty:ty),*);)*) => {
+    ($($name:ident => $base:ident($($arg:ident: $ty:ty),*) on $c:ident, $s:ident;)*) => {
         $(
             #[unsafe(no_mangle)]
             pub unsafe extern "C" fn $name(
                 $($arg: $ty,)*
-                _config: *const c_void,
+                config: *const c_void,
             ) -> ncclResult_t {
+                let func = stringify!($name);
+                // SAFETY: NCCL's contract: NULL or an initialized config.
+                let cfg = match unsafe { crate::collconfig::read(config, func) } {
+                    Ok(cfg) => cfg,
+                    Err(f) => return crate::ffi::guard(func, || Err(f)),
+                };
                 // SAFETY: the plain form's arguments, under its contract.
-                unsafe { $base($($arg),*) }
+                crate::collconfig::run(func, $c, $s, cfg, || unsafe { $base($($arg),*) })
             }
         )*
     };
@@ -239,17 +245,17 @@ pub(crate) use with_config;
 
 with_config! {
     ncclAllReduceConfig => ncclAllReduce(send: *const c_void, recv: *mut c_void, count: usize,
-        dtype: c_int, op: c_int, c: ncclComm_t, stream: cudaStream_t);
+        dtype: c_int, op: c_int, c: ncclComm_t, stream: cudaStream_t) on c, stream;
     ncclBroadcastConfig => ncclBroadcast(send: *const c_void, recv: *mut c_void, count: usize,
-        dtype: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t);
+        dtype: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t) on c, stream;
     ncclReduceConfig => ncclReduce(send: *const c_void, recv: *mut c_void, count: usize,
-        dtype: c_int, op: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t);
+        dtype: c_int, op: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t) on c, stream;
     ncclAllGatherConfig => ncclAllGather(send: *const c_void, recv: *mut c_void, count: usize,
-        dtype: c_int, c: ncclComm_t, stream: cudaStream_t);
+        dtype: c_int, c: ncclComm_t, stream: cudaStream_t) on c, stream;
     ncclReduceScatterConfig => ncclReduceScatter(send: *const c_void, recv: *mut c_void,
-        count: usize, dtype: c_int, op: c_int, c: ncclComm_t, stream: cudaStream_t);
+        count: usize, dtype: c_int, op: c_int, c: ncclComm_t, stream: cudaStream_t) on c, stream;
     ncclAlltoAllConfig => ncclAlltoAll(send: *const c_void, recv: *mut c_void, count: usize,
-        dtype: c_int, c: ncclComm_t, stream: cudaStream_t);
+        dtype: c_int, c: ncclComm_t, stream: cudaStream_t) on c, stream;
 }
 
 #[unsafe(no_mangle)]

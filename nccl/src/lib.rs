@@ -19,6 +19,7 @@
 #![deny(unsafe_code)] // allowed only in the modules that say why
 #![allow(non_camel_case_types, non_snake_case, clippy::missing_safety_doc)]
 
+mod collconfig;
 mod collective;
 mod comm;
 mod ffi;

@@ -216,7 +216,7 @@ pub unsafe extern "C" fn ncclScatter(
 
 with_config! {
     ncclGatherConfig => ncclGather(send: *const c_void, recv: *mut c_void, count: usize,
-        dtype: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t);
+        dtype: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t) on c, stream;
     ncclScatterConfig => ncclScatter(send: *const c_void, recv: *mut c_void, count: usize,
-        dtype: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t);
+        dtype: c_int, root: c_int, c: ncclComm_t, stream: cudaStream_t) on c, stream;
 }

@@ -16,6 +16,10 @@ pynccl calls it. Any number of ranks (they may share a GPU):
    would throw from its destructor while the call's exception unwinds, aborting the process).
 4. Every collective on a communicator of one rank (each rank split off alone) gives its input
    (a GPU op there must not divide by zero in the direct limits).
+5. ncclAllReduceConfig's launchCompletionEvent: recorded on the op's stream (after a long
+   kernel queued before the op, the event is not complete right after the call, and is once
+   the stream is done), the result right; a second event on the communicator in one group is
+   ncclInvalidUsage, as NCCL's.
 Exits non-zero on any failure.
 """
 
@@ -130,6 +134,53 @@ for name, call in calls:
 print(f"rank {rank}: every collective on a communicator of one rank: "
       f"{'ok' if not any('one rank' in f for f in failures) else 'FAILED'}", flush=True)
 check(lib.ncclCommDestroy(solo), "ncclCommDestroy(solo)")
+
+# 5. The launch-completion event of a per-collective config.
+class CollConfig(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("ext", ctypes.c_void_p), ("minCTAs", ctypes.c_int), ("maxCTAs", ctypes.c_int),
+                ("nvlsCTAs", ctypes.c_int), ("cgaClusterSize", ctypes.c_int),
+                ("algSelection", ctypes.c_char_p), ("forceAlgSelection", ctypes.c_int),
+                ("CTAPolicy", ctypes.c_int), ("userProfilerTag", ctypes.c_uint64),
+                ("launchCompletionEvent", ctypes.c_void_p)]
+
+
+UNDEF = -(2 ** 31)
+ev = torch.cuda.Event()  # no timing, as NCCL asks
+ev.record()
+torch.cuda.synchronize()
+cfg = CollConfig(ctypes.sizeof(CollConfig), 0xCAFEBEEF, 23200, None, UNDEF, UNDEF, UNDEF, UNDEF,
+                 None, 1, UNDEF, 0, ctypes.c_void_p(ev.cuda_event))
+y = torch.full((1 << 20,), float(rank + 1), device=dev)
+s5 = torch.cuda.Stream()
+torch.cuda.synchronize()
+dist.barrier()
+with torch.cuda.stream(s5):
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the op
+r5 = lib.ncclAllReduceConfig(ptr(y), ptr(y), ctypes.c_size_t(1 << 20), F32, SUM, comm,
+                             ctypes.c_void_p(s5.cuda_stream), ctypes.byref(cfg))
+early = ev.query()
+torch.cuda.synchronize()
+late = ev.query()
+want5 = float(world * (world + 1) // 2)
+if r5 != 0 or early or not late or not torch.all(y == want5):
+    failures.append(f"ncclAllReduceConfig with a launch event: result {r5} "
+                    f"({lib.ncclGetLastError(None).decode()}), event done right after the call "
+                    f"{early} (want False), after the stream {late} (want True), "
+                    f"values {y.unique()[:4].tolist()} (want {want5})")
+check(lib.ncclGroupStart(), "ncclGroupStart")
+g1 = lib.ncclAllReduceConfig(ptr(y), ptr(y), ctypes.c_size_t(16), F32, SUM, comm, s0,
+                             ctypes.byref(cfg))
+g2 = lib.ncclAllReduceConfig(ptr(y), ptr(y), ctypes.c_size_t(16), F32, SUM, comm, s0,
+                             ctypes.byref(cfg))
+msg2 = lib.ncclGetLastError(None).decode()
+g3 = lib.ncclGroupEnd()
+torch.cuda.synchronize()
+if g1 != 0 or g2 != 5 or g3 != 0 or "one launch-completion event" not in msg2:
+    failures.append(f"two launch events in one group: calls {g1}, {g2}, ncclGroupEnd {g3}: "
+                    f"{msg2!r}")
+print(f"rank {rank}: launchCompletionEvent: "
+      f"{'ok' if not any('launch event' in f for f in failures) else 'FAILED'}", flush=True)
 
 check(lib.ncclCommDestroy(comm), "ncclCommDestroy")
 for f in failures:

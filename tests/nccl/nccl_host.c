@@ -345,6 +345,90 @@ static void ops(ncclComm_t comm, const char* dir) {
   NCCL(ncclCommGetAsyncError(comm, &ae));
   if (ae != ncclSuccess) FAIL("async error %d after the checks", ae);
 
+  /* per-collective config (NCCL 2.32's nccl*Config): NULL is the plain call; an uninitialized
+   * struct, an unknown or forced algorithm selection, and CTA limits commd cannot keep are
+   * refused with NCCL's codes; fields that bound nothing commd runs are accepted */
+  {
+    int32_t v1 = rank + 1, got = 0, want = nranks * (nranks + 1) / 2;
+    ncclCollConfig_t cc = NCCL_COLLCONFIG_INITIALIZER, init = NCCL_COLLCONFIG_INITIALIZER, zero;
+    if (cc.size != 72 || cc.magic != NCCL_API_MAGIC || cc.forceAlgSelection != 1)
+      FAIL("initializer: size %zu magic %#x force %d", cc.size, cc.magic, cc.forceAlgSelection);
+    NCCL(ncclAllReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL, NULL));
+    if (got != want) FAIL("AllReduceConfig(NULL) %d, want %d", got, want);
+    got = 0;
+    NCCL(ncclAllReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL, &cc));
+    if (got != want) FAIL("AllReduceConfig %d, want %d", got, want);
+    memset(&zero, 0, sizeof zero);
+    EXPECT_ERR(ncclInvalidArgument, ncclAllReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL, &zero),
+               "not initialized");
+    cc.algSelection = "ring";
+    EXPECT_ERR(ncclInvalidArgument, ncclAllReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL, &cc),
+               "cannot be honored");
+    cc.forceAlgSelection = 0;
+    got = 0;
+    NCCL(ncclAllReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL, &cc));
+    if (got != want) FAIL("AllReduceConfig, unforced selection: %d, want %d", got, want);
+    cc.algSelection = "ring+tree";
+    EXPECT_ERR(ncclInvalidArgument, ncclAllReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL, &cc),
+               "matches no algorithm");
+    cc = init;
+    cc.forceAlgSelection = 3;
+    EXPECT_ERR(ncclInvalidArgument, ncclAllReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL, &cc),
+               "forceAlgSelection");
+    cc = init;
+    cc.maxCTAs = 8;
+    EXPECT_ERR(ncclInvalidUsage, ncclAllReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL, &cc),
+               "maxCTAs=8");
+    cc = init;
+    cc.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+    EXPECT_ERR(ncclInvalidUsage, ncclBroadcastConfig(&v1, &got, 1, ncclInt32, 0, comm, NULL, &cc),
+               "CTAPolicy");
+    cc.CTAPolicy = 9;
+    EXPECT_ERR(ncclInvalidArgument, ncclBroadcastConfig(&v1, &got, 1, ncclInt32, 0, comm, NULL, &cc),
+               "CTAPolicy 9");
+    /* bound nothing commd runs, or out of NCCL's range (which NCCL ignores too) */
+    cc = init;
+    cc.nvlsCTAs = 4;
+    cc.cgaClusterSize = 2;
+    cc.maxCTAs = 0;
+    cc.userProfilerTag = 0x1234;
+    cc.CTAPolicy = NCCL_CTA_POLICY_DEFAULT;
+    int32_t b = rank == 0 ? 77 : 0;
+    NCCL(ncclBroadcastConfig(&b, &b, 1, ncclInt32, 0, comm, NULL, &cc));
+    if (b != 77) FAIL("BroadcastConfig %d", b);
+    /* a 2.31 struct (no launchCompletionEvent) */
+    cc = init;
+    cc.size = 64;
+    got = -1;
+    NCCL(ncclReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, 0, comm, NULL, &cc));
+    if (rank == 0 && got != want) FAIL("ReduceConfig %d, want %d", got, want);
+    int32_t *ag = calloc(nranks, sizeof *ag), *aa = calloc(nranks, sizeof *aa);
+    int32_t *ab = calloc(nranks, sizeof *ab);
+    NCCL(ncclAllGatherConfig(&v1, ag, 1, ncclInt32, comm, NULL, &init));
+    for (int i = 0; i < nranks; i++)
+      if (ag[i] != i + 1) FAIL("AllGatherConfig [%d] = %d", i, ag[i]);
+    for (int i = 0; i < nranks; i++) aa[i] = rank * 100 + i;
+    NCCL(ncclAlltoAllConfig(aa, ab, 1, ncclInt32, comm, NULL, &init));
+    for (int i = 0; i < nranks; i++)
+      if (ab[i] != i * 100 + rank) FAIL("AlltoAllConfig [%d] = %d", i, ab[i]);
+    for (int i = 0; i < nranks; i++) aa[i] = i;
+    NCCL(ncclReduceScatterConfig(aa, &got, 1, ncclInt32, ncclSum, comm, NULL, &init));
+    if (got != rank * nranks) FAIL("ReduceScatterConfig %d", got);
+    NCCL(ncclGatherConfig(&v1, ag, 1, ncclInt32, 0, comm, NULL, &init));
+    if (rank == 0)
+      for (int i = 0; i < nranks; i++)
+        if (ag[i] != i + 1) FAIL("GatherConfig [%d] = %d", i, ag[i]);
+    /* an event needs CUDA (a made-up one is refused either way) */
+    cc = init;
+    cc.launchCompletionEvent = (cudaEvent_t)0x10;
+    ncclResult_t er = ncclAllReduceConfig(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL, &cc);
+    const char* em = ncclGetLastError(NULL);
+    if (!((er == ncclInvalidArgument && strstr(em, "needs CUDA")) ||
+          (er == ncclUnhandledCudaError && strstr(em, "launchCompletionEvent"))))
+      FAIL("AllReduceConfig with a made-up event -> %d (%s)", er, em);
+    free(ag), free(aa), free(ab);
+  }
+
   /* the communicator still works after refused calls */
   NCCL(ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, comm, NULL));
   if (sum != nranks * (nranks - 1) / 2) FAIL("allreduce after errors %d", sum);

@@ -29,10 +29,32 @@ struct Group {
     /// before any receive), and whether the end is posting them now.
     p2p: Vec<(Arc<Comm>, Op)>,
     posting: bool,
+    /// Communicators that were given a `launchCompletionEvent` in this group (one each).
+    launch_events: Vec<usize>,
 }
 
 thread_local! {
     static G: RefCell<Group> = RefCell::new(Group::default());
+}
+
+/// Inside a group, claims `c`'s one `launchCompletionEvent` of the group (NCCL's rule: at most
+/// one per communicator in a group, counted by calls). Outside a group, nothing to check.
+pub fn claim_launch_event(c: &Arc<Comm>, func: &str) -> Outcome {
+    G.with(|g| {
+        let mut g = g.borrow_mut();
+        if g.depth == 0 {
+            return Ok(());
+        }
+        let id = Arc::as_ptr(c) as usize;
+        if g.launch_events.contains(&id) {
+            return Err(usage(format!(
+                "{func}: only one launch-completion event may be provided in one NCCL group \
+                 (per communicator); this group already has one"
+            )));
+        }
+        g.launch_events.push(id);
+        Ok(())
+    })
 }
 
 /// Groups nest; only the outermost end does the work.
@@ -191,6 +213,7 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
         if g.depth > 0 {
             return Ok(None);
         }
+        g.launch_events.clear();
         Ok(Some((
             std::mem::take(&mut g.flush),
             std::mem::take(&mut g.host),
