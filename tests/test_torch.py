@@ -263,6 +263,29 @@ def test_ddp_step_benchmark_on_cpu_matches_gloo(daemon, tmp_path):
     assert all(v > 0 for v in row["median_ms"].values()), row
 
 
+def test_ddp_timeline_benchmark_times_every_bucket_of_both_backends(daemon, tmp_path):
+    """client-py/benchmarks/ddp_timeline.py: each bucket's all-reduce, issued and done within
+    its step, the same buckets on gloo and on commd, on every rank."""
+    out = tmp_path / "timeline.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           f"--master_port={free_port()}", str(BENCH.parent / "ddp_timeline.py"), "--device",
+           "cpu", "--layers", "2", "--dim", "64", "--heads", "4", "--vocab", "256", "--batch",
+           "2", "--seq", "16", "--steps", "3", "--warmup", "1", "--json", str(out)]
+    p = subprocess.run(cmd, env=job_env(daemon), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    import json
+    rows = {r["backend"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == ["commd", "gloo"], rows
+    sizes = {}
+    for name, r in rows.items():
+        assert len(r["step_ms"]) == 2 and r["buckets"], r
+        for b in r["buckets"]:
+            assert 0 <= b["issued_ms"] <= b["last_issued_ms"], (name, b)
+            assert b["issued_ms"] <= b["done_ms"] <= max(r["step_ms"]), (name, b)
+        sizes[name] = sorted(b["bytes"] for b in r["buckets"])
+    assert sizes["commd"] == sizes["gloo"] and sum(sizes["gloo"]) > 0, sizes
+
+
 def test_ddp_step_benchmark_refuses_bad_arguments_by_name():
     for args, says in [(["--threads", "-1"], "--threads"), (["--device", "tpu"], "--device"),
                        (["--dim", "30", "--heads", "4"], "--dim")]:
