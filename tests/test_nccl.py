@@ -69,6 +69,13 @@ def test_library_is_nccl_by_name_and_exports_what_torch_imports():
     assert len(wanted) >= 50
     missing = sorted(set(wanted) - exported)
     assert not missing, f"not exported: {missing}"
+    # Every nccl*/pnccl* symbol NCCL 2.32.3's libnccl.so.2 exports (the nvidia-nccl-cu13==2.32.3
+    # wheel; regenerate with `nm -D --defined-only nvidia/nccl/lib/libnccl.so.2 | awk '{print
+    # $NF}' | grep -E '^p?nccl' | sort`): a program linked against it must load.
+    nccl232 = (ROOT / "nccl" / "nccl-2.32.3-exports.txt").read_text().split()
+    assert len(nccl232) == 193
+    missing = sorted(set(nccl232) - exported)
+    assert not missing, f"NCCL 2.32.3 exports these, commd does not: {missing}"
     # And everything the header declares.
     header = (ROOT / "nccl" / "include" / "nccl.h").read_text()
     import re

@@ -268,6 +268,24 @@ ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
 
+/* NCCL's parameter API, over commd's settings registry (nccl/README.md, "Parameters"). */
+typedef struct ncclParamHandle* ncclParamHandle_t;
+ncclResult_t ncclParamBind(ncclParamHandle_t* out, const char* key);
+ncclResult_t ncclParamGetI8(ncclParamHandle_t h, int8_t* out);
+ncclResult_t ncclParamGetI16(ncclParamHandle_t h, int16_t* out);
+ncclResult_t ncclParamGetI32(ncclParamHandle_t h, int32_t* out);
+ncclResult_t ncclParamGetI64(ncclParamHandle_t h, int64_t* out);
+ncclResult_t ncclParamGetU8(ncclParamHandle_t h, uint8_t* out);
+ncclResult_t ncclParamGetU16(ncclParamHandle_t h, uint16_t* out);
+ncclResult_t ncclParamGetU32(ncclParamHandle_t h, uint32_t* out);
+ncclResult_t ncclParamGetU64(ncclParamHandle_t h, uint64_t* out);
+ncclResult_t ncclParamGetStr(ncclParamHandle_t h, const char** out);
+ncclResult_t ncclParamGet(ncclParamHandle_t h, void* out, int maxLen, int* len);
+ncclResult_t ncclParamGetParameter(const char* key, const char** value, int* valueLen);
+ncclResult_t ncclParamGetAllParameterKeys(const char*** table, int* tableLen);
+void ncclParamDumpAll(void);
+
+
 #ifdef __cplusplus
 }
 #endif

@@ -27,7 +27,9 @@ mod lifecycle;
 mod log;
 mod memory;
 mod p2p;
+mod params;
 mod premul;
+mod profiling;
 mod query;
 mod staging;
 mod unsupported;
@@ -42,6 +44,7 @@ pub use collective::*;
 pub use lifecycle::*;
 pub use memory::*;
 pub use p2p::*;
+pub use params::*;
 pub use query::*;
 pub use unsupported::*;
 

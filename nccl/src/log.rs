@@ -11,6 +11,7 @@
 #![allow(unsafe_code)] // the C ABI: raw pointers from C callers
 
 use std::io::Write;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Once, OnceLock};
 
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Debug)]
@@ -28,10 +29,23 @@ pub const P2P: u32 = 4;
 pub const ENV: u32 = 8;
 const ALL: u32 = INIT | COLL | P2P | ENV;
 
-struct Settings {
-    level: Level,
-    subsys: u32,
-    host: String,
+impl Level {
+    fn code(self) -> u32 {
+        self as u32
+    }
+
+    fn of(code: u32) -> Level {
+        [
+            Level::None,
+            Level::Version,
+            Level::Warn,
+            Level::Info,
+            Level::Trace,
+        ]
+        .get(code as usize)
+        .copied()
+        .unwrap_or(Level::None)
+    }
 }
 
 fn parse_level(v: Option<&str>) -> Level {
@@ -67,36 +81,52 @@ fn parse_subsys(v: Option<&str>) -> u32 {
     if exclude { ALL & !mask } else { mask }
 }
 
-fn settings() -> &'static Settings {
-    static S: OnceLock<Settings> = OnceLock::new();
-    S.get_or_init(|| {
+/// The level and subsystems as read from the environment, read again after [`reset`]
+/// (`ncclResetDebugInitInternal`); `UNREAD` until the first look.
+const UNREAD: u32 = u32::MAX;
+static LEVEL: AtomicU32 = AtomicU32::new(UNREAD);
+static SUBSYS: AtomicU32 = AtomicU32::new(0);
+
+fn level_and_subsys() -> (Level, u32) {
+    let mut code = LEVEL.load(Ordering::Acquire);
+    if code == UNREAD {
         let level = commd_settings::get(&commd_settings::keys::NCCL_DEBUG)
             .or_else(|| commd_settings::get(&commd_settings::keys::DEBUG));
-        let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        let subsys =
+            parse_subsys(commd_settings::get(&commd_settings::keys::NCCL_DEBUG_SUBSYS).as_deref());
+        SUBSYS.store(subsys, Ordering::Release);
+        code = parse_level(level.as_deref()).code();
+        LEVEL.store(code, Ordering::Release);
+    }
+    (Level::of(code), SUBSYS.load(Ordering::Acquire))
+}
+
+/// Reads `NCCL_DEBUG` and `NCCL_DEBUG_SUBSYS` again at the next line (NCCL's
+/// `ncclResetDebugInitInternal`, for a program that changed them in its environment).
+pub fn reset() {
+    LEVEL.store(UNREAD, Ordering::Release);
+}
+
+fn host() -> &'static str {
+    static HOST: OnceLock<String> = OnceLock::new();
+    HOST.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
             .map(|h| h.trim().to_string())
-            .unwrap_or_else(|_| "localhost".into());
-        Settings {
-            level: parse_level(level.as_deref()),
-            subsys: parse_subsys(
-                commd_settings::get(&commd_settings::keys::NCCL_DEBUG_SUBSYS).as_deref(),
-            ),
-            host,
-        }
+            .unwrap_or_else(|_| "localhost".into())
     })
 }
 
 pub fn enabled(level: Level, subsys: u32) -> bool {
-    let s = settings();
-    level <= s.level && (level <= Level::Warn || s.subsys & subsys != 0)
+    let (l, s) = level_and_subsys();
+    level <= l && (level <= Level::Warn || s & subsys != 0)
 }
 
 fn emit(kind: &str, device: i32, text: &str) {
-    let s = settings();
     // SAFETY: gettid has no preconditions.
     let tid = unsafe { libc_gettid() };
     let line = format!(
         "{}:{}:{} [{}] NCCL {kind} {text}\n",
-        s.host,
+        host(),
         std::process::id(),
         tid,
         device.max(0)

@@ -19,6 +19,20 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Declared by NCCL's own nccl.h (every call's profiling alias) and nccl_device/host.h (the
+ * device API's host side), which commd's nccl.h leaves out. */
+ncclResult_t pncclAllReduce(const void* sendbuff, void* recvbuff, size_t count,
+                            ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm,
+                            cudaStream_t stream);
+typedef struct {
+  int nRanks, rank, stride;
+} ncclTeam_t;
+ncclTeam_t ncclTeamWorld(ncclComm_t comm);
+ncclTeam_t ncclTeamLsa(ncclComm_t comm);
+int ncclTeamRankToWorld(ncclComm_t comm, ncclTeam_t team, int rank);
+ncclResult_t ncclLsaBarrierCreateRequirement(ncclTeam_t team, int nBarriers, void* outHandle,
+                                             void* outReq);
+
 static int rank, nranks;
 
 #define FAIL(...)                                   \
@@ -427,6 +441,56 @@ static void ops(ncclComm_t comm, const char* dir) {
           (er == ncclUnhandledCudaError && strstr(em, "launchCompletionEvent"))))
       FAIL("AllReduceConfig with a made-up event -> %d (%s)", er, em);
     free(ag), free(aa), free(ab);
+  }
+
+  /* NCCL's profiling alias runs the same call (arguments forwarded as they are) */
+  {
+    int32_t v1 = rank + 1, got = 0;
+    NCCL(pncclAllReduce(&v1, &got, 1, ncclInt32, ncclSum, comm, NULL));
+    if (got != nranks * (nranks + 1) / 2) FAIL("pncclAllReduce %d", got);
+  }
+
+  /* parameters: commd's settings registry (COMMD_* names, and NCCL_* without the prefix) */
+  {
+    ncclParamHandle_t h = NULL;
+    NCCL(ncclParamBind(&h, "COMMD_CLIENT_SPIN_US"));
+    uint64_t spin = 0;
+    NCCL(ncclParamGetU64(h, &spin));
+    const char* s = NULL;
+    NCCL(ncclParamGetStr(h, &s));
+    if (strtoull(s, NULL, 10) != spin) FAIL("param: U64 %llu, string '%s'", (unsigned long long)spin, s);
+    if (getenv("COMMD_CLIENT_SPIN_US") && spin != strtoull(getenv("COMMD_CLIENT_SPIN_US"), NULL, 10))
+      FAIL("param: %llu, environment %s", (unsigned long long)spin, getenv("COMMD_CLIENT_SPIN_US"));
+    char raw[64];
+    int len = -1;
+    NCCL(ncclParamGet(h, raw, sizeof raw, &len));
+    if (len != (int)strlen(s) || memcmp(raw, s, len)) FAIL("ncclParamGet len %d", len);
+    EXPECT_ERR(ncclInvalidArgument, ncclParamGet(h, raw, 0, &len), "maxLen is 0");
+    const char* v = NULL;
+    int vlen = -1;
+    NCCL(ncclParamGetParameter("DEBUG", &v, &vlen));
+    if (vlen != (int)strlen(v)) FAIL("ncclParamGetParameter(DEBUG) '%s' %d", v, vlen);
+    EXPECT_ERR(ncclInvalidArgument, ncclParamBind(&h, "NCCL_IB_HCA"), "not read by commd");
+    EXPECT_ERR(ncclInvalidArgument, ncclParamGetU64((ncclParamHandle_t)0x10, &spin), "not a parameter handle");
+    const char** keys = NULL;
+    int nkeys = 0;
+    NCCL(ncclParamGetAllParameterKeys(&keys, &nkeys));
+    int seen = 0;
+    for (int i = 0; i < nkeys; i++) seen += !strcmp(keys[i], "COMMD_CLIENT_SPIN_US");
+    if (nkeys < 10 || seen != 1) FAIL("parameter keys: %d, spin seen %d", nkeys, seen);
+  }
+
+  /* the device API's host queries: the world team is every rank; the others are refused */
+  {
+    ncclTeam_t w = ncclTeamWorld(comm);
+    if (w.nRanks != nranks || w.rank != rank || w.stride != 1)
+      FAIL("ncclTeamWorld {%d, %d, %d}", w.nRanks, w.rank, w.stride);
+    if (ncclTeamRankToWorld(comm, w, nranks - 1) != nranks - 1) FAIL("ncclTeamRankToWorld");
+    if (ncclTeamRankToWorld(comm, w, nranks) != -1) FAIL("ncclTeamRankToWorld out of range");
+    ncclTeam_t l = ncclTeamLsa(comm);
+    if (l.nRanks != 0 || !strstr(ncclGetLastError(NULL), "ncclTeamLsa"))
+      FAIL("ncclTeamLsa {%d}: %s", l.nRanks, ncclGetLastError(NULL));
+    EXPECT_ERR(ncclInvalidUsage, ncclLsaBarrierCreateRequirement(l, 1, NULL, NULL), "device API");
   }
 
   /* the communicator still works after refused calls */
