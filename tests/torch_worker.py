@@ -181,6 +181,64 @@ def scenario_ops(gloo: dist.ProcessGroup) -> None:
         return ts
     compare("all_reduce coalesced", run_coalesced, torch.float32)
 
+    # the same with the device named: the backend's own coalescing (startCoalescing /
+    # endCoalescing: one Work for the block); gloo has none, so against sums made here
+    def run_coalesced_device(g):
+        ts = [data(rank, 100 + k, torch.float32, salt=k) for k in range(3)]
+        with dist._coalescing_manager(group=g or dist.group.WORLD, device=torch.device("cpu"),
+                                      async_ops=True) as cm:
+            for t in ts:
+                dist.all_reduce(t, group=g)
+        cm.wait()
+        return ts
+
+    def sums_coalesced():
+        return [sum(data(r, 100 + k, torch.float32, salt=k) for r in range(n)) for k in range(3)]
+    compare("all_reduce coalesced on a device", run_coalesced_device, torch.float32,
+            sums_coalesced, use_gloo=False)
+
+    # ops that are not coalesced into one call (broadcasts) in a device block: each issued,
+    # the block's Work waits for all of them
+    def run_block_of_broadcasts(g):
+        ts = [data(rank, 64, torch.float32, salt=k) for k in range(3)]
+        with dist._coalescing_manager(group=g or dist.group.WORLD, device=torch.device("cpu"),
+                                      async_ops=True) as cm:
+            for k, t in enumerate(ts):
+                dist.broadcast(t, src=k % n, group=g, async_op=True)
+        cm.wait()
+        return ts
+    compare("broadcasts in a coalescing block", run_block_of_broadcasts, torch.float32,
+            lambda: [data(k % n, 64, torch.float32, salt=k) for k in range(3)], use_gloo=False)
+
+    # batch_isend_irecv: a ring (through the coalescing manager on commd, op by op on gloo)
+    def run_batch_ring(g):
+        out = torch.zeros(33)
+        ops = [dist.P2POp(dist.isend, data(rank, 33, torch.float32), (rank + 1) % n, g),
+               dist.P2POp(dist.irecv, out, (rank - 1) % n, g)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        return out
+    compare("batch_isend_irecv ring", run_batch_ring, torch.float32)
+
+    # the group's sequence number: +1 per collective, +1 per coalesced block, 0 per send/recv
+    pg = dist.group.WORLD
+    s0 = pg._get_sequence_number_for_group()
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    dist.barrier()
+    s1 = pg._get_sequence_number_for_group()
+    with dist._coalescing_manager(group=pg, device=torch.device("cpu"), async_ops=True) as cm:
+        dist.all_reduce(t)
+        dist.all_reduce(t)
+    cm.wait()
+    s2 = pg._get_sequence_number_for_group()
+    if n > 1:
+        peer = rank ^ 1
+        if peer < n:
+            (dist.send if rank % 2 == 0 else dist.recv)(t, peer)
+    s3 = pg._get_sequence_number_for_group()
+    assert (s1 - s0, s2 - s1, s3 - s2) == (2, 1, 0), (s0, s1, s2, s3)
+
     for dt in DTYPES + [torch.bool, torch.complex64]:
         def mk(r, m=N, salt=0, dt=dt):
             if dt == torch.complex64:

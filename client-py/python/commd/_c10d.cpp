@@ -25,6 +25,8 @@
 #include <c10/core/CPUAllocator.h>
 
 #include <atomic>
+#include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -175,11 +177,35 @@ class CommdBackend : public Backend {
 
   bool supportsSplitting() const override { return true; }
 
-  // torch's group sequence numbers (split_group sets one on each new backend; torch 2.11's
-  // default throws "does not yet support sequence numbers"): commd matches ops by its own
-  // sequence in the daemon, so the group's number stays at its start on every rank.
-  void setSequenceNumberForGroup() override {}
-  uint64_t getSequenceNumberForGroup() override { return 0; }
+  // torch's group sequence number (its desync debugging and flight recorder read it; torch
+  // 2.11's default throws "does not yet support sequence numbers"): the collectives this
+  // backend issued, a coalesced block counting once and send/recv not at all, as NCCL's
+  // seqCollective. split_group sets it on each new backend: back to 0.
+  void setSequenceNumberForGroup() override { seq_ = 0; }
+  uint64_t getSequenceNumberForGroup() override { return seq_; }
+
+  // torch's coalescing (`_coalescing_manager(group, device)`, `batch_isend_irecv`): the ops
+  // issued between start and end are posted as they come (commd's ops never block the CPU);
+  // endCoalescing's Work is all of them.
+  bool supportsCoalescing() const /* override (torch >= 2.4) */ { return true; }
+
+  void startCoalescing() /* override */ {
+    TORCH_CHECK(!coalescing_, "commd: startCoalescing inside a coalescing block (they do not nest)");
+    py::gil_scoped_acquire gil;
+    coalesced_ = std::make_unique<PyRef>(py::list());
+    coalescing_ = true;
+    seq_++;
+  }
+
+  c10::intrusive_ptr<Work> endCoalescing() /* override */ {
+    TORCH_CHECK(coalescing_, "commd: endCoalescing without startCoalescing");
+    coalescing_ = false;
+    py::gil_scoped_acquire gil;
+    py::object works = coalesced_->get();
+    coalesced_.reset();
+    py::object w = impl_.get().attr("_coalesced_work")(works);
+    return c10::make_intrusive<CommdWork>(std::move(w));
+  }
 
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
                                      const c10d::BroadcastOptions& opts) override {
@@ -371,11 +397,20 @@ class CommdBackend : public Backend {
     py::gil_scoped_acquire gil;
     py::object w = impl_.get().attr(name)(std::forward<Args>(args)...);
     TORCH_CHECK(!w.is_none(), "commd: ", name, " returned no Work");
+    if (coalescing_) {
+      coalesced_->get().cast<py::list>().append(w);
+    } else if (std::strcmp(name, "send") != 0 && std::strcmp(name, "recv") != 0 &&
+               std::strcmp(name, "recv_anysource") != 0) {
+      seq_++;
+    }
     return c10::make_intrusive<CommdWork>(std::move(w));
   }
 
   PyRef impl_;
   c10::intrusive_ptr<Options> options_;
+  uint64_t seq_ = 0;
+  bool coalescing_ = false;
+  std::unique_ptr<PyRef> coalesced_;
 };
 
 }  // namespace commd

@@ -175,6 +175,14 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             w.get_future()
         return w
 
+    @staticmethod
+    def _coalesced_work(works: list[Any]) -> Any:
+        """The Work of a coalescing block (the C++ shell's ``endCoalescing``): every op issued
+        in it, each already posted."""
+        if not works:
+            return _DoneWork([])
+        return works[0] if len(works) == 1 else _join(list(works), [])
+
     def _p2p_batch(self, sends: list[tuple[np.ndarray, int]],
                    recvs: list[tuple[np.ndarray, int]]) -> Handle:
         hs: list[Handle] = []
