@@ -105,16 +105,30 @@ def test_dead_rank_is_a_remote_error_not_a_hang(prog, daemon, tmp_path):
 
 
 def test_nccl_debug_prints_init_and_ignored_variables(prog, daemon, tmp_path):
-    env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,ENV", "NCCL_IB_HCA": "mlx5_0"}
+    env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,ENV", "NCCL_IB_HCA": "mlx5_0",
+           "NCCL_ALGO": "allreduce:tree;broadcast:ring", "NCCL_NVLS_ENABLE": "0"}
     res = finish(start(prog, daemon, 2, "ops", tmp_path, env=env))
     for r, (code, out, err) in enumerate(res):
         assert code == 0, f"rank {r}: {err}"
         assert "NCCL INFO commd NCCL-compatible library" in err, err
         assert f"rank {r} nranks 2" in err and "Init COMPLETE" in err, err
         assert "(every local pair) via SHM" in err, err
-        assert "NCCL_IB_HCA=mlx5_0 ignored" in err, err
+        # Each variable set, with what commd does with it (nccl/README.md, "NCCL_* variables").
+        assert "NCCL_IB_HCA=mlx5_0 not read here: the commd daemon's rdma_device" in err, err
+        assert "NCCL_ALGO=allreduce:tree;broadcast:ring ignored: commd runs its own" in err, err
+        assert "NCCL_NVLS_ENABLE=0 ignored: commd has no NVLS" in err, err
+        assert "NCCL_DEBUG=INFO read" in err, err
         # COLL was not selected: no per-op lines.
         assert "all_reduce: count" not in err
+
+
+def test_an_nccl_algo_value_nccl_refuses_fails_init_by_name(prog, daemon, tmp_path):
+    # NCCL's init refuses what its grammar does not parse; so does commd's.
+    res = finish(start(prog, daemon, 1, "ops", tmp_path, env={"NCCL_ALGO": "allreduce:rings"}))
+    code, _, err = res[0]
+    assert code == 1, err
+    assert "ncclCommInitRank" in err and "-> 5" in err, err
+    assert 'NCCL_ALGO="allreduce:rings" is not valid' in err and '"rings"' in err, err
 
 
 def test_no_daemon_is_a_clear_system_error(prog, tmp_path):

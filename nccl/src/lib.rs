@@ -22,6 +22,7 @@
 mod collconfig;
 mod collective;
 mod comm;
+mod env;
 mod ffi;
 mod lifecycle;
 mod log;

@@ -3,10 +3,10 @@
 //! the library prints on stderr, one line each, prefixed like NCCL's
 //! (`host:pid:tid [device] NCCL INFO ...`) so the usual greps keep working.
 //!
-//! Other `NCCL_*` variables name behaviour of NCCL's own transports and kernels that commd does
-//! not have: each one set is logged once, at INFO (subsystem ENV), as ignored.
+//! Every `NCCL_*` variable set is logged once, at INFO (subsystem ENV), with what commd does
+//! with it (`env`).
 //!
-//! May use: std only.
+//! May use: std, `env` (the variables' table).
 
 #![allow(unsafe_code)] // the C ABI: raw pointers from C callers
 
@@ -152,9 +152,6 @@ pub fn warn(text: &str) {
     }
 }
 
-/// Variables this library reads; every other `NCCL_*` variable is reported as ignored.
-const READ: &[&str] = &["NCCL_DEBUG", "NCCL_DEBUG_SUBSYS", "NCCL_COMMD_VERSION_CODE"];
-
 /// Once per process, at the first communicator: the version line and the ignored variables.
 pub fn startup(device: i32) {
     static ONCE: Once = Once::new();
@@ -170,15 +167,10 @@ pub fn startup(device: i32) {
                 ),
             );
         }
-        let mut vars: Vec<(String, String)> = commd_settings::vars_with_prefix("NCCL_")
-            .into_iter()
-            .filter(|(k, _)| !READ.contains(&k.as_str()))
-            .collect();
+        let mut vars = commd_settings::vars_with_prefix("NCCL_");
         vars.sort();
         for (k, v) in vars {
-            info(ENV, device, || {
-                format!("{k}={v} ignored: commd has no such setting (its daemon chooses paths and transports; see `commd topo`)")
-            });
+            info(ENV, device, || crate::env::describe(&k, &v));
         }
     });
 }

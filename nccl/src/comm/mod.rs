@@ -254,6 +254,7 @@ impl Comm {
             .filter(|&r| r < n)
             .ok_or_else(|| invalid(format!("rank {rank} is out of range for {nranks} ranks")))?;
         log::startup(device);
+        crate::env::check_init().map_err(usage)?;
         let cl = client()?;
         let comm = Arc::new(Comm {
             rank: me,
