@@ -118,6 +118,10 @@ def test_nccl_debug_prints_init_and_ignored_variables(prog, daemon, tmp_path):
         assert "NCCL_ALGO=allreduce:tree;broadcast:ring ignored: commd runs its own" in err, err
         assert "NCCL_NVLS_ENABLE=0 ignored: commd has no NVLS" in err, err
         assert "NCCL_DEBUG=INFO read" in err, err
+        # A communicator config: its name in the INIT line, what commd cannot apply said.
+        assert 'ncclConfig_t.commName "nonblocking-test"' in err, err
+        assert "NCCL WARN ncclConfig_t maxCTAs=8 not applied" in err, err
+        assert "splitShare" not in err, err
         # COLL was not selected: no per-op lines.
         assert "all_reduce: count" not in err
 

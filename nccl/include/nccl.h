@@ -60,8 +60,9 @@ typedef enum {
 #define NCCL_SPLIT_NOCOLOR -1
 #define NCCL_API_MAGIC 0xcafebeef
 
-/* Communicator configuration. commd reads `blocking`; the other fields tune NCCL's own
- * kernels and transports and are accepted and ignored. */
+/* Communicator configuration (NCCL 2.31/2.32's layout). commd reads `blocking` and `commName`;
+ * `splitShare`/`shrinkShare` ask for what it always does; any other field set is said on
+ * stderr as not applied (nccl/README.md, "Communicator config"). */
 typedef struct ncclConfig_v23100 {
   size_t size;
   unsigned int magic;

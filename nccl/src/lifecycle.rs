@@ -44,6 +44,124 @@ pub(crate) unsafe fn blocking(config: *const ConfigHead) -> Outcome<bool> {
     }
 }
 
+/// `ncclConfig_t` as NCCL 2.31/2.32 lay it out (`ncclConfig_v23100`).
+#[repr(C)]
+struct FullConfig {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+    min_ctas: c_int,
+    max_ctas: c_int,
+    net_name: *const std::ffi::c_char,
+    split_share: c_int,
+    traffic_class: c_int,
+    comm_name: *const std::ffi::c_char,
+    ints: [c_int; 15],
+}
+
+const _: () = assert!(std::mem::offset_of!(FullConfig, cga_cluster_size) == 20);
+const _: () = assert!(std::mem::offset_of!(FullConfig, net_name) == 32);
+const _: () = assert!(std::mem::offset_of!(FullConfig, comm_name) == 48);
+const _: () = assert!(std::mem::size_of::<FullConfig>() == 120);
+
+/// Names of `FullConfig::ints`, in order.
+const TAIL: [&str; 15] = [
+    "collnetEnable",
+    "CTAPolicy",
+    "shrinkShare",
+    "nvlsCTAs",
+    "nChannelsPerNetPeer",
+    "nvlinkCentricSched",
+    "graphUsageMode",
+    "numRmaCtx",
+    "maxP2pPeers",
+    "graphStreamOrdering",
+    "launchOrderImplicit",
+    "numRmaSig",
+    "rmaEagerInit",
+    "hostCftMode",
+    "nvlsHostMode",
+];
+
+/// The fields of a communicator's config other than `blocking`, set by the caller: `commName`
+/// goes into the INIT line; `splitShare`/`shrinkShare` ask for what commd always does (a child
+/// shares the daemon's resources with its parent); every other field tunes NCCL's own kernels,
+/// channels or transports, which commd does not have, and is said once per process on stderr
+/// (whatever `NCCL_DEBUG` says: a setting that is not applied must not pass unseen).
+///
+/// # Safety
+/// `config` is null or a config whose magic and size `blocking` checked.
+unsafe fn report_config(config: *const ConfigHead) {
+    if config.is_null() {
+        return;
+    }
+    // SAFETY: the caller's contract: `size` bytes are readable.
+    let size = unsafe { (*config).size }.min(std::mem::size_of::<FullConfig>());
+    let mut f: FullConfig = FullConfig {
+        size: 0,
+        magic: 0,
+        version: 0,
+        blocking: CONFIG_UNDEF_INT,
+        cga_cluster_size: CONFIG_UNDEF_INT,
+        min_ctas: CONFIG_UNDEF_INT,
+        max_ctas: CONFIG_UNDEF_INT,
+        net_name: std::ptr::null(),
+        split_share: CONFIG_UNDEF_INT,
+        traffic_class: CONFIG_UNDEF_INT,
+        comm_name: std::ptr::null(),
+        ints: [CONFIG_UNDEF_INT; 15],
+    };
+    // SAFETY: `size` bytes of the caller's struct over our copy (at least that large); every
+    // bit pattern is a valid FullConfig.
+    unsafe {
+        std::ptr::copy_nonoverlapping(config.cast::<u8>(), (&raw mut f).cast::<u8>(), size)
+    };
+    let text = |p: *const std::ffi::c_char| {
+        // SAFETY: NCCL's contract: a C string or NULL.
+        (!p.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    };
+    if let Some(name) = text(f.comm_name) {
+        crate::log::info(crate::log::INIT, comm::current_device(), || {
+            format!("ncclConfig_t.commName {name:?}")
+        });
+    }
+    let mut unapplied: Vec<String> = Vec::new();
+    for (name, v) in [
+        ("cgaClusterSize", f.cga_cluster_size),
+        ("minCTAs", f.min_ctas),
+        ("maxCTAs", f.max_ctas),
+        ("trafficClass", f.traffic_class),
+    ]
+    .into_iter()
+    .chain(TAIL.iter().copied().zip(f.ints))
+    {
+        if v != CONFIG_UNDEF_INT && name != "shrinkShare" {
+            unapplied.push(format!("{name}={v}"));
+        }
+    }
+    if let Some(n) = text(f.net_name) {
+        unapplied.push(format!("netName={n:?}"));
+    }
+    if unapplied.is_empty() {
+        return;
+    }
+    static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+    let mut said = comm::lock(&SAID);
+    unapplied.retain(|u| !said.contains(u));
+    if unapplied.is_empty() {
+        return;
+    }
+    said.extend(unapplied.iter().cloned());
+    crate::log::notice(&format!(
+        "ncclConfig_t {} not applied: they tune NCCL's own kernels, channels and transports, \
+         which commd does not have (its daemon sizes its work and picks its transports; \
+         nccl/README.md, \"Communicator config\")",
+        unapplied.join(", ")
+    ));
+}
+
 fn uid_bytes(id: &ncclUniqueId) -> [u8; UNIQUE_ID_BYTES] {
     // The same byte, whether `c_char` is signed or not.
     id.internal.map(|c| u8::from_ne_bytes(c.to_ne_bytes()))
@@ -93,6 +211,8 @@ unsafe fn init_rank(
     }
     // SAFETY: the caller's contract on config.
     let b = unsafe { blocking(config) }?;
+    // SAFETY: as above (`blocking` checked its magic and size).
+    unsafe { report_config(config) };
     let c = Comm::create(&uid_bytes(id), rank, nranks, comm::current_device(), b)?;
     let r = created(&c);
     // SAFETY: checked non-null above; NCCL's contract.

@@ -146,6 +146,12 @@ pub fn info(subsys: u32, device: i32, text: impl FnOnce() -> String) {
     }
 }
 
+/// A WARN line printed whatever `NCCL_DEBUG` says: for settings a job asked for that commd does
+/// not apply.
+pub fn notice(text: &str) {
+    emit("WARN", -1, text);
+}
+
 pub fn warn(text: &str) {
     if enabled(Level::Warn, ALL) {
         emit("WARN", -1, text);

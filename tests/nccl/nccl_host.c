@@ -250,6 +250,11 @@ static void ops(ncclComm_t comm, const char* dir) {
   EXPECT_ERR(ncclInvalidArgument, ncclCommInitRankConfig(&nb, nranks, id2, rank, &cfg),
              "blocking attribute 7");
   cfg.blocking = 0;
+  /* fields commd cannot apply (said once on stderr), its name (in the INIT line), a split
+     share (what commd always does) */
+  cfg.maxCTAs = 8;
+  cfg.commName = "nonblocking-test";
+  cfg.splitShare = 1;
   if (rank != 0) usleep(300000); /* rank 0's join waits for the others meanwhile */
   ncclResult_t ir0 = ncclCommInitRankConfig(&nb, nranks, id2, rank, &cfg);
   if (ir0 != ncclSuccess && ir0 != ncclInProgress) FAIL("non-blocking init -> %d", ir0);
