@@ -115,12 +115,14 @@ unsafe fn report_config(config: *const ConfigHead) {
     };
     // SAFETY: `size` bytes of the caller's struct over our copy (at least that large); every
     // bit pattern is a valid FullConfig.
-    unsafe {
-        std::ptr::copy_nonoverlapping(config.cast::<u8>(), (&raw mut f).cast::<u8>(), size)
-    };
-    let text = |p: *const std::ffi::c_char| {
-        // SAFETY: NCCL's contract: a C string or NULL.
-        (!p.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    unsafe { std::ptr::copy_nonoverlapping(config.cast::<u8>(), (&raw mut f).cast::<u8>(), size) };
+    let text = |p: *const std::ffi::c_char| -> Option<String> {
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: NCCL's contract: a C string (not NULL, checked).
+        let s = unsafe { std::ffi::CStr::from_ptr(p) };
+        Some(s.to_string_lossy().into_owned())
     };
     if let Some(name) = text(f.comm_name) {
         crate::log::info(crate::log::INIT, comm::current_device(), || {
