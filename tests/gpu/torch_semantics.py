@@ -12,6 +12,9 @@ values of the ops (2 ranks; they may share a GPU):
 3. Work.wait(timeout) of a GPU op waits on the CPU and raises torch's timeout error when the
    timeout passes first (rather than return at once); a later wait() completes the op.
 4. An output whose elements overlap (an expand()ed view) is refused before anything is posted.
+5. Coalescing on the GPU (`_coalescing_manager(device=cuda)`: the backend's startCoalescing /
+   endCoalescing), all-reduces and a batch_isend_irecv ring through it: the block's Work orders
+   the stream after every op; the group's sequence number counts the block once.
 Exits non-zero on any failure.
 """
 
@@ -106,6 +109,28 @@ s = torch.full((8,), float(rank), device=dev)
 dist.all_reduce(s)
 torch.cuda.synchronize()
 note(bool(torch.all(s == 1.0)), "all_reduce after the refusal")
+
+# 5. Coalescing on the GPU.
+pg = dist.group.WORLD
+ts = [torch.full((1 << 18,), float(rank + k), device=dev) for k in range(3)]
+seq = pg._get_backend(dev)._get_sequence_number_for_group  # (torch 2.11: not on the group)
+s0 = seq()
+with dist._coalescing_manager(group=pg, device=dev, async_ops=True) as cm:
+    for x in ts:
+        dist.all_reduce(x)
+cm.wait()
+torch.cuda.synchronize()
+s1 = seq()
+note(all(bool(torch.all(x == float(2 * k + 1))) for k, x in enumerate(ts)) and s1 - s0 == 1,
+     f"coalesced all-reduces on the GPU (sequence {s0} -> {s1})")
+out = torch.zeros(1 << 16, device=dev)
+ops = [dist.P2POp(dist.isend, torch.full((1 << 16,), float(rank + 10), device=dev),
+                  (rank + 1) % world),
+       dist.P2POp(dist.irecv, out, (rank - 1) % world)]
+for w in dist.batch_isend_irecv(ops):
+    w.wait()
+torch.cuda.synchronize()
+note(bool(torch.all(out == float((rank - 1) % world + 10))), "batch_isend_irecv ring on the GPU")
 
 print(f"rank {rank}: {'PASS' if not failures else 'FAIL'} ({len(failures)} failures)", flush=True)
 dist.destroy_process_group()
