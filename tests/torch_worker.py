@@ -429,6 +429,10 @@ def scenario_error(kind: str) -> None:
         t = torch.ones(10 if rank == 0 else 20)
     else:
         t = torch.ones(10)
+    # torch's Backend.getError (newer torch; the C++ shell answers it): SUCCESS now
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    get_error = getattr(backend, "get_error", None)
+    e0 = int(get_error().value) if get_error else None
     t0 = time.monotonic()
     want = commd.MismatchError if kind == "mismatch" else commd.PeerLostError
     try:
@@ -440,6 +444,8 @@ def scenario_error(kind: str) -> None:
         dt = time.monotonic() - t0
         print(f"RAISED {type(e).__name__} after {dt:.3f}s: {e}", flush=True)
         assert isinstance(e, commd.CommError)
+        if get_error:
+            print(f"ERRORTYPE {e0} {int(get_error().value)}", flush=True)
         os._exit(0)
     except Exception as e:  # noqa: BLE001
         print(f"WRONG {type(e).__name__}: {e}", flush=True)

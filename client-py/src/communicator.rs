@@ -309,6 +309,15 @@ impl Communicator {
         Ok(self.get()?.cuda_eager_path())
     }
 
+    /// Why the daemon holds this communicator broken for good, as (status, reason): status is
+    /// "peer_lost", "timeout", "mismatch", "aborted", "shutdown", "invalid" or "internal".
+    /// None while it works. One round trip to the daemon.
+    fn failure(&self, py: Python<'_>) -> PyResult<Option<(String, String)>> {
+        let comm = self.get()?;
+        let f = py.detach(|| comm.failure()).map_err(to_py)?;
+        Ok(f.map(|(s, m)| (commd_client::desc::status::name(s).to_string(), m)))
+    }
+
     /// The status code of a failed GPU op on this communicator since the last call, or None.
     fn cuda_take_error(&self) -> PyResult<Option<u32>> {
         Ok(self.get()?.cuda_take_error())

@@ -34,6 +34,12 @@
 
 namespace py = pybind11;
 
+// c10d's ErrorType (int-based, in newer torch's Backend.hpp); an opaque declaration, so that
+// getError() below also compiles against torch releases that lack it.
+namespace c10d {
+enum class ErrorType;
+}  // namespace c10d
+
 namespace commd {
 
 using c10d::Backend;
@@ -176,6 +182,14 @@ class CommdBackend : public Backend {
   c10::intrusive_ptr<Options> getBackendOptions() override { return options_; }
 
   bool supportsSplitting() const override { return true; }
+
+  // The error query of newer torch (2.15 has it; its watchdogs and torchft ask it): what the
+  // daemon holds the communicator broken for, as c10d's ErrorType
+  // (commd.torch.CommdBackend.get_error). Older torch has no such virtual: nothing calls it.
+  c10d::ErrorType getError() /* override (newer torch) */ {
+    py::gil_scoped_acquire gil;
+    return static_cast<c10d::ErrorType>(impl_.get().attr("get_error")().cast<int>());
+  }
 
   // torch's group sequence number (its desync debugging and flight recorder read it; torch
   // 2.11's default throws "does not yet support sequence numbers"): the collectives this

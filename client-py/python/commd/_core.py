@@ -567,6 +567,16 @@ class Communicator:
         memory by the daemons (see docs/multinode.md)."""
         return self._native.nodes
 
+    def failure(self) -> tuple[str, str] | None:
+        """Why the daemon holds this communicator broken for good, as ``(status, reason)``
+        (status: ``"peer_lost"``, ``"timeout"``, ``"mismatch"``, ``"aborted"``,
+        ``"shutdown"``, ``"invalid"`` or ``"internal"``); None while it works. Asks the
+        daemon (one round trip). A closed communicator is ``("aborted", ...)``."""
+        try:
+            return self._native.failure()
+        except _native.AbortedError as e:
+            return ("aborted", str(e))
+
     def close(self) -> None:
         """Destroys the communicator (other ranks' later ops fail with PeerLostError)."""
         self._native.close()

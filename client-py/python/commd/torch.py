@@ -157,6 +157,15 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
     def supports_coalescing(self) -> bool:
         return False
 
+    def get_error(self) -> int:
+        """torch's ``Backend::getError`` (c10d's ErrorType): 0 (SUCCESS) while the communicator
+        works; once the daemon holds it broken, 1 (TIMEOUT) for an op that timed out, 3
+        (REMOTE_ERROR) for a lost rank, 2 (COMM_ERROR) for any other failure."""
+        f = self.comm.failure()
+        if f is None:
+            return 0
+        return {"timeout": 1, "peer_lost": 3}.get(f[0], 2)
+
     def shutdown(self) -> None:
         self.comm.close()
 
