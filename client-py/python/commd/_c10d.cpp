@@ -34,12 +34,6 @@
 
 namespace py = pybind11;
 
-// c10d's ErrorType (int-based, in newer torch's Backend.hpp); an opaque declaration, so that
-// getError() below also compiles against torch releases that lack it.
-namespace c10d {
-enum class ErrorType;
-}  // namespace c10d
-
 namespace commd {
 
 using c10d::Backend;
@@ -183,10 +177,10 @@ class CommdBackend : public Backend {
 
   bool supportsSplitting() const override { return true; }
 
-  // The error query of newer torch (2.15 has it; its watchdogs and torchft ask it): what the
+  // torch's error query (its watchdogs and torchft ask it; 2.11 and 2.15 have it): what the
   // daemon holds the communicator broken for, as c10d's ErrorType
-  // (commd.torch.CommdBackend.get_error). Older torch has no such virtual: nothing calls it.
-  c10d::ErrorType getError() /* override (newer torch) */ {
+  // (commd.torch.CommdBackend.get_error).
+  c10d::ErrorType getError() override {
     py::gil_scoped_acquire gil;
     return static_cast<c10d::ErrorType>(impl_.get().attr("get_error")().cast<int>());
   }
@@ -201,9 +195,9 @@ class CommdBackend : public Backend {
   // torch's coalescing (`_coalescing_manager(group, device)`, `batch_isend_irecv`): the ops
   // issued between start and end are posted as they come (commd's ops never block the CPU);
   // endCoalescing's Work is all of them.
-  bool supportsCoalescing() const /* override (torch >= 2.4) */ { return true; }
+  bool supportsCoalescing() const override { return true; }
 
-  void startCoalescing() /* override */ {
+  void startCoalescing() override {
     TORCH_CHECK(!coalescing_, "commd: startCoalescing inside a coalescing block (they do not nest)");
     py::gil_scoped_acquire gil;
     coalesced_ = std::make_unique<PyRef>(py::list());
@@ -211,7 +205,7 @@ class CommdBackend : public Backend {
     seq_++;
   }
 
-  c10::intrusive_ptr<Work> endCoalescing() /* override */ {
+  c10::intrusive_ptr<Work> endCoalescing() override {
     TORCH_CHECK(coalescing_, "commd: endCoalescing without startCoalescing");
     coalescing_ = false;
     py::gil_scoped_acquire gil;
