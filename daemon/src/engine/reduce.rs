@@ -469,11 +469,6 @@ impl Chain {
 }
 
 impl Kernel {
-    /// Bytes of one element of the inputs and outputs.
-    pub fn elem_size(self) -> usize {
-        usize_of(self.dtype.size())
-    }
-
     /// Bytes of one accumulator element: f32 for f16/bf16, i128 for integer averages, else the
     /// element itself.
     pub fn acc_size(self) -> usize {

@@ -575,7 +575,7 @@ fn offset<T>(p: *const T, bytes: usize) -> *const T {
 /// # Safety
 /// As `reduce::reduce_chain`.
 unsafe fn par_reduce(
-    k: Kernel,
+    (k, dtype): (Kernel, DType),
     nranks: u32,
     ch: reduce::Chain,
     inputs: &[*const u8],
@@ -583,7 +583,7 @@ unsafe fn par_reduce(
     n: usize,
     workers: usize,
 ) {
-    let es = k.elem_size();
+    let es = usize_of(dtype.size());
     let acc = k.acc_size();
     let step = Step {
         acc_in: ch.acc_in,

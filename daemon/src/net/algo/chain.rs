@@ -272,7 +272,7 @@ impl<'a> ChainOp<'a> {
         // in distinct scratch regions.
         unsafe {
             par_reduce(
-                self.k,
+                (self.k, self.c.dtype),
                 crate::ranks::of(self.n),
                 Chain {
                     acc_in: ch_in,
@@ -323,7 +323,7 @@ impl<'a> ChainOp<'a> {
         // or the final scratch.
         unsafe {
             par_reduce(
-                self.k,
+                (self.k, self.c.dtype),
                 crate::ranks::of(self.n),
                 Chain {
                     acc_in: ch_in,
