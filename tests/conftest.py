@@ -21,8 +21,10 @@ TESTCLIENT = str(BIN / "commd-testclient")
 
 
 class Daemon:
-    def __init__(self, tmp_path, *args, env=None):
+    def __init__(self, tmp_path, *args, env=None, nofile=None):
         self.dir = Path(tmp_path)
+        # An fd limit for the daemon (soft and hard): the tenancy tests' derived bounds.
+        self.nofile = nofile
         self.socket = self.dir / "commd.sock"
         self.logpath = self.dir / "commd.log"
         self.args = list(args)
@@ -41,6 +43,7 @@ class Daemon:
             stdout=self.log_file,
             stderr=subprocess.STDOUT,
             env=self.env,
+            preexec_fn=self._limits if self.nofile else None,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -54,6 +57,10 @@ class Daemon:
                     pass
             time.sleep(0.05)
         raise RuntimeError(f"commd did not come up:\n{self.log()}")
+
+    def _limits(self):
+        import resource
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def log(self):
         try:

@@ -37,7 +37,7 @@ def as_nobody(*cmd):
 
 
 @contextlib.contextmanager
-def reachable_daemon(prefix, env=None):
+def reachable_daemon(prefix, env=None, nofile=None):
     """A root daemon whose socket directory and `commd` binary user 65534 can reach (mode 0755),
     as a system daemon's are. Yields (daemon, dir, environment for user 65534's commands)."""
     d = Path(tempfile.mkdtemp(prefix=prefix))
@@ -46,7 +46,7 @@ def reachable_daemon(prefix, env=None):
         for b in (COMMD, TESTCLIENT):
             shutil.copy(b, d / Path(b).name)
             os.chmod(d / Path(b).name, 0o755)
-        daemon = Daemon(d, env=env).start()
+        daemon = Daemon(d, env=env, nofile=nofile).start()
         try:
             yield daemon, d, {k: v for k, v in os.environ.items() if not k.startswith("COMMD_")}
         finally:

@@ -150,6 +150,10 @@ impl Client {
             .len(len)
             .map_raw(&file)
             .map_err(|e| refused("mmap", e))?;
+        // Written once here, so that every page is in memory and up to date: the daemon
+        // refuses ops over pages that are not (fallocate alone leaves shmem pages "not up to
+        // date"), rather than fault them in on its own account.
+        populate(&map);
         let mem_id = self.register_fd(file.as_fd(), bytes)?;
         Ok(Buffer {
             client: self.inner.clone(),
@@ -157,5 +161,21 @@ impl Client {
             map: Mapping::Own(map),
             len: bytes,
         })
+    }
+}
+
+/// Faults in every page of `map` for writing (`MADV_POPULATE_WRITE`, Linux 5.14), or writes a
+/// zero to each page where the kernel lacks it. The pages are fresh zeroes either way.
+#[allow(unsafe_code)] // madvise and writes through the buffer's own fresh mapping
+fn populate(map: &MmapRaw) {
+    const MADV_POPULATE_WRITE: libc::c_int = 23;
+    let (base, len) = (map.as_mut_ptr(), map.len());
+    // SAFETY: the whole of a mapping this function's caller just made and nobody else uses yet.
+    if unsafe { libc::madvise(base.cast(), len, MADV_POPULATE_WRITE) } == 0 {
+        return;
+    }
+    for off in (0..len).step_by(4096) {
+        // SAFETY: inside the fresh mapping (as above); the page holds zeroes.
+        unsafe { std::ptr::write_volatile(base.add(off), 0) };
     }
 }

@@ -159,6 +159,14 @@ impl Client {
         Ok(r.into_inner().mem_id)
     }
 
+    /// Sends `fd` on the fd socket without registering it; returns its token. For the tenancy
+    /// tests (`commd-testclient`'s attacks): a client never needs it.
+    #[doc(hidden)]
+    pub fn stage_fd_only(&self, fd: std::os::fd::BorrowedFd<'_>) -> Result<u64> {
+        self.inner.check_owner()?;
+        self.inner.stage_fd(fd)
+    }
+
     pub fn deregister(&self, mem_id: u32) -> Result<()> {
         let i = &self.inner;
         i.check_owner()?;

@@ -87,7 +87,7 @@ pub fn serve(daemon: Arc<Daemon>, listener: OwnedFd) {
             }
             Err(rustix::io::Errno::INTR) => continue,
             Err(e) => {
-                tracing::error!(target: "commd::session", "fd socket accept failed: {e}");
+                crate::telemetry::ratelimit::warn_limited!(target: "commd::session", "fd socket accept failed: {e}");
                 std::thread::sleep(Duration::from_millis(100));
             }
         }
@@ -95,7 +95,7 @@ pub fn serve(daemon: Arc<Daemon>, listener: OwnedFd) {
 }
 
 fn reply_err(conn: &OwnedFd, text: String) {
-    tracing::warn!(target: "commd::session", "fd socket: {text}");
+    crate::telemetry::ratelimit::warn_limited!(target: "commd::session", "fd socket: {text}");
     let _ = fdproto::send(conn.as_fd(), &FdMsg::error(text), None);
 }
 

@@ -6,7 +6,8 @@
 //! `telemetry::metrics::Scrape`). `scripts/check-layers` (run by the test command) fails on an
 //! upward dependency, a cycle, or a module without a layer:
 //! 1. services and commands: [`serve`] (start/stop: sockets, threads, signals), [`control`]
-//!    (the local gRPC service), [`fdsock`] (the fd socket), [`peer`] (the peer service),
+//!    (the local gRPC service), [`accept`] (its connections: per-uid cap, accept back-off),
+//!    [`fdsock`] (the fd socket), [`peer`] (the peer service),
 //!    [`admin`] (the admin service), [`report`] (daemon state as metrics, telemetry's start),
 //!    [`cli`] (`commd bench`, `health`, `stat`, `switch`), [`exec`];
 //! 2. daemon state: [`daemon`] (daemon-wide state), [`session`] (per-client sessions and ring
@@ -29,6 +30,7 @@
 
 #![deny(unsafe_code)] // allowed only in the modules that say why
 
+pub mod accept;
 pub mod admin;
 pub mod cli;
 pub mod comm;

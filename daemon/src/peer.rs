@@ -30,7 +30,7 @@ impl pb::peer_server::Peer for PeerService {
         if self.daemon.cfg.peer_addr_check
             && let Err(why) = announced_from(&r, remote)
         {
-            tracing::warn!(target: "commd::net", "refused a join of rank {} from {from}: {why}", r.rank);
+            crate::telemetry::ratelimit::warn_limited!(target: "commd::net", "refused a join of rank {} from {from}: {why}", r.rank);
             return Err(Status::permission_denied(format!(
                 "{why}; the root daemon refuses announced addresses other than the join's own IP \
                  (set peer_addr_check=off on the root daemon behind NAT or on multi-homed nodes)"

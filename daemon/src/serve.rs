@@ -258,7 +258,7 @@ async fn serve(
 ) -> Result<(), ServeError> {
     let listener = tokio::net::UnixListener::from_std(listeners.control)
         .map_err(|e| ServeError::Runtime(e.to_string()))?;
-    let incoming = tokio_stream::wrappers::UnixListenerStream::new(listener);
+    let incoming = crate::accept::Incoming::new(listener, daemon.cfg.max_connections_per_uid);
     let svc = commd_proto::pb::local_server::LocalServer::new(LocalService {
         daemon: daemon.clone(),
     });
@@ -441,7 +441,7 @@ fn start_net(daemon: &Arc<Daemon>) -> Result<Option<std::net::TcpListener>, Serv
         None => None,
         Some((c, k, a)) => {
             let read = |p: &PathBuf| {
-                std::fs::read(p).map_err(|err| ServeError::Setup {
+                crate::config::read_trusted(p).map_err(|err| ServeError::Setup {
                     path: p.clone(),
                     err,
                 })
@@ -565,6 +565,7 @@ fn housekeeping(d: Arc<Daemon>) {
         let live = last_liveness.elapsed() >= d.cfg.liveness_interval;
         if live {
             last_liveness = Instant::now();
+            crate::telemetry::ratelimit::flush();
         }
         d.tick(live);
     }

@@ -33,7 +33,8 @@ pub struct Tables {
     pub registered_bytes: u64,
     pub comms: HashMap<u32, (Arc<Comm>, u32)>,
     pub next_comm: u32,
-    pub staged: HashMap<u64, OwnedFd>,
+    /// Fds staged on the fd socket, with when (expired by `Daemon::expire_staged`).
+    pub staged: HashMap<u64, (OwnedFd, Instant)>,
     /// CUDA registrations (same id space as `mems`), and the IPC handle -> mem id cache that
     /// makes the daemon open each allocation once per session.
     pub cuda_mems: HashMap<u32, Arc<DevMem>>,
@@ -282,8 +283,12 @@ impl Session {
             ));
         }
         let len = region.len();
-        Span::new(region, off, bytes)
-            .ok_or_else(|| format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes) lies outside its registration of {len} bytes"))
+        let span = Span::new(region.clone(), off, bytes)
+            .ok_or_else(|| format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes) lies outside its registration of {len} bytes"))?;
+        region.check_populated(off, bytes).map_err(|why| {
+            format!("{what} buffer (mem {mem}, offset {off}, {bytes} bytes): {why}")
+        })?;
+        Ok(span)
     }
 
     /// Resolves `(mem_id, off)` of a CUDA registration.

@@ -34,7 +34,7 @@ pub enum PathError {
     )]
     Owner { path: PathBuf, owner: u32, me: u32 },
     #[error(
-        "{path} is writable by other users (mode {mode:o}) and not sticky; refusing to use it (make it writable only by its owner)"
+        "{path} is writable by users other than its owner (mode {mode:o}); refusing to use it (make it writable only by its owner; a shared directory must be sticky, as /tmp is)"
     )]
     Writable { path: PathBuf, mode: u32 },
     #[error("{path} is not a {want}")]
@@ -216,12 +216,20 @@ pub enum Access {
     Read,
     /// Read and write, created with the given mode if missing; the file must be ours.
     ReadWrite(u32),
+    /// Read-only, for what a daemon trusts (its config, its TLS key): as [`Access::Read`], and
+    /// not writable by group or others; a symlink as the last component (a Kubernetes
+    /// ConfigMap's `commd.toml -> ..data/commd.toml`) is followed when root or we own it.
+    ReadTrusted,
 }
 
 /// Opens `path` (see the module doc): the directory is walked and checked, the file is never
 /// reached through a symlink, and must be a regular file with one link, owned by us (or, for
 /// [`Access::Read`], by root).
 pub fn open_file(path: &Path, access: Access) -> Result<File, PathError> {
+    open_file_through(path, access, 0)
+}
+
+fn open_file_through(path: &Path, access: Access, links: usize) -> Result<File, PathError> {
     let abs = absolute(path)?;
     let (Some(dir), Some(name)) = (abs.parent(), abs.file_name()) else {
         return Err(PathError::Kind {
@@ -232,23 +240,36 @@ pub fn open_file(path: &Path, access: Access) -> Result<File, PathError> {
     let dfd = open_dir(dir, None)?;
     let flags = OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK;
     let (flags, mode) = match access {
-        Access::Read => (flags | OFlags::RDONLY, Mode::empty()),
+        Access::Read | Access::ReadTrusted => (flags | OFlags::RDONLY, Mode::empty()),
         Access::ReadWrite(m) => (
             flags | OFlags::RDWR | OFlags::CREATE,
             Mode::from_raw_mode(m),
         ),
     };
-    let fd = rfs::openat(&dfd, name, flags, mode).map_err(|e| {
-        // A symlink there fails with ELOOP (O_NOFOLLOW), or EACCES where the kernel's
-        // protected_symlinks refuses it first in a sticky directory: say which.
-        let link = rfs::statat(&dfd, name, AtFlags::SYMLINK_NOFOLLOW)
-            .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink);
-        if link {
-            PathError::Symlink { path: abs.clone() }
-        } else {
-            io(&abs, e)
+    let fd = match rfs::openat(&dfd, name, flags, mode) {
+        Ok(fd) => fd,
+        Err(e) => {
+            // A symlink there fails with ELOOP (O_NOFOLLOW), or EACCES where the kernel's
+            // protected_symlinks refuses it first in a sticky directory: say which.
+            let link = rfs::statat(&dfd, name, AtFlags::SYMLINK_NOFOLLOW)
+                .ok()
+                .filter(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink);
+            let Some(st) = link else {
+                return Err(io(&abs, e));
+            };
+            if access != Access::ReadTrusted {
+                return Err(PathError::Symlink { path: abs });
+            }
+            // A trusted link in a checked directory: walk its target from the start.
+            trusted_owner(&abs, &st)?;
+            if links >= MAX_LINKS {
+                return Err(PathError::Walk { path: abs });
+            }
+            let target = rfs::readlinkat(&dfd, name, Vec::new()).map_err(|e| io(&abs, e))?;
+            let target = Path::new(std::ffi::OsStr::from_bytes(target.as_bytes()));
+            return open_file_through(&dir.join(target), access, links + 1);
         }
-    })?;
+    };
     let st = rfs::fstat(&fd).map_err(|e| io(&abs, e))?;
     if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
         return Err(PathError::Kind {
@@ -258,6 +279,13 @@ pub fn open_file(path: &Path, access: Access) -> Result<File, PathError> {
     }
     match access {
         Access::Read => trusted_owner(&abs, &st)?,
+        Access::ReadTrusted => {
+            trusted_owner(&abs, &st)?;
+            let mode = st.st_mode & 0o7777;
+            if mode & 0o022 != 0 {
+                return Err(PathError::Writable { path: abs, mode });
+            }
+        }
         Access::ReadWrite(_) if st.st_uid != me() => {
             return Err(PathError::Owner {
                 path: abs,
@@ -369,6 +397,44 @@ mod tests {
         let mode = std::fs::metadata(&deep).unwrap().permissions().mode() & 0o7777;
         assert_eq!(mode, 0o700);
         assert!(open_dir(&d.join("missing"), None).is_err());
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn a_trusted_read_follows_our_links_and_refuses_a_file_others_can_write() {
+        let d = scratch("trusted");
+        let data = d.join("..data");
+        std::fs::create_dir(&data).unwrap();
+        std::fs::write(data.join("commd.toml"), "workers = 2\n").unwrap();
+        std::fs::set_permissions(
+            data.join("commd.toml"),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+        // As a Kubernetes ConfigMap mounts it: a relative link to the file in `..data`.
+        std::os::unix::fs::symlink("..data/commd.toml", d.join("commd.toml")).unwrap();
+        let mut text = String::new();
+        open_file(&d.join("commd.toml"), Access::ReadTrusted)
+            .unwrap()
+            .read_to_string(&mut text)
+            .unwrap();
+        assert_eq!(text, "workers = 2\n");
+        // A plain read still refuses the link.
+        assert!(matches!(
+            open_file(&d.join("commd.toml"), Access::Read),
+            Err(PathError::Symlink { .. })
+        ));
+        // Group- or world-writable: refused, naming the mode.
+        std::fs::set_permissions(
+            data.join("commd.toml"),
+            std::fs::Permissions::from_mode(0o664),
+        )
+        .unwrap();
+        let e = open_file(&d.join("commd.toml"), Access::ReadTrusted).unwrap_err();
+        assert!(matches!(e, PathError::Writable { mode: 0o664, .. }), "{e}");
+        // A link loop ends with an error, not a hang.
+        std::os::unix::fs::symlink("loop", d.join("loop")).unwrap();
+        assert!(open_file(&d.join("loop"), Access::ReadTrusted).is_err());
         std::fs::remove_dir_all(&d).unwrap();
     }
 }

@@ -162,7 +162,7 @@ pub static KEYS: &[Key] = &[
         name: "max_registered_bytes_per_uid",
         env: "COMMD_MAX_REGISTERED_BYTES_PER_UID",
         default: Some("0"),
-        help: "host memory all sessions of one uid may register in total (0: the host's physical memory); beyond it RegisterMemory is refused naming the uid",
+        help: "host memory all sessions of one uid may register in total (0: half of the host's physical memory); beyond it RegisterMemory is refused naming the uid. A share, not all of it: registered pages stay mapped in the daemon until the session ends, and the daemon is shielded from the OOM killer (OOMScoreAdjust), so the killer would pick other users' jobs",
         kind: Kind::U64 {
             min: 0,
             max: u64::MAX,
@@ -175,6 +175,66 @@ pub static KEYS: &[Key] = &[
         help: "communicator memberships all sessions of one uid may hold at once; a join beyond it is refused naming the uid",
         kind: Kind::U64 {
             min: 1,
+            max: 100_000_000,
+        },
+    },
+    Key {
+        name: "max_registrations",
+        env: "COMMD_MAX_REGISTRATIONS",
+        default: Some("0"),
+        help: "memory registrations (host memfds and GPU allocations) the daemon holds at once, for all users (0: vm.max_map_count less a reserve of max(8192, 1/8) maps for sessions, threads and CUDA); each host registration is one memory map of the daemon, and past vm.max_map_count every new session of every user would fail",
+        kind: Kind::U64 {
+            min: 0,
+            max: 100_000_000,
+        },
+    },
+    Key {
+        name: "max_registrations_per_uid",
+        env: "COMMD_MAX_REGISTRATIONS_PER_UID",
+        default: Some("0"),
+        help: "memory registrations all sessions of one uid may hold at once (0: a quarter of max_registrations); beyond it RegisterMemory is refused naming the uid",
+        kind: Kind::U64 {
+            min: 0,
+            max: 100_000_000,
+        },
+    },
+    Key {
+        name: "max_staged_fds",
+        env: "COMMD_MAX_STAGED_FDS",
+        default: Some("0"),
+        help: "fds sent on the fd socket and not yet registered, for all users (0: a quarter of the daemon's fd limit, RLIMIT_NOFILE, which the daemon raises to its hard limit, after a reserve of max(256, 1/8))",
+        kind: Kind::U64 {
+            min: 0,
+            max: 100_000_000,
+        },
+    },
+    Key {
+        name: "max_staged_fds_per_uid",
+        env: "COMMD_MAX_STAGED_FDS_PER_UID",
+        default: Some("0"),
+        help: "fds all sessions of one uid may have staged and not registered (0: a quarter of max_staged_fds, at least 16); each session holds at most 256",
+        kind: Kind::U64 {
+            min: 0,
+            max: 100_000_000,
+        },
+    },
+    Key {
+        name: "staged_fd_timeout_ms",
+        env: "COMMD_STAGED_FD_TIMEOUT_MS",
+        default: Some("30000"),
+        help: "a staged fd not registered within this time is closed (a client registers right after staging)",
+        kind: Kind::U64 {
+            min: 100,
+            max: 86_400_000,
+        },
+    },
+    Key {
+        name: "max_connections_per_uid",
+        env: "COMMD_MAX_CONNECTIONS_PER_UID",
+        default: Some("0"),
+        help: "control-socket (gRPC) connections one uid may hold open (0: an eighth of the daemon's fd limit after its reserve); more are closed at accept, with a rate-limited WARN",
+        kind: Kind::U64 {
+            min: 0,
             max: 100_000_000,
         },
     },

@@ -7,7 +7,9 @@
 //! `settings`: the typed values whose behaviour other modules own (observability, the switch
 //! client, the RDMA GID), kept here so that config depends on no module above it.
 //!
-//! May use: std, `pacing` (rate bounds).
+//! May use: std, `pacing` (rate bounds), `commd_host::private` (the config file is opened as
+//! a trusted file: owned by root or the daemon's user, writable by no one else, reached through
+//! no name another user controls).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -17,8 +19,11 @@ use thiserror::Error;
 
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/commd/commd.toml";
 
+mod derived;
 mod keys;
 mod settings;
+
+pub use derived::Derived;
 
 use keys::Kind;
 pub use keys::{KEYS, Key, SUBSYSTEMS};
@@ -84,6 +89,16 @@ pub struct Config {
     pub max_registered_bytes_per_uid: u64,
     pub max_comms_per_uid: usize,
     pub max_registered_bytes: u64,
+    /// Registrations (host and GPU) the daemon holds at once, and one uid's share.
+    pub max_registrations: usize,
+    pub max_registrations_per_uid: usize,
+    /// Fds staged on the fd socket and not registered: daemon-wide, per uid, and how long one
+    /// may wait for its registration.
+    pub max_staged_fds: usize,
+    pub max_staged_fds_per_uid: usize,
+    pub staged_fd_timeout: Duration,
+    /// Control-socket (gRPC) connections one uid may hold open.
+    pub max_connections_per_uid: usize,
     /// `None`: no peer service (single-node daemon).
     pub peer_listen: Option<std::net::SocketAddr>,
     /// Whether `peer_listen` was set explicitly (a bind failure is then fatal).
@@ -263,20 +278,14 @@ fn gbps_to_rate(gbps: f64) -> Result<Option<u64>, String> {
     })
 }
 
-/// The host's physical memory in bytes (u64::MAX when it cannot be read).
-#[allow(unsafe_code)] // sysconf(3)
-fn physical_memory() -> u64 {
-    // SAFETY: sysconf only reads system constants.
-    let (pages, size) = unsafe {
-        (
-            libc::sysconf(libc::_SC_PHYS_PAGES),
-            libc::sysconf(libc::_SC_PAGESIZE),
-        )
-    };
-    match (u64::try_from(pages), u64::try_from(size)) {
-        (Ok(pages @ 1..), Ok(size @ 1..)) => pages.saturating_mul(size),
-        _ => u64::MAX,
-    }
+/// Reads a file the daemon trusts (its config, its TLS files): refused when another user owns
+/// it, can write it, or controls a directory or link on the way to it (`commd_host::private`).
+pub fn read_trusted(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut f = commd_host::private::open_file(path, commd_host::private::Access::ReadTrusted)?;
+    let mut out = Vec::new();
+    f.read_to_end(&mut out)?;
+    Ok(out)
 }
 
 /// The default socket path for the current user (shared with clients).
@@ -320,10 +329,16 @@ impl Config {
                 .then(|| PathBuf::from(DEFAULT_CONFIG_PATH)),
         };
         if let Some(path) = &file {
-            let text = std::fs::read_to_string(path).map_err(|err| ConfigError::Read {
-                path: path.clone(),
-                err,
-            })?;
+            let text = read_trusted(path)
+                .and_then(|b| {
+                    String::from_utf8(b).map_err(|_| {
+                        std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text")
+                    })
+                })
+                .map_err(|err| ConfigError::Read {
+                    path: path.clone(),
+                    err,
+                })?;
             let table: toml::Table =
                 text.parse()
                     .map_err(|e: toml::de::Error| ConfigError::Parse {
@@ -384,6 +399,19 @@ impl Config {
             u16::try_from(u(n)?).map_err(|_| out_of_range(n))
         };
         let ms = |n: &str| u(n).map(Duration::from_millis);
+        // 0 in a `max_*` key of these means "derived from this machine's limits".
+        let derived = Derived::here();
+        let or_derived = |n: &str, d: u64| -> Result<u64, ConfigError> {
+            Ok(match u(n)? {
+                0 => d,
+                v => v,
+            })
+        };
+        let uz_or_derived = |n: &str, d: u64| -> Result<usize, ConfigError> {
+            usize::try_from(or_derived(n, d)?).map_err(|_| out_of_range(n))
+        };
+        let max_registrations = uz_or_derived("max_registrations", derived.registrations)?;
+        let max_staged_fds = uz_or_derived("max_staged_fds", derived.staged_fds)?;
         let gbps = |n: &str| -> Result<Option<u64>, ConfigError> {
             let invalid = |why: String| ConfigError::Invalid {
                 key: n.to_string(),
@@ -411,12 +439,27 @@ impl Config {
             max_sessions: uz("max_sessions")?,
             max_sessions_per_uid: uz("max_sessions_per_uid")?,
             max_unique_ids_per_uid: uz("max_unique_ids_per_uid")?,
-            max_registered_bytes_per_uid: match u("max_registered_bytes_per_uid")? {
-                0 => physical_memory(),
-                n => n,
-            },
+            max_registered_bytes_per_uid: or_derived(
+                "max_registered_bytes_per_uid",
+                derived.registered_bytes_per_uid,
+            )?,
             max_comms_per_uid: uz("max_comms_per_uid")?,
             max_registered_bytes: u("max_registered_bytes")?,
+            max_registrations,
+            max_registrations_per_uid: uz_or_derived(
+                "max_registrations_per_uid",
+                derived::per_uid_share(max_registrations as u64),
+            )?,
+            max_staged_fds,
+            max_staged_fds_per_uid: uz_or_derived(
+                "max_staged_fds_per_uid",
+                derived::per_uid_share(max_staged_fds as u64).max(16),
+            )?,
+            staged_fd_timeout: ms("staged_fd_timeout_ms")?,
+            max_connections_per_uid: uz_or_derived(
+                "max_connections_per_uid",
+                derived.connections_per_uid,
+            )?,
             peer_listen: if s("peer_listen").eq_ignore_ascii_case("off") {
                 None
             } else {

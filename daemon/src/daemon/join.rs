@@ -57,7 +57,9 @@ impl Slot {
 pub(super) struct PendingJoin {
     pub(super) nranks: u32,
     pub(super) op_timeout: Duration,
-    pub(super) members: Vec<Option<Slot>>,
+    /// The ranks joined so far (a map: memory in proportion to the ranks that joined, not to
+    /// the nranks a first caller claims).
+    pub(super) members: BTreeMap<u32, Slot>,
     pub(super) pacing: Option<PacingVote>,
 }
 
@@ -142,6 +144,25 @@ impl Daemon {
         Ok(())
     }
 
+    /// Memberships of `uid`'s sessions in communicators still forming (rooted here, or
+    /// waiting for another node's root), counted in `max_comms_per_uid`.
+    pub(super) fn pending_memberships(&self, uid: u32) -> usize {
+        let here: usize = lock(&self.joins)
+            .values()
+            .map(|j| {
+                j.members
+                    .values()
+                    .filter(|m| matches!(m, Slot::Local(jn) if jn.session.uid == uid))
+                    .count()
+            })
+            .sum();
+        let there: usize = lock(&self.remote_joins)
+            .values()
+            .map(|rj| rj.local.values().filter(|j| j.session.uid == uid).count())
+            .sum();
+        here + there
+    }
+
     pub fn join(
         self: &Arc<Self>,
         session: Arc<Session>,
@@ -190,7 +211,7 @@ impl Daemon {
             e.insert(PendingJoin {
                 nranks,
                 op_timeout,
-                members: (0..nranks).map(|_| None).collect(),
+                members: BTreeMap::new(),
                 pacing: None,
             });
         }
@@ -198,14 +219,14 @@ impl Daemon {
             return Err(DaemonError::Internal("pending join vanished".into()));
         };
         if j.nranks != nranks {
-            let first = j.members.iter().position(Option::is_some).unwrap_or(0);
+            let first = j.members.keys().next().copied().unwrap_or(0);
             return Err(DaemonError::InvalidArgument(format!(
                 "rank {rank} joins communicator {} with nranks={nranks}, but rank {first} joined with nranks={}",
                 uid.short(),
                 j.nranks
             )));
         }
-        if let Some(m) = &j.members[rank as usize] {
+        if let Some(m) = j.members.get(&rank) {
             return Err(DaemonError::AlreadyExists(format!(
                 "rank {rank} of communicator {} already joined (pid {})",
                 uid.short(),
@@ -214,8 +235,8 @@ impl Daemon {
         }
         vote_pacing(&mut j.pacing, &uid.short(), rank, opts.pacing)?;
         let (tx, rx) = oneshot::channel();
-        j.members[rank as usize] = Some(Slot::Local(Joiner { session, tx }));
-        if j.members.iter().all(Option::is_some)
+        j.members.insert(rank, Slot::Local(Joiner { session, tx }));
+        if j.members.len() == j.nranks as usize
             && let Some(j) = joins.remove(&uid.token)
         {
             drop(joins);
@@ -235,7 +256,7 @@ impl Daemon {
             .unwrap_or_default();
         let my_rdma = self.net.get().map(|n| n.offer()).unwrap_or_default();
         let mut reply = pb::PeerJoinReply::default();
-        for m in j.members.iter().flatten() {
+        for m in j.members.values() {
             let (node, data, rdma) = match m {
                 Slot::Local(_) => (me.clone(), my_data.clone(), my_rdma.clone()),
                 Slot::Remote {
@@ -263,10 +284,10 @@ impl Daemon {
             reply.rank_pid.push(m.pid());
         }
         let mut local = HashMap::new();
-        for (rank, m) in j.members.into_iter().flatten().enumerate() {
+        for (rank, m) in j.members {
             match m {
                 Slot::Local(joiner) => {
-                    local.insert(crate::ranks::of(rank), joiner);
+                    local.insert(rank, joiner);
                 }
                 Slot::Remote { tx, .. } => {
                     let _ = tx.send(Ok(reply.clone()));
@@ -503,7 +524,7 @@ impl Daemon {
             return Err(DaemonError::Unavailable("daemon is shutting down".into()));
         }
         let token: [u8; 16] = r.token.as_slice().try_into().map_err(|_| {
-            tracing::warn!(target: "commd::net", "rejected a join from node {}: malformed token", r.node);
+            crate::telemetry::ratelimit::warn_limited!(target: "commd::net", "rejected a join from node {}: malformed token", r.node);
             DaemonError::PermissionDenied("malformed communicator token".into())
         })?;
         let short: String = token[..4].iter().map(|b| format!("{b:02x}")).collect();
@@ -516,7 +537,7 @@ impl Daemon {
         let mut joins = lock(&self.joins);
         if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(token) {
             if !lock(&self.issued).take(&token, Instant::now()) {
-                tracing::warn!(target: "commd::net", "rejected a join of rank {rank} from node {} (pid {}): unknown or stale token {short}..", r.node, r.pid);
+                crate::telemetry::ratelimit::warn_limited!(target: "commd::net", "rejected a join of rank {rank} from node {} (pid {}): unknown or stale token {short}..", r.node, r.pid);
                 return Err(DaemonError::PermissionDenied(format!(
                     "communicator token {short}.. is not known to the root daemon: a wrong or stale unique id (ids are single-use; was the communicator already formed, or the root daemon restarted?)"
                 )));
@@ -524,7 +545,7 @@ impl Daemon {
             e.insert(PendingJoin {
                 nranks,
                 op_timeout: Duration::from_millis(r.op_timeout_ms.max(1)),
-                members: (0..nranks).map(|_| None).collect(),
+                members: BTreeMap::new(),
                 pacing: None,
             });
         }
@@ -532,30 +553,33 @@ impl Daemon {
             return Err(DaemonError::Internal("pending join vanished".into()));
         };
         if j.nranks != nranks {
-            let first = j.members.iter().position(Option::is_some).unwrap_or(0);
+            let first = j.members.keys().next().copied().unwrap_or(0);
             return Err(DaemonError::InvalidArgument(format!(
                 "rank {rank} (node {}) joins communicator {short} with nranks={nranks}, but rank {first} joined with nranks={}",
                 r.node, j.nranks
             )));
         }
-        if let Some(m) = &j.members[rank as usize] {
+        if let Some(m) = j.members.get(&rank) {
             return Err(DaemonError::AlreadyExists(format!(
                 "rank {rank} of communicator {short} already joined (pid {})",
                 m.pid()
             )));
         }
         let (tx, rx) = oneshot::channel();
-        j.members[rank as usize] = Some(Slot::Remote {
-            node: r.node.clone(),
-            data_addr: r.data_addr.clone(),
-            rdma: crate::net::rdma::Offer {
-                desc: r.rdma.clone(),
-                off: r.rdma_off.clone(),
+        j.members.insert(
+            rank,
+            Slot::Remote {
+                node: r.node.clone(),
+                data_addr: r.data_addr.clone(),
+                rdma: crate::net::rdma::Offer {
+                    desc: r.rdma.clone(),
+                    off: r.rdma_off.clone(),
+                },
+                pid: r.pid,
+                tx,
             },
-            pid: r.pid,
-            tx,
-        });
-        if j.members.iter().all(Option::is_some)
+        );
+        if j.members.len() == j.nranks as usize
             && let Some(j) = joins.remove(&token)
         {
             drop(joins);
@@ -607,28 +631,17 @@ impl Daemon {
                 waited.as_secs_f64()
             );
         };
-        let of = |joined: bool| -> Vec<u32> {
-            (0u32..)
-                .zip(&j.members)
-                .filter(|(_, m)| m.is_some() == joined)
-                .map(|(r, _)| r)
-                .collect()
-        };
-        let (joined, missing) = (of(true), of(false));
+        let joined: Vec<u32> = j.members.keys().copied().collect();
+        let missing: Vec<u32> = (0..j.nranks)
+            .filter(|r| !j.members.contains_key(r))
+            .collect();
         let nranks = j.nranks;
-        if let Some(m) = j.members.get_mut(rank as usize) {
-            *m = None;
-        }
+        j.members.remove(&rank);
         // The pacing was this node's ranks' choice: with none of them left, the next decides.
-        if !j
-            .members
-            .iter()
-            .flatten()
-            .any(|m| matches!(m, Slot::Local(_)))
-        {
+        if !j.members.values().any(|m| matches!(m, Slot::Local(_))) {
             j.pacing = None;
         }
-        if j.members.iter().all(Option::is_none) {
+        if j.members.is_empty() {
             joins.remove(token);
         }
         format!(

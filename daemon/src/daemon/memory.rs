@@ -8,20 +8,54 @@ use super::*;
 
 impl Daemon {
     pub fn stage_fd(&self, s: &Session, token: u64, fd: OwnedFd) -> Result<(), DaemonError> {
-        let mut t = s.tables();
-        if t.staged.len() >= MAX_STAGED {
+        if s.tables().staged.len() >= MAX_STAGED {
             return Err(DaemonError::ResourceExhausted(format!(
-                "more than {MAX_STAGED} fds staged and not registered"
+                "session {} has {MAX_STAGED} fds staged and not registered, its maximum; register them (RegisterMemory) first",
+                s.id
             )));
         }
-        t.staged.insert(token, fd);
+        // Checked and added under one lock, so concurrent sessions of a uid cannot both pass.
+        let _charge = lock(&self.reg_charge);
+        let (mine, all) = self.usage(s.uid);
+        if mine.staged_fds >= self.cfg.max_staged_fds_per_uid {
+            return Err(DaemonError::ResourceExhausted(format!(
+                "uid {} has {} fds staged and not registered, its maximum (max_staged_fds_per_uid={}); register them first (staged fds expire after staged_fd_timeout_ms)",
+                s.uid, mine.staged_fds, self.cfg.max_staged_fds_per_uid
+            )));
+        }
+        if all.staged_fds >= self.cfg.max_staged_fds {
+            return Err(DaemonError::ResourceExhausted(format!(
+                "the daemon holds {} staged fds, its maximum for all users (max_staged_fds={}); try again shortly",
+                all.staged_fds, self.cfg.max_staged_fds
+            )));
+        }
+        s.tables().staged.insert(token, (fd, Instant::now()));
+        Ok(())
+    }
+
+    /// Refuses one more registration of `s`'s uid beyond its share or the daemon's total (each
+    /// is one of the daemon's memory maps). Exact when called under `reg_charge`.
+    fn check_registration_count(&self, s: &Session) -> Result<(), DaemonError> {
+        let (mine, all) = self.usage(s.uid);
+        if mine.registrations >= self.cfg.max_registrations_per_uid {
+            return Err(DaemonError::ResourceExhausted(format!(
+                "uid {} holds {} memory registrations, its maximum (max_registrations_per_uid={}); deregister unused ones, or register fewer, larger buffers",
+                s.uid, mine.registrations, self.cfg.max_registrations_per_uid
+            )));
+        }
+        if all.registrations >= self.cfg.max_registrations {
+            return Err(DaemonError::ResourceExhausted(format!(
+                "the daemon holds {} memory registrations, its maximum for all users (max_registrations={}, from vm.max_map_count); try again when other jobs end",
+                all.registrations, self.cfg.max_registrations
+            )));
+        }
         Ok(())
     }
 
     pub fn register(&self, s: &Session, token: u64, bytes: u64) -> Result<u32, DaemonError> {
-        let fd = s.tables().staged.remove(&token).ok_or_else(|| {
+        let (fd, _) = s.tables().staged.remove(&token).ok_or_else(|| {
             DaemonError::NotFound(format!(
-                "no fd staged under token {token}: stage it on the fd socket first"
+                "no fd staged under token {token}: stage it on the fd socket first (staged fds expire after staged_fd_timeout_ms)"
             ))
         })?;
         {
@@ -36,7 +70,8 @@ impl Daemon {
         // Check and charge under one lock, so concurrent registrations of a uid cannot both
         // pass; each session's tables are locked only briefly, one at a time.
         let _charge = lock(&self.reg_charge);
-        let held = self.uid_usage(s.uid).registered_bytes;
+        self.check_registration_count(s)?;
+        let held = self.usage(s.uid).0.registered_bytes;
         let cap = self.cfg.max_registered_bytes_per_uid;
         if held.saturating_add(bytes) > cap {
             return Err(DaemonError::ResourceExhausted(format!(
@@ -55,16 +90,46 @@ impl Daemon {
         Ok(id)
     }
 
+    /// What the sessions of `uid` hold now, and what all sessions hold.
+    pub fn usage(&self, uid: u32) -> (UidUsage, UidUsage) {
+        let (mut mine, mut all) = (UidUsage::default(), UidUsage::default());
+        for s in self.sessions() {
+            let t = s.tables();
+            let u = UidUsage {
+                sessions: 1,
+                communicators: t.comms.len(),
+                registered_bytes: t.registered_bytes,
+                registrations: t.mems.len() + t.cuda_mems.len(),
+                staged_fds: t.staged.len(),
+            };
+            drop(t);
+            all.add(&u);
+            if s.uid == uid {
+                mine.add(&u);
+            }
+        }
+        mine.communicators += self.pending_memberships(uid);
+        (mine, all)
+    }
+
     /// What the sessions of `uid` hold now.
     pub fn uid_usage(&self, uid: u32) -> UidUsage {
-        let mut u = UidUsage::default();
-        for s in self.sessions().iter().filter(|s| s.uid == uid) {
-            let t = s.tables();
-            u.sessions += 1;
-            u.communicators += t.comms.len();
-            u.registered_bytes = u.registered_bytes.saturating_add(t.registered_bytes);
+        self.usage(uid).0
+    }
+
+    /// Closes the staged fds older than `staged_fd_timeout_ms` (housekeeping); returns how many.
+    pub fn expire_staged(&self) -> usize {
+        let Some(cutoff) = Instant::now().checked_sub(self.cfg.staged_fd_timeout) else {
+            return 0;
+        };
+        let mut closed = 0;
+        for s in self.sessions() {
+            let mut t = s.tables();
+            let before = t.staged.len();
+            t.staged.retain(|_, (_, at)| *at > cutoff);
+            closed += before - t.staged.len();
         }
-        u
+        closed
     }
 
     /// Registers a client's device allocation by IPC handle; returns (mem id, cached, open us).
@@ -92,6 +157,9 @@ impl Daemon {
                     "a cuMem range registration carries no IPC handle".into(),
                 ));
             }
+            // Counted without `reg_charge` (opens take long): concurrent ones may pass the
+            // bound by the number of threads registering at once.
+            self.check_registration_count(s)?;
             let mem = c
                 .reserve_vmm(uuid, bytes)
                 .map_err(DaemonError::InvalidArgument)?;
@@ -106,6 +174,7 @@ impl Daemon {
             s.ipc_hits.fetch_add(1, Ordering::Relaxed);
             return Ok((id, true, 0));
         }
+        self.check_registration_count(s)?;
         let mem = c
             .open_ipc(uuid, handle, bytes)
             .map_err(DaemonError::InvalidArgument)?;
@@ -133,7 +202,10 @@ impl Daemon {
     ) -> Result<u64, DaemonError> {
         let (m, fds) = {
             let mut t = s.tables();
-            let fds: Vec<Option<OwnedFd>> = pieces.iter().map(|p| t.staged.remove(&p.2)).collect();
+            let fds: Vec<Option<OwnedFd>> = pieces
+                .iter()
+                .map(|p| t.staged.remove(&p.2).map(|(fd, _)| fd))
+                .collect();
             (t.cuda_mems.get(&mem).cloned(), fds)
         };
         let c = crate::cuda::get()

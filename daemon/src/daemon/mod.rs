@@ -2,7 +2,7 @@
 //! operations the control plane and the fd socket call. Transport-agnostic: no tonic types here
 //! (errors are [`DaemonError`], mapped to gRPC statuses in `control`).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -62,8 +62,23 @@ pub struct Counts {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct UidUsage {
     pub sessions: usize,
+    /// Memberships, those of communicators still forming included.
     pub communicators: usize,
     pub registered_bytes: u64,
+    /// Host and GPU registrations.
+    pub registrations: usize,
+    /// Fds staged on the fd socket and not registered.
+    pub staged_fds: usize,
+}
+
+impl UidUsage {
+    fn add(&mut self, o: &UidUsage) {
+        self.sessions += o.sessions;
+        self.communicators += o.communicators;
+        self.registered_bytes = self.registered_bytes.saturating_add(o.registered_bytes);
+        self.registrations += o.registrations;
+        self.staged_fds += o.staged_fds;
+    }
 }
 
 pub struct Daemon {
@@ -258,12 +273,7 @@ impl Daemon {
         let mut joins = lock(&self.joins);
         let tokens: Vec<[u8; 16]> = joins
             .iter()
-            .filter(|(_, j)| {
-                j.members
-                    .iter()
-                    .flatten()
-                    .any(|m| m.session_id() == Some(id))
-            })
+            .filter(|(_, j)| j.members.values().any(|m| m.session_id() == Some(id)))
             .map(|(t, _)| *t)
             .collect();
         for t in tokens {
@@ -271,9 +281,9 @@ impl Daemon {
                 let rank = j
                     .members
                     .iter()
-                    .position(|m| m.as_ref().is_some_and(|m| m.session_id() == Some(id)))
-                    .unwrap_or(0);
-                for m in j.members.into_iter().flatten() {
+                    .find(|(_, m)| m.session_id() == Some(id))
+                    .map_or(0, |(r, _)| *r);
+                for m in j.members.into_values() {
                     m.fail(DaemonError::Unavailable(format!(
                         "rank {rank} (pid {}) exited while the communicator was forming: {reason}",
                         s.pid
@@ -314,6 +324,12 @@ impl Daemon {
     /// Periodic housekeeping: op timeouts, attach deadlines, dead processes.
     pub fn tick(&self, check_liveness: bool) {
         let now = Instant::now();
+        if check_liveness {
+            let closed = self.expire_staged();
+            if closed > 0 {
+                tracing::debug!(target: "commd::session", "closed {closed} staged fd(s) not registered within staged_fd_timeout_ms");
+            }
+        }
         let comms: Vec<Arc<Comm>> = lock(&self.comms).values().cloned().collect();
         for c in comms {
             // Every later op of the communicator fails at once; a direct op
@@ -362,7 +378,7 @@ impl Daemon {
             c.abort_rank(None, status::SHUTDOWN, format!("{}: {msg}", c.label()));
         }
         for (_, j) in lock(&self.joins).drain() {
-            for m in j.members.into_iter().flatten() {
+            for m in j.members.into_values() {
                 m.fail(DaemonError::Unavailable(msg.clone()));
             }
         }

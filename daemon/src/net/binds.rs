@@ -56,7 +56,7 @@ impl<S> Binds<S> {
         m.retain(|k, (_, t)| {
             let keep = now.duration_since(*t) < UNCLAIMED_TTL;
             if !keep {
-                tracing::warn!(target: "commd::net", "{what} from node {} dropped: no communicator with its token formed here", k.1);
+                crate::telemetry::ratelimit::warn_limited!(target: "commd::net", "{what} from node {} dropped: no communicator with its token formed here", k.1);
             }
             keep
         });

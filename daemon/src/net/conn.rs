@@ -88,7 +88,12 @@ impl DataPlane {
                 for s in l.incoming() {
                     match s {
                         Ok(s) => d.clone().await_bind(s),
-                        Err(e) => tracing::warn!(target: "commd::net", "data listener accept: {e}"),
+                        Err(e) => {
+                            // Out of fds (EMFILE) fails every accept at once: back off
+                            // rather than spin.
+                            crate::telemetry::ratelimit::warn_limited!(target: "commd::net", "data listener accept: {e}");
+                            std::thread::sleep(std::time::Duration::from_millis(50));
+                        }
                     }
                 }
             })?;
@@ -113,11 +118,11 @@ impl DataPlane {
                     return;
                 }
                 let Some(key) = decode_bind(&b) else {
-                    tracing::warn!(target: "commd::net", "data connection from {peer} rejected: not a commd BIND");
+                    crate::telemetry::ratelimit::warn_limited!(target: "commd::net", "data connection from {peer} rejected: not a commd BIND");
                     return;
                 };
                 if self.binds.offer(key, s).is_err() {
-                    tracing::warn!(target: "commd::net", "data connection from {peer} rejected: too many unclaimed connections");
+                    crate::telemetry::ratelimit::warn_limited!(target: "commd::net", "data connection from {peer} rejected: too many unclaimed connections");
                 }
             });
         if let Err(e) = spawned {

@@ -5,6 +5,7 @@
 //!   at scrape time) and [`http`]: the `/metrics` endpoint (`metrics_listen`).
 //! - [`trace`]: `tracing` spans for sessions, communicator init and ops, exported over OTLP when
 //!   `otlp_endpoint` is set (nothing is exported, and nothing fails, when it is not).
+//! - [`ratelimit`]: repeated WARN lines of one kind limited per call site, with a summary.
 //! - [`logging`]: the subscriber (`COMMD_DEBUG`, `COMMD_DEBUG_SUBSYS`, text or JSON lines) and the
 //!   `NCCL_DEBUG=INFO`-style init lines: [`log_path`] names each path's transport and why.
 //!
@@ -36,6 +37,7 @@ pub mod http;
 pub mod links;
 pub mod logging;
 pub mod metrics;
+pub mod ratelimit;
 pub mod trace;
 
 use std::collections::HashMap;

@@ -20,8 +20,12 @@
 //! why (`Communicator::fail`, the daemon's `FailCommunicator`; `"fail_status": N` sends status
 //! N instead).
 //! `"repeat": N` on a step runs it N times.
+//! `{"attack": "registrations" | "stage" | "sparse" | "punch", "count": N}`: what one user might do
+//! to the daemon (the tenancy tests; [`attack`]).
 
 #![deny(unsafe_code)] // allowed only in the modules that say why
+
+mod attack;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -95,6 +99,8 @@ struct Step {
     fail_status: Option<u32>,
     /// Run this step this many times (load loops without a huge --steps argument).
     repeat: Option<usize>,
+    /// A tenancy attack (see [`attack`]), `count` its size.
+    attack: Option<String>,
 }
 
 fn d_dtype() -> String {
@@ -285,6 +291,8 @@ fn run(
             }
         } else if let Some(n) = step.fuzz {
             fuzz(&client, &comms, n)
+        } else if let Some(kind) = &step.attack {
+            vec![attack::run(&client, &comms, kind, step.count)]
         } else if let Some(g) = &step.group {
             run_group(&client, &comms, g)?
         } else {
