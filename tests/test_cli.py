@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 from conftest import COMMD, run_ranks
 
 
@@ -146,3 +148,63 @@ def test_logs_to_a_file_carry_no_colour_codes(daemon):
     log = daemon.log()
     assert "commd" in log and "serving" in log, log[-2000:]
     assert "\x1b[" not in log, repr(log[:500])
+
+
+def _proto_fields(buf):
+    """The top-level (field number, value) pairs of a protobuf message: varints and
+    length-delimited values only, which is what StatusReply's first fields are."""
+    def varint(i):
+        n = shift = 0
+        while True:
+            b = buf[i]
+            n |= (b & 0x7F) << shift
+            i += 1
+            if b < 0x80:
+                return n, i
+            shift += 7
+    out, i = {}, 0
+    while i < len(buf):
+        key, i = varint(i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            out[field], i = varint(i)
+        elif wire == 2:
+            n, i = varint(i)
+            out[field], i = bytes(buf[i:i + n]), i + n
+        else:
+            break
+    return out
+
+
+def test_a_grpc_core_client_reaches_the_socket_without_setting_an_authority(daemon):
+    """grpcio (gRPC C-core) sends the percent-encoded socket path as `:authority`, which h2
+    refuses; the daemon rewrites it. Several calls on one channel (HPACK's dynamic table is
+    carried from block to block), one with headers over 16 KiB (CONTINUATION frames), and the
+    Admin service on the same socket."""
+    import grpc
+    with grpc.insecure_channel(f"unix:{daemon.socket}") as ch:
+        status = ch.unary_unary("/commd.v1.Local/Status")
+        for i in range(3):
+            reply = _proto_fields(status(b"", timeout=10, metadata=[("x-call", str(i))]))
+            assert reply[2] == daemon.proc.pid, reply
+            assert reply[1].decode(), reply
+        big = _proto_fields(status(b"", timeout=10, metadata=[("x-big", "v" * 12000)]))
+        assert big[2] == daemon.proc.pid
+        # Over the server's 16 KiB header list limit: the answer a client whose authority
+        # needs no rewrite gets too (HTTP 431), not a reset connection.
+        answers = []
+        for opts in ([], [("grpc.default_authority", "localhost")]):
+            with grpc.insecure_channel(f"unix:{daemon.socket}", options=opts) as c2:
+                with pytest.raises(grpc.RpcError) as e:
+                    c2.unary_unary("/commd.v1.Local/Status")(
+                        b"", timeout=10, metadata=[("x-big", "v" * 40000)])
+                answers.append((e.value.code(), e.value.details()))
+        assert answers[0] == answers[1], answers
+        assert "431" in answers[0][1], answers
+        assert status(b"", timeout=10)
+        admin = ch.unary_unary("/commd.v1.Admin/GetStatus")
+        admin(b"", timeout=10)
+        # An unknown method still gets gRPC's own answer, not a reset stream.
+        with pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/commd.v1.Local/NoSuchCall")(b"", timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, e.value

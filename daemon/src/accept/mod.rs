@@ -4,8 +4,11 @@
 //! a failed accept immediately).
 //!
 //! A connection over the cap is closed at once, with a rate-limited WARN naming the uid; the
-//! client sees its connection closed. Everything else is passed through unchanged: the peer
-//! credentials (`UdsConnectInfo`) the services read, reads and writes.
+//! client sees its connection closed. What a client sends is read through [`authority`] until
+//! its first request shows an authority h2 accepts (so gRPC C-core clients work as they are);
+//! the peer credentials (`UdsConnectInfo`) the services read and the writes pass unchanged.
+
+mod authority;
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -27,10 +30,20 @@ pub struct Conn {
     io: UnixStream,
     uid: u32,
     counts: Counts,
+    /// Until the connection is known to need no rewriting (then `None`).
+    rewrite: Option<Box<authority::Rewriter>>,
 }
 
 impl Drop for Conn {
     fn drop(&mut self) {
+        if let Some(n) = self
+            .rewrite
+            .as_ref()
+            .map(|r| r.rewritten())
+            .filter(|n| *n > 0)
+        {
+            tracing::debug!(target: "commd::session", "control connection of uid {} closed; the :authority of its {n} request(s) was rewritten to localhost", self.uid);
+        }
         let mut c = self.counts.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(n) = c.get_mut(&self.uid) {
             *n = n.saturating_sub(1);
@@ -54,7 +67,33 @@ impl AsyncRead for Conn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        let me = &mut *self;
+        loop {
+            let Some(rw) = me.rewrite.as_mut() else {
+                return Pin::new(&mut me.io).poll_read(cx, buf);
+            };
+            if rw.has_output() {
+                buf.put_slice(&rw.take(buf.remaining()));
+                return Poll::Ready(Ok(()));
+            }
+            if rw.done() {
+                me.rewrite = None;
+                continue;
+            }
+            let mut chunk = [0u8; 16384];
+            let mut rb = ReadBuf::new(&mut chunk);
+            ready!(Pin::new(&mut me.io).poll_read(cx, &mut rb))?;
+            if rb.filled().is_empty() {
+                return Poll::Ready(Ok(())); // end of stream
+            }
+            if let Err(why) = rw.feed(rb.filled()) {
+                crate::telemetry::ratelimit::warn_limited!(target: "commd::session", "control socket: uid {}: {why}; closed the connection", me.uid);
+                return Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    why,
+                )));
+            }
+        }
     }
 }
 
@@ -125,6 +164,7 @@ impl Incoming {
             io,
             uid,
             counts: self.counts.clone(),
+            rewrite: Some(Box::default()),
         })
     }
 }
