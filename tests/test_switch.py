@@ -18,12 +18,12 @@ from test_multinode import place_contiguous, run_multi, start_multi
 
 
 class Switch:
-    def __init__(self, tmp_path, *args):
+    def __init__(self, tmp_path, *args, env=None):
         self.log = Path(tmp_path) / "switch.log"
         self.f = open(self.log, "w")
         # The same CPU claim registry as the test's daemons (a host-wide file in production).
-        env = dict(os.environ, COMMD_CPU_CLAIMS=str(Path(tmp_path) / "claims"),
-                   COMMD_DEBUG="INFO")
+        env = {**os.environ, "COMMD_CPU_CLAIMS": str(Path(tmp_path) / "claims"),
+               "COMMD_DEBUG": "INFO", **(env or {})}
         self.proc = subprocess.Popen(
             [COMMD, "switch", "--listen", "127.0.0.1:0", "--data", "127.0.0.1:0",
              "--metrics", "127.0.0.1:0", *args],

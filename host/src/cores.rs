@@ -104,9 +104,22 @@ fn with_registry<T>(f: impl FnOnce(&mut Vec<Row>) -> T) -> Result<T, String> {
     for (c, p, t, l) in &rows {
         body.push_str(&format!("{c} {p} {t} {l}\n"));
     }
-    let _ = file.set_len(0);
-    let _ = file.seek(SeekFrom::Start(0));
-    let _ = file.write_all(body.as_bytes());
+    // Written over the old text, then cut to length: on a full filesystem (a user can fill
+    // `/tmp`, where a non-root registry lives) only growing fails, and the old rows survive; a
+    // truncate first would have dropped every claim of the host silently.
+    let written = file
+        .seek(SeekFrom::Start(0))
+        .and_then(|_| file.write_all(body.as_bytes()))
+        .and_then(|()| file.set_len(body.len() as u64));
+    if let Err(e) = written {
+        let _ = file.seek(SeekFrom::Start(0));
+        let _ = file.write_all(text.as_bytes());
+        let _ = file.set_len(text.len() as u64);
+        return Err(format!(
+            "cannot write the CPU claim registry {}: {e}",
+            path.display()
+        ));
+    }
     Ok(out)
 }
 
