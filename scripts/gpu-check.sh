@@ -3,7 +3,10 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|tenancy|all] [OUTDIR]
+# `tenancy` (also part of `tests`; one GPU, root): tests/gpu/tenancy.py, user `nobody` against a
+# root daemon of its own: GPU registrations bounded per uid, another process's CUDA IPC handle
+# refused (needs commd-testclient: target/release, .gpu/ or $COMMD_TESTCLIENT).
 # `p2p` (run only by name): send/recv as direct ops (COMMD_P2P_DIRECT, on by default) in the NCCL
 # library: tests/gpu/nccl_p2p.py (torch's "nccl" backend on it) and nccl-tests' sendrecv and
 # alltoall, with and without it.
@@ -85,8 +88,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, p2p, nccl, deepspeed, dinov2 or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|tenancy|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, p2p, nccl, deepspeed, dinov2, tenancy or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -404,6 +407,11 @@ fi
 if [ "$what" = jobstart ]; then
   COMMD_BIN=$bin run "jobstart" python3 client-py/benchmarks/job_start.py \
     --json "$out/jobstart.jsonl" --log-dir "$out"
+fi
+if [ "$what" = tests ] || [ "$what" = tenancy ] || [ "$what" = all ]; then
+  tc=${COMMD_TESTCLIENT:-target/release/commd-testclient}
+  [ -x "$tc" ] || tc=.gpu/commd-testclient
+  run "tenancy" python3 tests/gpu/tenancy.py "$bin" "$tc"
 fi
 if [ "$what" = tests ] || [ "$what" = vmm ] || [ "$what" = all ]; then
   # cuMem memory (expandable segments): POSIX-fd registration, many pieces, remapped pieces;

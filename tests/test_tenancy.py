@@ -35,11 +35,25 @@ def idle_health(daemon, n=7):
     return statistics.median(health_ms(daemon) for _ in range(n))
 
 
+def record(**figures):
+    """Appends the running test's figures as a JSON line to $COMMD_TENANCY_FIGURES, when set
+    (the figures in docs/reliability.md, "Tenancy")."""
+    path = os.environ.get("COMMD_TENANCY_FIGURES")
+    if path:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split(" ")[0]
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, **figures}) + "\n")
+
+
 def probe(daemon, idle_ms):
     """The victim: a session with a 4 KiB all-reduce, and health within 3x its idle median."""
+    t = time.monotonic()
     assert_all_pass(run_ranks(daemon, 1, PROBE_STEPS, timeout=60))
+    victim_s = time.monotonic() - t
     times = [health_ms(daemon) for _ in range(5)]
     assert statistics.median(times) <= 3 * idle_ms + 5, (times, idle_ms)
+    record(idle_health_ms=round(idle_ms, 2), attacked_health_ms=round(statistics.median(times), 2),
+           victim_session_and_all_reduce_s=round(victim_s, 3))
     return times
 
 
@@ -106,6 +120,7 @@ def test_registrations_of_one_uid_cannot_fill_the_daemons_memory_maps():
     with reachable_daemon("commd-tenancy-maps-") as (daemon, d, env):
         sock = str(daemon.socket)
         idle_ms, idle_maps = idle_health(daemon), maps(daemon)
+        t0 = time.monotonic()
         procs = [attacker(d, sock, env, [{"attack": "registrations", "count": 5000},
                                          {"sleep_ms": 30000}]) for _ in range(5)]
         try:
@@ -121,6 +136,8 @@ def test_registrations_of_one_uid_cannot_fill_the_daemons_memory_maps():
             assert cap <= (max_maps - reserve) // 4 + 1, (cap, max_maps)
             held = maps(daemon)
             assert held <= idle_maps + cap + 200 and held < max_maps - reserve, (held, idle_maps)
+            record(max_map_count=max_maps, cap=cap, registered=got, idle_maps=idle_maps,
+                   maps_held=held, attack_s=round(time.monotonic() - t0, 2))
             probe(daemon, idle_ms)
         finally:
             for p in procs:
@@ -164,6 +181,7 @@ def test_staged_fds_and_connections_of_one_uid_leave_fds_for_the_others():
             assert holder.stdout.readline().strip() == "2000", holder.stderr.read()
             # Connections over the uid's 448 were closed at accept (with a limited WARN).
             assert wait_for(lambda: fds(daemon) < idle_fds + 224 + 448 + 4 * 4 + 64), fds(daemon)
+            record(staged=staged, fds_idle=idle_fds, fds_held=fds(daemon))
             c0 = cpu_s(daemon)
             probe(daemon, idle_ms)
             time.sleep(1)
@@ -196,6 +214,7 @@ def test_an_op_over_holes_is_refused_and_the_daemon_allocates_nothing():
                 assert r["result"] == "refused", r
                 assert "not in memory" in r["message"] and "does not fault in" in r["message"], r
             assert rss_kib(daemon) - rss0 < 32 << 10, (rss_kib(daemon), rss0)
+            record(rss_idle_kib=rss0, rss_after_kib=rss_kib(daemon))
             probe(daemon, idle_ms)
         finally:
             p.kill()
@@ -322,6 +341,8 @@ def test_garbage_connections_grow_the_log_by_a_bounded_amount(tmp_path):
         grown = daemon.logpath.stat().st_size - size0
         lines = daemon.log().splitlines()
         warns = [l for l in lines if " WARN " in l]
+        record(connections=1600, log_bytes=grown, warn_lines=len(warns),
+               daemon_cpu_s=round(cpu_s(daemon) - cpu0, 2))
         # 1,600 connections; at most 5 lines per call site per 10 s, and a summary each.
         assert len(warns) <= 40 and grown <= 16384, (grown, warns)
         assert any("fd socket:" in l for l in warns), warns

@@ -167,6 +167,34 @@ impl Client {
         self.inner.stage_fd(fd)
     }
 
+    /// Registers CUDA IPC handle bytes as given, with nothing behind them in this process.
+    /// For the tenancy tests (`commd-testclient`'s `ipc` attack): a client never needs it.
+    #[doc(hidden)]
+    pub fn register_ipc_handle_raw(
+        &self,
+        handle: &[u8],
+        device_uuid: &[u8],
+        bytes: u64,
+    ) -> Result<u32> {
+        let i = &self.inner;
+        i.check_owner()?;
+        let rep = i
+            .watched(
+                i.rpc
+                    .clone()
+                    .register_cuda_memory(pb::RegisterCudaMemoryRequest {
+                        session_id: i.session_id,
+                        ipc_handle: handle.to_vec(),
+                        device_uuid: device_uuid.to_vec(),
+                        bytes,
+                        buffer_id: 0,
+                        vmm: false,
+                    }),
+            )?
+            .map_err(|s| Error::rpc("register_cuda_memory", s))?;
+        Ok(rep.into_inner().mem_id)
+    }
+
     pub fn deregister(&self, mem_id: u32) -> Result<()> {
         let i = &self.inner;
         i.check_owner()?;

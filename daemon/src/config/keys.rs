@@ -263,6 +263,13 @@ pub static KEYS: &[Key] = &[
         kind: Kind::Str,
     },
     Key {
+        name: "cuda_ipc_owner_check",
+        env: "COMMD_CUDA_IPC_OWNER_CHECK",
+        default: Some("on"),
+        help: "on: a session registers only CUDA IPC handles its own process exported (a handle copied from another process, of another user, is refused); legacy handles are refused outright on a driver whose handles do not say their exporter. off: any handle a session sends is opened, for nodes where every local user is trusted. cuMem memory (fd export) is checked by the kernel either way",
+        kind: Kind::Str,
+    },
+    Key {
         name: "advertise",
         env: "COMMD_ADVERTISE",
         default: Some(""),

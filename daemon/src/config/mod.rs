@@ -105,6 +105,8 @@ pub struct Config {
     pub peer_listen_explicit: bool,
     /// Joins must announce addresses of the IP they come from (`peer_addr_check`).
     pub peer_addr_check: bool,
+    /// Legacy CUDA IPC handles only from the session's own process (`cuda_ipc_owner_check`).
+    pub cuda_ipc_owner_check: bool,
     pub advertise: String,
     /// (cert, key, ca) paths when mutual TLS is configured.
     pub peer_tls: Option<(PathBuf, PathBuf, PathBuf)>,
@@ -217,7 +219,7 @@ fn validate(k: &Key, value: &str, source: &Source) -> Result<(), ConfigError> {
                 }
                 Ok(())
             }
-            "peer_addr_check" => match value {
+            "peer_addr_check" | "cuda_ipc_owner_check" => match value {
                 "on" | "off" => Ok(()),
                 _ => Err(bad("expected on or off".into())),
             },
@@ -467,6 +469,7 @@ impl Config {
             },
             peer_listen_explicit: eff["peer_listen"].1 != Source::Default,
             peer_addr_check: s("peer_addr_check") == "on",
+            cuda_ipc_owner_check: s("cuda_ipc_owner_check") == "on",
             advertise: s("advertise"),
             peer_tls: {
                 let t = [s("peer_tls_cert"), s("peer_tls_key"), s("peer_tls_ca")];

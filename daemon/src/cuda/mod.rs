@@ -29,6 +29,7 @@ use commd_proto::desc::{DType, OpKind, RedOp, status};
 
 mod doorbell;
 mod executor;
+mod exporter;
 mod graphs;
 mod mem;
 mod plan;

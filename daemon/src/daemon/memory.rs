@@ -175,6 +175,9 @@ impl Daemon {
             return Ok((id, true, 0));
         }
         self.check_registration_count(s)?;
+        if self.cfg.cuda_ipc_owner_check {
+            check_exporter(c, s, handle)?;
+        }
         let mem = c
             .open_ipc(uuid, handle, bytes)
             .map_err(DaemonError::InvalidArgument)?;
@@ -338,4 +341,25 @@ impl Daemon {
         // In-flight ops keep their own reference; the mapping goes when the last one finishes.
         Ok(())
     }
+}
+
+/// Refuses a legacy CUDA IPC handle that the session's own process did not export (the
+/// `cuda::exporter` module doc).
+fn check_exporter(
+    c: &'static crate::cuda::Cuda,
+    s: &Session,
+    handle: &[u8],
+) -> Result<(), DaemonError> {
+    let exporter = c.exporter_pid(handle).map_err(|why| {
+        DaemonError::PermissionDenied(format!(
+            "cannot tell which process exported this CUDA IPC handle ({why}), so it is refused (cuda_ipc_owner_check=on): register cuMem memory instead (PyTorch: PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), or set cuda_ipc_owner_check=off on a node where every local user is trusted"
+        ))
+    })?;
+    if i64::from(exporter) != i64::from(s.pid) {
+        return Err(DaemonError::PermissionDenied(format!(
+            "session {} (uid {}, pid {}) sent a CUDA IPC handle that process {exporter} exported: a session registers only its own process's GPU memory (cuda_ipc_owner_check=on)",
+            s.id, s.uid, s.pid
+        )));
+    }
+    Ok(())
 }

@@ -6,7 +6,10 @@
 //! - `stage`: sends `count` memfds on the fd socket and never registers them;
 //! - `sparse`: registers a `count`-byte memfd that was never written and all-reduces it in place
 //!   (the daemon would allocate its pages);
-//! - `punch`: the same over a buffer written in full, with a hole punched after registering.
+//! - `punch`: the same over a buffer written in full, with a hole punched after registering;
+//! - `ipc`: registers a CUDA IPC handle given in hex (`HANDLE:DEVICE_UUID:BYTES`, `@pid` in
+//!   the handle standing for this process's pid), one another process exported
+//!   (`tests/gpu/tenancy.py`).
 
 #![allow(unsafe_code)] // posts raw descriptors over this process's own registrations
 
@@ -17,8 +20,15 @@ use commd_client::{Client, Communicator};
 
 type Outcome = (String, u64, String);
 
-pub fn run(client: &Client, comms: &[Communicator], kind: &str, count: u64) -> Outcome {
+pub fn run(
+    client: &Client,
+    comms: &[Communicator],
+    kind: &str,
+    count: u64,
+    ipc: Option<&str>,
+) -> Outcome {
     let r = match kind {
+        "ipc" => foreign_handle(client, ipc.unwrap_or("")),
         "registrations" => registrations(client, count),
         "stage" => stage(client, count),
         "sparse" => over_holes(client, comms, count, false),
@@ -59,6 +69,36 @@ fn registrations(client: &Client, count: u64) -> Result<String, String> {
         }
     }
     Ok(format!("registered {count} of {count}"))
+}
+
+fn foreign_handle(client: &Client, spec: &str) -> Result<String, String> {
+    let hex = |s: &str| -> Result<Vec<u8>, String> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| {
+                s.get(i..i + 2)
+                    .and_then(|b| u8::from_str_radix(b, 16).ok())
+                    .ok_or_else(|| format!("not hex: {s}"))
+            })
+            .collect()
+    };
+    let mut it = spec.split(':');
+    let (Some(h), Some(u), Some(n), None) = (it.next(), it.next(), it.next(), it.next()) else {
+        return Err(format!("expected HANDLE:UUID:BYTES, got {spec:?}"));
+    };
+    // `@pid`: this process's pid, little-endian (a handle rewritten to look like its own).
+    let pid: String = std::process::id()
+        .to_le_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let h = h.replace("@pid", &pid);
+    let h = h.as_str();
+    let bytes = n.parse().map_err(|_| format!("bytes: {n:?}"))?;
+    let id = client
+        .register_ipc_handle_raw(&hex(h)?, &hex(u)?, bytes)
+        .map_err(|e| e.to_string())?;
+    Ok(format!("registered as mem {id}"))
 }
 
 fn stage(client: &Client, count: u64) -> Result<String, String> {

@@ -20,8 +20,9 @@
 //! why (`Communicator::fail`, the daemon's `FailCommunicator`; `"fail_status": N` sends status
 //! N instead).
 //! `"repeat": N` on a step runs it N times.
-//! `{"attack": "registrations" | "stage" | "sparse" | "punch", "count": N}`: what one user might do
-//! to the daemon (the tenancy tests; [`attack`]).
+//! `{"attack": "registrations" | "stage" | "sparse" | "punch", "count": N}` or
+//! `{"attack": "ipc", "ipc": "HANDLE:UUID:BYTES"}`: what one user might do to the daemon (the
+//! tenancy tests; [`attack`]).
 
 #![deny(unsafe_code)] // allowed only in the modules that say why
 
@@ -101,6 +102,8 @@ struct Step {
     repeat: Option<usize>,
     /// A tenancy attack (see [`attack`]), `count` its size.
     attack: Option<String>,
+    /// The `ipc` attack's handle: `HANDLE_HEX:DEVICE_UUID_HEX:BYTES`.
+    ipc: Option<String>,
 }
 
 fn d_dtype() -> String {
@@ -292,7 +295,13 @@ fn run(
         } else if let Some(n) = step.fuzz {
             fuzz(&client, &comms, n)
         } else if let Some(kind) = &step.attack {
-            vec![attack::run(&client, &comms, kind, step.count)]
+            vec![attack::run(
+                &client,
+                &comms,
+                kind,
+                step.count,
+                step.ipc.as_deref(),
+            )]
         } else if let Some(g) = &step.group {
             run_group(&client, &comms, g)?
         } else {
