@@ -6,11 +6,12 @@ attacks a root daemon whose `max_registrations_per_uid` is 16.
    gave the right values. When the job exits the daemon holds none of its registrations, and
    root's job of the same shape runs all 24 (root is bounded by its own count, 16, too: it runs
    12).
-2. Another user's IPC handle: a root process exports a CUDA IPC handle and keeps it alive;
+2. Another process's IPC handle: a root process exports a CUDA IPC handle and keeps it alive;
    nobody's session sends it to the daemon and is refused, the message naming the exporting
    process. The same handle with nobody's own pid written where the driver keeps the exporter's
-   is refused too, by the driver: the pid is part of what the handle opens, so the daemon's
-   check cannot be passed by rewriting it.
+   is refused too: the driver would open it (it checks neither that pid nor the uid, recorded
+   here by nobody opening both handles itself), so the daemon also requires that the session's
+   process holds the GPU's device open, which the test client (no CUDA context) does not.
 Exits non-zero on any failure; prints one JSON line per check.
 Usage: tests/gpu/tenancy.py COMMD COMMD_TESTCLIENT
 """
@@ -52,6 +53,25 @@ h = (ctypes.c_char * 64)(); ck(cu.cuIpcGetMemHandle(h, p), "cuIpcGetMemHandle")
 u = (ctypes.c_char * 16)(); ck(cu.cuDeviceGetUuid_v2(u, dev), "cuDeviceGetUuid")
 print(json.dumps({"pid": os.getpid(), "handle": bytes(h).hex(), "uuid": bytes(u).hex()}), flush=True)
 sys.stdin.read()
+'''
+
+
+OPENER = r'''
+import ctypes, os, sys
+cu = ctypes.CDLL("libcuda.so.1")
+class H(ctypes.Structure):
+    _fields_ = [("r", ctypes.c_char * 64)]
+assert cu.cuInit(0) == 0
+dev = ctypes.c_int(); assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+ctx = ctypes.c_void_p(); assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+assert cu.cuCtxSetCurrent(ctx) == 0
+raw = bytearray(bytes.fromhex(sys.argv[1]))
+if sys.argv[2] == "1":
+    raw[8:12] = os.getpid().to_bytes(4, "little")
+cu.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), H, ctypes.c_uint]
+p = ctypes.c_uint64()
+r = cu.cuIpcOpenMemHandle_v2(ctypes.byref(p), H.from_buffer_copy(bytes(raw)), 1)
+print("opened" if r == 0 else f"refused: CUresult {r}")
 '''
 
 
@@ -123,8 +143,8 @@ def foreign_handle(sock: str, env: dict) -> None:
              f"process {e['pid']} exported"),
             # Bytes 8..12 hold the exporter's pid on this driver (daemon/src/cuda/exporter.rs):
             # nobody's own pid there passes the daemon's check; the driver must refuse it.
-            ("the handle with the attacker's pid written in is refused by the driver",
-             e["handle"][:16] + "@pid" + e["handle"][24:], "cuIpcOpenMemHandle"),
+            ("the handle with the attacker's pid written in is refused: no GPU open",
+             e["handle"][:16] + "@pid" + e["handle"][24:], "does not hold that GPU's device open"),
         ]:
             steps = [{"attack": "ipc", "ipc": f"{handle}:{e['uuid']}:{4 << 20}"}]
             out = subprocess.run([*NOBODY, TESTCLIENT, "run", "--socket", sock, "--steps",
@@ -134,6 +154,14 @@ def foreign_handle(sock: str, env: dict) -> None:
             msg = res[0]["message"] if res else out.stderr[-2000:]
             check(name, bool(res) and res[0]["result"] == "refused" and want in msg,
                   message=msg)
+        # What the driver itself does for nobody (a GPU-holding process): the daemon gives no
+        # process more than this.
+        for rewrite in (False, True):
+            out = subprocess.run([*NOBODY, sys.executable, "-c", OPENER, e["handle"],
+                                  "1" if rewrite else "0"], capture_output=True, text=True,
+                                 timeout=60, cwd="/tmp")
+            print(json.dumps({"driver_opens_for_nobody": out.stdout.strip() or out.stderr[-500:],
+                              "pid_rewritten": rewrite}), flush=True)
     finally:
         exp.stdin.close()
         exp.wait(30)

@@ -1,15 +1,28 @@
-//! Which process exported a legacy CUDA IPC handle (`cuIpcGetMemHandle`).
+//! Which process exported a legacy CUDA IPC handle (`cuIpcGetMemHandle`), and whether the
+//! process registering it could open it itself.
 //!
 //! A root daemon opens any handle a client sends, and the ops it then runs read and write that
-//! memory for the client: a handle copied from another user's process would give the client
-//! that process's GPU memory. So a session registers only handles its own process exported. The
-//! driver writes the exporter's pid into the handle (it refuses handles across PID namespaces
-//! for that reason, openucx/ucx#11514) but does not document where; the daemon learns the place
-//! once from two handles of its own allocations, and refuses legacy handles when it cannot
-//! (`cuda_ipc_owner_check`). cuMem memory is registered by POSIX fds passed over the fd socket,
-//! whose sender the kernel names; it needs none of this.
+//! memory for the client. In NVIDIA's driver a legacy handle is a bearer capability: the
+//! exporter's RM client shares the memory with any process (the resource server checks only the
+//! owner's share policy, never the importer's uid: `clientCopyResource` and the share callbacks
+//! in open-gpu-kernel-modules), and the pid the handle carries is not checked on open. Measured
+//! on driver 580.159 (H200, 2026-12-03): uid 65534 opened a handle root's process exported, and
+//! the root daemon opened a handle with another live pid written in. So the daemon's rule is that it never opens for a session memory that the
+//! session's process could not open itself, and that it refuses a handle copied from another
+//! process:
+//! 1. the pid the handle carries must be the session's own (a handle copied from another
+//!    process, of the same user or not, is refused with that process named); the daemon learns
+//!    once where its driver writes the pid, from two handles of its own allocations, and refuses
+//!    legacy handles when it cannot;
+//! 2. the session's process must hold the handle's GPU device node open (`/dev/nvidiaN`), as
+//!    every process with a CUDA context on that GPU does: a process without the GPU (a container
+//!    it was not given to) is refused, however it came by the handle.
 //!
-//! May use: `Cuda`'s allocation and export.
+//! A process that passes both could have opened the handle with the driver directly. Both checks
+//! are `cuda_ipc_owner_check` (on by default). cuMem memory is registered by POSIX fds passed
+//! over the fd socket, whose sender the kernel names; it needs none of this.
+//!
+//! May use: `Cuda`'s allocation and export, `/proc`.
 
 use std::sync::OnceLock;
 
@@ -55,6 +68,49 @@ impl Cuda {
     }
 }
 
+/// Whether process `pid` holds the device node of the GPU with PCI bus id `bus` open
+/// (`/dev/nvidiaN`, char major 195), as every process with a CUDA context on it does: the
+/// driver opens a legacy handle for any process that can reach the GPU, so one that holds the
+/// node gains nothing through the daemon, and one that does not (a container without that GPU)
+/// is refused. When the driver does not say the GPU's minor, any GPU node counts.
+pub fn holds_gpu(pid: i32, bus: &str) -> Result<bool, String> {
+    let minor = gpu_minor(bus);
+    let dir = format!("/proc/{pid}/fd");
+    let entries = std::fs::read_dir(&dir).map_err(|e| format!("{dir}: {e}"))?;
+    for e in entries.flatten() {
+        // stat through the magic link: the device itself, whatever its path in the process's
+        // mount namespace.
+        let Ok(st) = rustix::fs::stat(e.path()) else {
+            continue;
+        };
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::CharacterDevice
+        {
+            continue;
+        }
+        let (maj, min) = (rustix::fs::major(st.st_rdev), rustix::fs::minor(st.st_rdev));
+        if maj == NVIDIA_MAJOR && minor.map_or(min < CTL_MINOR, |m| m == min) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// The NVIDIA driver's char major; minor 255 is `/dev/nvidiactl`, below it the GPUs.
+const NVIDIA_MAJOR: u32 = 195;
+const CTL_MINOR: u32 = 255;
+
+/// The device minor of the GPU at PCI bus id `bus` (`/proc/driver/nvidia/gpus/BUS/information`).
+fn gpu_minor(bus: &str) -> Option<u32> {
+    let p = format!(
+        "/proc/driver/nvidia/gpus/{}/information",
+        bus.to_ascii_lowercase()
+    );
+    let text = std::fs::read_to_string(p).ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("Device Minor:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
 /// The one offset at which every handle in `handles` (all exported by process `pid`) holds
 /// `pid`, little-endian; offset 8 when several do (where the GPU machines' driver writes it).
 fn pid_offset(pid: u32, handles: &[Vec<u8>]) -> Result<usize, String> {
@@ -95,6 +151,23 @@ mod tests {
     fn the_pid_is_found_where_the_driver_writes_it() {
         let h: Vec<Vec<u8>> = SEEN.iter().map(|s| hex(s)).collect();
         assert_eq!(pid_offset(529, &h), Ok(8));
+    }
+
+    #[test]
+    fn a_process_holding_no_gpu_node_is_told_apart_from_a_missing_one() {
+        // A child with /dev/null (a char device, not a GPU) as its stdin, and nothing of
+        // this test process's CUDA, if another test opened it.
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .stdin(std::fs::File::open("/dev/null").unwrap())
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        let r = holds_gpu(pid, "0000:00:06.0");
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(r, Ok(false));
+        assert!(holds_gpu(i32::MAX, "0000:00:06.0").is_err());
     }
 
     #[test]

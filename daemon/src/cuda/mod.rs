@@ -37,6 +37,7 @@ mod topology;
 
 pub use doorbell::*;
 pub use executor::*;
+pub use exporter::holds_gpu;
 pub use mem::*;
 pub use plan::*;
 pub use topology::*;

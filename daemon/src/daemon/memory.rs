@@ -176,7 +176,7 @@ impl Daemon {
         }
         self.check_registration_count(s)?;
         if self.cfg.cuda_ipc_owner_check {
-            check_exporter(c, s, handle)?;
+            check_exporter(c, s, handle, uuid)?;
         }
         let mem = c
             .open_ipc(uuid, handle, bytes)
@@ -343,12 +343,13 @@ impl Daemon {
     }
 }
 
-/// Refuses a legacy CUDA IPC handle that the session's own process did not export (the
-/// `cuda::exporter` module doc).
+/// Refuses a legacy CUDA IPC handle that the session's own process did not export, or that it
+/// could not open itself (the `cuda::exporter` module doc).
 fn check_exporter(
     c: &'static crate::cuda::Cuda,
     s: &Session,
     handle: &[u8],
+    uuid: &[u8],
 ) -> Result<(), DaemonError> {
     let exporter = c.exporter_pid(handle).map_err(|why| {
         DaemonError::PermissionDenied(format!(
@@ -361,5 +362,20 @@ fn check_exporter(
             s.id, s.uid, s.pid
         )));
     }
-    Ok(())
+    // Unknown uuids are refused by the open itself, with the GPUs named.
+    let Some(gpu) = c.gpu_by_uuid(uuid) else {
+        return Ok(());
+    };
+    let bus = &c.gpus[gpu].pci_bus_id;
+    match crate::cuda::holds_gpu(s.pid, bus) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(DaemonError::PermissionDenied(format!(
+            "session {} (uid {}, pid {}) sent a CUDA IPC handle of GPU {gpu} ({bus}), but its process does not hold that GPU's device open, so it could not open the memory itself; the daemon opens it only for a process that could (cuda_ipc_owner_check=on)",
+            s.id, s.uid, s.pid
+        ))),
+        Err(why) => Err(DaemonError::PermissionDenied(format!(
+            "cannot check that session {} (pid {}) holds GPU {gpu}'s device open ({why}), so its CUDA IPC handle is refused (cuda_ipc_owner_check=on; the daemon needs the clients' /proc, e.g. hostPID in Kubernetes)",
+            s.id, s.pid
+        ))),
+    }
 }
