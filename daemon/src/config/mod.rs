@@ -533,12 +533,30 @@ impl Config {
         ));
         for k in KEYS {
             let (v, src) = &self.effective[k.name];
+            let derived = match self.derived_value(k.name) {
+                Some(d) if v == "0" => format!(" (derived here: {d})"),
+                _ => String::new(),
+            };
             out.push_str(&format!(
-                "{:<22} = {:<40} # {} [{}; {}]\n",
+                "{:<22} = {:<40} # {}{derived} [{}; {}]\n",
                 k.name, v, k.help, src, k.env
             ));
         }
         out
+    }
+
+    /// The value in effect of a key whose 0 means "derived from the daemon's limits".
+    fn derived_value(&self, key: &str) -> Option<u64> {
+        let uz = |v: usize| v as u64;
+        Some(match key {
+            "max_registrations" => uz(self.max_registrations),
+            "max_registrations_per_uid" => uz(self.max_registrations_per_uid),
+            "max_staged_fds" => uz(self.max_staged_fds),
+            "max_staged_fds_per_uid" => uz(self.max_staged_fds_per_uid),
+            "max_connections_per_uid" => uz(self.max_connections_per_uid),
+            "max_registered_bytes_per_uid" => self.max_registered_bytes_per_uid,
+            _ => return None,
+        })
     }
 
     /// The fd socket lives beside the gRPC socket.
@@ -631,6 +649,20 @@ mod tests {
                 let _ = std::fs::remove_dir_all(&self.0);
             }
         }
+    }
+
+    #[test]
+    fn the_table_shows_what_a_derived_key_comes_to() {
+        let c = Config::load(&inputs(None, &[], &[("max_staged_fds_per_uid", "40")])).unwrap();
+        let text = c.render();
+        let line = |k: &str| text.lines().find(|l| l.starts_with(k)).unwrap().to_string();
+        let regs = line("max_registrations_per_uid ");
+        assert!(
+            regs.contains(&format!("(derived here: {})", c.max_registrations_per_uid)),
+            "{regs}"
+        );
+        // Set explicitly: no derived note.
+        assert!(!line("max_staged_fds_per_uid ").contains("derived here"));
     }
 
     #[test]
