@@ -367,7 +367,7 @@ def test_a_full_tmp_and_socket_directory_leave_the_daemon_serving(tmp_path):
     bytes and inodes (as anyone can fill /tmp, where a non-root daemon keeps its socket and CPU
     claim registry). The daemon keeps serving new sessions, ops and health; a `commd switch`
     started on the full filesystem records its claim or runs unpinned saying why, and the claim
-    already in the registry survives (writing it once truncated the file first); a daemon that cannot bind its
+    already in the registry survives (it is never truncated before the write); a daemon that cannot bind its
     socket there says so and exits."""
     from test_switch import Switch
 

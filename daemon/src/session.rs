@@ -39,6 +39,9 @@ pub struct Tables {
     /// makes the daemon open each allocation once per session.
     pub cuda_mems: HashMap<u32, Arc<DevMem>>,
     pub ipc_cache: HashMap<Vec<u8>, u32>,
+    /// GPUs (bit per index) this session's process was seen to hold open
+    /// (`cuda_ipc_owner_check`): checked once per GPU, not at every open.
+    pub gpus_held: u64,
     /// Communicator handle -> doorbell slot.
     pub doorbell_slots: HashMap<u32, u32>,
     /// GPU scratch shared by this session's communicators, by (GPU, bytes): a rank's

@@ -1,4 +1,4 @@
-"""GPU tenancy (issue 63, docs/reliability.md "Tenancy"), one GPU, run as root: user `nobody`
+"""GPU tenancy (docs/reliability.md section 10), one GPU, run as root: user `nobody`
 attacks a root daemon whose `max_registrations_per_uid` is 16.
 
 1. Registration count: nobody's job all-reduces 24 CUDA tensors, each its own allocation; the

@@ -223,9 +223,7 @@ impl Rewriter {
             None => {
                 let mut d = decoder();
                 let headers = decode(&mut d, &b.fragment)?;
-                if headers.iter().all(|(n, v)| {
-                    n != b":authority" || http::uri::Authority::try_from(v.as_slice()).is_ok()
-                }) {
+                if !headers.iter().any(|(n, v)| refused_authority(n, v)) {
                     // h2 takes this connection's authority: hand it the frames as they were.
                     self.out.extend_from_slice(&b.raw);
                     self.state = State::Pass;
@@ -239,12 +237,11 @@ impl Rewriter {
             return Err("HPACK context".into());
         };
         let block = enc.encode(headers.iter().map(|(n, v)| {
-            let v: &[u8] =
-                if n == b":authority" && http::uri::Authority::try_from(v.as_slice()).is_err() {
-                    b"localhost"
-                } else {
-                    v
-                };
+            let v: &[u8] = if refused_authority(n, v) {
+                b"localhost"
+            } else {
+                v
+            };
             (n.as_slice(), v)
         }));
         self.rewritten += 1;
@@ -284,6 +281,11 @@ impl Rewriter {
         self.out.extend_from_slice(&[kind, flags]);
         self.out.extend_from_slice(&stream.to_be_bytes());
     }
+}
+
+/// An `:authority` header that h2 would refuse.
+fn refused_authority(name: &[u8], value: &[u8]) -> bool {
+    name == b":authority" && http::uri::Authority::try_from(value).is_err()
 }
 
 fn decoder() -> Decoder<'static> {

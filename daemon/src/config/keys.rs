@@ -266,7 +266,7 @@ pub static KEYS: &[Key] = &[
         name: "cuda_ipc_owner_check",
         env: "COMMD_CUDA_IPC_OWNER_CHECK",
         default: Some("on"),
-        help: "on: a session registers only CUDA IPC handles its own process exported (a handle copied from another process, of another user, is refused); legacy handles are refused outright on a driver whose handles do not say their exporter. off: any handle a session sends is opened, for nodes where every local user is trusted. cuMem memory (fd export) is checked by the kernel either way",
+        help: "on: the daemon opens a legacy CUDA IPC handle only for a session whose own process exported it and holds that GPU's device open, i.e. one that could open it itself (a handle copied from another process is refused, naming it); legacy handles are refused outright on a driver whose handles do not say their exporter. off: any handle a session sends is opened, for nodes where every local user is trusted. cuMem memory (fd export) is checked by the kernel either way",
         kind: Kind::Str,
     },
     Key {

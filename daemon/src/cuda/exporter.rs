@@ -5,11 +5,10 @@
 //! memory for the client. In NVIDIA's driver a legacy handle is a bearer capability: the
 //! exporter's RM client shares the memory with any process (the resource server checks only the
 //! owner's share policy, never the importer's uid: `clientCopyResource` and the share callbacks
-//! in open-gpu-kernel-modules), and the pid the handle carries is not checked on open. Measured
-//! on driver 580.159 (H200, 2026-12-03): uid 65534 opened a handle root's process exported, and
-//! the root daemon opened a handle with another live pid written in. So the daemon's rule is that it never opens for a session memory that the
-//! session's process could not open itself, and that it refuses a handle copied from another
-//! process:
+//! in open-gpu-kernel-modules), and the pid the handle carries is not checked on open (the runs
+//! that show both are in docs/reliability.md, section 10). So the daemon never opens for a
+//! session memory that the session's process could not open itself, and it refuses a handle
+//! copied from another process:
 //! 1. the pid the handle carries must be the session's own (a handle copied from another
 //!    process, of the same user or not, is refused with that process named); the daemon learns
 //!    once where its driver writes the pid, from two handles of its own allocations, and refuses
@@ -141,7 +140,7 @@ mod tests {
             .collect()
     }
 
-    /// Two handles one process (pid 529) exported on an H200 (2026-12-03).
+    /// Two handles one process (pid 529) exported on an H200.
     const SEEN: [&str; 2] = [
         "700ea837000000001102000000000000000040000000000000040000000000000600000000ff000032000000000000001b00d0c19600005c0000000000000000",
         "700ea837000000001102000000000000000040000000000000040000000000000600000000ff000033000000000000001b00d0c19800005c0000000000000000",

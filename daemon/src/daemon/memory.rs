@@ -366,9 +366,18 @@ fn check_exporter(
     let Some(gpu) = c.gpu_by_uuid(uuid) else {
         return Ok(());
     };
+    let bit = 1u64
+        .checked_shl(u32::try_from(gpu).unwrap_or(u32::MAX))
+        .unwrap_or(0);
+    if s.tables().gpus_held & bit != 0 {
+        return Ok(());
+    }
     let bus = &c.gpus[gpu].pci_bus_id;
     match crate::cuda::holds_gpu(s.pid, bus) {
-        Ok(true) => Ok(()),
+        Ok(true) => {
+            s.tables().gpus_held |= bit;
+            Ok(())
+        }
         Ok(false) => Err(DaemonError::PermissionDenied(format!(
             "session {} (uid {}, pid {}) sent a CUDA IPC handle of GPU {gpu} ({bus}), but its process does not hold that GPU's device open, so it could not open the memory itself; the daemon opens it only for a process that could (cuda_ipc_owner_check=on)",
             s.id, s.uid, s.pid

@@ -72,31 +72,15 @@ fn registrations(client: &Client, count: u64) -> Result<String, String> {
 }
 
 fn foreign_handle(client: &Client, spec: &str) -> Result<String, String> {
-    let hex = |s: &str| -> Result<Vec<u8>, String> {
-        (0..s.len())
-            .step_by(2)
-            .map(|i| {
-                s.get(i..i + 2)
-                    .and_then(|b| u8::from_str_radix(b, 16).ok())
-                    .ok_or_else(|| format!("not hex: {s}"))
-            })
-            .collect()
-    };
     let mut it = spec.split(':');
     let (Some(h), Some(u), Some(n), None) = (it.next(), it.next(), it.next(), it.next()) else {
         return Err(format!("expected HANDLE:UUID:BYTES, got {spec:?}"));
     };
     // `@pid`: this process's pid, little-endian (a handle rewritten to look like its own).
-    let pid: String = std::process::id()
-        .to_le_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let h = h.replace("@pid", &pid);
-    let h = h.as_str();
+    let h = h.replace("@pid", &super::hex(&std::process::id().to_le_bytes()));
     let bytes = n.parse().map_err(|_| format!("bytes: {n:?}"))?;
     let id = client
-        .register_ipc_handle_raw(&hex(h)?, &hex(u)?, bytes)
+        .register_ipc_handle_raw(&super::unhex(&h)?, &super::unhex(u)?, bytes)
         .map_err(|e| e.to_string())?;
     Ok(format!("registered as mem {id}"))
 }
