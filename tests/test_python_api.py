@@ -669,3 +669,137 @@ def test_communicator_reports_the_nodes_it_spans(tmp_path):
     finally:
         for d in nodes:
             d.stop()
+
+
+# ---- fp8 (E4M3, E5M2) and unsigned 32/64-bit reductions against numpy references ----
+
+FP8 = {"f8e4m3": (3, 7, 0x7E, False), "f8e5m2": (2, 15, 0x7B, True)}  # mbits, bias, max, inf
+
+
+def fp8_values(kind):
+    """The value of every code (float64), from the format's definition."""
+    mbits, bias, max_code, has_inf = FP8[kind]
+    out = np.empty(256)
+    for c in range(256):
+        mag, sign = c & 0x7F, -1.0 if c & 0x80 else 1.0
+        e, m = mag >> mbits, mag & ((1 << mbits) - 1)
+        if (has_inf and mag > max_code + 1) or (not has_inf and mag == 0x7F):
+            out[c] = np.nan
+        elif has_inf and mag == max_code + 1:
+            out[c] = sign * np.inf
+        elif e == 0:
+            out[c] = sign * m * 2.0 ** (1 - bias - mbits)
+        else:
+            out[c] = sign * (1 + m / (1 << mbits)) * 2.0 ** (e - bias)
+    return out
+
+
+def fp8_encode(kind, x):
+    """float32 values to codes: the nearest finite code (ties to the even code), saturated at
+    the largest finite value, NaN to a NaN code; found by search over every code, not by bits."""
+    _, _, max_code, _ = FP8[kind]
+    vals = fp8_values(kind)[: max_code + 1]  # 0 .. largest, all finite and non-negative
+    x = np.asarray(x, np.float64)
+    mag = np.minimum(np.abs(x), vals[-1])
+    d = np.abs(mag[:, None] - vals[None, :])
+    tie = d == d.min(axis=1, keepdims=True)
+    even = tie & (np.arange(max_code + 1) % 2 == 0)[None, :]
+    code = np.where(even.any(axis=1), even.argmax(axis=1), tie.argmax(axis=1)).astype(np.uint8)
+    code |= np.where(np.signbit(x), 0x80, 0).astype(np.uint8)
+    return np.where(np.isnan(x), 0x7F, code).astype(np.uint8)
+
+
+def fp8_reference(kind, op, inputs):
+    """What NCCL defines: decoded, accumulated in float32 in rank order, stored saturated."""
+    vals = fp8_values(kind).astype(np.float32)
+    a = vals[inputs[0]]
+    for codes in inputs[1:]:
+        b = vals[codes]
+        with np.errstate(all="ignore"):
+            a = {"sum": lambda: a + b, "avg": lambda: a + b, "prod": lambda: a * b,
+                 "min": lambda: np.where(b < a, b, a), "max": lambda: np.where(b > a, b, a)}[op]()
+    if op == "avg":
+        with np.errstate(all="ignore"):
+            a = a / np.float32(len(inputs))
+    return fp8_encode(kind, a)
+
+
+def test_fp8_reference_encoder_knows_the_formats():
+    v = fp8_values("f8e4m3")
+    assert v[0x38] == 1.0 and v[0x7E] == 448.0 and v[0x01] == 2.0 ** -9 and np.isnan(v[0x7F])
+    w = fp8_values("f8e5m2")
+    assert w[0x3C] == 1.0 and w[0x7B] == 57344.0 and w[0x7C] == np.inf and np.isnan(w[0x7D])
+    got = fp8_encode("f8e4m3", np.array([1.0, 1.0625, 1.1875, 500.0, -np.inf, -0.0, 2.0 ** -11],
+                                        np.float32))
+    # 1.0625 lies halfway between 1.0 (0x38) and 1.125 (0x39): even 0x38; 1.1875 between 0x39
+    # and 0x3A: even 0x3A; beyond 448 saturates; -0 keeps its sign; 2^-11 rounds to +0.
+    assert list(got) == [0x38, 0x38, 0x3A, 0x7E, 0xFE, 0x80, 0x00]
+
+
+def _typed_reductions(comm, c, rank, n, length):
+    rng = np.random.default_rng(1000 + rank)
+    res = {}
+    for kind in FP8:
+        for op in ("sum", "prod", "min", "max", "avg"):
+            x = rng.integers(0, 256, length, dtype=np.uint8)
+            x[:4] = [0x7F, 0x38, 0xB8, 0x00]  # NaN, 1.0, -1.0, 0 in both formats
+            out = np.zeros_like(x)
+            comm.all_reduce(x, out, op=op, dtype=kind)
+            res[f"{kind} {op}"] = out
+    for dt in (np.uint32, np.uint64):
+        for op in ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor"):
+            x = rng.integers(0, np.iinfo(dt).max, length, dtype=dt, endpoint=True)
+            comm.all_reduce(x, op=op)
+            res[f"{np.dtype(dt).name} {op}"] = x
+    return res
+
+
+def test_fp8_and_unsigned_reductions_match_numpy_references(daemon):
+    """fp8 codes over the whole range (NaN, infinities, subnormals, sums and products that
+    overflow) and unsigned integers over the whole range (above the signed maximum, so a signed
+    min/max/avg would differ), every op, 3 ranks, against numpy."""
+    n, length = 3, 4099
+    got = _ok(_ranks(daemon, n, _typed_reductions, length))
+    # Each rank's inputs, drawn again in the same order as the ranks drew them.
+    inputs = {}
+    for r in range(n):
+        rng = np.random.default_rng(1000 + r)
+        for kind in FP8:
+            for op in ("sum", "prod", "min", "max", "avg"):
+                x = rng.integers(0, 256, length, dtype=np.uint8)
+                x[:4] = [0x7F, 0x38, 0xB8, 0x00]
+                inputs.setdefault(f"{kind} {op}", []).append(x)
+        for dt in (np.uint32, np.uint64):
+            for op in ("sum", "prod", "min", "max", "avg", "band", "bor", "bxor"):
+                x = rng.integers(0, np.iinfo(dt).max, length, dtype=dt, endpoint=True)
+                inputs.setdefault(f"{np.dtype(dt).name} {op}", []).append(x)
+    for key, ins in inputs.items():
+        kind, op = key.split()
+        if kind in FP8:
+            want = fp8_reference(kind, op, ins)
+            nan = np.isnan(fp8_values(kind)[want])
+            saturated = np.count_nonzero((want & 0x7F) == FP8[kind][2])
+            # The hard cases are in the data: a NaN, and sums and products past the largest value.
+            assert nan[0] and (saturated > 0 or op not in ("sum", "prod")), (key, saturated)
+        else:
+            dt = ins[0].dtype
+            if op == "avg":
+                want = np.array([sum(int(x[i]) for x in ins) // n for i in range(length)], dt)
+            else:
+                f = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
+                     "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]
+                want = f.reduce(np.stack(ins), dtype=dt)  # wrapping in the dtype itself
+            nan = np.zeros(length, bool)
+            big = np.count_nonzero(ins[0] > np.iinfo(dt).max // 2)
+            assert big > length // 4, key  # values a signed compare would take as negative
+        for rank, res in enumerate(got):
+            g = res[key]
+            if kind in FP8:
+                g_nan = np.isnan(fp8_values(kind)[g])
+                np.testing.assert_array_equal(g_nan, nan, err_msg=f"rank {rank} {key}: NaNs")
+                bad = np.flatnonzero(~nan & (g != want))
+            else:
+                bad = np.flatnonzero(g != want)
+            assert bad.size == 0, (
+                f"rank {rank} {key}: {bad.size} wrong, first at {bad[0]}: got {g[bad[0]]:#x} "
+                f"want {want[bad[0]]:#x} from {[int(x[bad[0]]) for x in ins]}")

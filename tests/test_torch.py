@@ -78,6 +78,11 @@ def test_metrics_count_data_movement_under_the_tensor_dtype(daemon):
 
 
 @pytest.mark.parametrize("nproc", [2, 3])
+def test_fp8_and_unsigned_reductions_match_torch_references(daemon, nproc):
+    torchrun(daemon, nproc, "typed")
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
 def test_premul_sum_scales_before_summing(daemon, nproc):
     """ReduceOp.PREMUL_SUM, which gloo lacks and FSDP2 uses: checked against its definition."""
     torchrun(daemon, nproc, "premul")

@@ -16,6 +16,7 @@ import sys
 import time
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -565,6 +566,86 @@ def scenario_premul() -> None:
     log("premul: all_reduce, reduce_scatter_tensor, reduce, coalesced, int64 refused")
 
 
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def fp8_ref(ins: list[torch.Tensor], op: str, dt: torch.dtype) -> torch.Tensor:
+    """NCCL's fp8 reduction with torch's own conversions: float32 in rank order, then rounded
+    to the dtype and saturated at its largest finite value (clamp keeps NaNs)."""
+    a = ins[0].float()
+    for b in ins[1:]:
+        b = b.float()
+        a = {"sum": a + b, "avg": a + b, "prod": a * b, "min": torch.where(b < a, b, a),
+             "max": torch.where(b > a, b, a)}[op]
+    if op == "avg":
+        a = a / len(ins)
+    return a.clamp(-FP8_MAX[dt], FP8_MAX[dt]).to(dt)
+
+
+def check_fp8(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bit for bit, except that a NaN matches any NaN (its sign is not specified)."""
+    g, w = got.view(torch.uint8), want.view(torch.uint8)
+    nan_g, nan_w = got.float().isnan(), want.float().isnan()
+    bad = ((g != w) & ~(nan_g & nan_w)).nonzero()
+    if bad.numel():
+        i = bad[0].item()
+        raise AssertionError(f"{name}: element {i}: got {g[i].item():#x}, want {w[i].item():#x} "
+                             f"({bad.numel()} of {g.numel()} differ)")
+
+
+def scenario_typed() -> None:
+    """fp8 (float8_e4m3fn, float8_e5m2) and uint32/uint64 reductions, as torch's fp8 training
+    and NCCL run them: every op over codes of the whole range (NaN, infinities, overflow), the
+    fp8 PREMUL_SUM, a reduce_scatter and an all_gather, against references made here."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
+           "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
+
+    def codes(r: int, dt: torch.dtype, k: int, salt: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(7919 * r + salt)
+        return torch.randint(0, 256, (k,), generator=g, dtype=torch.uint8).view(dt)
+
+    for dt in FP8_MAX:
+        for salt, (name, op) in enumerate(ops.items()):
+            t = codes(rank, dt, 2053, salt)
+            dist.all_reduce(t, op=op)
+            check_fp8(f"all_reduce {dt} {name}", t,
+                      fp8_ref([codes(r, dt, 2053, salt) for r in range(n)], name, dt))
+        t = codes(rank, dt, 1031, 99)
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+        scaled = [fp8_ref([codes(r, dt, 1031, 99).float().mul(0.5).clamp(
+            -FP8_MAX[dt], FP8_MAX[dt]).to(dt)], "sum", dt) for r in range(n)]
+        check_fp8(f"all_reduce {dt} premul 0.5", t, fp8_ref(scaled, "sum", dt))
+        big = codes(rank, dt, 64 * n, 123)
+        out = torch.empty(64, dtype=dt)
+        dist.reduce_scatter_tensor(out, big)
+        full = fp8_ref([codes(r, dt, 64 * n, 123) for r in range(n)], "sum", dt)
+        check_fp8(f"reduce_scatter_tensor {dt}", out, full[rank * 64:(rank + 1) * 64])
+        gathered = torch.empty(33 * n, dtype=dt)
+        dist.all_gather_into_tensor(gathered, codes(rank, dt, 33, 5))
+        check_fp8(f"all_gather_into_tensor {dt}", gathered,
+                  torch.cat([codes(r, dt, 33, 5) for r in range(n)]))
+    for dt, npt in ((torch.uint32, np.uint32), (torch.uint64, np.uint64)):
+        def ints(r: int, salt: int) -> np.ndarray:
+            return np.random.default_rng(31 * r + salt).integers(
+                0, np.iinfo(npt).max, 1000, dtype=npt, endpoint=True)
+        for salt, (name, op) in enumerate(ops.items()):
+            t = torch.from_numpy(ints(rank, salt))
+            assert t.dtype == dt
+            dist.all_reduce(t, op=op)
+            ins = [ints(r, salt) for r in range(n)]
+            if name == "avg":
+                want = np.array([sum(int(x[i]) for x in ins) // n for i in range(1000)], npt)
+            else:
+                f = {"sum": np.add, "prod": np.multiply, "min": np.minimum,
+                     "max": np.maximum}[name]
+                want = f.reduce(np.stack(ins), dtype=npt)
+            bad = np.flatnonzero(t.numpy() != want)
+            assert bad.size == 0, f"all_reduce {dt} {name}: {bad.size} wrong, first {bad[0]}"
+    log("typed: fp8 e4m3/e5m2 every op, premul, reduce_scatter, all_gather; uint32/uint64 "
+        "every op")
+
+
 def scenario_cpu_alloc(gloo: dist.ProcessGroup, mode: str) -> None:
     """Large ordinary CPU tensors: with commd's CPU allocator (mode "on") every op runs in place
     on the tensor's own memory, moved into shared memory by its first op and registered once;
@@ -735,6 +816,8 @@ def main() -> None:
         scenario_dtypes()
     elif scenario == "premul":
         scenario_premul()
+    elif scenario == "typed":
+        scenario_typed()
     elif scenario == "cpu_alloc":
         scenario_cpu_alloc(gloo, sys.argv[2])
     else:

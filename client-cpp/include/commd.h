@@ -171,6 +171,27 @@ typedef uint32_t commd_redop_t;
 #define COMMD_INT64 8
 
 /**
+ * Unsigned 32-bit integer (min, max and avg compare and divide unsigned).
+ */
+#define COMMD_UINT32 9
+
+/**
+ * Unsigned 64-bit integer.
+ */
+#define COMMD_UINT64 10
+
+/**
+ * fp8 E4M3 (OCP "fn", NCCL's ncclFloat8e4m3): reductions accumulate in float32 and store the
+ * result rounded to nearest even, saturated to the largest finite value (448).
+ */
+#define COMMD_FLOAT8E4M3 11
+
+/**
+ * fp8 E5M2 (NCCL's ncclFloat8e5m2): as COMMD_FLOAT8E4M3, saturating at 57344.
+ */
+#define COMMD_FLOAT8E5M2 12
+
+/**
  * Sum.
  */
 #define COMMD_SUM 1

@@ -148,6 +148,10 @@ enum class DType : commd_dtype_t {
   UInt8 = COMMD_UINT8,
   Int32 = COMMD_INT32,
   Int64 = COMMD_INT64,
+  UInt32 = COMMD_UINT32,
+  UInt64 = COMMD_UINT64,
+  Float8E4M3 = COMMD_FLOAT8E4M3,  ///< fp8, accumulated in float32, stored saturated
+  Float8E5M2 = COMMD_FLOAT8E5M2,  ///< fp8, accumulated in float32, stored saturated
 };
 
 enum class RedOp : commd_redop_t {
@@ -174,9 +178,18 @@ struct float16 {
 struct bfloat16 {
   std::uint16_t bits;
 };
+/// fp8 E4M3 storage (the code only).
+struct float8_e4m3 {
+  std::uint8_t bits;
+};
+/// fp8 E5M2 storage (the code only).
+struct float8_e5m2 {
+  std::uint8_t bits;
+};
 
 /// dtype_of<T>::value: the DType of a C++ element type (float, double, int8_t, uint8_t, int32_t,
-/// int64_t, commd::float16, commd::bfloat16). Specialize it for your own 16-bit float types.
+/// int64_t, uint32_t, uint64_t, commd::float16, commd::bfloat16, commd::float8_e4m3,
+/// commd::float8_e5m2). Specialize it for your own 16-bit or 8-bit float types.
 template <class T>
 struct dtype_of;
 template <>
@@ -195,6 +208,14 @@ template <>
 struct dtype_of<std::int32_t> : std::integral_constant<DType, DType::Int32> {};
 template <>
 struct dtype_of<std::int64_t> : std::integral_constant<DType, DType::Int64> {};
+template <>
+struct dtype_of<std::uint32_t> : std::integral_constant<DType, DType::UInt32> {};
+template <>
+struct dtype_of<std::uint64_t> : std::integral_constant<DType, DType::UInt64> {};
+template <>
+struct dtype_of<float8_e4m3> : std::integral_constant<DType, DType::Float8E4M3> {};
+template <>
+struct dtype_of<float8_e5m2> : std::integral_constant<DType, DType::Float8E5M2> {};
 
 template <class T>
 inline constexpr DType dtype_v = dtype_of<std::remove_cv_t<T>>::value;

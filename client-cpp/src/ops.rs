@@ -21,7 +21,7 @@ fn dtype(code: commd_dtype_t) -> Outcome<DType> {
         .and_then(DType::from_code)
         .ok_or_else(|| {
             invalid(format!(
-                "unknown dtype code {code} (known: COMMD_FLOAT32=1, COMMD_FLOAT64=2, COMMD_FLOAT16=3, COMMD_BFLOAT16=4, COMMD_INT8=5, COMMD_UINT8=6, COMMD_INT32=7, COMMD_INT64=8)"
+                "unknown dtype code {code} (known: COMMD_FLOAT32=1, COMMD_FLOAT64=2, COMMD_FLOAT16=3, COMMD_BFLOAT16=4, COMMD_INT8=5, COMMD_UINT8=6, COMMD_INT32=7, COMMD_INT64=8, COMMD_UINT32=9, COMMD_UINT64=10, COMMD_FLOAT8E4M3=11, COMMD_FLOAT8E5M2=12)"
             ))
         })
 }

@@ -89,6 +89,15 @@ pub const COMMD_UINT8: commd_dtype_t = 6;
 pub const COMMD_INT32: commd_dtype_t = 7;
 /// Signed 64-bit integer.
 pub const COMMD_INT64: commd_dtype_t = 8;
+/// Unsigned 32-bit integer (min, max and avg compare and divide unsigned).
+pub const COMMD_UINT32: commd_dtype_t = 9;
+/// Unsigned 64-bit integer.
+pub const COMMD_UINT64: commd_dtype_t = 10;
+/// fp8 E4M3 (OCP "fn", NCCL's ncclFloat8e4m3): reductions accumulate in float32 and store the
+/// result rounded to nearest even, saturated to the largest finite value (448).
+pub const COMMD_FLOAT8E4M3: commd_dtype_t = 11;
+/// fp8 E5M2 (NCCL's ncclFloat8e5m2): as COMMD_FLOAT8E4M3, saturating at 57344.
+pub const COMMD_FLOAT8E5M2: commd_dtype_t = 12;
 
 /// A reduction code (COMMD_SUM, ...), a plain integer like commd_dtype_t.
 pub type commd_redop_t = u32;
@@ -168,6 +177,10 @@ mod tests {
             (COMMD_UINT8, dtype::U8),
             (COMMD_INT32, dtype::I32),
             (COMMD_INT64, dtype::I64),
+            (COMMD_UINT32, dtype::U32),
+            (COMMD_UINT64, dtype::U64),
+            (COMMD_FLOAT8E4M3, dtype::F8E4M3),
+            (COMMD_FLOAT8E5M2, dtype::F8E5M2),
         ];
         for (c, wire) in dtypes {
             assert_eq!(c, u32::from(wire));

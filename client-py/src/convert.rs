@@ -51,7 +51,7 @@ pub(crate) fn parse_kind(s: &str) -> PyResult<OpKind> {
 pub(crate) fn parse_dtype(s: &str) -> PyResult<DType> {
     DType::parse(s).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "unsupported dtype {s:?} (commd reduces f32, f64, f16, bf16, i8, u8, i32, i64)"
+            "unsupported dtype {s:?} (commd reduces f32, f64, f16, bf16, i8, u8, i32, i64, u32, u64, f8e4m3, f8e5m2)"
         ))
     })
 }

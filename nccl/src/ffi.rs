@@ -97,17 +97,21 @@ fn op_name(o: i32) -> String {
     }
 }
 
-/// The commd element type that moves an NCCL type's bytes unchanged (ops that only copy).
+/// The commd element type of an NCCL type (ops that only copy move its bytes unchanged).
 pub fn copy_dtype(d: i32) -> Outcome<DType> {
     Ok(match d {
         dt::INT8 => DType::I8,
-        dt::UINT8 | dt::FP8_E4M3 | dt::FP8_E5M2 => DType::U8,
-        dt::INT32 | dt::UINT32 => DType::I32,
-        dt::INT64 | dt::UINT64 => DType::I64,
+        dt::UINT8 => DType::U8,
+        dt::INT32 => DType::I32,
+        dt::UINT32 => DType::U32,
+        dt::INT64 => DType::I64,
+        dt::UINT64 => DType::U64,
         dt::FLOAT16 => DType::F16,
         dt::FLOAT32 => DType::F32,
         dt::FLOAT64 => DType::F64,
         dt::BFLOAT16 => DType::BF16,
+        dt::FP8_E4M3 => DType::F8E4M3,
+        dt::FP8_E5M2 => DType::F8E5M2,
         _ => {
             return Err(invalid(format!(
                 "invalid data type {d} (ncclDataType_t is 0-11)"
@@ -116,11 +120,9 @@ pub fn copy_dtype(d: i32) -> Outcome<DType> {
     })
 }
 
-/// The commd element type and op that reduce an NCCL (type, op) pair exactly, or why not.
-///
-/// Unsigned sums and products are computed on the signed type of the same width: two's
-/// complement addition and multiplication give the same bits. Unsigned min/max/avg and fp8
-/// reductions would not, so they are refused rather than computed wrongly.
+/// The commd element type and op that reduce an NCCL (type, op) pair, or why not. Every NCCL
+/// type reduces with every built-in op: unsigned min/max/avg compare and divide unsigned, fp8
+/// accumulates in f32 and stores rounded to nearest even, saturated (as NCCL's `__NV_SATFINITE`).
 pub fn reduce_types(d: i32, o: i32) -> Outcome<(DType, RedOp)> {
     let red = match o {
         op::SUM => RedOp::Sum,
@@ -135,20 +137,6 @@ pub fn reduce_types(d: i32, o: i32) -> Outcome<(DType, RedOp)> {
         }
         o => return Err(invalid(format!("invalid reduction op {o}"))),
     };
-    let unsigned = matches!(d, dt::UINT32 | dt::UINT64);
-    if unsigned && !matches!(o, op::SUM | op::PROD) {
-        return Err(usage(format!(
-            "{} on {} is not supported by commd (it reduces integers as signed; only ncclSum and ncclProd give the same bits for unsigned data)",
-            op_name(o),
-            dtype_name(d)
-        )));
-    }
-    if matches!(d, dt::FP8_E4M3 | dt::FP8_E5M2) {
-        return Err(usage(format!(
-            "reductions on {} are not supported by commd (fp8 data can be gathered, broadcast and sent, not reduced)",
-            dtype_name(d)
-        )));
-    }
     let dtype = copy_dtype(d)?;
     red.check_dtype(dtype)
         .map_err(|e| usage(format!("{} on {}: {e}", op_name(o), dtype_name(d))))?;
@@ -268,19 +256,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn unsigned_reductions_only_where_bits_agree() {
-        assert_eq!(reduce_types(dt::UINT32, op::SUM).unwrap().0, DType::I32);
-        assert_eq!(reduce_types(dt::UINT64, op::PROD).unwrap().0, DType::I64);
+    fn every_type_reduces_with_its_own_dtype() {
+        assert_eq!(reduce_types(dt::UINT32, op::SUM).unwrap().0, DType::U32);
+        assert_eq!(reduce_types(dt::UINT64, op::PROD).unwrap().0, DType::U64);
         for o in [op::MAX, op::MIN, op::AVG] {
-            let e = reduce_types(dt::UINT32, o).unwrap_err();
-            assert_eq!(e.code, INVALID_USAGE, "{}", e.message);
-            assert!(e.message.contains("ncclUint32"), "{}", e.message);
+            assert_eq!(reduce_types(dt::UINT32, o).unwrap().0, DType::U32);
+            assert_eq!(reduce_types(dt::UINT64, o).unwrap().0, DType::U64);
         }
-        assert_eq!(
-            reduce_types(dt::FP8_E4M3, op::SUM).unwrap_err().code,
-            INVALID_USAGE
-        );
-        assert_eq!(copy_dtype(dt::FP8_E5M2).unwrap(), DType::U8);
+        for (d, want) in [(dt::FP8_E4M3, DType::F8E4M3), (dt::FP8_E5M2, DType::F8E5M2)] {
+            for o in [op::SUM, op::PROD, op::MIN, op::MAX, op::AVG] {
+                assert_eq!(reduce_types(d, o).unwrap().0, want);
+            }
+            assert_eq!(copy_dtype(d).unwrap(), want);
+        }
         assert_eq!(copy_dtype(12).unwrap_err().code, INVALID_ARGUMENT);
         assert_eq!(
             reduce_types(dt::FLOAT32, 9).unwrap_err().code,

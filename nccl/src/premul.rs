@@ -16,6 +16,7 @@ use std::sync::OnceLock;
 use commd_client::desc::DType;
 use commd_cuda::kernels::Kernels;
 use commd_cuda::sys;
+use commd_proto::fp8::{E4M3, E5M2};
 use half::{bf16, f16};
 
 use crate::ffi::{self, Failure, Outcome, invalid, usage};
@@ -64,7 +65,7 @@ impl Ops {
         nccl_dtype: i32,
         residence: i32,
     ) -> Outcome<i32> {
-        // The types a sum reduces exactly (unsigned as signed, as ncclSum does; fp8 refused).
+        // The types a sum reduces.
         let (dtype, _) = ffi::reduce_types(nccl_dtype, ffi::op::SUM)?;
         if scalar.is_null() {
             return Err(invalid("scalar is NULL"));
@@ -134,7 +135,8 @@ impl Ops {
 }
 
 /// Scales `n` elements at `data` (host memory) in place by an immediate scalar, with the
-/// kernel's semantics: f16/bf16 multiply in f32 and round once to nearest even, integers wrap.
+/// kernel's semantics: f16/bf16/fp8 multiply in f32 and round once to nearest even (fp8
+/// saturated), integers wrap.
 pub fn scale_host(data: &mut [u8], dtype: DType, scalar: Scalar) -> Outcome {
     let Scalar::Immediate(bits) = scalar else {
         return Err(usage(
@@ -166,8 +168,12 @@ pub fn scale_host(data: &mut [u8], dtype: DType, scalar: Scalar) -> Outcome {
         )
         .to_bits()),
         DType::I8 | DType::U8 => each!(i8, |x: i8, s: i8| x.wrapping_mul(s)),
-        DType::I32 => each!(i32, |x: i32, s: i32| x.wrapping_mul(s)),
-        DType::I64 => each!(i64, |x: i64, s: i64| x.wrapping_mul(s)),
+        DType::I32 | DType::U32 => each!(i32, |x: i32, s: i32| x.wrapping_mul(s)),
+        DType::I64 | DType::U64 => each!(i64, |x: i64, s: i64| x.wrapping_mul(s)),
+        DType::F8E4M3 => each!(u8, |x: u8, s: u8| E4M3
+            .encode(E4M3.decode(x) * E4M3.decode(s))),
+        DType::F8E5M2 => each!(u8, |x: u8, s: u8| E5M2
+            .encode(E5M2.decode(x) * E5M2.decode(s))),
     }
     Ok(())
 }
@@ -248,15 +254,34 @@ mod tests {
         // SAFETY: as above.
         let bad = unsafe { ops.create((&raw const two).cast(), ffi::dt::FLOAT32, 7) }.unwrap_err();
         assert!(bad.message.contains("residence 7"), "{}", bad.message);
-        // SAFETY: refused before the pointer is read.
+        // fp8 ops take a one-byte scalar (0x30 is E4M3's 0.5).
+        let half = 0x30u8;
+        // SAFETY: one fp8 element.
         let fp8 = unsafe {
             ops.create(
-                (&raw const two).cast(),
+                (&raw const half).cast(),
                 ffi::dt::FP8_E4M3,
                 SCALAR_HOST_IMMEDIATE,
             )
-        };
-        assert!(fp8.is_err());
+        }
+        .unwrap();
+        let p = ops.get(fp8, ffi::dt::FP8_E4M3).unwrap();
+        assert_eq!(
+            (p.dtype, p.scalar),
+            (DType::F8E4M3, Scalar::Immediate(0x30))
+        );
+    }
+
+    #[test]
+    fn fp8_scaling_rounds_once_and_saturates() {
+        // E4M3 3.0, 448 (the largest), -1.0 times 2.0: 6.0, saturated 448, -2.0.
+        let mut d = vec![0x44u8, 0x7E, 0xB8];
+        scale_host(&mut d, DType::F8E4M3, Scalar::Immediate(0x40)).unwrap();
+        assert_eq!(d, [0x4C, 0x7E, 0xC0]);
+        // E5M2 1.0 times 1.25 (0x3D): 1.25.
+        let mut d = vec![0x3Cu8];
+        scale_host(&mut d, DType::F8E5M2, Scalar::Immediate(0x3D)).unwrap();
+        assert_eq!(d, [0x3D]);
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! kernels (f64 / wrapping i128 arithmetic, one element at a time) so a check can fail.
 
 use crate::desc::{DType, OpKind, RedOp};
+use crate::fp8;
 use crate::num::usize_of;
 use half::{bf16, f16};
 
@@ -19,7 +20,7 @@ fn mix(mut z: u64) -> u64 {
 /// The input value of `rank` at element `i`.
 pub fn value(dtype: DType, redop: Option<RedOp>, seed: u64, rank: u32, i: u64) -> f64 {
     let h = mix(seed ^ (u64::from(rank) << 44) ^ i);
-    let unsigned = dtype == DType::U8;
+    let unsigned = dtype.is_unsigned();
     match redop {
         Some(r) if r.is_bitwise() => bit_pattern(dtype, h),
         Some(RedOp::Prod) => {
@@ -41,6 +42,8 @@ fn bit_pattern(dtype: DType, h: u64) -> f64 {
         DType::U8 => f64::from(h as u8),
         DType::I32 => f64::from(h as i32),
         DType::I64 => ((h as i64) >> 11) as f64,
+        DType::U32 => f64::from(h as u32),
+        DType::U64 => (h >> 11) as f64,
         // The daemon refuses bitwise ops on floats; any exact small value will do.
         _ => (h % 9) as f64 - 4.0,
     }
@@ -62,6 +65,10 @@ pub fn write_elem(dtype: DType, buf: &mut [u8], i: usize, v: f64) {
         DType::U8 => b.copy_from_slice(&(v as u8).to_ne_bytes()),
         DType::I32 => b.copy_from_slice(&(v as i32).to_ne_bytes()),
         DType::I64 => b.copy_from_slice(&(v as i64).to_ne_bytes()),
+        DType::U32 => b.copy_from_slice(&(v as u32).to_ne_bytes()),
+        DType::U64 => b.copy_from_slice(&(v as u64).to_ne_bytes()),
+        DType::F8E4M3 => b[0] = fp8::E4M3.encode(v as f32),
+        DType::F8E5M2 => b[0] = fp8::E5M2.encode(v as f32),
     }
 }
 
@@ -77,6 +84,10 @@ pub fn read_elem(dtype: DType, buf: &[u8], i: usize) -> f64 {
         DType::U8 => b[0] as f64,
         DType::I32 => i32::from_ne_bytes([b[0], b[1], b[2], b[3]]) as f64,
         DType::I64 => i64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f64,
+        DType::U32 => f64::from(u32::from_ne_bytes([b[0], b[1], b[2], b[3]])),
+        DType::U64 => u64::from_ne_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) as f64,
+        DType::F8E4M3 => f64::from(fp8::E4M3.decode(b[0])),
+        DType::F8E5M2 => f64::from(fp8::E5M2.decode(b[0])),
     }
 }
 
@@ -91,7 +102,7 @@ fn wrap_int(dtype: DType, x: i128) -> i128 {
     let bits = dtype.size() * 8;
     let m = 1i128 << bits;
     let mut y = x.rem_euclid(m);
-    if dtype != DType::U8 && y >= m / 2 {
+    if !dtype.is_unsigned() && y >= m / 2 {
         y -= m;
     }
     y
@@ -119,10 +130,20 @@ pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u
             });
         }
         let a = acc.unwrap_or(0.0);
-        if op == RedOp::Avg {
+        let a = if op == RedOp::Avg {
             a / f64::from(n)
         } else {
             a
+        };
+        // fp8 results are the exact result rounded once (the daemon accumulates in f32, exact
+        // for these small values) and saturated, as the dtype stores it.
+        let mut b = [0u8; 1];
+        match dtype {
+            DType::F8E4M3 | DType::F8E5M2 => {
+                write_elem(dtype, &mut b, 0, a);
+                read_elem(dtype, &b, 0)
+            }
+            _ => a,
         }
     } else if op == RedOp::Avg {
         // Integer AVG is the exact mean truncated toward zero (the daemon sums in i128).

@@ -75,6 +75,12 @@ pub mod dtype {
     pub const U8: u8 = 6;
     pub const I32: u8 = 7;
     pub const I64: u8 = 8;
+    pub const U32: u8 = 9;
+    pub const U64: u8 = 10;
+    /// OCP fp8 E4M3 ("fn": finite, one NaN encoding per sign), NCCL's `ncclFloat8e4m3`.
+    pub const F8E4M3: u8 = 11;
+    /// OCP fp8 E5M2 (IEEE-like: infinities and NaNs), NCCL's `ncclFloat8e5m2`.
+    pub const F8E5M2: u8 = 12;
 }
 
 pub mod redop {
@@ -416,9 +422,16 @@ pub enum DType {
     U8,
     I32,
     I64,
+    U32,
+    U64,
+    /// fp8 E4M3 (see [`dtype::F8E4M3`]): reduced in f32, stored round-to-nearest-even and
+    /// saturated to the largest finite value, as NCCL does.
+    F8E4M3,
+    /// fp8 E5M2 (see [`dtype::F8E5M2`]): reduced in f32 as [`DType::F8E4M3`].
+    F8E5M2,
 }
 
-pub const ALL_DTYPES: [DType; 8] = [
+pub const ALL_DTYPES: [DType; 12] = [
     DType::F32,
     DType::F64,
     DType::F16,
@@ -427,6 +440,10 @@ pub const ALL_DTYPES: [DType; 8] = [
     DType::U8,
     DType::I32,
     DType::I64,
+    DType::U32,
+    DType::U64,
+    DType::F8E4M3,
+    DType::F8E5M2,
 ];
 
 impl DType {
@@ -440,6 +457,10 @@ impl DType {
             dtype::U8 => Self::U8,
             dtype::I32 => Self::I32,
             dtype::I64 => Self::I64,
+            dtype::U32 => Self::U32,
+            dtype::U64 => Self::U64,
+            dtype::F8E4M3 => Self::F8E4M3,
+            dtype::F8E5M2 => Self::F8E5M2,
             _ => return None,
         })
     }
@@ -453,14 +474,18 @@ impl DType {
             Self::U8 => dtype::U8,
             Self::I32 => dtype::I32,
             Self::I64 => dtype::I64,
+            Self::U32 => dtype::U32,
+            Self::U64 => dtype::U64,
+            Self::F8E4M3 => dtype::F8E4M3,
+            Self::F8E5M2 => dtype::F8E5M2,
         }
     }
     pub fn size(self) -> u64 {
         match self {
-            Self::I8 | Self::U8 => 1,
+            Self::I8 | Self::U8 | Self::F8E4M3 | Self::F8E5M2 => 1,
             Self::F16 | Self::BF16 => 2,
-            Self::F32 | Self::I32 => 4,
-            Self::F64 | Self::I64 => 8,
+            Self::F32 | Self::I32 | Self::U32 => 4,
+            Self::F64 | Self::I64 | Self::U64 => 8,
         }
     }
     pub fn name(self) -> &'static str {
@@ -473,6 +498,10 @@ impl DType {
             Self::U8 => "u8",
             Self::I32 => "i32",
             Self::I64 => "i64",
+            Self::U32 => "u32",
+            Self::U64 => "u64",
+            Self::F8E4M3 => "f8e4m3",
+            Self::F8E5M2 => "f8e5m2",
         }
     }
     pub fn parse(s: &str) -> Option<Self> {
@@ -485,12 +514,23 @@ impl DType {
             "uint8" => "u8",
             "int" | "int32" => "i32",
             "int64" => "i64",
+            "uint32" => "u32",
+            "uint64" => "u64",
+            "float8_e4m3fn" | "fp8e4m3" | "e4m3" => "f8e4m3",
+            "float8_e5m2" | "fp8e5m2" | "e5m2" => "f8e5m2",
             s => s,
         };
         ALL_DTYPES.iter().copied().find(|d| d.name() == s)
     }
     pub fn is_float(self) -> bool {
-        matches!(self, Self::F32 | Self::F64 | Self::F16 | Self::BF16)
+        matches!(
+            self,
+            Self::F32 | Self::F64 | Self::F16 | Self::BF16 | Self::F8E4M3 | Self::F8E5M2
+        )
+    }
+    /// Whether the dtype is an unsigned integer (min, max and avg compare and divide unsigned).
+    pub fn is_unsigned(self) -> bool {
+        matches!(self, Self::U8 | Self::U32 | Self::U64)
     }
 }
 
@@ -973,7 +1013,7 @@ mod tests {
             assert_eq!(RedOp::parse(r.name()), Some(r));
         }
         assert_eq!(OpKind::from_code(0), None);
-        assert_eq!(DType::from_code(9), None);
+        assert_eq!(DType::from_code(13), None);
         assert_eq!(RedOp::from_code(0), None);
         assert_eq!(RedOp::from_code(9), None);
         assert_eq!(

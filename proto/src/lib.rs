@@ -17,6 +17,7 @@
 pub mod check;
 pub mod desc;
 pub mod fdproto;
+pub mod fp8;
 pub mod futex;
 pub mod graph;
 pub mod num;

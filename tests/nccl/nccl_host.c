@@ -137,8 +137,51 @@ static void ops(ncclComm_t comm, const char* dir) {
   for (int i = 0; i < N; i++)
     if (ur[i] != (uint32_t)(nranks * (0xfffffff0u + (uint32_t)i)))
       FAIL("uint32 sum [%d] = %u", i, ur[i]);
-  EXPECT_ERR(ncclInvalidUsage, ncclAllReduce(us, ur, N, ncclUint32, ncclMax, comm, NULL),
-             "ncclUint32");
+  /* unsigned min/max/avg compare and divide unsigned (as signed, 0xfffffff0 would be -16) */
+  for (int i = 0; i < N; i++) us[i] = (i % nranks == rank) ? 0xfffffff0u : 5u;
+  NCCL(ncclAllReduce(us, ur, N, ncclUint32, ncclMax, comm, NULL));
+  for (int i = 0; i < N; i++)
+    if (ur[i] != 0xfffffff0u) FAIL("uint32 max [%d] = %u", i, ur[i]);
+  NCCL(ncclAllReduce(us, ur, N, ncclUint32, ncclMin, comm, NULL));
+  for (int i = 0; i < N; i++)
+    if (ur[i] != (nranks == 1 ? 0xfffffff0u : 5u)) FAIL("uint32 min [%d] = %u", i, ur[i]);
+  for (int i = 0; i < N; i++) us[i] = rank == 0 ? 0xffffffffu : 1u;
+  NCCL(ncclAllReduce(us, ur, N, ncclUint32, ncclAvg, comm, NULL));
+  for (int i = 0; i < N; i++)
+    if (ur[i] != (uint32_t)((0xffffffffull + (uint64_t)(nranks - 1)) / (uint64_t)nranks))
+      FAIL("uint32 avg [%d] = %u", i, ur[i]);
+  uint64_t qs[N], qr[N];
+  for (int i = 0; i < N; i++) qs[i] = rank == 0 ? UINT64_MAX - (uint64_t)i : 1u;
+  NCCL(ncclAllReduce(qs, qr, N, ncclUint64, ncclAvg, comm, NULL));
+  for (int i = 0; i < N; i++) {
+    uint64_t want = (uint64_t)(((unsigned __int128)(UINT64_MAX - (uint64_t)i) + (nranks - 1)) / nranks);
+    if (qr[i] != want) FAIL("uint64 avg [%d] = %llu", i, (unsigned long long)qr[i]);
+  }
+  NCCL(ncclAllReduce(qs, qr, N, ncclUint64, ncclMax, comm, NULL));
+  for (int i = 0; i < N; i++)
+    if (qr[i] != UINT64_MAX - (uint64_t)i) FAIL("uint64 max [%d]", i);
+
+  /* fp8, as codes: E4M3 1.0 is 0x38, 256 is 0x78, largest 448 is 0x7E, NaN 0x7F; E5M2 32768 is
+   * 0x78, largest 57344 0x7B. Sums accumulate in float32 and store saturated. */
+  uint8_t f8s[4], f8r[4];
+  f8s[0] = 0x38;                   /* 1.0 each: the sum is nranks */
+  f8s[1] = 0x78;                   /* 256 each: saturates from 2 ranks */
+  f8s[2] = rank == 0 ? 0x7F : 0x38; /* a NaN stays NaN */
+  f8s[3] = rank == 0 ? 0x38 : 0xB8; /* max of 1.0 and -1.0 */
+  NCCL(ncclAllReduce(f8s, f8r, 3, ncclFloat8e4m3, ncclSum, comm, NULL));
+  {
+    int e = 0;
+    while ((2 << e) <= nranks) e++;
+    int want = nranks <= 16 ? (((e + 7) << 3) | ((nranks - (1 << e)) << 3 >> e)) : -1;
+    if (want >= 0 && f8r[0] != want) FAIL("fp8 e4m3 sum = %#x, want %#x", f8r[0], want);
+    if (f8r[1] != (nranks == 1 ? 0x78 : 0x7E)) FAIL("fp8 e4m3 saturation = %#x", f8r[1]);
+    if ((f8r[2] & 0x7F) != 0x7F) FAIL("fp8 e4m3 NaN = %#x", f8r[2]);
+  }
+  NCCL(ncclAllReduce(f8s + 3, f8r + 3, 1, ncclFloat8e4m3, ncclMax, comm, NULL));
+  if (f8r[3] != 0x38) FAIL("fp8 e4m3 max = %#x", f8r[3]);
+  f8s[0] = 0x78; /* E5M2 32768 */
+  NCCL(ncclAllReduce(f8s, f8r, 1, ncclFloat8e5m2, ncclSum, comm, NULL));
+  if (f8r[0] != (nranks == 1 ? 0x78 : 0x7B)) FAIL("fp8 e5m2 saturation = %#x", f8r[0]);
 
   /* broadcast from the last rank (out of place, then in place with ncclBcast) */
   int root = nranks - 1;

@@ -45,7 +45,13 @@ _NP_DTYPES = {
     np.dtype(np.uint8): "u8",
     np.dtype(np.int32): "i32",
     np.dtype(np.int64): "i64",
+    np.dtype(np.uint32): "u32",
+    np.dtype(np.uint64): "u64",
 }
+# fp8 arrays of ml_dtypes (numpy has no fp8 of its own), matched by name so that package stays
+# optional; without it, pass uint8 arrays of fp8 codes with dtype="f8e4m3" or "f8e5m2".
+_NP_NAMED = {"float8_e4m3fn": "f8e4m3", "float8_e5m2": "f8e5m2"}
+_FLOATS = ("f32", "f64", "f16", "bf16", "f8e4m3", "f8e5m2")
 
 # Staged regions are placed on this alignment so reductions run on aligned data.
 _ALIGN = 64
@@ -60,20 +66,22 @@ def dtype_name(dtype: Any) -> str:
     dt = np.dtype(dtype)
     if dt == np.bool_:
         return "u8"
-    try:
-        return _NP_DTYPES[dt]
-    except KeyError:
+    name = _NP_DTYPES.get(dt) or _NP_NAMED.get(dt.name)
+    if name is None:
         raise ValueError(
             f"commd cannot reduce numpy dtype {dt} (supported: float32, float64, float16, "
-            "int8, uint8, int32, int64, bool; bfloat16 through torch)"
-        ) from None
+            "int8, uint8, int32, int64, uint32, uint64, bool, ml_dtypes' float8_e4m3fn and "
+            "float8_e5m2; bfloat16 through torch; fp8 codes in uint8 arrays with "
+            "dtype='f8e4m3' or 'f8e5m2')"
+        )
+    return name
 
 
 def _redop(op: str, dtype: str, is_bool: bool = False) -> str:
     op = _ALIASES.get(op.lower(), op.lower())
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduction {op!r} (expected one of {', '.join(REDUCE_OPS)})")
-    if op in _BITWISE and dtype in ("f32", "f64", "f16", "bf16"):
+    if op in _BITWISE and dtype in _FLOATS:
         raise ValueError(f"bitwise reduction {op} is defined for integer dtypes only (got {dtype})")
     if is_bool:
         # Logical semantics on 0/1 bytes: or-like ops are max, and-like ops are min.

@@ -27,6 +27,12 @@ _REDUCE_DTYPES = {
     torch.int64: "i64",
     torch.bool: "u8",
 }
+# Unsigned and fp8 dtypes where this torch has them (fp8: the OCP formats NCCL reduces; the
+# "fnuz" variants encode differently and are moved, never reduced).
+for _name, _code in (("uint32", "u32"), ("uint64", "u64"), ("float8_e4m3fn", "f8e4m3"),
+                     ("float8_e5m2", "f8e5m2")):
+    if hasattr(torch, _name):
+        _REDUCE_DTYPES[getattr(torch, _name)] = _code
 
 _REDOPS = {
     ReduceOp.RedOpType.SUM: "sum",
@@ -38,6 +44,10 @@ _REDOPS = {
     ReduceOp.RedOpType.BOR: "bor",
     ReduceOp.RedOpType.BXOR: "bxor",
 }
+
+# The largest finite value of each fp8 dtype commd reduces.
+_FP8_MAX = {getattr(torch, n): m for n, m in (("float8_e4m3fn", 448.0), ("float8_e5m2", 57344.0))
+            if hasattr(torch, n)}
 
 # Same-size integer views for dtypes numpy lacks (pure data movement needs only the bytes).
 _BYTE_VIEWS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
@@ -147,7 +157,16 @@ def _premul(t: torch.Tensor, op: Any, what: str, copy: bool) -> tuple[torch.Tens
         f = f.reshape(()).to(t.device)
     # Checked before the tensor is scaled in place (a refusal then leaves it as it was).
     _reduce_names(t, ReduceOp.SUM, what)
-    if t.is_complex() or t.is_floating_point():
+    fp8_max = _FP8_MAX.get(t.dtype)
+    if fp8_max is not None:
+        # torch has no fp8 arithmetic: the product in float32, rounded once into the fp8 type
+        # and saturated to its largest finite value, as NCCL's fp8 PreMulSum stores it (clamp
+        # keeps NaNs).
+        with torch.no_grad():
+            s = torch.mul(t.float(), f).clamp_(-fp8_max, fp8_max).to(t.dtype)
+            if not copy:
+                s = t.copy_(s)
+    elif t.is_complex() or t.is_floating_point():
         with torch.no_grad():
             s = torch.mul(t, f) if copy else t.mul_(f)
     else:
@@ -175,7 +194,8 @@ def _reduce_names(t: torch.Tensor, op: Any, what: str) -> tuple[str, str]:
     if dt is None:
         raise ValueError(
             f"commd {what}: cannot reduce {t.dtype} tensors (supported: float32, float64, "
-            "float16, bfloat16, int8, uint8, int32, int64, bool, complex64/128 for sum/avg)")
+            "float16, bfloat16, float8_e4m3fn, float8_e5m2, int8, uint8, int32, int64, uint32, "
+            "uint64, bool, complex64/128 for sum/avg)")
     return dt, _core._redop(name, dt, t.dtype == torch.bool)
 
 

@@ -39,6 +39,10 @@ from ._torch_work import _DoneWork, _flat_tensors, _progress, _seconds, _wait_ha
 _REAL = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16",
          torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8", torch.int32: "i32",
          torch.int64: "i64"}
+for _name, _code in (("uint32", "u32"), ("uint64", "u64"), ("float8_e4m3fn", "f8e4m3"),
+                     ("float8_e5m2", "f8e5m2")):
+    if hasattr(torch, _name):
+        _REAL[getattr(torch, _name)] = _code
 _COMPLEX = {torch.complex64: "f32", torch.complex128: "f64"}
 _MOVE = {1: "u8", 2: "f16", 4: "f32", 8: "f64"}
 

@@ -103,6 +103,10 @@ pub(super) fn shape(dtype: DType, op: RedOp) -> Result<Shape, KernelError> {
         DType::I32 => int("i32", "u32", "i64"),
         // The sum of 8 i64 needs 67 bits.
         DType::I64 => int("i64", "u64", "i128"),
+        DType::U32 => int("u32", "u32", "i64"),
+        DType::U64 => int("u64", "u64", "i128"),
+        DType::F8E4M3 => float("u8", "float", "commd_e4m3_to_f32", "commd_f32_to_e4m3"),
+        DType::F8E5M2 => float("u8", "float", "commd_e5m2_to_f32", "commd_f32_to_e5m2"),
     })
 }
 
@@ -176,6 +180,74 @@ static __device__ __forceinline__ u16 commd_f32_to_bf16(float f) {
 }
 "#;
 
+/// fp8 <-> f32 by bits, as `commd_proto::fp8` converts (the kernel tests compare the two):
+/// decoding is exact; encoding rounds to nearest even and saturates to the largest finite value
+/// (CUDA's `__NV_SATFINITE`, which NCCL's fp8 reductions use); a NaN stays NaN.
+const FP8: &str = r#"
+static __device__ __forceinline__ float commd_e4m3_to_f32(u8 h) {
+    u32 s = ((u32)h & 0x80u) << 24;
+    u32 mag = (u32)h & 0x7Fu;
+    if (mag == 0x7Fu) {
+        return commd_bits_f32(s | 0x7FC00000u);
+    }
+    u32 e = mag >> 3;
+    u32 m = mag & 7u;
+    if (e == 0u) {
+        return commd_bits_f32(s | commd_f32_bits((float)m * 0.001953125f));
+    }
+    return commd_bits_f32(s | ((e + 120u) << 23) | (m << 20));
+}
+
+static __device__ __forceinline__ float commd_e5m2_to_f32(u8 h) {
+    u32 s = ((u32)h & 0x80u) << 24;
+    u32 mag = (u32)h & 0x7Fu;
+    u32 e = mag >> 2;
+    u32 m = mag & 3u;
+    if (e == 31u) {
+        return commd_bits_f32(s | 0x7F800000u | (m != 0u ? (0x400000u | (m << 21)) : 0u));
+    }
+    if (e == 0u) {
+        return commd_bits_f32(s | commd_f32_bits((float)m * 1.52587890625e-05f));
+    }
+    return commd_bits_f32(s | ((e + 112u) << 23) | (m << 21));
+}
+
+static __device__ __forceinline__ u8 commd_f32_to_f8(float f, u32 mbits, int bias, u32 max_code, u32 max_bits) {
+    u32 x = commd_f32_bits(f);
+    u32 sign = (x >> 24) & 0x80u;
+    u32 ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) {
+        return (u8)(sign | 0x7Fu);
+    }
+    if (ax >= max_bits) {
+        return (u8)(sign | max_code);
+    }
+    int e = (int)(ax >> 23) - 127;
+    u32 mant = (ax & 0x7FFFFFu) | (ax >= 0x800000u ? 0x800000u : 0u);
+    int emin = 1 - bias;
+    int drop = 23 - (int)mbits + (e < emin ? emin - e : 0);
+    if (drop >= 25) {
+        return (u8)sign;
+    }
+    u32 q = mant >> drop;
+    u32 rem = mant & ((1u << drop) - 1u);
+    u32 half = 1u << (drop - 1);
+    if (rem > half || (rem == half && (q & 1u) != 0u)) {
+        q += 1u;
+    }
+    u32 code = e >= emin ? ((((u32)(e + bias)) << mbits) + q - (1u << mbits)) : q;
+    return (u8)(sign | (code < max_code ? code : max_code));
+}
+
+static __device__ __forceinline__ u8 commd_f32_to_e4m3(float f) {
+    return commd_f32_to_f8(f, 3u, 7, 0x7Eu, 0x43E00000u);
+}
+
+static __device__ __forceinline__ u8 commd_f32_to_e5m2(float f) {
+    return commd_f32_to_f8(f, 2u, 15, 0x7Bu, 0x47600000u);
+}
+"#;
+
 /// Whether the kernel for `(dtype, op)` uses `__int128` (NVRTC accepts it only when asked).
 pub(super) fn src_uses_i128(dtype: DType, op: RedOp) -> bool {
     shape(dtype, op).is_ok_and(|s| s.needs_i128)
@@ -184,13 +256,14 @@ pub(super) fn src_uses_i128(dtype: DType, op: RedOp) -> bool {
 // Every `write!` below is to a String: it cannot fail. Each text starts with a newline; one that
 // stops inside a C function ends without its last newline, which the next text starts with.
 
-/// What every module starts with: [`TYPES`], the conversions of `dtype` if it is f16 or bf16,
+/// What every module starts with: [`TYPES`], the conversions of `dtype` if it is f16, bf16 or fp8,
 /// and the `i128` type when the kernels need it.
 pub(super) fn push_prelude(src: &mut String, dtype: DType, needs_i128: bool) {
     src.push_str(TYPES);
     match dtype {
         DType::F16 => src.push_str(F16),
         DType::BF16 => src.push_str(BF16),
+        DType::F8E4M3 | DType::F8E5M2 => src.push_str(FP8),
         _ => {}
     }
     if needs_i128 {

@@ -7,6 +7,7 @@ use super::nvrtc::nvrtc_present;
 use super::*;
 use commd_proto::check;
 use commd_proto::desc::{ALL_DTYPES, ALL_REDOPS};
+use commd_proto::fp8;
 use commd_proto::num::usize_of;
 use half::{bf16, f16};
 use std::fmt::Write as _;
@@ -49,7 +50,7 @@ fn every_kernel_compiles_with_nvrtc() {
     let version = nvrtc_version().unwrap_or_else(|e| panic!("{e}"));
     eprintln!("NVRTC {}.{}", version.0, version.1);
     let pairs = valid_pairs();
-    assert_eq!(pairs.len(), 8 * 5 + 4 * 3);
+    assert_eq!(pairs.len(), 12 * 5 + 6 * 3);
     for (d, op) in pairs {
         for arch in [(9, 0), (8, 0)] {
             let ptx = compile_ptx(d, op, arch).unwrap_or_else(|e| panic!("{e}"));
@@ -182,7 +183,7 @@ fn source_is_self_contained_and_named_stably() {
         )));
         assert_eq!(
             src.contains("__int128"),
-            d == DType::I64 && op == RedOp::Avg
+            matches!(d, DType::I64 | DType::U64) && op == RedOp::Avg
         );
         assert!(src.contains(&format!(
             "extern \"C\" __global__ void __launch_bounds__(256) {}(struct commd_rounds a)",
@@ -288,6 +289,8 @@ fn wrap(d: DType, x: i128) -> i128 {
         DType::I8 => i128::from(x as i8),
         DType::U8 => i128::from(x as u8),
         DType::I32 => i128::from(x as i32),
+        DType::U32 => i128::from(x as u32),
+        DType::U64 => i128::from(x as u64),
         _ => i128::from(x as i64),
     }
 }
@@ -363,6 +366,23 @@ fn reference(d: DType, op: RedOp, ins: &[Vec<u8>], count: usize, div: u32) -> Ve
             DType::I64 => {
                 let v = m.map(|k| i128::from(i64::from_ne_bytes(e(k).try_into().unwrap())));
                 o.copy_from_slice(&(int_red(d, op, v, div) as i64).to_ne_bytes());
+            }
+            DType::U32 => {
+                let v = m.map(|k| i128::from(u32::from_ne_bytes(e(k).try_into().unwrap())));
+                o.copy_from_slice(&(int_red(d, op, v, div) as u32).to_ne_bytes());
+            }
+            DType::U64 => {
+                let v = m.map(|k| i128::from(u64::from_ne_bytes(e(k).try_into().unwrap())));
+                o.copy_from_slice(&(int_red(d, op, v, div) as u64).to_ne_bytes());
+            }
+            DType::F8E4M3 | DType::F8E5M2 => {
+                let f = if d == DType::F8E4M3 {
+                    fp8::E4M3
+                } else {
+                    fp8::E5M2
+                };
+                let v = m.map(|k| f.decode(e(k)[0]));
+                o[0] = f.encode(float_red(op, v, div as f32));
             }
         }
     }
@@ -460,7 +480,12 @@ fn random_case(d: DType, m: usize, count: usize, seed: u64) -> Vec<Vec<u8>> {
                         };
                         e.copy_from_slice(&bits.to_ne_bytes());
                     }
-                    DType::I8 | DType::U8 | DType::I32 | DType::I64 => {
+                    DType::F8E4M3 | DType::F8E5M2 => {
+                        // Raw codes: every value, NaN, inf (E5M2), subnormals and overflowing
+                        // sums and products (saturated).
+                        e[0] = x as u8;
+                    }
+                    DType::I8 | DType::U8 | DType::I32 | DType::I64 | DType::U32 | DType::U64 => {
                         e.copy_from_slice(&x.to_ne_bytes()[..s]);
                     }
                 }
@@ -480,6 +505,8 @@ fn first_mismatch(d: DType, op: RedOp, got: &[u8], want: &[u8]) -> Option<usize>
         DType::F64 => f64::from_ne_bytes(b.try_into().unwrap()).is_nan(),
         DType::F16 => f16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
         DType::BF16 => bf16::from_ne_bytes(b.try_into().unwrap()).is_nan(),
+        DType::F8E4M3 => fp8::E4M3.is_nan(b[0]),
+        DType::F8E5M2 => fp8::E5M2.is_nan(b[0]),
         _ => false,
     };
     got.chunks_exact(s)

@@ -50,8 +50,9 @@ pub struct BenchArgs {
     /// Multiply the size by this factor each step (at least 2), as nccl-tests' -f.
     #[arg(short = 'f', long, visible_alias = "stepfactor", default_value_t = 2)]
     pub step_factor: u64,
-    /// Element type: f32, f64, f16, bf16, i8, u8, i32, i64 (or nccl-tests' float, double, half,
-    /// bfloat16, int8, uint8, int32, int64), as nccl-tests' -d.
+    /// Element type: f32, f64, f16, bf16, i8, u8, i32, i64, u32, u64, f8e4m3, f8e5m2 (or
+    /// nccl-tests' float, double, half, bfloat16, int8, uint8, int32, int64, uint32, uint64), as
+    /// nccl-tests' -d.
     #[arg(short = 'd', long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: String,
     /// Reduction: sum, prod, min, max, avg, band, bor, bxor, as nccl-tests' -o.
@@ -124,9 +125,13 @@ pub fn parse_dtype(s: &str) -> Result<String, String> {
         "u8" | "uint8" => "u8",
         "i32" | "int32" | "int" => "i32",
         "i64" | "int64" => "i64",
+        "u32" | "uint32" => "u32",
+        "u64" | "uint64" => "u64",
+        "f8e4m3" | "fp8e4m3" | "float8_e4m3fn" => "f8e4m3",
+        "f8e5m2" | "fp8e5m2" | "float8_e5m2" => "f8e5m2",
         _ => {
             return Err(format!(
-                "unknown dtype '{s}' (valid: f32, f64, f16, bf16, i8, u8, i32, i64)"
+                "unknown dtype '{s}' (valid: f32, f64, f16, bf16, i8, u8, i32, i64, u32, u64, f8e4m3, f8e5m2)"
             ));
         }
     };
@@ -175,8 +180,9 @@ fn select(a: &BenchArgs) -> Result<Sel, String> {
     }
     let dtype = DType::parse(&a.dtype).ok_or_else(|| {
         format!(
-            "unknown dtype '{}' (f32, f64, f16, bf16, i8, u8, i32, i64)",
-            a.dtype
+            "unknown dtype '{}' ({})",
+            a.dtype,
+            commd_proto::desc::ALL_DTYPES.map(DType::name).join(", ")
         )
     })?;
     let redop = if kind.reduces() {

@@ -1,6 +1,7 @@
 //! Element-wise reductions over host memory for every dtype and reduction op.
 //!
-//! f16 and bf16 accumulate in f32; integer sum/prod wrap on overflow (as NCCL does); `avg` is the
+//! f16, bf16 and fp8 (E4M3, E5M2) accumulate in f32 (fp8 stored rounded to nearest even and
+//! saturated to the largest finite value, as NCCL stores it); integer sum/prod wrap on overflow (as NCCL does); `avg` is the
 //! sum divided by the rank count, and for integers the exact mean truncated toward zero (summed in
 //! i128, so it never wraps; NCCL would divide a wrapped sum). `min`/`max` of floats compare
 //! with `<`/`>`, so a NaN input propagates only from the first operand, as in a sequential loop.
@@ -14,6 +15,7 @@
 #![allow(unsafe_code)] // reductions over registered memory that clients also map
 
 use commd_proto::desc::{DType, DescError, RedOp};
+use commd_proto::fp8;
 use commd_proto::num::usize_of;
 use half::{bf16, f16};
 
@@ -90,6 +92,8 @@ int_acc!(i8);
 int_acc!(u8);
 int_acc!(i32);
 int_acc!(i64);
+int_acc!(u32);
+int_acc!(u64);
 
 /// Bitwise ops, implemented for the integer accumulators only (so a float can never reach them).
 trait BitAcc: Acc {
@@ -120,6 +124,8 @@ bit_acc!(i8);
 bit_acc!(u8);
 bit_acc!(i32);
 bit_acc!(i64);
+bit_acc!(u32);
+bit_acc!(u64);
 
 // Integer average accumulates here: the exact sum of up to 2^16 ranks of any integer dtype
 // fits, so AVG is the true mean truncated toward zero (always representable), never a wrapped
@@ -152,6 +158,8 @@ wide_elem!(i8);
 wide_elem!(u8);
 wide_elem!(i32);
 wide_elem!(i64);
+wide_elem!(u32);
+wide_elem!(u64);
 
 trait Elem: Copy + Default {
     type A: Acc;
@@ -180,6 +188,8 @@ same_elem!(i8);
 same_elem!(u8);
 same_elem!(i32);
 same_elem!(i64);
+same_elem!(u32);
+same_elem!(u64);
 
 impl Elem for f16 {
     type A = f32;
@@ -204,6 +214,29 @@ impl Elem for bf16 {
         bf16::from_f32(a)
     }
 }
+
+/// An fp8 element, accumulated in f32.
+macro_rules! fp8_elem {
+    ($name:ident, $format:expr) => {
+        #[derive(Clone, Copy, Default)]
+        #[repr(transparent)]
+        struct $name(u8);
+
+        impl Elem for $name {
+            type A = f32;
+            #[inline(always)]
+            fn load(self) -> f32 {
+                $format.decode(self.0)
+            }
+            #[inline(always)]
+            fn store(a: f32) -> Self {
+                $name($format.encode(a))
+            }
+        }
+    };
+}
+fp8_elem!(F8e4m3, fp8::E4M3);
+fp8_elem!(F8e5m2, fp8::E5M2);
 
 #[inline(always)]
 unsafe fn fold<T: Elem>(acc: &mut [T::A], p: *const T, f: impl Fn(T::A, T::A) -> T::A) {
@@ -469,11 +502,11 @@ impl Chain {
 }
 
 impl Kernel {
-    /// Bytes of one accumulator element: f32 for f16/bf16, i128 for integer averages, else the
+    /// Bytes of one accumulator element: f32 for f16/bf16/fp8, i128 for integer averages, else the
     /// element itself.
     pub fn acc_size(self) -> usize {
         match (self.dtype, self.op) {
-            (DType::F16 | DType::BF16, _) => 4,
+            (DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2, _) => 4,
             (d, RedOp::Avg) if !d.is_float() => 16,
             (d, _) => usize_of(d.size()),
         }
@@ -509,6 +542,10 @@ pub unsafe fn reduce_chain(
             DType::U8 => int_ops::<u8>(op, nranks, ins, outs, n, stream, ch),
             DType::I32 => int_ops::<i32>(op, nranks, ins, outs, n, stream, ch),
             DType::I64 => int_ops::<i64>(op, nranks, ins, outs, n, stream, ch),
+            DType::U32 => int_ops::<u32>(op, nranks, ins, outs, n, stream, ch),
+            DType::U64 => int_ops::<u64>(op, nranks, ins, outs, n, stream, ch),
+            DType::F8E4M3 => arith_ops::<F8e4m3>(op, nranks, ins, outs, n, stream, ch),
+            DType::F8E5M2 => arith_ops::<F8e5m2>(op, nranks, ins, outs, n, stream, ch),
         }
     }
     if stream {
@@ -550,7 +587,7 @@ mod tests {
             a
         } else {
             let bits = dtype.size() * 8;
-            let signed = dtype != DType::U8;
+            let signed = !dtype.is_unsigned();
             let wrap = |x: i128| -> i128 {
                 let m = 1i128 << bits;
                 let mut y = x.rem_euclid(m);
@@ -601,6 +638,10 @@ mod tests {
                 DType::U8 => out.extend((x as u8).to_ne_bytes()),
                 DType::I32 => out.extend((x as i32).to_ne_bytes()),
                 DType::I64 => out.extend((x as i64).to_ne_bytes()),
+                DType::U32 => out.extend((x as u32).to_ne_bytes()),
+                DType::U64 => out.extend((x as u64).to_ne_bytes()),
+                DType::F8E4M3 => out.push(fp8::E4M3.encode(x as f32)),
+                DType::F8E5M2 => out.push(fp8::E5M2.encode(x as f32)),
             }
         }
         out
@@ -618,6 +659,10 @@ mod tests {
                 DType::U8 => u8::from_ne_bytes(c.try_into().unwrap()) as f64,
                 DType::I32 => i32::from_ne_bytes(c.try_into().unwrap()) as f64,
                 DType::I64 => i64::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::U32 => u32::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::U64 => u64::from_ne_bytes(c.try_into().unwrap()) as f64,
+                DType::F8E4M3 => f64::from(fp8::E4M3.decode(c[0])),
+                DType::F8E5M2 => f64::from(fp8::E5M2.decode(c[0])),
             })
             .collect()
     }
@@ -636,6 +681,8 @@ mod tests {
                 DType::I8 => f64::from(h as i8),
                 DType::U8 => f64::from(h as u8),
                 DType::I32 => f64::from(h as i32),
+                DType::U32 => f64::from(h as u32),
+                DType::U64 => (h >> 11) as f64,
                 _ => (h.cast_signed() >> 11) as f64,
             };
         }
@@ -643,7 +690,13 @@ mod tests {
         match dtype {
             DType::U8 => (h * 11) as f64,         // 0..=242, sums wrap
             DType::I8 => h as f64 * 11.0 - 120.0, // -120..=122, sums and products wrap
-            _ => h as f64 - 11.0,                 // -11..=11
+            // Products of small values; other ops on values across the whole unsigned range
+            // (above the signed maximum: compared unsigned), whose sums wrap.
+            DType::U32 | DType::U64 if op == RedOp::Prod => h as f64,
+            DType::U32 => (h * 190_000_000) as f64,
+            // 8e17 * h is exact in f64 (45 significant bits).
+            DType::U64 => h as f64 * 8e17,
+            _ => h as f64 - 11.0, // -11..=11
         }
     }
 
@@ -735,8 +788,8 @@ mod tests {
                 }
             }
         }
-        // 8 dtypes x 5 arithmetic ops + 4 integer dtypes x 3 bitwise ops; 4 floats x 3 refused.
-        assert_eq!((checked, refused), (52, 12));
+        // 12 dtypes x 5 arithmetic ops + 6 integer dtypes x 3 bitwise ops; 6 floats x 3 refused.
+        assert_eq!((checked, refused), (78, 18));
     }
 
     /// Buffers of `n` elements of `dtype` with random bits, backed by u64 so every dtype is aligned.
