@@ -3,7 +3,12 @@
 # multicast stays off). Needs the `commd` binary and the commd Python package:
 #   - built here:    cargo build --release -p commd && pip install ./client-py
 #   - or carried:    COMMD_BIN=path/to/commd and a wheel in $COMMD_WHEEL_DIR (default .gpu/)
-# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|tenancy|all] [OUTDIR]
+# Usage: scripts/gpu-check.sh [tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|tenancy|dtypes|all] [OUTDIR]
+# `dtypes` (also part of `tests`; one GPU is enough): every reduction kernel against the host
+# reference bit for bit, fp8 and u32/u64 included (commd-cuda's gpu_kernels_match_host_reference:
+# target/release's test binary, .gpu/commd-cuda-tests or $COMMD_CUDA_TESTS), and
+# tests/torch_worker.py typed cuda (fp8 e4m3/e5m2 and uint32/uint64 reductions of CUDA tensors
+# on the "commd" backend, 2 ranks, sharing GPU 0 on a one-GPU machine, against CPU references).
 # `tenancy` (also part of `tests`; one GPU, root): tests/gpu/tenancy.py, user `nobody` against a
 # root daemon of its own: GPU registrations bounded per uid, another process's CUDA IPC handle
 # refused (needs commd-testclient: target/release, .gpu/ or $COMMD_TESTCLIENT).
@@ -88,8 +93,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|tenancy|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, p2p, nccl, deepspeed, dinov2, tenancy or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|tenancy|dtypes|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, p2p, nccl, deepspeed, dinov2, tenancy, dtypes or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -412,6 +417,16 @@ if [ "$what" = tests ] || [ "$what" = tenancy ] || [ "$what" = all ]; then
   tc=${COMMD_TESTCLIENT:-target/release/commd-testclient}
   [ -x "$tc" ] || tc=.gpu/commd-testclient
   run "tenancy" python3 tests/gpu/tenancy.py "$bin" "$tc"
+fi
+if [ "$what" = tests ] || [ "$what" = dtypes ] || [ "$what" = all ]; then
+  kt=${COMMD_CUDA_TESTS:-.gpu/commd-cuda-tests}
+  if [ -x "$kt" ]; then
+    COMMD_REQUIRE_GPU=1 COMMD_REQUIRE_NVRTC=1 run "kernels-vs-host" "$kt" --exact \
+      kernels::tests::gpu_kernels_match_host_reference --nocapture
+  else
+    echo "no $kt (scripts/gpu-carry build makes it): kernels-vs-host not run"; rc=1
+  fi
+  run "typed-2-ranks" "${tr[@]}" 2 tests/torch_worker.py typed cuda
 fi
 if [ "$what" = tests ] || [ "$what" = vmm ] || [ "$what" = all ]; then
   # cuMem memory (expandable segments): POSIX-fd registration, many pieces, remapped pieces;

@@ -593,11 +593,18 @@ def check_fp8(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
                              f"({bad.numel()} of {g.numel()} differ)")
 
 
-def scenario_typed() -> None:
+def scenario_typed(device: str) -> None:
     """fp8 (float8_e4m3fn, float8_e5m2) and uint32/uint64 reductions, as torch's fp8 training
     and NCCL run them: every op over codes of the whole range (NaN, infinities, overflow), the
-    fp8 PREMUL_SUM, a reduce_scatter and an all_gather, against references made here."""
+    fp8 PREMUL_SUM, a reduce_scatter and an all_gather, against references made here on the
+    CPU. ``device`` "cuda": the tensors on the rank's GPU (ranks may share one), which runs the
+    GPU reduction kernels, with a 4 Mi-element all-reduce beside the small ones."""
     rank, n = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
     ops = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
            "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
 
@@ -605,34 +612,37 @@ def scenario_typed() -> None:
         g = torch.Generator().manual_seed(7919 * r + salt)
         return torch.randint(0, 256, (k,), generator=g, dtype=torch.uint8).view(dt)
 
+    sizes = [2053, 4 << 20] if dev.type == "cuda" else [2053]
     for dt in FP8_MAX:
-        for salt, (name, op) in enumerate(ops.items()):
-            t = codes(rank, dt, 2053, salt)
-            dist.all_reduce(t, op=op)
-            check_fp8(f"all_reduce {dt} {name}", t,
-                      fp8_ref([codes(r, dt, 2053, salt) for r in range(n)], name, dt))
-        t = codes(rank, dt, 1031, 99)
+        for k in sizes:
+            for salt, (name, op) in enumerate(ops.items()):
+                t = codes(rank, dt, k, salt).to(dev)
+                dist.all_reduce(t, op=op)
+                check_fp8(f"all_reduce {dt} {name} x{k}", t.cpu(),
+                          fp8_ref([codes(r, dt, k, salt) for r in range(n)], name, dt))
+        t = codes(rank, dt, 1031, 99).to(dev)
         dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
         scaled = [fp8_ref([codes(r, dt, 1031, 99).float().mul(0.5).clamp(
             -FP8_MAX[dt], FP8_MAX[dt]).to(dt)], "sum", dt) for r in range(n)]
-        check_fp8(f"all_reduce {dt} premul 0.5", t, fp8_ref(scaled, "sum", dt))
-        big = codes(rank, dt, 64 * n, 123)
-        out = torch.empty(64, dtype=dt)
+        check_fp8(f"all_reduce {dt} premul 0.5", t.cpu(), fp8_ref(scaled, "sum", dt))
+        big = codes(rank, dt, 64 * n, 123).to(dev)
+        out = torch.empty(64, dtype=dt, device=dev)
         dist.reduce_scatter_tensor(out, big)
         full = fp8_ref([codes(r, dt, 64 * n, 123) for r in range(n)], "sum", dt)
-        check_fp8(f"reduce_scatter_tensor {dt}", out, full[rank * 64:(rank + 1) * 64])
-        gathered = torch.empty(33 * n, dtype=dt)
-        dist.all_gather_into_tensor(gathered, codes(rank, dt, 33, 5))
-        check_fp8(f"all_gather_into_tensor {dt}", gathered,
+        check_fp8(f"reduce_scatter_tensor {dt}", out.cpu(), full[rank * 64:(rank + 1) * 64])
+        gathered = torch.empty(33 * n, dtype=dt, device=dev)
+        dist.all_gather_into_tensor(gathered, codes(rank, dt, 33, 5).to(dev))
+        check_fp8(f"all_gather_into_tensor {dt}", gathered.cpu(),
                   torch.cat([codes(r, dt, 33, 5) for r in range(n)]))
     for dt, npt in ((torch.uint32, np.uint32), (torch.uint64, np.uint64)):
         def ints(r: int, salt: int) -> np.ndarray:
             return np.random.default_rng(31 * r + salt).integers(
                 0, np.iinfo(npt).max, 1000, dtype=npt, endpoint=True)
         for salt, (name, op) in enumerate(ops.items()):
-            t = torch.from_numpy(ints(rank, salt))
+            t = torch.from_numpy(ints(rank, salt)).to(dev)
             assert t.dtype == dt
             dist.all_reduce(t, op=op)
+            t = t.cpu()
             ins = [ints(r, salt) for r in range(n)]
             if name == "avg":
                 want = np.array([sum(int(x[i]) for x in ins) // n for i in range(1000)], npt)
@@ -642,8 +652,8 @@ def scenario_typed() -> None:
                 want = f.reduce(np.stack(ins), dtype=npt)
             bad = np.flatnonzero(t.numpy() != want)
             assert bad.size == 0, f"all_reduce {dt} {name}: {bad.size} wrong, first {bad[0]}"
-    log("typed: fp8 e4m3/e5m2 every op, premul, reduce_scatter, all_gather; uint32/uint64 "
-        "every op")
+    log(f"typed on {dev}: fp8 e4m3/e5m2 every op, premul, reduce_scatter, all_gather; "
+        "uint32/uint64 every op")
 
 
 def scenario_cpu_alloc(gloo: dist.ProcessGroup, mode: str) -> None:
@@ -817,7 +827,7 @@ def main() -> None:
     elif scenario == "premul":
         scenario_premul()
     elif scenario == "typed":
-        scenario_typed()
+        scenario_typed(sys.argv[2] if len(sys.argv) > 2 else "cpu")
     elif scenario == "cpu_alloc":
         scenario_cpu_alloc(gloo, sys.argv[2])
     else:
