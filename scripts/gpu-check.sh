@@ -8,7 +8,8 @@
 # reference bit for bit, fp8 and u32/u64 included (commd-cuda's gpu_kernels_match_host_reference:
 # target/release's test binary, .gpu/commd-cuda-tests or $COMMD_CUDA_TESTS), and
 # tests/torch_worker.py typed cuda (fp8 e4m3/e5m2 and uint32/uint64 reductions of CUDA tensors
-# on the "commd" backend, 2 ranks, sharing GPU 0 on a one-GPU machine, against CPU references).
+# on the "commd" backend, 2 and 3 ranks, sharing GPU 0 on a one-GPU machine, against CPU
+# references in rank order; 3 ranks also with one launch per round and as direct ops).
 # `tenancy` (also part of `tests`; one GPU, root): tests/gpu/tenancy.py, user `nobody` against a
 # root daemon of its own: GPU registrations bounded per uid, another process's CUDA IPC handle
 # refused (needs commd-testclient: target/release, .gpu/ or $COMMD_TESTCLIENT).
@@ -427,6 +428,11 @@ if [ "$what" = tests ] || [ "$what" = dtypes ] || [ "$what" = all ]; then
     echo "no $kt (scripts/gpu-carry build makes it): kernels-vs-host not run"; rc=1
   fi
   run "typed-2-ranks" "${tr[@]}" 2 tests/torch_worker.py typed cuda
+  # 3 ranks: the reduction order shows (every rank must reduce in rank order to get the same
+  # bits): the fused rounds kernel (default), one launch per round, and direct ops.
+  run "typed-3-ranks" "${tr[@]}" 3 tests/torch_worker.py typed cuda
+  COMMD_GPU_FUSED_ROUNDS=0 run "typed-3-ranks-per-round" "${tr[@]}" 3 tests/torch_worker.py typed cuda
+  COMMD_EAGER_DIRECT=shared run "typed-3-ranks-direct" "${tr[@]}" 3 tests/torch_worker.py typed cuda
 fi
 if [ "$what" = tests ] || [ "$what" = vmm ] || [ "$what" = all ]; then
   # cuMem memory (expandable segments): POSIX-fd registration, many pieces, remapped pieces;

@@ -676,14 +676,31 @@ impl Communicator {
                 }
             };
             if reduces_here && plen > 0 {
-                let mut ins = vec![src_base + start * es];
+                // Every rank's input in ascending rank order, as the host engine and the fused
+                // rounds kernel reduce: a one-shot all-reduce then gives every rank the same
+                // bits (float rounding and a NaN's min/max depend on the order). The scratch
+                // slots hold the peers' inputs in that order, skipping this rank.
+                let me = u64::from(self.rank);
+                let ins: Vec<u64> = (0..u64::from(self.nranks))
+                    .map(|k| match k.cmp(&me) {
+                        std::cmp::Ordering::Equal => src_base + start * es,
+                        o => {
+                            let slot = if o == std::cmp::Ordering::Less {
+                                k
+                            } else {
+                                k - 1
+                            };
+                            sc.ptr
+                                + commd_proto::desc::cuda_scratch_off(
+                                    j,
+                                    slot,
+                                    self.nranks,
+                                    sc.slot_bytes,
+                                )
+                        }
+                    })
+                    .collect();
                 let dst = dst_base + start * es;
-                for k in 0..u64::from(self.nranks.saturating_sub(1)) {
-                    ins.push(
-                        sc.ptr
-                            + commd_proto::desc::cuda_scratch_off(j, k, self.nranks, sc.slot_bytes),
-                    );
-                }
                 // SAFETY: every pointer addresses `plen` elements inside the op's buffers or
                 // this rank's scratch (checked above / sized by the daemon).
                 unsafe { k.launch(s, a.dtype, op, dst, &ins, plen, self.nranks)? };

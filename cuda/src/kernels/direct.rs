@@ -3,8 +3,8 @@
 //! IPC-mapped pointers), signals each peer with a flag, waits for every rank's flag of the same
 //! epoch (every op, whatever it moves, so the ranks stay in lockstep), checks that the peers run
 //! the same op, and reduces (or copies) its window into the output; reductions in the eager
-//! order (own input, then the peers in ascending rank order), so a replay is bit for bit the
-//! eager result. No daemon and no host work per replay. `mode` picks the op (`MODE_*`).
+//! order (every rank's input in ascending rank order, the same on every rank), so a replay is
+//! bit for bit the eager result. No daemon and no host work per replay. `mode` picks the op (`MODE_*`).
 //!
 //! Window of each rank (device memory of that rank's GPU, allocated by its process, opened by
 //! its peers; every offset below is from the window's base):

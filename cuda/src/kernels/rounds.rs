@@ -133,13 +133,18 @@ extern "C" __global__ void __launch_bounds__({THREADS}) {name}(struct commd_roun
         if (plen == 0) {{
             continue;
         }}
+        /* Every rank's input in ascending rank order (this rank's own at its place; the
+           peers' in the scratch slots, which skip this rank), as the host engine reduces: so
+           a one-shot all-reduce gives every rank the same bits. */
         struct commd_ins ins;
         ins.m = a.n;
-        ins.p[0] = (const void *)(a.src + start * {es}ull);
         const u64 par = (u64)(j & 1u) * (u64)(a.n - 1u);
 #pragma unroll
-        for (u32 k = 1; k < {MAX_INPUTS}; ++k) {{
-            ins.p[k] = k < a.n ? (const void *)(a.scratch + (par + (u64)(k - 1u)) * a.slot_bytes) : (const void *)0;
+        for (u32 k = 0; k < {MAX_INPUTS}; ++k) {{
+            const u64 slot = par + (u64)(k < a.rank ? k : k - 1u);
+            ins.p[k] = k >= a.n ? (const void *)0
+                     : k == a.rank ? (const void *)(a.src + start * {es}ull)
+                     : (const void *)(a.scratch + slot * a.slot_bytes);
         }}
         commd_reduce_body(({elem} *)(a.dst + start * {es}ull), ins, plen, a.divisor, tid, stride);
     }}

@@ -454,7 +454,8 @@ pub(super) fn push_flag_and_wait(src: &mut String) {
 }
 
 /// The kernel's last phase: the copies out of the slots (gathers, all-to-all, broadcasts and
-/// scatters), or the reduction of the own input and the peers' slots in ascending rank order.
+/// scatters), or the reduction of every rank's input (its own, and the peers' slots) in
+/// ascending rank order.
 pub(super) fn push_finish(src: &mut String, elem: &str) {
     let _ = write!(
         src,
@@ -490,21 +491,17 @@ pub(super) fn push_finish(src: &mut String, elem: &str) {
     if (mode == {MODE_RED}u && a.me != a.root) {{
         return;
     }}
-    /* Reduce: own input (its own chunk for reduce-scatter) first, then the peers' slots in
-       ascending rank order (the eager order, so the result is bit for bit the eager one). */
+    /* Reduce: every rank's input in ascending rank order, this rank's own (its own chunk for
+       reduce-scatter) at its place: the order of the eager kernels and of the host engine, so
+       every rank computes the same bits (float rounding and a NaN's min/max depend on the
+       order) and a replay is bit for bit the eager result. */
     struct commd_ins ins;
-    ins.p[0] = (const void *)(a.in + (chunked ? (u64)a.me * bytes : 0ull));
-    u32 m = 1u;
-    for (u32 r = 0; r < a.n; ++r) {{
-        if (r != a.me) {{
-            ins.p[m] = (const void *)COMMD_SLOT(r);
-            m += 1u;
-        }}
+    for (u32 r = 0; r < 8u; ++r) {{
+        ins.p[r] = r >= a.n ? (const void *)0
+                 : r == a.me ? (const void *)(a.in + (chunked ? (u64)a.me * bytes : 0ull))
+                 : (const void *)COMMD_SLOT(r);
     }}
-    for (u32 r = m; r < 8u; ++r) {{
-        ins.p[r] = (const void *)0;
-    }}
-    ins.m = m;
+    ins.m = a.n;
     commd_reduce_body(({elem} *)a.out, ins, a.count, a.divisor, tid, stride);
 #undef COMMD_SLOT
 }}
