@@ -124,6 +124,8 @@ def test_nccl_debug_prints_init_and_ignored_variables(prog, daemon, tmp_path):
         assert "splitShare" not in err, err
         # COLL was not selected: no per-op lines.
         assert "all_reduce: count" not in err
+    # The daemon calls the communicator by its commName.
+    assert '"nonblocking-test" (id ' in daemon.log() and "named by rank" in daemon.log()
 
 
 def test_an_nccl_algo_value_nccl_refuses_fails_init_by_name(prog, daemon, tmp_path):

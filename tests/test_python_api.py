@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import commd
+from conftest import COMMD
 
 CTX = mp.get_context("fork")
 
@@ -803,3 +804,22 @@ def test_fp8_and_unsigned_reductions_match_numpy_references(daemon):
             assert bad.size == 0, (
                 f"rank {rank} {key}: {bad.size} wrong, first at {bad[0]}: got {g[bad[0]]:#x} "
                 f"want {want[bad[0]]:#x} from {[int(x[bad[0]]) for x in ins]}")
+
+
+def test_a_communicators_name_is_in_status_and_its_label(daemon):
+    """The label is how the daemon's logs and errors call a communicator."""
+    uid = commd.Client(str(daemon.socket)).unique_id()
+    c = commd.connect(str(daemon.socket))
+    for bad in ("x" * 129, "tab\there"):
+        with pytest.raises(Exception, match="not allowed"):
+            c.communicator(uid, 0, 1, name=bad)
+    comm = c.communicator(c.unique_id(), 0, 1, name="train dp")
+    st = daemon.status()
+    names = [x["name"] for x in st["communicator_list"]]
+    assert "train dp" in names, st["communicator_list"]
+    label = [x["label"] for x in st["communicator_list"] if x["name"] == "train dp"][0]
+    assert label.startswith("comm ") and '"train dp" (id ' in label, label
+    out = subprocess.run([COMMD, "status", "--socket", str(daemon.socket)],
+                         capture_output=True, text=True, timeout=30)
+    assert '"train dp"' in out.stdout, out.stdout
+    assert "named by rank 0" in daemon.log()

@@ -64,6 +64,10 @@ def test_metrics_count_data_movement_under_the_tensor_dtype(daemon):
             return r.read().decode()
 
     torchrun(daemon, 2, "dtypes")
+    # The group's communicator is called by torch's name for the group in the daemon's logs
+    # (and so in its errors) and in `commd status`.
+    assert '"default_pg (torch group 0)" (id ' in daemon.log() or \
+        '"torch group 0" (id ' in daemon.log(), daemon.log()[-3000:]
     text = scrape()
     # Bytes as the daemon counts them: each rank's count (per-rank block for all_gather and
     # all_to_all) times the element size, summed over the 2 ranks.

@@ -54,8 +54,8 @@ impl Client {
 
     /// Joins communicator `unique_id` as `rank` of `nranks`; returns once every rank joined.
     /// `pacing_gbps`: cap on the daemon's GPU copies for it, GB/s (None: the daemon's default,
-    /// 0: uncapped).
-    #[pyo3(signature = (unique_id, rank, nranks, op_timeout=None, join_timeout=None, switch=None, pacing_gbps=None))]
+    /// 0: uncapped). `name`: shown in `commd status`, logs and errors.
+    #[pyo3(signature = (unique_id, rank, nranks, op_timeout=None, join_timeout=None, switch=None, pacing_gbps=None, name=None))]
     #[allow(clippy::too_many_arguments)] // the Python keyword arguments, one to one
     fn communicator(
         &self,
@@ -67,6 +67,7 @@ impl Client {
         join_timeout: Option<f64>,
         switch: Option<String>,
         pacing_gbps: Option<f64>,
+        name: Option<String>,
     ) -> PyResult<Communicator> {
         if rank >= nranks {
             return Err(PyValueError::new_err(format!(
@@ -78,6 +79,7 @@ impl Client {
             join_timeout: duration(join_timeout, "join_timeout")?,
             switch,
             pacing_bytes_per_sec: pacing(pacing_gbps, "pacing_gbps")?,
+            name,
         };
         let uid = unique_id.to_vec();
         let c = py

@@ -388,6 +388,7 @@ impl Client {
             join_timeout_ms: o.join_timeout.map_or(0, timeout_ms),
             switch: o.switch.clone().unwrap_or_default(),
             pacing_bytes_per_sec: o.pacing_bytes_per_sec,
+            name: o.name.clone().unwrap_or_default(),
         };
         let r = i
             .watched(i.rpc.clone().create_communicator(req))?

@@ -94,4 +94,8 @@ pub struct CommOptions {
     /// up with the same cap (`None` counts as the daemon's default), else creation fails naming
     /// both values. Host-memory ops are not paced.
     pub pacing_bytes_per_sec: Option<u64>,
+    /// A name for the communicator (NCCL's `commName`, torch's group), shown in `commd status`,
+    /// logs and errors beside its id: at most 128 bytes of printable text. The first rank on a
+    /// node to give one names it there.
+    pub name: Option<String>,
 }

@@ -109,6 +109,7 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
             .map(|h| h.switch.lock().unwrap_or_else(|e| e.into_inner()).text())
             .unwrap_or_default(),
         pacing_bytes_per_sec: c.pacer.rate().unwrap_or(0),
+        name: c.name().to_string(),
         pacing_delayed_us: u64::try_from(c.pacer.delayed().as_micros()).unwrap_or(u64::MAX),
     }
 }

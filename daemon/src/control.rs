@@ -124,6 +124,7 @@ impl Local for LocalService {
     ) -> Result<Response<pb::CreateCommunicatorReply>, Status> {
         let s = self.session(&req, req.get_ref().session_id)?;
         let r = req.into_inner();
+        check_comm_name(&r.name)?;
         let opts = crate::daemon::JoinOpts {
             op_timeout: (r.op_timeout_ms > 0).then(|| Duration::from_millis(r.op_timeout_ms)),
             pacing: self.daemon.resolve_pacing(r.pacing_bytes_per_sec)?,
@@ -141,6 +142,9 @@ impl Local for LocalService {
         match tokio::time::timeout(wait, rx).await {
             Ok(Ok(Ok((comm, comm_id, doorbell_slot, nodes)))) => {
                 let c = self.daemon.comm_by_id(comm_id);
+                if let Some(c) = c.as_ref().filter(|c| c.name_once(&r.name)) {
+                    tracing::info!(comm = comm_id, name = %r.name, "{}: named by rank {}", c.label(), r.rank);
+                }
                 let paths = c
                     .as_ref()
                     .map(|c| crate::comm::comm_paths(c))
@@ -444,4 +448,16 @@ impl LocalService {
             gpu_ops: stat(|s| s.gpu_ops.load(Relaxed)),
         }
     }
+}
+
+/// A communicator's name from its caller: at most 128 bytes, no control characters (it goes
+/// into log lines and errors as it is).
+fn check_comm_name(name: &str) -> Result<(), Status> {
+    if name.len() > 128 || name.chars().any(char::is_control) {
+        return Err(Status::invalid_argument(format!(
+            "communicator name {:?} is not allowed: at most 128 bytes of printable text",
+            name.chars().take(40).collect::<String>()
+        )));
+    }
+    Ok(())
 }

@@ -86,16 +86,16 @@ const TAIL: [&str; 15] = [
 ];
 
 /// The fields of a communicator's config other than `blocking`, set by the caller: `commName`
-/// goes into the INIT line; `splitShare`/`shrinkShare` ask for what commd always does (a child
+/// goes into the INIT line and names the communicator in the daemon (returned); `splitShare`/`shrinkShare` ask for what commd always does (a child
 /// shares the daemon's resources with its parent); every other field tunes NCCL's own kernels,
 /// channels or transports, which commd does not have, and is said once per process on stderr
 /// (whatever `NCCL_DEBUG` says: a setting that is not applied must not pass unseen).
 ///
 /// # Safety
 /// `config` is null or a config whose magic and size `blocking` checked.
-unsafe fn report_config(config: *const ConfigHead) {
+unsafe fn report_config(config: *const ConfigHead) -> Option<String> {
     if config.is_null() {
-        return;
+        return None;
     }
     // SAFETY: the caller's contract: `size` bytes are readable.
     let size = unsafe { (*config).size }.min(std::mem::size_of::<FullConfig>());
@@ -124,7 +124,8 @@ unsafe fn report_config(config: *const ConfigHead) {
         let s = unsafe { std::ffi::CStr::from_ptr(p) };
         Some(s.to_string_lossy().into_owned())
     };
-    if let Some(name) = text(f.comm_name) {
+    let comm_name = text(f.comm_name);
+    if let Some(name) = &comm_name {
         crate::log::info(crate::log::INIT, comm::current_device(), || {
             format!("ncclConfig_t.commName {name:?}")
         });
@@ -147,13 +148,13 @@ unsafe fn report_config(config: *const ConfigHead) {
         unapplied.push(format!("netName={n:?}"));
     }
     if unapplied.is_empty() {
-        return;
+        return comm_name;
     }
     static SAID: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
     let mut said = comm::lock(&SAID);
     unapplied.retain(|u| !said.contains(u));
     if unapplied.is_empty() {
-        return;
+        return comm_name;
     }
     said.extend(unapplied.iter().cloned());
     crate::log::notice(&format!(
@@ -162,6 +163,20 @@ unsafe fn report_config(config: *const ConfigHead) {
          nccl/README.md, \"Communicator config\")",
         unapplied.join(", ")
     ));
+    comm_name
+}
+
+/// `commName` as the daemon takes a name (at most 128 bytes, no control characters): NCCL
+/// accepts any name, so one the daemon would refuse is shortened and cleaned, never an error.
+fn daemon_name(name: &str) -> String {
+    let mut out = String::new();
+    for ch in name.chars().map(|c| if c.is_control() { ' ' } else { c }) {
+        if out.len() + ch.len_utf8() > 128 {
+            break;
+        }
+        out.push(ch);
+    }
+    out
 }
 
 fn uid_bytes(id: &ncclUniqueId) -> [u8; UNIQUE_ID_BYTES] {
@@ -214,8 +229,15 @@ unsafe fn init_rank(
     // SAFETY: the caller's contract on config.
     let b = unsafe { blocking(config) }?;
     // SAFETY: as above (`blocking` checked its magic and size).
-    unsafe { report_config(config) };
-    let c = Comm::create(&uid_bytes(id), rank, nranks, comm::current_device(), b)?;
+    let name = unsafe { report_config(config) }.map(|n| daemon_name(&n));
+    let c = Comm::create(
+        &uid_bytes(id),
+        rank,
+        nranks,
+        comm::current_device(),
+        b,
+        name,
+    )?;
     let r = created(&c);
     // SAFETY: checked non-null above; NCCL's contract.
     unsafe { out.write(comm::handle(c)) };
@@ -319,7 +341,7 @@ pub unsafe extern "C" fn ncclCommInitAll(
         let joins: Vec<_> = devs
             .iter()
             .zip(0..ndev)
-            .map(|(&d, r)| std::thread::spawn(move || Comm::create(&id, r, ndev, d, true)))
+            .map(|(&d, r)| std::thread::spawn(move || Comm::create(&id, r, ndev, d, true, None)))
             .collect();
         let mut made = Vec::new();
         let mut first = None;

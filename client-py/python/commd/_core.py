@@ -415,6 +415,7 @@ class Client:
         join_timeout: float | None = None,
         switch: str | None = None,
         pacing_gbps: float | None = None,
+        name: str | None = None,
     ) -> Communicator:
         """Joins ``unique_id`` as ``rank`` of ``nranks`` (blocks until every rank joined).
         Timeouts in seconds; None takes the daemon's defaults. ``switch``: ``"off"`` or a
@@ -428,9 +429,12 @@ class Client:
         Every rank on a node must ask for the same cap (None counts as the daemon's default),
         else this raises :class:`CommError` naming both values. Negative or NaN values raise
         ValueError. Host (numpy) ops are not paced. Change it later with
-        :meth:`Communicator.set_pacing`."""
+        :meth:`Communicator.set_pacing`.
+
+        ``name``: shown in ``commd status``, logs and errors beside the communicator's id (at
+        most 128 bytes of printable text); the first rank on a node to give one names it."""
         c = self._native.communicator(
-            bytes(unique_id), rank, nranks, op_timeout, join_timeout, switch, pacing_gbps
+            bytes(unique_id), rank, nranks, op_timeout, join_timeout, switch, pacing_gbps, name
         )
         return Communicator(self, c)
 

@@ -101,7 +101,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             raise RuntimeError(f"No backend type associated with device type {kind}")
 
     def __init__(self, store: Any, rank: int, size: int, timeout: timedelta | None = None,
-                 group_name: str = "", options: Options | None = None) -> None:
+                 group_name: str = "", options: Options | None = None,
+                 group_desc: str = "") -> None:
         super().__init__(rank, size)
         self._rank = rank
         self._size = size
@@ -129,7 +130,8 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         pacing = o.pacing_gbps if o.pacing_gbps is not None else _settings.gbps("COMMD_COMM_PACING_GBPS")
         self.comm = self.client.communicator(
             uid, rank, size, op_timeout=op_secs, join_timeout=secs,
-            switch=o.switch or _settings.get("COMMD_COMM_SWITCH") or None, pacing_gbps=pacing)
+            switch=o.switch or _settings.get("COMMD_COMM_SWITCH") or None, pacing_gbps=pacing,
+            name=_comm_name(group_name, group_desc))
         self._cuda: CudaOps | None = None
         self._children: dict[tuple[str, tuple[int, ...]], CommdBackend] = {}
         _debug_init(self, group_name)
@@ -770,12 +772,28 @@ def _backend_options(timeout_s: float) -> _BackendOptions:
     return _BackendOptions(BACKEND, timedelta(seconds=timeout_s))
 
 
+def _comm_name(group_name: str, group_desc: str) -> str:
+    """What `commd status`, the daemon's logs and its errors call the group's communicator:
+    torch's description of the group where it has one, and torch's name for it."""
+    name = f"torch group {group_name}" if group_name else "torch group"
+    if group_desc and group_desc not in ("undefined", group_name):
+        name = f"{group_desc} ({name})"
+    return name[:128]
+
+
+def _group_desc(opts: Any) -> str:
+    try:
+        return str(opts.process_group.group_desc)
+    except Exception:  # noqa: BLE001 - torch without it, or a group not yet described
+        return ""
+
+
 def _create(opts: Any, backend_options: Any = None) -> Any:
     if backend_options is not None and not isinstance(backend_options, Options):
         raise TypeError(f"the commd backend takes commd.torch.Options as pg_options, got "
                         f"{type(backend_options).__name__}")
     b = CommdBackend(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                     str(opts.group_id), options=backend_options)
+                     str(opts.group_id), options=backend_options, group_desc=_group_desc(opts))
     shell = _shell()
     if shell is None:
         return b

@@ -86,7 +86,7 @@ pub fn status_json(r: &pb::AdminStatusReply) -> serde_json::Value {
                 "gpu": (k.gpu >= 0).then_some(k.gpu), "oldest_pending": k.oldest_pending})).collect();
             let oldest = c.oldest.as_ref().map(|s| json!({"op": s.op, "seq": s.seq, "p2p": s.p2p,
                 "what": s.what, "age_ms": s.age_ms, "rank": s.rank, "posted": s.posted, "missing": s.missing}));
-            json!({"comm_id": c.comm_id, "unique_id": c.unique_id, "label": c.label, "nranks": c.nranks,
+            json!({"comm_id": c.comm_id, "unique_id": c.unique_id, "label": c.label, "name": c.name, "nranks": c.nranks,
                 "local_ranks": c.local_ranks, "nodes": c.nodes, "op_timeout_ms": c.op_timeout_ms,
                 "pending_ops": c.pending_ops, "broken": c.broken, "switch": c.switch,
                 "pacing_bytes_per_sec": (c.pacing_bytes_per_sec > 0).then_some(c.pacing_bytes_per_sec),

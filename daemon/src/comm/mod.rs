@@ -120,6 +120,9 @@ pub struct Comm {
     /// The cap on this communicator's GPU copies on this node, shared with the executor through
     /// every [`cuda::GpuJob`]; set at creation and by `SetCommPacing`.
     pub pacer: Arc<Pacer>,
+    /// The caller's name for it (NCCL's `commName`, torch's group), set by the first local rank
+    /// that gives one ([`Comm::name_once`]).
+    name: std::sync::OnceLock<String>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -162,15 +165,33 @@ impl Comm {
             local,
             net: std::sync::OnceLock::new(),
             pacer: Arc::new(Pacer::new(pacing)),
+            name: std::sync::OnceLock::new(),
         }
     }
 
-    /// "comm 7 (id 3fa2b1c0, 4 ranks)": how errors and logs name a communicator.
+    /// "comm 7 (id 3fa2b1c0, 4 ranks)", or with a name "comm 7 "train dp" (id 3fa2b1c0, 4
+    /// ranks)": how errors and logs name a communicator.
     pub fn label(&self) -> String {
-        format!(
-            "comm {} (id {}, {} ranks)",
-            self.id, self.uid_short, self.nranks
-        )
+        match self.name.get() {
+            Some(n) => format!(
+                "comm {} {n:?} (id {}, {} ranks)",
+                self.id, self.uid_short, self.nranks
+            ),
+            None => format!(
+                "comm {} (id {}, {} ranks)",
+                self.id, self.uid_short, self.nranks
+            ),
+        }
+    }
+
+    /// The name its ranks gave it ("" = none).
+    pub fn name(&self) -> &str {
+        self.name.get().map_or("", String::as_str)
+    }
+
+    /// Names the communicator, unless a rank named it already: true if this call did.
+    pub fn name_once(&self, name: &str) -> bool {
+        !name.is_empty() && self.name.set(name.to_string()).is_ok()
     }
 
     fn lock(&self) -> MutexGuard<'_, Inner> {

@@ -233,12 +233,14 @@ impl Comm {
     /// returns once every rank joined. Otherwise the join runs on its own thread: the handle
     /// is usable at once, ops wait for the join, `ncclCommGetAsyncError` says
     /// `ncclInProgress` until then, and `ncclGroupEnd` waits for joins started in its group.
+    /// `name` (`ncclConfig_t.commName`) names it in `commd status` and the daemon's messages.
     pub fn create(
         uid: &[u8; UNIQUE_ID_BYTES],
         rank: i32,
         nranks: i32,
         device: i32,
         blocking: bool,
+        name: Option<String>,
     ) -> Outcome<Arc<Comm>> {
         let n = u32::try_from(nranks)
             .ok()
@@ -276,8 +278,12 @@ impl Comm {
         let join = {
             let comm = comm.clone();
             move || {
+                let opts = commd_client::CommOptions {
+                    name: name.clone(),
+                    ..Default::default()
+                };
                 let out = cl
-                    .communicator(&uid, comm.rank, comm.nranks)
+                    .communicator_with(&uid, comm.rank, comm.nranks, opts)
                     .map(|c| Arc::new(Ready { c, client: cl }))
                     .map_err(Failure::from);
                 if let Ok(r) = &out {
@@ -875,6 +881,7 @@ impl Comm {
             c_int_of(members.len())?,
             self.device,
             blocking,
+            None,
         )
         .map(Some)
     }
