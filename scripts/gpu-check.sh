@@ -82,6 +82,8 @@
 # (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), registered by POSIX-fd export:
 # tests/gpu/vmm_remap.py on 1 and 2 GPUs (tensors spanning many pieces, pieces unmapped and
 # mapped again), and tests/gpu/gpu_ops.py on 2 GPUs with that allocator.
+# `rma` (run only by name): memory windows and one-sided ops of the NCCL library
+# (tests/gpu/nccl_rma.py), then nccl-tests with -R 2 and -R 1 through it.
 # COMMD_COMMIT names the commit in the benchmarks' output where the checkout has no .git.
 # Tests: every op and dtype on 2 and 4 GPUs against NCCL on the same random data, zero-element
 # tensors and init_process_group(device_id=...) (tests/gpu/empty_device_id.py), send/recv
@@ -94,8 +96,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 case $what in
-  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|deepspeed|dinov2|tenancy|dtypes|all) ;;
-  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, p2p, nccl, deepspeed, dinov2, tenancy, dtypes or all"
+  tests|bench|breakdown|allreduce|interference|multinode|waitcmp|vmm|graphs|jobstart|eager|p2p|nccl|rma|deepspeed|dinov2|tenancy|dtypes|all) ;;
+  *) echo "unknown mode '$what': expected tests, bench, breakdown, allreduce, interference, multinode, waitcmp, vmm, graphs, jobstart, eager, p2p, nccl, rma, deepspeed, dinov2, tenancy, dtypes or all"
      exit 2 ;;
 esac
 out=${2:-${OUT:-/tmp/commd-gpu-out}}
@@ -316,6 +318,24 @@ if [ "$what" = p2p ]; then
     COMMD_NCCL_LIB=$plib COMMD_EAGER_DIRECT=shared run "nccl-streams-shared" "${tr[@]}" 2 \
       tests/gpu/nccl_streams.py
   fi
+fi
+if [ "$what" = rma ]; then
+  # Memory windows and one-sided ops of the NCCL library (run only by name): tests/gpu/nccl_rma.py
+  # (ping-pong, all-to-all by puts, barrier and counted signals, a put behind a long kernel,
+  # windows in a group, NCCL's refusals) on 2 ranks (sharing the GPU on a one-GPU machine) and
+  # 4 where there are 4 GPUs; then nccl-tests with symmetric windows (-R 2) and with
+  # registration (-R 1), every program -c 1, through the library.
+  plib=${COMMD_NCCL_LIB:-target/release/libcommd_nccl.so}
+  [ -f "$plib" ] || plib=.gpu/libcommd_nccl.so
+  plib=$(readlink -f "$plib")
+  COMMD_NCCL_LIB=$plib run "rma-2-ranks" "${tr[@]}" 2 tests/gpu/nccl_rma.py
+  [ "$ngpu" -ge 4 ] && COMMD_NCCL_LIB=$plib run "rma-4-ranks" "${tr[@]}" 4 tests/gpu/nccl_rma.py
+  run_timeout=1500
+  for reg in 2 1; do
+    NCCL_PARTS=nccltests NCCL_TESTS_EXTRA="-R $reg ${NCCL_TESTS_EXTRA:-}" \
+      NCCL_TESTS_MAX=${NCCL_TESTS_MAX:-16M} run "rma-nccltests-R$reg" tests/gpu/nccl.sh "$out/nccl-R$reg"
+  done
+  run_timeout=$run_limit
 fi
 if [ "$what" = nccl ]; then
   run_timeout=3000

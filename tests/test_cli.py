@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from conftest import COMMD, run_ranks
+from conftest import COMMD, Daemon, run_ranks
 
 
 def commd(*args, env=None, config=None):
@@ -92,6 +92,30 @@ def test_bench_speaks_nccl_tests():
     assert all(l.endswith(",0") for l in csv[1:]), csv
 
 
+def test_bench_takes_nccl_tests_all_dtypes_all_reductions_and_averaging():
+    """nccl-tests' `-d all` and `-o all` (every dtype, then sum/prod/min/max/avg, each checked),
+    `-i` (additive steps), `-a` (how ranks' times combine) and `-t`/`-g` (refused but for 1)."""
+    out = commd("bench", "--op", "all_reduce", "--ranks", "2", "-d", "all", "-o", "max",
+                "-b", "64", "-e", "64", "-n", "2", "-w", "1", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+    assert sorted({r["dtype"] for r in rows}) == sorted(
+        ["f32", "f64", "f16", "bf16", "i8", "u8", "i32", "i64", "u32", "u64", "f8e4m3", "f8e5m2"]), rows
+    assert all(r["wrong"] == 0 and r["redop"] == "max" for r in rows), rows
+    out = commd("bench", "--op", "all_reduce", "--ranks", "2", "-d", "i32", "-o", "all",
+                "-b", "64", "-e", "64", "-n", "2", "-w", "1", "--json", "-a", "1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+    assert [r["redop"] for r in rows[::2]] == ["sum", "prod", "min", "max", "avg"], rows
+    out = commd("bench", "--ranks", "2", "-b", "1K", "-e", "3K", "-i", "1K", "-n", "2", "-w", "1",
+                "--json")
+    assert out.returncode == 0, out.stderr
+    assert [json.loads(l)["size"] for l in out.stdout.splitlines()
+            if l.startswith("{")][::2] == [1024, 2048, 3072], out.stdout
+    out = commd("bench", "-t", "2")
+    assert out.returncode != 0 and "--ranks" in out.stderr, out.stderr
+
+
 def test_bench_plain_memory_is_staged_and_checked():
     """`--memory plain`: each rank's data in ordinary memory, copied through staging around
     every timed op; the check reads the result from that memory, for every op, in and out of
@@ -148,6 +172,33 @@ def test_logs_to_a_file_carry_no_colour_codes(daemon):
     log = daemon.log()
     assert "commd" in log and "serving" in log, log[-2000:]
     assert "\x1b[" not in log, repr(log[:500])
+
+
+def test_serve_says_where_it_listens_at_the_default_level(tmp_path):
+    """`commd serve` at the default log level (WARN) prints one ready line naming its socket,
+    its metrics URL and its peer address, and warns of a COMMD_* variable nothing reads with
+    the name it is closest to; COMMD_DEBUG=ERROR keeps it quiet."""
+    (tmp_path / "warn").mkdir()
+    d = Daemon(tmp_path / "warn", env={"COMMD_DEBUG": "WARN", "COMMD_WROKERS": "4"})
+    d.start()
+    try:
+        line = next((ln for ln in d.log().splitlines() if " ready: socket " in ln), None)
+        assert line is not None, d.log()[-2000:]
+        assert str(d.socket) in line and "/metrics" in line and "peers 127.0.0.1:" in line, line
+        assert "peers 127.0.0.1:0" not in line, line  # the bound port, not the setting
+        assert "INFO" in line and "serving" not in d.log(), d.log()[-2000:]
+        # A COMMD_* typo is warned (clients' variables share the prefix: not refused).
+        assert "COMMD_WROKERS is not a commd setting" in d.log(), d.log()[-2000:]
+        assert "did you mean 'COMMD_WORKERS'?" in d.log(), d.log()[-2000:]
+    finally:
+        d.stop()
+    (tmp_path / "error").mkdir()
+    q = Daemon(tmp_path / "error", env={"COMMD_DEBUG": "ERROR"})
+    q.start()
+    try:
+        assert " ready: " not in q.log(), q.log()[-2000:]
+    finally:
+        q.stop()
 
 
 def _proto_fields(buf):
@@ -208,3 +259,13 @@ def test_a_grpc_core_client_reaches_the_socket_without_setting_an_authority(daem
         with pytest.raises(grpc.RpcError) as e:
             ch.unary_unary("/commd.v1.Local/NoSuchCall")(b"", timeout=10)
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED, e.value
+
+
+def test_switch_listens_on_loopback_by_default():
+    """`commd switch` binds loopback unless told otherwise, like the daemon's socket, metrics
+    and peer listeners (it listened on 0.0.0.0)."""
+    out = commd("switch", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "[default: 127.0.0.1:50099]" in out.stdout, out.stdout
+    assert "[default: 127.0.0.1:48864]" in out.stdout, out.stdout
+    assert "0.0.0.0" not in out.stdout, out.stdout

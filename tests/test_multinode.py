@@ -154,7 +154,8 @@ def _random_ops(comm, rank, n):
             x = rng.standard_normal(count).astype(dt)
             res.append(comm.all_reduce(x.copy(), op=op).tobytes())
     # Large enough for the chain's default 1 MiB chunks to be split over the daemon's data-plane
-    # threads, with accumulators wider than the elements (f32 for f16, i128 for an integer avg).
+    # threads, with accumulators wider than the elements (f32 for f16), and an integer avg whose
+    # sums wrap (NCCL's definition: wrapped in the dtype, then divided).
     for dt, count, op in (("float32", 1_000_003, "sum"), ("float16", 700_001, "sum"),
                           ("int32", 300_001, "avg")):
         if dt == "int32":

@@ -55,6 +55,33 @@ def commd(*args, **kw):
     return subprocess.run([COMMD, *args], capture_output=True, text=True, timeout=60, **kw)
 
 
+def test_metrics_pass_promtool_in_both_formats(daemon):
+    """`promtool check metrics` (Prometheus' own linter, from scripts/test) accepts /metrics in
+    the text format 0.0.4 a client gets when its Accept asks for it, with every series the
+    OpenMetrics scrape has; an Accept that lists OpenMetrics gets OpenMetrics."""
+    promtool = os.environ.get("PROMTOOL") or shutil.which("promtool")
+    assert promtool and os.access(promtool, os.X_OK), (
+        "promtool is needed (scripts/test extracts it to target/promtool; or set PROMTOOL)")
+    assert_all_pass(run_ranks(daemon, 2, [{"op": "all_reduce", "dtype": "f32", "count": 64}]))
+    url = metrics_url(daemon)
+    req = urllib.request.Request(url, headers={"Accept": "text/plain;version=0.0.4"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4"), r.headers
+        text = r.read().decode()
+    assert "# EOF" not in text and "# UNIT" not in text, text[-500:]
+    p = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    names = {m.group(1) for m in map(SAMPLE.match, text.splitlines()) if m}
+    om = {k[0] for k in scrape(url)}
+    assert om <= names, sorted(om - names)
+    assert "# TYPE commd_ops_total counter" in text, text[:2000]
+    prom = urllib.request.Request(url, headers={
+        "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"})
+    with urllib.request.urlopen(prom, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text"), r.headers
+
+
 def test_metrics_counters_add_up_to_the_bytes_moved(daemon):
     url = metrics_url(daemon)
     before = scrape(url)

@@ -118,6 +118,19 @@ def test_large_cpu_tensors_run_in_place_and_fork_safely(daemon, mode):
     assert f"cpu_alloc {mode}: results equal gloo's" in out, out[-6000:]
 
 
+def test_exit_with_futures_in_flight_ends_cleanly(daemon):
+    """A job that exits while commd's progress thread still completes futures of its ops exits
+    0: Python must not kill the daemon thread while torch's C++ frees a tensor on it (the
+    process would end in std::terminate). Five jobs, each racing its exit."""
+    for i in range(5):
+        procs = spawn(daemon, 2, "exit_futures", "300")
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+        for r, (p, out) in enumerate(zip(procs, outs)):
+            assert p.returncode == 0, f"job {i} rank {r} exited {p.returncode}:\n{out[-3000:]}"
+            assert "terminate called" not in out, out[-3000:]
+            assert f"PASS rank {r}" in out, out[-3000:]
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_ddp_20_steps_match_gloo(daemon, nproc):
     out = torchrun(daemon, nproc, "ddp", "20")

@@ -18,10 +18,13 @@ WORKER = str(Path(__file__).resolve().parent / "torch_surface_worker.py")
 # gloo like every other check. Without the shell they fail clearly (test_without_the_shell_...).
 
 # Checks that leave the group unusable for the next one: each runs alone.
-ALONE = ("timeout_error_is_torch_kind", "monitored_barrier_names_late_ranks")
-# Checks gloo itself fails (a torch bug, named in each check's doc): commd must pass them.
+ALONE = ("timeout_error_is_torch_kind", "monitored_barrier_names_late_ranks",
+         "barrier_timeout_wording")
+# Checks gloo itself fails (a torch bug, or an API gloo lacks, named in each check's doc): commd
+# must pass them.
 COMMD_ONLY = ("new_group_bound_device", "overlapping_output_refused", "premul_sum_zero_dim",
-              "backend_options_copyable", "gather_single_into_flat_output")
+              "backend_options_copyable", "gather_single_into_flat_output",
+              "completion_and_abort_hooks")
 # Checks torch itself refuses on older releases before any backend runs, with its text and the
 # backends it refuses them for (each must fail that way there): torch 2.11's split_group needs
 # a device bound to the default group, its monitored_barrier runs on gloo alone, and its
@@ -86,7 +89,8 @@ def test_without_the_shell_what_needs_it_fails_clearly(daemon):
         "split_group": TORCH_REFUSES.get("split_group", ("does not support splitting",))[0],
         "is_completed_untouched": "AssertionError",
     }
-    works = ["all_reduce_coalesced", "async_wait_timeout"]
+    works = ["all_reduce_coalesced", "async_wait_timeout", "all_gather_object_subgroup_debug_levels",
+             "future_done_when_wait_returns"]
     works += [] if "monitored_barrier" in TORCH_REFUSES else ["monitored_barrier"]
     cmd_env = dict(COMMD_TORCH_EXT="0")
     p, rows = run(daemon, "commd", 2, [*needs, *works], **cmd_env)
@@ -110,7 +114,11 @@ def test_commd_debug_info_prints_the_communicator_and_its_paths(daemon):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     for r in range(2):
-        assert f"rank {r} nranks 2: commd communicator" in p.stderr, p.stderr[-3000:]
+        assert f"rank {r} nranks 2: commd communicator comm " in p.stderr, p.stderr[-3000:]
+    # One spelling of communicator ids: decimal, as in the daemon's errors and `commd status`.
+    import re
+    assert re.search(r"commd communicator comm \d+, ", p.stderr), p.stderr[-3000:]
+    assert "comm 0x" not in p.stderr, p.stderr[-3000:]
     assert "Init COMPLETE" in p.stderr and "(every local pair) via SHM" in p.stderr, p.stderr[-3000:]
     quiet = subprocess.run(cmd, env=job_env(daemon), capture_output=True, text=True, timeout=300)
     assert quiet.returncode == 0 and "Init COMPLETE" not in quiet.stderr

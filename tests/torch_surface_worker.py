@@ -376,6 +376,21 @@ def futures_complete_out_of_order(rank, world):
 
 
 @check
+def future_done_when_wait_returns(rank, world):
+    """Once Work.wait() returns, the Work's future is done with the op's result, as gloo's is,
+    whether the future was taken before the wait or after it."""
+    for i in range(20):
+        t = torch.full((1024,), float(rank + i))
+        w = dist.all_reduce(t, async_op=True)
+        before = w.get_future() if i % 2 == 0 else None
+        w.wait()
+        f = before if before is not None else w.get_future()
+        assert f.done(), f"try {i}: the future was not done when wait() returned"
+        want = float(sum(range(world)) + world * i)
+        assert f.value()[0].eq(want).all(), (i, f.value()[0][:4], want)
+
+
+@check
 def gather_single_into_flat_output(rank, world):
     """torch 2.15's gather_single: every rank's tensor into one flat tensor on the root."""
     if not hasattr(dist, "gather_single"):
@@ -436,6 +451,58 @@ def async_wait_timeout(rank, world):
 
 
 @check
+def all_gather_object_subgroup_debug_levels(rank, world):
+    """torch's test_all_gather_object_subgroup: under TORCH_DISTRIBUTED_DEBUG=DETAIL (torch
+    wraps a new group's backend in its ProcessGroupWrapper, which checks each collective across
+    ranks), then OFF and INFO, all_gather_object on a new group of every rank. Without the C++
+    shell the wrapper held commd's backend but nothing kept its Python side alive: every call
+    failed with c10d's "getBackendName is not implemented"."""
+    import os
+    objs = [{"key1": 3, "key2": 4, "key3": {"nested": True}}, "foo",
+            [1, 2, True, "string", [4, 5, "nested"]]]
+    old = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    try:
+        for lvl in ("DETAIL", "OFF", "INFO"):
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = lvl
+            dist.set_debug_level_from_env()
+            g = dist.new_group(backend=dist.get_backend())
+            out = [None] * world
+            dist.all_gather_object(out, objs[rank % len(objs)], group=g)
+            assert out == [objs[i % len(objs)] for i in range(world)], (lvl, out)
+            dist.destroy_process_group(g)
+    finally:
+        if old is None:
+            os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = old
+        dist.set_debug_level_from_env()
+
+
+@check
+def barrier_timeout_wording(rank, world):
+    """torch's own barrier-timeout test (distributed_test.py, _test_barrier_timeout): only rank
+    0 of a group with a 1 s timeout enters a barrier, which must fail after the timeout with an
+    error matching torch's regex " (Timed out|closed|timeout) "."""
+    import re
+    import time
+    g = dist.new_group(timeout=timedelta(seconds=1))
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 0:
+        t0 = time.time()
+        try:
+            dist.barrier(group=g)
+        except Exception as e:  # noqa: BLE001
+            assert re.search(" (Timed out|closed|timeout) ", str(e)), str(e)
+            assert time.time() - t0 >= 0.9, time.time() - t0
+        else:
+            raise AssertionError("a barrier only rank 0 entered passed")
+        finally:
+            store.set("surface/barrier_timeout_done", "1")
+    else:
+        store.wait(["surface/barrier_timeout_done"], timedelta(seconds=120))
+
+
+@check
 def timeout_error_is_torch_kind(rank, world):
     """A receive nobody sends to, with a short per-op timeout: the error must be one torch
     callers catch (DistError / RuntimeError) and say it timed out. The other ranks stay
@@ -457,6 +524,65 @@ def timeout_error_is_torch_kind(rank, world):
         raise AssertionError("no timeout")
     finally:
         store.set("surface/timeout_done", "1")
+
+
+@check
+def completion_and_abort_hooks(rank, world):
+    """torch's hook APIs, which ProcessGroupNCCL has and gloo does not: the completion hook gets
+    every op's WorkInfo (its type and sequence number), sync and async ops alike; on torch >=
+    2.15 an abort hook runs when the group is aborted, and supports_abort_hooks says so."""
+    import threading
+    import time
+    pg = dist.distributed_c10d._get_default_group()
+    got, lock = [], threading.Lock()
+
+    def hook(info):
+        with lock:
+            got.append((str(info.op_type), info.seq))
+
+    pg._register_on_completion_hook(hook)
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    dist.broadcast(t, 0)
+    dist.all_reduce(t, async_op=True).wait()
+    # The three ops above are the group's last three collectives: each reported once, with
+    # its type, in sequence order (hooks may come in any order, and for ops before them).
+    def ours():
+        with lock:
+            return sorted((x for x in got if "ALLREDUCE" in x[0] or "BROADCAST" in x[0]),
+                          key=lambda x: x[1])[-3:]
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len({q for _, q in ours()}) < 3:
+        time.sleep(0.01)
+    last = ours()
+    assert [k.split(".")[-1] for k, _ in last] == ["ALLREDUCE", "BROADCAST", "ALLREDUCE"], got
+    assert last[0][1] < last[1][1] < last[2][1], got
+    if not hasattr(pg, "register_abort_hook"):  # torch < 2.15: no abort hook API
+        return
+    g = dist.new_group(list(range(world)))
+    assert g.supports_abort_hooks, "commd's backend says it has no abort hooks"
+    ran = []
+    g.register_abort_hook(7, lambda: ran.append(1))
+    g.register_abort_hook(8, lambda: ran.append(2))
+    g.unregister_abort_hook(8)
+    dist.all_reduce(torch.ones(4), group=g)
+    g.abort()
+    assert ran == [1], ran
+    # An op that fails with the communicator broken runs them too, before its error reaches
+    # the caller: rank 0 times out alone.
+    g2 = dist.new_group(list(range(world)), timeout=timedelta(seconds=1))
+    failed = []
+    g2.register_abort_hook(1, lambda: failed.append(1))
+    if rank == 0:
+        try:
+            dist.all_reduce(torch.ones(4), group=g2)
+        except Exception:  # noqa: BLE001 - the timeout, whatever torch wraps it in
+            pass
+        else:
+            raise AssertionError("an all_reduce on rank 0 alone did not time out")
+        assert failed, "the abort hook did not run when the op timed out"
+    dist.barrier()
+    g2.abort()
 
 
 def main():

@@ -7,61 +7,61 @@ use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 
 create_exception!(
-    _native,
+    commd,
     CommError,
     PyException,
     "Base class of every commd error."
 );
 create_exception!(
-    _native,
+    commd,
     DaemonUnavailableError,
     CommError,
     "The commd daemon could not be reached (the message names the socket and how to start it)."
 );
 create_exception!(
-    _native,
+    commd,
     DaemonLostError,
     CommError,
     "The daemon went away (exited or closed this session) while the client used it."
 );
 create_exception!(
-    _native,
+    commd,
     MismatchError,
     CommError,
     "Ranks posted different collectives (op, dtype, count, root or reduction) at the same step."
 );
 create_exception!(
-    _native,
+    commd,
     PeerLostError,
     CommError,
     "A rank of the communicator died or left."
 );
 create_exception!(
-    _native,
+    commd,
     CommTimeoutError,
     CommError,
     "Some ranks never posted the op (or never joined) within the timeout."
 );
 create_exception!(
-    _native,
+    commd,
     ShutdownError,
     CommError,
     "The daemon is shutting down."
 );
 create_exception!(
-    _native,
+    commd,
     AbortedError,
     CommError,
     "The communicator was aborted by an earlier error or destroyed."
 );
 create_exception!(
-    _native,
+    commd,
     InvalidOpError,
     CommError,
     "The daemon refused the op's arguments (bounds, dtype, reduction)."
 );
 create_exception!(
-    _native,
+    commd,
     UnsupportedError,
     CommError,
     "commd cannot do this correctly yet (e.g. a GPU op during CUDA graph capture): refused."

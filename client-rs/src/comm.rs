@@ -29,6 +29,8 @@ pub struct Communicator {
     /// direct captured op waits for a peer (docs/design-gpu.md, direct collectives rule 4).
     pub(crate) op_timeout: Option<Duration>,
     pub(crate) gpu: Mutex<gpu::CommGpu>,
+    /// Memory windows and one-sided ops (`gpu::rma`).
+    pub(crate) rma: Mutex<gpu::rma::Rma>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -43,6 +45,8 @@ impl std::fmt::Debug for Communicator {
 
 impl Drop for Communicator {
     fn drop(&mut self) {
+        // No stream waits for a signal of this communicator after it is gone.
+        self.release_windows();
         let i = &self.client;
         if i.owned_here() && i.ring.session_error().load(Ordering::Acquire) == 0 {
             // A direct op of it that a peer's daemon mark failed, not yet told: the peer
@@ -406,6 +410,7 @@ impl Client {
             ranks_share_a_process: r.ranks_share_a_process,
             op_timeout: o.op_timeout,
             gpu: Mutex::new(gpu::CommGpu::default()),
+            rma: Mutex::new(gpu::rma::Rma::default()),
         })
     }
 }

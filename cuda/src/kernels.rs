@@ -3,8 +3,8 @@
 //! One kernel per (dtype, op) computes `out[i] = op(ins[0][i], ..., ins[m-1][i])` for up to
 //! [`MAX_INPUTS`] inputs, with the semantics of the daemon's host reduction
 //! (`daemon/src/engine/reduce.rs`) and of the reference in `commd_proto::check`: f16/bf16 accumulate in
-//! f32 and round once to nearest-even; integer sum/prod wrap; integer AVG is the exact mean
-//! (summed wide) truncated toward zero; float AVG is `sum / divisor`; float MIN/MAX compare with
+//! f32 and round once to nearest-even; integer sum/prod wrap; integer AVG is NCCL's: the wrapped
+//! sum divided, truncated toward zero; float AVG is `sum / divisor`; float MIN/MAX compare with
 //! `<`/`>`, so a NaN propagates only from the running result (as in a sequential loop).
 //!
 //! The source is generated here and compiled at run time with NVRTC (through cudarc, loaded
@@ -97,7 +97,7 @@ pub fn source(dtype: DType, op: RedOp) -> Result<String, KernelError> {
     let s = reduce::shape(dtype, op)?;
     let es = dtype.size();
     let mut src = String::with_capacity(4096);
-    reduce::push_prelude(&mut src, dtype, s.needs_i128);
+    reduce::push_prelude(&mut src, dtype);
     reduce::push_reduce(&mut src, &s, &kernel_name(dtype, op), es);
     direct::push_source(&mut src, &direct_kernel_name(dtype, op), s.elem, es);
     rounds::push_source(&mut src, &rounds_kernel_name(dtype, op), s.elem, es);

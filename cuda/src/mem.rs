@@ -153,6 +153,23 @@ pub fn buffer_id(ptr: sys::CUdeviceptr) -> Option<u64> {
     (r == sys::CUresult::CUDA_SUCCESS).then_some(id)
 }
 
+/// The CUDA IPC handle of the cudaMalloc allocation that starts at `base`, as 64 plain bytes
+/// (whatever the sign of `c_char`).
+pub fn ipc_handle(base: sys::CUdeviceptr) -> Result<[u8; 64], CuError> {
+    let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+    ck(
+        // SAFETY: valid out struct; the driver checks that `base` starts an exportable
+        // allocation.
+        unsafe { sys::cuIpcGetMemHandle(&mut h, base) },
+        "cuIpcGetMemHandle",
+    )?;
+    let mut out = [0u8; 64];
+    for (d, s) in out.iter_mut().zip(h.reserved.iter()) {
+        *d = u8::from_ne_bytes(s.to_ne_bytes());
+    }
+    Ok(out)
+}
+
 /// Exports the cuMem allocation mapped at `addr` as a POSIX fd.
 pub fn export_piece(addr: sys::CUdeviceptr) -> Result<OwnedFd, CuError> {
     let mut h: sys::CUmemGenericAllocationHandle = 0;

@@ -132,6 +132,14 @@ fn main() -> ExitCode {
                 }
             };
             init_logging(&cfg, matches!(cli.cmd, Cmd::Serve));
+            if matches!(cli.cmd, Cmd::Serve) {
+                let env = commd_settings::vars_with_prefix("COMMD_")
+                    .into_iter()
+                    .collect();
+                for w in config::unknown_env(&env) {
+                    tracing::warn!(target: "commd::init", "{w}");
+                }
+            }
             run(&cli, cfg)
         }
     };

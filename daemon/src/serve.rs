@@ -239,6 +239,19 @@ fn spawn_threads(daemon: &Arc<Daemon>, fd_listener: OwnedFd) -> Result<(), Serve
     Ok(())
 }
 
+/// The one line a serving daemon prints at the default log level (target `commd::ready`):
+/// where clients, Prometheus and peers reach it.
+fn log_ready(daemon: &Daemon, peers: Option<std::net::SocketAddr>) {
+    let metrics = crate::telemetry::metrics_addr()
+        .map_or_else(|| "off".to_string(), |a| format!("http://{a}/metrics"));
+    let peers = peers.map_or_else(
+        || "off (single-node communicators only)".to_string(),
+        |a| a.to_string(),
+    );
+    tracing::info!(target: "commd::ready", "commd {} ready: socket {}, metrics {metrics}, peers {peers}",
+        commd_proto::VERSION, daemon.cfg.socket.display());
+}
+
 /// The bound listeners the control runtime serves: the control socket and, unless
 /// `peer_listen=off`, the peer service's.
 struct Listeners {
@@ -266,6 +279,10 @@ async fn serve(
         daemon.clone(),
     ));
     crate::report::start(daemon);
+    // A daemon that is this process's main job (`commd serve`) says it is ready at the default
+    // log level; embedded ones (`commd bench`, tests) pass a stop trigger and stay quiet.
+    let main_job = stop.is_none();
+    let peer_addr = listeners.peer.as_ref().and_then(|l| l.local_addr().ok());
     let sig_rx = spawn_stop(daemon, notifier, stop);
     tracing::info!(target: "commd::init", socket = %daemon.cfg.socket.display(), workers = daemon.cfg.workers, "commd {} serving", commd_proto::VERSION);
     if let Some(r) = ready {
@@ -291,6 +308,9 @@ async fn serve(
     };
     let srv = tokio::spawn(server);
     // Both sockets are bound and listening and the server task runs: clients can connect.
+    if main_job {
+        log_ready(daemon, peer_addr);
+    }
     if let Some(n) = notifier {
         n.ready(&format!("serving {}", daemon.cfg.socket.display()));
         if let Some(every) = crate::notify::watchdog_interval() {

@@ -10,7 +10,7 @@
 //! nothing here panics into C or hangs on bad input.
 //!
 //! Layers: the C entry points, grouped by theme (`lifecycle`, `query`, `collective`, `p2p`,
-//! `memory`, `unsupported`: argument checks and conversions only) -> `comm` (communicators, op
+//! `memory`, `window`, `unsupported`: argument checks and conversions only) -> `comm` (communicators, op
 //! dispatch) and `group` -> `host` (the host-memory extension) -> `ffi`, `log`. The crate root
 //! holds the C types they share. Device memory goes through `commd_client`'s stream-ordered GPU
 //! ops (docs/contracts.md #4, docs/design-gpu.md persistent ops: ops issued while a stream is
@@ -34,6 +34,7 @@ mod profiling;
 mod query;
 mod staging;
 mod unsupported;
+mod window;
 
 use std::ffi::{c_char, c_int, c_void};
 
@@ -48,6 +49,7 @@ pub use p2p::*;
 pub use params::*;
 pub use query::*;
 pub use unsupported::*;
+pub use window::*;
 
 /// `ncclComm_t`.
 pub type ncclComm_t = *mut Comm;

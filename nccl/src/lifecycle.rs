@@ -386,6 +386,7 @@ pub unsafe extern "C" fn ncclCommDestroy(c: ncclComm_t) -> ncclResult_t {
         }
         let comm = comm::release(c)?;
         forget_registrations(c);
+        crate::window::forget_windows(c);
         // Outstanding ops finish first (NCCL's destroy flushes them); a failure is already
         // the communicator's async error and does not stop the destroy.
         if !comm.joining() {
@@ -403,6 +404,7 @@ pub unsafe extern "C" fn ncclCommAbort(c: ncclComm_t) -> ncclResult_t {
         }
         let comm = comm::release(c)?;
         forget_registrations(c);
+        crate::window::forget_windows(c);
         comm.abort();
         ok()
     })

@@ -1,6 +1,6 @@
-//! The entry points of NCCL's API that commd does not implement (resizing, symmetric memory
-//! windows, the device API and its host-side queries): each is exported so that a preloaded
-//! library answers for all of NCCL, and each fails with a message saying what to do instead
+//! The entry points of NCCL's API that commd does not implement (resizing, suspending, the
+//! device API and its host-side queries): each is exported so that a preloaded library answers
+//! for all of NCCL, and each fails with a message saying what to do instead
 //! (calls that return no `ncclResult_t` return an empty answer with the reason in
 //! `ncclGetLastError`; `ncclTeamWorld`, which commd can answer, answers).
 
@@ -26,7 +26,6 @@ macro_rules! unsupported {
 }
 
 const NO_SHRINK: &str = "commd communicators are not resized; create a new one over the remaining ranks (ncclGetUniqueId + ncclCommInitRank, or ncclCommSplit before a rank is lost)";
-const NO_WINDOWS: &str = "commd has no symmetric memory windows or one-sided puts and signals; use collectives or ncclSend/ncclRecv";
 const NO_DEVICE_API: &str = "commd has no NCCL device API (its collectives run in the daemon and on copy engines, not in user kernels)";
 
 unsupported! {
@@ -36,12 +35,6 @@ unsupported! {
     ncclCommRevoke: "use ncclCommAbort, which ends the communicator's outstanding ops";
     ncclCommSuspend: "the library holds no GPU memory to release (the daemon owns its scratch)";
     ncclCommResume: "the library holds no GPU memory to release (the daemon owns its scratch)";
-    ncclCommWindowRegister: NO_WINDOWS;
-    ncclCommWindowDeregister: NO_WINDOWS;
-    ncclWinGetUserPtr: NO_WINDOWS;
-    ncclPutSignal: NO_WINDOWS;
-    ncclSignal: NO_WINDOWS;
-    ncclWaitSignal: NO_WINDOWS;
     ncclDevCommCreate: NO_DEVICE_API;
     ncclDevCommDestroy: NO_DEVICE_API;
     ncclCommQueryProperties: NO_DEVICE_API;

@@ -145,13 +145,6 @@ pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u
             }
             _ => a,
         }
-    } else if op == RedOp::Avg {
-        // Integer AVG is the exact mean truncated toward zero (the daemon sums in i128).
-        let mut sum = 0i128;
-        for v in vals {
-            sum += v as i128;
-        }
-        (sum / i128::from(n.max(1))) as f64
     } else {
         let mut acc: Option<i128> = None;
         for v in vals {
@@ -173,8 +166,9 @@ pub fn reduce_ref(dtype: DType, op: RedOp, vals: impl Iterator<Item = f64>, n: u
             ));
         }
         let a = acc.unwrap_or(0);
+        // Integer AVG: NCCL's definition, the sum wrapped in the dtype, then divided toward zero.
         (if op == RedOp::Avg {
-            a / i128::from(n)
+            a / i128::from(n.max(1))
         } else {
             a
         }) as f64
@@ -291,6 +285,11 @@ mod tests {
         assert_eq!(
             reduce_ref(DType::I32, RedOp::Avg, [3.0, 4.0].into_iter(), 2),
             3.0
+        );
+        // The sum wraps in the dtype before it is divided (NCCL's definition).
+        assert_eq!(
+            reduce_ref(DType::I8, RedOp::Avg, [100.0, 39.0].into_iter(), 2),
+            -58.0
         );
         assert_eq!(
             reduce_ref(DType::F32, RedOp::Avg, [3.0, 4.0].into_iter(), 2),

@@ -37,11 +37,12 @@ use commd_host::cores;
 /// `commd switch` options.
 #[derive(Clone, Debug, clap::Args)]
 pub struct SwitchArgs {
-    /// Controller gRPC address (SwitchML's default port is 50099).
-    #[arg(long, default_value = "0.0.0.0:50099")]
+    /// Controller gRPC address (SwitchML's default port is 50099). Loopback unless told
+    /// otherwise, like every commd listener: pass an address the nodes reach to serve them.
+    #[arg(long, default_value = "127.0.0.1:50099")]
     pub listen: SocketAddr,
     /// UDP data-plane address (a real switch uses port 0xBEE0 = 48864; 0 picks a free port).
-    #[arg(long, default_value = "0.0.0.0:48864")]
+    #[arg(long, default_value = "127.0.0.1:48864")]
     pub data: SocketAddr,
     /// Prometheus metrics address (`off` to disable).
     #[arg(long, default_value = "127.0.0.1:9466")]

@@ -145,17 +145,24 @@ static void ops(ncclComm_t comm, const char* dir) {
   NCCL(ncclAllReduce(us, ur, N, ncclUint32, ncclMin, comm, NULL));
   for (int i = 0; i < N; i++)
     if (ur[i] != (nranks == 1 ? 0xfffffff0u : 5u)) FAIL("uint32 min [%d] = %u", i, ur[i]);
-  for (int i = 0; i < N; i++) us[i] = rank == 0 ? 0xffffffffu : 1u;
+  /* avg as NCCL defines it: the sum wrapped in the type, then divided (unsigned) */
+  for (int i = 0; i < N; i++) us[i] = rank == 0 ? 0xfffffff0u + (uint32_t)i : 1u;
   NCCL(ncclAllReduce(us, ur, N, ncclUint32, ncclAvg, comm, NULL));
   for (int i = 0; i < N; i++)
-    if (ur[i] != (uint32_t)((0xffffffffull + (uint64_t)(nranks - 1)) / (uint64_t)nranks))
+    if (ur[i] != (uint32_t)(0xfffffff0u + (uint32_t)i + (uint32_t)(nranks - 1)) / (uint32_t)nranks)
       FAIL("uint32 avg [%d] = %u", i, ur[i]);
   uint64_t qs[N], qr[N];
   for (int i = 0; i < N; i++) qs[i] = rank == 0 ? UINT64_MAX - (uint64_t)i : 1u;
   NCCL(ncclAllReduce(qs, qr, N, ncclUint64, ncclAvg, comm, NULL));
   for (int i = 0; i < N; i++) {
-    uint64_t want = (uint64_t)(((unsigned __int128)(UINT64_MAX - (uint64_t)i) + (nranks - 1)) / nranks);
+    uint64_t want = (UINT64_MAX - (uint64_t)i + (uint64_t)(nranks - 1)) / (uint64_t)nranks;
     if (qr[i] != want) FAIL("uint64 avg [%d] = %llu", i, (unsigned long long)qr[i]);
+  }
+  /* signed: (100 + 100 + ...) wraps in int8 before the division */
+  {
+    int8_t bs = 100, br = 0;
+    NCCL(ncclAllReduce(&bs, &br, 1, ncclInt8, ncclAvg, comm, NULL));
+    if (br != (int8_t)((int8_t)(100 * nranks) / nranks)) FAIL("int8 avg %d", br);
   }
   NCCL(ncclAllReduce(qs, qr, N, ncclUint64, ncclMax, comm, NULL));
   for (int i = 0; i < N; i++)
@@ -526,6 +533,60 @@ static void ops(ncclComm_t comm, const char* dir) {
     int seen = 0;
     for (int i = 0; i < nkeys; i++) seen += !strcmp(keys[i], "COMMD_CLIENT_SPIN_US");
     if (nkeys < 10 || seen != 1) FAIL("parameter keys: %d, spin seen %d", nkeys, seen);
+  }
+
+  /* memory windows: collective registration (host memory: windows for collectives), in and
+     out of groups, the user pointer, stale handles; one-sided ops need CUDA and device windows,
+     and their reserved arguments are checked as NCCL checks them */
+  {
+    int32_t* wb = calloc(64, sizeof(int32_t));
+    int32_t* wb2 = calloc(16, sizeof(int32_t));
+    ncclWindow_t w = NULL, w2 = NULL, w3 = NULL;
+    NCCL(ncclCommWindowRegister(comm, wb, 64 * sizeof(int32_t), &w, NCCL_WIN_COLL_SYMMETRIC));
+    void* up = NULL;
+    NCCL(ncclWinGetUserPtr(comm, w, &up));
+    if (up != wb) FAIL("ncclWinGetUserPtr %p, want %p", up, (void*)wb);
+    /* two windows in a group: registered at its end, usable after */
+    NCCL(ncclGroupStart());
+    NCCL(ncclCommWindowRegister(comm, wb2, 8 * sizeof(int32_t), &w2, NCCL_WIN_DEFAULT));
+    NCCL(ncclCommWindowRegister(comm, wb2 + 8, 8 * sizeof(int32_t), &w3, NCCL_WIN_STRICT_ORDERING));
+    if (w2 == NULL || w3 == NULL || w2 == w3) FAIL("window handles in a group %p %p", (void*)w2, (void*)w3);
+    EXPECT_ERR(ncclInvalidUsage, ncclWinGetUserPtr(comm, w2, &up), "has not come yet");
+    NCCL(ncclGroupEnd());
+    NCCL(ncclWinGetUserPtr(comm, w3, &up));
+    if (up != wb2 + 8) FAIL("ncclWinGetUserPtr in a group %p", up);
+    /* collectives on window memory run as on any buffer */
+    for (int i = 0; i < 64; i++) wb[i] = rank + i;
+    NCCL(ncclAllReduce(wb, wb, 64, ncclInt32, ncclSum, comm, NULL));
+    for (int i = 0; i < 64; i++)
+      if (wb[i] != nranks * (nranks - 1) / 2 + nranks * i) FAIL("allreduce on a window [%d] %d", i, wb[i]);
+    int32_t one = 1;
+    EXPECT_ERR(ncclInvalidArgument, ncclSignal(0, 1, 0, 0, comm, NULL), "signal index 1");
+    EXPECT_ERR(ncclInvalidArgument, ncclSignal(0, 0, 3, 0, comm, NULL), "context 3");
+    EXPECT_ERR(ncclInvalidArgument, ncclSignal(0, 0, 0, 2, comm, NULL), "flags 2");
+    EXPECT_ERR(ncclInvalidArgument, ncclSignal(nranks, 0, 0, 0, comm, NULL), "not a rank");
+    EXPECT_ERR(ncclInvalidArgument, ncclPutSignal(&one, 1, ncclInt32, 0, NULL, 0, 0, 0, 0, comm, NULL),
+               "the window is NULL");
+    ncclWaitSignalDesc_t d = {0, 0, 0, 0};
+    EXPECT_ERR(ncclInvalidArgument, ncclWaitSignal(1, &d, comm, NULL), "invalid opCnt 0");
+    EXPECT_ERR(ncclInvalidArgument, ncclWaitSignal(0, &d, comm, NULL), "invalid arguments");
+    d.opCnt = 1;
+    d.sigIdx = 2;
+    EXPECT_ERR(ncclInvalidArgument, ncclWaitSignal(1, &d, comm, NULL), "signal index 2");
+    /* no CUDA here: a put says so (on a GPU machine, a host window is refused instead) */
+    ncclResult_t pr = ncclPutSignal(&one, 1, ncclInt32, (rank + 1) % nranks, w, 0, 0, 0, 0, comm, NULL);
+    const char* pm = ncclGetLastError(NULL);
+    if (pr == ncclSuccess || !(strstr(pm, "CUDA") || strstr(pm, "host memory")))
+      FAIL("put on a host window -> %d (%s)", pr, pm);
+    EXPECT_ERR(ncclInvalidUsage, ncclCommWindowRegister(comm, wb, 64, &w2, NCCL_WIN_GIN_ONLY), "device API");
+    EXPECT_ERR(ncclInvalidArgument, ncclCommWindowRegister(comm, wb, 64, &w2, 0x100), "unknown window flags");
+    EXPECT_ERR(ncclInvalidArgument, ncclCommWindowRegister(comm, NULL, 64, &w2, 0), "needs a buffer");
+    NCCL(ncclCommWindowDeregister(comm, w3));
+    EXPECT_ERR(ncclInvalidArgument, ncclCommWindowDeregister(comm, w3), "not a live window");
+    EXPECT_ERR(ncclInvalidArgument, ncclWinGetUserPtr(comm, (ncclWindow_t)0x10, &up), "not a live window");
+    NCCL(ncclCommWindowDeregister(comm, w2));
+    NCCL(ncclCommWindowDeregister(comm, w));
+    free(wb), free(wb2);
   }
 
   /* the device API's host queries: the world team is every rank; the others are refused */

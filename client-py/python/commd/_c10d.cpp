@@ -24,9 +24,17 @@
 
 #include <c10/core/CPUAllocator.h>
 
+#if __has_include(<torch/csrc/distributed/c10d/Hooks.hpp>)
+#include <torch/csrc/distributed/c10d/Hooks.hpp>  // torch >= 2.15: abort and completion hooks
+#define COMMD_TORCH_HOOKS 1
+#endif
+
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -78,12 +86,104 @@ void flatten(const py::handle& h, std::vector<at::Tensor>& out) {
   }
 }
 
+// What a backend's hooks are told (torch's hook APIs): shared by the backend and its Works, which
+// may outlive it.
+struct Hooks {
+  std::mutex mu;
+  // torch >= 2.15's abort hooks, by id: run before the backend aborts (abort()) and when one of
+  // its ops fails with the communicator broken (a lost peer, a timeout, a lost daemon), where
+  // the failure is raised. torch asks hooks to be idempotent: one failure may run them more
+  // than once.
+  std::map<int64_t, std::function<void()>> abort;
+  // torch's `_register_on_completion_hook` (ProcessGroupNCCL's): every op's WorkInfo once it
+  // finished, failed or not.
+  std::vector<std::function<void(std::shared_ptr<c10d::WorkInfo>)>> done;
+#ifdef COMMD_TORCH_HOOKS
+  // torch >= 2.15's completion hooks, by id: once per op that completed successfully.
+  std::map<int64_t, c10d::CompletionHook> completion;
+#endif
+  std::atomic<bool> any_done{false};
+  // The Python implementation of the backend (commd.torch.CommdBackend), asked whether the
+  // communicator is broken when an op fails; set by the backend's constructor.
+  std::unique_ptr<PyRef> owner;
+
+  // Whether the daemon holds the communicator broken (a lost rank, a timed-out op, a lost
+  // daemon): the failures after which torch's backends abort. A mismatched op fails alone (the
+  // communicator keeps working), so it runs no abort hook. Called with the GIL held.
+  bool broken() {
+    if (!owner) {
+      return false;
+    }
+    try {
+      return owner->get().attr("get_error")().cast<int>() != 0;
+    } catch (py::error_already_set&) {
+      return true;  // the daemon cannot be asked: it is gone
+    }
+  }
+
+  void run_abort() {
+    std::vector<std::function<void()>> hs;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      for (auto& [id, h] : abort) {
+        hs.push_back(h);
+      }
+    }
+    for (auto& h : hs) {
+      try {
+        h();
+      } catch (...) {
+        // A hook's own failure must not replace the op's.
+      }
+    }
+  }
+};
+
+#ifdef COMMD_TORCH_HOOKS
+constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::ALLGATHER_INTO_TENSOR_COALESCED;
+constexpr c10d::OpType kReduceScatterTensorCoalesced = c10d::OpType::REDUCE_SCATTER_TENSOR_COALESCED;
+#else  // torch 2.11 names no such types: a coalesced op
+constexpr c10d::OpType kAllgatherIntoTensorCoalesced = c10d::OpType::COALESCED;
+constexpr c10d::OpType kReduceScatterTensorCoalesced = c10d::OpType::COALESCED;
+#endif
+
+// The c10d OpType of the Python implementation's method `name`.
+c10d::OpType op_type(const char* name) {
+  using c10d::OpType;
+  static const std::map<std::string, OpType> m = {
+      {"broadcast", OpType::BROADCAST},
+      {"allreduce", OpType::ALLREDUCE},
+      {"allreduce_coalesced", OpType::ALLREDUCE_COALESCED},
+      {"reduce", OpType::REDUCE},
+      {"allgather", OpType::ALLGATHER},
+      {"_allgather_base", OpType::_ALLGATHER_BASE},
+      {"allgather_coalesced", OpType::ALLGATHER_COALESCED},
+      {"allgather_into_tensor_coalesced", kAllgatherIntoTensorCoalesced},
+      {"gather", OpType::GATHER},
+      {"gather_single", OpType::GATHER},
+      {"scatter", OpType::SCATTER},
+      {"reduce_scatter", OpType::REDUCE_SCATTER},
+      {"_reduce_scatter_base", OpType::_REDUCE_SCATTER_BASE},
+      {"reduce_scatter_tensor_coalesced", kReduceScatterTensorCoalesced},
+      {"alltoall_base", OpType::ALLTOALL_BASE},
+      {"alltoall", OpType::ALLTOALL},
+      {"send", OpType::SEND},
+      {"recv", OpType::RECV},
+      {"recv_anysource", OpType::RECVANYSOURCE},
+      {"barrier", OpType::BARRIER},
+      {"coalesced", OpType::COALESCED},
+  };
+  auto it = m.find(name);
+  return it == m.end() ? OpType::UNKNOWN : it->second;
+}
+
 }  // namespace
 
 // A Work of the Python implementation, every method forwarded.
 class CommdWork : public Work {
  public:
-  explicit CommdWork(py::object w) : w_(std::move(w)) {}
+  explicit CommdWork(py::object w, std::shared_ptr<Hooks> hooks = nullptr)
+      : w_(std::move(w)), hooks_(std::move(hooks)) {}
 
   bool isCompleted() override {
     py::gil_scoped_acquire gil;
@@ -133,8 +233,18 @@ class CommdWork : public Work {
     // The Python Works take None (no limit) or a number of milliseconds.
     py::object t = timeout.count() > 0 ? py::object(py::float_(static_cast<double>(timeout.count())))
                                        : py::object(py::none());
-    py::object r = w_.get().attr("wait")(t);
-    return r.is_none() ? true : r.cast<bool>();
+    try {
+      py::object r = w_.get().attr("wait")(t);
+      return r.is_none() ? true : r.cast<bool>();
+    } catch (py::error_already_set&) {
+      // The op failed and the communicator is broken: the abort hooks run before the error
+      // reaches torch.
+      if (hooks_ && hooks_->broken()) {
+        py::gil_scoped_release nogil;
+        hooks_->run_abort();
+      }
+      throw;
+    }
   }
 
   void abort() override {
@@ -156,6 +266,7 @@ class CommdWork : public Work {
 
  private:
   PyRef w_;
+  std::shared_ptr<Hooks> hooks_;
 };
 
 // The backend: each c10d method calls the Python implementation's method of the same (Python)
@@ -167,7 +278,9 @@ class CommdBackend : public Backend {
   CommdBackend(py::object impl, int rank, int size, std::chrono::milliseconds timeout)
       : Backend(rank, size),
         impl_(std::move(impl)),
-        options_(c10::make_intrusive<Options>("commd", timeout)) {}
+        options_(c10::make_intrusive<Options>("commd", timeout)) {
+    hooks_->owner = std::make_unique<PyRef>(impl_.get());
+  }
 
   py::object impl() const { return impl_.get(); }
 
@@ -192,6 +305,44 @@ class CommdBackend : public Backend {
   void setSequenceNumberForGroup() override { seq_ = 0; }
   uint64_t getSequenceNumberForGroup() override { return seq_; }
 
+  // torch >= 2.15's abort hooks (Hooks::abort).
+  bool supportsAbortHooks() const /* override (torch >= 2.15) */ { return true; }
+
+  void registerAbortHook(int64_t id, std::function<void()> hook) /* override (torch >= 2.15) */ {
+    std::lock_guard<std::mutex> g(hooks_->mu);
+    hooks_->abort[id] = std::move(hook);
+  }
+
+  void unregisterAbortHook(int64_t id) /* override (torch >= 2.15) */ {
+    std::lock_guard<std::mutex> g(hooks_->mu);
+    hooks_->abort.erase(id);
+  }
+
+  // torch's completion hook (`ProcessGroup._register_on_completion_hook`, Hooks::done).
+  void registerOnCompletionHook(
+      std::function<void(std::shared_ptr<c10d::WorkInfo>)>&& hook) override {
+    std::lock_guard<std::mutex> g(hooks_->mu);
+    hooks_->done.push_back(std::move(hook));
+    hooks_->any_done = true;
+  }
+
+#ifdef COMMD_TORCH_HOOKS
+  // torch >= 2.15's completion hooks (Hooks::completion): the key is the Work's address, as a
+  // post-hook sees it.
+  bool supportsCompletionHooks() const override { return true; }
+
+  void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override {
+    std::lock_guard<std::mutex> g(hooks_->mu);
+    hooks_->completion[id] = std::move(hook);
+    hooks_->any_done = true;
+  }
+
+  void unregisterCompletionHook(int64_t id) override {
+    std::lock_guard<std::mutex> g(hooks_->mu);
+    hooks_->completion.erase(id);
+  }
+#endif
+
   // torch's coalescing (`_coalescing_manager(group, device)`, `batch_isend_irecv`): the ops
   // issued between start and end are posted as they come (commd's ops never block the CPU);
   // endCoalescing's Work is all of them.
@@ -212,7 +363,7 @@ class CommdBackend : public Backend {
     py::object works = coalesced_->get();
     coalesced_.reset();
     py::object w = impl_.get().attr("_coalesced_work")(works);
-    return c10::make_intrusive<CommdWork>(std::move(w));
+    return track("coalesced", std::move(w));
   }
 
   c10::intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -390,6 +541,7 @@ class CommdBackend : public Backend {
   }
 
   void abort() override {
+    hooks_->run_abort();
     py::gil_scoped_acquire gil;
     impl_.get().attr("abort")();
   }
@@ -411,10 +563,70 @@ class CommdBackend : public Backend {
                std::strcmp(name, "recv_anysource") != 0) {
       seq_++;
     }
-    return c10::make_intrusive<CommdWork>(std::move(w));
+    if (coalescing_) {
+      return c10::make_intrusive<CommdWork>(std::move(w), hooks_);
+    }
+    return track(name, std::move(w));
+  }
+
+  // The Work of op `name`, its completion told to the completion hooks (if any are registered:
+  // otherwise no future is asked for). Called with the GIL held.
+  c10::intrusive_ptr<Work> track(const char* name, py::object w) {
+    auto work = c10::make_intrusive<CommdWork>(std::move(w), hooks_);
+    if (!hooks_->any_done) {
+      return work;
+    }
+    auto fut = work->getFuture();
+    const auto started = std::chrono::steady_clock::now();
+    const uint64_t seq = seq_;
+    const c10d::OpType type = op_type(name);
+    const uint64_t key = reinterpret_cast<uintptr_t>(work.get());
+    std::shared_ptr<Hooks> hooks = hooks_;
+    fut->addCallback([hooks, started, seq, type, key](c10::ivalue::Future& f) {
+      const auto finished = std::chrono::steady_clock::now();
+      std::vector<std::function<void(std::shared_ptr<c10d::WorkInfo>)>> done;
+#ifdef COMMD_TORCH_HOOKS
+      std::vector<c10d::CompletionHook> completion;
+#endif
+      {
+        std::lock_guard<std::mutex> g(hooks->mu);
+        done = hooks->done;
+#ifdef COMMD_TORCH_HOOKS
+        if (!f.hasError()) {
+          for (auto& [id, h] : hooks->completion) {
+            completion.push_back(h);
+          }
+        }
+#endif
+      }
+      const std::chrono::duration<float> took = finished - started;
+      for (auto& h : done) {
+        try {
+          h(std::make_shared<c10d::WorkInfo>(type, seq, started, finished, took));
+        } catch (...) {
+          // A hook's own failure must not fail the op.
+        }
+      }
+#ifdef COMMD_TORCH_HOOKS
+      for (auto& h : completion) {
+        c10d::CompletionHookArgs a;
+        a.completionKey = key;
+        a.duration_ms = took.count() * 1000.0f;
+        try {
+          h(a);
+        } catch (...) {
+        }
+      }
+#else
+      (void)key;
+      (void)f;
+#endif
+    });
+    return work;
   }
 
   PyRef impl_;
+  std::shared_ptr<Hooks> hooks_ = std::make_shared<Hooks>();
   c10::intrusive_ptr<Options> options_;
   uint64_t seq_ = 0;
   bool coalescing_ = false;

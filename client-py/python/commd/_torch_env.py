@@ -37,9 +37,10 @@ def _debug_init(b: Any, group_name: str) -> None:
 
     head = f"{socket.gethostname()}:{os.getpid()}:{threading.get_native_id()} commd INFO"
     c = b.comm
+    # "comm N" in decimal, as the daemon's errors, logs and `commd status` spell it.
     lines = [f"{head} group {group_name or '(default)'} rank {b._rank} nranks {b._size}: commd "
-             f"communicator {c.id:#x}, {c.nodes} node(s), daemon {b.client.socket} - Init COMPLETE"]
-    lines += [f"{head} comm {c.id:#x}: {p}" for p in c.paths]
+             f"communicator comm {c.id}, {c.nodes} node(s), daemon {b.client.socket} - Init COMPLETE"]
+    lines += [f"{head} comm {c.id}: {p}" for p in c.paths]
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 

@@ -8,6 +8,7 @@ neither."""
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from datetime import timedelta
@@ -34,20 +35,39 @@ _PROGRESS_SLICE_S = 0.002
 
 
 class _Progress:
-    """Completes futures of ops nobody waits on directly (DDP's reducer, get_future().then)."""
+    """Completes futures of ops nobody waits on directly (DDP's reducer, get_future().then).
+
+    The thread is a daemon (a pending op must not keep the process alive), and it is stopped at
+    interpreter exit, before Python kills daemon threads: one killed while it completes a torch
+    future (torch releases the GIL there and takes it back in a destructor) ends the process in
+    ``std::terminate``."""
 
     def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple[Handle, Future, Any]] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[tuple[Handle, Future, Any] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._stopping = False
 
     def watch(self, h: Handle, fut: Future, value: Any) -> None:
         with self._lock:
+            if self._stopping:
+                return  # the interpreter is exiting: nobody is left to read the future
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="commd-progress",
                                                 daemon=True)
                 self._thread.start()
+                atexit.register(self.stop)
         self._q.put((h, fut, value))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stops the thread after the round it is in (futures still pending stay incomplete:
+        the process is exiting)."""
+        with self._lock:
+            self._stopping = True
+            t = self._thread
+        if t is not None:
+            self._q.put(None)
+            t.join(timeout)
 
     def _run(self) -> None:
         # Every watched op completes its future when it is done, whatever the order: one that
@@ -55,16 +75,18 @@ class _Progress:
         # futures of the others (DDP's reducer waits on them). The thread sleeps in the native
         # wait of the oldest, a few ms at a time, and looks at the rest between.
         pending: list[tuple[Handle, Future, Any]] = []
-        while True:
-            if not pending:
-                pending.append(self._q.get())
+        while not self._stopping:
+            got = [self._q.get()] if not pending else []
             while True:
                 try:
-                    pending.append(self._q.get_nowait())
+                    got.append(self._q.get_nowait())
                 except queue.Empty:
                     break
+            pending.extend(item for item in got if item is not None)
             still = []
             for item in pending:
+                if self._stopping:
+                    return
                 if item[0].is_completed():
                     self._finish(*item)
                 else:
@@ -78,15 +100,28 @@ class _Progress:
 
     @staticmethod
     def _finish(h: Handle, fut: Future, value: Any) -> None:
-        try:
-            h.wait()
-        except BaseException as e:  # noqa: BLE001 - delivered through the future
-            fut.set_exception(_dist_error(e))
-        else:
-            fut.set_result(value)
+        _settle(h, fut, value)
 
 
 _progress = _Progress()
+
+# Completes a future once, whoever comes first: the progress thread, or the wait() of its Work
+# (so the future is done when wait() returns, as gloo's). Reentrant: a callback that runs
+# inside set_result may wait on another Work.
+_settle_lock = threading.RLock()
+
+
+def _settle(h: Handle, fut: Future, value: Any) -> None:
+    """Completes ``fut`` with ``value``, or with the error of ``h`` (a completed op), unless
+    it is done already."""
+    with _settle_lock:
+        if fut.done():
+            return
+        e = h.exception()
+        if e is None:
+            fut.set_result(value)
+        else:
+            fut.set_exception(_dist_error(e))
 
 
 _DIST_KINDS: dict[type, type] = {}
@@ -106,7 +141,13 @@ def _dist_error(e: BaseException) -> BaseException:
         kind = type(cls.__name__, (cls, dist.DistBackendError, *extra),
                     {"__module__": "commd.torch"})
         _DIST_KINDS[cls] = kind
-    out = kind(*e.args)
+    args = e.args
+    if (issubclass(cls, _native.CommTimeoutError) and args and isinstance(args[0], str)
+            and " Timed out " not in args[0]):
+        # Worded as gloo's and NCCL's timeouts: torch's tests and tools match
+        # " (Timed out|closed|timeout) " in a timed-out op's error.
+        args = (f"commd: Timed out waiting for the op: {args[0]}", *args[1:])
+    out = kind(*args)
     out.__cause__ = e.__cause__
     return out
 
@@ -144,7 +185,13 @@ class _CommdWork(_Work):
         self._lock = threading.Lock()
 
     def wait(self, timeout: Any = None) -> bool:
-        _wait_handle(self._h, _seconds(timeout), "the op")
+        try:
+            _wait_handle(self._h, _seconds(timeout), "the op")
+        finally:
+            # The op ended (done or failed, not a wait that ran out first): its future too.
+            fut = self._fut
+            if fut is not None and self._h.is_completed():
+                _settle(self._h, fut, _flat_tensors(self._result))
         return True
 
     def is_completed(self) -> bool:
@@ -172,11 +219,7 @@ class _CommdWork(_Work):
             if self._fut is None:
                 self._fut = Future()
                 if self._h.is_completed():
-                    e = self._h.exception()
-                    if e is None:
-                        self._fut.set_result(_flat_tensors(self._result))
-                    else:
-                        self._fut.set_exception(_dist_error(e))
+                    _settle(self._h, self._fut, _flat_tensors(self._result))
                 else:
                     _progress.watch(self._h, self._fut, _flat_tensors(self._result))
             return self._fut

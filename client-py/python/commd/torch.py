@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -134,6 +135,10 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
             name=_comm_name(group_name, group_desc))
         self._cuda: CudaOps | None = None
         self._children: dict[tuple[str, tuple[int, ...]], CommdBackend] = {}
+        # The group sequence number (see _counted), and how deep each thread is in a
+        # collective of this backend.
+        self._seq = 0
+        self._seq_depth: dict[int, int] = {}
         _debug_init(self, group_name)
 
     @property
@@ -170,9 +175,18 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self.comm.close()
+        _UNSHELLED.discard(self)
 
     def abort(self) -> None:
         self.comm.close()
+        _UNSHELLED.discard(self)
+
+    def _get_sequence_number_for_group(self) -> int:
+        """torch's group sequence number without the C++ shell (see _counted)."""
+        return self._seq
+
+    def _set_sequence_number_for_group(self) -> None:
+        self._seq = 0
 
     @staticmethod
     def _work(h: Handle, result: Any, opts: Any = None) -> Any:
@@ -634,6 +648,31 @@ class CommdBackend(_base_class()):  # type: ignore[misc]
         return self.gpu.p2p(sends, recvs, result)
 
 
+def _counted(f: Any) -> Any:
+    """``f`` (a collective) counted in the backend's group sequence number when torch calls it
+    (not when another collective of this backend does)."""
+    def collective(self: CommdBackend, *args: Any, **kwargs: Any) -> Any:
+        if self._seq_depth.get(threading.get_ident(), 0) == 0:
+            self._seq += 1
+        d = self._seq_depth
+        d[threading.get_ident()] = d.get(threading.get_ident(), 0) + 1
+        try:
+            return f(self, *args, **kwargs)
+        finally:
+            d[threading.get_ident()] -= 1
+    collective.__name__ = f.__name__
+    collective.__doc__ = f.__doc__
+    return collective
+
+
+# The collectives (not send/recv), as NCCL's seqCollective counts them. Without the C++ shell
+# (which counts them itself) torch reads the count through `_get_sequence_number_for_group`.
+for _name in ("allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+              "allgather_coalesced", "_allgather_base", "allgather_into_tensor_coalesced",
+              "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+              "alltoall_base", "alltoall", "barrier", "gather", "gather_single", "scatter"):
+    setattr(CommdBackend, _name, _counted(getattr(CommdBackend, _name)))
+
 # torch >= 2.12 calls these names; older releases the underscored/base ones above.
 CommdBackend.all_gather_single = CommdBackend._allgather_base  # type: ignore[attr-defined]
 CommdBackend.all_gather_single_coalesced = (  # type: ignore[attr-defined]
@@ -788,6 +827,13 @@ def _group_desc(opts: Any) -> str:
         return ""
 
 
+# The backends torch holds without the C++ shell, kept alive until their shutdown: torch's
+# trampoline answers from the Python object, which nothing else keeps once torch wraps the
+# backend (TORCH_DISTRIBUTED_DEBUG=DETAIL's ProcessGroupWrapper holds the C++ side only; the
+# Python side then died and every call fell to c10d's "getBackendName is not implemented").
+_UNSHELLED: set[CommdBackend] = set()
+
+
 def _create(opts: Any, backend_options: Any = None) -> Any:
     if backend_options is not None and not isinstance(backend_options, Options):
         raise TypeError(f"the commd backend takes commd.torch.Options as pg_options, got "
@@ -796,6 +842,7 @@ def _create(opts: Any, backend_options: Any = None) -> Any:
                      str(opts.group_id), options=backend_options, group_desc=_group_desc(opts))
     shell = _shell()
     if shell is None:
+        _UNSHELLED.add(b)
         return b
     if _settings.flag("COMMD_CPU_ALLOC", True):
         use_cpu_allocator()

@@ -26,6 +26,7 @@ mod event;
 pub(crate) mod order;
 mod post;
 mod register;
+pub(crate) mod rma;
 pub(crate) use commd_cuda as cu;
 pub(crate) mod direct;
 pub use direct::P2pConfig;

@@ -10,7 +10,6 @@ use std::sync::OnceLock;
 use commd_proto::desc::{DType, RedOp};
 use cudarc::nvrtc::{result as nvrtc_result, sys as nvrtc_sys};
 
-use super::reduce::src_uses_i128;
 use super::{KernelError, kernel_name, source};
 
 /// Whether libnvrtc can be loaded (checked once: cudarc panics on its first call without it).
@@ -75,15 +74,12 @@ fn nvrtc_compile(
     );
     // Pin IEEE semantics (these are NVRTC's defaults): denormals kept, exact division, no
     // contraction of a*b+c into fma.
-    let mut options = vec![
+    let options = vec![
         format!("--gpu-architecture={arch}"),
         "--ftz=false".to_string(),
         "--prec-div=true".to_string(),
         "--fmad=false".to_string(),
     ];
-    if src_uses_i128(dtype, op) {
-        options.push("--device-int128".to_string());
-    }
     // SAFETY: `prog` is a live program; the options are NUL-free ASCII.
     if let Err(e) = unsafe { nvrtc_result::compile_program(prog.0, &options) } {
         // SAFETY: as above.

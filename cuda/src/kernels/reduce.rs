@@ -22,7 +22,6 @@ pub(super) struct Shape {
     combine: String,
     finish: String,
     store: String,
-    pub(super) needs_i128: bool,
     /// `a * b` in the accumulator type, wrapping for integers (the scale kernel, PreMulSum).
     mul: String,
 }
@@ -56,42 +55,32 @@ pub(super) fn shape(dtype: DType, op: RedOp) -> Result<Shape, KernelError> {
                 "a".into()
             },
             store: conv(to, "r"),
-            needs_i128: false,
             mul: "a * b".into(),
         }
     };
-    let int = |elem: &'static str, unsigned: &'static str, wide: &'static str| {
-        let avg = op == RedOp::Avg;
-        Shape {
-            elem,
-            acc: if avg { wide } else { elem },
-            load: if avg {
-                format!("({wide})x")
-            } else {
-                "x".into()
-            },
-            // Wrapping arithmetic in the unsigned twin (signed overflow is undefined in C).
-            combine: match op {
-                RedOp::Sum => format!("({elem})(({unsigned})a + ({unsigned})b)"),
-                RedOp::Prod => format!("({elem})(({unsigned})a * ({unsigned})b)"),
-                // The wide accumulator cannot overflow: at most 8 inputs.
-                RedOp::Avg => "a + b".into(),
-                RedOp::Min => "(b < a) ? b : a".into(),
-                RedOp::Max => "(b > a) ? b : a".into(),
-                RedOp::Band => format!("({elem})(a & b)"),
-                RedOp::Bor => format!("({elem})(a | b)"),
-                RedOp::Bxor => format!("({elem})(a ^ b)"),
-            },
-            // C division truncates toward zero, like i128 division in reduce.rs.
-            finish: if avg {
-                format!("a / ({wide})divisor")
-            } else {
-                "a".into()
-            },
-            store: format!("({elem})r"),
-            needs_i128: avg && wide == "i128",
-            mul: format!("({elem})(({unsigned})a * ({unsigned})b)"),
-        }
+    let int = |elem: &'static str, unsigned: &'static str, wide: &'static str| Shape {
+        elem,
+        acc: elem,
+        load: "x".into(),
+        // Wrapping arithmetic in the unsigned twin (signed overflow is undefined in C).
+        combine: match op {
+            RedOp::Sum | RedOp::Avg => format!("({elem})(({unsigned})a + ({unsigned})b)"),
+            RedOp::Prod => format!("({elem})(({unsigned})a * ({unsigned})b)"),
+            RedOp::Min => "(b < a) ? b : a".into(),
+            RedOp::Max => "(b > a) ? b : a".into(),
+            RedOp::Band => format!("({elem})(a & b)"),
+            RedOp::Bor => format!("({elem})(a | b)"),
+            RedOp::Bxor => format!("({elem})(a ^ b)"),
+        },
+        // AVG: NCCL's definition, the wrapped sum divided, in a type as wide as 64 bits of the
+        // element's signedness (C division truncates toward zero, like reduce.rs's).
+        finish: if op == RedOp::Avg {
+            format!("({elem})(({wide})a / ({wide})divisor)")
+        } else {
+            "a".into()
+        },
+        store: format!("({elem})r"),
+        mul: format!("({elem})(({unsigned})a * ({unsigned})b)"),
     };
     Ok(match dtype {
         DType::F32 => float("float", "float", "", ""),
@@ -99,12 +88,11 @@ pub(super) fn shape(dtype: DType, op: RedOp) -> Result<Shape, KernelError> {
         DType::F16 => float("u16", "float", "commd_f16_to_f32", "commd_f32_to_f16"),
         DType::BF16 => float("u16", "float", "commd_bf16_to_f32", "commd_f32_to_bf16"),
         DType::I8 => int("i8", "u8", "i64"),
-        DType::U8 => int("u8", "u8", "i64"),
+        DType::U8 => int("u8", "u8", "u64"),
         DType::I32 => int("i32", "u32", "i64"),
-        // The sum of 8 i64 needs 67 bits.
-        DType::I64 => int("i64", "u64", "i128"),
-        DType::U32 => int("u32", "u32", "i64"),
-        DType::U64 => int("u64", "u64", "i128"),
+        DType::I64 => int("i64", "u64", "i64"),
+        DType::U32 => int("u32", "u32", "u64"),
+        DType::U64 => int("u64", "u64", "u64"),
         DType::F8E4M3 => float("u8", "float", "commd_e4m3_to_f32", "commd_f32_to_e4m3"),
         DType::F8E5M2 => float("u8", "float", "commd_e5m2_to_f32", "commd_f32_to_e5m2"),
     })
@@ -248,27 +236,18 @@ static __device__ __forceinline__ u8 commd_f32_to_e5m2(float f) {
 }
 "#;
 
-/// Whether the kernel for `(dtype, op)` uses `__int128` (NVRTC accepts it only when asked).
-pub(super) fn src_uses_i128(dtype: DType, op: RedOp) -> bool {
-    shape(dtype, op).is_ok_and(|s| s.needs_i128)
-}
-
 // Every `write!` below is to a String: it cannot fail. Each text starts with a newline; one that
 // stops inside a C function ends without its last newline, which the next text starts with.
 
-/// What every module starts with: [`TYPES`], the conversions of `dtype` if it is f16, bf16 or fp8,
-/// and the `i128` type when the kernels need it.
-pub(super) fn push_prelude(src: &mut String, dtype: DType, needs_i128: bool) {
+/// What every module starts with: [`TYPES`], and the conversions of `dtype` if it is f16, bf16
+/// or fp8.
+pub(super) fn push_prelude(src: &mut String, dtype: DType) {
     src.push_str(TYPES);
     match dtype {
         DType::F16 => src.push_str(F16),
         DType::BF16 => src.push_str(BF16),
         DType::F8E4M3 | DType::F8E5M2 => src.push_str(FP8),
         _ => {}
-    }
-    if needs_i128 {
-        // Compiled with --device-int128 (see `nvrtc::nvrtc_compile`).
-        src.push_str("typedef __int128 i128;\n");
     }
 }
 

@@ -181,9 +181,9 @@ fn source_is_self_contained_and_named_stably() {
             "extern \"C\" __global__ void __launch_bounds__(256) {}(",
             kernel_name(d, op)
         )));
-        assert_eq!(
-            src.contains("__int128"),
-            matches!(d, DType::I64 | DType::U64) && op == RedOp::Avg
+        assert!(
+            !src.contains("__int128"),
+            "{d:?} {op:?} needs no 128-bit integers"
         );
         assert!(src.contains(&format!(
             "extern \"C\" __global__ void __launch_bounds__(256) {}(struct commd_rounds a)",
@@ -302,9 +302,8 @@ fn int_red(d: DType, op: RedOp, vals: impl Iterator<Item = i128>, div: u32) -> i
     };
     for b in it {
         a = match op {
-            // Exact: at most 8 values of at most 64 bits.
-            RedOp::Avg => a + b,
-            RedOp::Sum => wrap(d, a + b),
+            // AVG divides the wrapped sum (NCCL's definition).
+            RedOp::Sum | RedOp::Avg => wrap(d, a + b),
             RedOp::Prod => wrap(d, a * b),
             RedOp::Min => a.min(b),
             RedOp::Max => a.max(b),
@@ -313,7 +312,8 @@ fn int_red(d: DType, op: RedOp, vals: impl Iterator<Item = i128>, div: u32) -> i
             RedOp::Bxor => wrap(d, a ^ b),
         };
     }
-    // i128 division truncates toward zero; the store truncates to the dtype (`as`).
+    // i128 division truncates toward zero, of a wrapped (for unsigned dtypes non-negative)
+    // value; the store truncates to the dtype (`as`).
     if op == RedOp::Avg {
         wrap(d, a / i128::from(div))
     } else {
@@ -323,7 +323,7 @@ fn int_red(d: DType, op: RedOp, vals: impl Iterator<Item = i128>, div: u32) -> i
 
 /// The expected output bytes for element-wise inputs `ins` (each `count` elements).
 // The integer stores truncate to the dtype as the kernels' stores do (int_red has wrapped the
-// value already, except AVG's exact mean, which lies in the dtype's range).
+// value already).
 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 fn reference(d: DType, op: RedOp, ins: &[Vec<u8>], count: usize, div: u32) -> Vec<u8> {
     let s = usize_of(d.size());
@@ -535,11 +535,18 @@ fn host_reference_agrees_with_check_rs() {
     let one =
         |d: DType, op: RedOp, vals: &[i128], div: u32| int_red(d, op, vals.iter().copied(), div);
     assert_eq!(one(DType::I8, RedOp::Sum, &[100, 100], 2), -56);
-    assert_eq!(one(DType::I8, RedOp::Avg, &[100, 100, 100], 3), 100);
+    // AVG divides the wrapped sum (NCCL's definition): 300 wraps to 44 in i8, / 3 = 14.
+    assert_eq!(one(DType::I8, RedOp::Avg, &[100, 100, 100], 3), 14);
     assert_eq!(one(DType::I32, RedOp::Avg, &[-7, 0], 2), -3);
+    // 8 x i64::MAX = 2^66 - 8 wraps to -8; / 8 = -1.
     assert_eq!(
         one(DType::I64, RedOp::Avg, &[i128::from(i64::MAX); 8], 8),
-        i128::from(i64::MAX)
+        -1
+    );
+    // Unsigned divides unsigned: (u64::MAX + 0) / 2.
+    assert_eq!(
+        one(DType::U64, RedOp::Avg, &[i128::from(u64::MAX), 0], 2),
+        i128::from(u64::MAX / 2)
     );
     // NaN propagates from the running result only.
     let nan = f32::NAN;

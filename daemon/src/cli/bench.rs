@@ -3,7 +3,8 @@
 //! running daemon (`--socket`) or one embedded in this process. Each worker times its ops,
 //! verifies results on deterministic data, and reports JSON lines that this process aggregates.
 //!
-//! Columns follow nccl-tests: `time` is the mean per op (the slowest rank's), `algbw = size/time`,
+//! Columns follow nccl-tests: `time` is the mean per op (the slowest rank's; `-a` picks rank 0's,
+//! the ranks' mean or the fastest instead, as nccl-tests' `-a`), `algbw = size/time`,
 //! `busbw = algbw * factor` (all_reduce 2(n-1)/n; all_gather, reduce_scatter, all_to_all (n-1)/n;
 //! others 1). `med` is the median per-op time, `#wrong` the elements that failed verification.
 
@@ -50,12 +51,31 @@ pub struct BenchArgs {
     /// Multiply the size by this factor each step (at least 2), as nccl-tests' -f.
     #[arg(short = 'f', long, visible_alias = "stepfactor", default_value_t = 2)]
     pub step_factor: u64,
+    /// Add this many bytes each step instead (K, M, G suffixes), as nccl-tests' -i.
+    #[arg(short = 'i', long, visible_alias = "stepbytes", value_parser = parse_size, conflicts_with = "step_factor")]
+    #[serde(default)]
+    pub step_bytes: Option<u64>,
+    /// How the ranks' times make a row's time: 0 rank 0's, 1 their mean (nccl-tests' default),
+    /// 2 the fastest rank's, 3 the slowest rank's (commd's default), as nccl-tests' -a.
+    #[arg(short = 'a', long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(0..=3))]
+    #[serde(default)]
+    pub average: u8,
+    /// Threads per process, as nccl-tests' -t: 1 (commd bench runs one client process per
+    /// rank; more ranks are --ranks).
+    #[arg(short = 't', long = "nthreads", default_value_t = 1)]
+    #[serde(default)]
+    pub nthreads: u32,
+    /// GPUs per thread, as nccl-tests' -g: 1 (commd bench's ranks are CPU client processes).
+    #[arg(short = 'g', long = "ngpus", default_value_t = 1)]
+    #[serde(default)]
+    pub ngpus: u32,
     /// Element type: f32, f64, f16, bf16, i8, u8, i32, i64, u32, u64, f8e4m3, f8e5m2 (or
-    /// nccl-tests' float, double, half, bfloat16, int8, uint8, int32, int64, uint32, uint64), as
-    /// nccl-tests' -d.
+    /// nccl-tests' float, double, half, bfloat16, int8, uint8, int32, int64, uint32, uint64), or
+    /// `all` (each in turn), as nccl-tests' -d.
     #[arg(short = 'd', long, default_value = "f32", value_parser = parse_dtype)]
     pub dtype: String,
-    /// Reduction: sum, prod, min, max, avg, band, bor, bxor, as nccl-tests' -o.
+    /// Reduction: sum, prod, min, max, avg, band, bor, bxor, or `all` (sum, prod, min, max and
+    /// avg in turn), as nccl-tests' -o.
     #[arg(short = 'o', long, default_value = "sum", value_parser = parse_redop)]
     pub redop: String,
     /// Root rank of broadcast and reduce, as nccl-tests' -r.
@@ -117,6 +137,7 @@ pub fn parse_op(s: &str) -> Result<String, String> {
 /// A dtype as commd spells it (nccl-tests' names accepted), or the valid ones.
 pub fn parse_dtype(s: &str) -> Result<String, String> {
     let n = match s.trim().to_ascii_lowercase().as_str() {
+        "all" => "all",
         "f32" | "float" | "float32" => "f32",
         "f64" | "double" | "float64" => "f64",
         "f16" | "half" | "float16" => "f16",
@@ -141,8 +162,11 @@ pub fn parse_dtype(s: &str) -> Result<String, String> {
 /// A reduction name, or the valid ones.
 pub fn parse_redop(s: &str) -> Result<String, String> {
     let n = s.trim().to_ascii_lowercase();
+    if n == "all" {
+        return Ok(n);
+    }
     RedOp::parse(&n).map(|_| n.clone()).ok_or_else(|| {
-        format!("unknown reduction '{s}' (valid: sum, prod, min, max, avg, band, bor, bxor)")
+        format!("unknown reduction '{s}' (valid: sum, prod, min, max, avg, band, bor, bxor, all)")
     })
 }
 
@@ -215,6 +239,15 @@ fn select(a: &BenchArgs) -> Result<Sel, String> {
     if a.step_factor < 2 {
         return Err("--step-factor must be at least 2".into());
     }
+    if a.step_bytes == Some(0) {
+        return Err("--step-bytes must be at least 1".into());
+    }
+    if a.nthreads != 1 || a.ngpus != 1 {
+        return Err(format!(
+            "-t {} -g {}: commd bench runs one single-threaded client process per rank; give the number of ranks with --ranks (-t and -g take 1)",
+            a.nthreads, a.ngpus
+        ));
+    }
     if a.min_bytes == 0 || a.min_bytes > a.max_bytes {
         return Err("need 0 < --min-bytes <= --max-bytes".into());
     }
@@ -250,7 +283,11 @@ fn sizes(a: &BenchArgs) -> Vec<u64> {
     let mut s = a.min_bytes;
     while s <= a.max_bytes {
         v.push(s);
-        match s.checked_mul(a.step_factor) {
+        let next = match a.step_bytes {
+            Some(b) => s.checked_add(b),
+            None => s.checked_mul(a.step_factor),
+        };
+        match next {
             Some(n) => s = n,
             None => break,
         }
@@ -327,8 +364,58 @@ pub fn memcpy_gbps() -> f64 {
     n as f64 / best / 1e9
 }
 
-/// The parent side: starts the daemon if needed, the workers, and prints the table.
+/// The reductions `-o all` runs, as nccl-tests' (its `mulsum` is commd's PreMulSum, which
+/// the bench does not run).
+const ALL_REDOPS: [&str; 5] = ["sum", "prod", "min", "max", "avg"];
+
+/// The parent side: [`run_one`] for each dtype and reduction the arguments name (`-d all`,
+/// `-o all`: each in turn, one table each; a pair commd does not reduce, e.g. a bitwise
+/// reduction of floats, is said and left out). True when every result was right.
 pub fn run(
+    a: &BenchArgs,
+    socket: Option<PathBuf>,
+    embedded_cfg: Option<crate::config::Config>,
+) -> Result<bool, String> {
+    if a.dtype != "all" && a.redop != "all" {
+        return run_one(a, socket, embedded_cfg);
+    }
+    let dtypes: Vec<String> = if a.dtype == "all" {
+        commd_proto::desc::ALL_DTYPES
+            .iter()
+            .map(|d| d.name().to_string())
+            .collect()
+    } else {
+        vec![a.dtype.clone()]
+    };
+    let reduces = OpKind::parse(&a.op).is_some_and(|k| k.reduces());
+    let redops: Vec<String> = match (a.redop.as_str(), reduces) {
+        ("all", true) => ALL_REDOPS.iter().map(|r| r.to_string()).collect(),
+        ("all", false) => vec!["sum".into()], // not used by this op
+        (r, _) => vec![r.to_string()],
+    };
+    let mut ok = true;
+    for d in &dtypes {
+        for r in &redops {
+            let mut one = a.clone();
+            one.dtype.clone_from(d);
+            one.redop.clone_from(r);
+            if let (Some(op), Some(dt)) = (RedOp::parse(r), DType::parse(d))
+                && reduces
+                && let Err(e) = op.check_dtype(dt)
+            {
+                if !a.json && !a.csv {
+                    println!("# dtype {d} redop {r}: not run ({e})");
+                }
+                continue;
+            }
+            ok &= run_one(&one, socket.clone(), embedded_cfg.clone())?;
+        }
+    }
+    Ok(ok)
+}
+
+/// One dtype and reduction: starts the daemon if needed, the workers, and prints the table.
+pub fn run_one(
     a: &BenchArgs,
     socket: Option<PathBuf>,
     embedded_cfg: Option<crate::config::Config>,
@@ -370,7 +457,7 @@ pub fn run(
         let (sz, count) = geometry(sel.kind, sel.dtype, n, size);
         let mut cols = Vec::new();
         for inplace in [false, true] {
-            let c = read_col(&mut readers, sel.kind, n, sz, inplace)?;
+            let c = read_col(&mut readers, sel.kind, n, sz, inplace, a.average)?;
             totals.ok &= c.wrong == 0;
             cols.push(c);
         }
@@ -541,8 +628,8 @@ fn spawn_workers(a: &BenchArgs, sockets: &[PathBuf]) -> Result<(Client, Vec<Chil
     Ok((client, children))
 }
 
-/// One placement (out of place or in place) of one size over every rank: the slowest rank's
-/// mean and median times (us), the bandwidths (GB/s) and the wrong elements of all ranks.
+/// One placement (out of place or in place) of one size over every rank: the ranks' mean and
+/// median times (us) as `-a` combines them (default: the slowest rank's), the bandwidths (GB/s) and the wrong elements of all ranks.
 #[derive(Clone, Copy, Debug)]
 struct Col {
     mean: f64,
@@ -565,15 +652,27 @@ struct Totals {
 }
 
 /// Reads every worker's row of one size and placement (`sz` bytes reported).
+/// The ranks' times as one, by nccl-tests' `-a`: 0 rank 0's, 1 the mean, 2 the least, 3 the
+/// most.
+fn over_ranks(v: &[f64], average: u8) -> f64 {
+    match average {
+        0 => v.first().copied().unwrap_or(0.0),
+        1 => v.iter().sum::<f64>() / v.len().max(1) as f64,
+        2 => v.iter().copied().fold(f64::INFINITY, f64::min),
+        _ => v.iter().copied().fold(0.0, f64::max),
+    }
+}
+
 fn read_col(
     readers: &mut [std::io::Lines<BufReader<ChildStdout>>],
     kind: OpKind,
     n: u64,
     sz: u64,
     inplace: bool,
+    average: u8,
 ) -> Result<Col, String> {
-    let mut worst_mean = 0f64;
-    let mut worst_med = 0f64;
+    let mut means = Vec::with_capacity(readers.len());
+    let mut meds = Vec::with_capacity(readers.len());
     let mut wrong = 0u64;
     let mut phases = Phases::default();
     for (r, rd) in readers.iter_mut().enumerate() {
@@ -586,16 +685,17 @@ fn read_col(
         if let Some(e) = row.error {
             return Err(format!("rank {r}: {e}"));
         }
-        worst_mean = worst_mean.max(row.mean_us);
-        worst_med = worst_med.max(row.median_us);
+        means.push(row.mean_us);
+        meds.push(row.median_us);
         wrong += row.wrong;
         phases = phases.max(row.phases);
     }
-    let algbw = sz as f64 / (worst_mean * 1e-6) / 1e9;
+    let (mean, med) = (over_ranks(&means, average), over_ranks(&meds, average));
+    let algbw = sz as f64 / (mean * 1e-6) / 1e9;
     let busbw = algbw * bus_factor(kind, n);
     Ok(Col {
-        mean: worst_mean,
-        med: worst_med,
+        mean,
+        med,
         algbw,
         busbw,
         wrong,
@@ -734,7 +834,7 @@ impl Printer<'_> {
         } else if a.json {
             for c in cols {
                 let (t, m, al, bu, w, ip) = (c.mean, c.med, c.algbw, c.busbw, c.wrong, c.inplace);
-                let mut j = serde_json::json!({"op": a.op, "ranks": a.ranks, "nodes": a.nodes, "dtype": sel.dtype.name(), "size": sz, "count": count, "inplace": ip,
+                let mut j = serde_json::json!({"op": a.op, "ranks": a.ranks, "nodes": a.nodes, "dtype": sel.dtype.name(), "redop": self.redop(), "size": sz, "count": count, "inplace": ip,
                     "time_us": t, "median_us": m, "algbw": al, "busbw": bu, "wrong": w, "memcpy_gbps": mb, "memory": a.memory});
                 if a.memory != "registered" {
                     j["phases"] = serde_json::json!(c.phases);

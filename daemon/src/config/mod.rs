@@ -31,7 +31,7 @@ pub use settings::*;
 
 #[derive(Debug, Error)]
 pub enum ConfigError {
-    #[error("unknown config key '{0}' (see `commd config` for the list)")]
+    #[error("unknown config key '{0}'{hint} (see `commd config` for the list)", hint = did_you_mean(.0, KEYS.iter().map(|k| k.name)))]
     UnknownKey(String),
     #[error("invalid value '{value}' for {key} (from {origin}): {why}")]
     Invalid {
@@ -159,6 +159,60 @@ pub fn parse_set(s: &str) -> Result<(String, String), ConfigError> {
         .split_once('=')
         .ok_or_else(|| ConfigError::SetSyntax(s.to_string()))?;
     Ok((k.trim().to_string(), v.trim().to_string()))
+}
+
+/// `" (did you mean 'x'?)"` for the known name closest to `name` when it is close enough to be
+/// a typo (at most 2 edits, and fewer than a third of the name), else `""`.
+pub fn did_you_mean<'a>(name: &str, known: impl Iterator<Item = &'a str>) -> String {
+    let limit = (name.len() / 3).clamp(1, 2);
+    known
+        .map(|k| {
+            (
+                edits(&name.to_ascii_lowercase(), &k.to_ascii_lowercase()),
+                k,
+            )
+        })
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| format!(" (did you mean '{k}'?)"))
+        .unwrap_or_default()
+}
+
+/// Levenshtein distance (insertions, deletions, substitutions) between two short names.
+fn edits(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
+/// The `COMMD_*` variables of `env` that nothing of commd reads (neither a daemon setting nor
+/// an environment-only one of `commd_settings`), each as a warning with the closest known name
+/// when there is one. Warned, not refused: clients' variables share the prefix, and a job's
+/// environment reaches the daemon in `commd bench` and `commd exec`.
+pub fn unknown_env(env: &BTreeMap<String, String>) -> Vec<String> {
+    let known = || {
+        KEYS.iter()
+            .map(|k| k.env)
+            .chain(commd_settings::KEYS.iter().map(|k| k.name))
+    };
+    env.keys()
+        .filter(|v| v.starts_with("COMMD_") && !known().any(|k| k == v.as_str()))
+        .map(|v| {
+            format!(
+                "{v} is not a commd setting and is ignored{} (`commd config` and `commd config --client` list them)",
+                did_you_mean(v, known())
+            )
+        })
+        .collect()
 }
 
 fn key(name: &str) -> Result<&'static Key, ConfigError> {
@@ -573,6 +627,31 @@ pub fn fd_socket_for(socket: &Path) -> PathBuf {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn unknown_commd_variables_are_warned_with_the_closest_name() {
+        let env: BTreeMap<String, String> = [
+            ("COMMD_WROKERS", "4"),
+            ("COMMD_WORKERS", "4"),
+            ("COMMD_SOCKET", "/tmp/s"),
+            ("COMMD_ZZZ_NOTHING_LIKE_IT", "1"),
+            ("PATH", "/bin"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let w = super::unknown_env(&env);
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(
+            w[0].starts_with("COMMD_WROKERS is not a commd setting")
+                && w[0].contains("did you mean 'COMMD_WORKERS'?"),
+            "{w:?}"
+        );
+        assert!(
+            w[1].starts_with("COMMD_ZZZ_NOTHING_LIKE_IT") && !w[1].contains("did you mean"),
+            "{w:?}"
+        );
+    }
+
     /// The docs list the same subsystems as the code (they drifted once).
     #[test]
     fn documented_subsystems_are_the_real_ones() {
@@ -718,6 +797,15 @@ mod tests {
         assert!(e.to_string().contains("power of two"), "{e}");
         let e = Config::load(&inputs(None, &[], &[("nope", "1")])).unwrap_err();
         assert!(matches!(e, ConfigError::UnknownKey(_)));
+        let typo = Config::load(&Inputs {
+            flags: vec![("wrokers".into(), "4".into())],
+            ..Inputs::default()
+        })
+        .unwrap_err();
+        assert!(
+            typo.to_string().contains("(did you mean 'workers'?)"),
+            "{typo}"
+        );
         let (p, _d) = tmp_toml("bogus_key = 1\n");
         assert!(matches!(
             Config::load(&inputs(Some(p), &[], &[])),

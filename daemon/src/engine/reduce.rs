@@ -1,9 +1,10 @@
 //! Element-wise reductions over host memory for every dtype and reduction op.
 //!
 //! f16, bf16 and fp8 (E4M3, E5M2) accumulate in f32 (fp8 stored rounded to nearest even and
-//! saturated to the largest finite value, as NCCL stores it); integer sum/prod wrap on overflow (as NCCL does); `avg` is the
-//! sum divided by the rank count, and for integers the exact mean truncated toward zero (summed in
-//! i128, so it never wraps; NCCL would divide a wrapped sum). `min`/`max` of floats compare
+//! saturated to the largest finite value, as NCCL stores it); integer sum/prod wrap on overflow
+//! (as NCCL does); `avg` is the sum divided by the rank count, for integers NCCL's definition:
+//! the sum wrapped in the element type, then divided (truncated toward zero; unsigned types
+//! divide unsigned). `min`/`max` of floats compare
 //! with `<`/`>`, so a NaN input propagates only from the first operand, as in a sequential loop.
 //! The bitwise ops (`band`, `bor`, `bxor`) exist for integer dtypes only: a [`Kernel`], the only
 //! way to call [`reduce`], cannot be made for a bitwise op on a float dtype.
@@ -78,12 +79,11 @@ macro_rules! int_acc {
                 Ord::max(self, o)
             }
             #[inline(always)]
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             fn div_n(self, n: u32) -> Self {
-                // n <= MAX_RANKS (2^16); for 8-bit types a quotient by n > 255 is 0 (or -1/0).
-                match <$t>::try_from(n) {
-                    Ok(d) => self.wrapping_div(d),
-                    Err(_) => 0,
-                }
+                // As C divides after promoting both to int: a quotient of a value of the type
+                // by a positive n lies within the type's range, so the cast is exact.
+                (i128::from(self) / i128::from(Ord::max(n, 1))) as $t
             }
         }
     };
@@ -126,40 +126,6 @@ bit_acc!(i32);
 bit_acc!(i64);
 bit_acc!(u32);
 bit_acc!(u64);
-
-// Integer average accumulates here: the exact sum of up to 2^16 ranks of any integer dtype
-// fits, so AVG is the true mean truncated toward zero (always representable), never a wrapped
-// sum divided afterwards.
-int_acc!(i128);
-
-/// An integer element read into an `i128` accumulator (same layout as `T`).
-#[derive(Clone, Copy, Default)]
-#[repr(transparent)]
-struct Wide<T>(T);
-
-macro_rules! wide_elem {
-    ($t:ty) => {
-        impl Elem for Wide<$t> {
-            type A = i128;
-            #[inline(always)]
-            fn load(self) -> i128 {
-                i128::from(self.0)
-            }
-            #[inline(always)]
-            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            fn store(a: i128) -> Self {
-                // A mean of values of $t lies within $t's range, so the cast is exact.
-                Wide(a as $t)
-            }
-        }
-    };
-}
-wide_elem!(i8);
-wide_elem!(u8);
-wide_elem!(i32);
-wide_elem!(i64);
-wide_elem!(u32);
-wide_elem!(u64);
 
 trait Elem: Copy + Default {
     type A: Acc;
@@ -442,7 +408,7 @@ unsafe fn arith_ops<T: Elem>(
     }
 }
 
-/// Every op, for integer dtypes (accumulated in the element type itself, but AVG in `i128`).
+/// Every op, for integer dtypes (accumulated in the element type itself).
 ///
 /// # Safety
 /// As for [`reduce_t`].
@@ -454,18 +420,13 @@ unsafe fn int_ops<T: Elem<A = T> + BitAcc>(
     n: usize,
     stream: bool,
     ch: Chain,
-) where
-    Wide<T>: Elem<A = i128>,
-{
+) {
     // SAFETY: forwarded caller guarantees.
     unsafe {
         match op {
             RedOp::Band => reduce_t::<T, _>(BitAcc::band, None, inputs, outputs, n, stream, ch),
             RedOp::Bor => reduce_t::<T, _>(BitAcc::bor, None, inputs, outputs, n, stream, ch),
             RedOp::Bxor => reduce_t::<T, _>(BitAcc::bxor, None, inputs, outputs, n, stream, ch),
-            RedOp::Avg => {
-                reduce_t::<Wide<T>, _>(Acc::sum, Some(nranks), inputs, outputs, n, stream, ch)
-            }
             _ => arith_ops::<T>(op, nranks, inputs, outputs, n, stream, ch),
         }
     }
@@ -511,12 +472,10 @@ impl Chain {
 }
 
 impl Kernel {
-    /// Bytes of one accumulator element: f32 for f16/bf16/fp8, i128 for integer averages, else the
-    /// element itself.
+    /// Bytes of one accumulator element: f32 for f16/bf16/fp8, else the element itself.
     pub fn acc_size(self) -> usize {
         match (self.dtype, self.op) {
             (DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2, _) => 4,
-            (d, RedOp::Avg) if !d.is_float() => 16,
             (d, _) => usize_of(d.size()),
         }
     }

@@ -28,6 +28,11 @@ pub fn filter(cfg: &Config) -> String {
     if level != "trace" {
         f.push_str(",commd::op=warn");
     }
+    // The serving daemon's ready line shows at the default level (WARN), as a service's start
+    // line does; ERROR (or an unknown level) keeps it quiet.
+    if matches!(level.as_str(), "warn" | "info" | "debug" | "trace") {
+        f.push_str(",commd::ready=info");
+    }
     f
 }
 

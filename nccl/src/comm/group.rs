@@ -1,8 +1,9 @@
 //! `ncclGroupStart`/`ncclGroupEnd`, per thread as in NCCL. Collectives on device memory are
 //! posted when called (they never block the CPU); what must wait for the group's end is
 //! gathered here: the stream waits of send/recv ops (so a group's sends and receives match in
-//! any order without a stream blocking on the first), host-path ops, and communicator joins
-//! started inside the group (several ranks of one communicator initialised from one thread).
+//! any order without a stream blocking on the first), host-path ops, communicator joins
+//! started inside the group (several ranks of one communicator initialised from one thread),
+//! and window registrations (collective, like the joins).
 //!
 //! May use: `comm`, `host`, `ffi`, `commd_client` GPU flushes.
 
@@ -31,7 +32,13 @@ struct Group {
     posting: bool,
     /// Communicators that were given a `launchCompletionEvent` in this group (one each).
     launch_events: Vec<usize>,
+    /// Window registrations held for the group's end (collective: one thread may register
+    /// the windows of several ranks), in call order.
+    windows: Vec<(Arc<Comm>, Deferred)>,
 }
+
+/// A call held for the group's end (a window registration), run once.
+pub type Deferred = Box<dyn FnOnce() -> Outcome + Send>;
 
 thread_local! {
     static G: RefCell<Group> = RefCell::new(Group::default());
@@ -122,6 +129,48 @@ pub fn on_device<T>(device: i32, f: impl FnOnce() -> T) -> T {
         let _ = cu::set_current(prev);
     }
     out
+}
+
+/// Holds a window registration of `c` for the group's end.
+pub fn register_later(c: Arc<Comm>, f: Deferred) {
+    G.with(|g| g.borrow_mut().windows.push((c, f)));
+}
+
+/// Runs the window registrations held for a group's end: each communicator's in call order,
+/// the communicators' on threads of their own (each registration waits for every rank of its
+/// communicator, and one thread may hold several ranks' registrations). The first failure.
+fn register_windows(held: Vec<(Arc<Comm>, Deferred)>) -> Option<Failure> {
+    let mut by_comm: Vec<(Arc<Comm>, Vec<Deferred>)> = Vec::new();
+    for (c, f) in held {
+        match by_comm.iter_mut().find(|(x, _)| Arc::ptr_eq(x, &c)) {
+            Some((_, v)) => v.push(f),
+            None => by_comm.push((c, vec![f])),
+        }
+    }
+    let run = |v: Vec<Deferred>| -> Option<Failure> {
+        let mut first = None;
+        for f in v {
+            if let Err(e) = f() {
+                first.get_or_insert(e);
+            }
+        }
+        first
+    };
+    if by_comm.len() == 1 {
+        return by_comm.pop().and_then(|(_, v)| run(v));
+    }
+    std::thread::scope(|s| {
+        let ts: Vec<_> = by_comm
+            .into_iter()
+            .map(|(_, v)| s.spawn(move || run(v)))
+            .collect();
+        ts.into_iter()
+            .filter_map(|t| {
+                t.join()
+                    .unwrap_or_else(|_| Some(usage("a window registration panicked")))
+            })
+            .next()
+    })
 }
 
 pub fn finish_later(h: HostOp) {
@@ -218,9 +267,10 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
             std::mem::take(&mut g.flush),
             std::mem::take(&mut g.host),
             std::mem::take(&mut g.joins),
+            std::mem::take(&mut g.windows),
         )))
     })?;
-    let Some((flush, host, joins)) = work else {
+    let Some((flush, host, joins, windows)) = work else {
         return Ok(ffi::SUCCESS);
     };
     // A call of the group that failed returned its error then; the end does not repeat it
@@ -256,6 +306,12 @@ pub fn end() -> Outcome<ffi::ncclResult_t> {
         } else if c.joining() {
             in_progress = true;
         }
+    }
+    // After the joins: a window may be registered in the group that made its communicator.
+    if !windows.is_empty()
+        && let Some(f) = register_windows(windows)
+    {
+        first.get_or_insert(f);
     }
     match first {
         Some(f) => Err(f),

@@ -356,7 +356,7 @@ impl Comm {
     /// The joined communicator for an op or a split: as [`Self::ready`], but a non-blocking
     /// communicator still joining is an error, as in NCCL (its caller must first see
     /// `ncclCommGetAsyncError` report something other than `ncclInProgress`).
-    fn usable(&self) -> Outcome<Arc<Ready>> {
+    pub fn usable(&self) -> Outcome<Arc<Ready>> {
         if !self.blocking && self.joining() {
             return Err(invalid(
                 "attempt to use a non-blocking communicator before its initialisation finished (poll ncclCommGetAsyncError until it is not ncclInProgress)",

@@ -33,6 +33,7 @@ mod signature;
 #[cfg(test)]
 mod tests;
 mod window;
+pub(crate) use window::{alloc_window, open_ipc};
 
 /// Bytes each rank sends in the first all-gather.
 const OFFER_BYTES: u64 = 128;

@@ -226,7 +226,7 @@ impl Communicator {
 
     /// GPU memory this process allocated for the communicator's direct ops, in bytes: the
     /// windows of captured and eager collectives, the rounds kernel's barrier and the
-    /// send/recv inboxes. All of it is kept until the process exits (peers and graphs may
+    /// send/recv inboxes, the signal area of one-sided ops (`gpu::rma`). All of it is kept until the process exits (peers and graphs may
     /// still use it), so it only grows; the NCCL library reports it as `ncclCommMemStats`.
     pub fn cuda_memory_bytes(&self) -> u64 {
         let c = lock(&self.gpu);
@@ -238,6 +238,7 @@ impl Communicator {
             + win(&c.eager)
             + c.rounds_bar.map_or(0, |_| 16)
             + super::p2p::inbox_bytes(&c.p2p)
+            + self.rma_bytes()
     }
 
     /// A zeroed page for the failure record (and eager status words), leaked (a graph may
@@ -270,7 +271,7 @@ impl Communicator {
     }
 
     /// All-gathers `mine` (the same length on every rank) through the daemon (host memory).
-    pub(super) fn host_all_gather(&self, mine: &[u8]) -> Result<Vec<u8>> {
+    pub(crate) fn host_all_gather(&self, mine: &[u8]) -> Result<Vec<u8>> {
         let client = Client {
             inner: self.client.clone(),
         };

@@ -9,7 +9,7 @@ use commd_proto::num::usize_of;
 
 /// A window of `bytes` on the current context's device, its first `zero` bytes zeroed, and its
 /// IPC handle: (address, handle).
-pub(super) fn alloc_window(
+pub(crate) fn alloc_window(
     bytes: u64,
     zero: &[(u64, u64)],
 ) -> std::result::Result<(sys::CUdeviceptr, [u8; 64]), cu::CuError> {
@@ -46,18 +46,7 @@ pub(super) fn alloc_window(
     // SAFETY: `s` was created above.
     unsafe { sys::cuStreamDestroy_v2(s) };
     r.map_err(fail)?;
-    let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
-    ck(
-        // SAFETY: `win` is a cuMemAlloc allocation; valid out pointer.
-        unsafe { sys::cuIpcGetMemHandle(&mut h, win) },
-        "cuIpcGetMemHandle",
-    )
-    .map_err(fail)?;
-    let mut out = [0u8; 64];
-    for (d, s) in out.iter_mut().zip(h.reserved.iter()) {
-        // The handle's bytes, whatever the sign of c_char.
-        *d = u8::from_ne_bytes(s.to_ne_bytes());
-    }
+    let out = cu::mem::ipc_handle(win).map_err(fail)?;
     Ok((win, out))
 }
 
@@ -66,6 +55,18 @@ pub(super) fn open_peer(dev: i32, offer: &[u8]) -> std::result::Result<sys::CUde
     let uuid: [u8; 16] = offer[64..80]
         .try_into()
         .map_err(|_| "short offer".to_string())?;
+    // The handle names a live allocation of the peer: it is in the all-gather, which the peer
+    // completed after exporting it.
+    open_ipc(dev, &offer[..64], uuid)
+}
+
+/// Opens IPC `handle` of an allocation on the GPU with `uuid` in the current context (of
+/// `dev`): the GPU must be visible in this process and reachable from `dev`.
+pub(crate) fn open_ipc(
+    dev: i32,
+    handle: &[u8],
+    uuid: [u8; 16],
+) -> std::result::Result<sys::CUdeviceptr, String> {
     let count = cu::device_count().map_err(|e| e.to_string())?;
     let peer = (0..count)
         .find(|&o| crate::gpu::device_uuid(o).is_ok_and(|u| u == uuid))
@@ -73,7 +74,5 @@ pub(super) fn open_peer(dev: i32, offer: &[u8]) -> std::result::Result<sys::CUde
     if !cu::context::can_access_peer(dev, peer).map_err(|e| e.to_string())? {
         return Err(format!("no peer access from GPU {dev} to GPU {peer}"));
     }
-    // The handle names a live allocation of the peer: it is in the all-gather, which the peer
-    // completed after exporting it.
-    cu::ipc_open(&offer[..64], "cuIpcOpenMemHandle").map_err(|e| e.to_string())
+    cu::ipc_open(handle, "cuIpcOpenMemHandle").map_err(|e| e.to_string())
 }

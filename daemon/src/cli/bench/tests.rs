@@ -35,6 +35,29 @@ fn sizes_iterations_and_geometry_follow_nccl_tests() {
 }
 
 #[test]
+fn nccl_tests_step_bytes_average_threads_and_all() {
+    assert_eq!(
+        sizes(&args(&["-b", "1K", "-e", "4K", "-i", "1K"])),
+        [1024, 2048, 3072, 4096]
+    );
+    let v = [3.0, 1.0, 2.0];
+    assert_eq!(over_ranks(&v, 0), 3.0);
+    assert_eq!(over_ranks(&v, 1), 2.0);
+    assert_eq!(over_ranks(&v, 2), 1.0);
+    assert_eq!(over_ranks(&v, 3), 3.0);
+    assert_eq!(args(&[]).average, 3, "the slowest rank, as before");
+    let e = select(&args(&["-t", "2"])).unwrap_err();
+    assert!(e.contains("-t 2 -g 1") && e.contains("--ranks"), "{e}");
+    assert!(select(&args(&["-g", "4"])).is_err());
+    let all = args(&["-d", "all", "-o", "all"]);
+    assert_eq!((all.dtype.as_str(), all.redop.as_str()), ("all", "all"));
+    assert!(
+        select(&all).is_err(),
+        "`all` is expanded by run, never selected as such"
+    );
+}
+
+#[test]
 fn selections_that_cannot_run_are_refused_by_name() {
     let e = |v: &[&str]| select(&args(v)).unwrap_err();
     assert_eq!(e(&["--ranks", "0"]), "--ranks must be in 1..=256");
@@ -212,7 +235,7 @@ all_gather,3,1,f32,none,-1,60,5,true,15.669,16.635,0.0038,0.0026,0
     });
     assert_eq!(
         got,
-        r#"{"algbw":0.000023740351772662397,"busbw":0.00001582690118177493,"count":5,"dtype":"f32","inplace":false,"median_us":3171.498,"memcpy_gbps":16.5857296052747,"memory":"plain","nodes":1,"op":"reduce_scatter","phases":{"copy_in_us":0.0,"copy_out_us":0.0,"first_us":0.0,"lookup_us":0.0,"op_us":0.0},"ranks":3,"size":60,"time_us":2527.3424999999997,"wrong":0}
+        r#"{"algbw":0.000023740351772662397,"busbw":0.00001582690118177493,"count":5,"dtype":"f32","inplace":false,"median_us":3171.498,"memcpy_gbps":16.5857296052747,"memory":"plain","nodes":1,"op":"reduce_scatter","phases":{"copy_in_us":0.0,"copy_out_us":0.0,"first_us":0.0,"lookup_us":0.0,"op_us":0.0},"ranks":3,"redop":"sum","size":60,"time_us":2527.3424999999997,"wrong":0}
 "#
     );
 }

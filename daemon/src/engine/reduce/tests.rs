@@ -39,10 +39,6 @@ fn reference(dtype: DType, op: RedOp, vals: &[f64]) -> f64 {
             }
             y
         };
-        if op == RedOp::Avg {
-            // The exact mean, truncated toward zero.
-            return (vals.iter().map(|&v| v as i128).sum::<i128>() / vals.len() as i128) as f64;
-        }
         let mut a = vals[0] as i128;
         for &v in &vals[1..] {
             let v = v as i128;
@@ -59,7 +55,8 @@ fn reference(dtype: DType, op: RedOp, vals: &[f64]) -> f64 {
             });
         }
         if op == RedOp::Avg {
-            // Truncating division like Rust's integer `/`.
+            // NCCL's definition: the wrapped sum, divided truncating toward zero (an unsigned
+            // dtype's wrapped value is non-negative, so it divides unsigned).
             a /= vals.len() as i128;
         }
         a as f64
@@ -349,7 +346,7 @@ fn bitwise_ops_known_answers() {
 }
 
 #[test]
-fn integer_avg_is_the_exact_mean() {
+fn integer_avg_divides_the_wrapped_sum_as_nccl_does() {
     fn run<T: Copy + Default>(dtype: DType, vals: &[T]) -> T {
         let ptrs: Vec<*const u8> = vals.iter().map(|v| (v as *const T).cast()).collect();
         let mut out = T::default();
@@ -366,12 +363,19 @@ fn integer_avg_is_the_exact_mean() {
         };
         out
     }
-    // A wrapping sum would give (100 + 39) as i8 = -117, / 2 = -58.
-    assert_eq!(run(DType::I8, &[100i8, 39]), 69);
-    assert_eq!(run(DType::I8, &[-128i8, -128, -127]), -127);
-    assert_eq!(run(DType::U8, &[255u8, 255, 254]), 254);
-    assert_eq!(run(DType::I32, &[i32::MAX, i32::MAX - 2]), i32::MAX - 1);
-    assert_eq!(run(DType::I64, &[i64::MIN, i64::MIN + 1]), i64::MIN + 1); // -(2^63 - 0.5) truncates toward zero
+    // (100 + 39) wraps to -117 in i8; -117 / 2 = -58 (the exact mean would be 69).
+    assert_eq!(run(DType::I8, &[100i8, 39]), -58);
+    // -383 wraps to -127; / 3 = -42.
+    assert_eq!(run(DType::I8, &[-128i8, -128, -127]), -42);
+    // 764 wraps to 252; / 3 = 84.
+    assert_eq!(run(DType::U8, &[255u8, 255, 254]), 84);
+    // 2^32 - 4 wraps to -4; / 2 = -2.
+    assert_eq!(run(DType::I32, &[i32::MAX, i32::MAX - 2]), -2);
+    // -2^64 + 1 wraps to 1; / 2 = 0.
+    assert_eq!(run(DType::I64, &[i64::MIN, i64::MIN + 1]), 0);
+    // Unsigned divides unsigned: u64::MAX / 2, not -1 / 2.
+    assert_eq!(run(DType::U64, &[u64::MAX, 0]), u64::MAX / 2);
+    assert_eq!(run(DType::U32, &[u32::MAX, 1]), 0);
     // Truncation toward zero, like C and torch's rounding_mode="trunc".
     assert_eq!(run(DType::I32, &[-3i32, 0]), -1);
 }
