@@ -88,6 +88,11 @@ typedef enum commd_status_t {
    * An internal error (a bug in commd: please report the message).
    */
   COMMD_INTERNAL = 10,
+  /**
+   * A rank revoked the communicator (the message names it and why): its ops fail; it can
+   * still be shrunk.
+   */
+  COMMD_REVOKED = 11,
 } commd_status_t;
 
 /**

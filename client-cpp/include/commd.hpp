@@ -86,6 +86,10 @@ class ShutdownError : public Error {
 class AbortedError : public Error {
   using Error::Error;
 };
+/// A rank revoked the communicator (what() names it and why).
+class RevokedError : public AbortedError {
+  using AbortedError::AbortedError;
+};
 /// A bug in commd; please report what().
 class InternalError : public Error {
   using Error::Error;
@@ -105,6 +109,7 @@ namespace detail {
     case COMMD_TIMEOUT: throw TimeoutError(s, m);
     case COMMD_SHUTDOWN: throw ShutdownError(s, m);
     case COMMD_ABORTED: throw AbortedError(s, m);
+    case COMMD_REVOKED: throw RevokedError(s, m);
     case COMMD_INTERNAL: throw InternalError(s, m);
     default: throw Error(s, m);
   }

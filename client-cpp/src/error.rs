@@ -46,6 +46,7 @@ pub(crate) fn classify(e: &Error) -> commd_status_t {
             OpErrorKind::Timeout => COMMD_TIMEOUT,
             OpErrorKind::Shutdown => COMMD_SHUTDOWN,
             OpErrorKind::Aborted => COMMD_ABORTED,
+            OpErrorKind::Revoked => COMMD_REVOKED,
             OpErrorKind::Internal => COMMD_INTERNAL,
         },
         Error::Rpc { code, message, .. } => {

@@ -35,10 +35,13 @@ pub enum commd_status_t {
     COMMD_ABORTED = 9,
     /// An internal error (a bug in commd: please report the message).
     COMMD_INTERNAL = 10,
+    /// A rank revoked the communicator (the message names it and why): its ops fail; it can
+    /// still be shrunk.
+    COMMD_REVOKED = 11,
 }
 
 impl commd_status_t {
-    pub(crate) const ALL: [commd_status_t; 11] = [
+    pub(crate) const ALL: [commd_status_t; 12] = [
         Self::COMMD_OK,
         Self::COMMD_IN_PROGRESS,
         Self::COMMD_INVALID_ARGUMENT,
@@ -50,6 +53,7 @@ impl commd_status_t {
         Self::COMMD_SHUTDOWN,
         Self::COMMD_ABORTED,
         Self::COMMD_INTERNAL,
+        Self::COMMD_REVOKED,
     ];
 
     /// The variant's name, NUL-terminated for C.
@@ -66,6 +70,7 @@ impl commd_status_t {
             Self::COMMD_SHUTDOWN => "COMMD_SHUTDOWN\0",
             Self::COMMD_ABORTED => "COMMD_ABORTED\0",
             Self::COMMD_INTERNAL => "COMMD_INTERNAL\0",
+            Self::COMMD_REVOKED => "COMMD_REVOKED\0",
         }
     }
 }

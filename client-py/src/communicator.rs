@@ -310,12 +310,53 @@ impl Communicator {
     }
 
     /// Why the daemon holds this communicator broken for good, as (status, reason): status is
-    /// "peer_lost", "timeout", "mismatch", "aborted", "shutdown", "invalid" or "internal".
+    /// "peer_lost", "timeout", "mismatch", "aborted", "revoked", "shutdown", "invalid" or
+    /// "internal".
     /// None while it works. One round trip to the daemon.
     fn failure(&self, py: Python<'_>) -> PyResult<Option<(String, String)>> {
         let comm = self.get()?;
         let f = py.detach(|| comm.failure()).map_err(to_py)?;
         Ok(f.map(|(s, m)| (commd_client::desc::status::name(s).to_string(), m)))
+    }
+
+    /// Revokes the communicator for every rank: their queued and later ops fail with
+    /// `RevokedError` naming this rank and `reason`; it can still be shrunk.
+    #[pyo3(signature = (reason=""))]
+    fn revoke(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
+        let comm = self.get()?;
+        py.detach(|| comm.revoke(reason)).map_err(to_py)
+    }
+
+    /// A child without the parent ranks in `exclude`, ranks renumbered in order (NCCL's
+    /// ncclCommShrink): every surviving rank calls it with the same list; no unique id. With
+    /// `abort`, this communicator is revoked first; else this rank's ops on it finish first.
+    #[pyo3(signature = (exclude, abort=false, op_timeout=None, join_timeout=None, name=None))]
+    fn shrink(
+        &self,
+        py: Python<'_>,
+        exclude: Vec<u32>,
+        abort: bool,
+        op_timeout: Option<f64>,
+        join_timeout: Option<f64>,
+        name: Option<String>,
+    ) -> PyResult<Communicator> {
+        let comm = self.get()?;
+        let o = commd_client::ShrinkOptions {
+            abort,
+            comm: commd_client::CommOptions {
+                op_timeout: crate::convert::duration(op_timeout, "op_timeout")?,
+                join_timeout: crate::convert::duration(join_timeout, "join_timeout")?,
+                name,
+                ..Default::default()
+            },
+        };
+        let c = py.detach(|| comm.shrink(&exclude, o)).map_err(to_py)?;
+        Ok(Communicator {
+            rank: c.rank(),
+            nranks: c.nranks(),
+            inner: std::sync::Mutex::new(Some(Arc::new(c))),
+            stash: Arc::default(),
+        })
     }
 
     /// The status code of a failed GPU op on this communicator since the last call, or None.

@@ -56,6 +56,12 @@ create_exception!(
 );
 create_exception!(
     commd,
+    RevokedError,
+    AbortedError,
+    "A rank revoked the communicator (the message names it and why); it can still be shrunk."
+);
+create_exception!(
+    commd,
     InvalidOpError,
     CommError,
     "The daemon refused the op's arguments (bounds, dtype, reduction)."
@@ -81,6 +87,7 @@ pub(crate) fn to_py(e: Error) -> PyErr {
             Some(OpErrorKind::Timeout) => CommTimeoutError::new_err(msg),
             Some(OpErrorKind::Shutdown) => ShutdownError::new_err(msg),
             Some(OpErrorKind::Aborted) => AbortedError::new_err(msg),
+            Some(OpErrorKind::Revoked) => RevokedError::new_err(msg),
             Some(OpErrorKind::Invalid) => InvalidOpError::new_err(msg),
             Some(OpErrorKind::Internal) | None => CommError::new_err(msg),
         },

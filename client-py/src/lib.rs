@@ -23,7 +23,7 @@ use client::Client;
 use communicator::Communicator;
 use error::{
     AbortedError, CommError, CommTimeoutError, DaemonLostError, DaemonUnavailableError,
-    InvalidOpError, MismatchError, PeerLostError, ShutdownError, UnsupportedError,
+    InvalidOpError, MismatchError, PeerLostError, RevokedError, ShutdownError, UnsupportedError,
 };
 use hostmem::{host_allocator, host_blocks, host_blocks_release, numpy_mem_handler};
 use request::{CudaRequest, Request};
@@ -73,6 +73,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CommTimeoutError", py.get_type::<CommTimeoutError>())?;
     m.add("ShutdownError", py.get_type::<ShutdownError>())?;
     m.add("AbortedError", py.get_type::<AbortedError>())?;
+    m.add("RevokedError", py.get_type::<RevokedError>())?;
     m.add("InvalidOpError", py.get_type::<InvalidOpError>())?;
     m.add("UnsupportedError", py.get_type::<UnsupportedError>())?;
     Ok(())

@@ -397,9 +397,35 @@ impl Client {
         let r = i
             .watched(i.rpc.clone().create_communicator(req))?
             .map_err(|s| Error::rpc("create_communicator", s))?;
-        let r = r.into_inner();
-        Ok(Communicator {
-            client: self.inner.clone(),
+        Ok(Communicator::joined(
+            &self.inner,
+            r.into_inner(),
+            (rank, nranks),
+            o.op_timeout,
+        ))
+    }
+}
+
+/// How [`Communicator::shrink`] treats the parent's ops.
+#[derive(Clone, Debug, Default)]
+pub struct ShrinkOptions {
+    /// Revoke the parent first, failing its queued ops on every rank (NCCL's
+    /// `NCCL_SHRINK_ABORT`, torch's `SHRINK_ABORT`); else this rank's ops on it finish first.
+    pub abort: bool,
+    /// The child's options: `op_timeout` (the parent's when `None`), `join_timeout`, `name`
+    /// (the parent's when `None`). Switch and pacing are the parent's.
+    pub comm: CommOptions,
+}
+
+impl Communicator {
+    fn joined(
+        client: &Arc<Inner>,
+        r: pb::CreateCommunicatorReply,
+        (rank, nranks): (u32, u32),
+        op_timeout: Option<Duration>,
+    ) -> Self {
+        Communicator {
+            client: client.clone(),
             handle: r.comm,
             comm_id: r.comm_id,
             rank,
@@ -408,9 +434,57 @@ impl Client {
             nodes: r.nodes.max(1),
             paths: r.paths,
             ranks_share_a_process: r.ranks_share_a_process,
-            op_timeout: o.op_timeout,
+            op_timeout,
             gpu: Mutex::new(gpu::CommGpu::default()),
             rma: Mutex::new(gpu::rma::Rma::default()),
-        })
+        }
+    }
+
+    /// Revokes the communicator for every rank: every queued and later op of every rank fails
+    /// with [`crate::OpErrorKind::Revoked`] and a message naming this rank and `reason`. It
+    /// stays valid as the parent of [`Communicator::shrink`]. Any rank may call it.
+    pub fn revoke(&self, reason: &str) -> Result<()> {
+        self.client
+            .fail_comm(self.handle, commd_proto::desc::status::REVOKED, reason)
+    }
+
+    /// A child without the ranks in `exclude` (dead, or leaving), ranks renumbered in order
+    /// (NCCL's `ncclCommShrink`): made by the daemons from this communicator's membership,
+    /// with no new unique id. Every surviving rank calls it with the same list (else it fails
+    /// on every rank, naming the lists); an excluded rank must not call it. This communicator
+    /// may be broken (a rank lost, revoked): it stays usable as a parent until dropped.
+    pub fn shrink(&self, exclude: &[u32], o: ShrinkOptions) -> Result<Communicator> {
+        let i = &self.client;
+        i.check_owner()?;
+        let req = pb::ShrinkCommunicatorRequest {
+            session_id: i.session_id,
+            comm: self.handle,
+            exclude: exclude.to_vec(),
+            abort: o.abort,
+            op_timeout_ms: o.comm.op_timeout.map_or(0, timeout_ms),
+            join_timeout_ms: o.comm.join_timeout.map_or(0, timeout_ms),
+            name: o.comm.name.clone().unwrap_or_default(),
+        };
+        let r = i
+            .watched(i.rpc.clone().shrink_communicator(req))?
+            .map_err(|s| match s.code() {
+                // An exclude list the daemon refused, or one other survivors disagree with.
+                tonic::Code::InvalidArgument => Error::InvalidArgument(s.message().to_string()),
+                _ => Error::rpc("shrink_communicator", s),
+            })?
+            .into_inner();
+        let Some(c) = r.comm else {
+            return Err(Error::Rpc {
+                op: "shrink_communicator",
+                code: tonic::Code::Internal,
+                message: "the daemon's reply names no communicator".into(),
+            });
+        };
+        Ok(Communicator::joined(
+            i,
+            c,
+            (r.rank, r.nranks),
+            o.comm.op_timeout.or(self.op_timeout),
+        ))
     }
 }

@@ -13,6 +13,8 @@ pub enum OpErrorKind {
     Timeout,
     Shutdown,
     Aborted,
+    /// A rank revoked the communicator (the message names it and why).
+    Revoked,
     Internal,
 }
 
@@ -25,6 +27,7 @@ impl OpErrorKind {
             status::TIMEOUT => Self::Timeout,
             status::SHUTDOWN => Self::Shutdown,
             status::ABORTED => Self::Aborted,
+            status::REVOKED => Self::Revoked,
             _ => Self::Internal,
         }
     }
@@ -36,6 +39,7 @@ impl OpErrorKind {
             Self::Timeout => "timeout",
             Self::Shutdown => "shutdown",
             Self::Aborted => "aborted",
+            Self::Revoked => "revoked",
             Self::Internal => "internal",
         }
     }

@@ -39,7 +39,7 @@ use commd_proto::ring::Ring;
 use tonic::transport::Channel;
 
 pub use buffer::{At, Buffer, Pending};
-pub use comm::{ANY_SOURCE, Communicator, OpArgs};
+pub use comm::{ANY_SOURCE, Communicator, OpArgs, ShrinkOptions};
 pub use commd_proto::MIN_PACING_BYTES_PER_SEC;
 pub use commd_proto::desc;
 pub use connect::uds_channel;

@@ -82,6 +82,7 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
             }
         })
         .collect();
+    let parent = c.lineage.get().and_then(|l| l.parent.as_ref());
     pb::CommStatus {
         comm_id: c.id,
         unique_id: c.uid_short.clone(),
@@ -111,6 +112,8 @@ fn comm_status(c: &Comm, now: Instant) -> pb::CommStatus {
         pacing_bytes_per_sec: c.pacer.rate().unwrap_or(0),
         name: c.name().to_string(),
         pacing_delayed_us: u64::try_from(c.pacer.delayed().as_micros()).unwrap_or(u64::MAX),
+        parent_comm_id: parent.map_or(0, |p| p.0),
+        excluded: parent.map(|p| p.1.clone()).unwrap_or_default(),
     }
 }
 

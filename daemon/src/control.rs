@@ -140,33 +140,75 @@ impl Local for LocalService {
             .daemon
             .join(s, &r.unique_id, r.rank, r.nranks, opts, wait)?;
         match tokio::time::timeout(wait, rx).await {
-            Ok(Ok(Ok((comm, comm_id, doorbell_slot, nodes)))) => {
-                let c = self.daemon.comm_by_id(comm_id);
-                if let Some(c) = c.as_ref().filter(|c| c.name_once(&r.name)) {
-                    tracing::info!(comm = comm_id, name = %r.name, "{}: named by rank {}", c.label(), r.rank);
-                }
-                let paths = c
-                    .as_ref()
-                    .map(|c| crate::comm::comm_paths(c))
-                    .unwrap_or_default();
-                let ranks_share_a_process = c
-                    .as_ref()
-                    .is_some_and(|c| crate::comm::ranks_share_a_process(c));
-                Ok(Response::new(pb::CreateCommunicatorReply {
-                    comm,
-                    comm_id,
-                    doorbell_slot,
-                    nodes,
-                    paths,
-                    ranks_share_a_process,
-                }))
-            }
+            Ok(Ok(Ok(joined))) => Ok(Response::new(self.created(joined, &r.name, r.rank))),
             Ok(Ok(Err(e))) => Err(e.into()),
             Ok(Err(_)) => Err(Status::unavailable("daemon is shutting down")),
             Err(_) => Err(Status::deadline_exceeded(self.daemon.join_timed_out(
                 &r.unique_id,
                 r.rank,
                 t0.elapsed(),
+            ))),
+        }
+    }
+
+    async fn shrink_communicator(
+        &self,
+        req: Request<pb::ShrinkCommunicatorRequest>,
+    ) -> Result<Response<pb::ShrinkCommunicatorReply>, Status> {
+        let s = self.session(&req, req.get_ref().session_id)?;
+        let r = req.into_inner();
+        check_comm_name(&r.name)?;
+        let wait = if r.join_timeout_ms > 0 {
+            Duration::from_millis(r.join_timeout_ms)
+        } else {
+            self.daemon.cfg.join_timeout
+        };
+        let a = crate::daemon::ShrinkArgs {
+            exclude: r.exclude,
+            abort: r.abort,
+            op_timeout: (r.op_timeout_ms > 0).then(|| Duration::from_millis(r.op_timeout_ms)),
+            wait,
+        };
+        let t0 = Instant::now();
+        let (parent, rank) = self.daemon.shrink_check(&s, r.comm, &a)?;
+        // Without abort, this rank's ops on the parent finish first (they complete, or fail
+        // once a lost rank is seen).
+        while parent.queued_of(rank) > 0 {
+            if t0.elapsed() >= wait {
+                return Err(Status::deadline_exceeded(format!(
+                    "{}: rank {rank} still has {} op(s) pending on it after {:.1} s; a shrink without abort waits for them (shrink with abort to fail them)",
+                    parent.label(),
+                    parent.queued_of(rank),
+                    wait.as_secs_f64()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let name = if r.name.is_empty() {
+            parent.name().to_string()
+        } else {
+            r.name
+        };
+        let left = wait.saturating_sub(t0.elapsed());
+        let sh = self.daemon.shrink_join(s, parent, rank, &a)?;
+        match tokio::time::timeout(left, sh.joined).await {
+            Ok(Ok(Ok(joined))) => {
+                let comm = self.created(joined, &name, sh.rank);
+                if let Some(c) = self.daemon.comm_by_id(comm.comm_id) {
+                    tracing::info!(target: "commd::comm", comm = comm.comm_id, "{}: shrunk from {} (rank {rank} is rank {} of {}) in {:.1} ms", c.label(), sh.parent.label(), sh.rank, sh.nranks, t0.elapsed().as_secs_f64() * 1e3);
+                }
+                Ok(Response::new(pb::ShrinkCommunicatorReply {
+                    comm: Some(comm),
+                    rank: sh.rank,
+                    nranks: sh.nranks,
+                }))
+            }
+            Ok(Ok(Err(e))) => Err(e.into()),
+            Ok(Err(_)) => Err(Status::unavailable("daemon is shutting down")),
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "shrink of {}: {}",
+                sh.parent.label(),
+                self.daemon.join_timed_out(&sh.uid, sh.rank, t0.elapsed())
             ))),
         }
     }
@@ -452,6 +494,37 @@ impl LocalService {
 
 /// A communicator's name from its caller: at most 128 bytes, no control characters (it goes
 /// into log lines and errors as it is).
+impl LocalService {
+    /// The reply to a rank that joined a communicator (created or shrunk): names it with
+    /// `name` if no rank did yet, and says how its data moves.
+    fn created(
+        &self,
+        (comm, comm_id, doorbell_slot, nodes): (u32, u64, u32, u32),
+        name: &str,
+        rank: u32,
+    ) -> pb::CreateCommunicatorReply {
+        let c = self.daemon.comm_by_id(comm_id);
+        if let Some(c) = c.as_ref().filter(|c| c.name_once(name)) {
+            tracing::info!(comm = comm_id, name = %name, "{}: named by rank {rank}", c.label());
+        }
+        let paths = c
+            .as_ref()
+            .map(|c| crate::comm::comm_paths(c))
+            .unwrap_or_default();
+        let ranks_share_a_process = c
+            .as_ref()
+            .is_some_and(|c| crate::comm::ranks_share_a_process(c));
+        pb::CreateCommunicatorReply {
+            comm,
+            comm_id,
+            doorbell_slot,
+            nodes,
+            paths,
+            ranks_share_a_process,
+        }
+    }
+}
+
 fn check_comm_name(name: &str) -> Result<(), Status> {
     if name.len() > 128 || name.chars().any(char::is_control) {
         return Err(Status::invalid_argument(format!(

@@ -178,7 +178,7 @@ pub fn status_result(s: u32) -> ncclResult_t {
     match s {
         status::INVALID => INVALID_ARGUMENT,
         status::MISMATCH => INVALID_USAGE,
-        status::PEER_LOST | status::ABORTED => REMOTE_ERROR,
+        status::PEER_LOST | status::ABORTED | status::REVOKED => REMOTE_ERROR,
         status::TIMEOUT => TIMEOUT,
         status::SHUTDOWN => SYSTEM_ERROR,
         _ => INTERNAL_ERROR,
@@ -192,7 +192,7 @@ impl From<Error> for Failure {
             Error::Op { kind, .. } => match kind {
                 OpErrorKind::Invalid => INVALID_ARGUMENT,
                 OpErrorKind::Mismatch => INVALID_USAGE,
-                OpErrorKind::PeerLost | OpErrorKind::Aborted => REMOTE_ERROR,
+                OpErrorKind::PeerLost | OpErrorKind::Aborted | OpErrorKind::Revoked => REMOTE_ERROR,
                 OpErrorKind::Timeout => TIMEOUT,
                 OpErrorKind::Shutdown => SYSTEM_ERROR,
                 OpErrorKind::Internal => INTERNAL_ERROR,

@@ -283,6 +283,9 @@ pub mod status {
     /// The communicator was aborted by an earlier error or destroyed.
     pub const ABORTED: u32 = 6;
     pub const INTERNAL: u32 = 7;
+    /// A rank revoked the communicator (`FailCommunicator` with this status, or a shrink with
+    /// abort): its ops fail, and it stays valid as the parent of a shrink.
+    pub const REVOKED: u32 = 8;
 
     pub fn name(s: u32) -> &'static str {
         match s {
@@ -294,6 +297,7 @@ pub mod status {
             SHUTDOWN => "shutdown",
             ABORTED => "aborted",
             INTERNAL => "internal",
+            REVOKED => "revoked",
             _ => "unknown",
         }
     }

@@ -13,7 +13,8 @@ PyTorch: ``import commd.torch`` and ``dist.init_process_group("commd")``.
 
 Errors are :class:`CommError` subclasses: :class:`MismatchError`, :class:`PeerLostError`,
 :class:`CommTimeoutError`, :class:`DaemonUnavailableError` (names the socket it tried and how to
-start the daemon), :class:`DaemonLostError`, :class:`AbortedError`, :class:`ShutdownError`,
+start the daemon), :class:`DaemonLostError`, :class:`AbortedError` (and its
+:class:`RevokedError`: a rank revoked the communicator), :class:`ShutdownError`,
 :class:`InvalidOpError`, :class:`UnsupportedError` (what commd cannot do correctly yet, e.g. a GPU op
 captured on a communicator that spans nodes: refused, never run wrongly).
 """
@@ -37,6 +38,7 @@ from ._native import (
     InvalidOpError,
     MismatchError,
     PeerLostError,
+    RevokedError,
     ShutdownError,
     UnsupportedError,
     default_socket,
@@ -57,6 +59,7 @@ __all__ = [
     "InvalidOpError",
     "MismatchError",
     "PeerLostError",
+    "RevokedError",
     "ShutdownError",
     "UnsupportedError",
     "connect",

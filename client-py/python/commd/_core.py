@@ -581,7 +581,7 @@ class Communicator:
 
     def failure(self) -> tuple[str, str] | None:
         """Why the daemon holds this communicator broken for good, as ``(status, reason)``
-        (status: ``"peer_lost"``, ``"timeout"``, ``"mismatch"``, ``"aborted"``,
+        (status: ``"peer_lost"``, ``"timeout"``, ``"mismatch"``, ``"aborted"``, ``"revoked"``,
         ``"shutdown"``, ``"invalid"`` or ``"internal"``); None while it works. Asks the
         daemon (one round trip). A closed communicator is ``("aborted", ...)``."""
         try:
@@ -592,6 +592,38 @@ class Communicator:
     def close(self) -> None:
         """Destroys the communicator (other ranks' later ops fail with PeerLostError)."""
         self._native.close()
+
+    def revoke(self, reason: str = "") -> None:
+        """Revokes the communicator for every rank: their queued and later ops fail with
+        :class:`RevokedError`, which names this rank and ``reason``. It can still be shrunk."""
+        self._native.revoke(reason)
+
+    def shrink(
+        self,
+        exclude: list[int],
+        *,
+        abort: bool = False,
+        op_timeout: float | None = None,
+        join_timeout: float | None = None,
+        name: str | None = None,
+    ) -> Communicator:
+        """A child communicator without the ranks in ``exclude`` (dead, or leaving), the
+        others renumbered in order, as NCCL's ``ncclCommShrink`` does. The daemons make it from
+        this communicator's membership: no unique id to share, no rendezvous. Every surviving
+        rank calls it with the same list (else every one of them gets :class:`ValueError`
+        naming the lists); an excluded rank must not call it. This communicator may be broken
+        (a rank died, it was revoked); it stays valid as a parent until closed. With
+        ``abort=True`` it is revoked first (pending ops fail on every rank); else this rank's
+        pending ops on it finish first. Times in seconds (None: the parent's op timeout, the
+        daemon's join timeout); ``name`` defaults to the parent's."""
+        native = self._native.shrink(
+            [int(r) for r in exclude],
+            abort=abort,
+            op_timeout=op_timeout,
+            join_timeout=join_timeout,
+            name=name,
+        )
+        return Communicator(self.client, native)
 
     def set_pacing(self, gbps: float | None) -> None:
         """Caps the bandwidth of the daemon's GPU copies for this communicator at ``gbps`` GB/s

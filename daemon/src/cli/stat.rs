@@ -90,7 +90,9 @@ pub fn status_json(r: &pb::AdminStatusReply) -> serde_json::Value {
                 "local_ranks": c.local_ranks, "nodes": c.nodes, "op_timeout_ms": c.op_timeout_ms,
                 "pending_ops": c.pending_ops, "broken": c.broken, "switch": c.switch,
                 "pacing_bytes_per_sec": (c.pacing_bytes_per_sec > 0).then_some(c.pacing_bytes_per_sec),
-                "pacing_delayed_us": c.pacing_delayed_us, "ranks": ranks, "oldest": oldest})
+                "pacing_delayed_us": c.pacing_delayed_us, "ranks": ranks, "oldest": oldest,
+                "parent_comm_id": (c.parent_comm_id > 0).then_some(c.parent_comm_id),
+                "excluded": c.excluded})
         })
         .collect();
     json!({"daemon_version": d.daemon_version, "pid": d.pid, "daemon_uid": r.daemon_uid, "uptime_ms": d.uptime_ms,
@@ -198,6 +200,14 @@ pub fn status_text(r: &pb::AdminStatusReply) -> String {
                 o,
                 "  rank {:>3} pid {:>7} session {:>4}{gpu}: {} collectives posted, {} queued{pending}",
                 k.rank, k.pid, k.session_id, k.collectives_posted, k.queued
+            );
+        }
+        if c.parent_comm_id > 0 {
+            let _ = writeln!(
+                o,
+                "  shrunk from comm {} without ranks [{}]",
+                c.parent_comm_id,
+                crate::ranks::list(&c.excluded)
             );
         }
         if !c.switch.is_empty() {

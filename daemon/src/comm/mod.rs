@@ -45,6 +45,17 @@ fn invalid_all(ops: Vec<Posted>, msg: String) -> Step {
     }
 }
 
+/// Where a communicator came from, for shrinking it (`Daemon::shrink`): its token (the
+/// credential a child's token is derived from), each rank's node, and its parent.
+#[derive(Clone, Debug, Default)]
+pub struct Lineage {
+    pub token: [u8; 16],
+    /// Per rank: its node's id (the daemon's peer address), as the root's membership names it.
+    pub rank_node: Vec<String>,
+    /// A shrink's child: the parent's daemon-wide id and the parent ranks it left out.
+    pub parent: Option<(u64, Vec<u32>)>,
+}
+
 #[derive(Clone, Debug)]
 pub struct Member {
     pub session_id: u64,
@@ -123,6 +134,10 @@ pub struct Comm {
     /// The caller's name for it (NCCL's `commName`, torch's group), set by the first local rank
     /// that gives one ([`Comm::name_once`]).
     name: std::sync::OnceLock<String>,
+    /// Set once it formed.
+    pub lineage: std::sync::OnceLock<Lineage>,
+    /// Per local rank: how many shrinks of this communicator it started (the next one's epoch).
+    shrinks: Mutex<HashMap<u32, u32>>,
 }
 
 impl std::fmt::Debug for Comm {
@@ -166,7 +181,27 @@ impl Comm {
             net: std::sync::OnceLock::new(),
             pacer: Arc::new(Pacer::new(pacing)),
             name: std::sync::OnceLock::new(),
+            lineage: std::sync::OnceLock::new(),
+            shrinks: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The epoch of `rank`'s next shrink of this communicator (0, 1, ...): every survivor
+    /// shrinks a parent the same number of times, so their epochs agree.
+    pub fn next_shrink(&self, rank: u32) -> u32 {
+        let mut g = self.shrinks.lock().unwrap_or_else(|e| e.into_inner());
+        let e = g.entry(rank).or_insert(0);
+        let epoch = *e;
+        *e += 1;
+        epoch
+    }
+
+    /// Ops `rank` posted that have not completed.
+    pub fn queued_of(&self, rank: u32) -> usize {
+        self.lock()
+            .queues
+            .get(rank as usize)
+            .map_or(0, VecDeque::len)
     }
 
     /// "comm 7 (id 3fa2b1c0, 4 ranks)", or with a name "comm 7 "train dp" (id 3fa2b1c0, 4
@@ -285,7 +320,7 @@ impl Comm {
                             p.complete(c, status::INTERNAL, Some(msg));
                         }
                         net::Cmd::Run(f) => f(),
-                        net::Cmd::Abort(_) | net::Cmd::End => {}
+                        net::Cmd::Abort(..) | net::Cmd::End => {}
                     }
                 }
             }
@@ -307,9 +342,9 @@ impl Comm {
                 // same message.
                 if let Some(h) = self.net.get()
                     && ops.iter().any(|(p, _, _)| !p.op.kind.is_p2p())
-                    && let Some((_, _, msg)) = ops.first()
+                    && let Some((_, st, msg)) = ops.first()
                 {
-                    let _ = h.submit(net::Cmd::Abort(msg.clone()));
+                    let _ = h.submit(net::Cmd::Abort(*st, msg.clone()));
                 }
                 // A failed eager GPU op is raised asynchronously (its stream released, the
                 // error word set; the client raises at its next call or wait), so its ranks
@@ -495,7 +530,7 @@ impl Comm {
     /// Returns true once every rank has left.
     pub fn abort_rank(&self, rank: Option<u32>, st: u32, msg: String) -> bool {
         if let Some(h) = self.net.get() {
-            let _ = h.submit(net::Cmd::Abort(msg.clone()));
+            let _ = h.submit(net::Cmd::Abort(st, msg.clone()));
         }
         let mut g = self.lock();
         if let Some(r) = rank {

@@ -8,6 +8,9 @@ use super::*;
 
 /// (communicator handle, daemon-wide id, doorbell slot).
 /// A joined rank's communicator handle, daemon-wide id, doorbell slot, and node count.
+/// A shrink's child: its parent's daemon-wide id and the parent ranks it left out.
+pub(super) type ParentLink = (u64, Vec<u32>);
+
 pub(super) type JoinResult = Result<(u32, u64, u32, u32), DaemonError>;
 
 pub(super) struct Joiner {
@@ -61,6 +64,8 @@ pub(super) struct PendingJoin {
     /// the nranks a first caller claims).
     pub(super) members: BTreeMap<u32, Slot>,
     pub(super) pacing: Option<PacingVote>,
+    /// A shrink's child: the survivors' exclude list, as the first of them gave it.
+    pub(super) shrink: Option<ShrinkVote>,
 }
 
 /// This node's ranks of a communicator rooted at another node, waiting for the root's answer.
@@ -70,6 +75,7 @@ pub(super) struct RemoteJoin {
     pub(super) root: String,
     pub(super) local: HashMap<u32, Joiner>,
     pub(super) pacing: Option<PacingVote>,
+    pub(super) shrink: Option<ShrinkVote>,
 }
 
 /// A rank's creation-time options from `CreateCommunicatorRequest`.
@@ -172,6 +178,22 @@ impl Daemon {
         opts: JoinOpts,
         wait: Duration,
     ) -> Result<oneshot::Receiver<JoinResult>, DaemonError> {
+        let uid =
+            UniqueId::decode(uid_bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
+        self.join_uid(session, uid, (rank, nranks), opts, wait, None)
+    }
+
+    /// Joins `rank` of `nranks` to `uid`: an issued id, or (`shrink`) a shrink's child, whose
+    /// token the survivors derived from their parent's.
+    pub(super) fn join_uid(
+        self: &Arc<Self>,
+        session: Arc<Session>,
+        uid: UniqueId,
+        (rank, nranks): (u32, u32),
+        opts: JoinOpts,
+        wait: Duration,
+        shrink: Option<ShrinkVote>,
+    ) -> Result<oneshot::Receiver<JoinResult>, DaemonError> {
         if self.is_shutting_down() {
             return Err(DaemonError::Unavailable("daemon is shutting down".into()));
         }
@@ -182,8 +204,6 @@ impl Daemon {
                 session.uid, self.cfg.max_comms_per_uid
             )));
         }
-        let uid =
-            UniqueId::decode(uid_bytes).map_err(|e| DaemonError::InvalidArgument(e.to_string()))?;
         if nranks == 0 || nranks > commd_proto::desc::MAX_RANKS {
             return Err(DaemonError::InvalidArgument(format!(
                 "nranks {nranks} must be in 1..={}",
@@ -196,11 +216,14 @@ impl Daemon {
             )));
         }
         if !uid.root.is_empty() && Some(&uid.root) != self.node_id().as_ref() {
-            return self.join_via_root(session, uid, rank, nranks, opts, wait);
+            return self.join_via_root(session, uid, (rank, nranks), opts, wait, shrink);
         }
+        self.check_spoiled(&uid.token)?;
         let mut joins = lock(&self.joins);
         if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(uid.token) {
-            if !lock(&self.issued).take(&uid.token, Instant::now()) {
+            // A shrink's child needs no issued id: its token is derived from the parent's,
+            // which this rank holds.
+            if shrink.is_none() && !lock(&self.issued).take(&uid.token, Instant::now()) {
                 return Err(DaemonError::NotFound(format!(
                     "unique id {} was not issued by this daemon, or its communicator already formed (ids are single-use, expire after 24 h unused, and a user's oldest unused ids are dropped beyond max_unique_ids_per_uid); an id made on another node by a daemon without a peer service (peer_listen=off, the default) can only be used on that node",
                     uid.short()
@@ -213,11 +236,25 @@ impl Daemon {
                 op_timeout,
                 members: BTreeMap::new(),
                 pacing: None,
+                shrink: None,
             });
         }
         let Some(j) = joins.get_mut(&uid.token) else {
             return Err(DaemonError::Internal("pending join vanished".into()));
         };
+        if let Some(v) = shrink
+            && let Err(why) = vote_shrink(&mut j.shrink, v)
+        {
+            // Every survivor that joined fails now, and so does every later one.
+            if let Some(j) = joins.remove(&uid.token) {
+                for m in j.members.into_values() {
+                    m.fail(DaemonError::InvalidArgument(why.clone()));
+                }
+            }
+            drop(joins);
+            self.spoil(uid.token, &why);
+            return Err(DaemonError::InvalidArgument(why));
+        }
         if j.nranks != nranks {
             let first = j.members.keys().next().copied().unwrap_or(0);
             return Err(DaemonError::InvalidArgument(format!(
@@ -296,7 +333,8 @@ impl Daemon {
         }
         if !local.is_empty() {
             let pacing = j.pacing.map_or(self.cfg.gpu_pacing, |v| v.rate);
-            self.form_local(&uid, &reply, &me, (j.op_timeout, pacing), local);
+            let parent = j.shrink.and_then(ShrinkVote::parent_link);
+            self.form_local(&uid, &reply, &me, (j.op_timeout, pacing, parent), local);
         }
     }
 
@@ -307,19 +345,21 @@ impl Daemon {
         };
         let me = self.node_id().unwrap_or_default();
         let pacing = rj.pacing.map_or(self.cfg.gpu_pacing, |v| v.rate);
-        self.form_local(uid, &reply, &me, (rj.op_timeout, pacing), rj.local);
+        let parent = rj.shrink.and_then(ShrinkVote::parent_link);
+        self.form_local(uid, &reply, &me, (rj.op_timeout, pacing, parent), rj.local);
     }
 
-    /// `limits`: the communicator's op timeout and GPU pacing (bytes/s, `None`: uncapped).
+    /// `limits`: the communicator's op timeout, GPU pacing (bytes/s, `None`: uncapped) and,
+    /// for a shrink's child, its parent's id and the ranks left out.
     fn form_local(
         &self,
         uid: &UniqueId,
         reply: &pb::PeerJoinReply,
         me: &str,
-        limits: (Duration, Option<u64>),
+        limits: (Duration, Option<u64>, Option<ParentLink>),
         mut local: HashMap<u32, Joiner>,
     ) {
-        let (op_timeout, pacing) = limits;
+        let (op_timeout, pacing, parent) = limits;
         let Ok(n) = u32::try_from(reply.rank_node.len()) else {
             return fail_joiners(
                 uid,
@@ -358,6 +398,20 @@ impl Daemon {
             self.cfg.workers,
             pacing,
         ));
+        let _ = comm.lineage.set(crate::comm::Lineage {
+            token: uid.token,
+            rank_node: reply
+                .rank_node
+                .iter()
+                .map(|&i| {
+                    reply
+                        .nodes
+                        .get(i as usize)
+                        .map_or_else(String::new, |x| x.node.clone())
+                })
+                .collect(),
+            parent,
+        });
         if reply.nodes.len() > 1
             && let Err(why) = self.start_comm_net(uid, reply, my_node, &comm, op_timeout)
         {
@@ -438,10 +492,10 @@ impl Daemon {
         self: &Arc<Self>,
         session: Arc<Session>,
         uid: UniqueId,
-        rank: u32,
-        nranks: u32,
+        (rank, nranks): (u32, u32),
         opts: JoinOpts,
         wait: Duration,
+        shrink: Option<ShrinkVote>,
     ) -> Result<oneshot::Receiver<JoinResult>, DaemonError> {
         let Some(net) = self.net.get().cloned() else {
             return Err(DaemonError::Unavailable(format!(
@@ -453,31 +507,6 @@ impl Daemon {
         let op_timeout = opts.op_timeout.unwrap_or(self.cfg.op_timeout);
         let (tx, rx) = oneshot::channel();
         let pid = session.pid;
-        {
-            let mut rj = lock(&self.remote_joins);
-            let e = rj.entry(uid.token).or_insert_with(|| RemoteJoin {
-                nranks,
-                op_timeout,
-                root: uid.root.clone(),
-                local: HashMap::new(),
-                pacing: None,
-            });
-            if e.nranks != nranks {
-                return Err(DaemonError::InvalidArgument(format!(
-                    "rank {rank} joins communicator {} with nranks={nranks}, but another rank on this node joined with nranks={}",
-                    uid.short(),
-                    e.nranks
-                )));
-            }
-            if e.local.contains_key(&rank) {
-                return Err(DaemonError::AlreadyExists(format!(
-                    "rank {rank} of communicator {} already joined on this node",
-                    uid.short()
-                )));
-            }
-            vote_pacing(&mut e.pacing, &uid.short(), rank, opts.pacing)?;
-            e.local.insert(rank, Joiner { session, tx });
-        }
         let req = pb::PeerJoinRequest {
             token: uid.token.to_vec(),
             nranks,
@@ -496,7 +525,56 @@ impl Daemon {
             )
             .unwrap_or(u64::MAX),
             op_timeout_ms: u64::try_from(op_timeout.as_millis()).unwrap_or(u64::MAX),
+            ..Default::default()
         };
+        let req = match &shrink {
+            Some(v) => v.on_request(req),
+            None => req,
+        };
+        self.check_spoiled(&uid.token)?;
+        {
+            let mut rj = lock(&self.remote_joins);
+            let e = rj.entry(uid.token).or_insert_with(|| RemoteJoin {
+                nranks,
+                op_timeout,
+                root: uid.root.clone(),
+                local: HashMap::new(),
+                pacing: None,
+                shrink: None,
+            });
+            if let Some(v) = shrink
+                && let Err(why) = vote_shrink(&mut e.shrink, v)
+            {
+                // This node's survivors fail now; the root hears the other list too, and fails
+                // the rest (its answer to this request is not awaited).
+                if let Some(e) = rj.remove(&uid.token) {
+                    fail_joiners(&uid, why.clone(), e.local);
+                }
+                drop(rj);
+                self.spoil(uid.token, &why);
+                let tls = net.tls.clone();
+                let root = uid.root.clone();
+                tokio::spawn(async move {
+                    let _ = crate::net::peer_client::join(&root, req, wait, tls.as_ref()).await;
+                });
+                return Err(DaemonError::InvalidArgument(why));
+            }
+            if e.nranks != nranks {
+                return Err(DaemonError::InvalidArgument(format!(
+                    "rank {rank} joins communicator {} with nranks={nranks}, but another rank on this node joined with nranks={}",
+                    uid.short(),
+                    e.nranks
+                )));
+            }
+            if e.local.contains_key(&rank) {
+                return Err(DaemonError::AlreadyExists(format!(
+                    "rank {rank} of communicator {} already joined on this node",
+                    uid.short()
+                )));
+            }
+            vote_pacing(&mut e.pacing, &uid.short(), rank, opts.pacing)?;
+            e.local.insert(rank, Joiner { session, tx });
+        }
         let d = self.clone();
         tokio::spawn(async move {
             match crate::net::peer_client::join(&uid.root, req, wait, net.tls.as_ref()).await {
@@ -534,9 +612,15 @@ impl Daemon {
                 "rank {rank} / nranks {nranks} out of range"
             )));
         }
+        self.check_spoiled(&token)?;
+        let shrink = if r.shrink {
+            Some(self.admit_shrink(r, &token)?)
+        } else {
+            None
+        };
         let mut joins = lock(&self.joins);
         if let std::collections::hash_map::Entry::Vacant(e) = joins.entry(token) {
-            if !lock(&self.issued).take(&token, Instant::now()) {
+            if shrink.is_none() && !lock(&self.issued).take(&token, Instant::now()) {
                 crate::telemetry::ratelimit::warn_limited!(target: "commd::net", "rejected a join of rank {rank} from node {} (pid {}): unknown or stale token {short}..", r.node, r.pid);
                 return Err(DaemonError::PermissionDenied(format!(
                     "communicator token {short}.. is not known to the root daemon: a wrong or stale unique id (ids are single-use; was the communicator already formed, or the root daemon restarted?)"
@@ -547,11 +631,24 @@ impl Daemon {
                 op_timeout: Duration::from_millis(r.op_timeout_ms.max(1)),
                 members: BTreeMap::new(),
                 pacing: None,
+                shrink: None,
             });
         }
         let Some(j) = joins.get_mut(&token) else {
             return Err(DaemonError::Internal("pending join vanished".into()));
         };
+        if let Some(v) = shrink
+            && let Err(why) = vote_shrink(&mut j.shrink, v)
+        {
+            if let Some(j) = joins.remove(&token) {
+                for m in j.members.into_values() {
+                    m.fail(DaemonError::InvalidArgument(why.clone()));
+                }
+            }
+            drop(joins);
+            self.spoil(token, &why);
+            return Err(DaemonError::InvalidArgument(why));
+        }
         if j.nranks != nranks {
             let first = j.members.keys().next().copied().unwrap_or(0);
             return Err(DaemonError::InvalidArgument(format!(
@@ -710,7 +807,13 @@ impl Daemon {
         let (comm, rank) = Self::comm_of(s, handle)?;
         if !matches!(
             status,
-            st::INVALID | st::MISMATCH | st::PEER_LOST | st::TIMEOUT | st::ABORTED | st::INTERNAL
+            st::INVALID
+                | st::MISMATCH
+                | st::PEER_LOST
+                | st::TIMEOUT
+                | st::ABORTED
+                | st::INTERNAL
+                | st::REVOKED
         ) {
             return Err(DaemonError::InvalidArgument(format!(
                 "{}: FailCommunicator with status {status} ({}): expected a failure code",
@@ -724,11 +827,20 @@ impl Daemon {
             end -= 1;
         }
         let msg = format!(
-            "{}: rank {rank} (pid {}) failed the communicator: {}",
+            "{}: rank {rank} (pid {}) {} the communicator: {}",
             comm.label(),
             s.pid,
+            if status == st::REVOKED {
+                "revoked"
+            } else {
+                "failed"
+            },
             &message[..end]
         );
+        if status == st::REVOKED {
+            self.revoke(&comm, msg);
+            return Ok(());
+        }
         // Broken (with the reason, for a direct op that stops on the hint and asks:
         // `GetCommFailure`) before the hint, and the hint before the ops fail (a rank told by
         // its op sends its next ones to the daemon, for the reason).

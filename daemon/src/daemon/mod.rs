@@ -44,9 +44,12 @@ pub enum DaemonError {
 
 mod join;
 mod memory;
+mod shrink;
 
 pub use join::JoinOpts;
 use join::*;
+use shrink::*;
+pub use shrink::{ShrinkArgs, Shrinking};
 
 /// Counters for `Status`.
 #[derive(Debug, Default, Clone)]
@@ -93,6 +96,9 @@ pub struct Daemon {
     remote_joins: Mutex<HashMap<[u8; 16], RemoteJoin>>,
     /// Per-communicator `switch` options of forming communicators (first local rank's).
     switch_opts: Mutex<HashMap<[u8; 16], String>>,
+    /// Shrinks' children that cannot form (survivors passed different exclude lists): the
+    /// reason, for every later join of them (`shrink`).
+    spoiled: Mutex<HashMap<[u8; 16], (String, Instant)>>,
     /// Set once the peer service and data listener are up (absent: single-node daemon).
     net: std::sync::OnceLock<Arc<NetCtx>>,
     next_id: AtomicU64,
@@ -126,6 +132,7 @@ impl Daemon {
             joins: Mutex::new(HashMap::new()),
             remote_joins: Mutex::new(HashMap::new()),
             switch_opts: Mutex::new(HashMap::new()),
+            spoiled: Mutex::new(HashMap::new()),
             net: std::sync::OnceLock::new(),
             next_id: AtomicU64::new(1),
             shutting_down: AtomicBool::new(false),

@@ -101,7 +101,8 @@ pub enum Cmd {
     /// An intra-node step that must stay ordered with the network work.
     Run(Box<dyn FnOnce() + Send>),
     /// This node gives up on the communicator (a local rank died, shutdown): tell the peers.
-    Abort(String),
+    /// The communicator failed with this status and message: tell the other nodes.
+    Abort(u32, String),
     /// Every local rank left: end cleanly (peers see END, connections go back to the pool).
     End,
 }

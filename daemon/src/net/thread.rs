@@ -113,12 +113,12 @@ impl Thread {
                         }
                         return;
                     }
-                    Cmd::Abort(msg) => {
+                    Cmd::Abort(st, msg) => {
                         if t.broken.is_none() {
                             if let Some(w) = wire.as_mut() {
-                                w.abort(&msg, Duration::from_millis(500));
+                                w.abort(st, &msg, Duration::from_millis(500));
                             }
-                            t.broken = Some((status::ABORTED, msg.clone()));
+                            t.broken = Some((st, msg.clone()));
                             t.fail_inflight();
                         }
                     }
@@ -355,10 +355,15 @@ impl Thread {
         if self.broken.is_none() {
             self.broken = Some((st, msg.clone()));
             self.fail_inflight();
-            (self.s.on_fail)(
-                status::ABORTED,
-                format!("aborted after an earlier error: {msg}"),
-            );
+            // A lost rank or a revoke stays what it is on every node (a survivor shrinks on
+            // it); anything else aborts the communicator.
+            match st {
+                status::PEER_LOST | status::REVOKED => (self.s.on_fail)(st, msg),
+                _ => (self.s.on_fail)(
+                    status::ABORTED,
+                    format!("aborted after an earlier error: {msg}"),
+                ),
+            }
         }
     }
 
@@ -405,7 +410,7 @@ impl Thread {
                     p.complete(c, status::ABORTED, Some(msg.clone()));
                 }
                 Cmd::Run(f) => f(),
-                Cmd::Abort(_) | Cmd::End => {}
+                Cmd::Abort(..) | Cmd::End => {}
             }
         }
         self.fail_inflight();
@@ -424,10 +429,9 @@ impl Thread {
                 status::PEER_LOST,
                 format!("{pre}: lost {}: {why}", t.label(*node)),
             ),
-            NetError::Aborted { node, msg } => (
-                status::ABORTED,
-                format!("{msg} (reported by {})", t.label(*node)),
-            ),
+            NetError::Aborted { node, st, msg } => {
+                (*st, format!("{msg} (reported by {})", t.label(*node)))
+            }
             NetError::Mismatch(m) => (
                 status::MISMATCH,
                 format!(
@@ -445,7 +449,7 @@ impl Thread {
         let (st, msg) = self.describe(what, &e);
         tracing::warn!(target: "commd::net", "{msg}");
         if !matches!(e, NetError::Aborted { .. }) {
-            w.abort(&msg, Duration::from_millis(500));
+            w.abort(st, &msg, Duration::from_millis(500));
         }
         self.break_comm(st, msg);
     }

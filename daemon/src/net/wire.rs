@@ -41,7 +41,7 @@ pub enum NetError {
     #[error("lost node {node}: {why}")]
     PeerLost { node: usize, why: String },
     #[error("{msg}")]
-    Aborted { node: usize, msg: String },
+    Aborted { node: usize, st: u32, msg: String },
     #[error("{0}")]
     Mismatch(String),
     #[error("{0}")]
@@ -676,24 +676,26 @@ impl Wire {
 
     /// Best effort: tells every peer why this node gives up on the communicator, drops queued
     /// data that has not started, and flushes for up to `flush`.
-    pub fn abort(&mut self, msg: &str, flush: Duration) {
+    /// Tells peers the communicator failed with status `st` and `msg` (the status in the
+    /// frame's `a`, so a lost rank stays "peer lost" and a revoke "revoked" on every node).
+    pub fn abort(&mut self, st: u32, msg: &str, flush: Duration) {
         let text = msg.as_bytes()[..msg.len().min(MAX_ABORT_TEXT as usize)].to_vec();
-        self.enqueue_control(KIND_ABORT, Some(text));
+        self.enqueue_control(KIND_ABORT, u64::from(st), Some(text));
         self.flush(flush);
     }
 
     /// Graceful end: tells peers this node leaves the communicator.
     pub fn end(&mut self, flush: Duration) {
         self.sent_end = true;
-        self.enqueue_control(KIND_END, None);
+        self.enqueue_control(KIND_END, 0, None);
         self.flush(flush);
     }
 
-    fn enqueue_control(&mut self, kind: u8, text: Option<Vec<u8>>) {
+    fn enqueue_control(&mut self, kind: u8, a: u64, text: Option<Vec<u8>>) {
         let key = Key {
             peer: 0,
             class: 0,
-            a: 0,
+            a,
             b: 0,
         };
         for p in self.peers.iter_mut().flatten() {

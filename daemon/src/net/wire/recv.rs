@@ -154,7 +154,14 @@ impl Wire {
                     Ok(()) => String::from_utf8_lossy(&buf).into_owned(),
                     Err(e) => format!("(abort text unreadable: {e})"),
                 };
-                return Err(NetError::Aborted { node: pi, msg });
+                // The status rides in the header's `a` (0 from a daemon before it: aborted).
+                let st = u32::try_from(key.a).unwrap_or(0);
+                let st = if st == 0 {
+                    commd_proto::desc::status::ABORTED
+                } else {
+                    st
+                };
+                return Err(NetError::Aborted { node: pi, st, msg });
             }
             KIND_DATA => {}
             k => {
