@@ -104,6 +104,17 @@ def test_dead_rank_is_a_remote_error_not_a_hang(prog, daemon, tmp_path):
     assert time.monotonic() - t0 < 60
 
 
+def test_survivors_shrink_without_a_dead_rank_and_recover_from_a_revoke(prog, daemon, tmp_path):
+    """ncclCommShrink after a rank's death (with and without NCCL_SHRINK_ABORT), then
+    ncclCommRevoke and a shrink of the revoked communicator, and both calls' error paths."""
+    res = finish(start(prog, daemon, 3, "shrink", tmp_path), timeout=60)
+    for r, (code, out, err) in enumerate(res):
+        assert code == 0, f"rank {r} exit {code}\n{out}\n{err}"
+    for code, out, err in res[:2]:
+        assert "OK" in out, out + err
+    assert "shrunk from" in daemon.log()
+
+
 def test_nccl_debug_prints_init_and_ignored_variables(prog, daemon, tmp_path):
     env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,ENV", "NCCL_IB_HCA": "mlx5_0",
            "NCCL_ALGO": "allreduce:tree;broadcast:ring", "NCCL_NVLS_ENABLE": "0"}

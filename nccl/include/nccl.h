@@ -58,6 +58,11 @@ typedef enum {
 #define NCCL_CONFIG_UNDEF_INT INT_MIN
 #define NCCL_CONFIG_UNDEF_PTR NULL
 #define NCCL_SPLIT_NOCOLOR -1
+/* ncclCommShrink flags: shrink the parent; first end the parent's ongoing ops. */
+#define NCCL_SHRINK_DEFAULT 0x00
+#define NCCL_SHRINK_ABORT 0x01
+/* ncclCommRevoke flags: must be 0. */
+#define NCCL_REVOKE_DEFAULT 0x00
 #define NCCL_API_MAGIC 0xcafebeef
 
 /* Communicator configuration (NCCL 2.31/2.32's layout). commd reads `blocking` and `commName`;
@@ -155,6 +160,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
                            ncclConfig_t* config);
 ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
                             ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags);
+ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags);
 const char* ncclGetErrorString(ncclResult_t result);
 const char* ncclGetLastError(ncclComm_t comm);
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError);

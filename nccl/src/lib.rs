@@ -22,6 +22,7 @@
 mod collconfig;
 mod collective;
 mod comm;
+mod elastic;
 mod env;
 mod ffi;
 mod lifecycle;
@@ -43,6 +44,7 @@ use ffi::{Outcome, ncclResult_t};
 
 // The entry points keep their paths at the crate root (`commd_nccl::ncclAllReduce`).
 pub use collective::*;
+pub use elastic::*;
 pub use lifecycle::*;
 pub use memory::*;
 pub use p2p::*;
@@ -111,12 +113,12 @@ mod tests {
         assert_eq!(ncclGroupEnd(), ffi::INVALID_USAGE);
         assert_eq!(ncclGroupStart(), ffi::SUCCESS);
         assert_eq!(ncclGroupEnd(), ffi::SUCCESS);
-        assert_eq!(ncclCommShrink(), ffi::INVALID_USAGE);
+        assert_eq!(ncclCommGrow(), ffi::INVALID_USAGE);
         // SAFETY: the message pointer is this thread's live last-error string.
         let m = unsafe { std::ffi::CStr::from_ptr(ncclGetLastError(std::ptr::null_mut())) };
         assert!(
             m.to_string_lossy()
-                .contains("ncclCommShrink is not supported"),
+                .contains("ncclCommGrow is not supported"),
             "{m:?}"
         );
         let bad = ConfigHead {

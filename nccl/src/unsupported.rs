@@ -1,4 +1,4 @@
-//! The entry points of NCCL's API that commd does not implement (resizing, suspending, the
+//! The entry points of NCCL's API that commd does not implement (growing, suspending, the
 //! device API and its host-side queries): each is exported so that a preloaded library answers
 //! for all of NCCL, and each fails with a message saying what to do instead
 //! (calls that return no `ncclResult_t` return an empty answer with the reason in
@@ -25,14 +25,12 @@ macro_rules! unsupported {
     };
 }
 
-const NO_SHRINK: &str = "commd communicators are not resized; create a new one over the remaining ranks (ncclGetUniqueId + ncclCommInitRank, or ncclCommSplit before a rank is lost)";
+const NO_GROW: &str = "commd does not grow communicators yet; shrink without the lost ranks (ncclCommShrink), or create a new one over every rank (ncclGetUniqueId + ncclCommInitRank)";
 const NO_DEVICE_API: &str = "commd has no NCCL device API (its collectives run in the daemon and on copy engines, not in user kernels)";
 
 unsupported! {
-    ncclCommShrink: NO_SHRINK;
-    ncclCommGrow: NO_SHRINK;
-    ncclCommGetUniqueId: NO_SHRINK;
-    ncclCommRevoke: "use ncclCommAbort, which ends the communicator's outstanding ops";
+    ncclCommGrow: NO_GROW;
+    ncclCommGetUniqueId: NO_GROW;
     ncclCommSuspend: "the library holds no GPU memory to release (the daemon owns its scratch)";
     ncclCommResume: "the library holds no GPU memory to release (the daemon owns its scratch)";
     ncclDevCommCreate: NO_DEVICE_API;

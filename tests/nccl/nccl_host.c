@@ -8,6 +8,11 @@
  *         init, and the error paths; prints "OK" when every check passed.
  *   kill  the last rank exits without a word after the first op; the others must get
  *         ncclRemoteError from their next op and from ncclCommGetAsyncError, never hang.
+ *   shrink  the last rank exits after the first op; the others get ncclRemoteError, shrink
+ *         without it (ncclCommShrink, NCCL_SHRINK_ABORT on rank 0, default on the others) and
+ *         all-reduce on the child; then rank 0 revokes the child (ncclCommRevoke), every rank's
+ *         next op fails, and they shrink the revoked child with an empty list; the error paths
+ *         of both calls.
  */
 #include <nccl.h>
 
@@ -608,6 +613,50 @@ static void ops(ncclComm_t comm, const char* dir) {
   free(gr), free(rs), free(as), free(ar), free(all);
 }
 
+static void shrink(ncclComm_t comm) {
+  int32_t one = 1, sum = 0;
+  NCCL(ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, comm, NULL));
+  if (sum != nranks) FAIL("first allreduce %d", sum);
+  int dead = nranks - 1;
+  if (rank == dead) _exit(0);
+  ncclResult_t r = ncclAllReduce(&one, &sum, 1, ncclInt32, ncclSum, comm, NULL);
+  if (r != ncclRemoteError) FAIL("allreduce with a dead peer -> %d (%s)", r, ncclGetLastError(NULL));
+  /* error paths: nothing is made, newcomm is NCCL_COMM_NULL */
+  ncclComm_t child = (ncclComm_t)&one;
+  int self = rank, past = nranks, twice[2] = {dead, dead};
+  EXPECT_ERR(ncclInvalidArgument, ncclCommShrink(comm, &self, 1, &child, NULL, 0), "own excludeRanksList");
+  if (child != NULL) FAIL("a refused shrink left newcomm %p", (void*)child);
+  EXPECT_ERR(ncclInvalidArgument, ncclCommShrink(comm, &past, 1, &child, NULL, 0), "ranks");
+  EXPECT_ERR(ncclInvalidArgument, ncclCommShrink(comm, twice, 2, &child, NULL, 0), "twice");
+  EXPECT_ERR(ncclInvalidArgument, ncclCommShrink(comm, &dead, 1, &child, NULL, 7), "shrinkFlags 7");
+  EXPECT_ERR(ncclInvalidArgument, ncclCommShrink(comm, NULL, 1, &child, NULL, 0), "null");
+  EXPECT_ERR(ncclInvalidArgument, ncclCommRevoke(comm, 1), "revokeFlags 1");
+  NCCL(ncclCommShrink(comm, &dead, 1, &child, NULL, rank == 0 ? NCCL_SHRINK_ABORT : NCCL_SHRINK_DEFAULT));
+  int cr = -1, cn = -1;
+  NCCL(ncclCommUserRank(child, &cr));
+  NCCL(ncclCommCount(child, &cn));
+  if (cr != rank || cn != nranks - 1) FAIL("child rank %d of %d", cr, cn);
+  int32_t mine = rank + 1, total = 0;
+  NCCL(ncclAllReduce(&mine, &total, 1, ncclInt32, ncclSum, child, NULL));
+  if (total != (nranks - 1) * nranks / 2) FAIL("child allreduce %d", total);
+  /* revoke: every rank's next op fails naming the revoker; the revoked child is shrunk again */
+  NCCL(ncclAllReduce(&mine, &total, 1, ncclInt32, ncclSum, child, NULL));
+  if (rank == 0) NCCL(ncclCommRevoke(child, NCCL_REVOKE_DEFAULT));
+  for (int i = 0; i < 500; i++) {
+    r = ncclAllReduce(&mine, &total, 1, ncclInt32, ncclSum, child, NULL);
+    if (r != ncclSuccess) break;
+  }
+  if (r != ncclRemoteError || !strstr(ncclGetLastError(NULL), "revoked"))
+    FAIL("op after revoke -> %d (%s)", r, ncclGetLastError(NULL));
+  ncclComm_t again = NULL;
+  NCCL(ncclCommShrink(child, NULL, 0, &again, NULL, NCCL_SHRINK_DEFAULT));
+  NCCL(ncclAllReduce(&mine, &total, 1, ncclInt32, ncclSum, again, NULL));
+  if (total != (nranks - 1) * nranks / 2) FAIL("allreduce after revoke and shrink %d", total);
+  NCCL(ncclCommDestroy(again));
+  NCCL(ncclCommDestroy(child));
+  NCCL(ncclCommAbort(comm));
+}
+
 int main(int argc, char** argv) {
   if (argc != 5) {
     fprintf(stderr, "usage: %s RANK NRANKS DIR ops|kill\n", argv[0]);
@@ -639,6 +688,8 @@ int main(int argc, char** argv) {
     NCCL(ncclCommGetAsyncError(comm, &ae));
     if (ae != ncclRemoteError) FAIL("async error %d, want ncclRemoteError", ae);
     NCCL(ncclCommAbort(comm));
+  } else if (!strcmp(argv[4], "shrink")) {
+    shrink(comm);
   } else {
     FAIL("unknown mode %s", argv[4]);
   }

@@ -242,6 +242,25 @@ impl Comm {
         blocking: bool,
         name: Option<String>,
     ) -> Outcome<Arc<Comm>> {
+        let uid = *uid;
+        Self::create_with(rank, nranks, device, blocking, move |cl, rank, nranks| {
+            let opts = commd_client::CommOptions {
+                name,
+                ..Default::default()
+            };
+            cl.communicator_with(&uid, rank, nranks, opts)
+        })
+    }
+
+    /// As [`Self::create`], the client's communicator made by `join` (a join by unique id,
+    /// or a shrink of a parent) with this rank and size.
+    pub fn create_with(
+        rank: i32,
+        nranks: i32,
+        device: i32,
+        blocking: bool,
+        join: impl FnOnce(&Client, u32, u32) -> commd_client::Result<Communicator> + Send + 'static,
+    ) -> Outcome<Arc<Comm>> {
         let n = u32::try_from(nranks)
             .ok()
             .filter(|n| (1..=commd_client::desc::MAX_RANKS).contains(n))
@@ -274,16 +293,10 @@ impl Comm {
             premul: Mutex::default(),
             premul_staging: Mutex::default(),
         });
-        let uid = *uid;
         let join = {
             let comm = comm.clone();
             move || {
-                let opts = commd_client::CommOptions {
-                    name: name.clone(),
-                    ..Default::default()
-                };
-                let out = cl
-                    .communicator_with(&uid, comm.rank, comm.nranks, opts)
+                let out = join(&cl, comm.rank, comm.nranks)
                     .map(|c| Arc::new(Ready { c, client: cl }))
                     .map_err(Failure::from);
                 if let Ok(r) = &out {
